@@ -1,0 +1,1 @@
+"""hetflow.ml: Arrow to PyTorch, distributed training and inference."""

@@ -1,0 +1,1 @@
+"""Task layer: resource model, pilots, scheduler, launchers, backends, worker."""

@@ -1,0 +1,27 @@
+"""Errors raised by the task layer (descriptions, pilots, scheduling, launching).
+
+``HetflowError`` is the root of every hetflow error; the user API re-exports it.
+Errors about bad values also subclass ``ValueError`` so generic handlers work.
+"""
+
+from __future__ import annotations
+
+
+class HetflowError(Exception):
+    """Root of all hetflow errors."""
+
+
+class ConfigError(HetflowError, ValueError):
+    """A pilot config or description is invalid (names file, key and allowed values)."""
+
+
+class UnsatisfiableRequest(HetflowError, ValueError):
+    """A resource request the pilot can never satisfy."""
+
+
+class MissingExtraError(HetflowError, ImportError):
+    """An optional dependency is missing; the message names the pip extra."""
+
+
+class TaskFailed(HetflowError):
+    """A task ended unsuccessfully."""

@@ -1,0 +1,244 @@
+"""Pilot descriptions: the shape of one allocation, loaded from ``pilot-configs/``.
+
+A pilot config is a YAML mapping whose keys are exactly the fields of
+:class:`PilotDescription`.  Unknown keys and bad values are :class:`ConfigError`
+naming the file, the key and what is allowed.  ``None`` for ``cores_per_node``,
+``gpus_per_node`` or ``memory_per_node`` means "detect on this machine" and is
+only allowed for the ``local`` backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Mapping, get_args
+
+import yaml
+
+from .errors import ConfigError
+
+Backend = Literal["local", "radical", "parsl", "dask"]
+Launcher = Literal["mpiexec", "srun", "jsrun"]
+
+BACKENDS: tuple[str, ...] = get_args(Backend)
+LAUNCHERS: tuple[str, ...] = get_args(Launcher)
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+@dataclass(frozen=True)
+class PilotDescription:
+    """One allocation: ``nodes`` × (``cores_per_node`` cores, ``gpus_per_node`` GPUs).
+
+    ``reserved_cores`` are core ids never given to tasks (e.g. Frontier's
+    low-noise cores).  ``gpu_cores`` lists, per GPU id, the core ids closest
+    to it; the scheduler binds GPU ranks to those cores when it can.
+    ``walltime`` and ``drain`` are seconds; no task starts inside the last
+    ``drain`` seconds.  ``options`` holds backend-specific settings.
+    """
+
+    name: str = "local"
+    backend: Backend = "local"
+    nodes: int = 1
+    cores_per_node: int | None = None
+    gpus_per_node: int | None = None
+    memory_per_node: int | None = None
+    reserved_cores: tuple[int, ...] = ()
+    gpu_cores: tuple[tuple[int, ...], ...] = ()
+    walltime: float | None = None
+    drain: float = 0.0
+    launcher: Launcher = "mpiexec"
+    resource: str | None = None
+    queue: str | None = None
+    account: str | None = None
+    data_dir: str | None = None
+    node_local_dir: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def bad(key: str, value: Any, allowed: str) -> ConfigError:
+            return ConfigError(f"pilot {self.name!r}: bad value for {key!r}: {value!r} (expected {allowed})")
+
+        if self.backend not in BACKENDS:
+            raise bad("backend", self.backend, f"one of {list(BACKENDS)}")
+        if self.launcher not in LAUNCHERS:
+            raise bad("launcher", self.launcher, f"one of {list(LAUNCHERS)}")
+        if not _is_int(self.nodes) or self.nodes < 1:
+            raise bad("nodes", self.nodes, "an integer >= 1")
+        for key in ("cores_per_node", "gpus_per_node", "memory_per_node"):
+            value = getattr(self, key)
+            if value is None:
+                if self.backend != "local" or self.nodes != 1:
+                    raise bad(key, value, "a number (only a one-node local pilot may detect it)")
+                continue
+            low = 1 if key == "cores_per_node" else 0
+            if not _is_int(value) or value < low:
+                raise bad(key, value, f"an integer >= {low}")
+        if self.walltime is not None and self.walltime <= 0:
+            raise bad("walltime", self.walltime, "a positive duration")
+        if self.drain < 0:
+            raise bad("drain", self.drain, "a duration >= 0")
+        if self.cores_per_node is not None:
+            for core in self.reserved_cores:
+                if not 0 <= core < self.cores_per_node:
+                    raise bad("reserved_cores", core, f"core ids in 0..{self.cores_per_node - 1}")
+            if len(set(self.reserved_cores)) >= self.cores_per_node:
+                raise bad("reserved_cores", list(self.reserved_cores), "fewer reserved cores than cores_per_node")
+        if self.gpu_cores:
+            if self.gpus_per_node is not None and len(self.gpu_cores) != self.gpus_per_node:
+                raise bad("gpu_cores", f"{len(self.gpu_cores)} entries", f"one entry per GPU ({self.gpus_per_node})")
+            for cores in self.gpu_cores:
+                for core in cores:
+                    if self.cores_per_node is not None and not 0 <= core < self.cores_per_node:
+                        raise bad("gpu_cores", core, f"core ids in 0..{self.cores_per_node - 1}")
+
+    # ------------------------------------------------------------------ shape
+    def resolve(self) -> "PilotDescription":
+        """Fill detected values (cores, GPUs, memory of this machine) for a local pilot."""
+        if self.cores_per_node is not None and self.gpus_per_node is not None and self.memory_per_node is not None:
+            return self
+        changes: dict[str, Any] = {}
+        if self.cores_per_node is None:
+            changes["cores_per_node"] = len(os.sched_getaffinity(0))
+        if self.gpus_per_node is None:
+            changes["gpus_per_node"] = len(detect_gpus())
+        if self.memory_per_node is None:
+            changes["memory_per_node"] = _detect_memory()
+        return dataclasses.replace(self, **changes)
+
+    def usable_cores(self) -> tuple[int, ...]:
+        """Core ids (per node) that tasks may use, in order."""
+        if self.cores_per_node is None:
+            raise ConfigError(f"pilot {self.name!r} is not resolved; call resolve() first")
+        reserved = set(self.reserved_cores)
+        return tuple(c for c in range(self.cores_per_node) if c not in reserved)
+
+    def shape(self) -> str:
+        """A one-line description used in error messages."""
+        cores = "?" if self.cores_per_node is None else len(self.usable_cores())
+        gpus = "?" if self.gpus_per_node is None else self.gpus_per_node
+        return f"pilot {self.name!r}: {self.nodes} node(s) x {cores} usable cores x {gpus} GPUs"
+
+    def to_mapping(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["reserved_cores"] = list(self.reserved_cores)
+        data["gpu_cores"] = [list(c) for c in self.gpu_cores]
+        data["options"] = dict(self.options)
+        return data
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "<mapping>") -> "PilotDescription":
+        """Build from a config mapping; errors name ``source``, the key and the allowed keys."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: a pilot config must be a mapping, got {type(data).__name__}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise ConfigError(f"{source}: unknown key {unknown[0]!r} (allowed keys: {allowed})")
+        values = dict(data)
+        try:
+            if "walltime" in values and values["walltime"] is not None:
+                values["walltime"] = parse_duration(values["walltime"])
+            if "drain" in values:
+                values["drain"] = parse_duration(values["drain"])
+            if values.get("memory_per_node") is not None:
+                values["memory_per_node"] = parse_bytes(values["memory_per_node"])
+            if "reserved_cores" in values:
+                values["reserved_cores"] = tuple(values["reserved_cores"] or ())
+            if "gpu_cores" in values:
+                values["gpu_cores"] = tuple(tuple(c) for c in values["gpu_cores"] or ())
+            if "options" in values:
+                if not isinstance(values["options"], Mapping):
+                    raise ConfigError(f"bad value for 'options': {values['options']!r} (expected a mapping)")
+                values["options"] = dict(values["options"])
+            return cls(**values)
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or an ``[[HH:]MM:]SS`` string."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and re.fullmatch(r"\d+(:\d{1,2}){0,2}", value.strip()):
+        seconds = 0.0
+        for part in value.strip().split(":"):
+            seconds = seconds * 60 + int(part)
+        return seconds
+    raise ConfigError(f"bad duration {value!r} (expected seconds or 'HH:MM:SS')")
+
+
+def parse_bytes(value: Any) -> int:
+    """Bytes from an integer or a string such as ``'512GiB'``."""
+    if _is_int(value):
+        return int(value)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?i?[bB]?)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"bad size {value!r} (expected bytes or a size such as '512GiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def detect_gpus() -> tuple[int, ...]:
+    """GPU ids visible here: ``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi -L``, else none."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        return tuple(range(len(ids)))
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ()
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(range(sum(1 for line in out.splitlines() if line.startswith("GPU "))))
+
+
+def _detect_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+# ---------------------------------------------------------------- config files
+def config_names() -> list[str]:
+    """Names of the pilot configs shipped with hetflow."""
+    root = resources.files("hetflow.pilot_configs")
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_pilot(spec: "str | os.PathLike[str] | PilotDescription") -> PilotDescription:
+    """A pilot from a shipped config name, a YAML path, or a description (returned as is)."""
+    if isinstance(spec, PilotDescription):
+        return spec
+    text_spec = os.fspath(spec)
+    path = Path(text_spec)
+    if text_spec.endswith((".yaml", ".yml")) or os.sep in text_spec:
+        if not path.is_file():
+            raise ConfigError(f"pilot config {text_spec!r} does not exist")
+        source = str(path)
+        text = path.read_text()
+    else:
+        names = config_names()
+        if text_spec not in names:
+            raise ConfigError(f"unknown pilot {text_spec!r} (shipped configs: {names}; or give a path to a .yaml file)")
+        resource = resources.files("hetflow.pilot_configs").joinpath(f"{text_spec}.yaml")
+        source = f"pilot-configs/{text_spec}.yaml"
+        text = resource.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    return PilotDescription.from_mapping(data or {}, source=source)
