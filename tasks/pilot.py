@@ -220,25 +220,55 @@ def config_names() -> list[str]:
 
 
 def load_pilot(spec: "str | os.PathLike[str] | PilotDescription") -> PilotDescription:
-    """A pilot from a shipped config name, a YAML path, or a description (returned as is)."""
+    """A pilot from a shipped config name, a YAML path, or a description (returned as is).
+
+    A config may start from another with ``extends: <shipped name or path>``;
+    its own keys override the parent's (so a user file can be
+    ``extends: ornl-frontier`` plus ``account: ABC123``).
+    """
     if isinstance(spec, PilotDescription):
         return spec
     text_spec = os.fspath(spec)
-    path = Path(text_spec)
-    if text_spec.endswith((".yaml", ".yml")) or os.sep in text_spec:
+    return PilotDescription.from_mapping(_read_config(text_spec, set()), source=_source(text_spec))
+
+
+def _source(spec: str) -> str:
+    return spec if _is_path(spec) else f"pilot-configs/{spec}.yaml"
+
+
+def _is_path(spec: str) -> bool:
+    return spec.endswith((".yaml", ".yml")) or os.sep in spec
+
+
+def _read_config(spec: str, seen: set[str]) -> dict[str, Any]:
+    """The mapping of one config, with ``extends: <shipped name or path>`` applied (child wins)."""
+    source = _source(spec)
+    if _is_path(spec):
+        path = Path(spec)
         if not path.is_file():
-            raise ConfigError(f"pilot config {text_spec!r} does not exist")
-        source = str(path)
+            raise ConfigError(f"pilot config {spec!r} does not exist")
         text = path.read_text()
     else:
         names = config_names()
-        if text_spec not in names:
-            raise ConfigError(f"unknown pilot {text_spec!r} (shipped configs: {names}; or give a path to a .yaml file)")
-        resource = resources.files("hetflow.pilot_configs").joinpath(f"{text_spec}.yaml")
-        source = f"pilot-configs/{text_spec}.yaml"
-        text = resource.read_text()
+        if spec not in names:
+            raise ConfigError(f"unknown pilot {spec!r} (shipped configs: {names}; or give a path to a .yaml file)")
+        text = resources.files("hetflow.pilot_configs").joinpath(f"{spec}.yaml").read_text()
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-    return PilotDescription.from_mapping(data or {}, source=source)
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a pilot config must be a mapping, got {type(data).__name__}")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"{source}: bad value for 'extends': {parent!r} (expected a shipped config name or a path)")
+    if _is_path(parent) and not os.path.isabs(parent) and _is_path(spec):
+        parent = str(Path(spec).parent / parent)
+    if parent in seen:
+        raise ConfigError(f"{source}: 'extends' forms a cycle through {parent!r}")
+    merged = _read_config(parent, seen | {spec})
+    merged.update(data)
+    return merged
