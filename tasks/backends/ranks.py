@@ -1,0 +1,150 @@
+"""Run one task's launcher command where an engine put us, and report how it ended.
+
+The Dask and Parsl backends ship a :class:`RankRun` to a worker of their
+engine; :func:`run_ranks` then starts the launcher (``mpiexec``/``srun``/
+``jsrun`` argv, never a shell string) in a new session, waits for it, and kills
+the whole process group on timeout or when the task's *cancel file* appears.
+A cancel file rather than an engine call because neither Dask nor Parsl can
+stop a running task; the run directory is on the file system the workers see
+(where the datasets go too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..launchers.mpiexec import launcher_for
+from ..scheduler import RankSlot
+
+log = logging.getLogger(__name__)
+
+POLL = 0.1
+"""Seconds between checks of the process, the deadline and the cancel file."""
+
+KILL_GRACE = 3.0
+"""Seconds between SIGTERM and SIGKILL of a task's process group."""
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """Everything a remote engine worker needs to start one task (picklable, no handles)."""
+
+    task_id: str
+    command: tuple[str, ...]
+    slots: tuple[RankSlot, ...]
+    launcher: str
+    cwd: str
+    cancel_file: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    timeout: float | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    launcher_executable: str | None = None
+
+
+def find_executable(name: str) -> str:
+    """``name`` next to this Python first (a venv's ``mpiexec``), then on ``PATH``."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"launcher {name!r} is neither next to {sys.executable} nor on PATH")
+    return found
+
+
+def launch_argv(run: RankRun, hosts: Sequence[str]) -> list[str]:
+    """The launcher argv for ``run`` with ``hosts[slot.node]`` naming each node."""
+    executable = run.launcher_executable or find_executable(run.launcher)
+    return launcher_for(run.launcher, executable).argv(run.command, run.slots, hosts)
+
+
+def _kill_group(proc: "subprocess.Popen[bytes]") -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(KILL_GRACE)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_ranks(run: RankRun, hosts: Sequence[str] | None = None) -> dict[str, Any]:
+    """Start ``run`` and wait; the result has the fields of :class:`TaskOutcome`.
+
+    ``hosts`` names the nodes (default: every slot on ``localhost``).
+    """
+    if hosts is None:
+        hosts = ["localhost"] * (max((s.node for s in run.slots), default=0) + 1)
+    argv = launch_argv(run, hosts)
+    env = dict(os.environ)
+    env.update(run.env)
+    # The venv's bin first, so the launcher finds the same Python and MPI.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    cancel_file = Path(run.cancel_file)
+    result: dict[str, Any] = {"task_id": run.task_id, "returncode": None, "timed_out": False,
+                              "cancelled": False, "signal": None, "detail": "", "argv": argv}
+    if cancel_file.exists():
+        result.update(cancelled=True, detail="cancelled before start")
+        return result
+    out = open(run.stdout, "ab") if run.stdout else subprocess.DEVNULL
+    err = open(run.stderr, "ab") if run.stderr else subprocess.DEVNULL
+    try:
+        result["started"] = time.time()
+        proc = subprocess.Popen(argv, cwd=run.cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=err, start_new_session=True)
+        deadline = None if run.timeout is None else time.monotonic() + run.timeout
+        while True:
+            try:
+                proc.wait(POLL)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if cancel_file.exists():
+                result.update(cancelled=True, detail="cancelled")
+                _kill_group(proc)
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                result.update(timed_out=True, detail=f"timed out after {run.timeout} s")
+                _kill_group(proc)
+                break
+        result["ended"] = time.time()
+    finally:
+        for handle in (out, err):
+            if handle is not subprocess.DEVNULL:
+                handle.close()  # type: ignore[union-attr]
+    code = proc.returncode
+    if code is not None and code < 0:
+        result["signal"] = -code
+    result["returncode"] = code
+    if code and not result["detail"]:
+        result["detail"] = f"{argv[0]} exited with {code}"
+    return result
+
+
+def outcome_fields(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of a :func:`run_ranks` result that :class:`TaskOutcome` takes."""
+    from .base import TaskOutcome
+
+    names = {f.name for f in dataclasses.fields(TaskOutcome)}
+    return {k: v for k, v in result.items() if k in names}
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) readable by the owner only; return it."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
