@@ -1,0 +1,65 @@
+"""Stage declarations: what ``@pipe.stage(...)`` records."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from hetflow.tasks.description import ResourceRequest
+
+from .errors import PipelineError
+
+NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+"""Stage and dataset names become directory names: no separators, no leading dot or dash."""
+
+
+def check_name(kind: str, name: Any, *, where: str) -> str:
+    if not isinstance(name, str) or not NAME.match(name) or ".." in name:
+        raise PipelineError(f"{where}: bad {kind} name {name!r} (use letters, digits, '_', '.', '-'; "
+                            "not starting with '.' or '-', at most 128 characters)")
+    return name
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One declared stage: its function, datasets, resource request and policies."""
+
+    name: str
+    func: Callable[..., Any]
+    request: ResourceRequest
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    params: Mapping[str, Any] = field(default_factory=dict)
+    retries: int = 0
+    timeout: float | None = None
+
+    @property
+    def module(self) -> str:
+        return str(getattr(self.func, "__module__", "__main__"))
+
+    @property
+    def path(self) -> str | None:
+        try:
+            return inspect.getsourcefile(self.func)
+        except TypeError:
+            return None
+
+    @property
+    def qualname(self) -> str:
+        return str(getattr(self.func, "__name__", self.name))
+
+    def code_hash(self) -> str:
+        """Hash of the stage function's source (falls back to its bytecode)."""
+        try:
+            text = inspect.getsource(self.func).encode()
+        except (OSError, TypeError):
+            code = getattr(self.func, "__code__", None)
+            text = code.co_code if code is not None else repr(self.func).encode()
+        return hashlib.sha256(text).hexdigest()
+
+    def __repr__(self) -> str:
+        return (f"StageSpec(name={self.name!r}, inputs={list(self.inputs)}, outputs={list(self.outputs)}, "
+                f"request=ResourceRequest({self.request}), retries={self.retries}, timeout={self.timeout})")

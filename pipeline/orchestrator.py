@@ -1,0 +1,529 @@
+"""The orchestrator: drives one run of a pipeline on a pilot.
+
+It is the single writer of the state store.  One loop owns the scheduler (a
+pure state machine) and the store; backend futures only post outcomes into a
+queue.  A stage is submitted when all its inputs are committed; it is skipped
+(reusing committed outputs) when an identical earlier execution exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import psutil
+from sqlalchemy import select
+
+from hetflow.operators import dataset as ds
+from hetflow.tasks.backends import get_backend
+from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
+from hetflow.tasks.pilot import PilotDescription
+from hetflow.tasks.scheduler import RejectTask, Scheduler, StartTask, TaskFinished, TaskSubmitted, Tick
+
+from . import __version__
+from .declaration import StageSpec
+from .errors import RunLocked
+from .progress import Progress
+from .store import (SUCCESS, TERMINAL, AttemptRecord, DatasetRecord, PartitionRecord, RunRecord, StageRecord, Store,
+                    TaskRecord)
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 30.0
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) readable only by this user, whatever the umask."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def owner_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_alive(owner: str | None, lease_until: float | None) -> bool:
+    """Is the orchestrator that recorded itself as ``owner`` still running?"""
+    if not owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host == socket.gethostname():
+        return pid.isdigit() and psutil.pid_exists(int(pid)) and int(pid) != os.getpid()
+    return lease_until is not None and lease_until > time.time()
+
+
+@dataclass
+class _Live:
+    """What the loop knows about one running attempt."""
+
+    stage: str
+    task_id: str
+    number: int
+    attempt_dir: Path
+    slots: tuple[Any, ...]
+
+
+class Orchestrator:
+    def __init__(self, *, name: str, stages: Mapping[str, StageSpec], pilot: PilotDescription, run_id: str,
+                 run_dir: Path, store: Store, params: Mapping[str, Any], script: str | None,
+                 progress: bool, verify: str = "checksum") -> None:
+        self.name = name
+        self.stages = dict(stages)
+        self.pilot = pilot
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.store = store
+        self.params = dict(params)
+        self.script = script
+        self.verify = verify
+        self.progress = Progress(enabled=progress)
+        self.producer = {out: s.name for s in self.stages.values() for out in s.outputs}
+        self.consumers: dict[str, list[str]] = {n: [] for n in self.stages}
+        for spec in self.stages.values():
+            for dataset in spec.inputs:
+                self.consumers[self.producer[dataset]].append(spec.name)
+        self.priority = self._critical_path()
+        self.outcomes: "queue.Queue[tuple[_Live, TaskOutcome]]" = queue.Queue()
+        self.live: dict[str, _Live] = {}
+        self.states: dict[str, str] = {}
+        self.attempts: dict[str, int] = {}
+        self.tries: dict[str, int] = {name: 0 for name in self.stages}
+        self.dataset_paths: dict[str, str] = {}
+        self.fingerprints: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ plan
+    def _critical_path(self) -> dict[str, float]:
+        """Length of the longest chain from each stage to a sink (durations, else 1 per stage)."""
+        memo: dict[str, float] = {}
+
+        def length(name: str) -> float:
+            if name not in memo:
+                own = self.stages[name].request.duration or 1.0
+                memo[name] = own + max((length(c) for c in self.consumers[name]), default=0.0)
+            return memo[name]
+
+        return {name: length(name) for name in self.stages}
+
+    def stage_params(self, spec: StageSpec) -> dict[str, Any]:
+        merged = dict(spec.params)
+        merged.update({k: v for k, v in self.params.items()})
+        return merged
+
+    def cache_key(self, spec: StageSpec) -> str:
+        material = {
+            "hetflow": __version__,
+            "code": spec.code_hash(),
+            "params": self.stage_params(spec),
+            "inputs": {name: self.fingerprints[name] for name in spec.inputs},
+            "outputs": list(spec.outputs),
+            "ranks": spec.request.ranks,
+        }
+        return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
+
+    # ----------------------------------------------------------------- setup
+    def prepare(self, *, resume: bool) -> None:
+        """Create or take over the run record; reconcile what a dead orchestrator left RUNNING."""
+        private_dir(self.run_dir)
+        now = time.time()
+        with self.store.session() as session:
+            run = session.get(RunRecord, self.run_id)
+            if run is not None and owner_alive(run.owner, run.lease_until):
+                raise RunLocked(f"run {self.run_id} is being run by another orchestrator ({run.owner}); "
+                                "wait for it to finish or stop it first")
+            if run is None:
+                run = RunRecord(id=self.run_id, pipeline=self.name, created=now, run_dir=str(self.run_dir),
+                                script=self.script, pilot=self.pilot.to_mapping(), params=self.params,
+                                hetflow_version=__version__)
+                session.add(run)
+                session.flush()
+            run.owner, run.lease_until, run.state, run.started, run.ended = owner_id(), now + LEASE_SECONDS, \
+                "RUNNING", run.started or now, None
+            self.store.event(session, self.run_id, "run", self.name, "RUNNING", resume=resume, owner=run.owner)
+            existing = {s.name: s for s in session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
+            for order, spec in enumerate(self.stages.values()):
+                record = existing.get(spec.name)
+                if record is None:
+                    record = StageRecord(run_id=self.run_id, name=spec.name, order=order,
+                                         function=f"{spec.module}:{spec.qualname}")
+                    session.add(record)
+                record.inputs, record.outputs = list(spec.inputs), list(spec.outputs)
+                record.request = {k: v for k, v in vars(spec.request).items()}
+                record.params, record.retries, record.timeout = self.stage_params(spec), spec.retries, spec.timeout
+                if record.state not in SUCCESS:
+                    self._reconcile(session, record)
+                    record.state, record.error, record.started, record.ended = "PENDING", None, None, None
+                self.attempts[spec.name] = len(record.tasks)
+                self.states[spec.name] = record.state
+            previous = {d.name: d for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == self.run_id))}
+            for name, record in previous.items():
+                self.dataset_paths[name], self.fingerprints[name] = record.path, record.fingerprint
+
+    def _reconcile(self, session: Any, record: StageRecord) -> None:
+        for task in record.tasks:
+            if task.state in ("RUNNING", "QUEUED"):
+                task.state = "FAILED"
+                task.reason = "the orchestrator that owned this task ended without recording its outcome"
+                if task.attempt is not None and task.attempt.state == "RUNNING":
+                    task.attempt.state, task.attempt.ended = "FAILED", time.time()
+                    task.attempt.error = task.reason
+                self.store.event(session, self.run_id, "task", task.id, "FAILED", reason=task.reason)
+
+    # ------------------------------------------------------------------ loop
+    def execute(self, backend: Backend) -> str:
+        scheduler = Scheduler(self.pilot)
+        self.progress.start(self)
+        last_lease = 0.0
+        try:
+            while True:
+                self._submit_ready(scheduler, backend)
+                if not self.live and not scheduler.queued:
+                    break
+                try:
+                    live, outcome = self.outcomes.get(timeout=0.5)
+                except queue.Empty:
+                    self._apply(scheduler.handle_event(Tick(time.time())), backend)
+                else:
+                    self._finish(live, outcome)
+                    self._apply(scheduler.handle_event(TaskFinished(live.task_id, time.time())), backend)
+                if time.time() - last_lease > LEASE_SECONDS / 3:
+                    self._renew_lease()
+                    last_lease = time.time()
+                self.progress.update(self, scheduler)
+        except BaseException:
+            for live in list(self.live.values()):
+                backend.cancel(live.task_id)
+            self._abandon("the orchestrator was interrupted")
+            raise
+        finally:
+            self.progress.stop()
+        return self._close()
+
+    def _renew_lease(self) -> None:
+        with self.store.session() as session:
+            run = session.get(RunRecord, self.run_id)
+            if run is not None:
+                run.lease_until = time.time() + LEASE_SECONDS
+
+    def _submit_ready(self, scheduler: Scheduler, backend: Backend) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for spec in self.stages.values():
+                if self.states[spec.name] != "PENDING":
+                    continue
+                upstream = [self.producer[d] for d in spec.inputs]
+                failed = [u for u in upstream if self.states[u] in TERMINAL - SUCCESS]
+                if failed:
+                    self._skip(spec, failed[0])
+                    changed = True
+                elif all(self.states[u] in SUCCESS for u in upstream):
+                    if self._try_cache(spec):
+                        changed = True
+                        continue
+                    self._submit(spec, scheduler, backend)
+
+    def _skip(self, spec: StageSpec, upstream: str) -> None:
+        root = self._root_cause(upstream)
+        reason = f"not run: upstream stage {upstream!r} ended {self.states[upstream]}" + \
+            (f" (root cause: stage {root!r})" if root != upstream else "")
+        self._set_stage(spec.name, "SKIPPED", error=reason)
+
+    def _root_cause(self, name: str) -> str:
+        spec = self.stages[name]
+        for dataset in spec.inputs:
+            upstream = self.producer[dataset]
+            if self.states[upstream] in TERMINAL - SUCCESS:
+                return self._root_cause(upstream)
+        return name
+
+    def _try_cache(self, spec: StageSpec) -> bool:
+        key = self.cache_key(spec)
+        with self.store.session() as session:
+            record = session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id,
+                                                               StageRecord.name == spec.name)).one()
+            record.cache_key = key
+            candidates = session.scalars(select(StageRecord).where(StageRecord.cache_key == key,
+                                                                   StageRecord.state.in_(SUCCESS))
+                                         .order_by(StageRecord.ended.desc()))
+            for hit in candidates:
+                found = {d.name: d for d in session.scalars(select(DatasetRecord).where(
+                    DatasetRecord.run_id == hit.run_id, DatasetRecord.name.in_(spec.outputs)))}
+                if set(found) != set(spec.outputs) or not all(_still_committed(d) for d in found.values()):
+                    continue
+                for name, source in found.items():
+                    self.dataset_paths[name], self.fingerprints[name] = source.path, source.fingerprint
+                    if hit.run_id != self.run_id:
+                        self._copy_dataset_record(session, source)
+                record.cached_from = hit.run_id
+                break
+            else:
+                return False
+        self._set_stage(spec.name, "CACHED", detail={"from_run": record.cached_from})
+        return True
+
+    def _copy_dataset_record(self, session: Any, source: DatasetRecord) -> None:
+        old = session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == self.run_id,
+                                                          DatasetRecord.name == source.name)).first()
+        if old is not None:
+            session.delete(old)
+            session.flush()
+        copy = DatasetRecord(run_id=self.run_id, name=source.name, path=source.path,
+                             producer_stage=source.producer_stage, producer_attempt=source.producer_attempt,
+                             num_rows=source.num_rows, num_bytes=source.num_bytes, schema=source.schema,
+                             fingerprint=source.fingerprint, committed=source.committed)
+        copy.partitions = [PartitionRecord(index=p.index, file=p.file, rows=p.rows, bytes=p.bytes,
+                                           checksum=p.checksum, node=p.node, rank=p.rank) for p in source.partitions]
+        session.add(copy)
+
+    def _submit(self, spec: StageSpec, scheduler: Scheduler, backend: Backend) -> None:
+        self.attempts[spec.name] += 1
+        self.tries[spec.name] += 1
+        number = self.attempts[spec.name]
+        task_id = f"{self.run_id}/{spec.name}/{number}"
+        now = time.time()
+        with self.store.session() as session:
+            record = self._stage_record(session, spec.name)
+            session.add(TaskRecord(id=task_id, stage_id=record.id, state="QUEUED", priority=self.priority[spec.name],
+                                   submitted=now))
+            self.store.event(session, self.run_id, "task", task_id, "QUEUED")
+        self._set_stage(spec.name, "QUEUED")
+        preferred = self._preferred_nodes(spec)
+        self._apply(scheduler.handle_event(TaskSubmitted(task_id, spec.request, now, self.priority[spec.name],
+                                                         preferred)), backend)
+
+    def _preferred_nodes(self, spec: StageSpec) -> frozenset[int]:
+        names = [] if self.pilot.nodes == 1 else [f"node{i}" for i in range(self.pilot.nodes)]
+        nodes: set[int] = set()
+        for dataset in spec.inputs:
+            try:
+                manifest = ds.read_manifest(self.dataset_paths[dataset])
+            except ds.DatasetError:
+                continue
+            nodes.update(names.index(p.node) for p in manifest.partitions if p.node in names)
+        return frozenset(nodes)
+
+    def _apply(self, instructions: list[Any], backend: Backend) -> None:
+        for instruction in instructions:
+            stage = instruction.task_id.rsplit("/", 2)[-2]
+            if isinstance(instruction, StartTask):
+                self._launch(self.stages[stage], instruction, backend)
+            elif isinstance(instruction, RejectTask):
+                with self.store.session() as session:
+                    task = session.get(TaskRecord, instruction.task_id)
+                    if task is not None:
+                        task.state, task.reason = "REJECTED", instruction.reason
+                    self.store.event(session, self.run_id, "task", instruction.task_id, "REJECTED",
+                                     reason=instruction.reason)
+                self._set_stage(stage, "FAILED", error=instruction.reason)
+
+    def _launch(self, spec: StageSpec, start: StartTask, backend: Backend) -> None:
+        number = int(start.task_id.rsplit("/", 1)[1])
+        stage_dir = private_dir(self.run_dir / "stages" / spec.name)
+        attempt_dir = private_dir(stage_dir / f"attempt-{number}")
+        private_dir(stage_dir / "checkpoints")
+        outputs = {}
+        for name in spec.outputs:
+            target = private_dir(self.run_dir / "datasets" / name)
+            ds.uncommit(target)
+            outputs[name] = str(target)
+        nodes = backend.node_names()
+        slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus)} for s in start.slots]
+        worker_spec = {
+            "run_id": self.run_id, "stage": spec.name, "attempt": number,
+            "function": {"module": spec.module, "path": spec.path, "name": spec.qualname},
+            "sys_path": [str(Path(spec.path).parent)] if spec.path else [],
+            "params": self.stage_params(spec),
+            "inputs": {name: self.dataset_paths[name] for name in spec.inputs},
+            "outputs": outputs, "attempt_dir": str(attempt_dir),
+            "checkpoint_dir": str(stage_dir / "checkpoints"), "slots": slots, "nodes": nodes,
+            "verify": self.verify,
+        }
+        spec_path = attempt_dir / "spec.json"
+        ds.write_json_atomic(spec_path, worker_spec)
+        live = _Live(spec.name, start.task_id, number, attempt_dir, start.slots)
+        now = time.time()
+        with self.store.session() as session:
+            task = session.get(TaskRecord, start.task_id)
+            assert task is not None
+            task.state, task.slots = "RUNNING", [dict(s, node_name=nodes[s["node"]]) for s in slots]
+            session.add(AttemptRecord(task_id=start.task_id, stage_id=task.stage_id, number=number, state="RUNNING",
+                                      started=now, attempt_dir=str(attempt_dir)))
+            self.store.event(session, self.run_id, "task", start.task_id, "RUNNING", slots=task.slots)
+        self._set_stage(spec.name, "RUNNING", started=now)
+        self.live[start.task_id] = live
+        launch = LaunchSpec(task_id=start.task_id, argv=(sys.executable, "-m", "hetflow.tasks.worker", str(spec_path)),
+                            slots=start.slots, cwd=attempt_dir, timeout=spec.timeout,
+                            stdout=attempt_dir / "stdout.log", stderr=attempt_dir / "stderr.log")
+        future = backend.launch(launch)
+        future.add_done_callback(lambda f, live=live: self.outcomes.put((live, f.result())))
+
+    # --------------------------------------------------------------- outcome
+    def _finish(self, live: _Live, outcome: TaskOutcome) -> None:
+        del self.live[live.task_id]
+        spec = self.stages[live.stage]
+        ranks = _read_ranks(live.attempt_dir, len(live.slots))
+        failure = _diagnose(spec, outcome, ranks, live.attempt_dir)
+        committed: dict[str, ds.Manifest] = {}
+        if failure is None:
+            try:
+                committed = self._commit_outputs(spec, live, ranks)
+            except (ds.DatasetError, ValueError) as exc:
+                failure = ("FAILED", None, f"{type(exc).__name__}: {exc}", None)
+        state = "DONE" if failure is None else failure[0]
+        with self.store.session() as session:
+            task = session.get(TaskRecord, live.task_id)
+            assert task is not None and task.attempt is not None
+            attempt = task.attempt
+            attempt.ended, attempt.returncode, attempt.signal = outcome.ended or time.time(), outcome.returncode, \
+                outcome.signal
+            attempt.state = task.state = state
+            if failure is not None:
+                attempt.failed_rank, attempt.error, attempt.traceback = failure[1], failure[2], failure[3]
+            for name, manifest in committed.items():
+                self._record_dataset(session, name, manifest)
+            self.store.event(session, self.run_id, "task", live.task_id, state,
+                             returncode=outcome.returncode, signal=outcome.signal,
+                             error=None if failure is None else failure[2])
+        if failure is None:
+            self._set_stage(spec.name, "DONE", ended=time.time())
+        elif self.tries[spec.name] <= spec.retries and failure[0] != "TIMED_OUT":
+            log.warning("stage %s attempt %d failed (%s); retrying", spec.name, live.number, failure[2])
+            self._set_stage(spec.name, "PENDING", error=failure[2])
+        else:
+            for name in spec.outputs:
+                ds.uncommit(self.run_dir / "datasets" / name)
+            self._set_stage(spec.name, failure[0], ended=time.time(), error=failure[2])
+
+    def _commit_outputs(self, spec: StageSpec, live: _Live, ranks: list[dict[str, Any] | None]) -> dict[str, ds.Manifest]:
+        committed = {}
+        producer = {"run": self.run_id, "stage": spec.name, "attempt": live.number, "ranks": len(live.slots)}
+        for name in spec.outputs:
+            parts = [r["outputs"][name] for r in ranks if r is not None and r["outputs"].get(name)]
+            if not parts:
+                raise ValueError(f"stage {spec.name!r}, output {name!r}: no rank returned a table "
+                                 "(every rank returned None)")
+            schema = ds.schema_from_text(parts[0]["schema"])
+            infos = [ds.PartitionInfo.from_json(p["partition"]) for p in parts]
+            committed[name] = ds.commit(self.run_dir / "datasets" / name, name, schema, infos, producer=producer)
+        return committed
+
+    def _record_dataset(self, session: Any, name: str, manifest: ds.Manifest) -> None:
+        path = str(self.run_dir / "datasets" / name)
+        old = session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == self.run_id,
+                                                          DatasetRecord.name == name)).first()
+        if old is not None:
+            session.delete(old)
+            session.flush()
+        record = DatasetRecord(run_id=self.run_id, name=name, path=path, producer_stage=manifest.producer["stage"],
+                               producer_attempt=manifest.producer["attempt"], num_rows=manifest.num_rows,
+                               num_bytes=manifest.num_bytes, schema=str(manifest.schema),
+                               fingerprint=manifest.fingerprint(), committed=time.time())
+        record.partitions = [PartitionRecord(index=i, file=p.file, rows=p.rows, bytes=p.bytes, checksum=p.checksum,
+                                             node=p.node, rank=p.rank) for i, p in enumerate(manifest.partitions)]
+        session.add(record)
+        self.dataset_paths[name], self.fingerprints[name] = path, record.fingerprint
+
+    # ----------------------------------------------------------------- state
+    def _stage_record(self, session: Any, name: str) -> StageRecord:
+        return session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id,
+                                                         StageRecord.name == name)).one()
+
+    def _set_stage(self, name: str, state: str, *, error: str | None = None, started: float | None = None,
+                   ended: float | None = None, detail: Mapping[str, Any] | None = None) -> None:
+        self.states[name] = state
+        with self.store.session() as session:
+            record = self._stage_record(session, name)
+            record.state = state
+            if error is not None:
+                record.error = error
+            if started is not None and record.started is None:
+                record.started = started
+            if ended is not None:
+                record.ended = ended
+            self.store.event(session, self.run_id, "stage", name, state, error=error, **(detail or {}))
+        if state in TERMINAL - SUCCESS and error:
+            log.error("stage %s %s: %s", name, state, error.splitlines()[0] if error else "")
+
+    def _abandon(self, reason: str) -> None:
+        for name, state in self.states.items():
+            if state in ("QUEUED", "RUNNING", "PENDING"):
+                self._set_stage(name, "CANCELLED", error=reason)
+        self._close()
+
+    def _close(self) -> str:
+        final = "DONE" if all(s in SUCCESS for s in self.states.values()) else "FAILED"
+        with self.store.session() as session:
+            run = session.get(RunRecord, self.run_id)
+            assert run is not None
+            run.state, run.ended, run.owner, run.lease_until = final, time.time(), None, None
+            self.store.event(session, self.run_id, "run", self.name, final)
+        return final
+
+
+def _still_committed(record: DatasetRecord) -> bool:
+    try:
+        return ds.read_manifest(record.path).fingerprint() == record.fingerprint
+    except ds.DatasetError:
+        return False
+
+
+def _read_ranks(attempt_dir: Path, ranks: int) -> list[dict[str, Any] | None]:
+    results: list[dict[str, Any] | None] = []
+    for rank in range(ranks):
+        path = attempt_dir / f"rank-{rank}.json"
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            results.append(None)
+    return results
+
+
+def _diagnose(spec: StageSpec, outcome: TaskOutcome, ranks: list[dict[str, Any] | None],
+              attempt_dir: Path) -> tuple[str, int | None, str, str | None] | None:
+    """``None`` if every rank succeeded, else (state, failed rank, message, traceback)."""
+    if outcome.ok and all(r is not None and r["status"] == "ok" for r in ranks):
+        return None
+    if outcome.timed_out:
+        return ("TIMED_OUT", None, f"stage {spec.name!r} exceeded its timeout of {spec.timeout}s; "
+                "its process group was killed", None)
+    if outcome.cancelled:
+        return ("CANCELLED", None, f"stage {spec.name!r} was cancelled", None)
+    for rank, result in enumerate(ranks):
+        if result is not None and result["status"] == "error":
+            err = result["error"]
+            return ("FAILED", rank, f"rank {rank} raised {err['type']}: {err['message']}", err["traceback"])
+    missing = [r for r, result in enumerate(ranks) if result is None]
+    signal = outcome.signal or _signal_from(attempt_dir)
+    how = f"signal {signal}" if signal else f"exit code {outcome.returncode}"
+    tail = _tail(attempt_dir / "stderr.log")
+    return ("FAILED", missing[0] if missing else None,
+            f"rank(s) {missing} of stage {spec.name!r} ended without a result ({how})", tail)
+
+
+def _signal_from(attempt_dir: Path) -> int | None:
+    """Hydra reports a rank killed by a signal on stdout/stderr ('... Killed (signal 9)')."""
+    import re
+
+    for name in ("stdout.log", "stderr.log"):
+        match = re.search(r"\(signal (\d+)\)", _tail(attempt_dir / name) or "")
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def _tail(path: Path, limit: int = 4000) -> str | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return data[-limit:].decode(errors="replace") or None

@@ -1,0 +1,229 @@
+"""The user API: declare stages on a :class:`Pipeline`, then ``run()`` it on a pilot."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+
+from hetflow.operators.dataset import Dataset
+from hetflow.tasks.backends import get_backend
+from hetflow.tasks.description import ResourceRequest
+from hetflow.tasks.errors import UnsatisfiableRequest
+from hetflow.tasks.pilot import PilotDescription, load_pilot
+from hetflow.tasks.scheduler import check_request
+from hetflow.tasks.worker import WORKER_ENV, ScriptImportStop
+
+from .declaration import StageSpec, check_name
+from .errors import PipelineError, UnknownRun
+from .orchestrator import Orchestrator, private_dir
+from .status import RunStatus, run_status
+from .store import Store
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Settings a caller (the CLI) applies to every ``Pipeline.run()`` in a script."""
+
+    pilot: "str | PilotDescription | None" = None
+    workdir: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    db: str | None = None
+    backend: str | None = None
+    run_id: str | None = None
+    progress: bool | None = None
+
+
+_overrides: list[RunOptions] = []
+_last_runs: list[RunStatus] = []
+
+
+@contextmanager
+def run_options(options: RunOptions) -> Iterator[list[RunStatus]]:
+    """Apply ``options`` to every ``Pipeline.run()`` inside the block; yields the runs made."""
+    _overrides.append(options)
+    start = len(_last_runs)
+    runs: list[RunStatus] = []
+    try:
+        yield runs
+    finally:
+        _overrides.pop()
+        runs.extend(_last_runs[start:])
+
+
+def default_workdir() -> Path:
+    return Path(os.environ.get("HETFLOW_WORKDIR", ".hetflow"))
+
+
+class Pipeline:
+    """A DAG of stages connected by named datasets.
+
+    >>> pipe = Pipeline("demo", pilot="local")
+    >>> @pipe.stage(ranks=2, outputs=["events"])
+    ... def generate(ctx): ...
+    """
+
+    def __init__(self, name: str, *, pilot: "str | os.PathLike[str] | PilotDescription" = "local",
+                 workdir: "str | os.PathLike[str] | None" = None, db: str | None = None) -> None:
+        self.name = check_name("pipeline", name, where="Pipeline")
+        self.pilot = pilot
+        self.workdir = None if workdir is None else Path(workdir)
+        self.db = db
+        self.stages: dict[str, StageSpec] = {}
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.name!r}, pilot={self.pilot!r}, stages={list(self.stages)})"
+
+    # ------------------------------------------------------------ declaring
+    def stage(self, func: F | None = None, *, name: str | None = None, ranks: int = 1, cores_per_rank: int = 1,
+              gpus_per_rank: int = 0, memory_per_rank: int | None = None, ranks_per_node: int | None = None,
+              duration: float | None = None, inputs: Sequence[str] = (), outputs: Sequence[str] = (),
+              params: Mapping[str, Any] | None = None, retries: int = 0,
+              timeout: float | None = None) -> Any:
+        """Declare a stage; the function is called once per rank as ``func(ctx, *inputs)``.
+
+        It returns ``{output name: pa.Table | None}`` with this rank's partition
+        of each output.  ``duration`` is an estimate in seconds (scheduling and
+        walltime checks); ``timeout`` ends the stage as TIMED_OUT.
+        """
+        def register(fn: F) -> F:
+            stage_name = name or getattr(fn, "__name__", None)
+            where = f"pipeline {self.name!r}, stage {stage_name!r}"
+            check_name("stage", stage_name, where=f"pipeline {self.name!r}")
+            assert isinstance(stage_name, str)
+            if stage_name in self.stages:
+                raise PipelineError(f"{where}: a stage with this name is already declared")
+            for kind, names in (("input", inputs), ("output", outputs)):
+                if isinstance(names, str):
+                    raise PipelineError(f"{where}: {kind}s must be a list of dataset names, got the string {names!r}")
+                for dataset in names:
+                    check_name(f"{kind} dataset", dataset, where=where)
+            if len(set(outputs)) != len(outputs) or len(set(inputs)) != len(inputs):
+                raise PipelineError(f"{where}: a dataset is listed twice in inputs {list(inputs)} or outputs {list(outputs)}")
+            for other in self.stages.values():
+                clash = set(outputs) & set(other.outputs)
+                if clash:
+                    raise PipelineError(f"{where}: output {sorted(clash)[0]!r} is already produced by stage {other.name!r}")
+            if not isinstance(retries, int) or retries < 0:
+                raise PipelineError(f"{where}: retries must be an integer >= 0, got {retries!r}")
+            if timeout is not None and timeout <= 0:
+                raise PipelineError(f"{where}: timeout must be > 0 seconds, got {timeout!r}")
+            try:
+                request = ResourceRequest(ranks=ranks, cores_per_rank=cores_per_rank, gpus_per_rank=gpus_per_rank,
+                                          memory_per_rank=memory_per_rank, ranks_per_node=ranks_per_node,
+                                          duration=duration)
+            except UnsatisfiableRequest as exc:
+                raise PipelineError(f"{where}: {exc}") from None
+            self.stages[stage_name] = StageSpec(name=stage_name, func=fn, request=request, inputs=tuple(inputs),
+                                                outputs=tuple(outputs), params=dict(params or {}),
+                                                retries=retries, timeout=timeout)
+            return fn
+
+        return register(func) if func is not None else register
+
+    # ------------------------------------------------------------ checking
+    def validate(self, pilot: PilotDescription) -> None:
+        """Reject an invalid DAG or a request the pilot can never satisfy, before anything runs."""
+        if not self.stages:
+            raise PipelineError(f"pipeline {self.name!r} declares no stages")
+        produced = {out: s.name for s in self.stages.values() for out in s.outputs}
+        for spec in self.stages.values():
+            for dataset in spec.inputs:
+                if dataset not in produced:
+                    raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: input {dataset!r} is not "
+                                        f"produced by any stage (outputs: {sorted(produced)})")
+            try:
+                check_request(spec.request, pilot, what=f"stage {spec.name!r}")
+            except UnsatisfiableRequest as exc:
+                raise UnsatisfiableRequest(f"pipeline {self.name!r}: {exc}") from None
+        visiting: set[str] = set()
+        done: set[str] = set()
+
+        def visit(name: str, path: list[str]) -> None:
+            if name in done:
+                return
+            if name in visiting:
+                raise PipelineError(f"pipeline {self.name!r}: stages form a cycle: {' -> '.join(path + [name])}")
+            visiting.add(name)
+            for dataset in self.stages[name].inputs:
+                visit(produced[dataset], path + [name])
+            visiting.discard(name)
+            done.add(name)
+
+        for name in self.stages:
+            visit(name, [])
+
+    # ------------------------------------------------------------ running
+    def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = None,
+            workdir: "str | os.PathLike[str] | None" = None, params: Mapping[str, Any] | None = None,
+            db: str | None = None, backend: str | None = None, run_id: str | None = None,
+            progress: bool | None = None, check: bool = False) -> RunStatus:
+        """Run the pipeline to the end and return its status.
+
+        Stages whose inputs are ready run at the same time on disjoint slots.
+        With the same work directory, stages whose code, parameters and inputs
+        match a committed earlier execution are not run again (CACHED);
+        ``run_id`` of an existing run resumes it.  ``check=True`` raises
+        :class:`TaskFailed` if the run did not end DONE.
+        """
+        if os.environ.get(WORKER_ENV):
+            raise ScriptImportStop()
+        options = _overrides[-1] if _overrides else RunOptions()
+        chosen_pilot = options.pilot or pilot or self.pilot
+        description = load_pilot(chosen_pilot)  # type: ignore[arg-type]
+        if options.backend or backend:
+            import dataclasses
+
+            description = dataclasses.replace(description, backend=options.backend or backend)  # type: ignore[arg-type]
+        description = description.resolve()
+        self.validate(description)
+        root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
+        private_dir(root)
+        store = Store.for_workdir(root, options.db or db or self.db)
+        resume_id = options.run_id or run_id
+        if resume_id is not None:
+            record = store.find_run(resume_id)
+            if record is None:
+                raise UnknownRun(f"no run {resume_id!r} in {store.url}")
+            the_id = record.id
+        else:
+            the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        run_params = dict(params or {})
+        run_params.update(options.params)
+        show = options.progress if options.progress is not None else progress
+        if show is None:
+            show = sys.stderr.isatty()
+        orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
+                                    run_dir=root / "runs" / the_id, store=store, params=run_params,
+                                    script=_script_path(), progress=show)
+        orchestrator.prepare(resume=resume_id is not None)
+        backend_cls = get_backend(description.backend)
+        with backend_cls(description, orchestrator.run_dir) as engine:
+            orchestrator.execute(engine)
+        status = run_status(store, the_id)
+        store.close()
+        _last_runs.append(status)
+        log.info("run %s ended %s", status.id, status.state)
+        if check:
+            status.raise_for_state()
+        return status
+
+
+def _script_path() -> str | None:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return None if path is None else str(Path(path).resolve())
+
+
+def open_dataset(path: "str | os.PathLike[str]", *, verify: str = "checksum") -> Dataset:
+    """Open a committed dataset directory: ``.to_table()`` or iterate ``.partitions()``."""
+    return Dataset(path, verify=verify)  # type: ignore[arg-type]

@@ -1,0 +1,116 @@
+"""Read-only views of a run from the state store: what ``run()`` returns and ``status`` prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+
+from hetflow.operators.dataset import Dataset
+
+from .errors import UnknownRun
+from .store import DatasetRecord, RunRecord, StageRecord, Store, TaskRecord, iso
+from hetflow.tasks.errors import TaskFailed
+
+
+@dataclass(frozen=True)
+class SlotView:
+    node: str
+    cores: tuple[int, ...]
+    gpus: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "cores": list(self.cores), "gpus": list(self.gpus)}
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    name: str
+    state: str
+    attempts: int
+    started: float | None
+    ended: float | None
+    slots: tuple[SlotView, ...]
+    error: str | None = None
+    traceback: str | None = None
+    failed_rank: int | None = None
+    signal: int | None = None
+    cached_from: str | None = None
+    outputs: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state, "attempts": self.attempts,
+                "started": iso(self.started), "ended": iso(self.ended),
+                "slots": [s.to_json() for s in self.slots], "error": self.error,
+                "failed_rank": self.failed_rank, "signal": self.signal, "traceback": self.traceback,
+                "cached_from": self.cached_from, "outputs": list(self.outputs)}
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A run as recorded: ``id``, ``state`` and one :class:`StageStatus` per stage."""
+
+    id: str
+    pipeline: str
+    state: str
+    created: float
+    started: float | None
+    ended: float | None
+    run_dir: str
+    stages: tuple[StageStatus, ...]
+    datasets: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "DONE"
+
+    def stage(self, name: str) -> StageStatus:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"run {self.id} has no stage {name!r} (stages: {[s.name for s in self.stages]})")
+
+    def dataset(self, name: str) -> Dataset:
+        if name not in self.datasets:
+            raise KeyError(f"run {self.id} has no committed dataset {name!r} (datasets: {sorted(self.datasets)})")
+        return Dataset(self.datasets[name])
+
+    def raise_for_state(self) -> None:
+        if not self.ok:
+            failed = [f"{s.name}: {s.state}: {s.error}" for s in self.stages if s.state not in ("DONE", "CACHED")]
+            raise TaskFailed(f"run {self.id} ended {self.state}:\n  " + "\n  ".join(failed))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "pipeline": self.pipeline, "state": self.state, "created": iso(self.created),
+                "started": iso(self.started), "ended": iso(self.ended), "run_dir": self.run_dir,
+                "stages": [s.to_json() for s in self.stages], "datasets": dict(self.datasets)}
+
+
+def run_status(store: Store, run_id: str | None) -> RunStatus:
+    run = store.find_run(run_id)
+    if run is None:
+        raise UnknownRun(f"no run {run_id!r} in {store.url}" if run_id else f"no runs yet in {store.url}")
+    with store.session() as session:
+        run = session.get(RunRecord, run.id)
+        assert run is not None
+        stages = []
+        for record in session.scalars(select(StageRecord).where(StageRecord.run_id == run.id)
+                                      .order_by(StageRecord.order)):
+            tasks = list(session.scalars(select(TaskRecord).where(TaskRecord.stage_id == record.id)
+                                         .order_by(TaskRecord.submitted)))
+            launched = [t for t in tasks if t.attempt is not None]
+            last = launched[-1] if launched else None
+            slots = tuple(SlotView(s.get("node_name", str(s["node"])), tuple(s["cores"]), tuple(s["gpus"]))
+                          for s in (last.slots if last else []))
+            attempt = last.attempt if last else None
+            stages.append(StageStatus(
+                name=record.name, state=record.state, attempts=len(launched), started=record.started,
+                ended=record.ended, slots=slots, error=record.error,
+                traceback=attempt.traceback if attempt else None,
+                failed_rank=attempt.failed_rank if attempt else None,
+                signal=attempt.signal if attempt else None, cached_from=record.cached_from,
+                outputs=tuple(record.outputs)))
+        datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
+        return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
+                         ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets)

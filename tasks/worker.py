@@ -1,0 +1,218 @@
+"""The worker entry point: one process per rank of a stage attempt.
+
+    python -m hetflow.tasks.worker SPEC.json
+
+Each rank: joins its private communicator (a fresh ``mpiexec`` world, so
+exactly the stage's ranks), pins itself to the cores of its slot, sets
+``CUDA_VISIBLE_DEVICES`` from its GPUs, opens the inputs zero-copy, imports and
+calls the stage function, writes its partition of every output atomically and
+a ``rank-<r>.json`` result.  The orchestrator commits the manifests after every
+rank has succeeded.  A rank that fails writes its traceback and aborts the
+whole communicator, so no other rank waits forever in a collective.
+
+The spec is JSON written by the orchestrator into a private run directory;
+nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+WORKER_ENV = "HETFLOW_WORKER"
+"""Set in every worker; ``Pipeline.run()`` raises :class:`ScriptImportStop` when it sees it."""
+
+
+class ScriptImportStop(BaseException):
+    """Raised by ``Pipeline.run()`` inside a worker: the script is being imported for its stages."""
+
+
+def _pin(cores: list[int], gpus: list[int], log: logging.Logger) -> list[int]:
+    """Bind this process to its cores and GPUs; returns the CPUs actually used."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    threads = str(max(1, len(cores)))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS"):
+        os.environ[var] = threads
+    available = sorted(os.sched_getaffinity(0))
+    if not cores:
+        return available
+    # A pilot may declare more cores than this machine has (a demo or test pilot):
+    # fold the ids onto the real ones rather than fail, and say so.
+    cpus = sorted({available[c % len(available)] for c in cores}) if any(c not in available for c in cores) \
+        else sorted(cores)
+    if cpus != sorted(cores):
+        log.info("pilot core ids %s folded onto this machine's CPUs %s", cores, cpus)
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def _load_function(spec: Mapping[str, Any]) -> Callable[..., Any]:
+    target = spec["function"]
+    module_name, path, name = target["module"], target.get("path"), target["name"]
+    os.environ[WORKER_ENV] = "1"
+    for entry in reversed(spec.get("sys_path", [])):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    if module_name != "__main__":
+        module = importlib.import_module(module_name)
+    else:
+        if not path:
+            raise RuntimeError(f"stage {spec['stage']!r} is defined in __main__ without a file to import")
+        module_spec = importlib.util.spec_from_file_location("__hetflow_script__", path)
+        if module_spec is None or module_spec.loader is None:
+            raise RuntimeError(f"cannot import the pipeline script {path}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules["__hetflow_script__"] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except ScriptImportStop:
+            pass
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise RuntimeError(f"stage {spec['stage']!r}: {module_name}.{name} is not a function "
+                           f"(is it defined at the top level of {path or module_name}?)")
+    return getattr(func, "__wrapped_stage__", func)
+
+
+def _open_input(path: str, rank: int, size: int, verify: str) -> Any:
+    from hetflow.operators.dataset import Dataset
+
+    dataset = Dataset(path, verify=verify)  # type: ignore[arg-type]
+    if dataset.producer.get("ranks") == size:
+        return dataset.partitions_for_rank(rank, size)
+    return dataset.rows_for_rank(rank, size)
+
+
+def _check_result(stage: str, result: Any, outputs: list[str]) -> dict[str, Any]:
+    import pyarrow as pa
+
+    if not outputs:
+        if result not in (None, {}):
+            raise TypeError(f"stage {stage!r} declares no outputs but returned {type(result).__name__}")
+        return {}
+    if not isinstance(result, Mapping):
+        raise TypeError(f"stage {stage!r} must return a dict {{output name: pa.Table or None}} for outputs "
+                        f"{outputs}, got {type(result).__name__}")
+    missing = [o for o in outputs if o not in result]
+    extra = [k for k in result if k not in outputs]
+    if missing or extra:
+        raise KeyError(f"stage {stage!r} returned outputs {sorted(result)}; declared outputs are {outputs}"
+                       + (f" (missing {missing})" if missing else "") + (f" (undeclared {extra})" if extra else ""))
+    checked: dict[str, Any] = {}
+    for name in outputs:
+        value = result[name]
+        if isinstance(value, pa.RecordBatch):
+            value = pa.Table.from_batches([value])
+        if value is not None and not isinstance(value, (pa.Table, pa.RecordBatchReader)):
+            raise TypeError(f"stage {stage!r}, output {name!r}: expected a pyarrow Table, RecordBatchReader "
+                            f"or None, got {type(value).__name__}")
+        checked[name] = value
+    return checked
+
+
+def _schema_text(value: Any) -> str | None:
+    from hetflow.operators.dataset import schema_to_text
+
+    return None if value is None else schema_to_text(value.schema)
+
+
+def _agree_on_schemas(comm: Any, stage: str, tables: Mapping[str, Any]) -> None:
+    """Every rank that returns an output must return the same schema for it."""
+    from hetflow.operators.dataset import schema_from_text
+
+    mine = {name: _schema_text(value) for name, value in tables.items()}
+    everyone = comm.allgather(mine)
+    for name in tables:
+        seen = [(r, s[name]) for r, s in enumerate(everyone) if s.get(name) is not None]
+        if not seen:
+            continue
+        first_rank, first = seen[0]
+        for other_rank, other in seen[1:]:
+            if other != first:
+                raise TypeError(f"stage {stage!r}, output {name!r}: rank {other_rank} returned schema\n"
+                                f"{schema_from_text(other)}\nbut rank {first_rank} returned\n{schema_from_text(first)}")
+
+
+def run(spec_path: str) -> int:
+    from mpi4py import MPI
+
+    from hetflow.operators import dataset as ds
+    from hetflow.tasks.context import StageContext
+
+    spec = json.loads(Path(spec_path).read_text())
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    stage = spec["stage"]
+    attempt_dir = Path(spec["attempt_dir"])
+    log = logging.getLogger(f"hetflow.stage.{stage}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [{stage} rank {rank}/{size}] %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    record: dict[str, Any] = {"rank": rank, "size": size, "pid": os.getpid(), "host": socket.gethostname(),
+                              "started": time.time(), "status": "running", "outputs": {}}
+    result_path = attempt_dir / f"rank-{rank}.json"
+    try:
+        if size != len(spec["slots"]):
+            raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec['slots'])} slots")
+        slot = spec["slots"][rank]
+        record["cpus"] = _pin(slot["cores"], slot["gpus"], log)
+        record["cores"], record["gpus"] = slot["cores"], slot["gpus"]
+        record["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
+        try:
+            import pyarrow as pa
+
+            pa.set_cpu_count(max(1, len(record["cpus"])))
+        except ImportError:
+            pass
+        func = _load_function(spec)
+        inputs = [_open_input(path, rank, size, spec.get("verify", "checksum")) for path in spec["inputs"].values()]
+        ctx = StageContext(comm=comm, stage=stage, run_id=spec["run_id"], attempt=spec["attempt"],
+                           params=spec.get("params", {}), workdir=attempt_dir,
+                           checkpoint_dir=Path(spec["checkpoint_dir"]), cores=tuple(slot["cores"]),
+                           gpus=tuple(slot["gpus"]), node=spec["nodes"][slot["node"]], log=log)
+        outputs = list(spec["outputs"])
+        tables = _check_result(stage, func(ctx, *inputs), outputs)
+        if size > 1:
+            _agree_on_schemas(comm, stage, tables)
+        for name, value in tables.items():
+            if value is None:
+                record["outputs"][name] = None
+                continue
+            info = ds.write_partition(spec["outputs"][name], rank, value if isinstance(value, pa.Table) else iter(value),
+                                      schema=value.schema, rank=rank)
+            record["outputs"][name] = {"partition": info.to_json(), "schema": ds.schema_to_text(value.schema)}
+        record["status"] = "ok"
+    except BaseException as exc:  # noqa: BLE001 - every failure must be recorded before the abort
+        record["status"] = "error"
+        record["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        log.error("failed: %s: %s", type(exc).__name__, exc)
+    record["ended"] = time.time()
+    ds.write_json_atomic(result_path, record)
+    if record["status"] != "ok":
+        sys.stderr.flush()
+        if size > 1:
+            comm.Abort(1)  # end every rank now; nobody waits in a collective
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hetflow.tasks.worker SPEC.json", file=sys.stderr)
+        return 2
+    return run(args[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
