@@ -43,21 +43,18 @@ class RunOptions:
     progress: bool | None = None
 
 
-_overrides: list[RunOptions] = []
-_last_runs: list[RunStatus] = []
+_overrides: list[tuple[RunOptions, list[RunStatus]]] = []
 
 
 @contextmanager
 def run_options(options: RunOptions) -> Iterator[list[RunStatus]]:
-    """Apply ``options`` to every ``Pipeline.run()`` inside the block; yields the runs made."""
-    _overrides.append(options)
-    start = len(_last_runs)
+    """Apply ``options`` to every ``Pipeline.run()`` inside the block; yields the list of runs made."""
     runs: list[RunStatus] = []
+    _overrides.append((options, runs))
     try:
         yield runs
     finally:
         _overrides.pop()
-        runs.extend(_last_runs[start:])
 
 
 def default_workdir() -> Path:
@@ -177,7 +174,7 @@ class Pipeline:
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
-        options = _overrides[-1] if _overrides else RunOptions()
+        options, made = _overrides[-1] if _overrides else (RunOptions(), [])
         chosen_pilot = options.pilot or pilot or self.pilot
         description = load_pilot(chosen_pilot)  # type: ignore[arg-type]
         if options.backend or backend:
@@ -211,7 +208,7 @@ class Pipeline:
             orchestrator.execute(engine)
         status = run_status(store, the_id)
         store.close()
-        _last_runs.append(status)
+        made.append(status)
         log.info("run %s ended %s", status.id, status.state)
         if check:
             status.raise_for_state()

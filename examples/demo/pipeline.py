@@ -53,6 +53,7 @@ if __name__ == "__main__":
     print(f"run {run.id}: {run.state}")
     for stage in run.stages:
         cores = sorted({c for s in stage.slots for c in s.cores})
-        print(f"  {stage.name:<10} {stage.state:<8} cores={cores} {stage.started and round(stage.ended - stage.started, 2)}s")
+        took = f"{stage.ended - stage.started:.2f}s" if stage.started and stage.ended else ""
+        print(f"  {stage.name:<10} {stage.state:<8} cores={cores} {took}")
     if run.ok:
         print(run.dataset("per_detector").to_table().to_pandas().head().to_string(index=False))

@@ -1,0 +1,283 @@
+"""The ``hetflow`` command.
+
+Exit codes: 0 the run is DONE, 1 it FAILED, 2 bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from hetflow.tasks.errors import HetflowError, TaskFailed
+
+from .pipeline import Pipeline, RunOptions, default_workdir, run_options
+from .status import RunStatus, run_status
+from .store import Store, iso
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(HetflowError):
+    """Bad command-line usage."""
+
+
+def _param(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key, parsed if isinstance(parsed, (int, float, bool, str)) or parsed is None else value
+
+
+def _store_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workdir", help="work directory (default $HETFLOW_WORKDIR or ./.hetflow)")
+    parser.add_argument("--db", help="SQLAlchemy URL of the state store (default: SQLite in the work directory)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetflow", description="Pilot-based heterogeneous workflows on Arrow data.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a pipeline script")
+    run.add_argument("script", help="path to a Python file that declares a hetflow.Pipeline")
+    run.add_argument("--pilot", help="a shipped pilot config name or a path to a .yaml config")
+    run.add_argument("--backend", help="override the pilot's backend (local, radical, parsl, dask)")
+    run.add_argument("--param", action="append", default=[], type=_param, metavar="KEY=VALUE",
+                     help="a parameter passed to every stage's ctx.params (repeatable)")
+    run.add_argument("--no-progress", action="store_true", help="no live progress display")
+    _store_args(run)
+
+    resume = sub.add_parser("resume", help="resume a failed or interrupted run")
+    resume.add_argument("run", help="run id (or a unique prefix)")
+    resume.add_argument("--pilot", help="a pilot config for the new allocation")
+    resume.add_argument("--no-progress", action="store_true")
+    _store_args(resume)
+
+    status = sub.add_parser("status", help="show a run (the latest by default)")
+    status.add_argument("run", nargs="?", help="run id (or a unique prefix)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    _store_args(status)
+
+    datasets = sub.add_parser("datasets", help="list the committed datasets of a run")
+    datasets.add_argument("run", nargs="?")
+    datasets.add_argument("--json", action="store_true")
+    _store_args(datasets)
+
+    runs = sub.add_parser("runs", help="list runs")
+    _store_args(runs)
+
+    sub.add_parser("pilots", help="list the shipped pilot configs")
+    pilot = sub.add_parser("pilot", help="inspect a pilot config")
+    pilot_sub = pilot.add_subparsers(dest="pilot_command", required=True, metavar="ACTION")
+    show = pilot_sub.add_parser("show", help="print a validated config")
+    show.add_argument("config", help="shipped config name or path")
+    check = pilot_sub.add_parser("check", help="validate a config and report problems")
+    check.add_argument("config")
+    render = pilot_sub.add_parser("render", help="print what would be submitted, without submitting")
+    render.add_argument("config")
+    render.add_argument("--backend", required=True, choices=["radical", "parsl"])
+
+    report = sub.add_parser("report", help="write a timeline report (HTML + PNG) of a run")
+    report.add_argument("run", nargs="?")
+    report.add_argument("--out", help="output HTML path (default: <run dir>/report.html)")
+    _store_args(report)
+
+    sub.add_parser("simulate", help="drive the scheduler with simulated time (see hetflow simulate --help)",
+                   add_help=False)
+    return parser
+
+
+def _workdir(args: argparse.Namespace) -> Path:
+    return Path(args.workdir) if getattr(args, "workdir", None) else default_workdir()
+
+
+def _open_store(args: argparse.Namespace) -> Store:
+    workdir = _workdir(args)
+    if args.db is None and not (workdir / "hetflow.db").exists():
+        raise UsageError(f"no hetflow state store in {workdir.resolve()} (run a pipeline first, or pass --workdir/--db)")
+    return Store.for_workdir(workdir, args.db)
+
+
+def _run_script(script: str, options: RunOptions) -> int:
+    path = Path(script)
+    if not path.is_file():
+        raise UsageError(f"pipeline script {script!r} does not exist")
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(path)]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        with run_options(options) as runs:
+            namespace = runpy.run_path(str(path), run_name="__main__")
+            if not runs:
+                pipelines = [v for v in namespace.values() if isinstance(v, Pipeline)]
+                if not pipelines:
+                    raise UsageError(f"{script} declares no hetflow.Pipeline and runs none")
+                for pipe in pipelines:
+                    pipe.run()
+    finally:
+        sys.argv, sys.path = saved_argv, saved_path
+    for status in runs:
+        _print_summary(status)
+    return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
+
+
+def _print_summary(status: RunStatus) -> None:
+    print(f"run {status.id}: {status.state}  ({status.run_dir})")
+    for stage in status.stages:
+        line = f"  {stage.name:<20} {stage.state:<10} attempts={stage.attempts}"
+        if stage.error and stage.state not in ("DONE", "CACHED"):
+            line += f"  {stage.error.splitlines()[0]}"
+        print(line)
+
+
+def _status(args: argparse.Namespace) -> int:
+    store = _open_store(args)
+    status = run_status(store, args.run)
+    if args.json:
+        print(json.dumps(status.to_json(), indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"run {status.id} ({status.pipeline}): {status.state}")
+        for column in ("stage", "state", "attempts", "started", "seconds", "slots"):
+            table.add_column(column)
+        for stage in status.stages:
+            seconds = f"{stage.ended - stage.started:.2f}" if stage.started and stage.ended else ""
+            slots = "; ".join(f"{s.node} cores {list(s.cores)}" + (f" gpus {list(s.gpus)}" if s.gpus else "")
+                              for s in stage.slots)
+            table.add_row(stage.name, stage.state, str(stage.attempts), iso(stage.started) or "", seconds, slots)
+        console = Console()
+        console.print(table)
+        for stage in status.stages:
+            if stage.state not in ("DONE", "CACHED") and stage.error:
+                console.print(f"[bold]{stage.name}[/bold] {stage.state}: {stage.error}", markup=True, highlight=False)
+                if stage.traceback:
+                    console.print(stage.traceback, markup=False, highlight=False)
+    return EXIT_OK if status.ok else EXIT_FAILED
+
+
+def _datasets(args: argparse.Namespace) -> int:
+    from hetflow.operators.dataset import read_manifest
+
+    store = _open_store(args)
+    status = run_status(store, args.run)
+    rows = []
+    for name, path in sorted(status.datasets.items()):
+        manifest = read_manifest(path)
+        rows.append({"name": name, "rows": manifest.num_rows, "bytes": manifest.num_bytes,
+                     "partitions": len(manifest.partitions), "producer": manifest.producer.get("stage"),
+                     "path": path, "schema": [f"{f.name}: {f.type}" for f in manifest.schema]})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            print(f"{row['name']:<24} {row['rows']:>12} rows {row['bytes']:>14} bytes {row['partitions']:>4} parts  "
+                  f"from {row['producer']}  {row['path']}")
+    return EXIT_OK
+
+
+def _runs(args: argparse.Namespace) -> int:
+    store = _open_store(args)
+    for run in store.runs():
+        print(f"{run.id:<48} {run.state:<8} {iso(run.created)}")
+    return EXIT_OK
+
+
+def _pilot(args: argparse.Namespace) -> int:
+    from hetflow.tasks.pilot import load_pilot
+
+    pilot = load_pilot(args.config)
+    if args.pilot_command == "show":
+        print(yaml.safe_dump(pilot.to_mapping(), sort_keys=False), end="")
+        return EXIT_OK
+    from hetflow.tasks import render
+
+    if args.pilot_command == "render":
+        print(render.render(pilot, args.backend))
+        return EXIT_OK
+    problems = render.check(pilot)
+    for problem in problems:
+        print(f"problem: {problem}")
+    if not problems:
+        print(f"{args.config}: ok ({pilot.shape()})")
+    return EXIT_USAGE if problems else EXIT_OK
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    store = _open_store(args)
+    html, png = write_report(store, args.run, Path(args.out) if args.out else None)
+    print(f"wrote {html}" + (f" and {png}" if png else ""))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "simulate":
+        from hetflow.tasks.simulator import cli_main
+
+        return cli_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "run":
+            options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(args.param), db=args.db,
+                                 backend=args.backend, progress=False if args.no_progress else None)
+            return _run_script(args.script, options)
+        if args.command == "resume":
+            store = _open_store(args)
+            record = store.find_run(args.run)
+            if record is None:
+                raise UsageError(f"no run {args.run!r} in {store.url}")
+            if not record.script:
+                raise UsageError(f"run {record.id} has no recorded script to resume from")
+            options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
+                                 run_id=record.id, progress=False if args.no_progress else None)
+            return _run_script(record.script, options)
+        if args.command == "status":
+            return _status(args)
+        if args.command == "datasets":
+            return _datasets(args)
+        if args.command == "runs":
+            return _runs(args)
+        if args.command == "pilots":
+            from hetflow.tasks.pilot import config_names, load_pilot
+
+            for name in config_names():
+                print(f"{name:<16} {load_pilot(name).shape()}")
+            return EXIT_OK
+        if args.command == "pilot":
+            return _pilot(args)
+        if args.command == "report":
+            return _report(args)
+    except TaskFailed as exc:
+        print(f"hetflow: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except HetflowError as exc:
+        print(f"hetflow: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("hetflow: interrupted; running tasks were stopped", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

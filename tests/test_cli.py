@@ -1,0 +1,96 @@
+"""The hetflow command, run as a user would (a real subprocess, real mpiexec, real SQLite)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HETFLOW = [sys.executable, "-m", "hetflow.cli"]
+
+
+def hetflow(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETFLOW, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_demo_runs_and_status_json_shows_concurrent_disjoint_stages(tmp_path: Path) -> None:
+    done = hetflow("run", str(ROOT / "examples/demo/pipeline.py"), "--workdir", str(tmp_path / "w"),
+                   "--param", "events_per_rank=3000", "--no-progress", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    status = hetflow("status", "--workdir", str(tmp_path / "w"), "--json", cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    run = json.loads(status.stdout)
+    stages = {s["name"]: s for s in run["stages"]}
+    assert {s["state"] for s in stages.values()} == {"DONE"}
+    a, b = stages["summarize"], stages["quantiles"]
+    t = {k: datetime.fromisoformat(v) for k, v in (("a0", a["started"]), ("a1", a["ended"]),
+                                                   ("b0", b["started"]), ("b1", b["ended"]))}
+    assert t["a0"] < t["b1"] and t["b0"] < t["a1"], "summarize and quantiles did not overlap"
+    cores = [{c for s in x["slots"] for c in s["cores"]} for x in (a, b)]
+    assert cores[0] and cores[1] and not cores[0] & cores[1]
+    assert all(s["node"] == "localhost" for s in a["slots"])
+    listed = hetflow("datasets", run["id"][:12], "--workdir", str(tmp_path / "w"), "--json", cwd=tmp_path)
+    names = {d["name"]: d for d in json.loads(listed.stdout)}
+    assert names["events"]["rows"] == 6000 and names["events"]["partitions"] == 2
+
+
+SCRIPT = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("scripted")
+
+@pipe.stage(ranks=2, outputs=["t"])
+def make(ctx):
+    if ctx.params.get("fail") and ctx.rank == 1:
+        raise RuntimeError("rank one refuses; param $(touch /tmp/pwned) ; `id`")
+    return {"t": pa.table({"r": [ctx.rank], "p": [str(ctx.params.get("tag", ""))]})}
+'''
+
+
+def test_script_without_main_block_failure_exit_codes_and_literal_params(tmp_path: Path) -> None:
+    script = tmp_path / "flow.py"
+    script.write_text(SCRIPT)
+    workdir = str(tmp_path / "w")
+    tag = "a;b $(echo x) `id` ../.. -n"
+    ok = hetflow("run", str(script), "--workdir", workdir, "--param", f"tag={tag}", "--no-progress", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    run = json.loads(hetflow("status", "--workdir", workdir, "--json", cwd=tmp_path).stdout)
+    from hetflow.operators.dataset import open_dataset
+
+    table = open_dataset(run["datasets"]["t"]).to_table()
+    assert table["p"].to_pylist() == [tag, tag]  # reached the stage literally
+
+    bad = hetflow("run", str(script), "--workdir", workdir, "--param", "fail=true", "--no-progress", cwd=tmp_path)
+    assert bad.returncode == 1
+    assert "rank 1 raised RuntimeError: rank one refuses" in bad.stdout
+    shown = hetflow("status", "--workdir", workdir, cwd=tmp_path)
+    assert shown.returncode == 1 and "Traceback" in shown.stdout and "rank one refuses" in shown.stdout
+    assert not Path("/tmp/pwned").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "does-not-exist.py"], "does not exist"),
+    (["run", "{script}", "--pilot", "nowhere"], "unknown pilot 'nowhere'"),
+    (["status", "nope", "--workdir", "{tmp}"], "no hetflow state store"),
+    (["pilot", "show", "mars"], "unknown pilot 'mars'"),
+])
+def test_bad_usage_exits_2_with_a_clear_message(tmp_path: Path, args: list[str], message: str) -> None:
+    script = tmp_path / "flow.py"
+    script.write_text(SCRIPT)
+    args = [a.format(script=script, tmp=tmp_path) for a in args]
+    result = hetflow(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_pilots_and_pilot_show(tmp_path: Path) -> None:
+    listed = hetflow("pilots", cwd=tmp_path)
+    assert listed.returncode == 0 and "local" in listed.stdout
+    shown = hetflow("pilot", "show", "local", cwd=tmp_path)
+    assert shown.returncode == 0 and "backend: local" in shown.stdout
