@@ -10,7 +10,7 @@ a cross-host rendezvous that this backend does not provide; it is rejected
 with :class:`UnsatisfiableRequest` (use dask-mpi workers under the radical or
 parsl backend for multi-node stages).
 
-Options (``pilot.options``):
+Options (``pilot.options.dask``):
 
 * ``address``: scheduler address of an existing cluster.  Without it the
   backend starts a scheduler and one worker process per pilot node on this
@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import ConfigError, UnsatisfiableRequest
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import RankRun, outcome_fields, private_dir, run_ranks
+from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,7 @@ class DaskBackend(Backend):
 
     def __init__(self, pilot: Any, run_dir: Path) -> None:
         super().__init__(pilot, run_dir)
-        unknown = sorted(set(pilot.options) - set(OPTIONS))
-        if unknown:
-            raise ConfigError(f"pilot {pilot.name!r}: unknown dask option {unknown[0]!r} (allowed: {list(OPTIONS)})")
+        self.options = options_for(pilot, "dask", OPTIONS)
         self._client: Any = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self._workers: list[str] = []
@@ -66,7 +64,7 @@ class DaskBackend(Backend):
         from distributed import Client
 
         private_dir(self._cancel_dir)
-        address = self.pilot.options.get("address")
+        address = self.options.get("address")
         if not address:
             address = self._start_local_cluster()
         self._client = Client(address, set_as_default=False, timeout=60)

@@ -19,7 +19,7 @@ What this module handles for users:
   backend records every process Parsl starts and kills what
   ``DataFlowKernel.cleanup()`` left (also at interpreter exit).
 
-Options (``pilot.options``): ``scheduler`` (``local``/``slurm``/``lsf``/``pbs``;
+Options (``pilot.options.parsl``): ``scheduler`` (``local``/``slurm``/``lsf``/``pbs``;
 default from the launcher: ``srun`` → slurm, ``jsrun`` → lsf, else local),
 ``worker_init`` (shell lines run before the worker pool, e.g. ``module load``),
 ``scheduler_options`` (extra ``#SBATCH``/``#BSUB``/``#PBS`` lines),
@@ -44,7 +44,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError
 from ..pilot import PilotDescription
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import RankRun, outcome_fields, private_dir, run_ranks
+from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,10 @@ LABEL = "hetflow"
 
 def scheduler_of(pilot: PilotDescription) -> str:
     """The batch system a Parsl pilot goes through (``options.scheduler`` or from the launcher)."""
-    unknown = sorted(set(pilot.options) - set(OPTIONS))
-    if unknown:
-        raise ConfigError(f"pilot {pilot.name!r}: unknown parsl option {unknown[0]!r} (allowed: {list(OPTIONS)})")
     default = {"srun": "slurm", "jsrun": "lsf"}.get(pilot.launcher, "local")
-    scheduler = str(pilot.options.get("scheduler", default))
+    scheduler = str(options_for(pilot, "parsl", OPTIONS).get("scheduler", default))
     if scheduler not in SCHEDULERS:
-        raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.scheduler': {scheduler!r} "
+        raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.parsl.scheduler': {scheduler!r} "
                           f"(expected one of {list(SCHEDULERS)})")
     return scheduler
 
@@ -79,8 +76,9 @@ def parsl_config(pilot: PilotDescription, run_dir: Path) -> Any:
     from parsl.providers import LocalProvider, LSFProvider, PBSProProvider, SlurmProvider
 
     scheduler = scheduler_of(pilot)
-    worker_init = str(pilot.options.get("worker_init", ""))
-    scheduler_options = str(pilot.options.get("scheduler_options", ""))
+    options = options_for(pilot, "parsl", OPTIONS)
+    worker_init = str(options.get("worker_init", ""))
+    scheduler_options = str(options.get("scheduler_options", ""))
     workers = pilot.nodes
     provider: Any
     if scheduler == "local":
@@ -165,7 +163,7 @@ class ParslBackend(Backend):
         self._app = python_app(_run_in_parsl, data_flow_kernel=self._dfk, executors=[LABEL])
         self._remember_children()
         if self.scheduler == "local":
-            self._wait_for_pool(float(self.pilot.options.get("start_timeout", 120)))
+            self._wait_for_pool(float(options_for(self.pilot, "parsl", OPTIONS).get("start_timeout", 120)))
 
     def _wait_for_pool(self, timeout: float) -> None:
         """Block until the worker pool has registered, so start-up cost is paid in :meth:`start`."""

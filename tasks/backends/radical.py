@@ -25,11 +25,14 @@ What this module handles for users (seen with radical.pilot 1.103):
 RP's pilot launcher (psij) keeps small launch scripts under ``~/.psij/work``;
 that directory is psij's and is not configurable from here.
 
-Options (``pilot.options``): ``placement`` (``hetflow``/``rp``), ``gpu_type``
+Options (``pilot.options.radical``): ``placement`` (``hetflow``/``rp``), ``gpu_type``
 (``CUDA``/``ROCm``; default CUDA), ``start_timeout`` (seconds to wait for the
 pilot; default 600), ``resource_config`` (a mapping merged into the RP
 resource config, written to the run directory), ``project`` (RP project
-override, default ``account``).
+override, default ``account``), ``worker_init`` (shell lines run before the
+agent on a ``hetflow.slurm``/``hetflow.pbs``/``hetflow.lsf`` resource, e.g.
+``module load``).  Those three resources are generic clusters that RP ships no
+config for: hetflow writes their RP resource config from the pilot.
 """
 
 from __future__ import annotations
@@ -49,29 +52,36 @@ from typing import Any, Mapping
 from ..errors import ConfigError
 from ..pilot import PilotDescription
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import private_dir
+from .ranks import options_for, private_dir
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("placement", "gpu_type", "start_timeout", "resource_config", "project")
+OPTIONS = ("placement", "gpu_type", "start_timeout", "resource_config", "project", "worker_init")
 LOCAL_RESOURCES = (None, "local", "local.localhost", "hetflow.localhost")
 LOCAL_RESOURCE = "hetflow.localhost"
+# Resources hetflow describes to RP itself (machines RP ships no config for):
+# label -> (RP resource manager, psij job manager endpoint, RP launch method).
+GENERIC_RESOURCES = {
+    "hetflow.slurm": ("SLURM", "slurm://localhost/", "SRUN"),
+    "hetflow.pbs": ("PBSPRO", "pbspro://localhost/", "MPIEXEC"),
+    "hetflow.lsf": ("LSF", "lsf://localhost/", "JSRUN"),
+}
 
 
-def check_options(pilot: PilotDescription) -> None:
-    unknown = sorted(set(pilot.options) - set(OPTIONS))
-    if unknown:
-        raise ConfigError(f"pilot {pilot.name!r}: unknown radical option {unknown[0]!r} (allowed: {list(OPTIONS)})")
-    placement = pilot.options.get("placement", "hetflow")
+def rp_options(pilot: PilotDescription) -> Mapping[str, Any]:
+    """``pilot.options.radical``, checked."""
+    options = options_for(pilot, "radical", OPTIONS)
+    placement = options.get("placement", "hetflow")
     if placement not in ("hetflow", "rp"):
-        raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.placement': {placement!r} "
+        raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.radical.placement': {placement!r} "
                           f"(expected 'hetflow' or 'rp')")
-    gpu_type = pilot.options.get("gpu_type", "CUDA")
+    gpu_type = options.get("gpu_type", "CUDA")
     if gpu_type not in ("CUDA", "ROCm"):
-        raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.gpu_type': {gpu_type!r} "
+        raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.radical.gpu_type': {gpu_type!r} "
                           f"(expected 'CUDA' or 'ROCm')")
-    if not isinstance(pilot.options.get("resource_config", {}), Mapping):
-        raise ConfigError(f"pilot {pilot.name!r}: 'options.resource_config' must be a mapping")
+    if not isinstance(options.get("resource_config", {}), Mapping):
+        raise ConfigError(f"pilot {pilot.name!r}: 'options.radical.resource_config' must be a mapping")
+    return options
 
 
 def is_local(pilot: PilotDescription) -> bool:
@@ -90,7 +100,7 @@ def resource_config(pilot: PilotDescription, run_dir: Path) -> dict[str, Any] | 
 
     Returned as ``{site: {host: config}}``, the layout of RP's ``resource_<site>.json``.
     """
-    extra = dict(pilot.options.get("resource_config", {}))
+    extra = dict(rp_options(pilot).get("resource_config", {}))
     venv_bin = str(Path(sys.executable).parent)
     if is_local(pilot):
         sandbox = str(run_dir / "radical")
@@ -122,9 +132,35 @@ def resource_config(pilot: PilotDescription, run_dir: Path) -> dict[str, Any] | 
         config.update(extra)
         site, host = LOCAL_RESOURCE.split(".")
         return {site: {host: config}}
+    site, _, host = str(pilot.resource).partition(".")
+    if pilot.resource in GENERIC_RESOURCES:
+        manager, endpoint, method = GENERIC_RESOURCES[str(pilot.resource)]
+        worker_init = [line for line in str(rp_options(pilot).get("worker_init", "")).splitlines() if line.strip()]
+        generic: dict[str, Any] = {
+            "description": f"hetflow: a generic {manager} cluster described by pilot {pilot.name!r}",
+            "default_schema": "batch",
+            "schemas": {"batch": {"job_manager_endpoint": endpoint, "filesystem_endpoint": "file://localhost/"}},
+            "default_queue": pilot.queue or "",
+            "default_remote_workdir": pilot.data_dir or "$HOME",
+            "resource_manager": manager,
+            "agent_config": "default",
+            "agent_scheduler": "CONTINUOUS",
+            "agent_spawner": "POPEN",
+            "launch_methods": {"order": [method], method: {}},
+            "pre_bootstrap_0": worker_init,
+            "rp_version": "installed",
+            "virtenv_mode": "local",
+            "python_dist": "default",
+            "cores_per_node": pilot.cores_per_node,
+            "gpus_per_node": pilot.gpus_per_node or 0,
+            "mem_per_node": (pilot.memory_per_node or 0) // 2**20,
+            "lfs_path_per_node": pilot.node_local_dir or "/tmp",
+            "system_architecture": {"blocked_cores": list(pilot.reserved_cores)},
+        }
+        generic.update(extra)
+        return {site: {host: generic}}
     if not extra:
         return None
-    site, _, host = str(pilot.resource).partition(".")
     return {site: {host: extra}}
 
 
@@ -137,7 +173,7 @@ def pilot_description(pilot: PilotDescription, run_dir: Path) -> dict[str, Any]:
     }
     if pilot.queue:
         description["queue"] = pilot.queue
-    project = pilot.options.get("project", pilot.account)
+    project = rp_options(pilot).get("project", pilot.account)
     if project:
         description["project"] = project
     if is_local(pilot):
@@ -167,12 +203,12 @@ def task_description(spec: LaunchSpec, pilot: PilotDescription, hosts: list[str]
         "pre_exec": [f"cd {shlex.quote(str(spec.cwd))}"],
     }
     if gpus:
-        description["gpu_type"] = pilot.options.get("gpu_type", "CUDA")
+        description["gpu_type"] = rp_options(pilot).get("gpu_type", "CUDA")
     if spec.stdout is not None:
         description["stdout"] = str(spec.stdout)
     if spec.stderr is not None:
         description["stderr"] = str(spec.stderr)
-    if pilot.options.get("placement", "hetflow") == "hetflow":
+    if rp_options(pilot).get("placement", "hetflow") == "hetflow":
         description["slots"] = [{"node_index": s.node, "node_name": hosts[s.node], "cores": list(s.cores),
                                  "gpus": list(s.gpus), "lfs": 0, "mem": 0} for s in spec.slots]
     return description
@@ -185,7 +221,7 @@ class RadicalBackend(Backend):
 
     def __init__(self, pilot: PilotDescription, run_dir: Path) -> None:
         super().__init__(pilot, run_dir)
-        check_options(pilot)
+        self.options = rp_options(pilot)
         self._session: Any = None
         self._tmgr: Any = None
         self._rp_pilot: Any = None
@@ -227,7 +263,7 @@ class RadicalBackend(Backend):
             self._tmgr.register_callback(self._state_cb)
             self._rp_pilot = pmgr.submit_pilots(rp.PilotDescription(pilot_description(self.pilot, self.run_dir)))
             self._tmgr.add_pilots(self._rp_pilot)
-            timeout = float(self.pilot.options.get("start_timeout", 600))
+            timeout = float(self.options.get("start_timeout", 600))
             self._rp_pilot.wait(state=[rp.PMGR_ACTIVE] + list(rp.FINAL), timeout=timeout)
             if self._rp_pilot.state != rp.PMGR_ACTIVE:
                 raise RuntimeError(f"RP pilot {self._rp_pilot.uid} is {self._rp_pilot.state} after {timeout} s, "

@@ -148,3 +148,21 @@ def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
+
+
+def options_for(pilot: Any, backend: str, allowed: Sequence[str]) -> Mapping[str, Any]:
+    """The ``options.<backend>`` section of a pilot, its keys checked against ``allowed``.
+
+    Sections are per backend so one config can be rendered or run with several
+    backends (``options: {parsl: {scheduler: slurm}, radical: {gpu_type: ROCm}}``).
+    """
+    from ..errors import ConfigError
+
+    section = pilot.options.get(backend, {})
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"pilot {pilot.name!r}: 'options.{backend}' must be a mapping, got {section!r}")
+    unknown = sorted(set(section) - set(allowed))
+    if unknown:
+        raise ConfigError(f"pilot {pilot.name!r}: unknown option 'options.{backend}.{unknown[0]}' "
+                          f"(allowed: {list(allowed)})")
+    return section
