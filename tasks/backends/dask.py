@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import ConfigError, UnsatisfiableRequest
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks
+from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks, safe_name
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class DaskBackend(Backend):
                 f"task {spec.task_id!r}: its {spec.ranks} ranks span Dask workers on hosts "
                 f"{sorted({self._hosts[n] for n in nodes})}; the dask backend starts a task's ranks on one host "
                 f"(use the radical or parsl backend for multi-node MPI stages)")
-        cancel_file = self._cancel_dir / spec.task_id
+        cancel_file = self._cancel_dir / safe_name(spec.task_id)
         cancel_file.unlink(missing_ok=True)
         run = RankRun(task_id=spec.task_id, command=tuple(spec.argv), slots=spec.slots,
                       launcher=self.pilot.launcher, cwd=str(spec.cwd), cancel_file=str(cancel_file),
@@ -167,7 +167,7 @@ class DaskBackend(Backend):
         # Every slot of the task is on one host: show the launcher a single local node.
         local_run = dataclasses.replace(run, slots=tuple(dataclasses.replace(s, node=0) for s in spec.slots))
         kwargs: dict[str, Any] = {"workers": [self._workers[nodes[0]]], "allow_other_workers": False,
-                                  "pure": False, "key": f"hetflow-{spec.task_id}-{uuid.uuid4().hex[:8]}"}
+                                  "pure": False, "key": f"hetflow-{safe_name(spec.task_id)}-{uuid.uuid4().hex[:8]}"}
         if self._resources:
             kwargs["resources"] = {"cores": sum(len(s.cores) for s in spec.slots)}
             gpus = sum(len(s.gpus) for s in spec.slots)

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError
 from ..pilot import PilotDescription
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks
+from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks, safe_name
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class ParslBackend(Backend):
     def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._app is None:
             raise RuntimeError("parsl backend not started; call start() first")
-        cancel_file = self._cancel_dir / spec.task_id
+        cancel_file = self._cancel_dir / safe_name(spec.task_id)
         cancel_file.unlink(missing_ok=True)
         run = RankRun(task_id=spec.task_id, command=tuple(spec.argv), slots=spec.slots,
                       launcher=self.pilot.launcher, cwd=str(spec.cwd), cancel_file=str(cancel_file),

@@ -52,7 +52,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError
 from ..pilot import PilotDescription
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import options_for, private_dir
+from .ranks import options_for, private_dir, safe_name
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +370,7 @@ class RadicalBackend(Backend):
             raise RuntimeError("radical backend not started; call start() first")
         with self._lock:
             self._count += 1
-            uid = f"{spec.task_id}.{self._count:06d}"
+            uid = f"{safe_name(spec.task_id)}.{self._count:06d}"
         outcome: Future[TaskOutcome] = Future()
         outcome.set_running_or_notify_cancel()
         sandbox = private_dir(self._base / "tasks" / uid)

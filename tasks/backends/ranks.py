@@ -166,3 +166,14 @@ def options_for(pilot: Any, backend: str, allowed: Sequence[str]) -> Mapping[str
         raise ConfigError(f"pilot {pilot.name!r}: unknown option 'options.{backend}.{unknown[0]}' "
                           f"(allowed: {list(allowed)})")
     return section
+
+
+def safe_name(task_id: str) -> str:
+    """A file-name and engine-uid safe form of ``task_id`` (task ids may contain ``/``)."""
+    import hashlib
+    import re
+
+    clean = re.sub(r"[^A-Za-z0-9_.-]", "_", task_id)
+    if clean == task_id:
+        return clean
+    return f"{clean}-{hashlib.sha1(task_id.encode()).hexdigest()[:8]}"
