@@ -13,16 +13,47 @@ Contract (kept stable for the orchestrator and the simulator):
   :class:`RejectTask` (with a reason naming the request and the pilot shape);
 * :func:`check_request` raises :class:`UnsatisfiableRequest` for a request that
   can never fit the pilot, so callers can reject before anything runs.
+
+Policy, in order:
+
+1. *Priority*: higher ``priority`` first (the orchestrator passes the length
+   of the task's critical path), then submission order.
+2. *Fair share between branches*: tasks carry a ``group`` (an independent
+   branch of the pipeline).  While more than one group is waiting, a group
+   holding more than its equal share of the pilot is served only after the
+   others in the same pass (work-conserving: it still gets what is left).
+3. *EASY backfill*: the first task that does not fit gets a reservation — the
+   earliest time it can start given the running tasks' estimated ends — and the
+   nodes it will use are held.  Later tasks may use held nodes only if their
+   duration estimate ends before that time; tasks without an estimate are
+   treated as never ending.
+4. *Placement*: one node when the ranks fit on one (best fit: GPU requests pack
+   GPUs, CPU requests pack cores), else fewest nodes; nodes in
+   ``preferred_nodes`` (where inputs are) win among those that fit, but are
+   never waited for.
+5. *Walltime*: with ``pilot.walltime`` set, a task whose estimate cannot end
+   before ``start_time + walltime``, or that would start inside the final
+   ``drain`` seconds, is rejected with a reason (:class:`RejectTask` ``cause``).
+
+Cost: tasks with the same request shape and group share a queue; a pass looks
+at the head of each queue only, and a node search is a few big-int operations
+on the free-capacity buckets of :class:`~hetflow.tasks.node_index.NodeIndex`,
+so a decision does not grow with the node count for single-node requests.
 """
 
 from __future__ import annotations
 
+import heapq
+import logging
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Iterator, Literal, Union
 
 from .description import ResourceRequest
 from .errors import UnsatisfiableRequest
+from .node_index import INF, OPEN, RESERVED, NodeIndex
 from .pilot import PilotDescription
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,11 +67,14 @@ class RankSlot:
 
 @dataclass(frozen=True)
 class TaskSubmitted:
+    """A task whose inputs are ready.  ``group`` names its independent branch (fair share)."""
+
     task_id: str
     request: ResourceRequest
     time: float = 0.0
     priority: float = 0.0
     preferred_nodes: frozenset[int] = frozenset()
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,10 +103,16 @@ class StartTask:
     slots: tuple[RankSlot, ...]
 
 
+RejectCause = Literal["unsatisfiable", "walltime", "drain"]
+
+
 @dataclass(frozen=True)
 class RejectTask:
+    """Do not run ``task_id``; ``reason`` is for the task's record, ``cause`` for code."""
+
     task_id: str
     reason: str
+    cause: RejectCause = "unsatisfiable"
 
 
 Instruction = Union[StartTask, RejectTask]
@@ -103,137 +143,569 @@ def check_request(request: ResourceRequest, pilot: PilotDescription, *, what: st
         raise UnsatisfiableRequest(f"{what} ({request}) can never run on {pilot.shape()}: " + "; ".join(problems))
 
 
-@dataclass
-class _Node:
-    free_cores: list[int]
-    free_gpus: list[int]
-    free_memory: int | None
+# (ranks, cores_per_rank, gpus_per_rank, memory_per_rank or 0, ranks_per_node or huge)
+_Shape = tuple[int, int, int, int, int]
+# a queue: (group, rank class = bit length of ranks-1, cores_per_rank, gpus_per_rank, memory, per_node)
+_Key = tuple[str, int, int, int, int, int]
+_NO_CAP = 1 << 30
 
 
-@dataclass
-class _Queued:
+@dataclass(eq=False)
+class _Task:
     event: TaskSubmitted
-    order: int
+    shape: _Shape
+    seq: int
+    weight: float
+    estimate: float  # seconds, INF when unknown
+    slots: tuple[RankSlot, ...] = ()
+    end: float = INF  # estimated end while running
+
+
+@dataclass
+class _Queue:
+    """Queued tasks of one (group, shape): a heap of (-priority, seq, task id)."""
+
+    heap: list[tuple[float, int, str]] = field(default_factory=list)
+    filed: int = -1  # seq of this queue's entry in the scheduler's heads heap
+
+
+class _PassMemo:
+    """What one scheduling pass learnt cannot fit (resources only shrink during a pass)."""
+
+    __slots__ = ("fails", "capacity")
+
+    def __init__(self) -> None:
+        self.fails: list[tuple[bool, int, int, int]] = []   # no single node had this much
+        self.capacity: dict[tuple[bool, int, int, int], int] = {}  # ranks of a shape that fit at most
+
+    def no_node(self, cores: int, gpus: int, memory: int, reserved_ok: bool) -> None:
+        self.fails.append((reserved_ok, cores, gpus, memory))
+
+    def blocked(self, shape: _Shape, reserved_ok: bool) -> bool:
+        ranks, cores, gpus, memory, per_node = shape
+        if ranks <= per_node or ranks == 1:
+            c, g, m = ranks * cores, ranks * gpus, ranks * memory
+            for ok, fc, fg, fm in self.fails:
+                if (ok or not reserved_ok) and c >= fc and g >= fg and m >= fm:
+                    if ranks == 1:
+                        return True
+                    break
+            else:
+                return False
+        capacity = self.capacity.get((reserved_ok, cores, gpus, per_node))
+        return capacity is not None and capacity < ranks
+
+
+@dataclass
+class Reservation:
+    """The EASY reservation: ``task_id`` may start at ``start`` on ``nodes``."""
+
+    task_id: str
+    start: float
+    nodes: tuple[int, ...]
 
 
 class Scheduler:
-    """First-fit with backfill: every event re-scans the queue in priority order."""
+    """Places ready tasks on the pilot's cores and GPUs; see the module docstring for the policy."""
 
-    def __init__(self, pilot: PilotDescription) -> None:
+    def __init__(self, pilot: PilotDescription, start_time: float = 0.0, *, fair_share: bool = True) -> None:
         self.pilot = pilot.resolve()
-        cores = list(self.pilot.usable_cores())
-        gpus = list(range(self.pilot.gpus_per_node or 0))
-        self._nodes = [_Node(list(cores), list(gpus), self.pilot.memory_per_node) for _ in range(self.pilot.nodes)]
-        self._queue: list[_Queued] = []
-        self._running: dict[str, tuple[ResourceRequest, tuple[RankSlot, ...]]] = {}
-        self._order = 0
-        self.now = 0.0
+        self.start_time = start_time
+        self.end_time = INF if self.pilot.walltime is None else start_time + self.pilot.walltime
+        self.fair_share = fair_share
+        gpus = self.pilot.gpus_per_node or 0
+        self.index = NodeIndex(self.pilot.nodes, self.pilot.usable_cores(), gpus,
+                               self.pilot.gpu_cores, self.pilot.memory_per_node)
+        cores = self.index.max_cores
+        self._gpu_weight = cores / gpus if gpus else 0.0  # a GPU counts as its share of cores
+        self._capacity = self.pilot.nodes * (cores + gpus * self._gpu_weight)
+        self._tasks: dict[str, _Task] = {}      # queued
+        self._running: dict[str, _Task] = {}
+        self._queues: dict[_Key, _Queue] = {}
+        self._heads: list[tuple[float, int, _Key]] = []
+        self._ends: list[tuple[float, int, str]] = []  # running tasks with an estimate, lazy heap
+        self._unknown_end: dict[str, None] = {}        # running tasks without an estimate
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._group_usage: dict[str, float] = {}
+        self._group_queued: dict[str, int] = {}
+        self._seq = 0
+        self.reservation: Reservation | None = None
+        self._dirty = True                  # resources freed / queue heads changed since the last pass
+        self._first_blocked: str | None = None  # highest-priority task the last pass could not place
+        self.now = start_time
+        self.placements = 0
+        self.walk_limit = 2048
+        nodes = self.pilot.nodes
+        self._node_tasks: list[dict[str, float]] = [{} for _ in range(nodes)]
+        self._node_end = [start_time] * nodes   # when each node's running tasks all end (estimates)
+        self._free_at = [(start_time, node) for node in range(nodes)]  # lazy heap over _node_end
 
     # ---------------------------------------------------------------- public
     def handle_event(self, event: Event) -> list[Instruction]:
         self.now = max(self.now, event.time)
         out: list[Instruction] = []
         if isinstance(event, TaskSubmitted):
-            try:
-                check_request(event.request, self.pilot, what=f"task {event.task_id!r}")
-            except UnsatisfiableRequest as exc:
-                return [RejectTask(event.task_id, str(exc))]
-            self._queue.append(_Queued(event, self._order))
-            self._order += 1
+            if not self._submit(event, out):
+                return out
+            if not self._dirty:  # nothing freed since the last pass: only the newcomer is new
+                self._try_newcomer(self._tasks[event.task_id], out)
+                return out
         elif isinstance(event, TaskFinished):
             self._release(event.task_id)
+        elif isinstance(event, Tick):
+            self._dirty = True
         elif isinstance(event, TaskCancelled):
-            self._queue = [q for q in self._queue if q.event.task_id != event.task_id]
+            self._dequeue(event.task_id)
             self._release(event.task_id)
-        out.extend(self._schedule())
+            self._dirty = True
+        self._schedule(out)
         return out
 
     @property
     def running(self) -> dict[str, tuple[RankSlot, ...]]:
-        return {tid: slots for tid, (_, slots) in self._running.items()}
+        return {tid: task.slots for tid, task in self._running.items()}
 
     @property
     def queued(self) -> list[str]:
-        return [q.event.task_id for q in self._queue]
+        return [tid for _, _, tid in sorted((-t.event.priority, t.seq, tid) for tid, t in self._tasks.items())]
 
-    # --------------------------------------------------------------- private
-    def _release(self, task_id: str) -> None:
-        entry = self._running.pop(task_id, None)
-        if entry is None:
-            return
-        request, slots = entry
-        for slot in slots:
-            node = self._nodes[slot.node]
-            node.free_cores.extend(slot.cores)
-            node.free_cores.sort()
-            node.free_gpus.extend(slot.gpus)
-            node.free_gpus.sort()
-            if node.free_memory is not None and request.memory_per_rank:
-                node.free_memory += request.memory_per_rank
+    def utilization(self) -> tuple[float, float]:
+        """Fractions of usable cores and of GPUs held by running tasks now."""
+        index = self.index
+        cores = 1 - index.free_cores_total / (index.nodes * index.max_cores)
+        gpus = 1 - index.free_gpus_total / (index.nodes * index.max_gpus) if index.max_gpus else 0.0
+        return cores, gpus
 
-    def _schedule(self) -> list[Instruction]:
-        out: list[Instruction] = []
-        self._queue.sort(key=lambda q: (-q.event.priority, q.order))
-        waiting: list[_Queued] = []
-        for queued in self._queue:
-            slots = self._place(queued.event)
-            if slots is None:
-                waiting.append(queued)
-                continue
-            self._running[queued.event.task_id] = (queued.event.request, slots)
-            out.append(StartTask(queued.event.task_id, slots))
-        self._queue = waiting
-        return out
-
-    def _place(self, event: TaskSubmitted) -> tuple[RankSlot, ...] | None:
+    # ------------------------------------------------------------ submission
+    def _submit(self, event: TaskSubmitted, out: list[Instruction]) -> bool:
+        tid = event.task_id
+        if tid in self._tasks or tid in self._running:
+            out.append(RejectTask(tid, f"task {tid!r} is already queued or running"))
+            return False
         request = event.request
-        order = sorted(range(len(self._nodes)), key=lambda i: (i not in event.preferred_nodes, i))
-        plan: list[tuple[int, int]] = []  # (node, ranks on it)
-        remaining = request.ranks
-        for index in order:
-            fit = self._ranks_fitting(self._nodes[index], request)
-            if fit:
-                take = min(fit, remaining)
-                plan.append((index, take))
-                remaining -= take
-                if remaining == 0:
+        try:
+            check_request(request, self.pilot, what=f"task {tid!r}")
+        except UnsatisfiableRequest as exc:
+            out.append(RejectTask(tid, str(exc)))
+            return False
+        estimate = INF if request.duration is None else float(request.duration)
+        latest = self._latest_start(estimate)
+        if self.now > latest:
+            out.append(self._walltime_reject(tid, estimate))
+            return False
+        per_node = request.ranks_per_node or _NO_CAP
+        shape = (request.ranks, request.cores_per_rank, request.gpus_per_rank, request.memory_per_rank or 0, per_node)
+        weight = request.ranks * (request.cores_per_rank + request.gpus_per_rank * self._gpu_weight)
+        task = _Task(event, shape, self._seq, weight, estimate)
+        self._seq += 1
+        self._tasks[tid] = task
+        key = (event.group, (request.ranks - 1).bit_length()) + shape[1:]
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = _Queue()
+        entry = (-event.priority, task.seq, tid)
+        if not queue.heap or entry < queue.heap[0]:
+            heapq.heappush(self._heads, (entry[0], entry[1], key))
+            queue.filed = task.seq
+        heapq.heappush(queue.heap, entry)
+        self._group_queued[event.group] = self._group_queued.get(event.group, 0) + 1
+        if latest < INF:
+            heapq.heappush(self._deadlines, (latest, task.seq, tid))
+        return True
+
+    def _latest_start(self, estimate: float) -> float:
+        if self.end_time == INF:
+            return INF
+        return min(self.end_time - self.pilot.drain, self.end_time - estimate)
+
+    def _walltime_reject(self, tid: str, estimate: float) -> RejectTask:
+        left = self.end_time - self.now
+        if self.now > self.end_time - self.pilot.drain:
+            return RejectTask(tid, f"task {tid!r} cannot start at t={self.now:g}: the pilot ends at "
+                              f"t={self.end_time:g} and no task starts in its last {self.pilot.drain:g} s "
+                              f"(drain)", "drain")
+        return RejectTask(tid, f"task {tid!r}: its duration estimate ({estimate:g} s) cannot finish before "
+                          f"the pilot ends at t={self.end_time:g} ({left:g} s left)", "walltime")
+
+    def _dequeue(self, tid: str) -> _Task | None:
+        task = self._tasks.pop(tid, None)
+        if task is not None:
+            group = task.event.group
+            self._group_queued[group] -= 1
+            if not self._group_queued[group]:
+                del self._group_queued[group]
+            if self.reservation is not None and self.reservation.task_id == tid:
+                self._clear_reservation()
+        return task
+
+    # --------------------------------------------------------------- release
+    def _release(self, tid: str) -> None:
+        task = self._running.pop(tid, None)
+        if task is None:
+            return
+        self._dirty = True
+        memory = task.shape[3]
+        per_node: dict[int, list[int]] = {}
+        for slot in task.slots:
+            held = per_node.get(slot.node)
+            if held is None:
+                held = per_node[slot.node] = [0, 0, 0, 0, 0]
+            for core in slot.cores:
+                held[0] |= 1 << core
+            for gpu in slot.gpus:
+                held[1] |= 1 << gpu
+            held[2] += len(slot.cores)
+            held[3] += len(slot.gpus)
+            held[4] += memory
+        for node, held in per_node.items():
+            self.index.give(node, held[0], held[1], held[2], held[3], held[4])
+            on_node = self._node_tasks[node]
+            del on_node[tid]
+            end = max(on_node.values(), default=self.now)
+            if end != self._node_end[node]:
+                self._node_end[node] = end
+                heapq.heappush(self._free_at, (end, node))
+        group = task.event.group
+        self._group_usage[group] -= task.weight
+        if task.end == INF:
+            del self._unknown_end[tid]
+        elif len(self._ends) > 64 and len(self._ends) > 2 * len(self._running):
+            self._ends = [(t.end, t.seq, i) for i, t in self._running.items() if t.end < INF]
+            heapq.heapify(self._ends)
+
+    # ------------------------------------------------------------- the pass
+    def _head(self, key: _Key) -> _Task | None:
+        """The first live task of a queue, dropping cancelled entries."""
+        queue = self._queues[key]
+        heap = queue.heap
+        while heap:
+            task = self._tasks.get(heap[0][2])
+            if task is not None and task.seq == heap[0][1]:
+                return task
+            heapq.heappop(heap)
+        del self._queues[key]
+        return None
+
+    def _schedule(self, out: list[Instruction]) -> None:
+        self._expire(out)
+        index = self.index
+        heads = self._heads
+        set_aside: list[tuple[float, int, _Key]] = []
+        deferred: list[tuple[float, int, _Key]] = []
+        first_blocked: _Task | None = None
+        competing = self.fair_share and len(self._group_queued) > 1
+        share = self._capacity / max(1, len(self._group_queued))
+        memo = _PassMemo()
+        reserved = False
+        while index.free_cores_total:
+            if not heads:
+                if not deferred:
                     break
-        if remaining:
+                heads.extend(deferred)
+                heapq.heapify(heads)
+                deferred = []
+                competing = False
+                continue
+            entry = heapq.heappop(heads)
+            key = entry[2]
+            queue = self._queues.get(key)
+            if queue is None or queue.filed != entry[1]:
+                continue  # superseded entry
+            task = self._head(key)
+            if task is None:
+                continue
+            if task.seq != entry[1]:  # the filed head was cancelled: file the real one
+                heapq.heappush(heads, (-task.event.priority, task.seq, key))
+                queue.filed = task.seq
+                continue
+            if competing and self._group_usage.get(task.event.group, 0.0) >= share:
+                deferred.append(entry)
+                continue
+            if memo.blocked(task.shape, True):
+                slots = None  # does not fit even on held nodes: no need for the reservation
+            else:
+                ok = True
+                if first_blocked is not None:
+                    if not reserved:  # computed only once a backfill is actually tried
+                        self._reserve_for(first_blocked)
+                        reserved = True
+                    reservation = self.reservation
+                    ok = reservation is not None and self.now + task.estimate <= reservation.start
+                slots = None if memo.blocked(task.shape, ok) else self._place(task, ok, memo)
+            if slots is None:
+                set_aside.append(entry)
+                if first_blocked is None:
+                    first_blocked = task
+                continue
+            heapq.heappop(queue.heap)
+            self._start(task, slots, out)
+            nxt = self._head(key)
+            if nxt is not None:
+                heapq.heappush(heads, (-nxt.event.priority, nxt.seq, key))
+                queue.filed = nxt.seq
+        for entry in set_aside:
+            heapq.heappush(heads, entry)
+        for entry in deferred:
+            heapq.heappush(heads, entry)
+        self._dirty = False
+        self._first_blocked = None if first_blocked is None else first_blocked.event.task_id
+
+    def _try_newcomer(self, task: _Task, out: list[Instruction]) -> None:
+        """Place a just-submitted task, as the pass would, without revisiting the blocked queues.
+
+        Valid because nothing was freed since the last pass: every task that
+        pass left queued still does not fit, so only the newcomer can start —
+        as a backfill behind the last pass's first blocked task unless it
+        outranks it.
+        """
+        self._expire(out)
+        if not self.index.free_cores_total or task.event.task_id not in self._tasks:
+            return
+        key = (task.event.group, (task.shape[0] - 1).bit_length()) + task.shape[1:]
+        queue = self._queues[key]
+        if queue.heap[0][2] != task.event.task_id:
+            return  # an earlier task of its queue is waiting for the same resources
+        ok = True
+        blocked = self._tasks.get(self._first_blocked) if self._first_blocked is not None else None
+        if blocked is not None and (-blocked.event.priority, blocked.seq) < (-task.event.priority, task.seq):
+            self._reserve_for(blocked)
+            reservation = self.reservation
+            ok = reservation is not None and self.now + task.estimate <= reservation.start
+        slots = self._place(task, ok, _PassMemo())
+        if slots is None:
+            return
+        heapq.heappop(queue.heap)
+        self._start(task, slots, out)
+        nxt = self._head(key)
+        if nxt is not None:
+            heapq.heappush(self._heads, (-nxt.event.priority, nxt.seq, key))
+            queue.filed = nxt.seq
+
+    def _start(self, task: _Task, slots: tuple[RankSlot, ...], out: list[Instruction]) -> None:
+        tid = task.event.task_id
+        self._dequeue(tid)
+        task.slots = slots
+        task.end = self.now + task.estimate
+        self._running[tid] = task
+        if task.end == INF:
+            self._unknown_end[tid] = None
+        else:
+            heapq.heappush(self._ends, (task.end, task.seq, tid))
+        for node in {slot.node for slot in slots}:
+            self._node_tasks[node][tid] = task.end
+            if task.end > self._node_end[node]:
+                self._node_end[node] = task.end
+                heapq.heappush(self._free_at, (task.end, node))
+        group = task.event.group
+        self._group_usage[group] = self._group_usage.get(group, 0.0) + task.weight
+        self.placements += 1
+        out.append(StartTask(tid, slots))
+
+    def _expire(self, out: list[Instruction]) -> None:
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] < self.now:
+            _, seq, tid = heapq.heappop(deadlines)
+            task = self._tasks.get(tid)
+            if task is not None and task.seq == seq:
+                self._dequeue(tid)
+                out.append(self._walltime_reject(tid, task.estimate))
+
+    # ------------------------------------------------------------- placement
+    def _place(self, task: _Task, reserved_ok: bool, memo: "_PassMemo") -> tuple[RankSlot, ...] | None:
+        ranks, cores, gpus, memory, per_node = task.shape
+        index = self.index
+        pools = (OPEN, RESERVED) if reserved_ok else (OPEN,)
+        preferred = task.event.preferred_nodes
+        single = ranks <= per_node
+        if preferred:
+            plan = self._place_preferred(task, pools)
+            if plan is not None:
+                return plan
+        if single:
+            node = index.best_node(ranks * cores, ranks * gpus, ranks * memory, pools, gpu_first=gpus > 0)
+            if node is not None:
+                return self._slots([(node, ranks)], task)
+            memo.no_node(ranks * cores, ranks * gpus, ranks * memory, reserved_ok)
+            if ranks == 1:
+                return None
+        capacity_key = (reserved_ok, cores, gpus, per_node)
+        capacity = memo.capacity.get(capacity_key)
+        if capacity is None:
+            capacity = memo.capacity[capacity_key] = index.capacity(pools, cores, gpus, per_node)
+        if capacity < ranks:
             return None
+        plan: list[tuple[int, int]] = []
+        left = ranks
+        keys = sorted(((fg, fc, pool) for pool in pools for fg, fc in index.keys(pool, cores, gpus)),
+                      key=lambda k: -index.ranks_fitting(k[1], k[0], None, cores, gpus, 0, per_node))
+        for fg, fc, pool in keys:
+            for node in index.bucket(pool, fg, fc):
+                fit = index.node_fit(node, cores, gpus, memory, per_node)
+                if fit:
+                    take = min(fit, left)
+                    plan.append((node, take))
+                    left -= take
+                    if not left:
+                        return self._slots(plan, task)
+        return None
+
+    def _place_preferred(self, task: _Task, pools: tuple[int, ...]) -> tuple[RankSlot, ...] | None:
+        ranks, cores, gpus, memory, per_node = task.shape
+        index = self.index
+        fits = sorted((index.fc[n], index.fg[n], n, index.node_fit(n, cores, gpus, memory, per_node))
+                      for n in task.event.preferred_nodes
+                      if 0 <= n < index.nodes and index.pool[n] in pools)
+        for fc, fg, node, fit in fits:  # one preferred node, best fit
+            if fit >= ranks:
+                return self._slots([(node, ranks)], task)
+        if ranks == 1 or ranks <= per_node and index.best_node(
+                ranks * cores, ranks * gpus, ranks * memory, pools, gpu_first=gpus > 0) is not None:
+            return None  # the task fits on one node elsewhere; spanning would be worse
+        if index.capacity(pools, cores, gpus, per_node) < ranks:
+            return None
+        plan: list[tuple[int, int]] = []
+        left = ranks
+        used = set()
+        for _, _, node, fit in sorted(fits, key=lambda f: -f[3]):
+            if fit and left:
+                plan.append((node, min(fit, left)))
+                left -= plan[-1][1]
+                used.add(node)
+        for pool in pools:
+            for fg, fc in index.keys(pool, cores, gpus):
+                for node in index.bucket(pool, fg, fc):
+                    if left and node not in used:
+                        fit = index.node_fit(node, cores, gpus, memory, per_node)
+                        if fit:
+                            plan.append((node, min(fit, left)))
+                            left -= plan[-1][1]
+                    if not left:
+                        return self._slots(plan, task)
+        return None
+
+    def _slots(self, plan: list[tuple[int, int]], task: _Task) -> tuple[RankSlot, ...]:
+        _, cores, gpus, memory, _ = task.shape
         slots: list[RankSlot] = []
-        for index, count in plan:
-            node = self._nodes[index]
-            for _ in range(count):
-                gpus = tuple(node.free_gpus[: request.gpus_per_rank])
-                del node.free_gpus[: request.gpus_per_rank]
-                cores = self._take_cores(node, request.cores_per_rank, gpus)
-                if node.free_memory is not None and request.memory_per_rank:
-                    node.free_memory -= request.memory_per_rank
-                slots.append(RankSlot(index, cores, gpus))
+        for node, count in plan:
+            for core_ids, gpu_ids in self.index.take(node, count, cores, gpus, memory):
+                slots.append(RankSlot(node, core_ids, gpu_ids))
+        if self.reservation is not None and self.reservation.task_id == task.event.task_id:
+            self._clear_reservation()
         return tuple(slots)
 
-    def _take_cores(self, node: _Node, count: int, gpus: tuple[int, ...]) -> tuple[int, ...]:
-        near: list[int] = []
-        for gpu in gpus:
-            if gpu < len(self.pilot.gpu_cores):
-                near.extend(c for c in self.pilot.gpu_cores[gpu] if c in node.free_cores and c not in near)
-        chosen = near[:count]
-        for core in node.free_cores:
-            if len(chosen) == count:
-                break
-            if core not in chosen:
-                chosen.append(core)
-        for core in chosen:
-            node.free_cores.remove(core)
-        return tuple(sorted(chosen))
+    # ----------------------------------------------------------- reservation
+    def _clear_reservation(self) -> None:
+        if self.reservation is not None:
+            for node in self.reservation.nodes:
+                self.index.set_pool(node, OPEN)
+            self.reservation = None
 
-    @staticmethod
-    def _ranks_fitting(node: _Node, request: ResourceRequest) -> int:
-        fit = len(node.free_cores) // request.cores_per_rank
-        if request.gpus_per_rank:
-            fit = min(fit, len(node.free_gpus) // request.gpus_per_rank)
-        if request.memory_per_rank and node.free_memory is not None:
-            fit = min(fit, node.free_memory // request.memory_per_rank)
-        if request.ranks_per_node is not None:
-            fit = min(fit, request.ranks_per_node)
-        return fit
+    def _ends_in_order(self) -> Iterator[_Task]:
+        """Running tasks by estimated end (without copying the heap), unknown ends last."""
+        heap = self._ends
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier:
+            (end, seq, tid), i = heapq.heappop(frontier)
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
+            task = self._running.get(tid)
+            if task is not None and task.seq == seq:
+                yield task
+        for tid in self._unknown_end:
+            yield self._running[tid]
+
+    def _free_times(self) -> Iterator[tuple[float, int]]:
+        """(time the node's running tasks are all estimated to end, node), earliest first."""
+        heap = self._free_at
+        if len(heap) > 4 * self.index.nodes + 1024:
+            heap[:] = [(end, node) for node, end in enumerate(self._node_end)]
+            heapq.heapify(heap)
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier:
+            (end, node), i = heapq.heappop(frontier)
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
+            if self._node_end[node] == end:
+                yield end, node
+
+    def _reserve_for(self, task: _Task) -> None:
+        """Hold nodes for ``task`` from the earliest time the running tasks' estimates free them.
+
+        Running tasks are released in order of estimated end until the task
+        fits; if that takes more than ``walk_limit`` tasks (a whole-node
+        request on a busy pilot), the nodes that become entirely free first are
+        held instead — a later but still valid start.
+        """
+        current = self.reservation
+        if current is not None and self.now < current.start and current.task_id in self._tasks:
+            return  # the holder keeps its reservation until it starts (or the estimate is overrun)
+        self._clear_reservation()
+        ranks, cores, gpus, memory, per_node = task.shape
+        index = self.index
+        single = ranks <= per_node
+        extra: dict[int, list[int]] = {}
+        total = 0 if single else index.capacity((OPEN,), cores, gpus, per_node)
+
+        def fit(node: int) -> int:
+            add = extra.get(node, (0, 0, 0))
+            mem = None if index.mem is None else index.mem[node] + add[2]
+            return index.ranks_fitting(index.fc[node] + add[0], index.fg[node] + add[1], mem,
+                                       cores, gpus, memory, per_node)
+
+        start = INF
+        chosen: list[int] = []
+        found = False
+        for walked, running in enumerate(self._ends_in_order()):
+            if walked >= self.walk_limit:
+                break
+            for slot in running.slots:
+                before = fit(slot.node)
+                add = extra.setdefault(slot.node, [0, 0, 0])
+                add[0] += len(slot.cores)
+                add[1] += len(slot.gpus)
+                add[2] += running.shape[3]
+                after = fit(slot.node)
+                total += after - before
+                if single and after >= ranks:
+                    chosen = [slot.node]
+                    break
+            if chosen or (not single and total >= ranks):
+                start = running.end
+                found = True
+                break
+        if found and not single:
+            left = ranks
+            for node in sorted(extra, key=lambda n: -fit(n)):
+                if left > 0 and fit(node):
+                    chosen.append(node)
+                    left -= fit(node)
+            for fg, fc in sorted(index.keys(OPEN, cores, gpus), reverse=True):
+                if left <= 0:
+                    break
+                for node in index.bucket(OPEN, fg, fc):
+                    if left <= 0:
+                        break
+                    if node not in extra:
+                        chosen.append(node)
+                        left -= fit(node)
+        elif not found:  # nodes that empty first
+            empty = index.ranks_fitting(index.max_cores, index.max_gpus, self.pilot.memory_per_node,
+                                        cores, gpus, memory, per_node)
+            left = ranks
+            for end, node in self._free_times():
+                if node in extra and extra[node] == [-1]:
+                    continue
+                extra[node] = [-1]  # marks a node already chosen (the heap may repeat entries)
+                chosen.append(node)
+                left -= empty
+                start = max(end, self.now)
+                if left <= 0:
+                    break
+        if not chosen:
+            return
+        for node in chosen:
+            index.set_pool(node, RESERVED)
+        self.reservation = Reservation(task.event.task_id, start, tuple(chosen))
+        logger.debug("reserved %d node(s) for %s from t=%s", len(chosen), task.event.task_id, start)

@@ -1,0 +1,252 @@
+"""Free-capacity index of a pilot's nodes, used by :mod:`hetflow.tasks.scheduler`.
+
+Per-node state lives in flat lists indexed by node number: a bitmask of free
+core ids, a bitmask of free GPU ids, their counts, and free memory.  Nodes are
+also filed in *buckets* keyed by ``(free GPUs, free cores)``; for every GPU
+level a bitmask of the non-empty core levels lets a best-fit search jump to the
+smallest bucket that fits with a shift and a lowest-set-bit, so finding a node
+costs ``O(gpus_per_node)`` big-int operations whatever the node count.
+
+There are two *pools*: ``OPEN`` and ``RESERVED``.  Nodes held for the
+scheduler's reservation (EASY backfill) sit in ``RESERVED``; searches say which
+pools they may use.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+OPEN = 0
+RESERVED = 1
+INF = float("inf")
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """Set bit positions of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class NodeIndex:
+    """Free cores/GPUs/memory of every node, indexed by free capacity."""
+
+    def __init__(self, nodes: int, usable_cores: tuple[int, ...], gpus: int,
+                 gpu_cores: tuple[tuple[int, ...], ...], memory: int | None) -> None:
+        self.nodes = nodes
+        self.max_cores = len(usable_cores)
+        self.max_gpus = gpus
+        full_cores = 0
+        for core in usable_cores:
+            full_cores |= 1 << core
+        self.full_cores = full_cores
+        self.full_gpus = (1 << gpus) - 1
+        near = [0] * gpus
+        for gpu, cores in enumerate(gpu_cores[:gpus]):
+            for core in cores:
+                near[gpu] |= 1 << core
+            near[gpu] &= full_cores
+        self.near = near
+        # cores near any GPU in a GPU mask, for every mask (2**gpus entries; gpus <= 16)
+        self._near_of: list[int] | None = None
+        if gpus <= 12:
+            table = [0] * (1 << gpus)
+            for mask in range(1, 1 << gpus):
+                low = mask & -mask
+                table[mask] = table[mask ^ low] | near[low.bit_length() - 1]
+            self._near_of = table
+        self.cmask = [full_cores] * nodes
+        self.gmask = [self.full_gpus] * nodes
+        self.fc = [self.max_cores] * nodes
+        self.fg = [gpus] * nodes
+        self.mem: list[int] | None = None if memory is None else [memory] * nodes
+        self.pool = [OPEN] * nodes
+        width = self.max_cores + 1
+        self._width = width
+        self._buckets: list[list[dict[int, None]]] = [
+            [dict() for _ in range((gpus + 1) * width)] for _ in (OPEN, RESERVED)]
+        self._levels: list[list[int]] = [[0] * (gpus + 1) for _ in (OPEN, RESERVED)]
+        full = self._buckets[OPEN][gpus * width + self.max_cores]
+        for node in range(nodes):
+            full[node] = None
+        self._levels[OPEN][gpus] = 1 << self.max_cores
+        self.free_cores_total = nodes * self.max_cores
+        self.free_gpus_total = nodes * gpus
+
+    # ------------------------------------------------------------- buckets
+    def _unfile(self, node: int) -> None:
+        pool, fg, fc = self.pool[node], self.fg[node], self.fc[node]
+        bucket = self._buckets[pool][fg * self._width + fc]
+        del bucket[node]
+        if not bucket:
+            self._levels[pool][fg] &= ~(1 << fc)
+
+    def _file(self, node: int) -> None:
+        pool, fg, fc = self.pool[node], self.fg[node], self.fc[node]
+        bucket = self._buckets[pool][fg * self._width + fc]
+        if not bucket:
+            self._levels[pool][fg] |= 1 << fc
+        bucket[node] = None
+
+    def set_pool(self, node: int, pool: int) -> None:
+        if self.pool[node] != pool:
+            self._unfile(node)
+            self.pool[node] = pool
+            self._file(node)
+
+    def near_of(self, gpu_mask: int) -> int:
+        if self._near_of is not None:
+            return self._near_of[gpu_mask]
+        out = 0
+        for gpu in _bits(gpu_mask):
+            out |= self.near[gpu]
+        return out
+
+    # ------------------------------------------------------------- fitting
+    @staticmethod
+    def ranks_fitting(fc: int, fg: int, mem: int | None, cores: int, gpus: int,
+                      memory: int, per_node: int) -> int:
+        fit = fc // cores
+        if gpus and fg // gpus < fit:
+            fit = fg // gpus
+        if memory and mem is not None and mem // memory < fit:
+            fit = mem // memory
+        return fit if fit < per_node else per_node
+
+    def node_fit(self, node: int, cores: int, gpus: int, memory: int, per_node: int) -> int:
+        mem = None if self.mem is None else self.mem[node]
+        return self.ranks_fitting(self.fc[node], self.fg[node], mem, cores, gpus, memory, per_node)
+
+    def best_node(self, cores: int, gpus: int, memory: int, pools: tuple[int, ...],
+                  gpu_first: bool, scan_limit: int = 64) -> int | None:
+        """A node with at least ``cores`` free cores, ``gpus`` GPUs and ``memory``, best fit.
+
+        Best fit means fewest free GPUs then cores when ``gpu_first`` (GPU
+        requests pack GPUs), fewest free cores then GPUs otherwise.  With a
+        memory request, at most ``scan_limit`` candidates are examined.
+        """
+        if cores > self.max_cores or gpus > self.max_gpus:
+            return None
+        found: list[tuple[int, int, int]] = []  # (fg, fc, pool) per pool, best first
+        for pool in pools:
+            levels = self._levels[pool]
+            best: tuple[int, int] | None = None
+            for fg in range(gpus, self.max_gpus + 1):
+                above = levels[fg] >> cores
+                if not above:
+                    continue
+                fc = cores + ((above & -above).bit_length() - 1)
+                if gpu_first:
+                    best = (fg, fc)
+                    break
+                if best is None or fc < best[1]:
+                    best = (fg, fc)
+            if best is not None:
+                found.append((best[0], best[1], pool))
+        if not found:
+            return None
+        found.sort(key=(lambda f: (f[0], f[1], f[2])) if gpu_first else (lambda f: (f[1], f[0], f[2])))
+        if not memory or self.mem is None:
+            fg, fc, pool = found[0]
+            return next(iter(self._buckets[pool][fg * self._width + fc]))
+        mem = self.mem
+        scanned = 0
+        for _, _, pool in found:
+            for key in self.keys(pool, cores, gpus):
+                for node in self._buckets[pool][key[0] * self._width + key[1]]:
+                    if mem[node] >= memory:
+                        return node
+                    scanned += 1
+                    if scanned >= scan_limit:
+                        return None
+        return None
+
+    def keys(self, pool: int, cores: int, gpus: int) -> Iterator[tuple[int, int]]:
+        """Non-empty ``(free GPUs, free cores)`` buckets of ``pool`` with at least the given free."""
+        levels = self._levels[pool]
+        for fg in range(gpus, self.max_gpus + 1):
+            for fc in _bits(levels[fg] >> cores):
+                yield fg, fc + cores
+
+    def bucket(self, pool: int, fg: int, fc: int) -> dict[int, None]:
+        return self._buckets[pool][fg * self._width + fc]
+
+    def capacity(self, pools: tuple[int, ...], cores: int, gpus: int, per_node: int) -> int:
+        """Ranks of this shape that fit on the given pools right now (memory not counted)."""
+        total = 0
+        for pool in pools:
+            for fg, fc in self.keys(pool, cores, gpus):
+                total += self.ranks_fitting(fc, fg, None, cores, gpus, 0, per_node) * len(self.bucket(pool, fg, fc))
+        return total
+
+    # ------------------------------------------------------------ allocate
+    def take(self, node: int, ranks: int, cores: int, gpus: int,
+             memory: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Take ``ranks`` × (``cores`` cores, ``gpus`` GPUs) on ``node``: [(core ids, GPU ids)] per rank.
+
+        GPU ranks get the free GPUs with the most free nearby cores and those
+        cores first; CPU ranks take cores away from free GPUs first, so a node
+        can keep feeding its GPUs while it runs CPU work.
+        """
+        self._unfile(node)
+        cmask, gmask = self.cmask[node], self.gmask[node]
+        out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        if not gpus:  # CPU ranks: pick all cores at once, then deal them out in order
+            away = cmask & ~self.near_of(gmask)
+            ids = list(_bits(away))[:ranks * cores]
+            if len(ids) < ranks * cores:
+                taken = set(ids)
+                ids += [c for c in _bits(cmask) if c not in taken][:ranks * cores - len(ids)]
+                ids.sort()
+            for core in ids:
+                cmask &= ~(1 << core)
+            out = [(tuple(ids[r * cores:(r + 1) * cores]), ()) for r in range(ranks)]
+            ranks_left = 0
+        else:
+            ranks_left = ranks
+        for _ in range(ranks_left):
+            chosen_g = 0
+            if gpus:
+                order = sorted(_bits(gmask), key=lambda g: -(self.near[g] & cmask).bit_count())
+                for gpu in order[:gpus]:
+                    chosen_g |= 1 << gpu
+                gmask &= ~chosen_g
+                tiers = (cmask & self.near_of(chosen_g), cmask & ~self.near_of(gmask), cmask)
+            else:
+                tiers = (cmask & ~self.near_of(gmask), cmask)
+            chosen_c = 0
+            need = cores
+            for tier in tiers:
+                tier &= ~chosen_c
+                while need and tier:
+                    low = tier & -tier
+                    chosen_c |= low
+                    tier ^= low
+                    need -= 1
+                if not need:
+                    break
+            cmask &= ~chosen_c
+            out.append((tuple(_bits(chosen_c)), tuple(_bits(chosen_g))))
+        self.cmask[node], self.gmask[node] = cmask, gmask
+        self.fc[node] -= ranks * cores
+        self.fg[node] -= ranks * gpus
+        self.free_cores_total -= ranks * cores
+        self.free_gpus_total -= ranks * gpus
+        if memory and self.mem is not None:
+            self.mem[node] -= ranks * memory
+        self._file(node)
+        return out
+
+    def give(self, node: int, cores: int, gpus: int, core_count: int, gpu_count: int, memory: int) -> None:
+        """Return cores and GPUs (bitmasks, with their counts) and memory to ``node``."""
+        self._unfile(node)
+        self.cmask[node] |= cores
+        self.gmask[node] |= gpus
+        self.fc[node] += core_count
+        self.fg[node] += gpu_count
+        self.free_cores_total += core_count
+        self.free_gpus_total += gpu_count
+        if memory and self.mem is not None:
+            self.mem[node] += memory
+        self._file(node)

@@ -1,0 +1,281 @@
+"""Timeline report: a Gantt chart per node, utilisation curves and the critical path.
+
+Input is a list of :class:`Interval` — one per task per node it held — from a
+real run (the orchestrator converts state-store records) or from the
+simulator.  :func:`render_timeline` writes one self-contained HTML file (inline
+SVG and a few lines of inline script, nothing fetched) and optionally a PNG
+drawn with matplotlib.
+
+Large runs stay small: the Gantt chart shows the first ``max_nodes`` nodes
+(and at most ``max_bars`` bars); utilisation curves cover every interval, or a
+precomputed curve can be passed in (the simulator does, for all nodes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .pilot import PilotDescription
+
+logger = logging.getLogger(__name__)
+
+WIDTH = 1100          # px of the time axis
+LEFT = 90             # px for lane labels
+PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
+           "#bab0ac", "#86bcb6", "#d37295", "#8cd17d")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One task's hold on one node: the bar drawn in the timeline."""
+
+    task_id: str
+    name: str
+    node: str
+    cores: tuple[int, ...]
+    gpus: tuple[int, ...]
+    start: float
+    end: float
+    state: str = "done"
+    deps: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.end < self.start:
+            raise ValueError(f"interval of task {self.task_id!r} ends ({self.end}) before it starts ({self.start})")
+
+
+def critical_path(intervals: Iterable[Interval]) -> list[str]:
+    """Task ids of the chain that ended last, following each task's last-finishing dependency."""
+    spans: dict[str, tuple[float, float, tuple[str, ...]]] = {}
+    for iv in intervals:
+        start, end, deps = spans.get(iv.task_id, (iv.start, iv.end, iv.deps))
+        spans[iv.task_id] = (min(start, iv.start), max(end, iv.end), tuple(dict.fromkeys(deps + iv.deps)))
+    if not spans:
+        return []
+    task = max(spans, key=lambda t: (spans[t][1], t))
+    path = [task]
+    seen = {task}
+    while True:
+        deps = [d for d in spans[task][2] if d in spans and d not in seen]
+        if not deps:
+            break
+        task = max(deps, key=lambda d: (spans[d][1], d))
+        path.append(task)
+        seen.add(task)
+    return path[::-1]
+
+
+def utilization_curve(intervals: Iterable[Interval], pilot: PilotDescription,
+                      nodes: int | None = None) -> list[tuple[float, float, float]]:
+    """(time, core fraction, GPU fraction) at every change, over ``nodes`` nodes (default: the pilot's)."""
+    pilot = pilot.resolve()
+    count = nodes or pilot.nodes
+    cores_total = count * len(pilot.usable_cores())
+    gpus_total = count * (pilot.gpus_per_node or 0)
+    changes: dict[float, list[int]] = {}
+    for iv in intervals:
+        for t, sign in ((iv.start, 1), (iv.end, -1)):
+            entry = changes.setdefault(t, [0, 0])
+            entry[0] += sign * len(iv.cores)
+            entry[1] += sign * len(iv.gpus)
+    curve: list[tuple[float, float, float]] = []
+    cores = gpus = 0
+    for t in sorted(changes):
+        cores += changes[t][0]
+        gpus += changes[t][1]
+        curve.append((t, cores / cores_total if cores_total else 0.0, gpus / gpus_total if gpus_total else 0.0))
+    return curve
+
+
+def _color(name: str) -> str:
+    return PALETTE[int(hashlib.sha1(name.encode()).hexdigest()[:6], 16) % len(PALETTE)]
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous runs of lane numbers: [(first, length)]."""
+    out: list[tuple[int, int]] = []
+    for lane in sorted(ids):
+        if out and out[-1][0] + out[-1][1] == lane:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((lane, 1))
+    return out
+
+
+def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html_path: str | os.PathLike[str],
+                    png_path: str | os.PathLike[str] | None = None, *, title: str = "hetflow timeline",
+                    utilization: Sequence[tuple[float, float, float]] | None = None,
+                    max_nodes: int = 32, max_bars: int = 20_000) -> dict[str, int]:
+    """Write the report; returns counts ``{"bars", "nodes", "critical"}`` of what was drawn."""
+    pilot = pilot.resolve()
+    node_names = sorted({iv.node for iv in intervals})
+    shown = node_names[:max_nodes]
+    shown_set = set(shown)
+    bars = [iv for iv in intervals if iv.node in shown_set][:max_bars]
+    path = critical_path(intervals)
+    on_path = set(path)
+    curve = list(utilization) if utilization is not None else utilization_curve(intervals, pilot)
+    t0 = min([iv.start for iv in intervals] + [c[0] for c in curve], default=0.0)
+    t1 = max([iv.end for iv in intervals] + [c[0] for c in curve], default=1.0)
+    span = max(t1 - t0, 1e-9)
+
+    def x(t: float) -> float:
+        return LEFT + WIDTH * (t - t0) / span
+
+    core_lane = {c: i for i, c in enumerate(pilot.usable_cores())}
+    gpus = pilot.gpus_per_node or 0
+    lanes = len(core_lane) + gpus
+    lane_h = max(2.0, min(8.0, 200.0 / max(lanes, 1)))
+    node_h = lanes * lane_h + 18
+    parts: list[str] = []
+    by_node: dict[str, list[Interval]] = {name: [] for name in shown}
+    for iv in bars:
+        by_node[iv.node].append(iv)
+    height = int(len(shown) * node_h + 30)
+    parts.append(f'<svg id="gantt" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" height="{height}">')
+    for row, name in enumerate(shown):
+        top = row * node_h
+        parts.append(f'<g class="node" data-node="{html.escape(name)}">'
+                     f'<text x="2" y="{top + 12:.1f}" class="label">{html.escape(name)}</text>'
+                     f'<rect x="{LEFT}" y="{top + 14:.1f}" width="{WIDTH}" height="{lanes * lane_h:.1f}" class="lanes"/>'
+                     f'<line x1="{LEFT}" x2="{LEFT + WIDTH}" y1="{top + 14 + len(core_lane) * lane_h:.1f}" '
+                     f'y2="{top + 14 + len(core_lane) * lane_h:.1f}" class="gpusep"/>')
+        for iv in by_node[name]:
+            tip = (f"{iv.name} (task {iv.task_id}) on {iv.node}: cores {list(iv.cores)} GPUs {list(iv.gpus)}, "
+                   f"{iv.start - t0:.1f}-{iv.end - t0:.1f} s, {iv.state}")
+            cls = "bar critical" if iv.task_id in on_path else "bar"
+            rects = []
+            lanes_held = [core_lane[c] for c in iv.cores if c in core_lane] + [len(core_lane) + g for g in iv.gpus if g < gpus]
+            for first, length in _runs(lanes_held):
+                rects.append(f'<rect x="{x(iv.start):.1f}" y="{top + 14 + first * lane_h:.1f}" '
+                             f'width="{max(x(iv.end) - x(iv.start), 0.5):.1f}" height="{length * lane_h:.1f}" '
+                             f'fill="{_color(iv.name)}"/>')
+            parts.append(f'<g class="{cls}" data-task="{html.escape(iv.task_id)}"><title>{html.escape(tip)}</title>'
+                         + "".join(rects) + "</g>")
+        parts.append("</g>")
+    parts.append("</svg>")
+    gantt = "".join(parts)
+    util = _curve_svg(curve, x, t0, t1)
+    legend = "".join(f'<span class="key"><i style="background:{_color(n)}"></i>{html.escape(n)}</span>'
+                     for n in sorted({iv.name for iv in intervals}))
+    path_rows = "".join(f"<li>{html.escape(t)}</li>" for t in path)
+    summary = {"bars": len(bars), "nodes": len(shown), "critical": len(path)}
+    note = ""
+    if len(node_names) > len(shown) or len(bars) < sum(1 for iv in intervals if iv.node in shown_set):
+        note = (f"<p class='note'>Gantt chart limited to {len(shown)} of {len(node_names)} nodes and "
+                f"{len(bars)} bars; utilisation covers the whole run.</p>")
+    page = _PAGE.format(title=html.escape(title), shape=html.escape(pilot.shape()), legend=legend, note=note,
+                        gantt=gantt, util=util, path=path_rows, expected=json.dumps(summary),
+                        duration=f"{span:,.1f}")
+    Path(html_path).write_text(page, encoding="utf-8")
+    if png_path is not None:
+        _render_png(bars, shown, core_lane, gpus, curve, t0, path, Path(png_path), title)
+    logger.info("timeline written to %s (%d bars on %d nodes)", html_path, len(bars), len(shown))
+    return summary
+
+
+def _curve_svg(curve: Sequence[tuple[float, float, float]], x: "callable", t0: float, t1: float) -> str:  # type: ignore[valid-type]
+    h = 160.0
+    def points(col: int) -> str:
+        pts: list[str] = []
+        last = 0.0
+        for sample in curve:
+            pts.append(f"{x(sample[0]):.1f},{h - h * last:.1f}")
+            last = sample[col]
+            pts.append(f"{x(sample[0]):.1f},{h - h * last:.1f}")
+        pts.append(f"{x(t1):.1f},{h - h * last:.1f}")
+        return " ".join(pts)
+    grid = "".join(f'<line x1="{LEFT}" x2="{LEFT + WIDTH}" y1="{h - h * f:.1f}" y2="{h - h * f:.1f}" class="grid"/>'
+                   f'<text x="{LEFT - 36}" y="{h - h * f + 4:.1f}" class="label">{int(100 * f)}%</text>'
+                   for f in (0.0, 0.5, 1.0))
+    return (f'<svg id="util" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" height="{h + 20:.0f}">'
+            f'{grid}<polyline class="cores" points="{points(1)}"/><polyline class="gpus" points="{points(2)}"/>'
+            f'<text x="{LEFT}" y="{h + 16:.0f}" class="label">t = 0</text>'
+            f'<text x="{LEFT + WIDTH - 80}" y="{h + 16:.0f}" class="label">t = {t1 - t0:,.0f} s</text></svg>')
+
+
+def _render_png(bars: Sequence[Interval], shown: Sequence[str], core_lane: dict[int, int], gpus: int,
+                curve: Sequence[tuple[float, float, float]], t0: float, path: Sequence[str], out: Path,
+                title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = len(core_lane) + gpus
+    fig, (ax_g, ax_u) = plt.subplots(2, 1, figsize=(12, 8), gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    row_of = {name: i for i, name in enumerate(shown)}
+    on_path = set(path)
+    for iv in bars:
+        base = row_of[iv.node] * (lanes + 2)
+        held = [core_lane[c] for c in iv.cores if c in core_lane] + [len(core_lane) + g for g in iv.gpus if g < gpus]
+        for first, length in _runs(held):
+            ax_g.broken_barh([(iv.start - t0, max(iv.end - iv.start, 1e-9))], (base + first, length),
+                             facecolors=_color(iv.name), edgecolors="black" if iv.task_id in on_path else "none",
+                             linewidth=0.6)
+    ax_g.set_yticks([row_of[n] * (lanes + 2) + lanes / 2 for n in shown], list(shown), fontsize=6)
+    ax_g.invert_yaxis()
+    ax_g.set_title(title)
+    if curve:
+        times = [c[0] - t0 for c in curve]
+        ax_u.step(times, [100 * c[1] for c in curve], where="post", label="cores")
+        ax_u.step(times, [100 * c[2] for c in curve], where="post", label="GPUs")
+    ax_u.set_ylim(0, 105)
+    ax_u.set_ylabel("utilisation %")
+    ax_u.set_xlabel("seconds")
+    ax_u.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font: 13px sans-serif; margin: 16px; }}
+.label {{ font: 11px sans-serif; fill: #333; }}
+.lanes {{ fill: #f4f4f4; }}
+.gpusep {{ stroke: #999; stroke-dasharray: 3 2; }}
+.bar.critical rect {{ stroke: #000; stroke-width: 1; }}
+.grid {{ stroke: #ddd; }}
+polyline {{ fill: none; stroke-width: 1.5; }}
+polyline.cores {{ stroke: #4e79a7; }} polyline.gpus {{ stroke: #e15759; }}
+.key {{ margin-right: 12px; }} .key i {{ display: inline-block; width: 10px; height: 10px; margin-right: 4px; }}
+.note {{ color: #666; }}
+</style>
+<script>
+window.hetflowErrors = [];
+window.addEventListener("error", function (e) {{ window.hetflowErrors.push(String(e.message)); }});
+</script>
+</head><body>
+<h1>{title}</h1>
+<p>{shape}; run length {duration} s. Lanes per node: usable cores, then GPUs (below the dashed line).
+Bars with a black outline are on the critical path.</p>
+<p>{legend}</p>
+{note}
+<h2>Utilisation (<span style="color:#4e79a7">cores</span>, <span style="color:#e15759">GPUs</span>)</h2>
+{util}
+<h2>Tasks per node</h2>
+{gantt}
+<h2>Critical path</h2>
+<ol id="critical-path">{path}</ol>
+<pre id="report-status"></pre>
+<script>
+(function () {{
+  var expected = {expected};
+  var bars = document.querySelectorAll("#gantt g.bar").length;
+  var status = {{bars: bars, expected_bars: expected.bars,
+                critical: document.querySelectorAll("#critical-path li").length,
+                errors: window.hetflowErrors}};
+  document.getElementById("report-status").textContent = JSON.stringify(status);
+  document.body.setAttribute("data-bars", String(bars));
+}})();
+</script>
+</body></html>
+"""
