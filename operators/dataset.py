@@ -170,7 +170,9 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     iterable.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not directory.is_dir():
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
     name = partition_name(index)
     final = directory / name
     tmp = directory / f".{name}.tmp-{os.getpid()}"
@@ -195,6 +197,9 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, final)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot write partition {final}: {exc.strerror or exc}") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

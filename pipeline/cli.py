@@ -114,6 +114,9 @@ def _run_script(script: str, options: RunOptions) -> int:
     path = Path(script)
     if not path.is_file():
         raise UsageError(f"pipeline script {script!r} does not exist")
+    import dataclasses
+
+    options = dataclasses.replace(options, script=str(path.resolve()))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(path)]
     sys.path.insert(0, str(path.resolve().parent))
@@ -246,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if record is None:
                 raise UsageError(f"no run {args.run!r} in {store.url}")
             if not record.script:
-                raise UsageError(f"run {record.id} has no recorded script to resume from")
+                raise UsageError(f"run {record.id} was started from Python code, not a script; resume it with "
+                                 f"pipe.run(run_id={record.id!r}) from the same code")
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  run_id=record.id, progress=False if args.no_progress else None)
             return _run_script(record.script, options)

@@ -35,6 +35,8 @@ class StageSpec:
     params: Mapping[str, Any] = field(default_factory=dict)
     retries: int = 0
     timeout: float | None = None
+    schemas: Mapping[str, Any] = field(default_factory=dict)
+    """Declared Arrow schemas by dataset name, checked at the stage boundary."""
 
     @property
     def module(self) -> str:

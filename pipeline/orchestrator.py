@@ -27,7 +27,7 @@ from hetflow.operators import dataset as ds
 from hetflow.tasks.backends import get_backend
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.pilot import PilotDescription
-from hetflow.tasks.scheduler import RejectTask, Scheduler, StartTask, TaskFinished, TaskSubmitted, Tick
+from hetflow.tasks.scheduler import RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TaskSubmitted, Tick
 
 from . import __version__
 from .declaration import StageSpec
@@ -42,9 +42,17 @@ LEASE_SECONDS = 30.0
 
 
 def private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) readable only by this user, whatever the umask."""
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    """Create ``path`` and any missing parents readable only by this user, whatever the umask."""
+    missing = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+        os.chmod(folder, 0o700)
+    if path not in missing:
+        os.chmod(path, 0o700)
     return path
 
 
@@ -60,6 +68,17 @@ def owner_alive(owner: str | None, lease_until: float | None) -> bool:
     if host == socket.gethostname():
         return pid.isdigit() and psutil.pid_exists(int(pid)) and int(pid) != os.getpid()
     return lease_until is not None and lease_until > time.time()
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why an attempt did not succeed."""
+
+    state: str
+    message: str
+    rank: int | None = None
+    traceback: str | None = None
+    signal: int | None = None
 
 
 @dataclass
@@ -100,6 +119,9 @@ class Orchestrator:
         self.tries: dict[str, int] = {name: 0 for name in self.stages}
         self.dataset_paths: dict[str, str] = {}
         self.fingerprints: dict[str, str] = {}
+        self.deadline: float | None = None
+        self.draining = False
+        self.cut_off: set[str] = set()
 
     # ------------------------------------------------------------------ plan
     def _critical_path(self) -> dict[str, float]:
@@ -127,6 +149,7 @@ class Orchestrator:
             "inputs": {name: self.fingerprints[name] for name in spec.inputs},
             "outputs": list(spec.outputs),
             "ranks": spec.request.ranks,
+            "schemas": {name: ds.schema_to_text(schema) for name, schema in sorted(spec.schemas.items())},
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -163,13 +186,17 @@ class Orchestrator:
                     self._reconcile(session, record)
                     record.state, record.error, record.started, record.ended = "PENDING", None, None, None
                 self.attempts[spec.name] = len(record.tasks)
-                self.states[spec.name] = record.state
+                # committed stages stay DONE in the store; in memory every stage starts PENDING and
+                # is found again by its cache key, so changed code or inputs re-run it
+                self.states[spec.name] = "PENDING"
             previous = {d.name: d for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == self.run_id))}
             for name, record in previous.items():
                 self.dataset_paths[name], self.fingerprints[name] = record.path, record.fingerprint
 
     def _reconcile(self, session: Any, record: StageRecord) -> None:
         for task in record.tasks:
+            if task.attempt is not None and task.state == "RUNNING":
+                _reap_orphans(Path(task.attempt.attempt_dir))
             if task.state in ("RUNNING", "QUEUED"):
                 task.state = "FAILED"
                 task.reason = "the orchestrator that owned this task ended without recording its outcome"
@@ -180,11 +207,15 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ loop
     def execute(self, backend: Backend) -> str:
-        scheduler = Scheduler(self.pilot)
+        started = time.time()
+        scheduler = Scheduler(self.pilot, start_time=started)
+        if self.pilot.walltime:
+            self.deadline = started + self.pilot.walltime
         self.progress.start(self)
         last_lease = 0.0
         try:
             while True:
+                self._watch_walltime(scheduler, backend)
                 self._submit_ready(scheduler, backend)
                 if not self.live and not scheduler.queued:
                     break
@@ -208,6 +239,32 @@ class Orchestrator:
             self.progress.stop()
         return self._close()
 
+    def _watch_walltime(self, scheduler: Scheduler, backend: Backend) -> None:
+        """Stop starting work inside the drain window; cut running work off at the deadline."""
+        if self.deadline is None:
+            return
+        now = time.time()
+        if not self.draining and now >= self.deadline - self.pilot.drain:
+            self.draining = True
+            log.warning("pilot walltime drain window reached: no new tasks start")
+            for task_id in list(scheduler.queued):
+                scheduler.handle_event(TaskCancelled(task_id, now))
+                stage = task_id.rsplit("/", 2)[-2]
+                self._end_task(task_id, "CANCELLED", "not started: inside the pilot's walltime drain window")
+                self._set_stage(stage, "PENDING", error="not started before the pilot's walltime ran out")
+        if now >= self.deadline:
+            for live in list(self.live.values()):
+                if live.task_id not in self.cut_off:
+                    self.cut_off.add(live.task_id)
+                    backend.cancel(live.task_id)
+
+    def _end_task(self, task_id: str, state: str, reason: str) -> None:
+        with self.store.session() as session:
+            task = session.get(TaskRecord, task_id)
+            if task is not None:
+                task.state, task.reason = state, reason
+            self.store.event(session, self.run_id, "task", task_id, state, reason=reason)
+
     def _renew_lease(self) -> None:
         with self.store.session() as session:
             run = session.get(RunRecord, self.run_id)
@@ -219,7 +276,7 @@ class Orchestrator:
         while changed:
             changed = False
             for spec in self.stages.values():
-                if self.states[spec.name] != "PENDING":
+                if self.states[spec.name] != "PENDING" or self.draining:
                     continue
                 upstream = [self.producer[d] for d in spec.inputs]
                 failed = [u for u in upstream if self.states[u] in TERMINAL - SUCCESS]
@@ -264,11 +321,14 @@ class Orchestrator:
                     self.dataset_paths[name], self.fingerprints[name] = source.path, source.fingerprint
                     if hit.run_id != self.run_id:
                         self._copy_dataset_record(session, source)
-                record.cached_from = hit.run_id
+                record.cached_from = None if hit.run_id == self.run_id else hit.run_id
                 break
             else:
                 return False
-        self._set_stage(spec.name, "CACHED", detail={"from_run": record.cached_from})
+        if record.cached_from is None:  # committed earlier in this same run (resume)
+            self._set_stage(spec.name, "DONE", detail={"reused": True})
+        else:
+            self._set_stage(spec.name, "CACHED", detail={"from_run": record.cached_from})
         return True
 
     def _copy_dataset_record(self, session: Any, source: DatasetRecord) -> None:
@@ -347,6 +407,7 @@ class Orchestrator:
             "outputs": outputs, "attempt_dir": str(attempt_dir),
             "checkpoint_dir": str(stage_dir / "checkpoints"), "slots": slots, "nodes": nodes,
             "verify": self.verify,
+            "schemas": {name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
         }
         spec_path = attempt_dir / "spec.json"
         ds.write_json_atomic(spec_path, worker_spec)
@@ -373,36 +434,39 @@ class Orchestrator:
         spec = self.stages[live.stage]
         ranks = _read_ranks(live.attempt_dir, len(live.slots))
         failure = _diagnose(spec, outcome, ranks, live.attempt_dir)
+        if live.task_id in self.cut_off:
+            failure = _Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
+                               f"({self.pilot.walltime}s); resume the run in a new allocation")
         committed: dict[str, ds.Manifest] = {}
         if failure is None:
             try:
                 committed = self._commit_outputs(spec, live, ranks)
             except (ds.DatasetError, ValueError) as exc:
-                failure = ("FAILED", None, f"{type(exc).__name__}: {exc}", None)
-        state = "DONE" if failure is None else failure[0]
+                failure = _Failure("FAILED", f"{type(exc).__name__}: {exc}")
+        state = "DONE" if failure is None else failure.state
         with self.store.session() as session:
             task = session.get(TaskRecord, live.task_id)
             assert task is not None and task.attempt is not None
             attempt = task.attempt
-            attempt.ended, attempt.returncode, attempt.signal = outcome.ended or time.time(), outcome.returncode, \
-                outcome.signal
+            attempt.ended, attempt.returncode = outcome.ended or time.time(), outcome.returncode
             attempt.state = task.state = state
             if failure is not None:
-                attempt.failed_rank, attempt.error, attempt.traceback = failure[1], failure[2], failure[3]
+                attempt.failed_rank, attempt.error, attempt.traceback = failure.rank, failure.message, failure.traceback
+                attempt.signal = failure.signal
             for name, manifest in committed.items():
                 self._record_dataset(session, name, manifest)
             self.store.event(session, self.run_id, "task", live.task_id, state,
-                             returncode=outcome.returncode, signal=outcome.signal,
-                             error=None if failure is None else failure[2])
+                             returncode=outcome.returncode, signal=None if failure is None else failure.signal,
+                             error=None if failure is None else failure.message)
         if failure is None:
             self._set_stage(spec.name, "DONE", ended=time.time())
-        elif self.tries[spec.name] <= spec.retries and failure[0] != "TIMED_OUT":
-            log.warning("stage %s attempt %d failed (%s); retrying", spec.name, live.number, failure[2])
-            self._set_stage(spec.name, "PENDING", error=failure[2])
-        else:
+        elif failure.state == "WALLTIME" or self.tries[spec.name] > spec.retries or failure.state == "TIMED_OUT":
             for name in spec.outputs:
                 ds.uncommit(self.run_dir / "datasets" / name)
-            self._set_stage(spec.name, failure[0], ended=time.time(), error=failure[2])
+            self._set_stage(spec.name, failure.state, ended=time.time(), error=failure.message)
+        else:
+            log.warning("stage %s attempt %d failed (%s); retrying", spec.name, live.number, failure.message)
+            self._set_stage(spec.name, "PENDING", error=failure.message)
 
     def _commit_outputs(self, spec: StageSpec, live: _Live, ranks: list[dict[str, Any] | None]) -> dict[str, ds.Manifest]:
         committed = {}
@@ -461,13 +525,42 @@ class Orchestrator:
         self._close()
 
     def _close(self) -> str:
-        final = "DONE" if all(s in SUCCESS for s in self.states.values()) else "FAILED"
+        states = set(self.states.values())
+        if states <= SUCCESS:
+            final = "DONE"
+        elif states & {"FAILED", "TIMED_OUT", "CANCELLED"}:
+            final = "FAILED"
+        else:  # only work the walltime stopped or never started: resume in the next allocation
+            final = "STOPPED"
         with self.store.session() as session:
             run = session.get(RunRecord, self.run_id)
             assert run is not None
             run.state, run.ended, run.owner, run.lease_until = final, time.time(), None, None
             self.store.event(session, self.run_id, "run", self.name, final)
         return final
+
+
+def _rank_pids(attempt_dir: Path) -> dict[int, int]:
+    pids = {}
+    for path in attempt_dir.glob("rank-*.pid"):
+        try:
+            pids[int(path.stem.split("-")[1])] = int(path.read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _reap_orphans(attempt_dir: Path) -> None:
+    """Kill ranks a dead orchestrator left running (only our workers of that very attempt)."""
+    spec = str(attempt_dir / "spec.json")
+    for pid in _rank_pids(attempt_dir).values():
+        try:
+            proc = psutil.Process(pid)
+            if spec in proc.cmdline():
+                log.warning("killing orphaned rank pid %d of %s", pid, attempt_dir)
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
 
 
 def _still_committed(record: DatasetRecord) -> bool:
@@ -489,36 +582,43 @@ def _read_ranks(attempt_dir: Path, ranks: int) -> list[dict[str, Any] | None]:
 
 
 def _diagnose(spec: StageSpec, outcome: TaskOutcome, ranks: list[dict[str, Any] | None],
-              attempt_dir: Path) -> tuple[str, int | None, str, str | None] | None:
-    """``None`` if every rank succeeded, else (state, failed rank, message, traceback)."""
+              attempt_dir: Path) -> _Failure | None:
+    """``None`` if every rank succeeded, else what went wrong and where."""
     if outcome.ok and all(r is not None and r["status"] == "ok" for r in ranks):
         return None
     if outcome.timed_out:
-        return ("TIMED_OUT", None, f"stage {spec.name!r} exceeded its timeout of {spec.timeout}s; "
-                "its process group was killed", None)
+        return _Failure("TIMED_OUT", f"stage {spec.name!r} exceeded its timeout of {spec.timeout}s; "
+                        "its process group was killed")
     if outcome.cancelled:
-        return ("CANCELLED", None, f"stage {spec.name!r} was cancelled", None)
+        return _Failure("CANCELLED", f"stage {spec.name!r} was cancelled")
     for rank, result in enumerate(ranks):
         if result is not None and result["status"] == "error":
             err = result["error"]
-            return ("FAILED", rank, f"rank {rank} raised {err['type']}: {err['message']}", err["traceback"])
+            return _Failure("FAILED", f"rank {rank} raised {err['type']}: {err['message']}", rank, err["traceback"])
+    signal, bad_pid = _hydra_report(attempt_dir)
+    signal = outcome.signal or signal
+    by_pid = {pid: rank for rank, pid in _rank_pids(attempt_dir).items()}
+    rank = by_pid.get(bad_pid) if bad_pid is not None else None
     missing = [r for r, result in enumerate(ranks) if result is None]
-    signal = outcome.signal or _signal_from(attempt_dir)
-    how = f"signal {signal}" if signal else f"exit code {outcome.returncode}"
-    tail = _tail(attempt_dir / "stderr.log")
-    return ("FAILED", missing[0] if missing else None,
-            f"rank(s) {missing} of stage {spec.name!r} ended without a result ({how})", tail)
+    how = f"killed by signal {signal}" if signal else f"exit code {outcome.returncode}"
+    who = f"rank {rank}" if rank is not None else f"rank(s) {missing}"
+    tail = "\n".join(t for t in (_tail(attempt_dir / "stderr.log"), _tail(attempt_dir / "stdout.log")) if t)
+    return _Failure("FAILED", f"{who} of stage {spec.name!r} ended without a result ({how})",
+                    rank if rank is not None else (missing[0] if missing else None), tail or None, signal)
 
 
-def _signal_from(attempt_dir: Path) -> int | None:
-    """Hydra reports a rank killed by a signal on stdout/stderr ('... Killed (signal 9)')."""
+def _hydra_report(attempt_dir: Path) -> tuple[int | None, int | None]:
+    """(signal, pid) of the process Hydra reports as badly terminated, if it did."""
     import re
 
+    signal = pid = None
     for name in ("stdout.log", "stderr.log"):
-        match = re.search(r"\(signal (\d+)\)", _tail(attempt_dir / name) or "")
-        if match:
-            return int(match.group(1))
-    return None
+        text = _tail(attempt_dir / name, 20000) or ""
+        if signal is None and (match := re.search(r"\(signal (\d+)\)", text)):
+            signal = int(match.group(1))
+        if pid is None and (match := re.search(r"PID (\d+) RUNNING AT", text)):
+            pid = int(match.group(1))
+    return signal, pid
 
 
 def _tail(path: Path, limit: int = 4000) -> str | None:

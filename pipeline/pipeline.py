@@ -41,6 +41,7 @@ class RunOptions:
     backend: str | None = None
     run_id: str | None = None
     progress: bool | None = None
+    script: str | None = None
 
 
 _overrides: list[tuple[RunOptions, list[RunStatus]]] = []
@@ -85,12 +86,15 @@ class Pipeline:
               gpus_per_rank: int = 0, memory_per_rank: int | None = None, ranks_per_node: int | None = None,
               duration: float | None = None, inputs: Sequence[str] = (), outputs: Sequence[str] = (),
               params: Mapping[str, Any] | None = None, retries: int = 0,
-              timeout: float | None = None) -> Any:
+              timeout: float | None = None, schemas: Mapping[str, Any] | None = None) -> Any:
         """Declare a stage; the function is called once per rank as ``func(ctx, *inputs)``.
 
         It returns ``{output name: pa.Table | None}`` with this rank's partition
         of each output.  ``duration`` is an estimate in seconds (scheduling and
-        walltime checks); ``timeout`` ends the stage as TIMED_OUT.
+        walltime checks); ``timeout`` ends the stage as TIMED_OUT; ``retries``
+        re-runs a failed attempt that many times.  ``schemas`` maps input or
+        output dataset names to the ``pa.Schema`` this stage expects: a
+        dataset that differs is rejected at the boundary with a diff.
         """
         def register(fn: F) -> F:
             stage_name = name or getattr(fn, "__name__", None)
@@ -110,6 +114,15 @@ class Pipeline:
                 clash = set(outputs) & set(other.outputs)
                 if clash:
                     raise PipelineError(f"{where}: output {sorted(clash)[0]!r} is already produced by stage {other.name!r}")
+            import pyarrow as pa
+
+            for dataset, schema in (schemas or {}).items():
+                if dataset not in inputs and dataset not in outputs:
+                    raise PipelineError(f"{where}: schema given for {dataset!r}, which is not one of its inputs "
+                                        f"{list(inputs)} or outputs {list(outputs)}")
+                if not isinstance(schema, pa.Schema):
+                    raise PipelineError(f"{where}: schema for {dataset!r} must be a pyarrow.Schema, "
+                                        f"got {type(schema).__name__}")
             if not isinstance(retries, int) or retries < 0:
                 raise PipelineError(f"{where}: retries must be an integer >= 0, got {retries!r}")
             if timeout is not None and timeout <= 0:
@@ -122,7 +135,7 @@ class Pipeline:
                 raise PipelineError(f"{where}: {exc}") from None
             self.stages[stage_name] = StageSpec(name=stage_name, func=fn, request=request, inputs=tuple(inputs),
                                                 outputs=tuple(outputs), params=dict(params or {}),
-                                                retries=retries, timeout=timeout)
+                                                retries=retries, timeout=timeout, schemas=dict(schemas or {}))
             return fn
 
         return register(func) if func is not None else register
@@ -184,7 +197,14 @@ class Pipeline:
         description = description.resolve()
         self.validate(description)
         root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
-        private_dir(root)
+        try:
+            private_dir(root)
+            probe = root / f".write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as exc:
+            raise PipelineError(f"pipeline {self.name!r}: work directory {root} is not usable: "
+                                f"{exc.strerror or exc}") from None
         store = Store.for_workdir(root, options.db or db or self.db)
         resume_id = options.run_id or run_id
         if resume_id is not None:
@@ -201,7 +221,7 @@ class Pipeline:
             show = sys.stderr.isatty()
         orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
                                     run_dir=root / "runs" / the_id, store=store, params=run_params,
-                                    script=_script_path(), progress=show)
+                                    script=options.script or _script_path(self.stages), progress=show)
         orchestrator.prepare(resume=resume_id is not None)
         backend_cls = get_backend(description.backend)
         with backend_cls(description, orchestrator.run_dir) as engine:
@@ -215,10 +235,10 @@ class Pipeline:
         return status
 
 
-def _script_path() -> str | None:
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    return None if path is None else str(Path(path).resolve())
+def _script_path(stages: Mapping[str, StageSpec]) -> str | None:
+    """The script ``hetflow resume`` re-executes: the one whose ``__main__`` declares the stages."""
+    paths = {spec.path for spec in stages.values() if spec.module == "__main__" and spec.path}
+    return str(Path(paths.pop()).resolve()) if len(paths) == 1 else None
 
 
 def open_dataset(path: "str | os.PathLike[str]", *, verify: str = "checksum") -> Dataset:

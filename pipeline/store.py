@@ -7,7 +7,9 @@ with a timestamp.
 
 Stage states: ``PENDING`` → ``QUEUED`` → ``RUNNING`` → ``DONE`` | ``FAILED`` |
 ``TIMED_OUT`` | ``SKIPPED`` (a dependency failed) | ``CACHED`` (an identical
-committed output was reused) | ``CANCELLED``.
+committed output was reused) | ``CANCELLED`` | ``WALLTIME`` (cut off by the
+pilot's walltime; resumable).  A run ends ``DONE``, ``FAILED`` or ``STOPPED``
+(the walltime stopped it before the end; resume it in the next allocation).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from sqlalchemy import (JSON, Float, ForeignKey, Integer, String, Text, UniqueCo
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
-TERMINAL = frozenset({"DONE", "FAILED", "TIMED_OUT", "SKIPPED", "CACHED", "CANCELLED"})
+TERMINAL = frozenset({"DONE", "FAILED", "TIMED_OUT", "SKIPPED", "CACHED", "CANCELLED", "WALLTIME"})
 SUCCESS = frozenset({"DONE", "CACHED"})
 
 

@@ -125,6 +125,33 @@ def _schema_text(value: Any) -> str | None:
     return None if value is None else schema_to_text(value.schema)
 
 
+class SchemaMismatch(TypeError):
+    """A dataset's schema differs from what a stage declared."""
+
+
+def schema_diff(actual: Any, expected: Any) -> list[str]:
+    """Readable differences between two Arrow schemas (empty when they match)."""
+    lines = []
+    have = {f.name: f for f in actual}
+    want = {f.name: f for f in expected}
+    for name, field in want.items():
+        if name not in have:
+            lines.append(f"- missing column {name!r} ({field.type})")
+        elif not have[name].type.equals(field.type):
+            lines.append(f"~ column {name!r}: {have[name].type}, expected {field.type}")
+    for name, field in have.items():
+        if name not in want:
+            lines.append(f"+ unexpected column {name!r} ({field.type})")
+    return lines
+
+
+def check_schema(stage: str, kind: str, name: str, actual: Any, expected: Any) -> None:
+    diff = schema_diff(actual, expected)
+    if diff:
+        raise SchemaMismatch(f"stage {stage!r}, {kind} {name!r}: schema differs from the declared one:\n  "
+                             + "\n  ".join(diff))
+
+
 def _agree_on_schemas(comm: Any, stage: str, tables: Mapping[str, Any]) -> None:
     """Every rank that returns an output must return the same schema for it."""
     from hetflow.operators.dataset import schema_from_text
@@ -161,6 +188,11 @@ def run(spec_path: str) -> int:
     record: dict[str, Any] = {"rank": rank, "size": size, "pid": os.getpid(), "host": socket.gethostname(),
                               "started": time.time(), "status": "running", "outputs": {}}
     result_path = attempt_dir / f"rank-{rank}.json"
+    # who is who: lets the orchestrator name a rank killed by a signal, and reap orphans
+    pid_path = attempt_dir / f"rank-{rank}.pid"
+    fd = os.open(pid_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.close(fd)
     try:
         if size != len(spec["slots"]):
             raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec['slots'])} slots")
@@ -176,12 +208,19 @@ def run(spec_path: str) -> int:
             pass
         func = _load_function(spec)
         inputs = [_open_input(path, rank, size, spec.get("verify", "checksum")) for path in spec["inputs"].values()]
+        declared = {name: ds.schema_from_text(text) for name, text in spec.get("schemas", {}).items()}
+        for name, table in zip(spec["inputs"], inputs):
+            if name in declared:
+                check_schema(stage, "input", name, table.schema, declared[name])
         ctx = StageContext(comm=comm, stage=stage, run_id=spec["run_id"], attempt=spec["attempt"],
                            params=spec.get("params", {}), workdir=attempt_dir,
                            checkpoint_dir=Path(spec["checkpoint_dir"]), cores=tuple(slot["cores"]),
                            gpus=tuple(slot["gpus"]), node=spec["nodes"][slot["node"]], log=log)
         outputs = list(spec["outputs"])
         tables = _check_result(stage, func(ctx, *inputs), outputs)
+        for name, value in tables.items():
+            if value is not None and name in declared:
+                check_schema(stage, "output", name, value.schema, declared[name])
         if size > 1:
             _agree_on_schemas(comm, stage, tables)
         for name, value in tables.items():

@@ -40,6 +40,11 @@ def find_mpiexec() -> str:
     return found
 
 
+def _private_log(path: Path) -> "int":
+    """An append-only log file readable by this user only (whatever the umask)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
 class LocalBackend(Backend):
     name = "local"
 
@@ -61,16 +66,16 @@ class LocalBackend(Backend):
         env.update(spec.env)
         future: Future[TaskOutcome] = Future()
         future.set_running_or_notify_cancel()
-        stdout = open(spec.stdout, "ab") if spec.stdout else subprocess.DEVNULL
-        stderr = open(spec.stderr, "ab") if spec.stderr else subprocess.DEVNULL
+        stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
+        stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
         started = time.time()
         try:
             proc = subprocess.Popen(argv, cwd=spec.cwd, env=env, stdout=stdout, stderr=stderr,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             for fh in (stdout, stderr):
-                if not isinstance(fh, int):
-                    fh.close()
+                if fh != subprocess.DEVNULL:
+                    os.close(fh)
         with self._lock:
             self._procs[spec.task_id] = proc
         log.debug("started %s: pid %d: %s", spec.task_id, proc.pid, argv)

@@ -1,0 +1,81 @@
+"""Stage functions for the fault-injection tests (importable by workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+
+def numbers(ctx):
+    n = int(ctx.params.get("rows_per_rank", 2000))
+    start = ctx.rank * n
+    return {"numbers": pa.table({"x": np.arange(start, start + n, dtype=np.int64),
+                                 "rank": np.full(n, ctx.rank, dtype=np.int32)})}
+
+
+def shuffle_loop(ctx, table):
+    """An all-to-all exchange repeated long enough for a test to kill a rank inside it."""
+    rounds = int(ctx.params.get("rounds", 40))
+    (Path(ctx.workdir) / f"in-shuffle-{ctx.rank}").touch()
+    x = np.asarray(table["x"])
+    for _ in range(rounds):
+        parts = [x[x % ctx.size == r] for r in range(ctx.size)]
+        received = ctx.comm.alltoall(parts)
+        x = np.concatenate(received) if received else x
+        time.sleep(0.05)
+    return {"shuffled": pa.table({"x": np.sort(x)})}
+
+
+def slow_writer(ctx, table):
+    """Streams its output slowly, so a test can kill a rank while the partition is being written."""
+    schema = pa.schema([("x", pa.int64())])
+
+    def batches():
+        (Path(ctx.workdir) / f"writing-{ctx.rank}").touch()
+        for start in range(0, table.num_rows, 100):
+            time.sleep(0.05)
+            yield pa.record_batch([table["x"].slice(start, 100).combine_chunks()], schema=schema)
+
+    return {"written": pa.RecordBatchReader.from_batches(schema, batches())}
+
+
+def hang(ctx, table):
+    if ctx.rank == 1:
+        if ctx.params.get("how") == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while True:
+            time.sleep(0.1)
+    ctx.comm.barrier()
+    return {"hung": table}
+
+
+def flaky(ctx, table):
+    """Fails on its first attempt only (a transient fault)."""
+    marker = Path(ctx.checkpoint_dir) / f"tried-{ctx.rank}"
+    if not marker.exists():
+        marker.touch()
+        raise ConnectionError("transient: the file system blinked")
+    return {"steady": table}
+
+
+def unknown_column(ctx, table):
+    return {"picked": table.select(["no_such_column"])}
+
+
+def passthrough(ctx, table):
+    return {ctx.stage + "_out": table}
+
+
+def big_output(ctx, table):
+    return {"big": pa.table({"x": np.arange(2_000_000, dtype=np.int64)})}
+
+
+def sleeper(ctx, table):
+    (Path(ctx.workdir) / f"sleeping-{ctx.rank}").touch()
+    time.sleep(float(ctx.params.get("sleep", 30)))
+    return {"slept": table}
