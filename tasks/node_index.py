@@ -195,9 +195,8 @@ class NodeIndex:
         if not gpus:  # CPU ranks: pick all cores at once, then deal them out in order
             away = cmask & ~self.near_of(gmask)
             ids = list(_bits(away))[:ranks * cores]
-            if len(ids) < ranks * cores:
-                taken = set(ids)
-                ids += [c for c in _bits(cmask) if c not in taken][:ranks * cores - len(ids)]
+            if len(ids) < ranks * cores:  # also cores near free GPUs: take evenly, keeping some by each GPU
+                ids += self._spread(cmask & ~away, ranks * cores - len(ids), gmask)
                 ids.sort()
             for core in ids:
                 cmask &= ~(1 << core)
@@ -236,6 +235,22 @@ class NodeIndex:
         if memory and self.mem is not None:
             self.mem[node] -= ranks * memory
         self._file(node)
+        return out
+
+    def _spread(self, cmask: int, count: int, gmask: int) -> list[int]:
+        """``count`` cores of ``cmask``, each from the free GPU whose nearby cores are most plentiful."""
+        regions = [self.near[g] & cmask for g in _bits(gmask)]
+        out: list[int] = []
+        while len(out) < count:
+            best = max(range(len(regions)), key=lambda r: regions[r].bit_count(), default=None)
+            if best is None or not regions[best]:
+                rest = cmask & ~sum(1 << c for c in out)
+                out += list(_bits(rest))[:count - len(out)]
+                break
+            low = regions[best] & -regions[best]
+            out.append(low.bit_length() - 1)
+            for r in range(len(regions)):
+                regions[r] &= ~low
         return out
 
     def give(self, node: int, cores: int, gpus: int, core_count: int, gpu_count: int, memory: int) -> None:

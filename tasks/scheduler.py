@@ -316,6 +316,8 @@ class Scheduler:
     def _latest_start(self, estimate: float) -> float:
         if self.end_time == INF:
             return INF
+        if estimate == INF:  # no estimate: only the drain rule applies
+            return self.end_time - self.pilot.drain
         return min(self.end_time - self.pilot.drain, self.end_time - estimate)
 
     def _walltime_reject(self, tid: str, estimate: float) -> RejectTask:
@@ -473,6 +475,8 @@ class Scheduler:
             ok = reservation is not None and self.now + task.estimate <= reservation.start
         slots = self._place(task, ok, _PassMemo())
         if slots is None:
+            if blocked is None or (-task.event.priority, task.seq) < (-blocked.event.priority, blocked.seq):
+                self._first_blocked = task.event.task_id
             return
         heapq.heappop(queue.heap)
         self._start(task, slots, out)
