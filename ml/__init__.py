@@ -8,6 +8,31 @@
 - :func:`predict` — batched inference keyed to the input rows;
 - :func:`model_to_table` / :func:`model_from_table` — a model as an Arrow table
   rebuilt from the architecture registry (:class:`MLP`, :func:`register_architecture`).
+
+A stage with the high-level helper::
+
+    @pipe.stage(ranks=2, gpus_per_rank=1, inputs=["train"], outputs=["model", "metrics"])
+    def train(ctx, train):
+        r = hf.ml.fit(ctx, train, model=hf.ml.MLP(4), features=["a", "b", "c", "d"], label="y",
+                      loss=torch.nn.functional.mse_loss,
+                      optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), epochs=10, batch_size=512)
+        return {"model": r.model_table, "metrics": r.metrics}   # None on ranks other than 0
+
+The same data and set-up in a loop of your own::
+
+    with hf.ml.distributed(ctx) as env:
+        loader = hf.ml.ArrowLoader(train, ["a", "b"], "y", batch_size=64, seed=1, rank=env.rank,
+                                   device=env.device)
+        model = env.wrap(MyNet())                       # DistributedDataParallel
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for epoch in range(start, epochs):
+            for x, y in loader.batches(epoch):
+                ...
+            if env.rank == 0:
+                hf.ml.save_checkpoint(ctx.checkpoint_dir, {...}, epoch=epoch + 1, step=...)
+
+(With ``batch_size`` the ranks may take different numbers of steps when their
+partitions differ in size; DDP needs equal counts, which ``num_batches`` gives.)
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ class ArrowLoader:
         import torch
 
         idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-        parts = [c.tensor.index_select(0, idx).reshape(len(rows), -1) for c in self.columns]
+        parts = [c.tensor.index_select(0, idx).reshape(len(rows), 1 if c.tensor.dim() == 1 else c.tensor.shape[1])
+                 for c in self.columns]
         x = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(self.device, self.dtype)
         if self._mean is not None and self._std is not None:
             x = (x - self._mean) / self._std

@@ -131,7 +131,8 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
         raise ValueError(f"stage {getattr(ctx, 'stage', '?')!r} has no training rows on any of its {size} ranks")
     steps = math.ceil(total_rows / batch_size)
     # rows each rank contributes to step s: array_split of n rows into `steps` parts
-    per_step = np.array([[n // steps + (1 if s < n % steps else 0) for s in range(steps)] for n in counts])
+    sizes = np.asarray(counts, dtype=np.int64)[:, None]
+    per_step = sizes // steps + (np.arange(steps)[None, :] < sizes % steps)
     global_per_step = per_step.sum(axis=0)
     mine = per_step[rank]
     torch.manual_seed(seed + 7919 * rank)
