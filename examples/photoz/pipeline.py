@@ -96,6 +96,17 @@ def _stats(ctx: Any, table: pa.Table | None) -> dict[str, tuple[float, float]]:
     return {n: (m, s) for n, m, s in zip(t["name"].to_pylist(), t["mean"].to_pylist(), t["std"].to_pylist())}
 
 
+def _generator() -> Any:
+    """examples/photoz/generate.py as a module, wherever this script is run from."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("photoz_generate", HERE / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _sigma_nmad(dz: np.ndarray) -> float:
     return float(1.4826 * np.median(np.abs(dz - np.median(dz)))) if dz.size else float("nan")
 
@@ -105,8 +116,7 @@ def _sigma_nmad(dz: np.ndarray) -> float:
             params={"rows": 60_000, "seed": 42, "data_dir": str(_WORKDIR / "photoz-data")})
 def generate(ctx):
     """Write the synthetic survey's Parquet files (each rank its share) and list them."""
-    import generate as gen
-
+    gen = _generator()
     rows, seed = int(ctx.params["rows"]), int(ctx.params["seed"])
     out = Path(ctx.params["data_dir"]) / f"rows-{rows}-seed-{seed}"
     if not gen.survey_complete(out, rows, seed):
