@@ -1,4 +1,35 @@
 """hetflow.operators: distributed dataframe operators on Arrow over MPI.
 
-A standalone library: it imports nothing else of hetflow.
+A standalone library: it imports nothing else of hetflow.  Layers: local
+kernels on ``pa.Table`` (``kernels``), table collectives on an explicit
+communicator (``comm``, ``partition``), distributed operators that choose an
+algorithm with a measured Hockney model (``DTable``, ``costmodel``).
+
+Heavy modules load on first use, so ``import hetflow.operators`` stays cheap.
 """
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+if TYPE_CHECKING:
+    from .dtable import DTable, GroupBy
+    from .io import read_csv, read_ipc, read_parquet
+
+__all__ = ["DTable", "GroupBy", "read_parquet", "read_csv", "read_ipc"]
+
+_LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

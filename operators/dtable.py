@@ -1,0 +1,423 @@
+"""Distributed table (layer 3): operators that compose kernels and collectives.
+
+A ``DTable`` is this rank's partition of a logical table plus the
+communicator that links the partitions.  Every method is collective: all ranks
+call it in the same order.  Operators choose an algorithm with the Hockney
+model and record it; ``explain()`` prints the choices that produced a table.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import comm as tc
+from . import kernels, partition, sorting
+from .costmodel import Plan, hockney
+from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
+from .typing import (AGG_NAMES, DECOMPOSABLE_AGGS, GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS,
+                     NULL_PLACEMENTS, ROLLING_AGG_NAMES, SORT_ORDERS, Aggregation, Keys, SortKey)
+
+log = logging.getLogger(__name__)
+
+ColumnValue = Union[pc.Expression, pa.Array, pa.ChunkedArray, Callable[[pa.Table], Any]]
+#: group-by switches to combine-shuffle-reduce when estimated groups / rows is at most this
+COMBINE_MAX_GROUP_RATIO = 0.5
+
+
+def _keys(keys: Keys) -> list[str]:
+    return [keys] if isinstance(keys, str) else list(keys)
+
+
+def _norm_type(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return pa.string()
+    if pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
+        return pa.binary()
+    return t
+
+
+class DTable:
+    """This rank's partition of a distributed Arrow table over ``comm``."""
+
+    def __init__(self, comm: Any, table: pa.Table | pa.RecordBatch, *, _plans: tuple[Plan, ...] = (), _checked: bool = False) -> None:
+        if isinstance(table, pa.RecordBatch):
+            table = pa.Table.from_batches([table])
+        if not isinstance(table, pa.Table):
+            raise TypeError(f"DTable needs a pyarrow.Table partition, got {type(table).__name__}")
+        self._comm = comm
+        self._table = table
+        self._plans = _plans
+        self._num_rows: int | None = None
+        if not _checked:
+            tc.check_same_schema(comm, table.schema, what="DTable partitions")
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def comm(self) -> Any:
+        return self._comm
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._table.schema
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self._table.schema.names)
+
+    @property
+    def num_rows(self) -> int:
+        """Global row count (collective the first time)."""
+        if self._num_rows is None:
+            self._num_rows = tc.allreduce_sum(self._comm, self._table.num_rows)
+        return self._num_rows
+
+    @property
+    def local_num_rows(self) -> int:
+        return int(self._table.num_rows)
+
+    def to_arrow(self) -> pa.Table:
+        """This rank's partition."""
+        return self._table
+
+    def gather(self, root: int = 0) -> pa.Table | None:
+        """The whole table (rank order) on ``root``, ``None`` elsewhere."""
+        parts = tc.gather_table(self._comm, self._table, root=root)
+        return None if parts is None else pa.concat_tables(parts)
+
+    def explain(self) -> str:
+        """The algorithms chosen to produce this table, with their Hockney estimates (not collective)."""
+        p = self._comm.Get_size()
+        head = f"DTable[{p} rank(s)] {self.schema.names}"
+        if not self._plans:
+            return head + "\n  (input partition; no distributed operator applied)"
+        lines = [head]
+        models = {plan.model for plan in self._plans if plan.model}
+        lines += [f"  Hockney model: {m}" for m in sorted(models)]
+        lines += [f"  {i + 1}. {plan}" for i, plan in enumerate(self._plans)]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"DTable(rank={self._comm.Get_rank()}/{self._comm.Get_size()}, local_rows={self.local_num_rows}, schema={self.schema.names})"
+
+    def _derive(self, table: pa.Table, plan: Plan | None = None) -> "DTable":
+        if plan is not None and self._comm.Get_size() > 1 and not plan.model:
+            plan = replace(plan, model=hockney(self._comm).describe())
+        plans = self._plans + ((plan,) if plan is not None else ())
+        return DTable(self._comm, table, _plans=plans, _checked=True)
+
+    def _check_columns(self, names: Iterable[str], where: str = "table") -> None:
+        for n in names:
+            if n not in self._table.schema.names:
+                raise ColumnNotFoundError(n, self._table.schema.names, where=where)
+
+    def _shuffle(self, table: pa.Table, keys: Sequence[str]) -> pa.Table:
+        p = self._comm.Get_size()
+        if p == 1:
+            return table
+        parts = partition.hash_partition(table, keys, p)
+        return pa.concat_tables(tc.alltoall_tables(self._comm, parts))
+
+    def _bytes(self, table: pa.Table | None = None) -> tuple[int, int]:
+        """(global bytes, max bytes on one rank)."""
+        nb = (self._table if table is None else table).nbytes
+        every = self._comm.allgather(int(nb))
+        return int(sum(every)), int(max(every))
+
+    # ------------------------------------------------------------------ embarrassingly parallel
+    def select(self, columns: Sequence[str]) -> "DTable":
+        cols = _keys(columns)
+        self._check_columns(cols, "select")
+        return self._derive(self._table.select(cols))
+
+    def filter(self, expr: pc.Expression | Callable[[pa.Table], Any]) -> "DTable":
+        """Rows where ``expr`` (a ``pyarrow.compute`` expression or ``fn(table) -> bool mask``) is true."""
+        if isinstance(expr, pc.Expression):
+            try:
+                out = self._table.filter(expr)
+            except (pa.ArrowInvalid, KeyError) as exc:
+                self._raise_missing_field(exc)
+                raise
+        else:
+            out = self._table.filter(expr(self._table))
+        return self._derive(out)
+
+    def _raise_missing_field(self, exc: Exception) -> None:
+        msg = str(exc)
+        for part in msg.replace("'", '"').split('"'):
+            if part and part not in self._table.schema.names and ("No match for FieldRef" in msg or "not found" in msg):
+                if part.isidentifier():
+                    raise ColumnNotFoundError(part, self._table.schema.names, where="expression") from exc
+
+    def with_columns(self, **columns: ColumnValue) -> "DTable":
+        """Add or replace columns: name = expression, array or ``fn(table) -> array``."""
+        table = self._table
+        for name, value in columns.items():
+            if isinstance(value, pc.Expression):
+                arr = _evaluate(table, value)
+            elif callable(value):
+                arr = value(table)
+            else:
+                arr = value
+            if name in table.schema.names:
+                table = table.set_column(table.schema.get_field_index(name), name, arr)
+            else:
+                table = table.append_column(name, arr)
+        tc.check_same_schema(self._comm, table.schema, what="with_columns result")
+        return self._derive(table)
+
+    def map_batches(self, fn: Callable[[pa.Table], pa.Table]) -> "DTable":
+        """Apply ``fn`` to this rank's partition; the results must agree on the schema."""
+        out = fn(self._table)
+        if isinstance(out, pa.RecordBatch):
+            out = pa.Table.from_batches([out])
+        tc.check_same_schema(self._comm, out.schema, what="map_batches result")
+        return self._derive(out)
+
+    # ------------------------------------------------------------------ head / tail / repartition
+    def head(self, n: int) -> "DTable":
+        counts = self._comm.allgather(self.local_num_rows)
+        before = sum(counts[: self._comm.Get_rank()])
+        keep = max(0, min(self.local_num_rows, n - before))
+        return self._derive(self._table.slice(0, keep))
+
+    def tail(self, n: int) -> "DTable":
+        counts = self._comm.allgather(self.local_num_rows)
+        after = sum(counts[self._comm.Get_rank() + 1 :])
+        keep = max(0, min(self.local_num_rows, n - after))
+        return self._derive(self._table.slice(self.local_num_rows - keep, keep))
+
+    def repartition(self, *, by: Keys | None = None, n: int | None = None) -> "DTable":
+        """Hash-partition by keys, or spread the rows (in order) evenly over the first ``n`` ranks."""
+        p = self._comm.Get_size()
+        if (by is None) == (n is None):
+            raise InvalidOptionError("repartition arguments", {"by": by, "n": n}, ["by=keys", "n=int"])
+        if by is not None:
+            keys = _keys(by)
+            self._check_columns(keys, "repartition")
+            est = hockney(self._comm).shuffle(p, self._bytes()[1])
+            return self._derive(self._shuffle(self._table, keys), Plan("repartition", f"hash by {keys}", est))
+        assert n is not None
+        if not 1 <= n <= p:
+            raise InvalidOptionError("repartition n", n, [f"1..{p}"])
+        counts = self._comm.allgather(self.local_num_rows)
+        targets = partition.balanced_counts(sum(counts), p, n)
+        slices = partition.range_slices(counts, self._comm.Get_rank(), targets)
+        parts = [self._table.slice(o, ln) for o, ln in slices]
+        out = pa.concat_tables(tc.alltoall_tables(self._comm, parts)) if p > 1 else self._table
+        est = hockney(self._comm).shuffle(p, self._bytes()[1])
+        return self._derive(out, Plan("repartition", f"range over {n} rank(s), order kept", est))
+
+    def rebalance(self) -> "DTable":
+        """Equal row counts on every rank, global order kept."""
+        return self.repartition(n=self._comm.Get_size())
+
+    # ------------------------------------------------------------------ join
+    def join(self, right: "DTable", keys: Keys, *, right_keys: Keys | None = None, how: str = "inner",
+             suffix: str = "_right", algorithm: str = "auto") -> "DTable":
+        if how not in JOIN_HOWS:
+            raise InvalidOptionError("join how", how, JOIN_HOWS)
+        if algorithm not in JOIN_ALGORITHMS:
+            raise InvalidOptionError("join algorithm", algorithm, JOIN_ALGORITHMS)
+        if not isinstance(right, DTable):
+            raise TypeError(f"join needs a DTable on the right, got {type(right).__name__}")
+        lk = _keys(keys)
+        rk = _keys(right_keys) if right_keys is not None else list(lk)
+        if len(lk) != len(rk):
+            raise InvalidOptionError("right_keys", rk, [f"{len(lk)} key(s) like {lk}"])
+        self._check_columns(lk, "join left side")
+        right._check_columns(rk, "join right side")
+        for a, b in zip(lk, rk):
+            ta, tb = self.schema.field(a).type, right.schema.field(b).type
+            if _norm_type(ta) != _norm_type(tb):
+                raise KeyTypeMismatchError(f"join key type mismatch: left {a!r} is {ta}, right {b!r} is {tb}")
+        p = self._comm.Get_size()
+        lt, rt = self._table, right._table
+        if p == 1:
+            out = kernels.join(lt, rt, lk, rk, how, suffix)
+            return self._derive(out, Plan("join", f"local {how} (1 rank)", 0.0))
+        model = hockney(self._comm)
+        sizes = np.array(self._comm.allgather((int(lt.nbytes), int(rt.nbytes))), dtype=np.float64)
+        l_total, r_total = sizes[:, 0].sum(), sizes[:, 1].sum()
+        costs = {"hash": model.shuffle(p, float((sizes[:, 0] + sizes[:, 1]).max()))}
+        if how in ("inner", "left", "semi", "anti"):
+            costs["broadcast"] = model.allgather(p, r_total)
+        if how in ("inner", "right"):
+            costs["broadcast_left"] = model.allgather(p, l_total)
+        costs["sort"] = costs["hash"] + 2 * (p - 1) * model.alpha  # same volume plus the sample allgather
+        if algorithm == "auto":
+            choice = min(("hash", "broadcast", "broadcast_left"), key=lambda a: costs.get(a, float("inf")))
+        elif algorithm == "broadcast":
+            if "broadcast" in costs and ("broadcast_left" not in costs or r_total <= l_total):
+                choice = "broadcast"
+            elif "broadcast_left" in costs:
+                choice = "broadcast_left"
+            else:
+                raise InvalidOptionError(f"join algorithm for how={how!r}", algorithm, ["auto", "hash", "sort"])
+        else:
+            choice = algorithm
+        if choice == "hash":
+            if how in ("inner", "semi"):  # null keys never match: keep them home
+                lt = _drop_null_keys(lt, lk)
+                rt = _drop_null_keys(rt, rk)
+            elif how in ("left", "anti"):
+                rt = _drop_null_keys(rt, rk)
+            elif how == "right":
+                lt = _drop_null_keys(lt, lk)
+            lt = self._shuffle(lt, lk)
+            rt = self._shuffle(rt, rk)
+        elif choice == "broadcast":
+            rt = pa.concat_tables(tc.allgather_table(self._comm, rt))
+        elif choice == "broadcast_left":
+            lt = pa.concat_tables(tc.allgather_table(self._comm, lt))
+        else:
+            lt, rt = sorting.range_partition(self._comm, [lt, rt], [lk, rk])
+        out = kernels.join(lt, rt, lk, rk, how, suffix)
+        name = {"hash": "hash-shuffle", "broadcast": "broadcast right", "broadcast_left": "broadcast left", "sort": "sort (range-partition)"}[choice]
+        detail = f"left {l_total / 1e6:.1f} MB, right {r_total / 1e6:.1f} MB, local kernel DuckDB {how} join"
+        return self._derive(out, Plan("join", name, costs[choice], costs, detail))
+
+    # ------------------------------------------------------------------ sort / rolling
+    def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "at_end") -> "DTable":
+        """Global order across ranks (rank 0 holds the first rows); stable."""
+        by = _sort_keys(sorting_)
+        if nulls not in NULL_PLACEMENTS:
+            raise InvalidOptionError("nulls", nulls, NULL_PLACEMENTS)
+        self._check_columns([c for c, _ in by], "sort_by")
+        p = self._comm.Get_size()
+        out = sorting.sample_sort(self._comm, self._table, by, nulls)
+        est = hockney(self._comm).shuffle(p, self._bytes()[1]) + hockney(self._comm).allgather(p, 64.0 * sorting.SAMPLES_PER_RANK * p)
+        return self._derive(out, Plan("sort_by", "sample sort (regular sampling, PSRS)" if p > 1 else "local sort", est,
+                                      detail="local kernel polars arg-sort + take"))
+
+    def rolling(self, order_by: SortKey | Sequence[SortKey], window: int, aggs: Sequence[Aggregation]) -> "DTable":
+        """Trailing windows of ``window`` rows over the global order; halo rows come from the preceding ranks."""
+        if not isinstance(window, int) or window < 1:
+            raise InvalidOptionError("rolling window", window, ["int >= 1"])
+        for col, agg in aggs:
+            if agg not in ROLLING_AGG_NAMES:
+                from .errors import UnsupportedAggregationError
+
+                raise UnsupportedAggregationError(f"unsupported rolling aggregation {agg!r} on {col!r} (supported: {list(ROLLING_AGG_NAMES)})")
+        self._check_columns([c for c, _ in aggs], "rolling")
+        ordered = self.sort_by(order_by)
+        local = ordered._table
+        need = window - 1
+        rank, p = self._comm.Get_rank(), self._comm.Get_size()
+        halo = local.slice(0, 0)
+        if p > 1 and need > 0:  # chain: rank r gets the last window-1 rows before it from r-1
+            if rank > 0:
+                halo = tc.recv_table(self._comm, rank - 1, tag=81)
+            if rank < p - 1:
+                ext = pa.concat_tables([halo, local])
+                tc.send_table(self._comm, ext.slice(max(0, ext.num_rows - need)), rank + 1, tag=81)
+        out = kernels.rolling(pa.concat_tables([halo, local]), window, aggs, halo.num_rows)
+        tc.check_same_schema(self._comm, out.schema, what="rolling result")
+        plan = Plan("rolling", f"halo exchange of {need} row(s) between neighbours", (p - 1) * hockney(self._comm).alpha)
+        return ordered._derive(out, plan)
+
+    # ------------------------------------------------------------------ grouping / distinct / sets
+    def group_by(self, keys: Keys) -> "GroupBy":
+        return GroupBy(self, _keys(keys))
+
+    def aggregate(self, aggs: Sequence[Aggregation]) -> dict[str, Any]:
+        """Whole-table aggregates, replicated on every rank: ``{"v_min": ..., ...}``."""
+        from .aggregate import column_aggregates
+
+        return column_aggregates(self, list(aggs))
+
+    def unique(self, keys: Keys | None = None) -> "DTable":
+        """Distinct rows, or the first row (global order) of every distinct ``keys`` value."""
+        ks = self.column_names if keys is None else _keys(keys)
+        self._check_columns(ks, "unique")
+        p = self._comm.Get_size()
+        shuffled = self._shuffle(self._table, ks)
+        est = hockney(self._comm).shuffle(p, self._bytes()[1])
+        return self._derive(kernels.first_per_key(shuffled, ks), Plan("unique", "hash-shuffle + first per key" if p > 1 else "local", est))
+
+    def _set_op(self, other: "DTable", op: str) -> "DTable":
+        if not other.schema.remove_metadata().equals(self.schema.remove_metadata()):
+            raise SchemaMismatchError(f"{op}: schemas differ: {tc._short(self.schema)} vs {tc._short(other.schema)}")
+        cols = self.column_names
+        p = self._comm.Get_size()
+        a, b = self._shuffle(self._table, cols), self._shuffle(other._table, cols)
+        est = hockney(self._comm).shuffle(p, self._bytes()[1] + other._bytes()[1])
+        return self._derive(kernels.set_operation(a, b, op), Plan(op, "hash-shuffle both sides on all columns" if p > 1 else "local", est))
+
+    def union(self, other: "DTable", *, distinct: bool = True) -> "DTable":
+        if not distinct:
+            if not other.schema.remove_metadata().equals(self.schema.remove_metadata()):
+                raise SchemaMismatchError(f"union: schemas differ: {tc._short(self.schema)} vs {tc._short(other.schema)}")
+            return self._derive(pa.concat_tables([self._table, other._table.cast(self.schema)]), Plan("union", "local concat (UNION ALL)", 0.0))
+        return self._set_op(other, "union")
+
+    def intersect(self, other: "DTable") -> "DTable":
+        return self._set_op(other, "intersect")
+
+    def difference(self, other: "DTable") -> "DTable":
+        return self._set_op(other, "difference")
+
+    # ------------------------------------------------------------------ output
+    def write_parquet(self, directory: str) -> list[str]:
+        from .io import write_partitions
+
+        return write_partitions(self._comm, self._table, directory, "parquet")
+
+    def write_ipc(self, directory: str) -> list[str]:
+        from .io import write_partitions
+
+        return write_partitions(self._comm, self._table, directory, "ipc")
+
+
+def _drop_null_keys(table: pa.Table, keys: Sequence[str]) -> pa.Table:
+    if not any(table.column(k).null_count for k in keys):
+        return table
+    mask = None
+    for k in keys:
+        m = pc.is_valid(table.column(k))
+        mask = m if mask is None else pc.and_(mask, m)
+    return table.filter(mask)
+
+
+def _sort_keys(sorting_: SortKey | Sequence[SortKey]) -> list[tuple[str, str]]:
+    items: Sequence[SortKey] = [sorting_] if isinstance(sorting_, (str, tuple)) else sorting_
+    out = []
+    for item in items:
+        col, order = (item, "ascending") if isinstance(item, str) else item
+        if order not in SORT_ORDERS:
+            raise InvalidOptionError(f"sort order of {col!r}", order, SORT_ORDERS)
+        out.append((col, order))
+    if not out:
+        raise InvalidOptionError("sort keys", sorting_, ["at least one column"])
+    return out
+
+
+def _evaluate(table: pa.Table, expr: pc.Expression) -> pa.ChunkedArray:
+    import pyarrow.acero as ac
+
+    decl = ac.Declaration.from_sequence([
+        ac.Declaration("table_source", ac.TableSourceNodeOptions(table)),
+        ac.Declaration("project", ac.ProjectNodeOptions([expr], ["__value"])),
+    ])
+    return decl.to_table(use_threads=False).column(0)
+
+
+class GroupBy:
+    """``DTable.group_by(keys)``; call ``aggregate([(column, agg), ...])``."""
+
+    def __init__(self, table: DTable, keys: list[str]) -> None:
+        table._check_columns(keys, "group_by")
+        self._table = table
+        self._keys = keys
+
+    def aggregate(self, aggs: Sequence[Aggregation], *, algorithm: str = "auto") -> DTable:
+        from .aggregate import group_aggregate
+
+        if algorithm not in GROUPBY_ALGORITHMS:
+            raise InvalidOptionError("group_by algorithm", algorithm, GROUPBY_ALGORITHMS)
+        return group_aggregate(self._table, self._keys, list(aggs), algorithm)

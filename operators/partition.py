@@ -1,0 +1,106 @@
+"""Auxiliary partitioning (layer 1½): deterministic hash partition, split by ids, rebalance plans.
+
+The hash must be the same on every rank and in every process (never Python's
+salted ``hash()``): a single integer-like key column uses a SplitMix64 finaliser
+in numpy; any other key set uses polars' seeded ``hash_rows`` (stable within
+one polars version, which all ranks share).  ``string``/``large_string`` and
+``binary``/``large_binary`` hash alike, so both sides of a join agree.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_INTLIKE = (pa.types.is_integer, pa.types.is_date, pa.types.is_timestamp, pa.types.is_duration, pa.types.is_boolean)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z += np.uint64(0x9E3779B97F4A7C15)
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def _as_int64_numpy(col: pa.ChunkedArray) -> np.ndarray:
+    t = col.type
+    if pa.types.is_boolean(t):
+        col = pc.cast(col, pa.int8())
+    elif not pa.types.is_integer(t):
+        col = col.cast(pa.int64()) if not pa.types.is_date32(t) else col.cast(pa.int32())
+    if col.null_count:
+        col = pc.fill_null(col, 0)
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    return np.asarray(arr.to_numpy(zero_copy_only=False))
+
+
+def hash_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
+    """A deterministic uint64 hash per row of the ``keys`` columns (nulls hash alike)."""
+    if table.num_rows == 0:
+        return np.empty(0, dtype=np.uint64)
+    if len(keys) == 1 and any(pred(table.schema.field(keys[0]).type) for pred in _INTLIKE):
+        return _splitmix64(_as_int64_numpy(table.column(keys[0])))
+    import polars as pl
+
+    sub = table.select(list(keys))
+    sub = sub.rename_columns([f"c{i}" for i in range(len(keys))])
+    df = pl.from_arrow(sub, rechunk=False)
+    assert isinstance(df, pl.DataFrame)
+    hashed = df.hash_rows(seed=0x5EED)
+    return _splitmix64(hashed.to_numpy())
+
+
+def partition_ids(table: pa.Table, keys: Sequence[str], n: int) -> np.ndarray:
+    """Target partition (0..n-1) of every row, by hash of ``keys``."""
+    h = hash_keys(table, keys)
+    dtype = np.uint8 if n <= 256 else np.uint16 if n <= 65536 else np.uint32
+    return (h % np.uint64(n)).astype(dtype)
+
+
+def split_by_ids(table: pa.Table, ids: np.ndarray, n: int) -> list[pa.Table]:
+    """Split ``table`` into ``n`` tables by the per-row id (row order kept within a part)."""
+    if n == 1:
+        return [table]
+    counts = np.bincount(ids, minlength=n)
+    nonzero = np.flatnonzero(counts)
+    if len(nonzero) == 1:  # everything goes to one part: no copy
+        return [table if j == nonzero[0] else table.slice(0, 0) for j in range(n)]
+    order = np.argsort(ids, kind="stable")  # radix sort on small ints
+    taken = table.take(pa.array(order))
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    return [taken.slice(int(starts[j]), int(counts[j])) for j in range(n)]
+
+
+def hash_partition(table: pa.Table, keys: Sequence[str], n: int) -> list[pa.Table]:
+    if n == 1:
+        return [table]
+    return split_by_ids(table, partition_ids(table, keys, n), n)
+
+
+def range_slices(counts: Sequence[int], rank: int, targets: Sequence[int]) -> list[tuple[int, int]]:
+    """Given every rank's row count (in global order) and the target count per rank,
+    return, for this ``rank``, the (offset, length) slice of its rows destined to each target."""
+    start = int(sum(counts[:rank]))
+    end = start + int(counts[rank])
+    out: list[tuple[int, int]] = []
+    t_start = 0
+    for t in targets:
+        lo, hi = max(start, t_start), min(end, t_start + int(t))
+        out.append((lo - start, max(0, hi - lo)))
+        t_start += int(t)
+    return out
+
+
+def balanced_counts(total: int, n: int, parts: int | None = None) -> list[int]:
+    """``total`` rows over ``n`` ranks as evenly as possible; with ``parts`` < n only the first ``parts`` ranks get rows."""
+    k = n if parts is None else parts
+    base, extra = divmod(total, k)
+    return [base + (1 if i < extra else 0) if i < k else 0 for i in range(n)]
