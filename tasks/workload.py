@@ -22,7 +22,7 @@ Spec (YAML or JSON; every key optional)::
       analysis:  {per_pipeline: 40, ranks: 1, cores_per_rank: 1, after: train, fan: spread,
                   duration: {median: 60, sigma: 0.6}}
 
-``ranks: [a, b]`` draws uniformly from a..b; durations are log-normal
+``ranks: [a, b]`` (also ``cores_per_rank``, ``gpus_per_rank``) draws uniformly from a..b; durations are log-normal
 (``median`` seconds, ``sigma`` of the log); ``per_pipeline`` may be fractional
 (a seeded draw decides which pipelines get one).  A file may start from a
 builtin with ``extends: mixed``.
@@ -193,9 +193,11 @@ def generate(spec: str | Path | Mapping[str, Any], *, tasks: int | None = None, 
         ranks = _draw_int(kind.get("ranks", 1), count, rng)
         dur = kind.get("duration", {"median": 60, "sigma": 0.5})
         duration[mask] = float(dur.get("median", 60)) * np.exp(rng.normal(0.0, float(dur.get("sigma", 0.5)), count))
+        cores = _draw_int(kind.get("cores_per_rank", 1), count, rng)
+        gpus = _draw_int(kind.get("gpus_per_rank", 0), count, rng, low=0)
         ids = np.empty(count, dtype=np.int32)
         for j, r in enumerate(ranks):
-            key = (int(r), int(kind.get("cores_per_rank", 1)), int(kind.get("gpus_per_rank", 0)), kind.get("ranks_per_node"))
+            key = (int(r), int(cores[j]), int(gpus[j]), kind.get("ranks_per_node"))
             if key not in request_ids:
                 request_ids[key] = len(requests)
                 requests.append(ResourceRequest(ranks=key[0], cores_per_rank=key[1], gpus_per_rank=key[2],
@@ -240,11 +242,11 @@ def generate(spec: str | Path | Mapping[str, Any], *, tasks: int | None = None, 
                     duration, estimate, (pipe_of % max(1, groups)).astype(np.int16), dep_ptr, deps)
 
 
-def _draw_int(value: Any, count: int, rng: np.random.Generator) -> np.ndarray:
+def _draw_int(value: Any, count: int, rng: np.random.Generator, low: int = 1) -> np.ndarray:
     if isinstance(value, (list, tuple)):
-        if len(value) != 2 or value[0] > value[1] or value[0] < 1:
-            raise ConfigError(f"bad range {value!r} (expected [low, high] with 1 <= low <= high)")
+        if len(value) != 2 or value[0] > value[1] or value[0] < low:
+            raise ConfigError(f"bad range {value!r} (expected [low, high] with {low} <= low <= high)")
         return rng.integers(int(value[0]), int(value[1]) + 1, count)
-    if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"bad count {value!r} (expected an integer >= 1 or [low, high])")
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"bad count {value!r} (expected an integer >= {low} or [low, high])")
     return np.full(count, value, dtype=np.int64)
