@@ -405,6 +405,8 @@ def rolling(table: pa.Table, window: int, aggs: Sequence[tuple[str, str]], skip:
             exprs.append(e.rolling_min(window, min_samples=1).alias(out))
         elif agg == "max":
             exprs.append(e.rolling_max(window, min_samples=1).alias(out))
+        elif window < 2:  # sample stddev / variance of one value is NULL
+            exprs.append(pl.repeat(None, df.height, dtype=pl.Float64).alias(out))
         elif agg == "stddev":
             exprs.append(e.cast(pl.Float64).rolling_std(window, min_samples=2, ddof=1).alias(out))
         else:
