@@ -230,8 +230,8 @@ def qa(ctx, survey, train_set, valid_set, test_set):
 
 
 @pipe.stage(ranks=2, gpus_per_rank=1, inputs=["feature_stats", "train_set", "valid_set"],
-            outputs=["model", "metrics"], params={"epochs": 15, "batch_size": 512, "lr": 4e-3, "seed": 0},
-            retries=1)
+            outputs=["model", "metrics"],
+            params={"epochs": 15, "batch_size": 512, "lr": 4e-3, "seed": 0, "crash_after_epoch": -1}, retries=1)
 def train(ctx, feature_stats, train_set, valid_set):
     """An MLP regressor, data-parallel over the stage's ranks (NCCL on GPUs, Gloo on CPUs)."""
     import torch
@@ -243,6 +243,17 @@ def train(ctx, feature_stats, train_set, valid_set):
     p = ctx.params
     torch.manual_seed(int(p["seed"]))
     epochs = int(p["epochs"])
+    crash_after = int(p["crash_after_epoch"])
+
+    def on_epoch_end(record: dict[str, float]) -> None:
+        # fault injection for the demo: the first attempt dies after that epoch's checkpoint,
+        # the retry resumes from it (the marker lives beside the checkpoints, across attempts)
+        marker = Path(ctx.checkpoint_dir) / "crash-injected"
+        if ctx.rank == 0 and int(record["epoch"]) == crash_after and not marker.exists():
+            marker.touch()
+            ctx.log.warning("injected crash after epoch %d", crash_after)
+            os._exit(3)
+
     result = ml.fit(
         ctx, train_set, model=ml.MLP(len(FEATURES), hidden=[64, 64, 32]), features=FEATURES, label="z_true",
         loss=torch.nn.functional.smooth_l1_loss,
@@ -250,7 +261,7 @@ def train(ctx, feature_stats, train_set, valid_set):
         scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs),
         metrics={"abs_dz": lambda pred, z: ((pred - z).abs() / (1 + z)).mean()},
         validation=valid_set, epochs=epochs, batch_size=int(p["batch_size"]), seed=int(p["seed"]),
-        normalize=norm, fill={f: m for f, (m, _) in norm.items()})
+        normalize=norm, fill={f: m for f, (m, _) in norm.items()}, on_epoch_end=on_epoch_end)
     if ctx.rank == 0:
         last = result.history[-1]
         ctx.log.info("trained on %s: val loss %.5f, mean |dz|/(1+z) %.4f, %.0f samples/s (resumed at epoch %d)",
