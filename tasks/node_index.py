@@ -239,6 +239,8 @@ class NodeIndex:
 
     def _spread(self, cmask: int, count: int, gmask: int) -> list[int]:
         """``count`` cores of ``cmask``, each from the free GPU whose nearby cores are most plentiful."""
+        if count >= cmask.bit_count():
+            return list(_bits(cmask))
         regions = [self.near[g] & cmask for g in _bits(gmask)]
         out: list[int] = []
         while len(out) < count:

@@ -229,12 +229,13 @@ class Scheduler:
         self._group_usage: dict[str, float] = {}
         self._group_queued: dict[str, int] = {}
         self._seq = 0
+        self._fits: dict[tuple[object, ...], str | None] = {}  # request shape -> why it can never fit
         self.reservation: Reservation | None = None
         self._dirty = True                  # resources freed / queue heads changed since the last pass
         self._first_blocked: str | None = None  # highest-priority task the last pass could not place
         self.now = start_time
         self.placements = 0
-        self.walk_limit = 2048
+        self.walk_limit = 256
         nodes = self.pilot.nodes
         self._node_tasks: list[dict[str, float]] = [{} for _ in range(nodes)]
         self._node_end = [start_time] * nodes   # when each node's running tasks all end (estimates)
@@ -283,10 +284,17 @@ class Scheduler:
             out.append(RejectTask(tid, f"task {tid!r} is already queued or running"))
             return False
         request = event.request
-        try:
-            check_request(request, self.pilot, what=f"task {tid!r}")
-        except UnsatisfiableRequest as exc:
-            out.append(RejectTask(tid, str(exc)))
+        shape_key = (request.ranks, request.cores_per_rank, request.gpus_per_rank, request.memory_per_rank,
+                     request.ranks_per_node)
+        if shape_key not in self._fits:
+            try:
+                check_request(request, self.pilot, what="request")
+                self._fits[shape_key] = None
+            except UnsatisfiableRequest as exc:
+                self._fits[shape_key] = str(exc)
+        problem = self._fits[shape_key]
+        if problem is not None:
+            out.append(RejectTask(tid, f"task {tid!r}: {problem}"))
             return False
         estimate = INF if request.duration is None else float(request.duration)
         latest = self._latest_start(estimate)
@@ -607,6 +615,9 @@ class Scheduler:
     def _ends_in_order(self) -> Iterator[_Task]:
         """Running tasks by estimated end (without copying the heap), unknown ends last."""
         heap = self._ends
+        running = self._running
+        while heap and (heap[0][2] not in running or running[heap[0][2]].seq != heap[0][1]):
+            heapq.heappop(heap)  # finished tasks: drop them for good
         frontier = [(heap[0], 0)] if heap else []
         while frontier:
             (end, seq, tid), i = heapq.heappop(frontier)
@@ -625,6 +636,9 @@ class Scheduler:
         if len(heap) > 4 * self.index.nodes + 1024:
             heap[:] = [(end, node) for node, end in enumerate(self._node_end)]
             heapq.heapify(heap)
+        node_end = self._node_end
+        while heap and node_end[heap[0][1]] != heap[0][0]:
+            heapq.heappop(heap)  # superseded entries never become valid again (a change pushes anew)
         frontier = [(heap[0], 0)] if heap else []
         while frontier:
             (end, node), i = heapq.heappop(frontier)

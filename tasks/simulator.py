@@ -5,9 +5,9 @@ have finished (priority = the task's critical path over duration estimates,
 group = its fair-share group), carries out ``StartTask`` by scheduling a
 ``TaskFinished`` at ``now + actual duration``, and measures
 
-* placement decisions per second of real (CPU) time spent inside
-  ``handle_event`` — the scheduler's own throughput; the driver's bookkeeping
-  is not counted, and CPU time keeps the figure honest on a shared machine;
+* placement decisions per second of CPU time spent inside ``handle_event``
+  (the scheduler's own throughput; the driver's bookkeeping is not counted,
+  and CPU time keeps the figure meaningful on a shared machine);
 * core and GPU utilisation over the run (time-weighted, usable cores only);
 * makespan against a lower bound: max(core-seconds / cores, GPU-seconds / GPUs,
   longest chain of actual durations);
@@ -108,7 +108,7 @@ def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int =
     curve: list[tuple[float, float, float]] = []
     intervals: list[Interval] = []
     slots_of: dict[int, Any] = {}
-    clock = time.process_time  # CPU time: the figure is the scheduler's, even on a busy machine
+    clock = time.thread_time  # CPU time of this thread: the scheduler's cost even on a busy machine
     wall0 = time.perf_counter()
 
     def run(event: Any) -> None:
