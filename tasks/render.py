@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -30,6 +31,7 @@ RUN_DIR = Path("RUN_DIR")
 """Placeholder for the run directory in rendered output (the real one is made by ``hetflow run``)."""
 
 PLACEHOLDERS = ("PROJECT_ID", "YOUR_ACCOUNT", "YOUR_QUEUE", "CHANGE_ME")
+_CAPTURE_LOCK = threading.Lock()
 _BATCH_REPLY = {"slurm": "Submitted batch job 0", "lsf": "Job <0> is submitted to queue <q>.", "pbs": "0.server"}
 
 
@@ -115,6 +117,8 @@ def _render_parsl(pilot: PilotDescription) -> str:
 
 def _provider_script(provider: Any, command: str, scheduler: str) -> tuple[str, str]:
     """The script ``provider.submit`` would write, with command execution captured, not run."""
+    from parsl.providers import cluster_provider
+
     with tempfile.TemporaryDirectory(prefix="hetflow-render-") as tmp:
         provider.script_dir = tmp
         if scheduler == "local":
@@ -128,11 +132,18 @@ def _provider_script(provider: Any, command: str, scheduler: str) -> tuple[str, 
                 captured.append(cmd)
                 return 0, _BATCH_REPLY[scheduler], ""
 
-            provider.execute_wait = execute_wait
-            try:
-                provider.submit(command, 1, job_name="parsl.hetflow.block-0")
-            except Exception as exc:  # noqa: BLE001 - parsing our fake reply may fail; the script is written
-                captured.append(f"(reply not parsed: {exc})")
+            # Every batch provider reaches the shell through this one module function
+            # (LSF calls it via super(), past any instance attribute): replace it while
+            # submitting, so the command is recorded and never run.
+            with _CAPTURE_LOCK:
+                real = cluster_provider.execute_wait
+                cluster_provider.execute_wait = execute_wait
+                try:
+                    provider.submit(command, 1, job_name="parsl.hetflow.block-0")
+                except Exception as exc:  # noqa: BLE001 - parsing our fake reply may fail; the script is written
+                    captured.append(f"(reply not parsed: {exc})")
+                finally:
+                    cluster_provider.execute_wait = real
             scripts = sorted(Path(tmp).glob("parsl.hetflow.block-0*.submit")) or \
                 sorted(p for p in Path(tmp).iterdir() if p.suffix not in (".stdout", ".stderr"))
             if not scripts:

@@ -259,6 +259,7 @@ class RadicalBackend(Backend):
         self._remember_agents()
         try:
             pmgr = rp.PilotManager(session=self._session)
+            pmgr.register_callback(self._pilot_cb)
             self._tmgr = rp.TaskManager(session=self._session)
             self._tmgr.register_callback(self._state_cb)
             self._rp_pilot = pmgr.submit_pilots(rp.PilotDescription(pilot_description(self.pilot, self.run_dir)))
@@ -419,6 +420,25 @@ class RadicalBackend(Backend):
             cancelled=state == rp.CANCELED and not timed_out, signal=-int(code) if code and code < 0 else None,
             started=started, ended=time.time(),
             detail=f"timed out; {detail}" if timed_out else detail))
+
+    def _pilot_cb(self, pilot: Any, state: str) -> None:
+        """A pilot that ends (walltime, cancelled, agent lost) fails the tasks still running in it."""
+        import radical.pilot as rp
+
+        if state not in rp.FINAL:
+            return
+        with self._lock:
+            left = list(self._running.items())
+            self._running.clear()
+            timers = list(self._timers.values())
+            self._timers.clear()
+        for timer in timers:
+            timer.cancel()
+        if left:
+            log.error("RP pilot %s ended %s with %d task(s) still running", pilot.uid, state, len(left))
+        for uid, (task_id, outcome, started) in left:
+            outcome.set_result(TaskOutcome(task_id, None, started=started, ended=time.time(),
+                                           detail=f"RP pilot {pilot.uid} ended {state} while task {uid} ran"))
 
     def cancel(self, task_id: str) -> None:
         with self._lock:
