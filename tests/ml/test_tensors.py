@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -87,3 +89,28 @@ def test_loader_reports_which_columns_were_copied() -> None:
     assert loader.columns[0].tensor.data_ptr() == arrow_data_address(table.column("a"))
     assert loader.label_column is not None
     assert loader.label_column.tensor.data_ptr() == arrow_data_address(table.column("y"))
+
+
+def test_a_memory_mapped_dataset_partition_becomes_tensors_without_copies(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hetflow.operators import dataset as ds
+
+    tables = [pa.table({"x": np.arange(10, dtype=np.float32) + 10 * i, "y": np.arange(10, dtype=np.int64)})
+              for i in range(2)]
+    infos = [ds.write_partition(tmp_path, i, t, rank=i) for i, t in enumerate(tables)]
+    ds.commit(tmp_path, "points", tables[0].schema, infos, producer={"ranks": 2})
+    dataset = ds.Dataset(tmp_path)
+    part = dataset.partitions_for_rank(1, 2)  # what the worker hands rank 1 of a 2-rank consumer
+    loader = ArrowLoader(part, ["x"], "y", batch_size=4)
+    assert loader.copies == {}
+    tensor = loader.columns[0].tensor
+    assert tensor.numpy().tolist() == tables[1]["x"].to_pylist()
+    assert tensor.data_ptr() == arrow_data_address(part.column("x"))
+    # and that memory is the partition file's memory map (Linux: /proc/self/maps)
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        target = str((tmp_path / infos[1].file).resolve())
+        regions = [line.split()[0].split("-") for line in maps.read_text().splitlines() if line.endswith(target)]
+        assert any(int(lo, 16) <= tensor.data_ptr() < int(hi, 16) for lo, hi in regions), regions
+    # rows that span two partition files cannot be one contiguous view: the copy is reported
+    spanning = dataset.rows_for_rank(0, 1)
+    assert "2 chunks" in (to_tensor(spanning.column("x"), name="x").reason or "")
