@@ -131,7 +131,7 @@ def rng_state() -> dict[str, Any]:
     """The random states of torch (CPU and CUDA), numpy's global generator and ``random``."""
     import torch
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],

@@ -100,12 +100,12 @@ def distributed(ctx: Any, *, backend: Backend | None = None,
     store: Any = None
     port = None
     if rank == 0:
-        store = dist.TCPStore(host, 0, size, is_master=True,
+        store = dist.TCPStore(host, 0, size, is_master=True,  # type: ignore[attr-defined]
                               timeout=timeout, wait_for_workers=False)
         port = int(store.port)
     port = comm.bcast(port, root=0)
     if rank != 0:
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
     log.debug("rank %d/%d joining %s process group at %s:%d", rank, size, chosen, host, port)
     dist.init_process_group(chosen, store=store, rank=rank, world_size=size, timeout=timeout)
     try:

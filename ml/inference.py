@@ -27,7 +27,7 @@ def load_model(ctx: Any, model: pa.Table | None) -> tuple[Any, ModelManifest]:
         if t is None:
             return True
         try:
-            return t.num_rows != read_manifest(t).tensors
+            return bool(t.num_rows != read_manifest(t).tensors)
         except ModelArtifactError:
             return True
 
@@ -73,7 +73,7 @@ def predict(ctx: Any, table: pa.Table | None, model: Any, *, key: str, features:
     outputs: list[np.ndarray] = []
     with torch.inference_mode():
         for x in loader:
-            outputs.append(net(x).float().cpu().numpy())  # type: ignore[arg-type]
+            outputs.append(net(x).float().cpu().numpy())
     if outputs:
         pred = np.concatenate(outputs)
     else:

@@ -129,7 +129,7 @@ class ArrowLoader:
             return self.num_batches
         assert self.batch_size is not None
         full, rest = divmod(self.num_rows, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        return int(full) + (1 if rest and not self.drop_last else 0)
 
     def features_of(self, rows: np.ndarray) -> "torch.Tensor":
         """The (normalised) feature matrix of the given rows."""
@@ -149,7 +149,8 @@ class ArrowLoader:
         if self.label_column is None:
             raise ValueError("this loader has no label column")
         idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-        return self.label_column.tensor.index_select(0, idx).to(self.device, self.label_dtype)
+        y: torch.Tensor = self.label_column.tensor.index_select(0, idx).to(self.device, self.label_dtype)
+        return y
 
     def batches(self, epoch: int, start: int = 0
                 ) -> Iterator["tuple[torch.Tensor, torch.Tensor] | torch.Tensor"]:

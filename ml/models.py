@@ -115,5 +115,5 @@ class MLP(nn.Module):
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.net(x)
+        y: torch.Tensor = self.net(x)
         return y.squeeze(-1) if self.out_features == 1 else y

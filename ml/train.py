@@ -83,7 +83,7 @@ def _weighted_eval(env: DistributedEnv, model: Any, loader: ArrowLoader | None,
     sums = np.zeros(len(fns) + 1)
     if loader is not None:
         with torch.no_grad():
-            for x, y in loader:  # type: ignore[misc]
+            for x, y in loader:
                 pred = model(x)
                 for i, fn in enumerate(fns.values()):
                     sums[i] += float(fn(pred, y)) * len(y)
@@ -197,7 +197,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
             if first == 0:
                 partial = [0.0, 0.0, 0.0]
             t0 = time.perf_counter()
-            for s, (x, y) in enumerate(loader.batches(epoch, start=first), start=first):  # type: ignore[misc]
+            for s, (x, y) in enumerate(loader.batches(epoch, start=first), start=first):
                 opt.zero_grad(set_to_none=True)
                 pred = ddp(x)
                 n = int(mine[s])
