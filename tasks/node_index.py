@@ -211,9 +211,7 @@ class NodeIndex:
                 for gpu in order[:gpus]:
                     chosen_g |= 1 << gpu
                 gmask &= ~chosen_g
-                tiers = (cmask & self.near_of(chosen_g), cmask & ~self.near_of(gmask), cmask)
-            else:
-                tiers = (cmask & ~self.near_of(gmask), cmask)
+            tiers = (cmask & self.near_of(chosen_g), cmask & ~self.near_of(gmask), cmask)
             chosen_c = 0
             need = cores
             for tier in tiers:

@@ -530,9 +530,9 @@ class Scheduler:
         preferred = task.event.preferred_nodes
         single = ranks <= per_node
         if preferred:
-            plan = self._place_preferred(task, pools)
-            if plan is not None:
-                return plan
+            near = self._place_preferred(task, pools)
+            if near is not None:
+                return near
         if single:
             node = index.best_node(ranks * cores, ranks * gpus, ranks * memory, pools, gpu_first=gpus > 0)
             if node is not None:

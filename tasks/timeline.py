@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .pilot import PilotDescription
 
@@ -63,10 +63,10 @@ def critical_path(intervals: Iterable[Interval]) -> list[str]:
     path = [task]
     seen = {task}
     while True:
-        deps = [d for d in spans[task][2] if d in spans and d not in seen]
-        if not deps:
+        candidates = [d for d in spans[task][2] if d in spans and d not in seen]
+        if not candidates:
             break
-        task = max(deps, key=lambda d: (spans[d][1], d))
+        task = max(candidates, key=lambda d: (spans[d][1], d))
         path.append(task)
         seen.add(task)
     return path[::-1]
@@ -181,7 +181,7 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
     return summary
 
 
-def _curve_svg(curve: Sequence[tuple[float, float, float]], x: "callable", t0: float, t1: float) -> str:  # type: ignore[valid-type]
+def _curve_svg(curve: Sequence[tuple[float, float, float]], x: Callable[[float], float], t0: float, t1: float) -> str:
     h = 160.0
     def points(col: int) -> str:
         pts: list[str] = []
