@@ -1,0 +1,114 @@
+"""Start-up time and per-task overhead of each backend on this machine.
+
+    python benchmarks/backends.py [--backends local,dask,parsl,radical] [--tasks 20] [--out FILE.json]
+
+For each backend: the time to start it (``Backend.start()``: a Dask scheduler
+and worker, Parsl's interchange and worker pool, an RP session and pilot), the
+latency of a one-rank task that does nothing (``python -c pass`` under the
+pilot's launcher) launched one after another, its overhead over running the
+same launcher argv directly with ``subprocess`` here, the throughput of the
+same tasks launched all at once on a 2-core pilot, and the shutdown time.
+Prints a table and writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hetflow.tasks.backends import get_backend
+from hetflow.tasks.backends.base import LaunchSpec
+from hetflow.tasks.backends.ranks import find_executable
+from hetflow.tasks.launchers.mpiexec import launcher_for
+from hetflow.tasks.pilot import PilotDescription
+from hetflow.tasks.scheduler import RankSlot
+
+COMMAND = (sys.executable, "-c", "pass")
+
+
+def direct_latency(tasks: int) -> list[float]:
+    """Seconds for the launcher argv itself, run with subprocess (the floor every backend pays)."""
+    argv = launcher_for("mpiexec", find_executable("mpiexec")).argv(COMMAND, [RankSlot(0, (0,))], ["localhost"])
+    times = []
+    for _ in range(tasks):
+        started = time.perf_counter()
+        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def measure(name: str, tasks: int, root: Path) -> dict[str, Any]:
+    pilot = PilotDescription(name="bench", backend=name,  # type: ignore[arg-type]
+                             cores_per_node=2, gpus_per_node=0, memory_per_node=2**33)
+    run_dir = root / name
+    run_dir.mkdir(mode=0o700)
+    started = time.perf_counter()
+    backend = get_backend(name)(pilot, run_dir)
+    backend.start()
+    startup = time.perf_counter() - started
+    try:
+        latencies = []
+        for i in range(tasks):
+            spec = LaunchSpec(task_id=f"seq-{i}", argv=COMMAND, slots=(RankSlot(0, (i % 2,)),), cwd=run_dir)
+            t0 = time.perf_counter()
+            outcome = backend.launch(spec).result(timeout=300)
+            latencies.append(time.perf_counter() - t0)
+            if not outcome.ok:
+                raise RuntimeError(f"{name}: task {spec.task_id} failed: {outcome}")
+        t0 = time.perf_counter()
+        futures = [backend.launch(LaunchSpec(task_id=f"par-{i}", argv=COMMAND, slots=(RankSlot(0, (i % 2,)),),
+                                             cwd=run_dir)) for i in range(tasks)]
+        outcomes = [f.result(timeout=600) for f in futures]
+        burst = time.perf_counter() - t0
+        if not all(o.ok for o in outcomes):
+            raise RuntimeError(f"{name}: a burst task failed: {[o for o in outcomes if not o.ok][:1]}")
+    finally:
+        t0 = time.perf_counter()
+        backend.shutdown()
+        shutdown = time.perf_counter() - t0
+    return {"backend": name, "startup_s": startup, "task_latency_median_s": statistics.median(latencies),
+            "task_latency_min_s": min(latencies), "task_latency_max_s": max(latencies),
+            "burst_tasks_per_s": tasks / burst, "shutdown_s": shutdown, "tasks": tasks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default="local,dask,parsl,radical")
+    parser.add_argument("--tasks", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/backends.json"))
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.backends.split(",") if n.strip()]
+    floor = statistics.median(direct_latency(args.tasks))
+    results = []
+    with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as tmp:
+        for name in names:
+            print(f"measuring {name} ...", file=sys.stderr, flush=True)
+            result = measure(name, args.tasks, Path(tmp))
+            result["task_overhead_s"] = result["task_latency_median_s"] - floor
+            results.append(result)
+    load = os.getloadavg()
+    report = {"machine": {"cpus": os.cpu_count(), "loadavg_1_5_15": load, "python": sys.version.split()[0]},
+              "direct_mpiexec_median_s": floor, "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    header = f"{'backend':<9} {'start-up':>9} {'task (median)':>14} {'overhead':>9} {'burst':>10} {'shutdown':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r['backend']:<9} {r['startup_s']:>8.2f}s {r['task_latency_median_s'] * 1e3:>12.0f}ms "
+              f"{r['task_overhead_s'] * 1e3:>7.0f}ms {r['burst_tasks_per_s']:>6.1f}/s {r['shutdown_s']:>8.2f}s")
+    print(f"(direct mpiexec -n 1 python -c pass: {floor * 1e3:.0f} ms; {args.tasks} tasks each; "
+          f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} CPUs; JSON: {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
