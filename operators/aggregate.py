@@ -103,15 +103,17 @@ def column_aggregates(dt: "DTable", aggs: list[tuple[str, str]]) -> dict[str, An
     comm = dt.comm
     out: dict[str, Any] = {}
     dec = [a for a in aggs if _decomposable(table.schema, [a])]
+    root = comm.Get_rank() == 0  # results are computed on rank 0 and broadcast: bit-identical replicas
     if dec:
         partial = kernels.partial_aggregate(table, [], dec)
-        merged = pa.concat_tables(tc.allgather_table(comm, partial))
-        res = kernels.combine_aggregate(merged, [], dec, kernels.aggregate_schema(table.schema, [], dec))
-        for name in res.schema.names:
-            out[name] = res.column(name)[0].as_py()
+        parts = tc.gather_table(comm, partial, root=0)
+        if parts is not None:
+            res = kernels.combine_aggregate(pa.concat_tables(parts), [], dec, kernels.aggregate_schema(table.schema, [], dec))
+            for name in res.schema.names:
+                out[name] = res.column(name)[0].as_py()
     for col, agg in aggs:
         name = kernels.agg_name(col, agg)
-        if name in out:
+        if (col, agg) in dec:
             continue
         column = table.select([col])
         if agg == "count_distinct":
@@ -125,7 +127,9 @@ def column_aggregates(dt: "DTable", aggs: list[tuple[str, str]]) -> dict[str, An
             vals = [v for has, v in every if has]
             out[name] = None if not vals else (vals[0] if agg == "first" else vals[-1])
         else:  # list and the aggregations of non-numeric types: on the gathered column
-            whole = pa.concat_tables(tc.allgather_table(comm, column))
-            res = kernels.group_aggregate(whole, [], [(col, agg)])
-            out[name] = res.column(0)[0].as_py()
-    return {name: out[name] for name in schema.names}
+            parts = tc.gather_table(comm, column, root=0)
+            if parts is not None:
+                res = kernels.group_aggregate(pa.concat_tables(parts), [], [(col, agg)])
+                out[name] = res.column(0)[0].as_py()
+    final = {name: out[name] for name in schema.names} if root else None
+    return comm.bcast(final, root=0)  # type: ignore[no-any-return]

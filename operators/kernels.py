@@ -311,7 +311,7 @@ def combine_aggregate(partials: pa.Table, keys: Sequence[str], aggs: Sequence[tu
     work = partials
     extra = []
     for col, agg in aggs:
-        if agg in ("stddev", "variance"):
+        if agg in ("stddev", "variance") and col not in extra:
             n = pc.cast(work.column(f"{col}__count"), pa.float64())
             m = pc.fill_null(work.column(f"{col}__mean"), 0.0)
             work = work.append_column(f"{col}__nm", pc.multiply(n, m))
