@@ -134,7 +134,8 @@ def read_csv(comm: Any, paths: Paths, *, schema: pa.Schema | None = None, **read
 
     files = _expand(paths, "csv")
     mine = _assign([os.path.getsize(f) for f in files], comm.Get_rank(), comm.Get_size())
-    convert = pcsv.ConvertOptions(column_types=schema) if schema is not None else None
+    # an empty field is NULL (what write_csv produces for a null string)
+    convert = pcsv.ConvertOptions(column_types=schema, strings_can_be_null=True)
     parts = [pcsv.read_csv(files[i], convert_options=convert, **read_options) for i in mine]
     table = None
     if parts:
