@@ -46,12 +46,12 @@ def _decomposable(schema: pa.Schema, aggs: Sequence[tuple[str, str]]) -> bool:
     return True
 
 
-def _estimate_groups(table: pa.Table, keys: Sequence[str]) -> int:
-    if table.num_rows == 0:
+def _estimate_groups(hashes: np.ndarray) -> int:
+    """Distinct key hashes (HyperLogLog sketch)."""
+    if hashes.size == 0:
         return 0
     pl = kernels._polars()
-    h = partition.hash_keys(table, keys)
-    return int(pl.Series(h).approx_n_unique())
+    return int(pl.Series(hashes).approx_n_unique())
 
 
 def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], algorithm: str) -> "DTable":
@@ -69,7 +69,8 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
             f"combine-shuffle-reduce needs decomposable numeric aggregations {sorted(DECOMPOSABLE_AGGS)}; got {aggs}")
     model = hockney(comm)
     proj = table.select(needed)
-    groups_local = _estimate_groups(proj, keys) if decomposable else proj.num_rows
+    hashes = partition.hash_keys(proj, keys)  # once: for the estimate and for the shuffle
+    groups_local = _estimate_groups(hashes) if decomposable else proj.num_rows
     stats = np.array(comm.allgather((proj.num_rows, groups_local, int(proj.nbytes))), dtype=np.float64)
     rows = stats[:, 0].sum()
     ratio = float(stats[:, 1].sum() / rows) if rows else 1.0
@@ -84,7 +85,10 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
         choice = algorithm
     detail = f"estimated groups/rows {ratio:.2f} (HyperLogLog), {row_bytes:.0f} B/row"
     if choice == "shuffle":
-        shuffled = pa.concat_tables(tc.alltoall_tables(comm, partition.hash_partition(proj, keys, p)))
+        parts = partition.split_by_ids(proj, partition.ids_from_hash(hashes, p), p)
+        del hashes
+        shuffled = pa.concat_tables(tc.alltoall_tables(comm, parts))
+        del parts
         out = kernels.group_aggregate(shuffled, keys, aggs)
         name = "shuffle-compute"
     else:

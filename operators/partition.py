@@ -18,6 +18,12 @@ import pyarrow.compute as pc
 _INTLIKE = (pa.types.is_integer, pa.types.is_date, pa.types.is_timestamp, pa.types.is_duration, pa.types.is_boolean)
 
 
+def _fibonacci(x: np.ndarray) -> np.ndarray:
+    """Multiplicative (Fibonacci) hashing: a bijection whose high bits are well mixed."""
+    with np.errstate(over="ignore"):
+        return x.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+
+
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     z = x.astype(np.uint64, copy=True)
     with np.errstate(over="ignore"):
@@ -43,11 +49,13 @@ def _as_int64_numpy(col: pa.ChunkedArray) -> np.ndarray:
 
 
 def hash_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
-    """A deterministic uint64 hash per row of the ``keys`` columns (nulls hash alike)."""
+    """A deterministic uint64 hash per row of the ``keys`` columns (nulls hash alike).
+
+    The high bits are the well-mixed ones (``ids_from_hash`` uses them)."""
     if table.num_rows == 0:
         return np.empty(0, dtype=np.uint64)
     if len(keys) == 1 and any(pred(table.schema.field(keys[0]).type) for pred in _INTLIKE):
-        return _splitmix64(_as_int64_numpy(table.column(keys[0])))
+        return _fibonacci(_as_int64_numpy(table.column(keys[0])).astype(np.int64, copy=False))
     import polars as pl
 
     sub = table.select(list(keys))
@@ -60,9 +68,13 @@ def hash_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
 
 def partition_ids(table: pa.Table, keys: Sequence[str], n: int) -> np.ndarray:
     """Target partition (0..n-1) of every row, by hash of ``keys``."""
-    h = hash_keys(table, keys)
+    return ids_from_hash(hash_keys(table, keys), n)
+
+
+def ids_from_hash(h: np.ndarray, n: int) -> np.ndarray:
+    """Partition 0..n-1 from the high 32 bits of the hash (multiply-shift, no division)."""
     dtype = np.uint8 if n <= 256 else np.uint16 if n <= 65536 else np.uint32
-    return (h % np.uint64(n)).astype(dtype)
+    return (((h >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32)).astype(dtype)
 
 
 def split_by_ids(table: pa.Table, ids: np.ndarray, n: int) -> list[pa.Table]:
@@ -73,7 +85,10 @@ def split_by_ids(table: pa.Table, ids: np.ndarray, n: int) -> list[pa.Table]:
     nonzero = np.flatnonzero(counts)
     if len(nonzero) == 1:  # everything goes to one part: no copy
         return [table if j == nonzero[0] else table.slice(0, 0) for j in range(n)]
-    order = np.argsort(ids, kind="stable")  # radix sort on small ints
+    if n <= 16:  # a few linear scans beat a sort
+        order = np.concatenate([np.flatnonzero(ids == j) for j in range(n)])
+    else:
+        order = np.argsort(ids, kind="stable")  # radix sort on small ints
     taken = table.take(pa.array(order))
     starts = np.concatenate([[0], np.cumsum(counts)])
     return [taken.slice(int(starts[j]), int(counts[j])) for j in range(n)]

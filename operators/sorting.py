@@ -105,9 +105,65 @@ def splitters(comm: Any, sorted_table: pa.Table, by: Sequence[tuple[str, str]], 
     return out
 
 
+def _numeric_key(table: pa.Table, name: str) -> np.ndarray | None:
+    t = table.schema.field(name).type
+    col = table.column(name)
+    if pa.types.is_integer(t):
+        pass
+    elif pa.types.is_timestamp(t) or pa.types.is_date64(t) or pa.types.is_duration(t):
+        col = col.cast(pa.int64())
+    elif pa.types.is_date32(t):
+        col = col.cast(pa.int32())
+    else:
+        return None
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    return np.asarray(arr.to_numpy(zero_copy_only=False))
+
+
+def _partition_first_sort(comm: Any, table: pa.Table, name: str, keys: np.ndarray) -> pa.Table:
+    """Single ascending integer-like key without nulls: range-partition the unsorted rows with
+    sampled splitters (ties split by (rank, position)), exchange, then sort once."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    n = keys.size
+    total = tc.allreduce_sum(comm, n)
+    k = 0 if total == 0 else min(n, max(1 if n else 0, round(2 * SAMPLES_PER_RANK * p * n / total)))
+    pos = (np.arange(k, dtype=np.int64) * n) // max(k, 1)
+    sample = (keys[pos], np.full(k, rank, dtype=np.int64) << np.int64(40) | pos)
+    gathered = comm.allgather(sample)
+    s_keys = np.concatenate([g[0] for g in gathered])
+    s_ties = np.concatenate([g[1] for g in gathered])
+    if s_keys.size == 0:
+        return table
+    order = np.lexsort((s_ties, s_keys))  # regular positions of the sorted sample
+    m = order.size
+    chosen = order[[min(m - 1, (j * m) // p) for j in range(1, p)]]
+    spl_keys, spl_ties = s_keys[chosen], s_ties[chosen]
+    ids = np.searchsorted(spl_keys, keys, side="left")
+    for value in np.unique(spl_keys):  # rows equal to a splitter key: split by (rank, position)
+        eq = np.flatnonzero(keys == value)
+        if eq.size:
+            first = int(np.searchsorted(spl_keys, value, side="left"))
+            ties = spl_ties[spl_keys == value]
+            mine = (np.int64(rank) << np.int64(40)) | eq.astype(np.int64)
+            ids[eq] = first + np.searchsorted(ties, mine, side="left")
+    from . import partition
+
+    parts = partition.split_by_ids(table, ids.astype(np.uint8 if p <= 256 else np.uint32), p)
+    del ids
+    received = pa.concat_tables(tc.alltoall_tables(comm, parts))
+    del parts
+    return kernels.sort(received, [(name, "ascending")], "at_end")
+
+
 def sample_sort(comm: Any, table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> pa.Table:
     """This rank's slice of the globally sorted table (stable across ranks)."""
     p, rank = comm.Get_size(), comm.Get_rank()
+    if p > 1 and len(by) == 1 and by[0][1] == "ascending":
+        name = by[0][0]
+        keys = _numeric_key(table, name)
+        if tc.allreduce_sum(comm, 0 if keys is not None and table.column(name).null_count == 0 else 1) == 0:
+            assert keys is not None
+            return _partition_first_sort(comm, table, name, keys)
     if table.num_rows > 1:
         perm = kernels.sort_indices(table, by, nulls)
         local = table.take(pa.array(perm))

@@ -114,3 +114,18 @@ def test_rebalance_and_repartition(comm: Any, layout: str) -> None:
     got = by.gather()
     if rank == 0:
         D.assert_same_rows(got, whole, f"repartition(by) layout={layout}")
+
+
+@pytest.mark.parametrize("layout", D.LAYOUTS)
+@pytest.mark.parametrize("kind", ["int8", "int64", "uint64", "date32", "timestamp_ns_utc"])
+def test_sort_partition_first_path_without_nulls(comm: Any, kind: str, layout: str) -> None:
+    """Single ascending integer-like key without nulls takes the partition-first path (one local sort)."""
+    from hetflow.operators import DTable
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    seed = 4700 + list(D.KEY_TYPES).index(kind) * 10 + D.LAYOUTS.index(layout)
+    t = DTable(comm, D.table(seed, rank, size, layout=layout, keys={"k": D.KEY_TYPES[kind]}, n=50, domain=9, null_frac=0.0))
+    got, whole = t.sort_by("k").gather(), t.gather()
+    if rank == 0:
+        want = D.duck("SELECT * EXCLUDE (__idx) FROM t ORDER BY k, __idx", t=D.with_index(whole))
+        D.assert_same_rows(got, want, f"seed={seed} kind={kind} layout={layout} ranks={size}", ordered=True)

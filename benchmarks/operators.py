@@ -1,0 +1,288 @@
+"""Cylon-workload benchmark: hetflow operators vs Dask and single-process engines.
+
+Two int64 columns per table (``k``, ``v``), uniform random keys over
+``[0, 4.5 * rows)`` so that ~90% of the keys are unique.  For join (inner, on
+``k``), sort (by ``k``) and group-by-sum (``v`` by ``k``) it times, in one run:
+
+* hetflow at 1 and 2 ranks (``mpiexec -n P``, one kernel thread per rank);
+* dask.dataframe on ``LocalCluster(n_workers=2, threads_per_worker=1)``;
+* DuckDB, polars and pyarrow in one process with 2 threads.
+
+Every engine sees the same rows (two seeded chunks per table), and the result
+row counts are checked to agree.  Medians of ``--repeats`` runs; data
+generation is not timed.  Prints a table of seconds and ratios and writes JSON
+(default ``benchmarks/results/operators.json``).
+
+    .venv/bin/python benchmarks/operators.py                 # the issue's 20M rows per table
+    .venv/bin/python benchmarks/operators.py --rows 2000000  # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+OPS = ("join", "sort", "groupby")
+CHUNKS = 2  # tables are made of this many seeded chunks, so 1 and 2 ranks see the same rows
+MARK = "BENCH_RESULT "
+
+
+def make_chunk(table_id: int, chunk: int, rows: int) -> Any:
+    import numpy as np
+    import pyarrow as pa
+
+    n = rows // CHUNKS + (1 if chunk < rows % CHUNKS else 0)
+    rng = np.random.default_rng([table_id, chunk, rows])
+    return pa.table({"k": rng.integers(0, int(rows * 4.5), n), "v": rng.integers(0, 1 << 40, n)})
+
+
+def make_table(table_id: int, rows: int, chunks: range | list[int] | None = None) -> Any:
+    import pyarrow as pa
+
+    return pa.concat_tables([make_chunk(table_id, c, rows) for c in (chunks if chunks is not None else range(CHUNKS))]).combine_chunks()
+
+
+def peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+# --------------------------------------------------------------------------- hetflow worker (one per rank)
+
+
+def hetflow_worker(op: str, rows: int, repeats: int) -> None:
+    from mpi4py import MPI
+
+    from hetflow.operators import DTable
+    from hetflow.operators.costmodel import hockney
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = [c for c in range(CHUNKS) if c % size == rank]
+    left = DTable(comm, make_table(1, rows, mine))
+    right = DTable(comm, make_table(2, rows, mine)) if op == "join" else None
+    input_bytes = left.to_arrow().nbytes + (right.to_arrow().nbytes if right is not None else 0)
+    hockney(comm)  # measured (or read from the cache) before timing
+    rss_before = current_rss_bytes()
+    times, out_rows, explain = [], 0, ""
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        if op == "join":
+            assert right is not None
+            res = left.join(right, "k")
+        elif op == "sort":
+            res = left.sort_by("k")
+        else:
+            res = left.group_by("k").aggregate([("v", "sum")])
+        comm.Barrier()
+        times.append(time.perf_counter() - t0)
+        out_rows = res.num_rows
+        explain = res.explain()
+        del res
+    peaks = comm.gather({"peak_rss": peak_rss_bytes(), "rss_before": rss_before, "input_bytes": input_bytes}, root=0)
+    if rank == 0:
+        print(MARK + json.dumps({"times": times, "rows_out": out_rows, "ranks": peaks, "explain": explain}), flush=True)
+
+
+def run_hetflow(op: str, rows: int, repeats: int, ranks: int) -> dict[str, Any]:
+    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+    env = {**os.environ, "HETFLOW_OPERATOR_THREADS": "1", "POLARS_MAX_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    argv = [mpiexec, "-n", str(ranks), "-bind-to", "core", sys.executable, str(Path(__file__).resolve()),
+            "--worker", op, "--rows", str(rows), "--repeats", str(repeats)]
+    return _collect(argv, env)
+
+
+def _collect(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return dict(json.loads(line[len(MARK):]))
+    raise RuntimeError(f"{argv} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+# --------------------------------------------------------------------------- single-process engines (2 threads)
+
+
+def engine_worker(engine: str, op: str, rows: int, repeats: int, threads: int) -> None:
+    os.environ["POLARS_MAX_THREADS"] = str(threads)
+    import pyarrow as pa
+
+    pa.set_cpu_count(threads)
+    a = make_table(1, rows)
+    b = make_table(2, rows) if op == "join" else None
+    fn: Callable[[], Any]
+    if engine == "duckdb":
+        import duckdb
+
+        con = duckdb.connect()
+        con.execute(f"SET threads={threads}")
+        con.register("a", a)
+        if b is not None:
+            con.register("b", b)
+        sql = {"join": "SELECT a.k, a.v, b.v AS v_right FROM a JOIN b ON a.k = b.k",
+               "sort": "SELECT * FROM a ORDER BY k", "groupby": "SELECT k, sum(v) AS v_sum FROM a GROUP BY k"}[op]
+        fn = lambda: con.sql(sql).to_arrow_table()  # noqa: E731
+    elif engine == "polars":
+        import polars as pl
+
+        da, db = pl.from_arrow(a), (pl.from_arrow(b) if b is not None else None)
+        fn = {"join": lambda: da.join(db, on="k"), "sort": lambda: da.sort("k"),
+              "groupby": lambda: da.group_by("k").agg(pl.col("v").sum())}[op]
+    elif engine == "pyarrow":
+        fn = {"join": lambda: a.join(b, "k", right_suffix="_right"), "sort": lambda: a.sort_by("k"),
+              "groupby": lambda: a.group_by("k").aggregate([("v", "sum")])}[op]
+    else:
+        raise SystemExit(f"unknown engine {engine!r} (known: duckdb, polars, pyarrow)")
+    times, out_rows = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = fn()
+        times.append(time.perf_counter() - t0)
+        out_rows = len(res) if not hasattr(res, "num_rows") else res.num_rows
+        del res
+    print(MARK + json.dumps({"times": times, "rows_out": out_rows, "peak_rss": peak_rss_bytes()}), flush=True)
+
+
+def run_engine(engine: str, op: str, rows: int, repeats: int, threads: int) -> dict[str, Any]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--engine", engine, op, "--rows", str(rows),
+            "--repeats", str(repeats), "--threads", str(threads)]
+    return _collect(argv, dict(os.environ))
+
+
+# --------------------------------------------------------------------------- dask
+
+
+def run_dask(ops: list[str], rows: int, repeats: int) -> dict[str, dict[str, Any]]:
+    import dask
+    import dask.dataframe as dd
+    from dask.distributed import Client, LocalCluster, wait
+
+    out: dict[str, dict[str, Any]] = {}
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+        def frame(table_id: int) -> Any:
+            def part(chunk: int) -> Any:
+                return make_chunk(table_id, chunk, rows).to_pandas()
+            return dd.from_map(part, list(range(CHUNKS))).persist()
+        a = frame(1)
+        wait(a)
+        b = frame(2) if "join" in ops else None
+        if b is not None:
+            wait(b)
+        for op in ops:
+            times, out_rows = [], 0
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                if op == "join":
+                    res = a.merge(b, on="k", suffixes=("", "_right")).persist()
+                elif op == "sort":
+                    res = a.sort_values("k").persist()
+                else:
+                    res = a.groupby("k").v.sum(split_out=True).persist()
+                wait(res)
+                times.append(time.perf_counter() - t0)
+                out_rows = int(res.map_partitions(len).compute().sum())
+                del res
+            out[op] = {"times": times, "rows_out": out_rows, "dask": dask.__version__}
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=20_000_000, help="rows per table (default 20M, the issue's size)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
+    ap.add_argument("--ranks", default="1,2", help="hetflow rank counts")
+    ap.add_argument("--threads", type=int, default=2, help="threads of the single-process engines")
+    ap.add_argument("--engines", default="duckdb,polars,pyarrow")
+    ap.add_argument("--no-dask", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results" / "operators.json"))
+    ap.add_argument("--worker", choices=OPS, help=argparse.SUPPRESS)
+    ap.add_argument("--engine", nargs=2, metavar=("ENGINE", "OP"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        hetflow_worker(args.worker, args.rows, args.repeats)
+        return 0
+    if args.engine:
+        engine_worker(args.engine[0], args.engine[1], args.rows, args.repeats, args.threads)
+        return 0
+
+    ops = [o for o in args.ops.split(",") if o]
+    ranks = [int(r) for r in args.ranks.split(",") if r]
+    engines = [e for e in args.engines.split(",") if e]
+    load_before = os.getloadavg()
+    results: dict[str, Any] = {"rows_per_table": args.rows, "repeats": args.repeats, "host": platform.node(),
+                               "cpus": os.cpu_count(), "loadavg_before": load_before, "ops": {}}
+    for op in ops:
+        entry: dict[str, Any] = {}
+        for p in ranks:
+            print(f"[{op}] hetflow {p} rank(s) ...", file=sys.stderr, flush=True)
+            entry[f"hetflow_{p}"] = run_hetflow(op, args.rows, args.repeats, p)
+        for e in engines:
+            print(f"[{op}] {e} ({args.threads} threads) ...", file=sys.stderr, flush=True)
+            entry[e] = run_engine(e, op, args.rows, args.repeats, args.threads)
+        results["ops"][op] = entry
+    if not args.no_dask:
+        print(f"[{','.join(ops)}] dask LocalCluster(2 workers x 1 thread) ...", file=sys.stderr, flush=True)
+        for op, r in run_dask(ops, args.rows, args.repeats).items():
+            results["ops"][op]["dask"] = r
+    results["loadavg_after"] = os.getloadavg()
+    summarise(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def summarise(results: dict[str, Any]) -> None:
+    rows = results["rows_per_table"]
+    print(f"\n{rows:,} rows per table, median of {results['repeats']} (seconds); load before {results['loadavg_before'][0]:.2f}")
+    header = ["op", "hetflow 1r", "hetflow 2r", "dask 2w", "duckdb", "polars", "pyarrow", "dask/het2", "het2/best", "1r/2r", "peak/part"]
+    print(" | ".join(f"{h:>10}" for h in header))
+    for op, entry in results["ops"].items():
+        med = {k: statistics.median(v["times"]) for k, v in entry.items()}
+        for k, v in entry.items():
+            v["median_s"] = med[k]
+        counts = {k: v["rows_out"] for k, v in entry.items() if k != "pyarrow"}
+        agree = len(set(counts.values())) == 1
+        singles = [med[e] for e in ("duckdb", "polars", "pyarrow") if e in med]
+        h1, h2 = med.get("hetflow_1"), med.get("hetflow_2")
+        peak = None
+        if "hetflow_2" in entry:
+            peak = max((r["peak_rss"] - r["rss_before"]) / max(r["input_bytes"], 1) for r in entry["hetflow_2"]["ranks"])
+        entry["summary"] = {
+            "row_counts_agree": agree, "row_counts": {k: v["rows_out"] for k, v in entry.items() if "rows_out" in v},
+            "dask_over_hetflow2": (med["dask"] / h2) if h2 and "dask" in med else None,
+            "hetflow2_over_best_single": (h2 / min(singles)) if h2 and singles else None,
+            "speedup_2_over_1": (h1 / h2) if h1 and h2 else None,
+            "peak_rss_growth_over_partition_2r": peak,
+        }
+        s = entry["summary"]
+
+        def f(x: float | None, suffix: str = "") -> str:
+            return "-" if x is None else f"{x:.2f}{suffix}"
+        cells = [op, f(h1), f(h2), f(med.get("dask")), f(med.get("duckdb")), f(med.get("polars")), f(med.get("pyarrow")),
+                 f(s["dask_over_hetflow2"], "x"), f(s["hetflow2_over_best_single"], "x"), f(s["speedup_2_over_1"], "x"), f(peak, "x")]
+        print(" | ".join(f"{c:>10}" for c in cells) + ("" if agree else f"   ROW COUNTS DIFFER {s['row_counts']}"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
