@@ -5,8 +5,9 @@
                    └──────► qa        (2 ranks, at the same time as train)
 
 * ``generate`` writes the synthetic survey as many Parquet files (see generate.py).
-* ``prepare`` (MPI) reads them partitioned, pivots the long-format photometry to
-  one row per object, joins the objects, broadcast-joins the small fields table,
+* ``prepare`` (MPI, hetflow.operators DTable) reads them partitioned, pivots the
+  long-format photometry to one row per object (a distributed group-by), joins
+  the objects (shuffle-hash join), broadcast-joins the small fields table,
   drops bad photometry, corrects for extinction, computes colours and their
   global normalisation (allreduce), and splits train/validation/test by a hash
   of the object id.
@@ -49,40 +50,6 @@ pipe = hf.Pipeline("photoz", pilot=str(HERE / "pilot.yaml"))
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """A well-mixed 64-bit hash of integer keys (stable across runs, machines and rank counts)."""
-    with np.errstate(over="ignore"):
-        x = values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def _ipc(table: pa.Table) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue()
-
-
-def _shuffle(ctx: Any, table: pa.Table, key: str) -> pa.Table:
-    """Hash-partition ``table`` on an integer ``key`` over the stage's ranks (all-to-all of Arrow IPC)."""
-    if ctx.size == 1:
-        return table.combine_chunks()
-    dest = (_splitmix64(table[key].to_numpy()) % np.uint64(ctx.size)).astype(np.int64)
-    order = np.argsort(dest, kind="stable")
-    bounds = np.searchsorted(dest[order], np.arange(ctx.size + 1))
-    sorted_table = table.take(pa.array(order))
-    parts = [_ipc(sorted_table.slice(bounds[j], bounds[j + 1] - bounds[j])) for j in range(ctx.size)]
-    received = ctx.comm.alltoall(parts)
-    return pa.concat_tables([pa.ipc.open_stream(b).read_all() for b in received]).combine_chunks()
-
-
-def _broadcast(ctx: Any, table: pa.Table | None) -> pa.Table:
-    """Rank 0's (small) table on every rank."""
-    return pa.ipc.open_stream(ctx.comm.bcast(_ipc(table) if ctx.rank == 0 else None, root=0)).read_all()
-
-
 def _whole(ctx: Any, table: pa.Table | None) -> pa.Table:
     """A small dataset in full on every rank (its rows are split over the consumer's ranks)."""
     parts = [t for t in ctx.comm.allgather(table) if t is not None and t.num_rows]
@@ -131,99 +98,84 @@ def generate(ctx):
                                 "rows": [pq.ParquetFile(p).metadata.num_rows for p in mine]})}
 
 
+def _files(ctx: Any, survey: pa.Table | None, kind: str) -> list[str]:
+    listing = _whole(ctx, survey)
+    return sorted(p for k, p in zip(listing["kind"].to_pylist(), listing["path"].to_pylist()) if k == kind)
+
+
+def _bad(table: pa.Table) -> pa.ChunkedArray:
+    return pc.not_equal(pc.bit_wise_and(table["flags"], pa.scalar(BAD_FLAGS, pa.int16())), 0)
+
+
 @pipe.stage(ranks=2, inputs=["survey"], outputs=["train_set", "valid_set", "test_set", "feature_stats"])
 def prepare(ctx, survey):
     """Partitioned read, pivot, joins, cleaning, extinction, colours, normalisation, split."""
-    listing = _whole(ctx, survey)
-    files = {kind: sorted(p for k, p in zip(listing["kind"].to_pylist(), listing["path"].to_pylist()) if k == kind)
-             for kind in ("objects", "photometry", "fields")}
+    from hetflow.operators import read_parquet
+    from hetflow.operators.partition import hash_keys
 
-    def read(kind: str, columns: list[str] | None = None) -> pa.Table:
-        mine = files[kind][ctx.rank::ctx.size]  # partitioned read: each rank its own files
-        tables = [pq.read_table(p, columns=columns) for p in mine]
-        if tables:
-            return pa.concat_tables(tables)
-        return pq.read_schema(files[kind][0]).empty_table().select(columns or pq.read_schema(files[kind][0]).names)
-
-    objects = read("objects")
-    phot = read("photometry")
-    bad = pc.not_equal(pc.bit_wise_and(phot["flags"], pa.scalar(BAD_FLAGS, pa.int16())), 0)
-    dropped = ctx.comm.allreduce(int(pc.sum(bad).as_py() or 0))
-    phot = phot.filter(pc.invert(bad))
-    # co-locate every object's measurements with the object: shuffle both on the id
-    objects, phot = _shuffle(ctx, objects, "id"), _shuffle(ctx, phot, "id")
-    # pivot long -> wide: one (mag, err) pair of columns per band, null where not measured
-    band = phot["band"].cast(pa.string())
-    wide = objects
+    objects = read_parquet(ctx.comm, _files(ctx, survey, "objects"))
+    phot = read_parquet(ctx.comm, _files(ctx, survey, "photometry"))
+    fields = read_parquet(ctx.comm, _files(ctx, survey, "fields"))
+    dropped = phot.filter(_bad).num_rows
+    phot = phot.filter(lambda t: pc.invert(_bad(t)))
+    # pivot long -> wide as one distributed group-by: a (mag, err) column per band, null where
+    # the band was not measured, then the max per object (its only non-null value)
+    per_band = {}
     for b in BANDS:
-        sel = phot.filter(pc.equal(band, b)).select(["id", "mag", "mag_err"])
-        sel = sel.rename_columns(["id", f"mag_{b}", f"err_{b}"])
-        wide = wide.join(sel, "id", join_type="left outer")
-    # broadcast join of the small fields table (one rank reads it, everyone gets it)
-    fields = _broadcast(ctx, pq.read_table(files["fields"][0]) if ctx.rank == 0 else None)
-    wide = wide.join(fields.select(["field", "seeing", "ebv", *(f"ext_{b}" for b in BANDS)]), "field")
-    # extinction correction and colours
-    mags = {b: pc.subtract(wide[f"mag_{b}"].cast(pa.float64()), wide[f"ext_{b}"]) for b in BANDS}
-    n_bands = np.sum([pc.is_valid(mags[b]).to_numpy(zero_copy_only=False) for b in BANDS], axis=0, dtype=np.int32)
-    catalog = pa.table({
-        "id": wide["id"], "field": wide["field"], "z_true": wide["z_true"],
-        **{c: pc.subtract(mags[c[0]], mags[c[2]]) for c in COLOURS},
-        "r": mags["r"], "n_bands": n_bands, "seeing": wide["seeing"],
-    })
-    usable = pc.and_(pc.is_valid(catalog["r"]), pc.greater_equal(catalog["n_bands"], 3))
-    catalog = catalog.filter(usable).sort_by("id")
-    # train / validation / test by a hash of the id: stable whatever the rank count
-    bucket = _splitmix64(catalog["id"].to_numpy()) % np.uint64(100)
-    split = np.where(bucket < 70, 0, np.where(bucket < 85, 1, 2))
-    sets = [catalog.filter(pa.array(split == i)) for i in range(3)]
-    # global normalisation of the features, from the training split (one allreduce)
-    train = sets[0]
-    local = np.zeros((len(FEATURES) + 1, 3))
-    for i, name in enumerate([*FEATURES, "z_true"]):
-        v = train[name].drop_null().to_numpy().astype(np.float64)
-        local[i] = (v.size, v.sum(), np.square(v).sum())
-    total = np.empty_like(local)
-    ctx.comm.Allreduce(local, total)
-    mean = total[:, 1] / total[:, 0]
-    std = np.sqrt(np.maximum(total[:, 2] / total[:, 0] - mean ** 2, 1e-12))
-    counts = [ctx.comm.allreduce(t.num_rows) for t in (catalog, *sets)]
+        per_band[f"mag_{b}"] = lambda t, b=b: pc.if_else(pc.equal(t["band"].cast(pa.string()), b), t["mag"],
+                                                          pa.scalar(None, pa.float32()))
+    phot = phot.with_columns(**per_band)
+    wide = phot.group_by("id").aggregate([(f"mag_{b}", "max") for b in BANDS])
+    # join the objects (shuffle-hash join on id) and the small fields table (broadcast join)
+    wide = wide.join(objects, "id").join(fields, "field", algorithm="broadcast")
+
+    def features(t: pa.Table) -> dict[str, Any]:
+        mags = {b: pc.subtract(t[f"mag_{b}_max"].cast(pa.float64()), t[f"ext_{b}"]) for b in BANDS}  # extinction
+        n_bands = np.sum([pc.is_valid(mags[b]).to_numpy(zero_copy_only=False) for b in BANDS], axis=0, dtype=np.int32)
+        return {**{c: pc.subtract(mags[c[0]], mags[c[2]]) for c in COLOURS}, "r": mags["r"],
+                "n_bands": pa.array(n_bands, pa.int32())}
+
+    def catalog_of(t: pa.Table) -> pa.Table:
+        f = features(t)
+        bucket = hash_keys(t, ["id"]) % np.uint64(100)  # train/valid/test from the id alone
+        split = np.where(bucket < 70, 0, np.where(bucket < 85, 1, 2)).astype(np.int8)
+        return pa.table({"id": t["id"], "field": t["field"], "z_true": t["z_true"], **f,
+                         "seeing": t["seeing"], "split": split})
+
+    catalog = wide.map_batches(catalog_of).filter(pc.field("r").is_valid() & (pc.field("n_bands") >= 3))
+    sets = [catalog.filter(pc.field("split") == i).sort_by("id") for i in range(3)]
+    # global normalisation statistics of the features, from the training split only
+    stats = sets[0].aggregate([(c, agg) for c in [*FEATURES, "z_true"] for agg in ("mean", "stddev", "count")])
+    counts = [t.num_rows for t in (catalog, *sets)]
     if ctx.rank == 0:
         ctx.log.info("catalogue: %d usable objects (train %d, valid %d, test %d); %d bad measurements dropped",
                      *counts, dropped)
-    stats = pa.table({"name": [*FEATURES, "z_true"], "mean": mean, "std": std, "count": total[:, 0].astype(np.int64)})
-    return {"train_set": sets[0], "valid_set": sets[1], "test_set": sets[2],
-            "feature_stats": stats if ctx.rank == 0 else None}
+    table = pa.table({"name": [*FEATURES, "z_true"],
+                      "mean": [float(stats[f"{c}_mean"]) for c in [*FEATURES, "z_true"]],
+                      "std": [float(stats[f"{c}_stddev"]) for c in [*FEATURES, "z_true"]],
+                      "count": [int(stats[f"{c}_count"]) for c in [*FEATURES, "z_true"]]})
+    return {"train_set": sets[0].to_arrow().drop_columns(["split"]),
+            "valid_set": sets[1].to_arrow().drop_columns(["split"]),
+            "test_set": sets[2].to_arrow().drop_columns(["split"]),
+            "feature_stats": table if ctx.rank == 0 else None}
 
 
-@pipe.stage(ranks=2, inputs=["survey", "train_set", "valid_set", "test_set"], outputs=["qa_fields"])
-def qa(ctx, survey, train_set, valid_set, test_set):
+@pipe.stage(ranks=2, inputs=["survey", "test_set", "train_set", "valid_set"], outputs=["qa_fields"])
+def qa(ctx, survey, test_set, train_set, valid_set):
     """Quality assurance of the catalogue per field and band (runs while `train` does)."""
-    listing = _whole(ctx, survey)
-    paths = sorted(p for k, p in zip(listing["kind"].to_pylist(), listing["path"].to_pylist()) if k == "photometry")
-    tables = [pq.read_table(p) for p in paths[ctx.rank::ctx.size]]
-    phot = pa.concat_tables(tables) if tables else pq.read_schema(paths[0]).empty_table()
-    objects = pa.concat_tables([t.select(["id", "field", "n_bands", "z_true"]) for t in (train_set, valid_set, test_set)])
-    phot = _shuffle(ctx, phot, "id").join(_shuffle(ctx, objects, "id"), "id")
-    phot = phot.append_column("bad", pc.cast(pc.not_equal(
-        pc.bit_wise_and(phot["flags"], pa.scalar(BAD_FLAGS, pa.int16())), 0), pa.int32()))
-    phot = phot.append_column("snr5", pc.cast(pc.less_equal(phot["mag_err"], 0.2171), pa.int32()))
-    phot = phot.set_column(phot.schema.get_field_index("band"), "band", phot["band"].cast(pa.string()))
-    # group by (field, band): partial aggregates locally, then one shuffle on the field
-    partial = phot.group_by(["field", "band"]).aggregate(
-        [("mag", "count"), ("mag", "sum"), ("mag_err", "sum"), ("bad", "sum"), ("snr5", "sum"), ("mag", "max")])
-    merged = _shuffle(ctx, partial, "field").group_by(["field", "band"]).aggregate(
-        [("mag_count", "sum"), ("mag_sum", "sum"), ("mag_err_sum", "sum"), ("bad_sum", "sum"),
-         ("snr5_sum", "sum"), ("mag_max", "max")])
-    n = merged["mag_count_sum"]
-    out = pa.table({
-        "field": merged["field"], "band": merged["band"], "detections": n,
-        "mean_mag": pc.divide(merged["mag_sum_sum"], pc.cast(n, pa.float64())),
-        "mean_err": pc.divide(merged["mag_err_sum_sum"], pc.cast(n, pa.float64())),
-        "bad_fraction": pc.divide(pc.cast(merged["bad_sum_sum"], pa.float64()), pc.cast(n, pa.float64())),
-        "snr5_fraction": pc.divide(pc.cast(merged["snr5_sum_sum"], pa.float64()), pc.cast(n, pa.float64())),
-        "faintest": merged["mag_max_max"],
-    }).sort_by([("field", "ascending"), ("band", "ascending")])
-    fields = ctx.comm.allreduce(len(set(out["field"].to_pylist())))
+    from hetflow.operators import DTable, read_parquet
+
+    phot = read_parquet(ctx.comm, _files(ctx, survey, "photometry"))
+    objects = DTable(ctx.comm, pa.concat_tables([t.select(["id", "field"]) for t in (train_set, valid_set, test_set)]))
+    phot = phot.join(objects, "id").with_columns(
+        band=lambda t: t["band"].cast(pa.string()),
+        bad=lambda t: pc.cast(_bad(t), pa.int32()),
+        snr5=lambda t: pc.cast(pc.less_equal(t["mag_err"], 0.2171), pa.int32()))
+    merged = phot.group_by(["field", "band"]).aggregate(
+        [("mag", "count"), ("mag", "mean"), ("mag_err", "mean"), ("bad", "mean"), ("snr5", "mean"), ("mag", "max")])
+    out = merged.sort_by([("field", "ascending"), ("band", "ascending")]).to_arrow().rename_columns(
+        ["field", "band", "detections", "mean_mag", "mean_err", "bad_fraction", "snr5_fraction", "faintest"])
+    fields = merged.select(["field"]).unique().num_rows
     if ctx.rank == 0:
         ctx.log.info("QA: %d fields x %d bands summarised", fields, len(BANDS))
     return {"qa_fields": out}
@@ -284,20 +236,21 @@ def predict(ctx, feature_stats, model, test_set):
             params={"report_dir": str(_WORKDIR / "photoz-report")})
 def evaluate(ctx, feature_stats, predictions, test_set):
     """Bias, σ_NMAD and outlier fraction per redshift bin, against the trivial predictor."""
+    from hetflow.operators import DTable
+
     z_mean = _stats(ctx, feature_stats)["z_true"][0]
-    joined = _shuffle(ctx, predictions, "id").join(_shuffle(ctx, test_set.select(["id", "z_true"]), "id"), "id")
+    joined = DTable(ctx.comm, predictions).join(DTable(ctx.comm, test_set.select(["id", "z_true"])), "id").to_arrow()
     z = joined["z_true"].to_numpy()
     zp = joined["z_phot"].to_numpy().astype(np.float64)
     zbin = np.clip(np.searchsorted(Z_EDGES, z, side="right") - 1, 0, len(Z_EDGES) - 2)
-    # one group per bin plus "all" (bin -1); each group is shuffled whole to one rank: exact medians
-    rows = pa.table({"bin": np.concatenate([zbin, np.full(z.size, -1)]).astype(np.int32),
-                     "dz": np.concatenate([(zp - z) / (1 + z)] * 2),
-                     "dz0": np.concatenate([(z_mean - z) / (1 + z)] * 2)})
-    mine = _shuffle(ctx, rows, "bin")
+    # one group per bin plus "all" (bin -1), each collected whole on one rank: exact medians
+    rows = DTable(ctx.comm, pa.table({"bin": np.concatenate([zbin, np.full(z.size, -1)]).astype(np.int32),
+                                      "dz": np.concatenate([(zp - z) / (1 + z)] * 2),
+                                      "dz0": np.concatenate([(z_mean - z) / (1 + z)] * 2)}))
+    groups = rows.group_by("bin").aggregate([("dz", "list"), ("dz0", "list")], algorithm="shuffle").to_arrow()
     records = []
-    for b in sorted(set(mine["bin"].to_pylist())):
-        sel = mine.filter(pc.equal(mine["bin"], b))
-        dz, dz0 = sel["dz"].to_numpy(), sel["dz0"].to_numpy()
+    for b, dz_list, dz0_list in zip(groups["bin"].to_pylist(), groups["dz_list"], groups["dz0_list"]):
+        dz, dz0 = np.asarray(dz_list.values), np.asarray(dz0_list.values)
         lo, hi = (Z_EDGES[0], Z_EDGES[-1]) if b < 0 else (Z_EDGES[b], Z_EDGES[b + 1])
         records.append({"bin": b, "z_lo": lo, "z_hi": hi, "n": int(dz.size), "bias": float(np.median(dz)),
                         "sigma_nmad": _sigma_nmad(dz), "outlier_fraction": float(np.mean(np.abs(dz) > OUTLIER)),
