@@ -71,14 +71,23 @@ def _displs(sizes: np.ndarray) -> np.ndarray:
 
 
 def alltoall_tables(comm: Any, parts: Sequence[pa.Table]) -> list[pa.Table]:
-    """Shuffle: ``parts[j]`` goes to rank ``j``; returns what every rank sent here, by source rank."""
+    """Shuffle: ``parts[j]`` goes to rank ``j``; returns what every rank sent here, by source rank.
+
+    When ``parts`` is a list it is consumed: the entries sent away are replaced by
+    ``None`` once serialised, so their memory is freed before the exchange.
+    """
     size, rank = comm.Get_size(), comm.Get_rank()
     if len(parts) != size:
         raise ValueError(f"alltoall_tables needs one part per rank ({size}), got {len(parts)}")
     if size == 1:
         return [parts[0]]
+    own = parts[rank]
     outgoing = [None if j == rank else parts[j] for j in range(size)]
     sendbuf, sendsizes = serialize(outgoing)
+    del outgoing
+    if isinstance(parts, list):
+        for j in range(size):
+            parts[j] = None  # type: ignore[call-overload]
     recvsizes = np.empty(size, dtype=np.int64)
     comm.Alltoall(sendsizes, recvsizes)
     recvbuf = np.empty(int(recvsizes.sum()), dtype=np.uint8)
@@ -87,9 +96,10 @@ def alltoall_tables(comm: Any, parts: Sequence[pa.Table]) -> list[pa.Table]:
         comm.Alltoallv([sendbuf, (sendsizes, sdispl), MPI.BYTE], [recvbuf, (recvsizes, rdispl), MPI.BYTE])
     else:
         _pairwise_exchange(comm, sendbuf, sendsizes, sdispl, recvbuf, recvsizes, rdispl)
+    del sendbuf
     received = deserialize(recvbuf, recvsizes)
-    received[rank] = parts[rank]
-    return [t if t is not None else parts[rank].slice(0, 0) for t in received]
+    received[rank] = own
+    return [t if t is not None else own.slice(0, 0) for t in received]
 
 
 def _pairwise_exchange(comm: Any, sendbuf: np.ndarray, ss: np.ndarray, sd: np.ndarray,

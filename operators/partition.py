@@ -86,12 +86,12 @@ def split_by_ids(table: pa.Table, ids: np.ndarray, n: int) -> list[pa.Table]:
     if len(nonzero) == 1:  # everything goes to one part: no copy
         return [table if j == nonzero[0] else table.slice(0, 0) for j in range(n)]
     if n <= 16:  # a few linear scans beat a sort
-        order = np.concatenate([np.flatnonzero(ids == j) for j in range(n)])
+        groups = [np.flatnonzero(ids == j) for j in range(n)]
     else:
         order = np.argsort(ids, kind="stable")  # radix sort on small ints
-    taken = table.take(pa.array(order))
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    return [taken.slice(int(starts[j]), int(counts[j])) for j in range(n)]
+        groups = np.split(order, np.cumsum(counts)[:-1])
+    # one take per part: each part owns its buffers, so sent parts can be freed independently
+    return [table.take(pa.array(g)) if g.size else table.slice(0, 0) for g in groups]
 
 
 def hash_partition(table: pa.Table, keys: Sequence[str], n: int) -> list[pa.Table]:
