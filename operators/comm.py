@@ -33,14 +33,14 @@ def ipc_size(table: pa.Table) -> int:
 
 
 def _write_into(buf: np.ndarray, offset: int, size: int, table: pa.Table) -> None:
-    target = pa.py_buffer(memoryview(buf)[offset : offset + size])
+    target = pa.py_buffer(buf[offset : offset + size].data)
     sink = pa.FixedSizeBufferWriter(target)
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
 
 
 def _read_from(buf: np.ndarray, offset: int, size: int) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(memoryview(buf)[offset : offset + size])).read_all()
+    return pa.ipc.open_stream(pa.py_buffer(buf[offset : offset + size].data)).read_all()
 
 
 def serialize(tables: Sequence[pa.Table | None]) -> tuple[np.ndarray, np.ndarray]:
@@ -87,7 +87,7 @@ def alltoall_tables(comm: Any, parts: Sequence[pa.Table]) -> list[pa.Table]:
     del outgoing
     if isinstance(parts, list):
         for j in range(size):
-            parts[j] = None  # type: ignore[call-overload]
+            parts[j] = None
     recvsizes = np.empty(size, dtype=np.int64)
     comm.Alltoall(sendsizes, recvsizes)
     recvbuf = np.empty(int(recvsizes.sum()), dtype=np.uint8)
@@ -177,7 +177,7 @@ def bcast_table(comm: Any, table: pa.Table | None, root: int = 0) -> pa.Table:
         chunk = buf[start : start + _MAX_CHUNK]
         comm.Bcast([chunk, chunk.size, MPI.BYTE], root=root)
     if comm.Get_rank() == root:
-        return table  # type: ignore[return-value]
+        return table
     return _read_from(buf, 0, buf.size)
 
 

@@ -24,7 +24,7 @@ from .errors import InputError, InvalidOptionError, SchemaMismatchError
 if TYPE_CHECKING:
     from .dtable import DTable
 
-Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+Paths = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
 
 _EXT = {"parquet": "parquet", "ipc": "arrow", "csv": "csv"}
 
@@ -146,7 +146,7 @@ def read_csv(comm: Any, paths: Paths, *, schema: pa.Schema | None = None, **read
     return _finish(comm, table, schema, "read_csv")
 
 
-def write_partitions(comm: Any, table: pa.Table, directory: str | os.PathLike, fmt: str) -> list[str]:
+def write_partitions(comm: Any, table: pa.Table, directory: str | os.PathLike[str], fmt: str) -> list[str]:
     """Write this rank's partition as ``part-<rank>.<ext>``; returns every rank's file (rank order)."""
     if fmt not in _EXT:
         raise InvalidOptionError("format", fmt, list(_EXT))

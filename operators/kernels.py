@@ -162,7 +162,7 @@ def sort_indices(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> 
             maintain_order=True,
         )
     ).to_series()
-    return idx.to_numpy()
+    return np.asarray(idx.to_numpy())
 
 
 def sort(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> pa.Table:
