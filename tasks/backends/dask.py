@@ -19,6 +19,7 @@ Options (``pilot.options.dask``):
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -86,6 +87,7 @@ class DaskBackend(Backend):
         (multiprocessing spawn), which runs the pipeline again.
         """
         base = private_dir(self.run_dir / "dask")
+        atexit.register(self._at_exit)  # after Ctrl-C too: they run in their own sessions
         scheduler_file = base / "scheduler.json"
         scheduler_file.unlink(missing_ok=True)
         logs = private_dir(base / "logs")
@@ -121,6 +123,7 @@ class DaskBackend(Backend):
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
+                log.warning("dask process %d did not stop on SIGTERM; killing it", proc.pid)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self._procs.clear()
@@ -191,6 +194,20 @@ class DaskBackend(Backend):
             outcome.set_result(TaskOutcome(**outcome_fields(remote.result())))
         except Exception as exc:  # noqa: BLE001 - the engine failed the task: report, don't raise in a callback
             outcome.set_result(TaskOutcome(task_id, None, detail=f"dask task failed: {exc!r}"))
+
+    def _at_exit(self) -> None:
+        """Interpreter exit without :meth:`shutdown` (Ctrl-C): stop running tasks, then the engine."""
+        with self._lock:
+            entries = list(self._running.values())
+        for entry in entries:
+            entry[-1].touch()  # the cancel file: the task kills its process group
+        for entry in entries:
+            future = entry[-2]
+            try:
+                future.result(timeout=5)
+            except Exception:  # noqa: BLE001 - exiting; nothing to report to
+                pass
+        self._stop_local_cluster()
 
     def cancel(self, task_id: str) -> None:
         with self._lock:

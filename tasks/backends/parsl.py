@@ -158,7 +158,7 @@ class ParslBackend(Backend):
         if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
             log.info("putting %s first on PATH so Parsl finds its worker pool", venv_bin)
             os.environ["PATH"] = os.pathsep.join([venv_bin, os.environ.get("PATH", "")])
-        atexit.register(self._reap)
+        atexit.register(self._at_exit)
         self._dfk = DataFlowKernel(parsl_config(self.pilot, self.run_dir))
         self._app = python_app(_run_in_parsl, data_flow_kernel=self._dfk, executors=[LABEL])
         self._remember_children()
@@ -236,6 +236,20 @@ class ParslBackend(Backend):
             entry[0].set_result(TaskOutcome(**outcome_fields(remote.result())))
         except Exception as exc:  # noqa: BLE001 - the engine failed the task: report, don't raise in a callback
             entry[0].set_result(TaskOutcome(task_id, None, detail=f"parsl app failed: {exc!r}"))
+
+    def _at_exit(self) -> None:
+        """Interpreter exit without :meth:`shutdown` (Ctrl-C): stop running tasks, then the engine."""
+        with self._lock:
+            entries = list(self._running.values())
+        for entry in entries:
+            entry[-1].touch()  # the cancel file: the task kills its process group
+        for entry in entries:
+            future = entry[-2]
+            try:
+                future.result(timeout=5)
+            except Exception:  # noqa: BLE001 - exiting; nothing to report to
+                pass
+        self._reap()
 
     def cancel(self, task_id: str) -> None:
         with self._lock:

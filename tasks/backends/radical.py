@@ -254,8 +254,14 @@ class RadicalBackend(Backend):
             os.environ["RADICAL_CONFIG_USER_DIR"] = str(self._base)
             log.info("RP resource config written to %s (RADICAL_CONFIG_USER_DIR)", configs)
         os.environ.setdefault("RADICAL_REPORT", "FALSE")
-        atexit.register(self._reap)
+        import psutil
+
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
         self._session = rp.Session(cfg={"base": str(self._base)})
+        # RP forks helpers of this process (its proxy) whose command line is the user's
+        # script: record them now, or an interrupted script waits for them at exit.
+        self._pids.update(p.pid for p in me.children(recursive=True) if p.pid not in before)
         self._remember_agents()
         try:
             pmgr = rp.PilotManager(session=self._session)
@@ -271,6 +277,10 @@ class RadicalBackend(Backend):
                                    f"not active; see {self._base}")
             self._remember_agents()
             self._hosts = self._node_names_from_rp()
+            # Registered after RP started its helpers: atexit runs hooks last-in first-out, and
+            # multiprocessing's own hook (registered while RP started) would otherwise wait
+            # forever for RP's forked proxy before this one could stop it.
+            atexit.register(self._reap)
         except BaseException:
             self.shutdown()
             raise
@@ -322,15 +332,30 @@ class RadicalBackend(Backend):
         return sorted(self._pids)
 
     def _remember_agents(self) -> None:
+        """Record this session's processes and their children: what :meth:`_reap` may kill.
+
+        Those are processes of this user whose command line names the session or this
+        backend's directory, or whose working directory is inside it (RP renames its
+        components, e.g. ``rp.agent.0``, and the bootstrapper and task launch scripts
+        run in the sandbox).
+        """
         import psutil
 
         if self._session is None:
             return
-        sid = str(self._session.uid)
+        marks = (str(self._session.uid), str(self._base))
         for proc in psutil.process_iter(["pid", "cmdline", "uids"]):
             try:
-                if proc.info["uids"] and proc.info["uids"].real == os.getuid() \
-                        and any(sid in part for part in proc.info["cmdline"] or []):
+                if not proc.info["uids"] or proc.info["uids"].real != os.getuid() or proc.pid == os.getpid():
+                    continue
+                cmdline = proc.info["cmdline"] or []
+                ours = any(mark in part for mark in marks for part in cmdline)
+                if not ours:
+                    try:
+                        ours = proc.cwd().startswith(marks[1])
+                    except (psutil.AccessDenied, psutil.ZombieProcess):
+                        ours = False
+                if ours:
                     self._pids.add(proc.pid)
                     self._pids.update(p.pid for p in proc.children(recursive=True))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
