@@ -128,7 +128,7 @@ def _provider_script(provider: Any, command: str, scheduler: str) -> tuple[str, 
         else:
             captured: list[str] = []
 
-            def execute_wait(cmd: str, timeout: float | None = None) -> tuple[int, str, str]:
+            def execute_wait(cmd: str, walltime: int | None = None) -> tuple[int, str, str]:
                 captured.append(cmd)
                 return 0, _BATCH_REPLY[scheduler], ""
 
@@ -136,14 +136,14 @@ def _provider_script(provider: Any, command: str, scheduler: str) -> tuple[str, 
             # (LSF calls it via super(), past any instance attribute): replace it while
             # submitting, so the command is recorded and never run.
             with _CAPTURE_LOCK:
-                real = cluster_provider.execute_wait
-                cluster_provider.execute_wait = execute_wait
+                real = getattr(cluster_provider, "execute_wait")
+                setattr(cluster_provider, "execute_wait", execute_wait)
                 try:
                     provider.submit(command, 1, job_name="parsl.hetflow.block-0")
                 except Exception as exc:  # noqa: BLE001 - parsing our fake reply may fail; the script is written
                     captured.append(f"(reply not parsed: {exc})")
                 finally:
-                    cluster_provider.execute_wait = real
+                    setattr(cluster_provider, "execute_wait", real)
             scripts = sorted(Path(tmp).glob("parsl.hetflow.block-0*.submit")) or \
                 sorted(p for p in Path(tmp).iterdir() if p.suffix not in (".stdout", ".stderr"))
             if not scripts:
@@ -244,7 +244,7 @@ def _rp_resources() -> set[str] | None:
     except ImportError:
         return None
     root = Path(radical.pilot.__file__).parent / "configs"
-    labels = set()
+    labels: set[str] = set()
     for path in root.glob("resource_*.json"):
         site = path.stem[len("resource_"):]
         labels.update(f"{site}.{host}" for host in ru.read_json(str(path)))

@@ -68,7 +68,7 @@ class DaskBackend(Backend):
         address = self.options.get("address")
         if not address:
             address = self._start_local_cluster()
-        self._client = Client(address, set_as_default=False, timeout=60)
+        self._client = Client(address, set_as_default=False, timeout=60)  # type: ignore[no-untyped-call]
         self._client.wait_for_workers(self.pilot.nodes, timeout=120)
         info = self._client.scheduler_info(n_workers=-1)["workers"]
         self._workers = sorted(info, key=lambda w: (str(info[w].get("name")), w))[: self.pilot.nodes]

@@ -85,7 +85,7 @@ def parsl_config(pilot: PilotDescription, run_dir: Path) -> Any:
         nodefile = run_dir / "parsl" / "nodefile"
         worker_init = "\n".join(filter(None, [f"export PBS_NODEFILE={shlex.quote(str(nodefile))}", worker_init]))
         workers = len(nodefile_hosts(pilot))
-        provider = LocalProvider(nodes_per_block=1, init_blocks=1, min_blocks=1, max_blocks=1,
+        provider = LocalProvider(nodes_per_block=1, init_blocks=1, min_blocks=1, max_blocks=1,  # type: ignore[no-untyped-call]
                                  worker_init=worker_init, launcher=SimpleLauncher())
     elif scheduler == "slurm":
         provider = SlurmProvider(partition=pilot.queue, account=pilot.account, nodes_per_block=pilot.nodes,
@@ -93,15 +93,17 @@ def parsl_config(pilot: PilotDescription, run_dir: Path) -> Any:
                                  scheduler_options=scheduler_options, worker_init=worker_init, exclusive=True,
                                  launcher=SimpleLauncher())
     elif scheduler == "lsf":
-        provider = LSFProvider(project=pilot.account, queue=pilot.queue, nodes_per_block=pilot.nodes,
-                               init_blocks=1, min_blocks=1, max_blocks=1, walltime=_walltime(pilot),
-                               scheduler_options=scheduler_options, worker_init=worker_init,
-                               bsub_redirection=True, launcher=SimpleLauncher())
+        provider = LSFProvider(  # type: ignore[no-untyped-call]
+            project=pilot.account, queue=pilot.queue, nodes_per_block=pilot.nodes,
+            init_blocks=1, min_blocks=1, max_blocks=1, walltime=_walltime(pilot),
+            scheduler_options=scheduler_options, worker_init=worker_init,
+            bsub_redirection=True, launcher=SimpleLauncher())
     else:
-        provider = PBSProProvider(account=pilot.account, queue=pilot.queue, nodes_per_block=pilot.nodes,
-                                  cpus_per_node=pilot.cores_per_node or 1, init_blocks=1, min_blocks=1,
-                                  max_blocks=1, walltime=_walltime(pilot), scheduler_options=scheduler_options,
-                                  worker_init=worker_init, launcher=SimpleLauncher())
+        provider = PBSProProvider(  # type: ignore[no-untyped-call]
+            account=pilot.account, queue=pilot.queue, nodes_per_block=pilot.nodes,
+            cpus_per_node=pilot.cores_per_node or 1, init_blocks=1, min_blocks=1,
+            max_blocks=1, walltime=_walltime(pilot), scheduler_options=scheduler_options,
+            worker_init=worker_init, launcher=SimpleLauncher())
     executor = MPIExecutor(label=LABEL, provider=provider, max_workers_per_block=workers,
                            mpi_launcher="srun" if pilot.launcher == "srun" else "mpiexec",
                            working_dir=str(run_dir / "parsl" / "work"),
