@@ -71,6 +71,9 @@ class NodeIndex:
         for node in range(nodes):
             full[node] = None
         self._levels[OPEN][gpus] = 1 << self.max_cores
+        # cores a CPU-only request must leave on a node for each of its free GPUs (the
+        # scheduler sets 1 while GPU work is queued or running, so GPUs are never stranded)
+        self.guard = 0
         self.free_cores_total = nodes * self.max_cores
         self.free_gpus_total = nodes * gpus
 
@@ -104,9 +107,12 @@ class NodeIndex:
         return out
 
     # ------------------------------------------------------------- fitting
-    @staticmethod
-    def ranks_fitting(fc: int, fg: int, mem: int | None, cores: int, gpus: int,
+    def ranks_fitting(self, fc: int, fg: int, mem: int | None, cores: int, gpus: int,
                       memory: int, per_node: int) -> int:
+        if not gpus and self.guard:
+            fc -= self.guard * fg
+            if fc <= 0:
+                return 0
         fit = fc // cores
         if gpus and fg // gpus < fit:
             fit = fg // gpus
@@ -132,11 +138,13 @@ class NodeIndex:
         for pool in pools:
             levels = self._levels[pool]
             best: tuple[int, int] | None = None
+            guard = 0 if gpus else self.guard
             for fg in range(gpus, self.max_gpus + 1):
-                above = levels[fg] >> cores
+                need = cores + guard * fg
+                above = levels[fg] >> need
                 if not above:
                     continue
-                fc = cores + ((above & -above).bit_length() - 1)
+                fc = need + ((above & -above).bit_length() - 1)
                 if gpu_first:
                     best = (fg, fc)
                     break
@@ -154,6 +162,8 @@ class NodeIndex:
         scanned = 0
         for _, _, pool in found:
             for key in self.keys(pool, cores, gpus):
+                if not gpus and key[1] - self.guard * key[0] < cores:
+                    continue
                 for node in self._buckets[pool][key[0] * self._width + key[1]]:
                     if mem[node] >= memory:
                         return node

@@ -7,8 +7,9 @@ from a simulated clock).
 
 Contract (kept stable for the orchestrator and the simulator):
 
-* events: :class:`TaskSubmitted`, :class:`TaskFinished`, :class:`TaskCancelled`,
-  :class:`Tick` — each carries ``time`` (seconds, any epoch, non-decreasing);
+* events: :class:`TaskSubmitted` (or several at once: :class:`TasksSubmitted`),
+  :class:`TaskFinished`, :class:`TaskCancelled`, :class:`Tick` — each carries
+  ``time`` (seconds, any epoch, non-decreasing);
 * instructions: :class:`StartTask` (with one :class:`RankSlot` per rank) and
   :class:`RejectTask` (with a reason naming the request and the pilot shape);
 * :func:`check_request` raises :class:`UnsatisfiableRequest` for a request that
@@ -78,6 +79,15 @@ class TaskSubmitted:
 
 
 @dataclass(frozen=True)
+class TasksSubmitted:
+    """Several tasks ready at once: one scheduling pass considers them all in priority order
+    (submitting them one by one would place each as it arrives)."""
+
+    tasks: tuple[TaskSubmitted, ...]
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
 class TaskFinished:
     task_id: str
     time: float = 0.0
@@ -94,7 +104,7 @@ class Tick:
     time: float = 0.0
 
 
-Event = Union[TaskSubmitted, TaskFinished, TaskCancelled, Tick]
+Event = Union[TaskSubmitted, TasksSubmitted, TaskFinished, TaskCancelled, Tick]
 
 
 @dataclass(frozen=True)
@@ -186,7 +196,7 @@ class _PassMemo:
         if ranks <= per_node or ranks == 1:
             c, g, m = ranks * cores, ranks * gpus, ranks * memory
             for ok, fc, fg, fm in self.fails:
-                if (ok or not reserved_ok) and c >= fc and g >= fg and m >= fm:
+                if (ok or not reserved_ok) and c >= fc and g >= fg and m >= fm and (fg or not g):
                     if ranks == 1:
                         return True
                     break
@@ -208,11 +218,16 @@ class Reservation:
 class Scheduler:
     """Places ready tasks on the pilot's cores and GPUs; see the module docstring for the policy."""
 
-    def __init__(self, pilot: PilotDescription, start_time: float = 0.0, *, fair_share: bool = True) -> None:
+    def __init__(self, pilot: PilotDescription, start_time: float = 0.0, *, fair_share: bool = True,
+                 gpu_core_guard: bool = False) -> None:
+        """``gpu_core_guard``: while GPU work is queued or running, CPU-only tasks leave one core
+        per free GPU on each node.  Off by default: in simulation it helped only when CPU work
+        arrives long before GPU work, and cost utilisation in steady state."""
         self.pilot = pilot.resolve()
         self.start_time = start_time
         self.end_time = INF if self.pilot.walltime is None else start_time + self.pilot.walltime
         self.fair_share = fair_share
+        self.gpu_core_guard = gpu_core_guard
         gpus = self.pilot.gpus_per_node or 0
         self.index = NodeIndex(self.pilot.nodes, self.pilot.usable_cores(), gpus,
                                self.pilot.gpu_cores, self.pilot.memory_per_node)
@@ -230,6 +245,7 @@ class Scheduler:
         self._group_queued: dict[str, int] = {}
         self._seq = 0
         self._fits: dict[tuple[object, ...], str | None] = {}  # request shape -> why it can never fit
+        self._gpu_tasks = 0  # queued or running tasks that use GPUs (switches the index's core guard)
         self.reservation: Reservation | None = None
         self._dirty = True                  # resources freed / queue heads changed since the last pass
         self._first_blocked: str | None = None  # highest-priority task the last pass could not place
@@ -251,6 +267,10 @@ class Scheduler:
             if not self._dirty:  # nothing freed since the last pass: only the newcomer is new
                 self._try_newcomer(self._tasks[event.task_id], out)
                 return out
+        elif isinstance(event, TasksSubmitted):
+            for submitted in event.tasks:
+                self._submit(submitted, out)
+            self._dirty = True
         elif isinstance(event, TaskFinished):
             self._release(event.task_id)
         elif isinstance(event, Tick):
@@ -307,6 +327,8 @@ class Scheduler:
         task = _Task(event, shape, self._seq, weight, estimate)
         self._seq += 1
         self._tasks[tid] = task
+        if request.gpus_per_rank:
+            self._gpu_tasks += 1
         key = (event.group, (request.ranks - 1).bit_length()) + shape[1:]
         queue = self._queues.get(key)
         if queue is None:
@@ -340,6 +362,8 @@ class Scheduler:
     def _dequeue(self, tid: str) -> _Task | None:
         task = self._tasks.pop(tid, None)
         if task is not None:
+            if task.shape[2]:
+                self._gpu_tasks -= 1
             group = task.event.group
             self._group_queued[group] -= 1
             if not self._group_queued[group]:
@@ -354,6 +378,8 @@ class Scheduler:
         if task is None:
             return
         self._dirty = True
+        if task.shape[2]:
+            self._gpu_tasks -= 1
         memory = task.shape[3]
         per_node: dict[int, list[int]] = {}
         for slot in task.slots:
@@ -399,6 +425,7 @@ class Scheduler:
     def _schedule(self, out: list[Instruction]) -> None:
         self._expire(out)
         index = self.index
+        index.guard = 1 if self.gpu_core_guard and self._gpu_tasks and index.max_gpus else 0
         heads = self._heads
         set_aside: list[tuple[float, int, _Key]] = []
         deferred: list[tuple[float, int, _Key]] = []
@@ -471,6 +498,11 @@ class Scheduler:
         self._expire(out)
         if not self.index.free_cores_total or task.event.task_id not in self._tasks:
             return
+        guard = 1 if self.gpu_core_guard and self._gpu_tasks and self.index.max_gpus else 0
+        if guard != self.index.guard:  # GPU work appeared or ended: the last pass's verdicts change
+            self._dirty = True
+            self._schedule(out)
+            return
         key = (task.event.group, (task.shape[0] - 1).bit_length()) + task.shape[1:]
         queue = self._queues[key]
         if queue.heap[0][2] != task.event.task_id:
@@ -496,6 +528,8 @@ class Scheduler:
     def _start(self, task: _Task, slots: tuple[RankSlot, ...], out: list[Instruction]) -> None:
         tid = task.event.task_id
         self._dequeue(tid)
+        if task.shape[2]:
+            self._gpu_tasks += 1
         task.slots = slots
         task.end = self.now + task.estimate
         self._running[tid] = task

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .pilot import PilotDescription, load_pilot
-from .scheduler import RejectTask, Scheduler, StartTask, TaskFinished, TaskSubmitted
+from .scheduler import RejectTask, Scheduler, StartTask, TaskFinished, TasksSubmitted, TaskSubmitted
 from .timeline import Interval
 from .workload import Workload, generate
 
@@ -137,14 +137,14 @@ def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int =
                 rejected += 1
                 logger.info("rejected %s: %s", ins.task_id, ins.reason)
 
-    def submit(task: int, now: float) -> None:
-        request = dataclasses.replace(task_requests[request_of[task]], duration=estimate[task])
-        run(TaskSubmitted(str(task), request, time=now, priority=float(priority[task]),
-                          group=group_names[group_of[task]]))
+    def submit(tasks: list[int], now: float) -> None:
+        """Tasks that became ready together go in as one batch, like the orchestrator's."""
+        run(TasksSubmitted(tuple(
+            TaskSubmitted(str(task), dataclasses.replace(task_requests[request_of[task]], duration=estimate[task]),
+                          time=now, priority=float(priority[task]), group=group_names[group_of[task]])
+            for task in tasks), time=now))
 
-    for task in range(n):
-        if missing[task] == 0:
-            submit(task, 0.0)
+    submit([task for task in range(n) if missing[task] == 0], 0.0)
     curve.append((0.0, used_cores / total_cores, used_gpus / total_gpus if total_gpus else 0.0))
     now = 0.0
     while finish:
@@ -157,10 +157,13 @@ def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int =
         if task in slots_of:
             _record(intervals, task, workload, slots_of.pop(task), started[task], now, record_nodes)
         run(TaskFinished(str(task), time=now))
+        ready = []
         for child in children[task]:
             missing[child] -= 1
             if missing[child] == 0:
-                submit(child, now)
+                ready.append(child)
+        if ready:
+            submit(ready, now)
         curve.append((now, used_cores / total_cores, used_gpus / total_gpus if total_gpus else 0.0))
     makespan = now
     core_work, gpu_work = workload.work()

@@ -12,7 +12,7 @@ from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import UnsatisfiableRequest
 from hetflow.tasks.pilot import PilotDescription, load_pilot
 from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished,
-                                     TaskSubmitted, Tick, check_request)
+                                     TaskSubmitted, TasksSubmitted, Tick, check_request)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -271,3 +271,26 @@ def test_random_workload_never_shares_a_core_or_gpu(seed: int) -> None:
             ends.append((now + requests[ins.task_id][1], ins.task_id))
         assert_disjoint(s)
     assert s.running == {} and s.utilization() == (0.0, 0.0)
+
+
+def test_a_batch_of_ready_tasks_is_placed_in_priority_order() -> None:
+    s = Scheduler(pilot(nodes=1, cores=4))
+    batch = tuple(TaskSubmitted(tid, ResourceRequest(cores_per_rank=4), priority=prio)
+                  for tid, prio in (("low", 1.0), ("high", 9.0), ("mid", 5.0)))
+    out = s.handle_event(TasksSubmitted(batch, time=0.0))
+    assert list(started(out)) == ["high"] and s.queued == ["mid", "low"]
+
+
+def test_gpu_core_guard_keeps_a_core_for_every_free_gpu() -> None:
+    p = pilot(nodes=1, cores=8, gpus=2, gpu_cores=((0, 1, 2, 3), (4, 5, 6, 7)))
+    guarded = Scheduler(p, gpu_core_guard=True)
+    submit(guarded, "gpu-blocker", cores_per_rank=8, duration=10)
+    submit(guarded, "train", ranks=2, cores_per_rank=1, gpus_per_rank=1, duration=10)   # queued GPU work
+    guarded.handle_event(TaskFinished("gpu-blocker", time=10))
+    assert "train" in guarded.running
+    s = Scheduler(p, gpu_core_guard=True)
+    submit(s, "train", cores_per_rank=1, gpus_per_rank=1, duration=100)
+    out = started(submit(s, "cpu", cores_per_rank=7, duration=100))
+    assert not out                                 # 7 free cores, but one must stay for the free GPU
+    assert "cpu6" in started(submit(s, "cpu6", cores_per_rank=6, duration=100))
+    assert "train2" in started(submit(s, "train2", cores_per_rank=1, gpus_per_rank=1, duration=100))
