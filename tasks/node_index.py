@@ -14,6 +14,7 @@ pools they may use.
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterator
 
 OPEN = 0
@@ -249,18 +250,26 @@ class NodeIndex:
         """``count`` cores of ``cmask``, each from the free GPU whose nearby cores are most plentiful."""
         if count >= cmask.bit_count():
             return list(_bits(cmask))
-        regions = [self.near[g] & cmask for g in _bits(gmask)]
+        heap = [(-(self.near[g] & cmask).bit_count(), g, self.near[g] & cmask) for g in _bits(gmask)]
+        heapq.heapify(heap)
+        taken = 0
         out: list[int] = []
-        while len(out) < count:
-            best = max(range(len(regions)), key=lambda r: regions[r].bit_count(), default=None)
-            if best is None or not regions[best]:
-                rest = cmask & ~sum(1 << c for c in out)
-                out += list(_bits(rest))[:count - len(out)]
-                break
-            low = regions[best] & -regions[best]
+        while len(out) < count and heap:
+            neg, gpu, region = heapq.heappop(heap)
+            region &= ~taken
+            if not region:
+                continue
+            if -neg != region.bit_count():  # another region shared a core: re-file with its true size
+                heapq.heappush(heap, (-region.bit_count(), gpu, region))
+                continue
+            low = region & -region
+            taken |= low
             out.append(low.bit_length() - 1)
-            for r in range(len(regions)):
-                regions[r] &= ~low
+            region ^= low
+            if region:
+                heapq.heappush(heap, (-region.bit_count(), gpu, region))
+        if len(out) < count:
+            out += list(_bits(cmask & ~taken))[:count - len(out)]
         return out
 
     def give(self, node: int, cores: int, gpus: int, core_count: int, gpu_count: int, memory: int) -> None:
