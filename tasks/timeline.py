@@ -174,6 +174,7 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
     page = _PAGE.format(title=html.escape(title), shape=html.escape(pilot.shape()), legend=legend, note=note,
                         gantt=gantt, util=util, path=path_rows, expected=json.dumps(summary),
                         duration=f"{span:,.1f}")
+    Path(html_path).parent.mkdir(parents=True, exist_ok=True)
     Path(html_path).write_text(page, encoding="utf-8")
     if png_path is not None:
         _render_png(bars, shown, core_lane, gpus, curve, t0, path, Path(png_path), title)
