@@ -116,10 +116,21 @@ class DaskBackend(Backend):
         return str(json.loads(scheduler_file.read_text())["address"])
 
     def _stop_local_cluster(self) -> None:
-        for proc in reversed(self._procs):  # workers first, the scheduler last
-            if proc.poll() is None:
-                proc.terminate()
+        """Stop the processes of our own cluster: workers first, then the scheduler.
+
+        One at a time: a worker sent SIGTERM while its scheduler is closing can
+        hang in Dask's close path; a process that does not stop is killed.
+        """
+        deadline = time.monotonic() + 5  # after client.shutdown() they are on their way out
         for proc in reversed(self._procs):
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in reversed(self._procs):
+            if proc.poll() is not None:
+                continue
+            proc.terminate()
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -146,7 +157,14 @@ class DaskBackend(Backend):
             except Exception:  # noqa: BLE001 - shutting down; the outcome was reported already
                 pass
         if self._client is not None:
-            self._client.close()
+            if self._procs:
+                # Our own cluster: let the scheduler close its workers, then itself.
+                try:
+                    self._client.shutdown()
+                except Exception as exc:  # noqa: BLE001 - the processes are stopped below anyway
+                    log.info("dask client.shutdown() failed (%r); stopping the processes", exc)
+            else:
+                self._client.close()
             self._client = None
         self._stop_local_cluster()
 
