@@ -83,7 +83,10 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
         choice = "combine" if decomposable and ratio <= COMBINE_MAX_GROUP_RATIO else "shuffle"
     else:
         choice = algorithm
-    detail = f"estimated groups/rows {ratio:.2f} (HyperLogLog), {row_bytes:.0f} B/row"
+    if decomposable:
+        detail = f"estimated groups/rows {ratio:.2f} (HyperLogLog), {row_bytes:.0f} B/row"
+    else:
+        detail = f"non-decomposable aggregation: shuffle-compute only, {row_bytes:.0f} B/row"
     if choice == "shuffle":
         parts = partition.split_by_ids(proj, partition.ids_from_hash(hashes, p), p)
         del hashes

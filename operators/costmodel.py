@@ -59,7 +59,8 @@ class Hockney:
 
 @dataclass(frozen=True)
 class Plan:
-    """What an operator chose, why, and the model's estimate (seconds of communication)."""
+    """What an operator chose, why, and the model's estimate in seconds (Hockney communication,
+    plus the local work where the alternatives differ in it, e.g. join)."""
 
     operation: str
     algorithm: str
@@ -70,7 +71,7 @@ class Plan:
 
     def __str__(self) -> str:
         alts = ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in self.alternatives.items())
-        text = f"{self.operation}: algorithm={self.algorithm}, estimated communication {self.estimate_s * 1e3:.2f} ms"
+        text = f"{self.operation}: algorithm={self.algorithm}, estimated {self.estimate_s * 1e3:.2f} ms"
         if alts:
             text += f" (alternatives: {alts})"
         if self.detail:

@@ -244,11 +244,13 @@ class DTable:
         model = hockney(self._comm)
         sizes = np.array(self._comm.allgather((int(lt.nbytes), int(rt.nbytes))), dtype=np.float64)
         l_total, r_total = sizes[:, 0].sum(), sizes[:, 1].sum()
-        costs = {"hash": model.shuffle(p, float((sizes[:, 0] + sizes[:, 1]).max()))}
+        # communication (Hockney) + local join work on the bytes each rank ends up joining
+        gamma = kernels.JOIN_SECONDS_PER_BYTE
+        costs = {"hash": model.shuffle(p, float((sizes[:, 0] + sizes[:, 1]).max())) + gamma * (l_total + r_total) / p}
         if how in ("inner", "left", "semi", "anti"):
-            costs["broadcast"] = model.allgather(p, r_total)
+            costs["broadcast"] = model.allgather(p, r_total) + gamma * (float(sizes[:, 0].max()) + r_total)
         if how in ("inner", "right"):
-            costs["broadcast_left"] = model.allgather(p, l_total)
+            costs["broadcast_left"] = model.allgather(p, l_total) + gamma * (l_total + float(sizes[:, 1].max()))
         costs["sort"] = costs["hash"] + 2 * (p - 1) * model.alpha  # same volume plus the sample allgather
         if algorithm == "auto":
             choice = min(("hash", "broadcast", "broadcast_left"), key=lambda a: costs.get(a, float("inf")))
