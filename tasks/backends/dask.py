@@ -190,8 +190,12 @@ class DaskBackend(Backend):
         kwargs: dict[str, Any] = {"workers": [self._workers[nodes[0]]], "allow_other_workers": False,
                                   "pure": False, "key": f"hetflow-{safe_name(spec.task_id)}-{uuid.uuid4().hex[:8]}"}
         if self._resources:
-            kwargs["resources"] = {"cores": sum(len(s.cores) for s in spec.slots)}
-            gpus = sum(len(s.gpus) for s in spec.slots)
+            # The task runs on the worker of its first node; on a host with several pilot
+            # nodes (workers), the slots on the other nodes are that host's too, and the
+            # hetflow scheduler already holds them: annotate what this worker gives.
+            here = [s for s in spec.slots if s.node == nodes[0]]
+            kwargs["resources"] = {"cores": sum(len(s.cores) for s in here)}
+            gpus = sum(len(s.gpus) for s in here)
             if gpus:
                 kwargs["resources"]["gpus"] = gpus
         outcome: Future[TaskOutcome] = Future()

@@ -167,3 +167,29 @@ def test_cancel_kills_a_running_task(engine: Engine) -> None:
 def test_node_names_cover_the_pilot(engine: Engine) -> None:
     names = engine.backend.node_names()
     assert len(names) == engine.backend.pilot.nodes and all(isinstance(n, str) and n for n in names)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["dask", pytest.param("parsl", marks=pytest.mark.slow),
+                                  pytest.param("radical", marks=pytest.mark.slow)])
+def test_task_spanning_two_nodes(name: str, tmp_path: Path) -> None:
+    """A two-node pilot on this host (one Dask worker / Parsl node-file entry / RP node per node)."""
+    pilot = PilotDescription(name="two-nodes", backend=name, nodes=2, cores_per_node=1,  # type: ignore[arg-type]
+                             gpus_per_node=0, memory_per_node=2**33)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    backend = get_backend(name)(pilot, run)
+    backend.start()
+    try:
+        assert len(backend.node_names()) == 2
+        engine = Engine(backend, tmp_path)
+        spec = _mpi(engine, [RankSlot(0, (0,)), RankSlot(1, (0,))])
+        outcome = backend.launch(spec).result(timeout=120)
+        assert outcome.ok, (outcome, spec.stderr.read_text() if spec.stderr.exists() else "")
+        ranks = [json.loads((spec.cwd / f"rank-{r}.json").read_text()) for r in range(2)]
+        assert {r["size"] for r in ranks} == {2} and {r["total"] for r in ranks} == {3}
+        seen = set(getattr(backend, "pids", lambda: [])())
+    finally:
+        backend.shutdown()
+    assert _alive(seen | ({p.pid for p in psutil.Process().children(recursive=True)} - before)) == []
