@@ -238,9 +238,14 @@ def _backend_problems(pilot: PilotDescription) -> list[str]:
 
 def _rp_resources() -> set[str] | None:
     """``site.host`` labels of RP's shipped resource configs (``None`` if RP is not installed)."""
+    import warnings
+
     try:
-        import radical.pilot
-        import radical.utils as ru
+        with warnings.catch_warnings():
+            # RP warns about fork() after logging was set up; reading configs forks nothing.
+            warnings.filterwarnings("ignore", message="Import `radical` modules before `logging`")
+            import radical.pilot
+            import radical.utils as ru
     except ImportError:
         return None
     root = Path(radical.pilot.__file__).parent / "configs"
