@@ -193,3 +193,27 @@ def test_task_spanning_two_nodes(name: str, tmp_path: Path) -> None:
     finally:
         backend.shutdown()
     assert _alive(seen | ({p.pid for p in psutil.Process().children(recursive=True)} - before)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_radical_can_leave_placement_to_rp(tmp_path: Path) -> None:
+    """``options.radical.placement: rp``: no slots in the RP task, RP's scheduler places the ranks."""
+    from hetflow.tasks.backends.radical import task_description
+
+    pilot = PilotDescription(name="rp-places", backend="radical", cores_per_node=2, gpus_per_node=0,
+                             memory_per_node=2**33, options={"radical": {"placement": "rp"}})
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    backend = get_backend("radical")(pilot, run)
+    backend.start()
+    try:
+        engine = Engine(backend, tmp_path)
+        spec = _mpi(engine, [RankSlot(0, (0,)), RankSlot(0, (1,))])
+        assert "slots" not in task_description(spec, pilot, backend.node_names(), "x", tmp_path)
+        outcome = backend.launch(spec).result(timeout=120)
+        assert outcome.ok, outcome
+        ranks = [json.loads((spec.cwd / f"rank-{r}.json").read_text()) for r in range(2)]
+        assert {r["size"] for r in ranks} == {2}
+    finally:
+        backend.shutdown()
