@@ -70,7 +70,7 @@ BUILTIN["saturating"] = {
     "kinds": {
         "dataframe": {"per_pipeline": 1, "ranks": [112, 1120], "cores_per_rank": 1, "ranks_per_node": 56,
                       "duration": {"median": 60, "sigma": 0.25}},
-        "train": {"per_pipeline": 19, "ranks": 1, "cores_per_rank": 1, "gpus_per_rank": 1,
+        "train": {"per_pipeline": 20, "ranks": 1, "cores_per_rank": 1, "gpus_per_rank": 1,
                   "duration": {"median": 300, "sigma": 0.25}},
         "train-multi": {"per_pipeline": 0.25, "ranks": 4, "cores_per_rank": 1, "gpus_per_rank": 1,
                         "duration": {"median": 300, "sigma": 0.25}},
