@@ -24,24 +24,12 @@ def generate(ctx):
 
 
 def sort_rows(ctx, rows):
-    """A distributed sort: range-partition by key with an all-to-all of Arrow tables, sort locally."""
-    import pyarrow.compute as pc
+    """A hetflow operator: distributed sample sort of every rank's rows by key."""
+    from hetflow.operators.sorting import sample_sort
 
-    comm, size = ctx.comm, ctx.size
-    top = comm.allreduce(int(pc.max(rows["key"]).as_py()) if rows.num_rows else 0, op=_max())
-    bounds = np.linspace(0, top + 1, size + 1)[1:-1]
-    target = np.searchsorted(bounds, np.asarray(rows["key"]), side="right")
-    parts = [rows.filter(pa.array(target == r)) for r in range(size)]
-    received = comm.alltoall(parts)
-    ordered = pa.concat_tables(received).sort_by("key")
-    assert comm.allreduce(ordered.num_rows) == comm.allreduce(rows.num_rows)
+    ordered = sample_sort(ctx.comm, rows, [("key", "ascending")], "at_end")
+    assert ctx.comm.allreduce(ordered.num_rows) == ctx.comm.allreduce(rows.num_rows)
     return {"sorted": ordered}
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 def train(ctx, rows):
