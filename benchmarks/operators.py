@@ -103,7 +103,7 @@ def hetflow_worker(op: str, rows: int, repeats: int) -> None:
 def run_hetflow(op: str, rows: int, repeats: int, ranks: int) -> dict[str, Any]:
     mpiexec = str(Path(sys.executable).with_name("mpiexec"))
     env = {**os.environ, "HETFLOW_OPERATOR_THREADS": "1", "POLARS_MAX_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    argv = [mpiexec, "-n", str(ranks), "-bind-to", "core", sys.executable, str(Path(__file__).resolve()),
+    argv = [mpiexec, "-n", str(ranks), sys.executable, str(Path(__file__).resolve()),
             "--worker", op, "--rows", str(rows), "--repeats", str(repeats)]
     return _collect(argv, env)
 
