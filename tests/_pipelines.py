@@ -59,3 +59,15 @@ def two_branches(workdir: Path, *, sleep: float = 1.0) -> hf.Pipeline:
     pipe.stage(name="left", ranks=1, inputs=["numbers"], outputs=["left_out"], params={"sleep": sleep})(describe_rank)
     pipe.stage(name="right", ranks=1, inputs=["numbers"], outputs=["right_out"], params={"sleep": sleep})(describe_rank)
     return pipe
+
+
+def tiny(ctx):
+    return {ctx.stage: pa.table({"stage": [ctx.stage], "rank": [ctx.rank]})}
+
+
+def wide(workdir: Path, stages: int, pilot: "hf.PilotDescription") -> hf.Pipeline:
+    """``stages`` independent one-rank stages: they all finish within moments of each other."""
+    pipe = pipeline("wide", pilot=pilot, workdir=workdir)
+    for i in range(stages):
+        pipe.stage(name=f"t{i:03d}", ranks=1, outputs=[f"t{i:03d}"])(tiny)
+    return pipe
