@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/hetflow run examples/demo/pipeline.py --no-progress
+	$(BIN)/hetflow run examples/photoz/pipeline.py --no-progress
 	$(BIN)/hetflow status --json
 
 test: test-serial test-mpi
@@ -37,6 +37,8 @@ test-mpi: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/operators.py
+	$(BIN)/python benchmarks/scheduler.py
+	$(BIN)/python benchmarks/backends.py --tasks 20
 
 clean:
 	rm -rf .hetflow build dist *.egg-info

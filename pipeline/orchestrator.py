@@ -384,7 +384,10 @@ class Orchestrator:
                         task.state, task.reason = "REJECTED", instruction.reason
                     self.store.event(session, self.run_id, "task", instruction.task_id, "REJECTED",
                                      reason=instruction.reason)
-                self._set_stage(stage, "FAILED", error=instruction.reason)
+                if getattr(instruction, "cause", "unsatisfiable") in ("walltime", "drain"):
+                    self._set_stage(stage, "WALLTIME", error=instruction.reason)
+                else:
+                    self._set_stage(stage, "FAILED", error=instruction.reason)
 
     def _launch(self, spec: StageSpec, start: StartTask, backend: Backend) -> None:
         number = int(start.task_id.rsplit("/", 1)[1])
@@ -403,7 +406,7 @@ class Orchestrator:
             "function": {"module": spec.module, "path": spec.path, "name": spec.qualname},
             "sys_path": [str(Path(spec.path).parent)] if spec.path else [],
             "params": self.stage_params(spec),
-            "inputs": {name: self.dataset_paths[name] for name in spec.inputs},
+            "inputs": [[name, self.dataset_paths[name]] for name in spec.inputs],
             "outputs": outputs, "attempt_dir": str(attempt_dir),
             "checkpoint_dir": str(stage_dir / "checkpoints"), "slots": slots, "nodes": nodes,
             "verify": self.verify,

@@ -189,12 +189,11 @@ class Pipeline:
             raise ScriptImportStop()
         options, made = _overrides[-1] if _overrides else (RunOptions(), [])
         chosen_pilot = options.pilot or pilot or self.pilot
-        description = load_pilot(chosen_pilot)  # type: ignore[arg-type]
+        description = load_pilot(chosen_pilot).resolve()  # type: ignore[arg-type]
         if options.backend or backend:
             import dataclasses
 
             description = dataclasses.replace(description, backend=options.backend or backend)  # type: ignore[arg-type]
-        description = description.resolve()
         self.validate(description)
         root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
         try:

@@ -207,9 +207,10 @@ def run(spec_path: str) -> int:
         except ImportError:
             pass
         func = _load_function(spec)
-        inputs = [_open_input(path, rank, size, spec.get("verify", "checksum")) for path in spec["inputs"].values()]
+        named_inputs = [(name, path) for name, path in spec["inputs"]]  # declaration order
+        inputs = [_open_input(path, rank, size, spec.get("verify", "checksum")) for _, path in named_inputs]
         declared = {name: ds.schema_from_text(text) for name, text in spec.get("schemas", {}).items()}
-        for name, table in zip(spec["inputs"], inputs):
+        for (name, _), table in zip(named_inputs, inputs):
             if name in declared:
                 check_schema(stage, "input", name, table.schema, declared[name])
         ctx = StageContext(comm=comm, stage=stage, run_id=spec["run_id"], attempt=spec["attempt"],

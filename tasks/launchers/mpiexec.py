@@ -59,4 +59,4 @@ def launcher_for(name: str, executable: str | None = None) -> Launcher:
     if name not in kinds:
         raise ValueError(f"unknown launcher {name!r} (known launchers: {sorted(kinds)})")
     cls = kinds[name]
-    return cls(executable) if executable else cls()
+    return cls(executable) if executable else cls()  # type: ignore[call-arg]
