@@ -122,7 +122,7 @@ def _run_script(script: str, options: RunOptions) -> int:
     sys.path.insert(0, str(path.resolve().parent))
     try:
         with run_options(options) as runs:
-            namespace = runpy.run_path(str(path), run_name="__main__")
+            namespace = runpy.run_path(str(path.resolve()), run_name="__main__")
             if not runs:
                 pipelines = [v for v in namespace.values() if isinstance(v, Pipeline)]
                 if not pipelines:

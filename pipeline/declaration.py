@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -45,9 +46,10 @@ class StageSpec:
     @property
     def path(self) -> str | None:
         try:
-            return inspect.getsourcefile(self.func)
+            path = inspect.getsourcefile(self.func)
         except TypeError:
             return None
+        return None if path is None else os.path.abspath(path)  # workers run in another directory
 
     @property
     def qualname(self) -> str:
