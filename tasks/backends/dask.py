@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import ConfigError, UnsatisfiableRequest
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks, safe_name
+from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks, safe_name, stop_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -221,14 +221,7 @@ class DaskBackend(Backend):
         """Interpreter exit without :meth:`shutdown` (Ctrl-C): stop running tasks, then the engine."""
         with self._lock:
             entries = list(self._running.values())
-        for entry in entries:
-            entry[-1].touch()  # the cancel file: the task kills its process group
-        for entry in entries:
-            future = entry[-2]
-            try:
-                future.result(timeout=5)
-            except Exception:  # noqa: BLE001 - exiting; nothing to report to
-                pass
+        stop_and_wait(entries)
         self._stop_local_cluster()
 
     def cancel(self, task_id: str) -> None:

@@ -177,3 +177,14 @@ def safe_name(task_id: str) -> str:
     if clean == task_id:
         return clean
     return f"{clean}-{hashlib.sha1(task_id.encode()).hexdigest()[:8]}"
+
+
+def stop_and_wait(entries: "list[Any]", timeout: float = 5.0) -> None:
+    """At exit: touch every running task's cancel file (entry[-1]), then wait briefly for its future (entry[-2])."""
+    for entry in entries:
+        entry[-1].touch()  # the task kills its process group when it sees this file
+    for entry in entries:
+        try:
+            entry[-2].result(timeout=timeout)
+        except Exception:  # noqa: BLE001 - exiting; nothing to report to
+            pass
