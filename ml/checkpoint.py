@@ -26,19 +26,13 @@ import numpy as np
 
 from hetflow.ml.errors import CheckpointError
 
+from hetflow.operators.dataset import fsync_dir
+
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
 STATE_FILE = "state.pt"
 _PREFIX = "ckpt-"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -97,11 +91,11 @@ def save_checkpoint(root: str | os.PathLike[str], state: Mapping[str, Any], *, e
         torch.save(dict(state), fh)
         fh.flush()
         os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     os.rename(tmp, final)
-    _fsync_dir(base)
+    fsync_dir(base)
     _write_file(final / COMMIT_MARKER, json.dumps({"epoch": epoch, "step": step}).encode())
-    _fsync_dir(final)
+    fsync_dir(final)
     log.info("checkpoint %s committed (epoch %d, step %d)", final, epoch, step)
     for old in committed_checkpoints(base)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

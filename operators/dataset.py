@@ -203,7 +203,7 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return PartitionInfo(file=name, rows=rows, bytes=sink.size, checksum=f"crc32:{sink.crc:08x}",
                          node=socket.gethostname(), rank=rank)
 
@@ -240,10 +240,10 @@ def write_json_atomic(path: Path, data: Any) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
