@@ -27,7 +27,8 @@ from hetflow.operators import dataset as ds
 from hetflow.tasks.backends import get_backend
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.pilot import PilotDescription
-from hetflow.tasks.scheduler import RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TaskSubmitted, Tick
+from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TasksSubmitted,
+                                     TaskSubmitted, Tick)
 
 from . import __version__
 from .declaration import StageSpec
@@ -112,6 +113,7 @@ class Orchestrator:
             for dataset in spec.inputs:
                 self.consumers[self.producer[dataset]].append(spec.name)
         self.priority = self._critical_path()
+        self.branch = self._branches()
         self.outcomes: "queue.Queue[tuple[_Live, TaskOutcome]]" = queue.Queue()
         self.live: dict[str, _Live] = {}
         self.states: dict[str, str] = {}
@@ -135,6 +137,24 @@ class Orchestrator:
             return memo[name]
 
         return {name: length(name) for name in self.stages}
+
+    def _branches(self) -> dict[str, str]:
+        """The scheduler's fair-share group of each stage: the source stages it descends from.
+
+        Stages fed by the same sources (stages without inputs) form one branch; two
+        independent chains in one pipeline get different groups, so neither can take the
+        whole pilot while the other waits.
+        """
+        memo: dict[str, frozenset[str]] = {}
+
+        def roots(name: str) -> frozenset[str]:
+            if name not in memo:
+                spec = self.stages[name]
+                memo[name] = frozenset([name]) if not spec.inputs else \
+                    frozenset().union(*(roots(self.producer[d]) for d in spec.inputs))
+            return memo[name]
+
+        return {name: ",".join(sorted(roots(name))) for name in self.stages}
 
     def stage_params(self, spec: StageSpec) -> dict[str, Any]:
         merged = dict(spec.params)
@@ -272,6 +292,12 @@ class Orchestrator:
                 run.lease_until = time.time() + LEASE_SECONDS
 
     def _submit_ready(self, scheduler: Scheduler, backend: Backend) -> None:
+        """Submit every stage whose inputs are ready, in ONE scheduler event.
+
+        One event lets the scheduler order all of them by priority (critical path)
+        before placing any; submitting them one by one would place each as it came.
+        """
+        ready: list[StageSpec] = []
         changed = True
         while changed:
             changed = False
@@ -287,7 +313,13 @@ class Orchestrator:
                     if self._try_cache(spec):
                         changed = True
                         continue
-                    self._submit(spec, scheduler, backend)
+                    self._enqueue(spec)
+                    ready.append(spec)
+        if ready:
+            now = time.time()
+            batch = tuple(TaskSubmitted(self._task_id(spec), spec.request, now, self.priority[spec.name],
+                                        self._preferred_nodes(spec), self.branch[spec.name]) for spec in ready)
+            self._apply(scheduler.handle_event(TasksSubmitted(batch, now)), backend)
 
     def _skip(self, spec: StageSpec, upstream: str) -> None:
         root = self._root_cause(upstream)
@@ -345,21 +377,20 @@ class Orchestrator:
                                            checksum=p.checksum, node=p.node, rank=p.rank) for p in source.partitions]
         session.add(copy)
 
-    def _submit(self, spec: StageSpec, scheduler: Scheduler, backend: Backend) -> None:
+    def _task_id(self, spec: StageSpec) -> str:
+        return f"{self.run_id}/{spec.name}/{self.attempts[spec.name]}"
+
+    def _enqueue(self, spec: StageSpec) -> None:
+        """Record a new attempt of ``spec`` as QUEUED (the caller hands it to the scheduler)."""
         self.attempts[spec.name] += 1
         self.tries[spec.name] += 1
-        number = self.attempts[spec.name]
-        task_id = f"{self.run_id}/{spec.name}/{number}"
-        now = time.time()
+        task_id = self._task_id(spec)
         with self.store.session() as session:
             record = self._stage_record(session, spec.name)
             session.add(TaskRecord(id=task_id, stage_id=record.id, state="QUEUED", priority=self.priority[spec.name],
-                                   submitted=now))
+                                   submitted=time.time()))
             self.store.event(session, self.run_id, "task", task_id, "QUEUED")
         self._set_stage(spec.name, "QUEUED")
-        preferred = self._preferred_nodes(spec)
-        self._apply(scheduler.handle_event(TaskSubmitted(task_id, spec.request, now, self.priority[spec.name],
-                                                         preferred)), backend)
 
     def _preferred_nodes(self, spec: StageSpec) -> frozenset[int]:
         names = [] if self.pilot.nodes == 1 else [f"node{i}" for i in range(self.pilot.nodes)]

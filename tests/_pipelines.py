@@ -36,6 +36,10 @@ def describe_rank(ctx, numbers):
     })}
 
 
+def passthrough(ctx, numbers):
+    return {ctx.stage + "_out": numbers}
+
+
 def fail_on_rank_one(ctx, numbers):
     if ctx.rank == 1:
         raise ValueError(f"boom on rank {ctx.rank} with {numbers.num_rows} rows")

@@ -262,7 +262,7 @@ def test_killed_orchestrator_leaves_a_consistent_store_and_resume_reconciles(tmp
 def test_walltime_cuts_off_running_work_and_the_next_allocation_resumes(tmp_path: Path) -> None:
     import dataclasses
 
-    short = dataclasses.replace(PILOT, walltime=6.0, drain=1.0)
+    short = dataclasses.replace(PILOT, walltime=12.0, drain=1.0)  # room for a slow start on a loaded machine
 
     def build(pilot: hf.PilotDescription, sleep: float) -> hf.Pipeline:
         pipe = hf.Pipeline("walltime", pilot=pilot, workdir=tmp_path)

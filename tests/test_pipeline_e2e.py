@@ -157,3 +157,18 @@ def test_declaration_errors(tmp_path: Path) -> None:
     pipe.stage(name="orphan", inputs=["nothing"], outputs=["x"])(P.describe_rank)
     with pytest.raises(hf.PipelineError, match="input 'nothing' is not produced by any stage"):
         pipe.run(pilot=LOCAL_2)
+
+
+def test_stages_ready_together_start_in_critical_path_order(tmp_path: Path) -> None:
+    # One core: the two stages that become ready together cannot overlap.  "head" leads a
+    # longer chain than "short", so it must start first although it is declared second.
+    pipe = P.pipeline("priorities", workdir=tmp_path)
+    pipe.stage(ranks=1, outputs=["numbers"], params={"rows_per_rank": 10})(P.make_rows)
+    pipe.stage(name="short", ranks=1, duration=1, inputs=["numbers"], outputs=["short_out"])(P.describe_rank)
+    pipe.stage(name="head", ranks=1, duration=1, inputs=["numbers"], outputs=["head_out"])(P.passthrough)
+    pipe.stage(name="tail", ranks=1, duration=5, inputs=["head_out"], outputs=["tail_out"])(P.describe_rank)
+    run = pipe.run(pilot=hf.PilotDescription(name="one-core", cores_per_node=1, gpus_per_node=0,
+                                             memory_per_node=2**34))
+    assert run.ok, run
+    short, head = run.stage("short").to_json(), run.stage("head").to_json()
+    assert _ts(head["ended"]) <= _ts(short["started"]), (head, short)
