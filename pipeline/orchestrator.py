@@ -210,8 +210,8 @@ class Orchestrator:
                 # is found again by its cache key, so changed code or inputs re-run it
                 self.states[spec.name] = "PENDING"
             previous = {d.name: d for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == self.run_id))}
-            for name, record in previous.items():
-                self.dataset_paths[name], self.fingerprints[name] = record.path, record.fingerprint
+            for name, dataset in previous.items():
+                self.dataset_paths[name], self.fingerprints[name] = dataset.path, dataset.fingerprint
 
     def _reconcile(self, session: Any, record: StageRecord) -> None:
         for task in record.tasks:
@@ -632,13 +632,13 @@ def _diagnose(spec: StageSpec, outcome: TaskOutcome, ranks: list[dict[str, Any] 
     signal, bad_pid = _hydra_report(attempt_dir)
     signal = outcome.signal or signal
     by_pid = {pid: rank for rank, pid in _rank_pids(attempt_dir).items()}
-    rank = by_pid.get(bad_pid) if bad_pid is not None else None
+    killed = by_pid.get(bad_pid) if bad_pid is not None else None
     missing = [r for r, result in enumerate(ranks) if result is None]
     how = f"killed by signal {signal}" if signal else f"exit code {outcome.returncode}"
-    who = f"rank {rank}" if rank is not None else f"rank(s) {missing}"
+    who = f"rank {killed}" if killed is not None else f"rank(s) {missing}"
     tail = "\n".join(t for t in (_tail(attempt_dir / "stderr.log"), _tail(attempt_dir / "stdout.log")) if t)
     return _Failure("FAILED", f"{who} of stage {spec.name!r} ended without a result ({how})",
-                    rank if rank is not None else (missing[0] if missing else None), tail or None, signal)
+                    killed if killed is not None else (missing[0] if missing else None), tail or None, signal)
 
 
 def _hydra_report(attempt_dir: Path) -> tuple[int | None, int | None]:
