@@ -3,7 +3,10 @@
     python -m hetflow.tasks.worker SPEC.json
 
 Each rank: joins its private communicator (a fresh ``mpiexec`` world, so
-exactly the stage's ranks), pins itself to the cores of its slot, sets
+exactly the stage's ranks; or, with ``HETFLOW_COMM=tcp``, the TCP
+communicator of :mod:`hetflow.operators.tcpcomm` for ranks that a backend
+started one by one without MPI, its rank, size, rendezvous file and secret
+file given by the ``HETFLOW_COMM_*`` variables), pins itself to the cores of its slot, sets
 ``CUDA_VISIBLE_DEVICES`` from its GPUs, opens the inputs zero-copy, imports and
 calls the stage function, writes its partition of every output atomically and
 a ``rank-<r>.json`` result.  The orchestrator commits the manifests after every
@@ -30,6 +33,10 @@ from typing import Any, Callable, Mapping
 
 WORKER_ENV = "HETFLOW_WORKER"
 """Set in every worker; ``Pipeline.run()`` raises :class:`ScriptImportStop` when it sees it."""
+
+COMM_ENV = "HETFLOW_COMM"
+"""``mpi`` (default: the ranks are an MPI world) or ``tcp`` (see :mod:`hetflow.operators.tcpcomm`)."""
+COMMUNICATORS = ("mpi", "tcp")
 
 
 class ScriptImportStop(BaseException):
@@ -169,15 +176,34 @@ def _agree_on_schemas(comm: Any, stage: str, tables: Mapping[str, Any]) -> None:
                                 f"{schema_from_text(other)}\nbut rank {first_rank} returned\n{schema_from_text(first)}")
 
 
+def _communicator_kind() -> str:
+    kind = os.environ.get(COMM_ENV, "mpi")
+    if kind not in COMMUNICATORS:
+        raise ValueError(f"{COMM_ENV}={kind!r} is not a communicator kind (allowed: {list(COMMUNICATORS)})")
+    return kind
+
+
 def run(spec_path: str) -> int:
-    from mpi4py import MPI
+    kind = _communicator_kind()
+    comm: Any = None
+    world: Any = None
+    if kind == "tcp":
+        import mpi4py
+
+        # The ranks are not MPI processes: the operators may import mpi4py (for MPI.BYTE),
+        # but nothing may initialise MPI (a singleton MPI_Init can fail outside a launcher).
+        mpi4py.rc.initialize = mpi4py.rc.finalize = False
+        rank, size = int(os.environ["HETFLOW_COMM_RANK"]), int(os.environ["HETFLOW_COMM_SIZE"])
+    else:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD.Dup()
+        rank, size = comm.Get_rank(), comm.Get_size()
 
     from hetflow.operators import dataset as ds
     from hetflow.tasks.context import StageContext
 
     spec = json.loads(Path(spec_path).read_text())
-    comm = MPI.COMM_WORLD.Dup()
-    rank, size = comm.Get_rank(), comm.Get_size()
     stage = spec["stage"]
     attempt_dir = Path(spec["attempt_dir"])
     log = logging.getLogger(f"hetflow.stage.{stage}")
@@ -194,6 +220,11 @@ def run(spec_path: str) -> int:
     os.write(fd, f"{os.getpid()}\n".encode())
     os.close(fd)
     try:
+        if kind == "tcp":
+            from hetflow.operators import tcpcomm
+
+            world = tcpcomm.connect_from_env()
+            comm = world.Dup()
         if size != len(spec["slots"]):
             raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec['slots'])} slots")
         slot = spec["slots"][rank]
@@ -240,9 +271,11 @@ def run(spec_path: str) -> int:
     ds.write_json_atomic(result_path, record)
     if record["status"] != "ok":
         sys.stderr.flush()
-        if size > 1:
+        if size > 1 and comm is not None:
             comm.Abort(1)  # end every rank now; nobody waits in a collective
         return 1
+    if world is not None:
+        world.Free()  # goodbye to every peer once they are done too (like MPI_Finalize)
     return 0
 
 

@@ -1,20 +1,45 @@
 """The Dask backend: stages run on the workers of a ``dask.distributed`` cluster.
 
-Each pilot node is one Dask worker (sorted by address).  A task becomes ONE
-Dask task pinned to the worker of its node, annotated with the cores and GPUs
-it holds (``resources={"cores": ..., "gpus": ...}`` when the workers declare
-them), which starts the task's ranks with the pilot's launcher (``mpiexec``)
-on that worker's host: the ranks form a real MPI world, exactly as with the
-local backend.  A task whose ranks span workers on different hosts would need
-a cross-host rendezvous that this backend does not provide; it is rejected
-with :class:`UnsatisfiableRequest` (use dask-mpi workers under the radical or
-parsl backend for multi-node stages).
+Each pilot node is one Dask worker (sorted by name, then address).  Tasks are
+Dask tasks pinned to the worker of their node (``workers=[...]``,
+``allow_other_workers=False``) and annotated with the cores and GPUs they
+hold (``resources={"cores": ..., "gpus": ...}`` when the workers declare
+them).  A multi-rank task gets its communicator in one of two ways
+(``options.dask.communicator``):
+
+* ``mpi``: ONE Dask task starts all ranks with the pilot's launcher
+  (``mpiexec``) on its worker's host, so they form a real MPI world, exactly
+  as with the local backend.  Needs every rank on one host (or workers that
+  are MPI ranks, via dask-mpi under the radical or parsl backend).
+* ``tcp``: every rank is its own Dask task, pinned to the worker of its
+  node, which runs the rank's command (the worker entry point) as a
+  subprocess with ``HETFLOW_COMM=tcp``: the ranks build the TCP communicator
+  of :mod:`hetflow.operators.tcpcomm`, which implements the same table
+  collectives, over any number of hosts.  Rendezvous: for each launch the
+  backend makes a private directory ``<run>/dask/comm/<task>-<id>/`` (on
+  the file system every worker sees, like the datasets and cancel files)
+  holding a fresh random secret (mode 0600; it never crosses the Dask
+  wire); rank 0 listens on a kernel-chosen port of its worker's address
+  and publishes ``host:port`` in that directory; the other ranks connect
+  and authenticate with the secret.  A rank that fails creates the launch's
+  abort file, and every other rank of the task is stopped (its process
+  group killed) within a poll interval, even before the rendezvous is
+  complete; the rank's own ``Abort`` has already ended the others when they
+  were connected.  The directory is removed when the task ends.
+* ``auto`` (default): ``mpi`` when all the task's ranks are on one worker
+  host, ``tcp`` otherwise.
+
+Ranks of one task must be able to run at the same time: the Dask workers
+need a thread per rank they host (the local cluster gives each worker one
+thread per core), else the ranks that started wait at the rendezvous until
+its timeout (``HETFLOW_COMM_CONNECT_TIMEOUT``, 120 s) names the missing ones.
 
 Options (``pilot.options.dask``):
 
 * ``address``: scheduler address of an existing cluster.  Without it the
   backend starts a scheduler and one worker process per pilot node on this
   host (no dashboard, loopback only) and stops them on :meth:`shutdown`.
+* ``communicator``: ``auto`` | ``mpi`` | ``tcp`` (above).
 """
 
 from __future__ import annotations
@@ -27,20 +52,62 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import threading
 import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from ..errors import ConfigError, UnsatisfiableRequest
+from ..errors import ConfigError
+from ..scheduler import RankSlot
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks, safe_name, stop_and_wait
+from .ranks import (RankRun, options_for, outcome_fields, private_dir, run_rank, run_ranks, safe_name,
+                    stop_and_wait)
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("address",)
+OPTIONS = ("address", "communicator")
+COMMUNICATORS = ("auto", "mpi", "tcp")
+
+
+@dataclass
+class _Launch:
+    """A launched task: its Dask futures (one, or one per rank) and what they reported so far."""
+
+    task_id: str
+    remotes: list[Any]
+    outcome: "Future[TaskOutcome]"
+    cancel_file: Path
+    comm_dir: Path | None = None
+    results: dict[int, Mapping[str, Any] | BaseException] = field(default_factory=dict)
+
+
+def combine_ranks(task_id: str, results: list[Mapping[str, Any] | BaseException]) -> TaskOutcome:
+    """One outcome for a task whose ranks ran as separate engine tasks (in rank order).
+
+    The first rank that failed by itself (not stopped because another failed)
+    gives the return code and signal; the details of every failed rank are kept.
+    """
+    fields: list[Mapping[str, Any]] = [
+        r if isinstance(r, Mapping) else {"returncode": None, "detail": f"dask task failed: {r!r}"} for r in results]
+    started = [f["started"] for f in fields if f.get("started") is not None]
+    ended = [f["ended"] for f in fields if f.get("ended") is not None]
+    cancelled = any(f.get("cancelled") for f in fields)
+    timed_out = any(f.get("timed_out") for f in fields)
+    failed = [(rank, f) for rank, f in enumerate(fields) if f.get("returncode") != 0]
+    own = [(rank, f) for rank, f in failed if not f.get("aborted")] or failed
+    code: int | None = 0
+    signal_: int | None = None
+    if own:
+        code, signal_ = own[0][1].get("returncode"), own[0][1].get("signal")
+    detail = "; ".join(f"rank {rank}: {f.get('detail') or 'exited with ' + str(f.get('returncode'))}"
+                       for rank, f in failed)
+    return TaskOutcome(task_id, code, timed_out=timed_out, cancelled=cancelled, signal=signal_,
+                       started=min(started) if started else None, ended=max(ended) if ended else None,
+                       detail=detail)
 
 
 class DaskBackend(Backend):
@@ -57,14 +124,20 @@ class DaskBackend(Backend):
         self._hosts: list[str] = []
         self._resources = False
         self._lock = threading.Lock()
-        self._running: dict[str, tuple[Any, Future[TaskOutcome], Path]] = {}
+        self._running: dict[str, _Launch] = {}
         self._cancel_dir = run_dir / "dask" / "cancel"
+        self._comm_root = run_dir / "dask" / "comm"
+        self.communicator = str(self.options.get("communicator", "auto"))
+        if self.communicator not in COMMUNICATORS:
+            raise ConfigError(f"pilot {pilot.name!r}: options.dask.communicator is {self.communicator!r} "
+                              f"(allowed: {list(COMMUNICATORS)})")
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
         from distributed import Client
 
         private_dir(self._cancel_dir)
+        private_dir(self._comm_root)
         address = self.options.get("address")
         if not address:
             address = self._start_local_cluster()
@@ -151,9 +224,9 @@ class DaskBackend(Backend):
             running = list(self._running)
         for task_id in running:
             self.cancel(task_id)
-        for _, future, _ in list(self._running.values()):
+        for launch in list(self._running.values()):
             try:
-                future.result(timeout=30)
+                launch.outcome.result(timeout=30)
             except Exception:  # noqa: BLE001 - shutting down; the outcome was reported already
                 pass
         if self._client is not None:
@@ -169,15 +242,15 @@ class DaskBackend(Backend):
         self._stop_local_cluster()
 
     # ------------------------------------------------------------------- tasks
+    def uses_tcp(self, slots: "tuple[RankSlot, ...]") -> bool:
+        """Whether a task on ``slots`` gets the TCP communicator (else one ``mpiexec``)."""
+        if self.communicator != "auto":
+            return self.communicator == "tcp"
+        return len({self._hosts[slot.node] for slot in slots}) > 1
+
     def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._client is None:
             raise RuntimeError("dask backend not started; call start() first")
-        nodes = sorted({slot.node for slot in spec.slots})
-        if len({self._hosts[n] for n in nodes}) > 1:
-            raise UnsatisfiableRequest(
-                f"task {spec.task_id!r}: its {spec.ranks} ranks span Dask workers on hosts "
-                f"{sorted({self._hosts[n] for n in nodes})}; the dask backend starts a task's ranks on one host "
-                f"(use the radical or parsl backend for multi-node MPI stages)")
         cancel_file = self._cancel_dir / safe_name(spec.task_id)
         cancel_file.unlink(missing_ok=True)
         run = RankRun(task_id=spec.task_id, command=tuple(spec.argv), slots=spec.slots,
@@ -185,42 +258,93 @@ class DaskBackend(Backend):
                       env=dict(spec.env), timeout=spec.timeout,
                       stdout=None if spec.stdout is None else str(spec.stdout),
                       stderr=None if spec.stderr is None else str(spec.stderr))
-        # Every slot of the task is on one host: show the launcher a single local node.
-        local_run = dataclasses.replace(run, slots=tuple(dataclasses.replace(s, node=0) for s in spec.slots))
-        kwargs: dict[str, Any] = {"workers": [self._workers[nodes[0]]], "allow_other_workers": False,
-                                  "pure": False, "key": f"hetflow-{safe_name(spec.task_id)}-{uuid.uuid4().hex[:8]}"}
-        if self._resources:
-            # The task runs on the worker of its first node; on a host with several pilot
-            # nodes (workers), the slots on the other nodes are that host's too, and the
-            # hetflow scheduler already holds them: annotate what this worker gives.
-            here = [s for s in spec.slots if s.node == nodes[0]]
-            kwargs["resources"] = {"cores": sum(len(s.cores) for s in here)}
-            gpus = sum(len(s.gpus) for s in here)
-            if gpus:
-                kwargs["resources"]["gpus"] = gpus
         outcome: Future[TaskOutcome] = Future()
         outcome.set_running_or_notify_cancel()
-        remote = self._client.submit(run_ranks, local_run, **kwargs)
+        launch = _Launch(spec.task_id, [], outcome, cancel_file)
+        if self.uses_tcp(spec.slots):
+            launch.comm_dir = private_dir(self._comm_root / f"{safe_name(spec.task_id)}-{uuid.uuid4().hex[:8]}")
+            remotes = self._submit_tcp(run, launch.comm_dir)
+        else:
+            remotes = [self._submit_mpi(run)]
+        launch.remotes = remotes
         with self._lock:
-            self._running[spec.task_id] = (remote, outcome, cancel_file)
-        remote.add_done_callback(lambda f, task_id=spec.task_id: self._done(task_id, f))
+            self._running[spec.task_id] = launch
+        for rank, remote in enumerate(remotes):
+            remote.add_done_callback(lambda f, task_id=spec.task_id, rank=rank: self._done(task_id, rank, f))
         return outcome
 
-    def _done(self, task_id: str, remote: Any) -> None:
-        with self._lock:
-            entry = self._running.pop(task_id, None)
-        if entry is None:
-            return
-        _, outcome, _ = entry
+    def _submit_kwargs(self, run: RankRun, node: int, slots: "list[RankSlot]", label: str) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"workers": [self._workers[node]], "allow_other_workers": False, "pure": False,
+                                  "key": f"hetflow-{safe_name(run.task_id)}{label}-{uuid.uuid4().hex[:8]}"}
+        if self._resources:
+            kwargs["resources"] = {"cores": sum(len(s.cores) for s in slots)}
+            gpus = sum(len(s.gpus) for s in slots)
+            if gpus:
+                kwargs["resources"]["gpus"] = gpus
+        return kwargs
+
+    def _submit_mpi(self, run: RankRun) -> Any:
+        """All ranks with one ``mpiexec`` from the worker of the first node (they share its host)."""
+        nodes = sorted({slot.node for slot in run.slots})
+        if len({self._hosts[n] for n in nodes}) > 1:
+            raise ConfigError(f"task {run.task_id!r}: its {len(run.slots)} ranks span Dask workers on hosts "
+                              f"{sorted({self._hosts[n] for n in nodes})}, which one mpiexec cannot reach; "
+                              "set options.dask.communicator to 'auto' or 'tcp'")
+        # Every slot of the task is on one host: show the launcher a single local node.
+        local_run = dataclasses.replace(run, slots=tuple(dataclasses.replace(s, node=0) for s in run.slots))
+        # On a host with several pilot nodes (workers), the slots on the other nodes are that
+        # host's too, and the hetflow scheduler already holds them: annotate what this worker gives.
+        here = [s for s in run.slots if s.node == nodes[0]]
+        return self._client.submit(run_ranks, local_run, **self._submit_kwargs(run, nodes[0], here, ""))
+
+    def _submit_tcp(self, run: RankRun, comm_dir: Path) -> list[Any]:
+        """One Dask task per rank on its node's worker; they meet through ``comm_dir`` (module docstring)."""
+        from hetflow.operators import tcpcomm
+
+        tcpcomm.write_secret(comm_dir / "secret")
+        remotes = []
+        for rank, slot in enumerate(run.slots):
+            env = dict(run.env)
+            env.update({"HETFLOW_COMM": "tcp", "HETFLOW_COMM_RANK": str(rank),
+                        "HETFLOW_COMM_SIZE": str(len(run.slots)),
+                        "HETFLOW_COMM_RENDEZVOUS": str(comm_dir / "address"),
+                        "HETFLOW_COMM_SECRET_FILE": str(comm_dir / "secret"),
+                        "HETFLOW_COMM_HOST": self._hosts[slot.node],
+                        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in slot.gpus)})
+            one = dataclasses.replace(run, env=env, abort_file=str(comm_dir / "abort"))
+            remotes.append(self._client.submit(run_rank, one,
+                                               **self._submit_kwargs(run, slot.node, [slot], f"-r{rank}")))
+        return remotes
+
+    def _done(self, task_id: str, rank: int, remote: Any) -> None:
         try:
-            outcome.set_result(TaskOutcome(**outcome_fields(remote.result())))
-        except Exception as exc:  # noqa: BLE001 - the engine failed the task: report, don't raise in a callback
-            outcome.set_result(TaskOutcome(task_id, None, detail=f"dask task failed: {exc!r}"))
+            result: Mapping[str, Any] | BaseException = remote.result()
+        except BaseException as exc:  # noqa: BLE001 - the engine failed the task: report, don't raise in a callback
+            result = exc
+        with self._lock:
+            launch = self._running.get(task_id)
+            if launch is None:
+                return
+            launch.results[rank] = result
+            failed = not isinstance(result, Mapping) or result.get("returncode") != 0
+            if failed and launch.comm_dir is not None:
+                (launch.comm_dir / "abort").touch()  # e.g. its Dask worker died: stop the other ranks
+            if len(launch.results) < len(launch.remotes):
+                return
+            del self._running[task_id]
+        if launch.comm_dir is not None:
+            shutil.rmtree(launch.comm_dir, ignore_errors=True)
+            outcome = combine_ranks(task_id, [launch.results[r] for r in range(len(launch.remotes))])
+        elif isinstance(result, Mapping):
+            outcome = TaskOutcome(**outcome_fields(result))
+        else:
+            outcome = TaskOutcome(task_id, None, detail=f"dask task failed: {result!r}")
+        launch.outcome.set_result(outcome)
 
     def _at_exit(self) -> None:
         """Interpreter exit without :meth:`shutdown` (Ctrl-C): stop running tasks, then the engine."""
         with self._lock:
-            entries = list(self._running.values())
+            entries = [(launch.outcome, launch.cancel_file) for launch in self._running.values()]
         stop_and_wait(entries)
         self._stop_local_cluster()
 
@@ -232,4 +356,4 @@ class DaskBackend(Backend):
         # Not ``remote.cancel()``: Dask would forget a running task without stopping its
         # processes.  The task sees the file (before starting or while running) and kills
         # its process group, then its future resolves as cancelled.
-        entry[2].touch()
+        entry.cancel_file.touch()

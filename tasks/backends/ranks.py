@@ -7,6 +7,11 @@ the whole process group on timeout or when the task's *cancel file* appears.
 A cancel file rather than an engine call because neither Dask nor Parsl can
 stop a running task; the run directory is on the file system the workers see
 (where the datasets go too).
+
+:func:`run_rank` starts ONE rank's command without a launcher (the Dask
+backend's TCP mode, where every rank is its own engine task): it also stops
+when the task's *abort file* appears, and creates that file when its rank
+fails, so the other ranks of the task never wait for a dead one.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class RankRun:
     stdout: str | None = None
     stderr: str | None = None
     launcher_executable: str | None = None
+    abort_file: str | None = None
+    """One rank of a task started alone (:func:`run_rank`): stop when this file appears."""
 
 
 def find_executable(name: str) -> str:
@@ -89,12 +96,25 @@ def run_ranks(run: RankRun, hosts: Sequence[str] | None = None) -> dict[str, Any
     """
     if hosts is None:
         hosts = ["localhost"] * (max((s.node for s in run.slots), default=0) + 1)
-    argv = launch_argv(run, hosts)
+    return run_argv(run, launch_argv(run, hosts))
+
+
+def run_rank(run: RankRun) -> dict[str, Any]:
+    """Start one rank's command itself (no launcher); a failure creates ``run.abort_file``."""
+    result = run_argv(run, list(run.command))
+    if run.abort_file and (result["returncode"] or result["timed_out"]) and not result.get("aborted"):
+        Path(run.abort_file).touch()  # the other ranks of this task stop now
+    return result
+
+
+def run_argv(run: RankRun, argv: list[str]) -> dict[str, Any]:
+    """Run ``argv`` in a new session until it ends, times out, or is cancelled (or aborted)."""
     env = dict(os.environ)
     env.update(run.env)
     # The venv's bin first, so the launcher finds the same Python and MPI.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     cancel_file = Path(run.cancel_file)
+    abort_file = Path(run.abort_file) if run.abort_file else None
     result: dict[str, Any] = {"task_id": run.task_id, "returncode": None, "timed_out": False,
                               "cancelled": False, "signal": None, "detail": "", "argv": argv}
     if cancel_file.exists():
@@ -115,6 +135,10 @@ def run_ranks(run: RankRun, hosts: Sequence[str] | None = None) -> dict[str, Any
                 pass
             if cancel_file.exists():
                 result.update(cancelled=True, detail="cancelled")
+                _kill_group(proc)
+                break
+            if abort_file is not None and abort_file.exists():
+                result.update(aborted=True, detail="stopped: another rank of the task failed")
                 _kill_group(proc)
                 break
             if deadline is not None and time.monotonic() > deadline:
