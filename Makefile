@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hetflow-installed
-EXTRAS ?= ml,mpich,dask,radical,parsl,dev
+EXTRAS ?= ml,mpich,dask,radical,parsl,postgres,dev
 # the MPI test sizes: 1, 2 and an odd size
 MPI_SIZES ?= 1 2 3
 PYTEST_MPI = $(BIN)/python -m pytest -m mpi -q -p no:cacheprovider

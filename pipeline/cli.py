@@ -105,8 +105,9 @@ def _workdir(args: argparse.Namespace) -> Path:
 
 def _open_store(args: argparse.Namespace) -> Store:
     workdir = _workdir(args)
-    if args.db is None and not (workdir / "hetflow.db").exists():
-        raise UsageError(f"no hetflow state store in {workdir.resolve()} (run a pipeline first, or pass --workdir/--db)")
+    if args.db is None and not os.environ.get("HETFLOW_DB") and not (workdir / "hetflow.db").exists():
+        raise UsageError(f"no hetflow state store in {workdir.resolve()} "
+                         "(run a pipeline first, or pass --workdir/--db, or set HETFLOW_DB)")
     return Store.for_workdir(workdir, args.db)
 
 

@@ -1,0 +1,106 @@
+"""The state store on a real PostgreSQL server (the multi-user deployment), through SQLAlchemy.
+
+The fixture starts a private PostgreSQL cluster for this module: ``initdb`` into a fresh
+directory, the server listening on a Unix socket only (no TCP), stopped at the end.  The
+server refuses to run as root, so under root (CI) it runs as the ``postgres`` system user
+that Debian's package creates.  ``scripts/system-deps.sh`` installs the server.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+import _pipelines as P
+import hetflow as hf
+
+
+def _pg_bin() -> Path:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if not found:
+        pytest.fail("PostgreSQL server binaries not found under /usr/lib/postgresql: "
+                    "run scripts/system-deps.sh (installs Debian's postgresql)")
+    return Path(found[-1]).parent
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    bindir = _pg_bin()
+    root = Path(tempfile.mkdtemp(prefix="hetflow-pg-"))
+    data, sock = root / "data", root / "sock"
+    sock.mkdir()
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        user = pwd.getpwnam("postgres")
+        for path in (root, sock):
+            os.chown(path, user.pw_uid, user.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-U", "hetflow", "--auth=trust",
+                    "-E", "UTF8"], check=True, capture_output=True)
+    server = subprocess.Popen([*as_user, str(bindir / "postgres"), "-D", str(data), "-k", str(sock),
+                               "-c", "listen_addresses=", "-c", "fsync=off"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"postgresql+psycopg://hetflow@/postgres?host={sock}"
+    engine = sa.create_engine(url)
+    try:
+        for _ in range(300):
+            try:
+                with engine.connect() as conn:
+                    conn.execute(sa.text("SELECT 1"))
+                break
+            except sa.exc.OperationalError:
+                if server.poll() is not None:
+                    pytest.fail(f"postgres exited: {server.stderr.read().decode() if server.stderr else ''}")
+                time.sleep(0.1)
+        else:
+            pytest.fail("postgres did not accept connections within 30 s")
+        # one database per test module run, like a site would give a project
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("CREATE DATABASE hetflow_test"))
+        yield f"postgresql+psycopg://hetflow@/hetflow_test?host={sock}"
+    finally:
+        engine.dispose()
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_runs_resume_and_status_on_postgres(postgres_url: str, tmp_path: Path) -> None:
+    pilot = hf.PilotDescription(name="two-cores", cores_per_node=2, gpus_per_node=0, memory_per_node=2**34)
+    run = P.two_branches(tmp_path, sleep=0.2).run(pilot=pilot, db=postgres_url)
+    assert run.ok, run
+
+    engine = sa.create_engine(postgres_url)
+    with engine.connect() as conn:
+        q = lambda sql: conn.execute(sa.text(sql), {"run": run.id}).scalar_one()  # noqa: E731
+        stages = q("SELECT count(*) FROM stages WHERE run_id = :run AND state = 'DONE'")
+        assert stages == len(run.stages) >= 3
+        assert q("SELECT count(*) FROM datasets WHERE run_id = :run") == len(run.datasets)
+        assert q("SELECT count(*) FROM events WHERE run_id = :run AND kind = 'stage'") == 3 * stages
+    engine.dispose()
+
+    # the same run again reuses everything from the PostgreSQL store
+    again = P.two_branches(tmp_path, sleep=0.2).run(pilot=pilot, db=postgres_url)
+    assert again.ok and {s.state for s in again.stages} == {"CACHED"}
+
+    # `hetflow status` reads the same server through HETFLOW_DB
+    env = dict(os.environ, HETFLOW_DB=postgres_url)
+    shown = subprocess.run([sys.executable, "-m", "hetflow.cli", "status", run.id, "--workdir", str(tmp_path),
+                            "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert f'"{run.id}"' in shown.stdout and '"DONE"' in shown.stdout
