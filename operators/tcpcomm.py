@@ -323,7 +323,9 @@ class _Mesh:
                     self._fail(f"rank {peer.rank} called Abort({code})", code, peer, hard=True)
                     return
                 if kind == _BYE:
-                    peer.state = "bye"
+                    with self.cond:
+                        peer.state = "bye"
+                        self.cond.notify_all()
                     continue
                 with self.cond:
                     self.boxes.setdefault((peer.rank, context), deque()).append((tag, kind, payload))
