@@ -50,3 +50,15 @@ def fail_on_rank_one(ctx, rows):
         raise ValueError(f"boom on rank {ctx.rank} with {rows.num_rows} rows")
     ctx.comm.barrier()  # rank 0 would wait forever without the abort
     return {"never": rows}
+
+
+def join_and_group(ctx, rows):
+    """hetflow operators over the stage's ranks: a self-join on a derived key, then a group-by."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = ctx.dtable(rows.select(["key", "y"]))
+    bucket = table.with_columns(b=lambda t: pc.bit_wise_and(t.column("key"), pa.scalar(7, pa.int64())))
+    pairs = bucket.join(bucket.select(["key", "b"]), "b", suffix="_other")
+    groups = pairs.group_by("b").aggregate([("key_other", "count"), ("y", "sum")])
+    return {"joined": groups.sort_by("b").to_arrow()}
