@@ -33,6 +33,15 @@ override, default ``account``), ``worker_init`` (shell lines run before the
 agent on a ``hetflow.slurm``/``hetflow.pbs``/``hetflow.lsf`` resource, e.g.
 ``module load``).  Those three resources are generic clusters that RP ships no
 config for: hetflow writes their RP resource config from the pilot.
+``raptor`` (``true``/``false``, default false): run eligible stages as function
+tasks in RP Raptor MPI workers that stay up for the whole pilot (one master and
+one MPI worker per node, one worker rank per usable core; each stage gets a
+private communicator of exactly its ranks through ``Create_group``) instead of a
+fresh ``mpiexec`` per stage.  Eligible are stages of the hetflow worker entry
+point without GPUs whose ranks are on one node; anything else runs as a normal
+RP task (logged once per stage).  See :mod:`hetflow.tasks.backends.raptor` for
+failure handling: a failing multi-rank stage, a timeout or a cancel replaces that
+node's pool.
 """
 
 from __future__ import annotations
@@ -47,16 +56,19 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import ConfigError
 from ..pilot import PilotDescription
 from .base import Backend, LaunchSpec, TaskOutcome
 from .ranks import options_for, private_dir, safe_name
 
+if TYPE_CHECKING:
+    from .raptor import Pool
+
 log = logging.getLogger(__name__)
 
-OPTIONS = ("placement", "gpu_type", "start_timeout", "resource_config", "project", "worker_init")
+OPTIONS = ("placement", "gpu_type", "start_timeout", "resource_config", "project", "worker_init", "raptor")
 LOCAL_RESOURCES = (None, "local", "local.localhost", "hetflow.localhost")
 LOCAL_RESOURCE = "hetflow.localhost"
 # Resources hetflow describes to RP itself (machines RP ships no config for):
@@ -79,6 +91,9 @@ def rp_options(pilot: PilotDescription) -> Mapping[str, Any]:
     if gpu_type not in ("CUDA", "ROCm"):
         raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.radical.gpu_type': {gpu_type!r} "
                           f"(expected 'CUDA' or 'ROCm')")
+    if options.get("raptor", False) not in (True, False):
+        raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.radical.raptor': {options['raptor']!r} "
+                          f"(expected true or false)")
     if not isinstance(options.get("resource_config", {}), Mapping):
         raise ConfigError(f"pilot {pilot.name!r}: 'options.radical.resource_config' must be a mapping")
     return options
@@ -181,6 +196,17 @@ def pilot_description(pilot: PilotDescription, run_dir: Path) -> dict[str, Any]:
     return description
 
 
+def raptor_function(spec: LaunchSpec, uid: str, pool: "Pool", sandbox: Path) -> dict[str, Any]:
+    """The RP ``TaskDescription`` fields of a stage run as a function task in ``pool``."""
+    from .raptor import function_description, spec_path_of
+
+    spec_path = spec_path_of(spec.argv)
+    assert spec_path is not None  # checked by eligibility
+    cores = max(len(s.cores) for s in spec.slots)
+    return function_description(uid, pool.master, spec_path, spec.ranks, cores, dict(spec.env),
+                                spec.stdout, spec.stderr, sandbox)
+
+
 def task_description(spec: LaunchSpec, pilot: PilotDescription, hosts: list[str], uid: str,
                      sandbox: Path) -> dict[str, Any]:
     """The RP ``TaskDescription`` fields for one launch (``slots`` unless RP places it).
@@ -235,6 +261,11 @@ class RadicalBackend(Backend):
         self._count = 0
         self._base = run_dir / "radical"
         self._saved_env: str | None = None
+        self._raptor = bool(self.options.get("raptor", False))
+        self._pools: dict[int, Pool] = {}  # node -> its current Raptor pool
+        self._in_pool: dict[str, Pool] = {}  # function task uid -> the pool it was sent to
+        self._not_raptor: set[str] = set()  # stages already logged as running outside Raptor
+        self._closing = False
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -277,6 +308,8 @@ class RadicalBackend(Backend):
                                    f"not active; see {self._base}")
             self._remember_agents()
             self._hosts = self._node_names_from_rp()
+            if self._raptor:
+                self._start_pools(timeout)
             # Registered after RP started its helpers: atexit runs hooks last-in first-out, and
             # multiprocessing's own hook (registered while RP started) would otherwise wait
             # forever for RP's forked proxy before this one could stop it.
@@ -298,6 +331,7 @@ class RadicalBackend(Backend):
 
     def shutdown(self) -> None:
         with self._lock:
+            self._closing = True
             uids = list(self._running)
             timers = list(self._timers.values())
         for timer in timers:
@@ -400,8 +434,15 @@ class RadicalBackend(Backend):
         outcome: Future[TaskOutcome] = Future()
         outcome.set_running_or_notify_cancel()
         sandbox = private_dir(self._base / "tasks" / uid)
-        description = task_description(spec, self.pilot, self.node_names(), uid, sandbox)
+        pool = self._pool_for(spec)
         with self._lock:
+            if pool is not None:
+                pool = self._pools[pool.node]  # the current generation
+                description = raptor_function(spec, uid, pool, sandbox)
+                pool.tasks.add(uid)
+                self._in_pool[uid] = pool
+            else:
+                description = task_description(spec, self.pilot, self.node_names(), uid, sandbox)
             self._running[uid] = (spec.task_id, outcome, time.time())
             self._uids[spec.task_id] = uid
         self._tmgr.submit_tasks(rp.TaskDescription(description))
@@ -418,7 +459,10 @@ class RadicalBackend(Backend):
             if uid not in self._running:
                 return
             self._timed_out.add(uid)
-        if self._tmgr is not None:
+            pool = self._in_pool.get(uid)
+        if pool is not None:  # a function cannot be killed inside its worker: replace the pool
+            self._lose_pool(pool, f"stage task {uid} timed out", timed_out=uid)
+        elif self._tmgr is not None:
             self._tmgr.cancel_tasks([uid])
 
     def _state_cb(self, task: Any, state: str) -> None:
@@ -427,6 +471,17 @@ class RadicalBackend(Backend):
         if state not in rp.FINAL:
             return
         with self._lock:
+            lost = next((p for p in self._pools.values() if task.uid in (p.master, p.worker)), None)
+        if lost is not None:
+            if not self._closing:
+                self._lose_pool(lost, f"Raptor {'master' if task.uid == lost.master else 'worker'} "
+                                      f"{task.uid} ended {state}")
+            return
+        with self._lock:
+            pool = self._in_pool.pop(task.uid, None)
+            if pool is not None:
+                pool.tasks.discard(task.uid)
+                pool.worked = True
             entry = self._running.pop(task.uid, None)
             timer = self._timers.pop(task.uid, None)
             timed_out = task.uid in self._timed_out
@@ -469,5 +524,110 @@ class RadicalBackend(Backend):
         with self._lock:
             uid = self._uids.get(task_id)
             running = uid in self._running
-        if running and self._tmgr is not None:
+            pool = self._in_pool.get(uid) if uid is not None else None
+        if running and pool is not None and uid is not None:
+            self._lose_pool(pool, f"stage task {uid} was cancelled", cancelled=uid)
+        elif running and self._tmgr is not None:
             self._tmgr.cancel_tasks([uid])
+
+    # ------------------------------------------------------------ Raptor pools
+    def _pool_for(self, spec: LaunchSpec) -> "Pool | None":
+        """The Raptor pool that runs ``spec``, or ``None`` for a normal RP task."""
+        from .raptor import ineligible
+
+        if not self._raptor:
+            return None
+        node = spec.slots[0].node
+        with self._lock:
+            pool = self._pools.get(node)
+        reason = "no Raptor pool on its node" if pool is None else ineligible(spec.argv, spec.slots, pool.cores)
+        if reason is None:
+            return pool
+        stage = spec.task_id.rsplit("/", 1)[0]
+        if stage not in self._not_raptor:
+            self._not_raptor.add(stage)
+            log.info("%s runs as a normal RP task, not in Raptor: %s", stage, reason)
+        return None
+
+    def _start_pools(self, timeout: float) -> None:
+        """Start every node's Raptor master and MPI worker; wait until each worker ran a ping."""
+        import radical.pilot as rp
+
+        from .raptor import Pool, ping_description
+
+        base = private_dir(self._base / "raptor")
+        cores = self.pilot.resolve().usable_cores()
+        for node, host in enumerate(self._hosts):
+            self._submit_pool(Pool(node, host, cores, base))
+        pings = [rp.TaskDescription(ping_description(f"{p.master}.ping", p.master, len(p.cores), p.sandbox))
+                 for p in self._pools.values()]
+        tasks = self._tmgr.submit_tasks(pings)
+        deadline = time.monotonic() + timeout
+        while not all(t.state in rp.FINAL for t in tasks):
+            with self._lock:
+                gone = len(self._pools) < len(self._hosts)
+            if gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for task in tasks:
+            if task.state != rp.DONE:
+                raise RuntimeError(f"Raptor pool ping {task.uid} is {task.state} "
+                                   f"({str(task.stderr or '').strip()[-300:] or 'no worker came up'}); see the "
+                                   f"worker's .err file under {base}")
+        with self._lock:
+            for pool in self._pools.values():
+                pool.worked = True
+        self._remember_agents()
+        log.info("Raptor pools up: %s", ", ".join(f"{p.worker} ({len(p.cores)} ranks on {p.host})"
+                                                  for p in self._pools.values()))
+
+    def _submit_pool(self, pool: "Pool") -> None:
+        import radical.pilot as rp
+
+        private_dir(pool.sandbox)
+        master, worker = pool.descriptions()
+        with self._lock:
+            self._pools[pool.node] = pool
+        self._rp_pilot.submit_raptors([rp.TaskDescription(master)])
+        self._tmgr.submit_workers([rp.TaskDescription(worker)])
+
+    def _lose_pool(self, pool: "Pool", reason: str, *, timed_out: str | None = None,
+                   cancelled: str | None = None) -> None:
+        """Fail every stage in ``pool``, stop its master and worker, start the next generation."""
+        with self._lock:
+            if self._closing or pool.lost or self._pools.get(pool.node) is not pool:
+                return
+            pool.lost = True
+            replacement = pool.next_generation()
+            if replacement is None:
+                del self._pools[pool.node]
+            else:
+                self._pools[pool.node] = replacement
+            victims = [(uid, self._running.pop(uid)) for uid in sorted(pool.tasks) if uid in self._running]
+            for uid in pool.tasks:
+                self._in_pool.pop(uid, None)
+                self._timed_out.discard(uid)
+                timer = self._timers.pop(uid, None)
+                if timer is not None:
+                    timer.cancel()
+        log.warning("Raptor pool %s lost (%s): %d stage task(s) fail with it; %s", pool.master, reason,
+                    len(victims), f"starting {replacement.master}" if replacement is not None else
+                    f"{pool.bad_starts + 1} pools in a row failed: stages on node {pool.node} run as normal RP tasks")
+        for uid, (task_id, outcome, started) in victims:
+            detail = reason if uid in (timed_out, cancelled) else f"lost with Raptor pool {pool.master}: {reason}"
+            outcome.set_result(TaskOutcome(task_id, 1, timed_out=uid == timed_out, cancelled=uid == cancelled,
+                                           started=started, ended=time.time(),
+                                           detail=f"timed out; {detail}" if uid == timed_out else detail))
+        threading.Thread(target=self._replace_pool, args=(pool, replacement), daemon=True,
+                         name=f"hetflow-raptor-{replacement.master}").start()
+
+    def _replace_pool(self, old: "Pool", new: "Pool | None") -> None:
+        tmgr = self._tmgr
+        if tmgr is None or self._closing:
+            return
+        try:
+            tmgr.cancel_tasks([old.master, old.worker] + sorted(old.tasks))
+            if new is not None:
+                self._submit_pool(new)
+        except Exception:  # noqa: BLE001 - a background thread; the next launch reports the missing pool
+            log.exception("could not replace Raptor pool %s", old.master)

@@ -1,0 +1,247 @@
+"""The radical backend with ``options.radical.raptor: true``: stages as Raptor MPI function tasks.
+
+One real RP session and pilot (3 cores, so a 3-rank stage fits) for the whole
+module: starting one takes ~25 s.  Pipelines run on it through the public
+``Pipeline.run`` API; only the backend factory is pointed at the shared,
+already started backend.  Every stage result is compared with the local
+backend's (content hashes), every rank record must show it ran inside the
+Raptor pool (not a fallback ``mpiexec``), and the module ends by shutting the
+backend down and checking by PID that nothing is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import pyarrow as pa
+import pytest
+
+import conformance_stages as S
+import hetflow as hf
+import hetflow.pipeline as hp
+from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
+from hetflow.tasks.backends.radical import RadicalBackend
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CORES = 3
+
+
+# ------------------------------------------------------------- stage functions
+def probe(ctx, rows):
+    """What the stage's communicator looks like from inside (one row per rank)."""
+    from mpi4py import MPI
+
+    total = ctx.comm.allreduce(rows.num_rows)
+    return {"probe": pa.table({
+        "rank": [ctx.rank], "size": [ctx.size], "comm_size": [ctx.comm.Get_size()],
+        "world_size": [MPI.COMM_WORLD.Get_size()], "rows_total": [total],
+        "is_world": [MPI.Comm.Compare(ctx.comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT)],
+        "ranks_seen": [json.dumps(ctx.comm.allgather(ctx.rank))],
+    })}
+
+
+def sort_as(ctx, rows):
+    """The conformance suite's distributed sample sort, writing to the output named in params."""
+    return {ctx.params["output"]: S.sort_rows(ctx, rows)["sorted"]}
+
+
+def fail_on_rank_zero(ctx, rows):
+    raise ValueError(f"boom on rank {ctx.rank} with {rows.num_rows} rows")
+
+
+# ------------------------------------------------------------------- helpers
+def _pilot(backend: str) -> hf.PilotDescription:
+    options = {"radical": {"raptor": True}} if backend == "radical" else {}
+    return hf.PilotDescription(name="raptor-test", backend=backend, cores_per_node=CORES, gpus_per_node=0,
+                               memory_per_node=2**34, options=options)
+
+
+def _hash(table: pa.Table) -> str:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table.combine_chunks())
+    return hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()
+
+
+class Shared(Backend):
+    """Hands the pipeline the module's started RP backend; start/shutdown are the fixture's."""
+
+    name = "radical"
+    engine: RadicalBackend
+
+    def start(self) -> None:
+        pass
+
+    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+        return self.engine.launch(spec)
+
+    def cancel(self, task_id: str) -> None:
+        self.engine.cancel(task_id)
+
+    def shutdown(self) -> None:
+        pass
+
+    def node_names(self) -> list[str]:
+        return self.engine.node_names()
+
+
+def _alive(pids: set[int]) -> list[str]:
+    alive = []
+    for pid in sorted(pids):
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid}: {' '.join(proc.cmdline())[:160]}")
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RadicalBackend]:
+    run_dir = tmp_path_factory.mktemp("raptor-engine") / "run"
+    run_dir.mkdir(mode=0o700)
+    backend = RadicalBackend(_pilot("radical"), run_dir)
+    backend.start()
+    yield backend
+    backend.shutdown()  # a no-op when test_clean_shutdown already did it
+
+
+def _run(pipe: hf.Pipeline, backend: str, engine: RadicalBackend | None, workdir: Path) -> Any:
+    if backend == "local":
+        return pipe.run(pilot=_pilot("local"), workdir=workdir)
+    assert engine is not None
+    Shared.engine = engine
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hp, "get_backend", lambda name: Shared)
+        return pipe.run(pilot=_pilot("radical"), workdir=workdir)
+
+
+def _stage_dirs(workdir: Path, run_id: str, stage: str) -> list[dict[str, Any]]:
+    attempt = workdir / "runs" / run_id / "stages" / stage / "attempt-1"
+    return [json.loads(p.read_text()) for p in sorted(attempt.glob("rank-*.json"))]
+
+
+def _operators(workdir: Path) -> hf.Pipeline:
+    pipe = hf.Pipeline("raptor-operators", workdir=workdir)
+    pipe.stage(ranks=2, outputs=["rows"], params={"rows_per_rank": 300})(S.generate)
+    for ranks in (1, 2, 3):
+        pipe.stage(name=f"sort{ranks}", ranks=ranks, inputs=["rows"], outputs=[f"sorted{ranks}"],
+                   params={"output": f"sorted{ranks}"})(sort_as)
+    return pipe
+
+
+# --------------------------------------------------------------------- tests
+def test_operator_stages_of_1_2_3_ranks_match_local(engine: RadicalBackend, tmp_path: Path) -> None:
+    reference = _run(_operators(tmp_path / "local"), "local", None, tmp_path / "local")
+    raptor = _run(_operators(tmp_path / "raptor"), "radical", engine, tmp_path / "raptor")
+    assert {s.name: s.state for s in raptor.stages} == {s.name: s.state for s in reference.stages} \
+        == {"generate": "DONE", "sort1": "DONE", "sort2": "DONE", "sort3": "DONE"}
+    for name in ("rows", "sorted1", "sorted2", "sorted3"):
+        assert _hash(raptor.dataset(name).to_table()) == _hash(reference.dataset(name).to_table()), name
+        assert [_hash(p) for p in raptor.dataset(name).partitions()] == \
+            [_hash(p) for p in reference.dataset(name).partitions()], name
+    ordered = raptor.dataset("sorted3").to_table().column("key").to_pylist()
+    assert ordered == sorted(ordered) and len(ordered) == 600
+    pool = engine._pools[0]
+    for stage, ranks in (("generate", 2), ("sort1", 1), ("sort2", 2), ("sort3", 3)):
+        records = _stage_dirs(tmp_path / "raptor", raptor.id, stage)
+        assert [r["rank"] for r in records] == list(range(ranks))
+        assert {r["size"] for r in records} == {ranks}
+        # ran inside the Raptor pool's worker (a fallback mpiexec would have no pool record)
+        assert {r["raptor"]["worker"] for r in records} == {pool.worker}, records
+        assert {r["raptor"]["pool_size"] for r in records} == {CORES}
+        assert len({r["raptor"]["pool_rank"] for r in records}) == ranks
+
+
+def test_each_stage_sees_a_private_communicator_of_its_own_size(engine: RadicalBackend, tmp_path: Path) -> None:
+    pipe = hf.Pipeline("raptor-probe", workdir=tmp_path)
+    pipe.stage(ranks=2, outputs=["rows"], params={"rows_per_rank": 50})(S.generate)
+    pipe.stage(name="probe2", ranks=2, inputs=["rows"], outputs=["probe"])(probe)
+    run = _run(pipe, "radical", engine, tmp_path)
+    assert run.state == "DONE", [(s.name, s.state, s.error) for s in run.stages]
+    table = run.dataset("probe").to_table().sort_by("rank").to_pylist()
+    assert [r["rank"] for r in table] == [0, 1]
+    assert {r["size"] for r in table} == {r["comm_size"] for r in table} == {2}
+    assert {r["world_size"] for r in table} == {CORES}  # the pool is bigger than the stage ...
+    assert not any(r["is_world"] for r in table)  # ... and the stage never gets its world
+    assert {r["rows_total"] for r in table} == {100}
+    assert {r["ranks_seen"] for r in table} == {json.dumps([0, 1])}
+
+
+def _failing(workdir: Path, name: str, func: Any, ranks: int) -> hf.Pipeline:
+    pipe = hf.Pipeline(name, workdir=workdir)
+    pipe.stage(ranks=2, outputs=["rows"], params={"rows_per_rank": 60})(S.generate)
+    pipe.stage(name="fails", ranks=ranks, inputs=["rows"], outputs=["never"])(func)
+    pipe.stage(name="after_failure", ranks=1, inputs=["never"], outputs=["after"])(S.sort_rows)
+    return pipe
+
+
+@pytest.mark.parametrize("ranks, func", [(1, fail_on_rank_zero), (2, S.fail_on_rank_one)],
+                         ids=["one-rank", "two-ranks"])
+def test_failing_stage_gives_the_same_error_and_the_pool_carries_on(engine: RadicalBackend, tmp_path: Path,
+                                                                    ranks: int, func: Any) -> None:
+    reference = _run(_failing(tmp_path / "local", "raptor-fail", func, ranks), "local", None, tmp_path / "local")
+    before = engine._pools[0]
+    failed = _run(_failing(tmp_path / "raptor", "raptor-fail", func, ranks), "radical", engine, tmp_path / "raptor")
+    expected, got = reference.stage("fails"), failed.stage("fails")
+    assert got.state == expected.state == "FAILED"
+    assert got.failed_rank == expected.failed_rank
+    assert "ValueError: boom on rank" in (got.error or "")
+    assert got.error == expected.error
+    assert {s.name: s.state for s in failed.stages} == {s.name: s.state for s in reference.stages}
+    assert failed.state == reference.state == "FAILED"
+    after = engine._pools[0]
+    if ranks == 1:
+        assert after is before  # a one-rank failure only fails its task
+    else:
+        assert after.generation > before.generation  # Abort ended the worker; a new one replaced it
+    # the (same or replaced) pool runs the next pipeline
+    again = _run(_operators(tmp_path / "again"), "radical", engine, tmp_path / "again")
+    assert again.state == "DONE", [(s.name, s.state, s.error) for s in again.stages]
+    records = _stage_dirs(tmp_path / "again", again.id, "sort3")
+    assert {r["raptor"]["worker"] for r in records} == {engine._pools[0].worker}
+
+
+def test_ineligible_launches_run_as_normal_rp_tasks(engine: RadicalBackend, tmp_path: Path) -> None:
+    """An arbitrary program (not the hetflow worker entry point) still runs, as a plain RP task."""
+    import sys
+
+    from hetflow.tasks.backends.raptor import ineligible
+    from hetflow.tasks.scheduler import RankSlot
+
+    slots = (RankSlot(0, (0,)), RankSlot(0, (1,)))
+    argv = (sys.executable, "-c", "import os; open('out', 'w').write(os.environ.get('PMI_SIZE', '?'))")
+    assert ineligible(argv, slots, (0, 1, 2)) is not None
+    assert ineligible((sys.executable, "-m", "hetflow.tasks.worker", "x.json"), slots, (0, 1, 2)) is None
+    assert "GPUs" in (ineligible((sys.executable, "-m", "hetflow.tasks.worker", "x.json"),
+                                 (RankSlot(0, (0,), (0,)),), (0, 1, 2)) or "")
+    assert "4 ranks" in (ineligible((sys.executable, "-m", "hetflow.tasks.worker", "x.json"),
+                                    tuple(RankSlot(0, (c,)) for c in (0, 1, 2, 0)), (0, 1, 2)) or "")
+    cwd = tmp_path / "plain"
+    cwd.mkdir(mode=0o700)
+    outcome = engine.launch(LaunchSpec(task_id="plain/1", argv=argv, slots=slots, cwd=cwd)).result(timeout=120)
+    assert outcome.ok, outcome
+    assert (cwd / "out").read_text() == "2"  # its own mpiexec world of 2
+
+
+def test_clean_shutdown_leaves_no_process(engine: RadicalBackend) -> None:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    seen = set(engine.pids())
+    workers = [p for p in seen if _is_raptor(p)]
+    assert workers, "no Raptor master/worker process was recorded for the session"
+    engine.shutdown()
+    assert _alive(seen | before) == []
+
+
+def _is_raptor(pid: int) -> bool:
+    try:
+        return any("radical-pilot-raptor" in part for part in psutil.Process(pid).cmdline())
+    except psutil.NoSuchProcess:
+        return False
