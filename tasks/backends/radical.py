@@ -619,7 +619,7 @@ class RadicalBackend(Backend):
                                            started=started, ended=time.time(),
                                            detail=f"timed out; {detail}" if uid == timed_out else detail))
         threading.Thread(target=self._replace_pool, args=(pool, replacement), daemon=True,
-                         name=f"hetflow-raptor-{replacement.master}").start()
+                         name=f"hetflow-raptor-replace-{pool.master}").start()
 
     def _replace_pool(self, old: "Pool", new: "Pool | None") -> None:
         tmgr = self._tmgr

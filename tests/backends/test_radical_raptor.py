@@ -51,6 +51,13 @@ def sort_as(ctx, rows):
     return {ctx.params["output"]: S.sort_rows(ctx, rows)["sorted"]}
 
 
+def sleepy(ctx, rows):
+    import time
+
+    time.sleep(120)
+    return {"never": rows}
+
+
 def fail_on_rank_zero(ctx, rows):
     raise ValueError(f"boom on rank {ctx.rank} with {rows.num_rows} rows")
 
@@ -207,6 +214,33 @@ def test_failing_stage_gives_the_same_error_and_the_pool_carries_on(engine: Radi
     assert again.state == "DONE", [(s.name, s.state, s.error) for s in again.stages]
     records = _stage_dirs(tmp_path / "again", again.id, "sort3")
     assert {r["raptor"]["worker"] for r in records} == {engine._pools[0].worker}
+
+
+def test_timeout_replaces_the_pool_and_kills_the_stage(engine: RadicalBackend, tmp_path: Path) -> None:
+    """A function cannot be killed inside a worker: the timed-out stage's pool is stopped and replaced."""
+    import time
+
+    def pipeline(workdir: Path) -> hf.Pipeline:
+        pipe = hf.Pipeline("raptor-timeout", workdir=workdir)
+        pipe.stage(ranks=1, outputs=["rows"], params={"rows_per_rank": 10})(S.generate)
+        pipe.stage(name="slow", ranks=2, inputs=["rows"], outputs=["never"], timeout=3)(sleepy)
+        return pipe
+
+    reference = _run(pipeline(tmp_path / "local"), "local", None, tmp_path / "local")
+    before = engine._pools[0]
+    started = time.monotonic()
+    run = _run(pipeline(tmp_path / "raptor"), "radical", engine, tmp_path / "raptor")
+    assert time.monotonic() - started < 60
+    assert run.stage("slow").state == reference.stage("slow").state == "TIMED_OUT"
+    assert run.stage("slow").error == reference.stage("slow").error
+    assert engine._pools[0].generation > before.generation
+    attempt = tmp_path / "raptor" / "runs" / run.id / "stages" / "slow" / "attempt-1"
+    pids = {int(p.read_text()) for p in attempt.glob("rank-*.pid")}
+    assert len(pids) == 2
+    deadline = time.monotonic() + 60
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _alive(pids) == []  # the old worker's ranks are gone with their stage
 
 
 def test_ineligible_launches_run_as_normal_rp_tasks(engine: RadicalBackend, tmp_path: Path) -> None:
