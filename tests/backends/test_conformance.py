@@ -28,7 +28,9 @@ import hetflow as hf
 # Every run here takes half a minute or more (RP: a pilot per run), so the whole module is slow.
 pytestmark = pytest.mark.slow
 
-BACKENDS = ["local", "dask", "parsl", "radical"]
+BACKENDS = ["local", "dask", "dask-tcp", "parsl", "radical"]
+# "dask-tcp": the dask backend with every rank its own Dask task on the TCP communicator
+VARIANTS = {"dask-tcp": ("dask", {"dask": {"communicator": "tcp"}})}
 DATASETS = ["rows", "sorted", "model", "metrics"]
 # Wall-clock measurements a training stage records along with its results: they
 # differ between any two runs, so content hashes leave them out (and nothing else).
@@ -75,8 +77,9 @@ def _leftovers(marker: str) -> list[str]:
 
 
 def _run(backend: str, workdir: Path) -> dict[str, Any]:
+    backend, options = VARIANTS.get(backend, (backend, {}))
     pilot = hf.PilotDescription(name="conformance", backend=backend, cores_per_node=2, gpus_per_node=0,
-                                memory_per_node=2**34)
+                                memory_per_node=2**34, options=options)
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     started = time.monotonic()
     run = _pipeline(workdir).run(pilot=pilot)
