@@ -90,7 +90,30 @@ def _render_radical(pilot: PilotDescription) -> str:
     description = radical.task_description(spec, pilot, hosts, uid, RUN_DIR / "radical" / "tasks" / uid)
     out += [f"# radical.pilot.TaskDescription of an example stage ({spec.ranks} ranks on node 0; "
             f"node names come from the active pilot)", _json(description), ""]
+    if radical.rp_options(pilot).get("raptor", False):
+        out += _render_raptor(spec, hosts, uid, pilot.usable_cores())
     return "\n".join(out)
+
+
+def _render_raptor(spec: Any, hosts: list[str], uid: str, cores: tuple[int, ...]) -> list[str]:
+    """Node 0's Raptor master and MPI worker, and the example stage as a function task if eligible."""
+    from .backends import radical, raptor
+
+    pool = raptor.Pool(0, hosts[0], cores, RUN_DIR / "radical" / "raptor")
+    master, worker = pool.descriptions()
+    out = [f"# Raptor (options.radical.raptor): on every node one master and one MPI worker of {len(cores)} "
+           "ranks, started with the pilot; node 0's below",
+           "# (RP's submit_raptors/submit_workers add executable, arguments and named_env 'rp')",
+           "# Raptor master: radical.pilot.TaskDescription", _json(master), "",
+           "# Raptor MPI worker: radical.pilot.TaskDescription", _json(worker), ""]
+    reason = raptor.ineligible(spec.argv, spec.slots, pool.cores)
+    if reason is None:
+        function = radical.raptor_function(spec, uid, pool, RUN_DIR / "radical" / "tasks" / uid)
+        out += ["# Raptor function task: the example stage as it is submitted with Raptor on "
+                "(instead of the TaskDescription above)", _json(function), ""]
+    else:
+        out += [f"# Raptor: the example stage stays the RP task above: {reason}", ""]
+    return out
 
 
 def _render_parsl(pilot: PilotDescription) -> str:

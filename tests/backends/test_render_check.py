@@ -158,3 +158,39 @@ def test_missing_engine_names_the_pip_extra(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(MissingExtraError, match=r"pip install 'hetflow\[ghost\]'") as info:
         require("ghost")
     assert isinstance(info.value, ImportError)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_render_radical_with_raptor_shows_master_worker_and_function_task(name: str) -> None:
+    base = load_pilot(name).resolve()
+    options = dict(base.options)
+    options["radical"] = {**dict(options.get("radical", {})), "raptor": True}
+    pilot = dataclasses.replace(base, options=options)
+    text = render(pilot, "radical")
+    assert text == render(pilot, "radical")
+    assert "# Raptor" not in render(base, "radical")  # only with the option on
+    master = _json_after(text, "# Raptor master:")
+    worker = _json_after(text, "# Raptor MPI worker:")
+    assert isinstance(master, dict) and isinstance(worker, dict)
+    assert master["mode"] == "raptor.master" and len(master["slots"]) == 1
+    usable = list(pilot.usable_cores())
+    assert worker["mode"] == "raptor.worker" and worker["raptor_id"] == master["uid"]
+    assert worker["raptor_class"] == "HetflowWorker" and worker["raptor_file"].endswith("raptor.py")
+    assert worker["ranks"] == len(usable) and [s["cores"] for s in worker["slots"]] == [[c] for c in usable]
+    task = _json_after(text, "# radical.pilot.TaskDescription")
+    assert isinstance(task, dict)
+    if any(slot["gpus"] for slot in task["slots"]):
+        assert "# Raptor: the example stage stays the RP task above: it uses GPUs" in text
+    else:
+        function = _json_after(text, "# Raptor function task:")
+        assert isinstance(function, dict)
+        assert function["mode"] == "task.function" and function["function"] == "hetflow_stage"
+        assert function["raptor_id"] == master["uid"] and function["ranks"] == task["ranks"]
+        assert function["args"][0] == task["arguments"][2]  # the worker spec path, nothing serialised
+
+
+def test_raptor_option_must_be_a_boolean() -> None:
+    pilot = PilotDescription(name="p", backend="radical", cores_per_node=2, gpus_per_node=0,
+                             memory_per_node=2**30, options={"radical": {"raptor": "yes"}})
+    with pytest.raises(ConfigError, match=r"options.radical.raptor.*'yes'.*true or false"):
+        render(pilot, "radical")
