@@ -9,6 +9,15 @@ pilot's launcher) launched one after another, its overhead over running the
 same launcher argv directly with ``subprocess`` here, the throughput of the
 same tasks launched all at once on a 2-core pilot, and the shutdown time.
 Prints a table and writes the figures as JSON.
+
+``radical-raptor`` is the radical backend with ``options.radical.raptor: true``.
+Raptor runs only hetflow stages (not arbitrary programs), so its row times a
+one-rank no-op *stage* (``python -m hetflow.tasks.worker SPEC`` with a stage
+function that returns nothing) instead of ``python -c pass``: start-up includes
+the Raptor master and worker, the latency is the stage as a Raptor function
+task, and the overhead is over the same stage run directly with ``mpiexec``
+here.  The row also times the same stage as a normal RP task on the same pilot
+(Raptor switched off for those launches), which is what Raptor saves.
 """
 
 from __future__ import annotations
@@ -32,6 +41,83 @@ from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.scheduler import RankSlot
 
 COMMAND = (sys.executable, "-c", "pass")
+RAPTOR = "radical-raptor"
+
+
+def noop(ctx: Any) -> None:
+    """The stage the radical-raptor row times: imported by the worker as ``backends.noop``."""
+    return None
+
+
+def stage_spec(run_dir: Path, index: int, core: int) -> LaunchSpec:
+    """A one-rank no-op stage on ``core``, as the orchestrator would launch it (worker spec + argv)."""
+    attempt = run_dir / "stages" / f"noop-{index}"
+    attempt.mkdir(parents=True, mode=0o700)
+    spec = {"run_id": "bench", "stage": "noop", "attempt": 1,
+            "function": {"module": "backends", "path": None, "name": "noop"},
+            "sys_path": [str(Path(__file__).resolve().parent)], "params": {}, "inputs": [], "outputs": {},
+            "attempt_dir": str(attempt), "checkpoint_dir": str(attempt), "nodes": ["localhost"],
+            "slots": [{"node": 0, "cores": [core], "gpus": []}], "verify": "checksum", "schemas": {}}
+    (attempt / "spec.json").write_text(json.dumps(spec))
+    return LaunchSpec(task_id=f"noop-{index}", argv=(sys.executable, "-m", "hetflow.tasks.worker",
+                                                     str(attempt / "spec.json")),
+                      slots=(RankSlot(0, (core,)),), cwd=attempt)
+
+
+def direct_stage_latency(tasks: int, root: Path) -> list[float]:
+    """Seconds for the no-op stage under ``mpiexec -n 1`` run here with subprocess."""
+    times = []
+    for i in range(tasks):
+        spec = stage_spec(root / "direct", i, 0)
+        argv = launcher_for("mpiexec", find_executable("mpiexec")).argv(spec.argv, list(spec.slots), ["localhost"])
+        started = time.perf_counter()
+        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=spec.cwd)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _sequential(backend: Any, specs: list[LaunchSpec]) -> list[float]:
+    latencies = []
+    for spec in specs:
+        t0 = time.perf_counter()
+        outcome = backend.launch(spec).result(timeout=300)
+        latencies.append(time.perf_counter() - t0)
+        if not outcome.ok:
+            raise RuntimeError(f"task {spec.task_id} failed: {outcome}")
+    return latencies
+
+
+def measure_raptor(tasks: int, root: Path) -> dict[str, Any]:
+    """The radical backend with Raptor on, timing no-op stages (see the module docstring)."""
+    pilot = PilotDescription(name="bench", backend="radical", cores_per_node=2, gpus_per_node=0,
+                             memory_per_node=2**33, options={"radical": {"raptor": True}})
+    run_dir = root / RAPTOR
+    run_dir.mkdir(mode=0o700)
+    floor = statistics.median(direct_stage_latency(tasks, root))
+    started = time.perf_counter()
+    backend = get_backend("radical")(pilot, run_dir)
+    backend.start()
+    startup = time.perf_counter() - started
+    try:
+        latencies = _sequential(backend, [stage_spec(run_dir, i, i % 2) for i in range(tasks)])
+        t0 = time.perf_counter()
+        futures = [backend.launch(stage_spec(run_dir, tasks + i, i % 2)) for i in range(tasks)]
+        outcomes = [f.result(timeout=600) for f in futures]
+        burst = time.perf_counter() - t0
+        if not all(o.ok for o in outcomes):
+            raise RuntimeError(f"{RAPTOR}: a burst task failed: {[o for o in outcomes if not o.ok][:1]}")
+        backend._raptor = False  # the same stage as normal RP tasks on the same pilot, for comparison
+        normal = _sequential(backend, [stage_spec(run_dir, 2 * tasks + i, i % 2) for i in range(tasks)])
+    finally:
+        t0 = time.perf_counter()
+        backend.shutdown()
+        shutdown = time.perf_counter() - t0
+    return {"backend": RAPTOR, "startup_s": startup, "task_latency_median_s": statistics.median(latencies),
+            "task_latency_min_s": min(latencies), "task_latency_max_s": max(latencies),
+            "burst_tasks_per_s": tasks / burst, "shutdown_s": shutdown, "tasks": tasks,
+            "task_overhead_s": statistics.median(latencies) - floor, "task": "no-op hetflow stage",
+            "stage_direct_mpiexec_median_s": floor,
+            "stage_as_normal_rp_task_median_s": statistics.median(normal)}
 
 
 def direct_latency(tasks: int) -> list[float]:
@@ -81,7 +167,7 @@ def measure(name: str, tasks: int, root: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default="local,dask,parsl,radical")
+    parser.add_argument("--backends", default=f"local,dask,parsl,radical,{RAPTOR}")
     parser.add_argument("--tasks", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/backends.json"))
     args = parser.parse_args(argv)
@@ -91,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as tmp:
         for name in names:
             print(f"measuring {name} ...", file=sys.stderr, flush=True)
+            if name == RAPTOR:
+                results.append(measure_raptor(args.tasks, Path(tmp)))
+                continue
             result = measure(name, args.tasks, Path(tmp))
             result["task_overhead_s"] = result["task_latency_median_s"] - floor
             results.append(result)
@@ -99,12 +188,18 @@ def main(argv: list[str] | None = None) -> int:
               "direct_mpiexec_median_s": floor, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    header = f"{'backend':<9} {'start-up':>9} {'task (median)':>14} {'overhead':>9} {'burst':>10} {'shutdown':>9}"
+    header = f"{'backend':<14} {'start-up':>9} {'task (median)':>14} {'overhead':>9} {'burst':>10} {'shutdown':>9}"
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r['backend']:<9} {r['startup_s']:>8.2f}s {r['task_latency_median_s'] * 1e3:>12.0f}ms "
+        print(f"{r['backend']:<14} {r['startup_s']:>8.2f}s {r['task_latency_median_s'] * 1e3:>12.0f}ms "
               f"{r['task_overhead_s'] * 1e3:>7.0f}ms {r['burst_tasks_per_s']:>6.1f}/s {r['shutdown_s']:>8.2f}s")
+    for r in results:
+        if r["backend"] == RAPTOR:
+            print(f"({RAPTOR} times a no-op hetflow stage: {r['task_latency_median_s'] * 1e3:.0f} ms as a Raptor "
+                  f"function task vs {r['stage_as_normal_rp_task_median_s'] * 1e3:.0f} ms as a normal RP task on the "
+                  f"same pilot; the same stage under a direct mpiexec -n 1: "
+                  f"{r['stage_direct_mpiexec_median_s'] * 1e3:.0f} ms)")
     print(f"(direct mpiexec -n 1 python -c pass: {floor * 1e3:.0f} ms; {args.tasks} tasks each; "
           f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} CPUs; JSON: {args.out})")
     return 0
