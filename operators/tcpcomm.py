@@ -40,6 +40,7 @@ default ``127.0.0.1``), ``HETFLOW_COMM_TIMEOUT`` (seconds, default 3600) and
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import hmac
@@ -728,6 +729,7 @@ def connect(rank: int, size: int, *, rendezvous: str | os.PathLike[str], secret:
     finally:
         listener.close()
     mesh.start()
+    atexit.register(mesh.close)  # a normal exit without Free() says goodbye too (peers would take it for a death)
     log.debug("rank %d/%d connected to ranks %s", rank, size, sorted(mesh.peers))
     return TcpComm(mesh)
 

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsatisfiableRequest
 from ..scheduler import RankSlot
 from .base import Backend, LaunchSpec, TaskOutcome
 from .ranks import (RankRun, options_for, outcome_fields, private_dir, run_rank, run_ranks, safe_name,
@@ -287,9 +287,10 @@ class DaskBackend(Backend):
         """All ranks with one ``mpiexec`` from the worker of the first node (they share its host)."""
         nodes = sorted({slot.node for slot in run.slots})
         if len({self._hosts[n] for n in nodes}) > 1:
-            raise ConfigError(f"task {run.task_id!r}: its {len(run.slots)} ranks span Dask workers on hosts "
-                              f"{sorted({self._hosts[n] for n in nodes})}, which one mpiexec cannot reach; "
-                              "set options.dask.communicator to 'auto' or 'tcp'")
+            raise UnsatisfiableRequest(
+                f"task {run.task_id!r}: its {len(run.slots)} ranks span Dask workers on hosts "
+                f"{sorted({self._hosts[n] for n in nodes})}, which one mpiexec cannot reach; "
+                "set options.dask.communicator to 'auto' or 'tcp'")
         # Every slot of the task is on one host: show the launcher a single local node.
         local_run = dataclasses.replace(run, slots=tuple(dataclasses.replace(s, node=0) for s in run.slots))
         # On a host with several pilot nodes (workers), the slots on the other nodes are that
