@@ -85,6 +85,13 @@ class _Launch:
     results: dict[int, Mapping[str, Any] | BaseException] = field(default_factory=dict)
 
 
+def choose_communicator(option: str, rank_hosts: "list[str]") -> str:
+    """``mpi`` or ``tcp`` for a task whose ranks run on ``rank_hosts`` (``option``: auto, mpi or tcp)."""
+    if option != "auto":
+        return option
+    return "tcp" if len(set(rank_hosts)) > 1 else "mpi"
+
+
 def combine_ranks(task_id: str, results: list[Mapping[str, Any] | BaseException]) -> TaskOutcome:
     """One outcome for a task whose ranks ran as separate engine tasks (in rank order).
 
@@ -244,9 +251,7 @@ class DaskBackend(Backend):
     # ------------------------------------------------------------------- tasks
     def uses_tcp(self, slots: "tuple[RankSlot, ...]") -> bool:
         """Whether a task on ``slots`` gets the TCP communicator (else one ``mpiexec``)."""
-        if self.communicator != "auto":
-            return self.communicator == "tcp"
-        return len({self._hosts[slot.node] for slot in slots}) > 1
+        return choose_communicator(self.communicator, [self._hosts[slot.node] for slot in slots]) == "tcp"
 
     def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._client is None:

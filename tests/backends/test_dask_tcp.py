@@ -209,6 +209,28 @@ def test_cancel_and_timeout_kill_every_rank(backend: Any) -> None:
     assert _alive(pids) == []
 
 
+def test_auto_takes_mpi_on_one_host_and_tcp_across_hosts() -> None:
+    from hetflow.tasks.backends.dask import choose_communicator
+
+    assert choose_communicator("auto", ["127.0.0.1", "127.0.0.1"]) == "mpi"
+    assert choose_communicator("auto", ["10.0.0.1", "10.0.0.2", "10.0.0.1"]) == "tcp"
+    assert choose_communicator("tcp", ["127.0.0.1"]) == "tcp"
+    assert choose_communicator("mpi", ["10.0.0.1", "10.0.0.2"]) == "mpi"
+
+
+def test_combined_outcome_names_the_rank_that_failed_first() -> None:
+    from hetflow.tasks.backends.dask import combine_ranks
+
+    stopped = {"returncode": -15, "signal": 15, "aborted": True, "detail": "stopped: another rank of the task failed",
+               "started": 1.0, "ended": 3.0}
+    failed = {"returncode": 2, "signal": None, "detail": "exited with 2", "started": 2.0, "ended": 2.5}
+    outcome = combine_ranks("t", [stopped, failed, RuntimeError("worker died")])
+    assert (outcome.returncode, outcome.signal, outcome.started, outcome.ended) == (2, None, 1.0, 3.0)
+    assert outcome.detail.startswith("rank 0: stopped: another rank") and "rank 2: dask task failed" in outcome.detail
+    ok = {"returncode": 0, "started": 1.0, "ended": 2.0}
+    assert combine_ranks("t", [ok, ok]).ok
+
+
 def test_unknown_communicator_is_rejected(tmp_path: Path) -> None:
     pilot = hf.PilotDescription(name="bad", backend="dask", cores_per_node=1, gpus_per_node=0,
                                 memory_per_node=2**33, options={"dask": {"communicator": "gloo"}})

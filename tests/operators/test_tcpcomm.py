@@ -373,6 +373,26 @@ def test_timeout_names_the_silent_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_rendezvous_timeout_names_the_missing_rank(tmp_path: Path) -> None:
+    work = _workdir(tmp_path)
+    secret = tcpcomm.read_secret(work / "secret")
+    errors: list[BaseException] = []
+
+    def rank1() -> None:
+        try:
+            tcpcomm.connect(1, 3, rendezvous=work / "address", secret=secret, connect_timeout=1.5)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    thread = threading.Thread(target=rank1)
+    thread.start()
+    with pytest.raises(tcpcomm.CommTimeout, match=r"rank 0: rank\(s\) \[2\] did not connect"):
+        tcpcomm.connect(0, 3, rendezvous=work / "address", secret=secret, connect_timeout=1.5)
+    thread.join(10)
+    assert errors and isinstance(errors[0], (tcpcomm.CommTimeout, tcpcomm.PeerLost)), errors
+
+
+@pytest.mark.timeout(60)
 def test_closed_peer_and_bad_arguments_raise(tmp_path: Path) -> None:
     comms = _connect_threads(tmp_path, 2, timeout=30, on_failure="raise")
     comms[1].send([1, 2], dest=0)
