@@ -279,3 +279,94 @@ def _is_raptor(pid: int) -> bool:
         return any("radical-pilot-raptor" in part for part in psutil.Process(pid).cmdline())
     except psutil.NoSuchProcess:
         return False
+
+
+INTERRUPTED = """
+import json, signal, sys, time
+from pathlib import Path
+from hetflow.tasks.backends.base import LaunchSpec
+from hetflow.tasks.backends.radical import RadicalBackend
+from hetflow.tasks.pilot import PilotDescription
+from hetflow.tasks.scheduler import RankSlot
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, also when started by CI
+run_dir, attempt, tests = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+pilot = PilotDescription(name="interrupt", backend="radical", cores_per_node=2, gpus_per_node=0,
+                         memory_per_node=2**33, options={"radical": {"raptor": True}})
+backend = RadicalBackend(pilot, run_dir)
+backend.start()
+spec = {"run_id": "interrupt", "stage": "slow", "attempt": 1, "params": {}, "inputs": [],
+        "function": {"module": "test_radical_raptor", "path": None, "name": "sleepy_alone"},
+        "sys_path": [tests], "outputs": {}, "attempt_dir": str(attempt), "checkpoint_dir": str(attempt),
+        "nodes": ["localhost"], "slots": [{"node": 0, "cores": [c], "gpus": []} for c in (0, 1)]}
+(attempt / "spec.json").write_text(json.dumps(spec))
+future = backend.launch(LaunchSpec(task_id="slow/1", argv=(sys.executable, "-m", "hetflow.tasks.worker",
+                                   str(attempt / "spec.json")), slots=(RankSlot(0, (0,)), RankSlot(0, (1,))),
+                                   cwd=attempt))
+deadline = time.monotonic() + 120
+while len(list(attempt.glob("rank-*.pid"))) < 2:
+    if time.monotonic() > deadline:
+        raise SystemExit("the stage never started")
+    time.sleep(0.1)
+print("READY", flush=True)
+future.result()  # until interrupted; no shutdown() on purpose
+"""
+
+
+def sleepy_alone(ctx):
+    import time
+
+    time.sleep(600)
+
+
+def test_ctrl_c_leaves_no_raptor_process(tmp_path: Path) -> None:
+    """Ctrl-C while a stage runs in the pool: the exit hook ends agent, master, worker and stage ranks."""
+    import signal
+    import subprocess
+    import sys
+
+    run_dir, attempt = tmp_path / "run", tmp_path / "attempt"
+    run_dir.mkdir(mode=0o700)
+    attempt.mkdir(mode=0o700)
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(run_dir), str(attempt), str(Path(__file__).parent)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", (line, proc.stderr.read() if proc.poll() is not None else "")
+        ranks = {int(p.read_text()) for p in attempt.glob("rank-*.pid")}
+        assert len(ranks) == 2 and len(_alive(ranks)) == 2  # the stage runs in the pool's worker ranks
+        engine = _engine(proc.pid, str(run_dir))  # RP's agent is detached from the client
+        assert any(_is_raptor(pid) for pid in engine), "no Raptor master/worker found"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:  # the test failed: do not leave the engine running either
+            for pid in _engine(proc.pid, str(run_dir)) | {proc.pid}:
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.NoSuchProcess:
+                    pass
+            proc.wait()
+    assert _alive(ranks) == []
+    assert _alive(engine) == []
+    assert _engine(None, str(run_dir)) == set()
+
+
+def _engine(client: int | None, marker: str) -> set[int]:
+    """The client's descendants and every live process naming ``marker`` (with its descendants)."""
+    roots = [psutil.Process(client)] if client is not None and psutil.pid_exists(client) else []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(marker in p for p in proc.info["cmdline"] or []):
+                roots.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    found = set()
+    for root in roots:
+        try:
+            found |= {root.pid} | {c.pid for c in root.children(recursive=True)}
+        except psutil.NoSuchProcess:
+            continue
+    found.discard(client or -1)
+    return {pid for pid in found if _alive({pid})}
