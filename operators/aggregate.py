@@ -88,15 +88,15 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
     else:
         detail = f"non-decomposable aggregation: shuffle-compute only, {row_bytes:.0f} B/row"
     if choice == "shuffle":
-        parts = partition.split_by_ids(proj, partition.ids_from_hash(hashes, p), p)
+        ids = partition.ids_from_hash(hashes, p)
         del hashes
-        shuffled = pa.concat_tables(tc.alltoall_tables(comm, parts))
-        del parts
+        shuffled = tc.shuffle(comm, proj, ids)
+        del ids, proj
         out = kernels.group_aggregate(shuffled, keys, aggs)
         name = "shuffle-compute"
     else:
         partial = kernels.partial_aggregate(proj, keys, aggs)
-        shuffled = pa.concat_tables(tc.alltoall_tables(comm, partition.hash_partition(partial, keys, p)))
+        shuffled = tc.shuffle(comm, partial, partition.partition_ids(partial, keys, p))
         out = kernels.combine_aggregate(shuffled, keys, aggs, schema)
         name = "combine-shuffle-reduce"
     return dt._derive(out, Plan("group_by", name, costs[choice], costs, detail))

@@ -5,6 +5,13 @@ send buffer (no pickle, no intermediate ``bytes``), moved with ``Alltoallv`` /
 ``Allgatherv`` / ``Gatherv`` on bytes, and read back zero-copy from the
 receive buffer.  A rank's own share never leaves the process.  Pickle-based
 object collectives are used only for small metadata (counts, schemas).
+
+``shuffle`` (the hash/range exchange of operators) sends fixed-width null-free
+tables column by column instead: each destination's rows are gathered with
+``np.take`` straight into one column's send buffer and received straight into
+the final contiguous column (no IPC framing, no concat, one chunk).  Only ``Get_rank``,
+``Get_size``, ``Alltoall``, ``Alltoallv`` (and ``Sendrecv`` above 1 GiB) of the
+communicator are used, so any object with that mpi4py subset works.
 """
 
 from __future__ import annotations
@@ -91,11 +98,7 @@ def alltoall_tables(comm: Any, parts: Sequence[pa.Table]) -> list[pa.Table]:
     recvsizes = np.empty(size, dtype=np.int64)
     comm.Alltoall(sendsizes, recvsizes)
     recvbuf = np.empty(int(recvsizes.sum()), dtype=np.uint8)
-    sdispl, rdispl = _displs(sendsizes), _displs(recvsizes)
-    if max(int(sendsizes.max()), int(recvsizes.max()), int(sendbuf.size), int(recvbuf.size)) < _MAX_CHUNK:
-        comm.Alltoallv([sendbuf, (sendsizes, sdispl), MPI.BYTE], [recvbuf, (recvsizes, rdispl), MPI.BYTE])
-    else:
-        _pairwise_exchange(comm, sendbuf, sendsizes, sdispl, recvbuf, recvsizes, rdispl)
+    _exchange(comm, sendbuf, sendsizes, recvbuf, recvsizes)
     del sendbuf
     received = deserialize(recvbuf, recvsizes)
     received[rank] = own
@@ -118,6 +121,107 @@ def _pairwise_exchange(comm: Any, sendbuf: np.ndarray, ss: np.ndarray, sd: np.nd
             )
             sent += n_send
             got += n_recv
+
+
+# --------------------------------------------------------------------------- hash/range shuffle of one table
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def raw_width(t: pa.DataType) -> int | None:
+    """Bytes per value when a column of type ``t`` is one plain data buffer (ints, floats,
+    temporal, decimal); ``None`` for everything else (bit-packed bool, variable width, nested)."""
+    if isinstance(t, (pa.DictionaryType, pa.ExtensionType)) or t.num_fields or t.num_buffers != 2:
+        return None
+    try:
+        bits = t.bit_width
+    except ValueError:
+        return None
+    w = bits // 8
+    return w if bits % 8 == 0 and (w in _UINT or w % 8 == 0) else None
+
+
+def _values(arr: pa.Array, w: int) -> np.ndarray:
+    """Zero-copy numpy view of a null-free fixed-width array's values (rows along axis 0)."""
+    if len(arr) == 0:
+        return np.empty(0, dtype=_UINT[w]) if w in _UINT else np.empty((0, w // 8), dtype=np.uint64)
+    raw = np.frombuffer(arr.buffers()[1], dtype=np.uint8)[arr.offset * w : (arr.offset + len(arr)) * w]
+    return raw.view(_UINT[w]) if w in _UINT else raw.view(np.uint64).reshape(-1, w // 8)
+
+
+def _raw_columns(table: pa.Table) -> list[tuple[np.ndarray, int]] | None:
+    """Per column (values view, width) when every column is fixed-width without nulls, else ``None``."""
+    widths = [raw_width(f.type) for f in table.schema]
+    if not widths or any(w is None for w in widths) or any(c.null_count for c in table.columns):
+        return None
+    out = []
+    for col, w in zip(table.columns, widths):
+        assert w is not None
+        arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+        out.append((_values(arr, w), w))
+    return out
+
+
+def shuffle(comm: Any, table: pa.Table, ids: np.ndarray, groups: Sequence[np.ndarray] | None = None) -> pa.Table:
+    """Send row ``i`` of ``table`` to rank ``ids[i]``; returns the rows every rank sent here,
+    in source-rank order, row order kept within a source.
+
+    When every rank's table is fixed-width without nulls, each column travels in its own
+    ``Alltoallv``: the rows for each destination are gathered with ``np.take`` straight into
+    a send buffer of that one column, and received straight into the final contiguous column
+    (this rank's own rows are taken into their slot), so the result has one chunk, no
+    receive buffer outlives the call, and at most one column's send buffer exists at a time.
+    Otherwise the parts travel as Arrow IPC (``alltoall_tables``).  ``groups`` (row indices
+    per destination, ascending) may be passed when the caller already has them.
+    """
+    from . import partition
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return table
+    if groups is None:
+        groups = partition.split_indices(ids, size)
+    groups = list(groups)
+    raw = _raw_columns(table)
+    meta = np.array([(g.size, raw is not None) for g in groups], dtype=np.int64)  # rows, can send raw
+    rmeta = np.empty_like(meta)
+    comm.Alltoall(meta, rmeta)
+    if raw is None or not rmeta[:, 1].all():  # some rank has nulls or a variable-width column
+        parts = [table.take(pa.array(g)) for g in groups]
+        del groups
+        return pa.concat_tables(alltoall_tables(comm, parts))
+    rows_in = rmeta[:, 0].copy()
+    rows_in[rank] = 0
+    rows_out = meta[:, 0].copy()
+    rows_out[rank] = 0
+    total = int(rmeta[:, 0].sum())
+    slot = int(rmeta[:rank, 0].sum())
+    arrays = []
+    for (values, w), field in zip(raw, table.schema):
+        shape = values.shape[1:]
+        out = np.empty((total,) + shape, dtype=values.dtype)
+        np.take(values, groups[rank], axis=0, out=out[slot : slot + groups[rank].size], mode="clip")
+        sendbuf = np.empty((int(rows_out.sum()),) + shape, dtype=values.dtype)
+        offset = 0
+        for j, g in enumerate(groups):
+            if j != rank:
+                np.take(values, g, axis=0, out=sendbuf[offset : offset + g.size], mode="clip")
+                offset += g.size
+        _exchange(comm, sendbuf.reshape(-1).view(np.uint8), rows_out * w, out.reshape(-1).view(np.uint8), rows_in * w,
+                  rdispl=_displs(rmeta[:, 0]) * w)
+        del sendbuf
+        arrays.append(pa.Array.from_buffers(field.type, total, [None, pa.py_buffer(out)]))
+    return pa.Table.from_arrays(arrays, schema=table.schema)
+
+
+def _exchange(comm: Any, sendbuf: np.ndarray, sendsizes: np.ndarray, recvbuf: np.ndarray, recvsizes: np.ndarray,
+              rdispl: np.ndarray | None = None) -> None:
+    sdispl = _displs(sendsizes)
+    rdispl = _displs(recvsizes) if rdispl is None else rdispl
+    if max(int(sendbuf.size), int(recvbuf.size)) < _MAX_CHUNK:
+        comm.Alltoallv([sendbuf, (sendsizes, sdispl), MPI.BYTE], [recvbuf, (recvsizes, rdispl), MPI.BYTE])
+    else:
+        _pairwise_exchange(comm, sendbuf, sendsizes, sdispl, recvbuf, recvsizes, rdispl)
 
 
 def allgather_table(comm: Any, table: pa.Table) -> list[pa.Table]:

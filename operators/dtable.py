@@ -120,8 +120,7 @@ class DTable:
         p = self._comm.Get_size()
         if p == 1:
             return table
-        parts = partition.hash_partition(table, keys, p)
-        return pa.concat_tables(tc.alltoall_tables(self._comm, parts))
+        return tc.shuffle(self._comm, table, partition.partition_ids(table, keys, p))
 
     def _bytes(self, table: pa.Table | None = None) -> tuple[int, int]:
         """(global bytes, max bytes on one rank)."""

