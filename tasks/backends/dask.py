@@ -73,6 +73,16 @@ OPTIONS = ("address", "communicator")
 COMMUNICATORS = ("auto", "mpi", "tcp")
 
 
+def check_options(pilot: Any) -> Mapping[str, Any]:
+    """``pilot.options.dask`` with its keys and its ``communicator`` checked (:class:`ConfigError`)."""
+    options = options_for(pilot, "dask", OPTIONS)
+    communicator = options.get("communicator", "auto")
+    if communicator not in COMMUNICATORS:
+        raise ConfigError(f"pilot {pilot.name!r}: options.dask.communicator is {communicator!r} "
+                          f"(allowed: {list(COMMUNICATORS)})")
+    return options
+
+
 @dataclass
 class _Launch:
     """A launched task: its Dask futures (one, or one per rank) and what they reported so far."""
@@ -124,7 +134,7 @@ class DaskBackend(Backend):
 
     def __init__(self, pilot: Any, run_dir: Path) -> None:
         super().__init__(pilot, run_dir)
-        self.options = options_for(pilot, "dask", OPTIONS)
+        self.options = check_options(pilot)
         self._client: Any = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self._workers: list[str] = []
@@ -135,9 +145,6 @@ class DaskBackend(Backend):
         self._cancel_dir = run_dir / "dask" / "cancel"
         self._comm_root = run_dir / "dask" / "comm"
         self.communicator = str(self.options.get("communicator", "auto"))
-        if self.communicator not in COMMUNICATORS:
-            raise ConfigError(f"pilot {pilot.name!r}: options.dask.communicator is {self.communicator!r} "
-                              f"(allowed: {list(COMMUNICATORS)})")
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
