@@ -192,9 +192,12 @@ def _mac(key: bytes, seq: int, header: bytes, payload: Any) -> bytes:
     return h.digest()
 
 
-def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> Any:
-    """``n`` bytes (``None`` on EOF before the first byte); socket timeouts retry until ``deadline``."""
-    buf = bytearray(n)
+def _read_exact(sock: socket.socket, n: int, deadline: float | None = None, raw: bool = False) -> Any:
+    """``n`` bytes (``None`` on EOF before the first byte); socket timeouts retry until ``deadline``.
+
+    ``raw``: into an uninitialised numpy byte array (bulk data: no zero-filling).
+    """
+    buf: Any = np.empty(n, dtype=np.uint8) if raw else bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -249,7 +252,7 @@ class _Peer:
             raise AuthenticationError(f"unknown frame kind {kind} from rank {self.rank}")
         if kind != _RAW and n > (1 << 40):
             raise AuthenticationError(f"implausible frame of {n} bytes from rank {self.rank}")
-        payload = _read_exact(self.sock, n, deadline) if n else bytearray()
+        payload = _read_exact(self.sock, n, deadline, raw=kind == _RAW) if n else bytearray()
         if payload is None:
             raise PeerLost(f"rank {self.rank} closed the connection in the middle of a frame")
         if kind != _RAW:
