@@ -58,6 +58,7 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
     table = dt.to_arrow()
     dt._check_columns([c for c, _ in aggs], "aggregate")
     schema = kernels.aggregate_schema(table.schema, keys, aggs)  # validates names and types
+    table = partition.canonical_floats(table, keys)  # -0.0 and 0.0 (and all NaNs) are one group
     comm = dt.comm
     p = comm.Get_size()
     needed = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import intkeys
+from .partition import canonical_floats
 from .errors import UnsupportedAggregationError
 from .typing import AGG_NAMES
 
@@ -382,7 +383,7 @@ def first_per_key(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     if table.num_rows == 0:
         return table
     pos = pa.array(np.arange(table.num_rows, dtype=np.int64))
-    sub = table.select(list(keys)).append_column("__pos", pos)
+    sub = canonical_floats(table.select(list(keys)), keys).append_column("__pos", pos)
     first = sub.group_by(list(keys), use_threads=False).aggregate([("__pos", "min")]).column("__pos_min")
     idx = np.sort(first.to_numpy())
     return table.take(pa.array(idx))
@@ -391,6 +392,7 @@ def first_per_key(table: pa.Table, keys: Sequence[str]) -> pa.Table:
 def set_operation(a: pa.Table, b: pa.Table, op: str) -> pa.Table:
     """``union`` (distinct), ``intersect`` or ``difference`` with SQL set semantics (nulls equal)."""
     names = a.schema.names
+    a, b = canonical_floats(a, names), canonical_floats(b, names)
     both = pa.concat_tables([
         a.append_column("__side", pa.array(np.zeros(a.num_rows, dtype=np.int8))),
         b.append_column("__side", pa.array(np.ones(b.num_rows, dtype=np.int8))),

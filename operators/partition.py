@@ -3,7 +3,7 @@
 The hash must be the same on every rank and in every process (never Python's
 salted ``hash()``): a single integer-like key column uses a SplitMix64 finaliser
 in numpy; any other key set uses polars' seeded ``hash_rows`` (stable within
-one polars version, which all ranks share).  ``string``/``large_string`` and
+one polars version, which all ranks share) after ``canonical_floats``.  ``string``/``large_string`` and
 ``binary``/``large_binary`` hash alike, so both sides of a join agree.
 """
 
@@ -48,6 +48,17 @@ def _as_int64_numpy(col: pa.ChunkedArray) -> np.ndarray:
     return np.asarray(arr.to_numpy(zero_copy_only=False))
 
 
+def canonical_floats(table: pa.Table, names: Sequence[str]) -> pa.Table:
+    """Floating-point ``names`` with -0.0 as 0.0 and every NaN as the one quiet NaN, so that
+    values SQL calls equal (DuckDB: -0.0 = 0.0, NaN = NaN) hash and group alike."""
+    for name in names:
+        col = table.column(name)
+        if pa.types.is_floating(col.type) and col.num_chunks:
+            fixed = pc.if_else(pc.is_nan(col), pa.scalar(float("nan"), col.type), pc.add(col, pa.scalar(0.0, col.type)))
+            table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), fixed)
+    return table
+
+
 def hash_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
     """A deterministic uint64 hash per row of the ``keys`` columns (nulls hash alike).
 
@@ -58,7 +69,7 @@ def hash_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
         return _fibonacci(_as_int64_numpy(table.column(keys[0])).astype(np.int64, copy=False))
     import polars as pl
 
-    sub = table.select(list(keys))
+    sub = canonical_floats(table.select(list(keys)), keys)
     sub = sub.rename_columns([f"c{i}" for i in range(len(keys))])
     df = pl.from_arrow(sub, rechunk=False)
     assert isinstance(df, pl.DataFrame)

@@ -50,6 +50,8 @@ def values(kind: pa.DataType, ints: np.ndarray) -> list[Any]:
         return [base + dt.timedelta(seconds=x, microseconds=x) for x in i]
     if pa.types.is_decimal(t):
         return [Decimal(x) / 4 for x in i]
+    if pa.types.is_duration(t):
+        return [dt.timedelta(seconds=x, microseconds=x) for x in i]
     raise AssertionError(f"no generator for {t}")
 
 
@@ -112,13 +114,16 @@ def rows(t: pa.Table) -> list[tuple[Any, ...]]:
 
 
 def _sort_key(row: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple((v is None, type(v).__name__, repr(v) if not isinstance(v, float) else f"{v:.6g}") for v in row)
+    # -0.0 formats as "-0", so it would sort apart from 0.0; add 0.0 to make them one value
+    return tuple((v is None, type(v).__name__, repr(v) if not isinstance(v, float) else f"{v + 0.0:.6g}") for v in row)
 
 
 def _same(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is None and b is None
     if isinstance(a, (float, Decimal)) or isinstance(b, (float, Decimal)):
+        if math.isnan(float(a)) or math.isnan(float(b)):  # SQL: NaN equals NaN
+            return math.isnan(float(a)) and math.isnan(float(b))
         return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
