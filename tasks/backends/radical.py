@@ -41,7 +41,7 @@ fresh ``mpiexec`` per stage.  Eligible are stages of the hetflow worker entry
 point without GPUs whose ranks are on one node; anything else runs as a normal
 RP task (logged once per stage).  See :mod:`hetflow.tasks.backends.raptor` for
 failure handling: a failing multi-rank stage, a timeout or a cancel replaces that
-node's pool.
+node's pool, and stages that only shared it run again in the new one.
 """
 
 from __future__ import annotations
@@ -207,6 +207,17 @@ def raptor_function(spec: LaunchSpec, uid: str, pool: "Pool", sandbox: Path) -> 
                                 spec.stdout, spec.stderr, sandbox)
 
 
+def _recorded_error(spec: LaunchSpec) -> bool:
+    """Whether a rank of ``spec``'s attempt recorded an error (the stage that brought its pool down)."""
+    for path in spec.cwd.glob("rank-*.json"):
+        try:
+            if json.loads(path.read_text()).get("status") == "error":
+                return True
+        except (OSError, ValueError):
+            return True  # unreadable: do not run it again blindly
+    return False
+
+
 def task_description(spec: LaunchSpec, pilot: PilotDescription, hosts: list[str], uid: str,
                      sandbox: Path) -> dict[str, Any]:
     """The RP ``TaskDescription`` fields for one launch (``slots`` unless RP places it).
@@ -264,6 +275,7 @@ class RadicalBackend(Backend):
         self._raptor = bool(self.options.get("raptor", False))
         self._pools: dict[int, Pool] = {}  # node -> its current Raptor pool
         self._in_pool: dict[str, Pool] = {}  # function task uid -> the pool it was sent to
+        self._specs: dict[str, tuple[LaunchSpec, bool]] = {}  # function task uid -> (launch, relaunched once)
         self._not_raptor: set[str] = set()  # stages already logged as running outside Raptor
         self._closing = False
 
@@ -428,31 +440,42 @@ class RadicalBackend(Backend):
 
         if self._tmgr is None:
             raise RuntimeError("radical backend not started; call start() first")
+        outcome: Future[TaskOutcome] = Future()
+        outcome.set_running_or_notify_cancel()
+        self._submit(spec, outcome, time.time(), spec.timeout)
+        return outcome
+
+    def _submit(self, spec: LaunchSpec, outcome: "Future[TaskOutcome]", started: float, timeout: float | None,
+                relaunched: bool = False) -> None:
+        """Submit ``spec`` as a new RP task (a Raptor function task if eligible) resolving ``outcome``."""
+        import radical.pilot as rp
+
+        tmgr = self._tmgr
+        if tmgr is None:
+            return
         with self._lock:
             self._count += 1
             uid = f"{safe_name(spec.task_id)}.{self._count:06d}"
-        outcome: Future[TaskOutcome] = Future()
-        outcome.set_running_or_notify_cancel()
         sandbox = private_dir(self._base / "tasks" / uid)
         pool = self._pool_for(spec)
         with self._lock:
+            pool = self._pools.get(pool.node) if pool is not None else None  # the current generation
             if pool is not None:
-                pool = self._pools[pool.node]  # the current generation
                 description = raptor_function(spec, uid, pool, sandbox)
                 pool.tasks.add(uid)
                 self._in_pool[uid] = pool
+                self._specs[uid] = (spec, relaunched)
             else:
                 description = task_description(spec, self.pilot, self.node_names(), uid, sandbox)
-            self._running[uid] = (spec.task_id, outcome, time.time())
+            self._running[uid] = (spec.task_id, outcome, started)
             self._uids[spec.task_id] = uid
-        self._tmgr.submit_tasks(rp.TaskDescription(description))
-        if spec.timeout is not None:
-            timer = threading.Timer(spec.timeout, self._time_out, args=(uid,))
+        tmgr.submit_tasks(rp.TaskDescription(description))
+        if timeout is not None:
+            timer = threading.Timer(timeout, self._time_out, args=(uid,))
             timer.daemon = True
             with self._lock:
                 self._timers[uid] = timer
             timer.start()
-        return outcome
 
     def _time_out(self, uid: str) -> None:
         with self._lock:
@@ -479,6 +502,7 @@ class RadicalBackend(Backend):
             return
         with self._lock:
             pool = self._in_pool.pop(task.uid, None)
+            self._specs.pop(task.uid, None)
             if pool is not None:
                 pool.tasks.discard(task.uid)
                 pool.worked = True
@@ -603,31 +627,53 @@ class RadicalBackend(Backend):
                 del self._pools[pool.node]
             else:
                 self._pools[pool.node] = replacement
-            victims = [(uid, self._running.pop(uid)) for uid in sorted(pool.tasks) if uid in self._running]
+            victims = [(uid, self._running.pop(uid), self._specs.pop(uid, None))
+                       for uid in sorted(pool.tasks) if uid in self._running]
             for uid in pool.tasks:
                 self._in_pool.pop(uid, None)
                 self._timed_out.discard(uid)
                 timer = self._timers.pop(uid, None)
                 if timer is not None:
                     timer.cancel()
-        log.warning("Raptor pool %s lost (%s): %d stage task(s) fail with it; %s", pool.master, reason,
-                    len(victims), f"starting {replacement.master}" if replacement is not None else
-                    f"{pool.bad_starts + 1} pools in a row failed: stages on node {pool.node} run as normal RP tasks")
-        for uid, (task_id, outcome, started) in victims:
+        again = []
+        for uid, (task_id, outcome, started), launch in victims:
+            if uid not in (timed_out, cancelled) and launch is not None and not launch[1] \
+                    and not _recorded_error(launch[0]):
+                again.append((launch[0], outcome, started))  # a bystander: it runs again in the new pool
+                continue
             detail = reason if uid in (timed_out, cancelled) else f"lost with Raptor pool {pool.master}: {reason}"
             outcome.set_result(TaskOutcome(task_id, 1, timed_out=uid == timed_out, cancelled=uid == cancelled,
                                            started=started, ended=time.time(),
                                            detail=f"timed out; {detail}" if uid == timed_out else detail))
-        threading.Thread(target=self._replace_pool, args=(pool, replacement), daemon=True,
+        log.warning("Raptor pool %s lost (%s): %d stage task(s) fail with it, %d bystander(s) run again; %s",
+                    pool.master, reason, len(victims) - len(again), len(again),
+                    f"starting {replacement.master}" if replacement is not None else
+                    f"{pool.bad_starts + 1} pools in a row failed: stages on node {pool.node} run as normal RP tasks")
+        threading.Thread(target=self._replace_pool, args=(pool, replacement, again), daemon=True,
                          name=f"hetflow-raptor-replace-{pool.master}").start()
 
-    def _replace_pool(self, old: "Pool", new: "Pool | None") -> None:
+    def _replace_pool(self, old: "Pool", new: "Pool | None",
+                      again: "list[tuple[LaunchSpec, Future[TaskOutcome], float]]") -> None:
         tmgr = self._tmgr
         if tmgr is None or self._closing:
+            for spec, outcome, started in again:
+                outcome.set_result(TaskOutcome(spec.task_id, None, cancelled=True, started=started,
+                                               ended=time.time(), detail="backend shut down"))
             return
         try:
             tmgr.cancel_tasks([old.master, old.worker] + sorted(old.tasks))
             if new is not None:
                 self._submit_pool(new)
+            for spec, outcome, started in again:
+                for stale in list(spec.cwd.glob("rank-*.json")) + list(spec.cwd.glob("rank-*.pid")):
+                    stale.unlink(missing_ok=True)
+                left = None if spec.timeout is None else max(1.0, spec.timeout - (time.time() - started))
+                self._submit(spec, outcome, started, left, relaunched=True)
         except Exception:  # noqa: BLE001 - a background thread; the next launch reports the missing pool
             log.exception("could not replace Raptor pool %s", old.master)
+        with self._lock:
+            tracked = {id(entry[1]) for entry in self._running.values()}
+        for spec, outcome, started in again:  # not resubmitted (shut down meanwhile, or an error above)
+            if id(outcome) not in tracked and not outcome.done():
+                outcome.set_result(TaskOutcome(spec.task_id, None, started=started, ended=time.time(),
+                                               detail=f"lost with Raptor pool {old.master}; not run again"))

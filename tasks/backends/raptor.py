@@ -24,10 +24,13 @@ collective that will never complete, so the failing rank records its error and
 calls ``Abort`` on the stage's communicator, which ends the whole MPI worker
 (MPICH aborts the job).  Killing a running function is likewise impossible
 inside a worker, so a timeout or a cancel of a running Raptor stage stops the
-pool too.  Either way the backend fails every stage that was in that node's pool
-(the failing stage keeps its recorded error class; the others are reported as
-lost with the pool), stops the master and starts a new master and worker for
-that node.
+pool too.  Either way the backend stops that node's master and worker and starts
+a new pair (after three generations in a row that die before running anything,
+the node's stages fall back to normal RP tasks).  The stage that brought the
+pool down fails with its recorded error class, as with ``mpiexec``; a stage
+that merely shared the pool (no rank recorded an error) runs once more in the
+new pool, so other stages see no difference either.  A timeout counts from the
+first launch.
 
 This module is imported by the client (descriptions, eligibility) and loaded by
 RP's ``radical-pilot-raptor-worker`` from its file path (``raptor_file``); RP's

@@ -58,6 +58,20 @@ def sleepy(ctx, rows):
     return {"never": rows}
 
 
+def fail_soon(ctx, rows):
+    import time
+
+    time.sleep(1)
+    return S.fail_on_rank_one(ctx, rows)
+
+
+def bystander(ctx, rows):
+    import time
+
+    time.sleep(5)
+    return {"kept": rows}
+
+
 def fail_on_rank_zero(ctx, rows):
     raise ValueError(f"boom on rank {ctx.rank} with {rows.num_rows} rows")
 
@@ -214,6 +228,29 @@ def test_failing_stage_gives_the_same_error_and_the_pool_carries_on(engine: Radi
     assert again.state == "DONE", [(s.name, s.state, s.error) for s in again.stages]
     records = _stage_dirs(tmp_path / "again", again.id, "sort3")
     assert {r["raptor"]["worker"] for r in records} == {engine._pools[0].worker}
+
+
+def test_a_bystander_of_a_lost_pool_runs_again_and_succeeds(engine: RadicalBackend, tmp_path: Path) -> None:
+    """A stage that shared the pool with a stage that aborted it is not failed: it runs again in the new pool."""
+
+    def pipeline(workdir: Path) -> hf.Pipeline:
+        pipe = hf.Pipeline("raptor-bystander", workdir=workdir)
+        pipe.stage(ranks=2, outputs=["rows"], params={"rows_per_rank": 40})(S.generate)
+        pipe.stage(name="fails", ranks=2, inputs=["rows"], outputs=["never"])(fail_soon)
+        pipe.stage(name="bystander", ranks=1, inputs=["rows"], outputs=["kept"])(bystander)
+        return pipe
+
+    reference = _run(pipeline(tmp_path / "local"), "local", None, tmp_path / "local")
+    before = engine._pools[0]
+    run = _run(pipeline(tmp_path / "raptor"), "radical", engine, tmp_path / "raptor")
+    assert {s.name: s.state for s in run.stages} == {s.name: s.state for s in reference.stages} \
+        == {"generate": "DONE", "fails": "FAILED", "bystander": "DONE"}
+    assert run.stage("fails").error == reference.stage("fails").error
+    assert _hash(run.dataset("kept").to_table()) == _hash(reference.dataset("kept").to_table())
+    after = engine._pools[0]
+    assert after.generation > before.generation
+    (record,) = _stage_dirs(tmp_path / "raptor", run.id, "bystander")
+    assert record["raptor"]["worker"] == after.worker  # it ran (again) in the replacement pool
 
 
 def test_timeout_replaces_the_pool_and_kills_the_stage(engine: RadicalBackend, tmp_path: Path) -> None:
