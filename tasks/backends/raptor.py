@@ -55,7 +55,6 @@ STAGE_FUNCTION = "hetflow_stage"
 PING_FUNCTION = "hetflow_ping"
 WORKER_MODULE = "hetflow.tasks.worker"
 
-_log = logging.getLogger(__name__)
 _WORKER: dict[str, str] = {}  # inside a Raptor worker: its RP uid (RP_TASK_ID names the task during a call)
 
 

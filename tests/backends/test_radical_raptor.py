@@ -6,7 +6,8 @@ module: starting one takes ~25 s.  Pipelines run on it through the public
 already started backend.  Every stage result is compared with the local
 backend's (content hashes), every rank record must show it ran inside the
 Raptor pool (not a fallback ``mpiexec``), and the module ends by shutting the
-backend down and checking by PID that nothing is left.
+backend down and checking by PID that nothing is left.  The Ctrl-C test needs a
+client it can interrupt, so it starts its own pilot in a subprocess.
 """
 
 from __future__ import annotations
