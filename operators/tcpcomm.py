@@ -73,6 +73,7 @@ _HEADER = struct.Struct("!BiiQ")  # kind, context, tag, payload bytes
 _OBJ, _RAW, _ABORT, _BYE, _HELLO = 1, 2, 3, 4, 5
 _MAC = 32
 _HELLO_LIMIT = 1 << 16
+_ABORT_GRACE = 0.5  # seconds a rank that lost a peer waits for an abort frame before it exits
 
 OnFailure = Literal["exit", "raise"]
 
@@ -336,7 +337,9 @@ class _Mesh:
                     self.cond.notify_all()
         except (OSError, ValueError) as exc:
             if not self.closing:
-                self._fail(f"connection to rank {peer.rank} failed: {exc}", 1, peer)
+                why = f"the connection to rank {peer.rank} failed: {exc}" if isinstance(exc, AuthenticationError) \
+                    else f"rank {peer.rank} went away ({exc})"
+                self._fail(why, 1, peer)
                 return
         with self.cond:
             if peer.state != "bye" and not self.closing:
@@ -347,6 +350,10 @@ class _Mesh:
     def _fail(self, why: str, code: int, peer: _Peer | None = None, hard: bool = False) -> None:
         """A peer aborted (``hard``) or was lost: exit now, or make every wait raise."""
         if self.on_failure == "exit" and (hard or not self.closing):
+            if not hard:
+                # A peer that got an Abort exits at once, and its connection may end before the
+                # aborting rank's own frame is read here: give that frame (and its code) a moment.
+                time.sleep(_ABORT_GRACE)
             os.write(2, f"hetflow tcpcomm: rank {self.rank}/{self.size}: {why}; exiting with {code}\n".encode())
             os._exit(code)
         with self.cond:
