@@ -18,13 +18,14 @@ fall back to the general kernels, which give the same rows.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 #: aggregations the sort-based group-by computes (on integer columns without nulls)
 SORTED_AGGS = frozenset({"count", "sum", "mean", "min", "max"})
+_BLOCK = 1 << 20
 
 
 def key_values(col: pa.ChunkedArray | pa.Array) -> np.ndarray | None:
@@ -45,34 +46,58 @@ def key_values(col: pa.ChunkedArray | pa.Array) -> np.ndarray | None:
     return np.asarray(storage.to_numpy(zero_copy_only=False))
 
 
-def packed_order(values: np.ndarray, descending: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
-    """(stable permutation, keys in that order) of integer ``values``, or ``None`` when the
-    key range and the row count do not fit in one 64-bit word together."""
+def packed_sort(values: np.ndarray, descending: bool = False) -> tuple[np.ndarray, int, int, int] | None:
+    """``(words, bits, lo, hi)``: the sorted packed words ``(key - lo) << bits | row`` (``hi - key``
+    when descending), or ``None`` when key range and row count do not fit one 64-bit word."""
     n = int(values.size)
-    if n == 0:
-        return np.empty(0, dtype=np.int64), values[:0]
-    lo, hi = int(values.min()), int(values.max())
+    lo, hi = (int(values.min()), int(values.max())) if n else (0, 0)
     bits = max(1, (n - 1).bit_length())
     if hi - lo >= 1 << (64 - bits):
         return None
-    if values.dtype.kind == "u" and values.dtype.itemsize == 8:
-        packed = values - np.uint64(lo)
-    else:
-        with np.errstate(over="ignore"):
-            packed = values.astype(np.int64).view(np.uint64) - np.uint64(lo & (2**64 - 1))
+    with np.errstate(over="ignore"):
+        packed = values.astype(np.uint64 if values.dtype.kind == "u" else np.int64).view(np.uint64)  # the one copy
+        packed -= np.uint64(lo & (2**64 - 1))
     if descending:
         np.subtract(np.uint64(hi - lo), packed, out=packed)
     packed <<= np.uint64(bits)
-    packed |= np.arange(n, dtype=np.uint64)
+    for start in range(0, n, _BLOCK):  # row numbers in blocks: no second n-sized temporary
+        stop = min(n, start + _BLOCK)
+        packed[start:stop] |= np.arange(start, stop, dtype=np.uint64)
     packed.sort()
-    order = (packed & np.uint64((1 << bits) - 1)).view(np.int64)
+    return packed, bits, lo, hi
+
+
+def _unpack_keys(packed: np.ndarray, bits: int, lo: int, hi: int, descending: bool, dtype: np.dtype) -> np.ndarray:
+    """The sorted keys, computed in place in ``packed`` (whose row numbers are lost)."""
     packed >>= np.uint64(bits)
     if descending:
         np.subtract(np.uint64(hi - lo), packed, out=packed)
     with np.errstate(over="ignore"):
         packed += np.uint64(lo & (2**64 - 1))
-    keys = packed.view(np.int64).astype(values.dtype, copy=False) if values.dtype.kind != "u" or values.dtype.itemsize != 8 else packed
-    return order, keys
+    if dtype.kind == "u" and dtype.itemsize == 8:
+        return packed
+    return packed.view(np.int64).astype(dtype, copy=False)
+
+
+def gather_sorted(values: np.ndarray, packed: np.ndarray, bits: int) -> np.ndarray:
+    """``values`` in the order of the sorted ``packed`` words, without an n-sized permutation array."""
+    out = np.empty_like(values)
+    mask = np.uint64((1 << bits) - 1)
+    for start in range(0, values.shape[0], _BLOCK):
+        stop = min(values.shape[0], start + _BLOCK)
+        np.take(values, (packed[start:stop] & mask).view(np.int64), axis=0, out=out[start:stop], mode="clip")
+    return out
+
+
+def packed_order(values: np.ndarray, descending: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """(stable permutation, keys in that order) of integer ``values``, or ``None`` when the
+    key range and the row count do not fit in one 64-bit word together."""
+    res = packed_sort(values, descending)
+    if res is None:
+        return None
+    packed, bits, lo, hi = res
+    order = (packed & np.uint64((1 << bits) - 1)).view(np.int64)
+    return order, _unpack_keys(packed, bits, lo, hi, descending, values.dtype)
 
 
 def _as_arrow(values: np.ndarray, t: pa.DataType) -> pa.Array:
@@ -80,20 +105,57 @@ def _as_arrow(values: np.ndarray, t: pa.DataType) -> pa.Array:
     return arr if arr.type == t else arr.view(t)
 
 
+def _fixed_values(col: pa.ChunkedArray) -> np.ndarray | None:
+    """Zero-copy numpy values of a one-chunk, null-free, byte-aligned fixed-width column."""
+    t = col.type
+    if col.null_count or col.num_chunks != 1 or isinstance(t, (pa.DictionaryType, pa.ExtensionType)) \
+            or t.num_fields or t.num_buffers != 2 or pa.types.is_boolean(t):
+        return None
+    try:
+        width = t.bit_width // 8
+    except ValueError:
+        return None
+    if width not in (1, 2, 4, 8):
+        return None
+    arr = col.chunk(0)
+    if len(arr) == 0:
+        return None
+    raw = np.frombuffer(arr.buffers()[1], dtype=np.uint8)[arr.offset * width : (arr.offset + len(arr)) * width]
+    return raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
+
+
 def sort_table(table: pa.Table, key: str, descending: bool) -> pa.Table | None:
-    """``table`` stably sorted by one integer-like key without nulls, or ``None``."""
+    """``table`` stably sorted by one integer-like key without nulls, or ``None``.
+
+    Fixed-width null-free columns are gathered block by block from the packed words; the
+    others with one Arrow ``take`` (then the permutation is materialised once)."""
     values = key_values(table.column(key))
     if values is None:
         return None
-    res = packed_order(values, descending)
+    res = packed_sort(values, descending)
     if res is None:
         return None
-    order, keys = res
-    rest = table.drop_columns([key])
-    out = rest.take(pa.array(order)) if rest.num_columns else pa.table({})
+    packed, bits, lo, hi = res
+    key_dtype = values.dtype
+    del values
+    columns: list[pa.Array | pa.ChunkedArray] = []
+    order: pa.Array | None = None
+    for name, col in zip(table.schema.names, table.columns):
+        if name == key:
+            columns.append(col)  # placeholder, filled below
+            continue
+        fixed = _fixed_values(col)
+        if fixed is not None:
+            columns.append(pa.Array.from_buffers(col.type, len(fixed), [None, pa.py_buffer(gather_sorted(fixed, packed, bits))]))
+        else:
+            if order is None:
+                order = pa.array((packed & np.uint64((1 << bits) - 1)).view(np.int64))
+            columns.append(col.take(order))
+    del order
+    keys = _unpack_keys(packed, bits, lo, hi, descending, key_dtype)
     i = table.schema.get_field_index(key)
-    return out.add_column(i, table.schema.field(key), _as_arrow(keys, table.schema.field(key).type)) if out.num_columns else \
-        pa.table([_as_arrow(keys, table.schema.field(key).type)], schema=pa.schema([table.schema.field(key)]))
+    columns[i] = _as_arrow(keys, table.schema.field(key).type)
+    return pa.Table.from_arrays(columns, schema=table.schema)
 
 
 def _int_values(col: pa.ChunkedArray) -> np.ndarray | None:
@@ -124,40 +186,76 @@ def group_aggregate(table: pa.Table, keys: Sequence[str], aggs: Sequence[tuple[s
     key_np = key_values(table.column(keys[0]))
     if key_np is None:
         return None
-    res = packed_order(key_np, False)
+    res = packed_sort(key_np, False)
     if res is None:
         return None
-    order, sorted_keys = res
-    del key_np
-    if n:
-        starts = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
-        starts = np.concatenate([np.zeros(1, dtype=starts.dtype), starts])
-    else:
-        starts = np.empty(0, dtype=np.int64)
-    sizes = np.diff(np.append(starts, n)).astype(np.int64)
-    largest = int(sizes.max()) if sizes.size else 0
+    packed, bits, lo, hi = res
+    key_dtype = key_np.dtype
+    del key_np, res
+    # memory: input + packed words + one gathered column + the run starts (+ sizes for count/mean);
+    # keys and sums are compacted in place into the buffers they are computed from
+    gathered = {col: gather_sorted(v, packed, bits) for col, v in cols.items()}
+    del cols
+    sorted_keys = _unpack_keys(packed, bits, lo, hi, False, np.dtype(np.int64))
+    first = np.empty(n, dtype=bool)
+    first[:1] = True
+    np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    del first
+    m = starts.size
+    key_col = _as_arrow(_compact(sorted_keys, starts, lambda block, s: block[s]).astype(key_dtype, copy=False),
+                        schema.field(0).type)
+    del sorted_keys, packed
+    largest = max((int(np.diff(starts[a : a + _BLOCK + 1]).max(initial=0)) for a in range(0, m, _BLOCK)), default=0)
+    if m:
+        largest = max(largest, n - int(starts[-1]))
     for col, agg in aggs:  # exact sums only: no group's sum may leave int64 (uint64)
-        v = cols.get(col)
+        v = gathered.get(col)
         if agg in ("sum", "mean") and v is not None and v.size:
             limit = 1 << (64 if v.dtype.kind == "u" else 63)
             if max(abs(int(v.min())), abs(int(v.max()))) * largest >= limit:
                 return None
-    # free each intermediate as soon as possible: the peak stays near input + 2 columns
-    out: list[pa.Array] = [_as_arrow(sorted_keys[starts], schema.field(0).type)]
-    del res, sorted_keys
-    gathered = {col: v[order] for col, v in cols.items()}
-    del order, cols
+    sizes = None
+    if any(agg in ("count", "mean") for _, agg in aggs):
+        sizes = np.empty(m, dtype=np.int64)
+        np.subtract(starts[1:], starts[:-1], out=sizes[:-1])
+        if m:
+            sizes[-1] = n - starts[-1]
+    last_use = {col: i for i, (col, agg) in enumerate(aggs) if agg != "count"}
+    out: list[pa.Array] = [key_col]
     for i, (col, agg) in enumerate(aggs):
         t = schema.field(i + 1).type
         if agg == "count":
+            assert sizes is not None
             out.append(pa.array(sizes, pa.int64()))
             continue
         v = gathered[col]
         if agg in ("sum", "mean"):
-            wide = v.astype(np.uint64 if v.dtype.kind == "u" else np.int64, copy=False)
-            s = np.add.reduceat(wide, starts) if n else wide[:0]
-            out.append(pa.array(s / sizes if agg == "mean" else s).cast(t))
+            v = v.astype(np.uint64 if v.dtype.kind == "u" else np.int64, copy=False)
+            ufunc = np.add
         else:
-            red = np.minimum if agg == "min" else np.maximum
-            out.append(pa.array(red.reduceat(v, starts) if n else v[:0]).cast(t))
+            ufunc = np.minimum if agg == "min" else np.maximum
+        if last_use[col] == i:  # in place: the column is not needed afterwards
+            red = _compact(v, starts, lambda block, s: ufunc.reduceat(block, s))
+            del gathered[col]
+        else:
+            red = ufunc.reduceat(v, starts) if n else v[:0]
+        if agg == "mean":
+            assert sizes is not None
+            red = red / sizes
+        out.append(pa.array(red).cast(t))
     return pa.table(out, schema=schema)
+
+
+def _compact(values: np.ndarray, starts: np.ndarray, reduce: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """``reduce`` over the runs that begin at ``starts``, written in place into ``values[:len(starts)]``.
+
+    Runs are handled in blocks; a block's result only overwrites positions before its own first
+    input row (``starts[i] >= i``), which earlier blocks have consumed already."""
+    m = starts.size
+    for a in range(0, m, _BLOCK):
+        b = min(m, a + _BLOCK)
+        lo = int(starts[a])
+        hi = int(starts[b]) if b < m else values.shape[0]
+        values[a:b] = reduce(values[lo:hi], starts[a:b] - lo)
+    return values[:m]

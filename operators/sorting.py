@@ -165,14 +165,14 @@ def sample_sort(comm: Any, table: pa.Table, by: Sequence[tuple[str, str]], nulls
         if tc.allreduce_sum(comm, 0 if keys is not None and table.column(name).null_count == 0 else 1) == 0:
             assert keys is not None
             return _partition_first_sort(comm, table, name, keys)
+    if p == 1:
+        return kernels.sort(table, by, nulls)
     if table.num_rows > 1:
         perm = kernels.sort_indices(table, by, nulls)
         local = table.take(pa.array(perm))
     else:
         perm = np.arange(table.num_rows, dtype=np.int64)
         local = table
-    if p == 1:
-        return local
     spl = splitters(comm, local, by, nulls, perm, p)
     if not spl:
         return local

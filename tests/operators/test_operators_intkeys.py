@@ -84,3 +84,20 @@ def test_group_by_needs_null_free_integer_values() -> None:
     t = pa.table({"k": [1, 2, 1], "v": pa.array([1, None, 3]), "f": [1.0, 2.0, 3.0]})
     for aggs in ([("v", "sum")], [("f", "sum")], [("v", "count")]):
         assert intkeys.group_aggregate(t, ["k"], aggs, kernels.aggregate_schema(t.schema, ["k"], aggs)) is None
+
+
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_blockwise_steps_match_one_block(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
+    """Gather, key compaction and in-place reductions run in blocks; small blocks must agree."""
+    rng = np.random.default_rng(block)
+    n = 1000
+    t = pa.table({"k": rng.integers(0, 300, n), "v": rng.integers(-50, 50, n), "w": rng.normal(size=n).astype(np.float32),
+                  "s": pa.array([str(i) for i in range(n)])})
+    aggs = [("v", "sum"), ("v", "min"), ("v", "count"), ("v", "mean"), ("v", "max")]
+    schema = kernels.aggregate_schema(t.schema, ["k"], aggs)
+    want_gb = intkeys.group_aggregate(t, ["k"], aggs, schema)
+    want_sort = intkeys.sort_table(t, "k", True)
+    monkeypatch.setattr(intkeys, "_BLOCK", block)
+    assert intkeys.group_aggregate(t, ["k"], aggs, schema).equals(want_gb)
+    got = intkeys.sort_table(t, "k", True)
+    assert got.equals(want_sort) and got.equals(t.take(pc.sort_indices(t, [("k", "descending")])))
