@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -23,8 +23,10 @@ from hetflow.tasks.pilot import PilotDescription, load_pilot  # noqa: E402
 
 from .errors import (ConfigError, HetflowError, MissingExtraError, PipelineError, RunLocked, TaskFailed,  # noqa: E402
                      UnknownRun, UnsatisfiableRequest)
-from .pipeline import Pipeline, RunOptions, open_dataset, run_options  # noqa: E402
-from .status import RunStatus, StageStatus, run_status  # noqa: E402
+
+if TYPE_CHECKING:  # the orchestrator, the store and SQLAlchemy load on first use (see __getattr__)
+    from .pipeline import Pipeline, RunOptions, open_dataset, run_options
+    from .status import RunStatus, StageStatus, run_status
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -36,9 +38,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ml":  # torch is heavy: import hetflow.ml only when asked for
-        import importlib
+# Heavy parts are imported on first use, so that a stage's worker process (which imports
+# hetflow.tasks.worker, and with it this package) does not pay for SQLAlchemy and the
+# orchestrator on every rank start.
+_LAZY = {"Pipeline": "pipeline", "RunOptions": "pipeline", "run_options": "pipeline", "open_dataset": "pipeline",
+         "RunStatus": "status", "StageStatus": "status", "run_status": "status"}
 
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "ml":  # torch is heavy: import hetflow.ml only when asked for
         return importlib.import_module("hetflow.ml")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"hetflow.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'hetflow' has no attribute {name!r}")

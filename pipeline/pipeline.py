@@ -10,7 +10,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from hetflow.operators.dataset import Dataset
 from hetflow.tasks.backends import get_backend
@@ -22,9 +22,9 @@ from hetflow.tasks.worker import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_name
 from .errors import PipelineError, UnknownRun
-from .orchestrator import Orchestrator, private_dir
-from .status import RunStatus, run_status
-from .store import Store
+
+if TYPE_CHECKING:
+    from .status import RunStatus
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -187,6 +187,10 @@ class Pipeline:
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
+        from .orchestrator import Orchestrator, private_dir  # heavy (SQLAlchemy): only where a run starts
+        from .status import run_status
+        from .store import Store
+
         options, made = _overrides[-1] if _overrides else (RunOptions(), [])
         chosen_pilot = options.pilot or pilot or self.pilot
         description = load_pilot(chosen_pilot).resolve()  # type: ignore[arg-type]
