@@ -85,7 +85,14 @@ def partition_ids(table: pa.Table, keys: Sequence[str], n: int) -> np.ndarray:
 def ids_from_hash(h: np.ndarray, n: int) -> np.ndarray:
     """Partition 0..n-1 from the high 32 bits of the hash (multiply-shift, no division)."""
     dtype = np.uint8 if n <= 256 else np.uint16 if n <= 65536 else np.uint32
-    return (((h >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32)).astype(dtype)
+    if n == 1:
+        return np.zeros(h.size, dtype=dtype)
+    if n & (n - 1) == 0:  # the same ids with one shift (n = 2^b: ((h >> 32) * n) >> 32 == h >> (64 - b))
+        return (h >> np.uint64(64 - (n.bit_length() - 1))).astype(dtype)
+    top = h >> np.uint64(32)
+    top *= np.uint64(n)
+    top >>= np.uint64(32)
+    return top.astype(dtype)
 
 
 def split_indices(ids: np.ndarray, n: int) -> list[np.ndarray]:

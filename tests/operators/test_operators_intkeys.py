@@ -101,3 +101,13 @@ def test_blockwise_steps_match_one_block(monkeypatch: pytest.MonkeyPatch, block:
     assert intkeys.group_aggregate(t, ["k"], aggs, schema).equals(want_gb)
     got = intkeys.sort_table(t, "k", True)
     assert got.equals(want_sort) and got.equals(t.take(pc.sort_indices(t, [("k", "descending")])))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 17, 256, 300, 70000])
+def test_partition_ids_shortcut_equals_multiply_shift(n: int) -> None:
+    from hetflow.operators.partition import ids_from_hash
+
+    h = np.random.default_rng(n).integers(0, 2**63, 5000, dtype=np.uint64) * np.uint64(2) + np.uint64(n % 2)
+    want = ((h >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32)
+    got = ids_from_hash(h, n)
+    assert np.array_equal(got.astype(np.uint64), want) and got.max(initial=0) < n
