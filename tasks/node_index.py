@@ -20,6 +20,10 @@ from typing import Iterator
 OPEN = 0
 RESERVED = 1
 INF = float("inf")
+TAKE_MEMO = 1 << 16  # remembered (free masks, request) -> choice entries before the memo restarts
+
+# what a take chose: ((core ids, GPU ids) per rank, taken core mask, taken GPU mask)
+Taken = tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], int, int]
 
 
 def _bits(mask: int) -> Iterator[int]:
@@ -77,6 +81,9 @@ class NodeIndex:
         self.guard = 0
         self.free_cores_total = nodes * self.max_cores
         self.free_gpus_total = nodes * gpus
+        # nodes whose free capacity grew, or that returned to OPEN, since the scheduler last looked
+        self.grown: dict[int, None] = {}
+        self._taken: dict[tuple[int, int, int, int, int], Taken] = {}
 
     # ------------------------------------------------------------- buckets
     def _unfile(self, node: int) -> None:
@@ -98,6 +105,8 @@ class NodeIndex:
             self._unfile(node)
             self.pool[node] = pool
             self._file(node)
+            if pool == OPEN:
+                self.grown[node] = None
 
     def near_of(self, gpu_mask: int) -> int:
         if self._near_of is not None:
@@ -192,16 +201,38 @@ class NodeIndex:
         return total
 
     # ------------------------------------------------------------ allocate
-    def take(self, node: int, ranks: int, cores: int, gpus: int,
-             memory: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Take ``ranks`` × (``cores`` cores, ``gpus`` GPUs) on ``node``: [(core ids, GPU ids)] per rank.
+    def take(self, node: int, ranks: int, cores: int, gpus: int, memory: int) -> Taken:
+        """Take ``ranks`` × (``cores`` cores, ``gpus`` GPUs) on ``node``.
 
-        GPU ranks get the free GPUs with the most free nearby cores and those
-        cores first; CPU ranks take cores away from free GPUs first, so a node
-        can keep feeding its GPUs while it runs CPU work.
+        Returns ``(ranks, taken core mask, taken GPU mask)`` where ``ranks`` is
+        ``[(core ids, GPU ids)]`` per rank.  GPU ranks get the free GPUs with
+        the most free nearby cores and those cores first; CPU ranks take cores
+        away from free GPUs first, so a node can keep feeding its GPUs while it
+        runs CPU work.  The choice depends only on the node's free masks and the
+        request (every node has the same topology), so it is memoised: a
+        many-rank task on whole nodes costs one dictionary look-up per node.
         """
-        self._unfile(node)
         cmask, gmask = self.cmask[node], self.gmask[node]
+        key = (cmask, gmask, ranks, cores, gpus)
+        taken = self._taken.get(key)
+        if taken is None:
+            if len(self._taken) >= TAKE_MEMO:
+                self._taken.clear()
+            taken = self._taken[key] = self._choose(cmask, gmask, ranks, cores, gpus)
+        self._unfile(node)
+        self.cmask[node] = cmask & ~taken[1]
+        self.gmask[node] = gmask & ~taken[2]
+        self.fc[node] -= ranks * cores
+        self.fg[node] -= ranks * gpus
+        self.free_cores_total -= ranks * cores
+        self.free_gpus_total -= ranks * gpus
+        if memory and self.mem is not None:
+            self.mem[node] -= ranks * memory
+        self._file(node)
+        return taken
+
+    def _choose(self, cmask: int, gmask: int, ranks: int, cores: int, gpus: int) -> Taken:
+        start_c, start_g = cmask, gmask
         out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         if not gpus:  # CPU ranks: pick all cores at once, then deal them out in order
             away = cmask & ~self.near_of(gmask)
@@ -236,15 +267,7 @@ class NodeIndex:
                     break
             cmask &= ~chosen_c
             out.append((tuple(_bits(chosen_c)), tuple(_bits(chosen_g))))
-        self.cmask[node], self.gmask[node] = cmask, gmask
-        self.fc[node] -= ranks * cores
-        self.fg[node] -= ranks * gpus
-        self.free_cores_total -= ranks * cores
-        self.free_gpus_total -= ranks * gpus
-        if memory and self.mem is not None:
-            self.mem[node] -= ranks * memory
-        self._file(node)
-        return out
+        return tuple(out), start_c & ~cmask, start_g & ~gmask
 
     def _spread(self, cmask: int, count: int, gmask: int) -> list[int]:
         """``count`` cores of ``cmask``, each from the free GPU whose nearby cores are most plentiful."""
@@ -284,3 +307,4 @@ class NodeIndex:
         if memory and self.mem is not None:
             self.mem[node] += memory
         self._file(node)
+        self.grown[node] = None

@@ -47,7 +47,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Union
+from typing import Iterable, Iterator, Literal, Union
 
 from .description import ResourceRequest
 from .errors import UnsatisfiableRequest
@@ -57,7 +57,7 @@ from .pilot import PilotDescription
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankSlot:
     """What one rank holds: a node index, core ids and GPU ids on that node."""
 
@@ -158,6 +158,11 @@ _Shape = tuple[int, int, int, int, int]
 # a queue: (group, rank class = bit length of ranks-1, cores_per_rank, gpus_per_rank, memory, per_node)
 _Key = tuple[str, int, int, int, int, int]
 _NO_CAP = 1 << 30
+# what a running task holds on one node: (node, ranks there, core mask, GPU mask)
+_Held = tuple[int, int, int, int]
+_REFRESH_NODES = 64     # more nodes freed than this since the last pass: start with a fresh memo
+_CACHE_RANKS = 8        # takes of at least this many ranks on a node keep their RankSlots for reuse
+_CACHE_SLOTS = 1 << 20  # ... up to this many RankSlots in all (then the cache restarts)
 
 
 @dataclass(eq=False)
@@ -168,6 +173,7 @@ class _Task:
     weight: float
     estimate: float  # seconds, INF when unknown
     slots: tuple[RankSlot, ...] = ()
+    alloc: tuple[_Held, ...] = ()  # per node while running, so release and reservations skip ranks
     end: float = INF  # estimated end while running
 
 
@@ -180,16 +186,49 @@ class _Queue:
 
 
 class _PassMemo:
-    """What one scheduling pass learnt cannot fit (resources only shrink during a pass)."""
+    """What the scheduler learnt cannot fit.
 
-    __slots__ = ("fails", "capacity")
+    Resources only shrink during a pass, so a verdict holds for the rest of
+    it.  Between passes the memo is carried over: :meth:`refresh` drops the
+    single-node verdicts that a node whose free capacity grew (or that
+    returned to the open pool) could now satisfy, and all capacity figures.
+    """
 
-    def __init__(self) -> None:
-        self.fails: list[tuple[bool, int, int, int]] = []   # no single node had this much
+    __slots__ = ("fails", "capacity", "version", "guard")
+
+    def __init__(self, guard: int = 0) -> None:
+        self.fails: dict[tuple[bool, int, int, int], None] = {}  # no single node had this much
         self.capacity: dict[tuple[bool, int, int, int], int] = {}  # ranks of a shape that fit at most
+        self.version = 0  # bumped by every new verdict
+        self.guard = guard
 
     def no_node(self, cores: int, gpus: int, memory: int, reserved_ok: bool) -> None:
-        self.fails.append((reserved_ok, cores, gpus, memory))
+        fail = (reserved_ok, cores, gpus, memory)
+        if fail not in self.fails:
+            self.fails[fail] = None
+            self.version += 1
+
+    def set_capacity(self, key: tuple[bool, int, int, int], ranks: int) -> None:
+        self.capacity[key] = ranks
+        self.version += 1
+
+    def refresh(self, index: NodeIndex, grown: Iterable[int]) -> None:
+        """Forget what the nodes in ``grown`` may now satisfy."""
+        self.capacity.clear()
+        fc, fg, pool, mem, guard = index.fc, index.fg, index.pool, index.mem, self.guard
+        kept: dict[tuple[bool, int, int, int], None] = {}
+        for fail in self.fails:
+            ok, cores, gpus, memory = fail
+            for node in grown:
+                if ((ok or pool[node] == OPEN) and fg[node] >= gpus
+                        and fc[node] - (0 if gpus else guard * fg[node]) >= cores
+                        and (not memory or mem is None or mem[node] >= memory)):
+                    break
+            else:
+                kept[fail] = None
+        if len(kept) != len(self.fails):
+            self.fails = kept
+            self.version += 1
 
     def blocked(self, shape: _Shape, reserved_ok: bool) -> bool:
         ranks, cores, gpus, memory, per_node = shape
@@ -251,6 +290,9 @@ class Scheduler:
         self._first_blocked: str | None = None  # highest-priority task the last pass could not place
         self.now = start_time
         self.placements = 0
+        self._memo = _PassMemo()
+        self._slot_cache: dict[tuple[int, ...], tuple[RankSlot, ...]] = {}
+        self._cached_slots = 0
         self.walk_limit = 256
         nodes = self.pilot.nodes
         self._node_tasks: list[dict[str, float]] = [{} for _ in range(nodes)]
@@ -380,21 +422,9 @@ class Scheduler:
         self._dirty = True
         if task.shape[2]:
             self._gpu_tasks -= 1
-        memory = task.shape[3]
-        per_node: dict[int, list[int]] = {}
-        for slot in task.slots:
-            held = per_node.get(slot.node)
-            if held is None:
-                held = per_node[slot.node] = [0, 0, 0, 0, 0]
-            for core in slot.cores:
-                held[0] |= 1 << core
-            for gpu in slot.gpus:
-                held[1] |= 1 << gpu
-            held[2] += len(slot.cores)
-            held[3] += len(slot.gpus)
-            held[4] += memory
-        for node, held in per_node.items():
-            self.index.give(node, held[0], held[1], held[2], held[3], held[4])
+        _, cores, gpus, memory, _ = task.shape
+        for node, ranks, cmask, gmask in task.alloc:  # whole-node bulk: one give per node
+            self.index.give(node, cmask, gmask, ranks * cores, ranks * gpus, ranks * memory)
             on_node = self._node_tasks[node]
             del on_node[tid]
             end = max(on_node.values(), default=self.now)
@@ -432,9 +462,14 @@ class Scheduler:
         first_blocked: _Task | None = None
         competing = self.fair_share and len(self._group_queued) > 1
         share = self._capacity / max(1, len(self._group_queued))
-        memo = _PassMemo()
+        memo = self._memo_for_pass()
+        checked = -1
         reserved = False
         while index.free_cores_total:
+            if memo.version != checked:  # something new is known not to fit: maybe nothing can now
+                checked = memo.version
+                if self._all_blocked(memo):
+                    break
             if not heads:
                 if not deferred:
                     break
@@ -484,8 +519,58 @@ class Scheduler:
             heapq.heappush(heads, entry)
         for entry in deferred:
             heapq.heappush(heads, entry)
+        if first_blocked is None and index.free_cores_total:  # stopped before meeting a blocked head
+            first_blocked = self._top()
         self._dirty = False
         self._first_blocked = None if first_blocked is None else first_blocked.event.task_id
+
+    def _memo_for_pass(self) -> _PassMemo:
+        """Last pass's verdicts minus what the nodes freed since then could satisfy."""
+        index = self.index
+        memo = self._memo
+        grown = index.grown
+        if memo.guard != index.guard or len(grown) > _REFRESH_NODES:
+            memo = self._memo = _PassMemo(index.guard)
+        elif grown:
+            memo.refresh(index, grown)
+        grown.clear()
+        return memo
+
+    def _all_blocked(self, memo: _PassMemo) -> bool:
+        """Whether no queued task can fit, even on held nodes, by the memo's verdicts.
+
+        Checked with the fewest ranks of each queue's rank class (fitting is
+        monotone in the rank count), so one look per waiting shape ends a pass
+        that would otherwise visit every blocked queue head.
+        """
+        if not memo.fails and not memo.capacity:
+            return False
+        for key in self._queues:
+            rank_class = key[1]
+            fewest = 1 if rank_class == 0 else (1 << (rank_class - 1)) + 1
+            if not memo.blocked((fewest,) + key[2:], True):  # type: ignore[arg-type]
+                return False
+        return True
+
+    def _top(self) -> _Task | None:
+        """The highest-priority queued task (queue heads only), fixing stale head entries."""
+        heads = self._heads
+        while heads:
+            _, seq, key = heads[0]
+            queue = self._queues.get(key)
+            if queue is None or queue.filed != seq:
+                heapq.heappop(heads)
+                continue
+            task = self._head(key)
+            if task is None:
+                heapq.heappop(heads)
+                continue
+            if task.seq != seq:
+                heapq.heapreplace(heads, (-task.event.priority, task.seq, key))
+                queue.filed = task.seq
+                continue
+            return task
+        return None
 
     def _try_newcomer(self, task: _Task, out: list[Instruction]) -> None:
         """Place a just-submitted task, as the pass would, without revisiting the blocked queues.
@@ -537,7 +622,7 @@ class Scheduler:
             self._unknown_end[tid] = None
         else:
             heapq.heappush(self._ends, (task.end, task.seq, tid))
-        for node in {slot.node for slot in slots}:
+        for node, _, _, _ in task.alloc:
             self._node_tasks[node][tid] = task.end
             if task.end > self._node_end[node]:
                 self._node_end[node] = task.end
@@ -577,7 +662,8 @@ class Scheduler:
         capacity_key = (reserved_ok, cores, gpus, per_node)
         capacity = memo.capacity.get(capacity_key)
         if capacity is None:
-            capacity = memo.capacity[capacity_key] = index.capacity(pools, cores, gpus, per_node)
+            capacity = index.capacity(pools, cores, gpus, per_node)
+            memo.set_capacity(capacity_key, capacity)
         if capacity < ranks:
             return None
         plan: list[tuple[int, int]] = []
@@ -632,9 +718,27 @@ class Scheduler:
     def _slots(self, plan: list[tuple[int, int]], task: _Task) -> tuple[RankSlot, ...]:
         _, cores, gpus, memory, _ = task.shape
         slots: list[RankSlot] = []
+        alloc: list[_Held] = []
+        index = self.index
+        cache = self._slot_cache
         for node, count in plan:
-            for core_ids, gpu_ids in self.index.take(node, count, cores, gpus, memory):
-                slots.append(RankSlot(node, core_ids, gpu_ids))
+            before = (node, index.cmask[node], index.gmask[node], count, cores, gpus)
+            ranks, cmask, gmask = index.take(node, count, cores, gpus, memory)
+            alloc.append((node, count, cmask, gmask))
+            if count < _CACHE_RANKS:
+                slots += [RankSlot(node, core_ids, gpu_ids) for core_ids, gpu_ids in ranks]
+                continue
+            # many ranks on one node (an MPI task's whole node): the same free masks give the same
+            # slots, so build them once per node and state
+            cached = cache.get(before)
+            if cached is None:
+                self._cached_slots += count
+                if self._cached_slots > _CACHE_SLOTS:
+                    cache.clear()
+                    self._cached_slots = count
+                cached = cache[before] = tuple(RankSlot(node, core_ids, gpu_ids) for core_ids, gpu_ids in ranks)
+            slots += cached
+        task.alloc = tuple(alloc)
         if self.reservation is not None and self.reservation.task_id == task.event.task_id:
             self._clear_reservation()
         return tuple(slots)
@@ -712,16 +816,17 @@ class Scheduler:
         for walked, running in enumerate(self._ends_in_order()):
             if walked >= self.walk_limit:
                 break
-            for slot in running.slots:
-                before = fit(slot.node)
-                add = extra.setdefault(slot.node, [0, 0, 0])
-                add[0] += len(slot.cores)
-                add[1] += len(slot.gpus)
-                add[2] += running.shape[3]
-                after = fit(slot.node)
+            _, run_cores, run_gpus, run_memory, _ = running.shape
+            for node, count, _, _ in running.alloc:  # per node, not per rank
+                before = fit(node)
+                add = extra.setdefault(node, [0, 0, 0])
+                add[0] += count * run_cores
+                add[1] += count * run_gpus
+                add[2] += count * run_memory
+                after = fit(node)
                 total += after - before
                 if single and after >= ranks:
-                    chosen = [slot.node]
+                    chosen = [node]
                     break
             if chosen or (not single and total >= ranks):
                 start = running.end
