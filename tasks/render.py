@@ -248,10 +248,9 @@ def _backend_problems(pilot: PilotDescription) -> list[str]:
             if expected and pilot.launcher != expected:
                 problems.append(f"launcher {pilot.launcher!r} with the {scheduler} scheduler (expected {expected!r})")
         elif pilot.backend == "dask":
-            from .backends.dask import OPTIONS
-            from .backends.ranks import options_for
+            from .backends.dask import check_options
 
-            options_for(pilot, "dask", OPTIONS)
+            check_options(pilot)
     except ConfigError as exc:
         problems.append(re.sub(r"^pilot '[^']*': ", "", str(exc)))
     except ImportError as exc:

@@ -141,6 +141,10 @@ def test_check_reports_config_mistakes() -> None:
     assert any("'ornl.fronteer' is not a RADICAL-Pilot resource" in p and "ornl.frontier" in p for p in check(rp))
     gpus = PilotDescription(name="g", backend="dask", cores_per_node=2, gpus_per_node=4, memory_per_node=1)
     assert any("4 GPUs per node but only 2 usable cores" in p for p in check(gpus))
+    dask = PilotDescription(name="d", backend="dask", cores_per_node=2, gpus_per_node=0, memory_per_node=1,
+                            options={"dask": {"communicator": "gloo"}})
+    assert any("options.dask.communicator is 'gloo'" in p and "'tcp'" in p for p in check(dask))
+    assert check(dataclasses.replace(dask, options={"dask": {"communicator": "tcp"}})) == []
 
 
 def test_registry_knows_every_backend_and_imports_lazily() -> None:
