@@ -81,8 +81,9 @@ class NodeIndex:
         self.guard = 0
         self.free_cores_total = nodes * self.max_cores
         self.free_gpus_total = nodes * gpus
-        # nodes whose free capacity grew, or that returned to OPEN, since the scheduler last looked
-        self.grown: dict[int, None] = {}
+        # nodes whose free capacity grew, or that returned to OPEN, since the scheduler last looked:
+        # node -> (free cores, free GPUs, pool) before the first such change
+        self.grown: dict[int, tuple[int, int, int]] = {}
         self._taken: dict[tuple[int, int, int, int, int], Taken] = {}
 
     # ------------------------------------------------------------- buckets
@@ -102,11 +103,11 @@ class NodeIndex:
 
     def set_pool(self, node: int, pool: int) -> None:
         if self.pool[node] != pool:
+            if pool == OPEN and node not in self.grown:
+                self.grown[node] = (self.fc[node], self.fg[node], self.pool[node])
             self._unfile(node)
             self.pool[node] = pool
             self._file(node)
-            if pool == OPEN:
-                self.grown[node] = None
 
     def near_of(self, gpu_mask: int) -> int:
         if self._near_of is not None:
@@ -297,6 +298,8 @@ class NodeIndex:
 
     def give(self, node: int, cores: int, gpus: int, core_count: int, gpu_count: int, memory: int) -> None:
         """Return cores and GPUs (bitmasks, with their counts) and memory to ``node``."""
+        if node not in self.grown:
+            self.grown[node] = (self.fc[node], self.fg[node], self.pool[node])
         self._unfile(node)
         self.cmask[node] |= cores
         self.gmask[node] |= gpus
@@ -307,4 +310,3 @@ class NodeIndex:
         if memory and self.mem is not None:
             self.mem[node] += memory
         self._file(node)
-        self.grown[node] = None

@@ -212,9 +212,22 @@ class _PassMemo:
         self.capacity[key] = ranks
         self.version += 1
 
-    def refresh(self, index: NodeIndex, grown: Iterable[int]) -> None:
-        """Forget what the nodes in ``grown`` may now satisfy."""
-        self.capacity.clear()
+    def refresh(self, index: NodeIndex, grown: dict[int, tuple[int, int, int]]) -> None:
+        """Forget what the nodes in ``grown`` may now satisfy.
+
+        Capacities stay upper bounds (a take only lowers the truth): each grown
+        node adds what it fits now minus what it fitted before it grew.
+        """
+        fits = index.ranks_fitting
+        for key in self.capacity:
+            ok, cores, gpus, per_node = key
+            delta = 0
+            for node, (fc, fg, pool) in grown.items():
+                if ok or index.pool[node] == OPEN:
+                    delta += fits(index.fc[node], index.fg[node], None, cores, gpus, 0, per_node)
+                if ok or pool == OPEN:
+                    delta -= fits(fc, fg, None, cores, gpus, 0, per_node)
+            self.capacity[key] += delta
         fc, fg, pool, mem, guard = index.fc, index.fg, index.pool, index.mem, self.guard
         kept: dict[tuple[bool, int, int, int], None] = {}
         for fail in self.fails:
@@ -226,9 +239,8 @@ class _PassMemo:
                     break
             else:
                 kept[fail] = None
-        if len(kept) != len(self.fails):
-            self.fails = kept
-            self.version += 1
+        self.fails = kept
+        self.version += 1
 
     def blocked(self, shape: _Shape, reserved_ok: bool) -> bool:
         ranks, cores, gpus, memory, per_node = shape
@@ -291,6 +303,7 @@ class Scheduler:
         self.now = start_time
         self.placements = 0
         self._memo = _PassMemo()
+        self._parked: dict[_Key, tuple[float, int, _Key]] = {}  # blocked queue heads, out of the heads heap
         self._slot_cache: dict[tuple[int, ...], tuple[RankSlot, ...]] = {}
         self._cached_slots = 0
         self.walk_limit = 256
@@ -457,18 +470,23 @@ class Scheduler:
         index = self.index
         index.guard = 1 if self.gpu_core_guard and self._gpu_tasks and index.max_gpus else 0
         heads = self._heads
+        parked = self._parked
         set_aside: list[tuple[float, int, _Key]] = []
         deferred: list[tuple[float, int, _Key]] = []
         first_blocked: _Task | None = None
         competing = self.fair_share and len(self._group_queued) > 1
         share = self._capacity / max(1, len(self._group_queued))
         memo = self._memo_for_pass()
+        self._unpark(memo)
+        # the parked head the pass would have met first (and failed): it outranks later heads
+        park_first = self._parked_first(share if competing else INF)
         checked = -1
+        aside: set[_Key] = set()  # queues whose head this pass already found blocked
         reserved = False
         while index.free_cores_total:
             if memo.version != checked:  # something new is known not to fit: maybe nothing can now
                 checked = memo.version
-                if self._all_blocked(memo):
+                if self._all_blocked(memo, aside):
                     break
             if not heads:
                 if not deferred:
@@ -477,6 +495,8 @@ class Scheduler:
                 heapq.heapify(heads)
                 deferred = []
                 competing = False
+                if first_blocked is None:
+                    park_first = self._parked_first(INF)
                 continue
             entry = heapq.heappop(heads)
             key = entry[2]
@@ -493,6 +513,8 @@ class Scheduler:
             if competing and self._group_usage.get(task.event.group, 0.0) >= share:
                 deferred.append(entry)
                 continue
+            if first_blocked is None and park_first is not None and park_first[0] < entry:
+                first_blocked = park_first[1]
             if memo.blocked(task.shape, True):
                 slots = None  # does not fit even on held nodes: no need for the reservation
             else:
@@ -504,10 +526,17 @@ class Scheduler:
                     reservation = self.reservation
                     ok = reservation is not None and self.now + task.estimate <= reservation.start
                 slots = None if memo.blocked(task.shape, ok) else self._place(task, ok, memo)
+                if slots is None and not ok:  # would it fit on held nodes?  If not, it can be parked
+                    self._learn(task, memo)
             if slots is None:
-                set_aside.append(entry)
+                aside.add(key)
+                checked = -1
                 if first_blocked is None:
                     first_blocked = task
+                if memo.blocked(task.shape, True) and not task.event.preferred_nodes:
+                    parked[key] = entry  # out of the heads until a freed node could fit it
+                else:
+                    set_aside.append(entry)
                 continue
             heapq.heappop(queue.heap)
             self._start(task, slots, out)
@@ -524,6 +553,51 @@ class Scheduler:
         self._dirty = False
         self._first_blocked = None if first_blocked is None else first_blocked.event.task_id
 
+    def _learn(self, task: _Task, memo: _PassMemo) -> None:
+        """Record in ``memo`` whether ``task`` fits even on held nodes (a cheap search, no placement)."""
+        ranks, cores, gpus, memory, per_node = task.shape
+        index = self.index
+        pools = (OPEN, RESERVED)
+        if ranks <= per_node or ranks == 1:
+            if index.best_node(ranks * cores, ranks * gpus, ranks * memory, pools, gpu_first=gpus > 0) is not None:
+                return
+            memo.no_node(ranks * cores, ranks * gpus, ranks * memory, True)
+            if ranks == 1:
+                return
+        key = (True, cores, gpus, per_node)
+        if memo.capacity.get(key, ranks) >= ranks:
+            memo.set_capacity(key, index.capacity(pools, cores, gpus, per_node))
+
+    def _unpark(self, memo: _PassMemo) -> None:
+        """Put back into the heads the parked queues whose head the memo no longer rules out."""
+        parked = self._parked
+        if not parked:
+            return
+        for key, entry in list(parked.items()):
+            queue = self._queues.get(key)
+            if queue is None or queue.filed != entry[1]:
+                del parked[key]  # superseded: the queue's current entry is in the heads
+                continue
+            task = self._head(key)
+            if task is None:
+                del parked[key]
+                continue
+            if task.seq != entry[1] or not memo.blocked(task.shape, True):
+                del parked[key]
+                heapq.heappush(self._heads, entry)  # the pass files the real head if it changed
+
+    def _parked_first(self, share: float) -> tuple[tuple[float, int, _Key], _Task] | None:
+        """The highest-priority parked head of a group within ``share`` (INF: any group)."""
+        best: tuple[tuple[float, int, _Key], _Task] | None = None
+        usage = self._group_usage
+        for key, entry in self._parked.items():
+            if best is not None and best[0] < entry:
+                continue
+            task = self._tasks.get(self._queues[key].heap[0][2])
+            if task is not None and (share == INF or usage.get(task.event.group, 0.0) < share):
+                best = (entry, task)
+        return best
+
     def _memo_for_pass(self) -> _PassMemo:
         """Last pass's verdicts minus what the nodes freed since then could satisfy."""
         index = self.index
@@ -536,16 +610,19 @@ class Scheduler:
         grown.clear()
         return memo
 
-    def _all_blocked(self, memo: _PassMemo) -> bool:
-        """Whether no queued task can fit, even on held nodes, by the memo's verdicts.
+    def _all_blocked(self, memo: _PassMemo, aside: set[_Key]) -> bool:
+        """Whether no queued task can fit: every queue's head was found blocked in this pass
+        (``aside``; resources only shrink during a pass) or cannot fit even on held nodes.
 
-        Checked with the fewest ranks of each queue's rank class (fitting is
-        monotone in the rank count), so one look per waiting shape ends a pass
-        that would otherwise visit every blocked queue head.
+        The memo is asked with the fewest ranks of each queue's rank class
+        (fitting is monotone in the rank count), so one look per waiting shape
+        ends a pass that would otherwise visit every blocked queue head.
         """
         if not memo.fails and not memo.capacity:
             return False
         for key in self._queues:
+            if key in aside or key in self._parked:
+                continue
             rank_class = key[1]
             fewest = 1 if rank_class == 0 else (1 << (rank_class - 1)) + 1
             if not memo.blocked((fewest,) + key[2:], True):  # type: ignore[arg-type]
@@ -553,9 +630,12 @@ class Scheduler:
         return True
 
     def _top(self) -> _Task | None:
-        """The highest-priority queued task (queue heads only), fixing stale head entries."""
+        """The highest-priority queued task (queue heads and parked heads), fixing stale head entries."""
         heads = self._heads
+        parked = self._parked_first(INF)
         while heads:
+            if parked is not None and parked[0] < heads[0]:
+                return parked[1]
             _, seq, key = heads[0]
             queue = self._queues.get(key)
             if queue is None or queue.filed != seq:
@@ -570,7 +650,7 @@ class Scheduler:
                 queue.filed = task.seq
                 continue
             return task
-        return None
+        return None if parked is None else parked[1]
 
     def _try_newcomer(self, task: _Task, out: list[Instruction]) -> None:
         """Place a just-submitted task, as the pass would, without revisiting the blocked queues.
@@ -661,7 +741,7 @@ class Scheduler:
                 return None
         capacity_key = (reserved_ok, cores, gpus, per_node)
         capacity = memo.capacity.get(capacity_key)
-        if capacity is None:
+        if capacity is None or capacity >= ranks:  # a carried figure is an upper bound: count it again
             capacity = index.capacity(pools, cores, gpus, per_node)
             memo.set_capacity(capacity_key, capacity)
         if capacity < ranks:
