@@ -294,7 +294,8 @@ class DTable:
         out = sorting.sample_sort(self._comm, self._table, by, nulls)
         est = hockney(self._comm).shuffle(p, self._bytes()[1]) + hockney(self._comm).allgather(p, 64.0 * sorting.SAMPLES_PER_RANK * p)
         return self._derive(out, Plan("sort_by", "sample sort (regular sampling, PSRS)" if p > 1 else "local sort", est,
-                                      detail="local kernel polars arg-sort + take"))
+                                      detail="local kernel numpy packed sort (one integer-like key without nulls) "
+                                             "or polars arg-sort + take"))
 
     def rolling(self, order_by: SortKey | Sequence[SortKey], window: int, aggs: Sequence[Aggregation]) -> "DTable":
         """Trailing windows of ``window`` rows over the global order; halo rows come from the preceding ranks."""

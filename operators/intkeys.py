@@ -230,11 +230,9 @@ def group_aggregate(table: pa.Table, keys: Sequence[str], aggs: Sequence[tuple[s
             out.append(pa.array(sizes, pa.int64()))
             continue
         v = gathered[col]
+        ufunc: np.ufunc = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}[agg]
         if agg in ("sum", "mean"):
             v = v.astype(np.uint64 if v.dtype.kind == "u" else np.int64, copy=False)
-            ufunc = np.add
-        else:
-            ufunc = np.minimum if agg == "min" else np.maximum
         if last_use[col] == i:  # in place: the column is not needed afterwards
             red = _compact(v, starts, lambda block, s: ufunc.reduceat(block, s))
             del gathered[col]

@@ -138,6 +138,7 @@ def _partition_first_sort(comm: Any, table: pa.Table, name: str, keys: np.ndarra
     m = order.size
     chosen = order[[min(m - 1, (j * m) // p) for j in range(1, p)]]
     spl_keys, spl_ties = s_keys[chosen], s_ties[chosen]
+    ids: np.ndarray
     if p <= 16:  # a few vectorised comparisons: 8 ms per splitter on 10M rows, searchsorted 130 ms
         ids = np.zeros(n, dtype=np.uint8)
         for value in spl_keys:
