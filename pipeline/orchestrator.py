@@ -24,7 +24,6 @@ import psutil
 from sqlalchemy import select
 
 from hetflow.operators import dataset as ds
-from hetflow.tasks.backends import get_backend
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TasksSubmitted,

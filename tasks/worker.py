@@ -183,60 +183,50 @@ def _communicator_kind() -> str:
     return kind
 
 
-def run(spec_path: str) -> int:
-    kind = _communicator_kind()
-    comm: Any = None
-    world: Any = None
-    if kind == "tcp":
-        import mpi4py
+def run_rank(spec: Mapping[str, Any], rank: int, size: int, get_comm: Callable[[], Any], *,
+             stream: Any = None, fold_cores: bool = True, extra: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
+    """Run rank ``rank`` of ``size`` of the stage in ``spec``; returns its record and its communicator.
 
-        # The ranks are not MPI processes: the operators may import mpi4py (for MPI.BYTE),
-        # but nothing may initialise MPI (a singleton MPI_Init can fail outside a launcher).
-        mpi4py.rc.initialize = mpi4py.rc.finalize = False
-        rank, size = int(os.environ["HETFLOW_COMM_RANK"]), int(os.environ["HETFLOW_COMM_SIZE"])
-    else:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD.Dup()
-        rank, size = comm.Get_rank(), comm.Get_size()
-
+    Every step a rank takes, for every way of starting one (``mpiexec``, the TCP
+    communicator of the Dask backend, a Raptor worker): pid file, pinning, inputs,
+    schema checks, the stage function, outputs, and the ``rank-<r>.json`` record,
+    which is written whatever happens.  ``get_comm`` is called inside the recorded
+    part (a failed rendezvous is recorded like any failure).  With ``fold_cores``
+    false, core ids this machine does not have leave the rank unpinned instead of
+    folding them onto real CPUs.  The caller aborts the other ranks on failure.
+    """
     from hetflow.operators import dataset as ds
     from hetflow.tasks.context import StageContext
 
-    spec = json.loads(Path(spec_path).read_text())
     stage = spec["stage"]
     attempt_dir = Path(spec["attempt_dir"])
     log = logging.getLogger(f"hetflow.stage.{stage}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s [{stage} rank {rank}/{size}] %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     record: dict[str, Any] = {"rank": rank, "size": size, "pid": os.getpid(), "host": socket.gethostname(),
-                              "started": time.time(), "status": "running", "outputs": {}}
-    result_path = attempt_dir / f"rank-{rank}.json"
+                              "started": time.time(), "status": "running", "outputs": {}, **(extra or {})}
     # who is who: lets the orchestrator name a rank killed by a signal, and reap orphans
-    pid_path = attempt_dir / f"rank-{rank}.pid"
-    fd = os.open(pid_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(attempt_dir / f"rank-{rank}.pid", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, f"{os.getpid()}\n".encode())
     os.close(fd)
+    comm: Any = None
     try:
-        if kind == "tcp":
-            from hetflow.operators import tcpcomm
-
-            world = tcpcomm.connect_from_env()
-            comm = world.Dup()
+        comm = get_comm()
         if size != len(spec["slots"]):
             raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec['slots'])} slots")
         slot = spec["slots"][rank]
-        record["cpus"] = _pin(slot["cores"], slot["gpus"], log)
+        if fold_cores or set(slot["cores"]) <= os.sched_getaffinity(0):
+            record["cpus"] = _pin(slot["cores"], slot["gpus"], log)
+        else:
+            log.info("pilot core ids %s are not all on this machine; rank left unpinned", slot["cores"])
+            record["cpus"] = _pin([], slot["gpus"], log)
         record["cores"], record["gpus"] = slot["cores"], slot["gpus"]
         record["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
-        try:
-            import pyarrow as pa
+        import pyarrow as pa
 
-            pa.set_cpu_count(max(1, len(record["cpus"])))
-        except ImportError:
-            pass
+        pa.set_cpu_count(max(1, len(record["cpus"])))
         func = _load_function(spec)
         named_inputs = [(name, path) for name, path in spec["inputs"]]  # declaration order
         inputs = [_open_input(path, rank, size, spec.get("verify", "checksum")) for _, path in named_inputs]
@@ -267,15 +257,47 @@ def run(spec_path: str) -> int:
         record["status"] = "error"
         record["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
         log.error("failed: %s: %s", type(exc).__name__, exc)
+    finally:
+        log.removeHandler(handler)
     record["ended"] = time.time()
-    ds.write_json_atomic(result_path, record)
+    ds.write_json_atomic(attempt_dir / f"rank-{rank}.json", record)
+    return record, comm
+
+
+def run(spec_path: str) -> int:
+    kind = _communicator_kind()
+    spec = json.loads(Path(spec_path).read_text())
+    world: list[Any] = []
+    if kind == "tcp":
+        import mpi4py
+
+        # The ranks are not MPI processes: the operators may import mpi4py (for MPI.BYTE),
+        # but nothing may initialise MPI (a singleton MPI_Init can fail outside a launcher).
+        mpi4py.rc.initialize = mpi4py.rc.finalize = False
+        rank, size = int(os.environ["HETFLOW_COMM_RANK"]), int(os.environ["HETFLOW_COMM_SIZE"])
+
+        def get_comm() -> Any:
+            from hetflow.operators import tcpcomm
+
+            world.append(tcpcomm.connect_from_env())
+            return world[0].Dup()
+    else:
+        from mpi4py import MPI
+
+        mpi_comm = MPI.COMM_WORLD.Dup()
+        rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+
+        def get_comm() -> Any:
+            return mpi_comm
+
+    record, comm = run_rank(spec, rank, size, get_comm)
     if record["status"] != "ok":
         sys.stderr.flush()
         if size > 1 and comm is not None:
             comm.Abort(1)  # end every rank now; nobody waits in a collective
         return 1
-    if world is not None:
-        world.Free()  # goodbye to every peer once they are done too (like MPI_Finalize)
+    if world:
+        world[0].Free()  # goodbye to every peer once they are done too (like MPI_Finalize)
     return 0
 
 

@@ -436,7 +436,6 @@ class RadicalBackend(Backend):
 
     # ------------------------------------------------------------------- tasks
     def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
-        import radical.pilot as rp
 
         if self._tmgr is None:
             raise RuntimeError("radical backend not started; call start() first")

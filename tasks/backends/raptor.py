@@ -41,12 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-import socket
 import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -215,79 +211,17 @@ def run_stage(spec_path: str, comm: Any, stdout: str = "", stderr: str = "") -> 
 def _run_rank(spec: dict[str, Any], comm: Any, err: Any) -> dict[str, Any]:
     from mpi4py import MPI
 
-    from hetflow.operators import dataset as ds
-    from hetflow.tasks import worker as w
-    from hetflow.tasks.context import StageContext
+    from hetflow.tasks.worker import run_rank
 
-    rank, size = comm.Get_rank(), comm.Get_size()
-    stage = spec["stage"]
-    attempt_dir = Path(spec["attempt_dir"])
-    log = logging.getLogger(f"hetflow.stage.{stage}")
-    handler = logging.StreamHandler(err)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [{stage} rank {rank}/{size}] %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    record: dict[str, Any] = {"rank": rank, "size": size, "pid": os.getpid(), "host": socket.gethostname(),
-                              "started": time.time(), "status": "running", "outputs": {},
-                              "raptor": {"worker": _WORKER.get("uid"),
-                                         "pool_rank": MPI.COMM_WORLD.Get_rank(),
-                                         "pool_size": MPI.COMM_WORLD.Get_size()}}
-    fd = os.open(attempt_dir / f"rank-{rank}.pid", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    os.close(fd)
-    try:
-        if size != len(spec["slots"]):
-            raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec['slots'])} slots")
-        slot = spec["slots"][rank]
-        if set(slot["cores"]) <= os.sched_getaffinity(0):
-            record["cpus"] = w._pin(slot["cores"], slot["gpus"], log)
-        else:
-            # A pilot that declares more cores than this machine has (a demo or test pilot):
-            # a fresh mpiexec folds the ids onto real CPUs, but two busy-polling ranks of a
-            # shared pool folded onto one CPU starve each other (a 3-rank sort on 2 CPUs took
-            # 50 s instead of 0.3 s), so here the rank is left unpinned.
-            log.info("pilot core ids %s are not all on this machine; rank left unpinned in the Raptor pool",
-                     slot["cores"])
-            record["cpus"] = w._pin([], slot["gpus"], log)
-        record["cores"], record["gpus"] = slot["cores"], slot["gpus"]
-        record["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
-        import pyarrow as pa
-
-        pa.set_cpu_count(max(1, len(record["cpus"])))
-        func = w._load_function(spec)
-        named_inputs = [(name, path) for name, path in spec["inputs"]]
-        inputs = [w._open_input(path, rank, size, spec.get("verify", "checksum")) for _, path in named_inputs]
-        declared = {name: ds.schema_from_text(text) for name, text in spec.get("schemas", {}).items()}
-        for (name, _), table in zip(named_inputs, inputs):
-            if name in declared:
-                w.check_schema(stage, "input", name, table.schema, declared[name])
-        ctx = StageContext(comm=comm, stage=stage, run_id=spec["run_id"], attempt=spec["attempt"],
-                           params=spec.get("params", {}), workdir=attempt_dir,
-                           checkpoint_dir=Path(spec["checkpoint_dir"]), cores=tuple(slot["cores"]),
-                           gpus=tuple(slot["gpus"]), node=spec["nodes"][slot["node"]], log=log)
-        outputs = list(spec["outputs"])
-        tables = w._check_result(stage, func(ctx, *inputs), outputs)
-        for name, value in tables.items():
-            if value is not None and name in declared:
-                w.check_schema(stage, "output", name, value.schema, declared[name])
-        if size > 1:
-            w._agree_on_schemas(comm, stage, tables)
-        for name, value in tables.items():
-            if value is None:
-                record["outputs"][name] = None
-                continue
-            info = ds.write_partition(spec["outputs"][name], rank, value if isinstance(value, pa.Table) else iter(value),
-                                      schema=value.schema, rank=rank)
-            record["outputs"][name] = {"partition": info.to_json(), "schema": ds.schema_to_text(value.schema)}
-        record["status"] = "ok"
-    except BaseException as exc:  # noqa: BLE001 - every failure must be recorded before the abort
-        record["status"] = "error"
-        record["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-        log.error("failed: %s: %s", type(exc).__name__, exc)
-    finally:
-        log.removeHandler(handler)
-    record["ended"] = time.time()
-    ds.write_json_atomic(attempt_dir / f"rank-{rank}.json", record)
+    # A pilot that declares more cores than this machine has (a demo or test pilot): a fresh
+    # mpiexec folds the ids onto real CPUs, but two busy-polling ranks of a shared pool folded
+    # onto one CPU starve each other (a 3-rank sort on 2 CPUs took 50 s instead of 0.3 s), so
+    # here such a rank is left unpinned.
+    extra = {"raptor": {"worker": _WORKER.get("uid"), "pool_rank": MPI.COMM_WORLD.Get_rank(),
+                        "pool_size": MPI.COMM_WORLD.Get_size()}}
+    record: dict[str, Any]
+    record, _ = run_rank(spec, comm.Get_rank(), comm.Get_size(), lambda: comm, stream=err, fold_cores=False,
+                         extra=extra)
     return record
 
 
