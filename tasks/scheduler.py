@@ -202,15 +202,36 @@ class _PassMemo:
         self.version = 0  # bumped by every new verdict
         self.guard = guard
 
+    def reset(self, guard: int) -> None:
+        self.fails = {}
+        self.capacity = {}
+        self.guard = guard
+        self.version += 1
+
     def no_node(self, cores: int, gpus: int, memory: int, reserved_ok: bool) -> None:
         fail = (reserved_ok, cores, gpus, memory)
         if fail not in self.fails:
             self.fails[fail] = None
             self.version += 1
 
-    def set_capacity(self, key: tuple[bool, int, int, int], ranks: int) -> None:
-        self.capacity[key] = ranks
+    def set_capacity(self, key: tuple[bool, int, int, int], ranks: int, index: NodeIndex) -> None:
+        """Remember ``ranks`` (counted now) for ``key``, less what the next :meth:`refresh` will add
+        for nodes that grew since the last one (they are already counted)."""
+        self.capacity[key] = ranks - self._grown_delta(key, index, index.grown)
         self.version += 1
+
+    @staticmethod
+    def _grown_delta(key: tuple[bool, int, int, int], index: NodeIndex,
+                     grown: dict[int, tuple[int, int, int]]) -> int:
+        ok, cores, gpus, per_node = key
+        fits = index.ranks_fitting
+        delta = 0
+        for node, (fc, fg, pool) in grown.items():
+            if ok or index.pool[node] == OPEN:
+                delta += fits(index.fc[node], index.fg[node], None, cores, gpus, 0, per_node)
+            if ok or pool == OPEN:
+                delta -= fits(fc, fg, None, cores, gpus, 0, per_node)
+        return delta
 
     def refresh(self, index: NodeIndex, grown: dict[int, tuple[int, int, int]]) -> None:
         """Forget what the nodes in ``grown`` may now satisfy.
@@ -218,16 +239,8 @@ class _PassMemo:
         Capacities stay upper bounds (a take only lowers the truth): each grown
         node adds what it fits now minus what it fitted before it grew.
         """
-        fits = index.ranks_fitting
         for key in self.capacity:
-            ok, cores, gpus, per_node = key
-            delta = 0
-            for node, (fc, fg, pool) in grown.items():
-                if ok or index.pool[node] == OPEN:
-                    delta += fits(index.fc[node], index.fg[node], None, cores, gpus, 0, per_node)
-                if ok or pool == OPEN:
-                    delta -= fits(fc, fg, None, cores, gpus, 0, per_node)
-            self.capacity[key] += delta
+            self.capacity[key] += self._grown_delta(key, index, grown)
         fc, fg, pool, mem, guard = index.fc, index.fg, index.pool, index.mem, self.guard
         kept: dict[tuple[bool, int, int, int], None] = {}
         for fail in self.fails:
@@ -484,6 +497,8 @@ class Scheduler:
         aside: set[_Key] = set()  # queues whose head this pass already found blocked
         reserved = False
         while index.free_cores_total:
+            if index.grown:  # a placed holder freed its held nodes
+                self._catch_up()
             if memo.version != checked:  # something new is known not to fit: maybe nothing can now
                 checked = memo.version
                 if self._all_blocked(memo, aside):
@@ -515,6 +530,7 @@ class Scheduler:
                 continue
             if first_blocked is None and park_first is not None and park_first[0] < entry:
                 first_blocked = park_first[1]
+            held = self.reservation
             if memo.blocked(task.shape, True):
                 slots = None  # does not fit even on held nodes: no need for the reservation
             else:
@@ -523,8 +539,10 @@ class Scheduler:
                     if not reserved:  # computed only once a backfill is actually tried
                         self._reserve_for(first_blocked)
                         reserved = True
+                        self._catch_up()  # nodes left the old reservation: open-pool verdicts change
                     reservation = self.reservation
-                    ok = reservation is not None and self.now + task.estimate <= reservation.start
+                    ok = reservation is not None and (self.now + task.estimate <= reservation.start
+                                                      or reservation.task_id == task.event.task_id)
                 slots = None if memo.blocked(task.shape, ok) else self._place(task, ok, memo)
                 if slots is None and not ok:  # would it fit on held nodes?  If not, it can be parked
                     self._learn(task, memo)
@@ -544,6 +562,16 @@ class Scheduler:
             if nxt is not None:
                 heapq.heappush(heads, (-nxt.event.priority, nxt.seq, key))
                 queue.filed = nxt.seq
+            if held is not None and self.reservation is None:
+                # the holder started and let go of its held nodes: the heads set aside while they
+                # were held get another look, and the next blocked head its own reservation
+                for entry in set_aside:
+                    heapq.heappush(heads, entry)
+                set_aside = []
+                aside.clear()
+                first_blocked = None
+                reserved = False
+                checked = -1
         for entry in set_aside:
             heapq.heappush(heads, entry)
         for entry in deferred:
@@ -566,7 +594,7 @@ class Scheduler:
                 return
         key = (True, cores, gpus, per_node)
         if memo.capacity.get(key, ranks) >= ranks:
-            memo.set_capacity(key, index.capacity(pools, cores, gpus, per_node))
+            memo.set_capacity(key, index.capacity(pools, cores, gpus, per_node), index)
 
     def _unpark(self, memo: _PassMemo) -> None:
         """Put back into the heads the parked queues whose head the memo no longer rules out."""
@@ -598,17 +626,19 @@ class Scheduler:
                 best = (entry, task)
         return best
 
+    def _catch_up(self) -> None:
+        """Bring the carried memo up to date with the nodes that grew (or reopened) since it was."""
+        grown = self.index.grown
+        if len(grown) > _REFRESH_NODES or self._memo.guard != self.index.guard:
+            self._memo.reset(self.index.guard)
+        elif grown:
+            self._memo.refresh(self.index, grown)
+        grown.clear()
+
     def _memo_for_pass(self) -> _PassMemo:
         """Last pass's verdicts minus what the nodes freed since then could satisfy."""
-        index = self.index
-        memo = self._memo
-        grown = index.grown
-        if memo.guard != index.guard or len(grown) > _REFRESH_NODES:
-            memo = self._memo = _PassMemo(index.guard)
-        elif grown:
-            memo.refresh(index, grown)
-        grown.clear()
-        return memo
+        self._catch_up()
+        return self._memo
 
     def _all_blocked(self, memo: _PassMemo, aside: set[_Key]) -> bool:
         """Whether no queued task can fit: every queue's head was found blocked in this pass
@@ -661,6 +691,7 @@ class Scheduler:
         outranks it.
         """
         self._expire(out)
+        self._catch_up()  # so a capacity counted below is not lowered for growth it already saw
         if not self.index.free_cores_total or task.event.task_id not in self._tasks:
             return
         guard = 1 if self.gpu_core_guard and self._gpu_tasks and self.index.max_gpus else 0
@@ -743,7 +774,7 @@ class Scheduler:
         capacity = memo.capacity.get(capacity_key)
         if capacity is None or capacity >= ranks:  # a carried figure is an upper bound: count it again
             capacity = index.capacity(pools, cores, gpus, per_node)
-            memo.set_capacity(capacity_key, capacity)
+            memo.set_capacity(capacity_key, capacity, index)
         if capacity < ranks:
             return None
         plan: list[tuple[int, int]] = []
