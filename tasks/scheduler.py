@@ -40,6 +40,14 @@ Cost: tasks with the same request shape and group share a queue; a pass looks
 at the head of each queue only, and a node search is a few big-int operations
 on the free-capacity buckets of :class:`~hetflow.tasks.node_index.NodeIndex`,
 so a decision does not grow with the node count for single-node requests.
+What a pass learns cannot fit is carried to the next pass and dropped only
+for nodes whose free capacity grew (or that left the reservation); a queue
+head that cannot fit even on held nodes is *parked* out of the pass until a
+freed node could let it fit, and a pass stops once no waiting shape can fit.
+A running task remembers what it holds per node (core and GPU masks), so
+release and the reservation walk cost one step per node, not per rank, and
+a many-rank take on a node is a memoised look-up (same free masks, same
+choice).
 """
 
 from __future__ import annotations
@@ -194,12 +202,13 @@ class _PassMemo:
     returned to the open pool) could now satisfy, and all capacity figures.
     """
 
-    __slots__ = ("fails", "capacity", "version", "guard")
+    __slots__ = ("fails", "capacity", "version", "dropped", "guard")
 
     def __init__(self, guard: int = 0) -> None:
         self.fails: dict[tuple[bool, int, int, int], None] = {}  # no single node had this much
         self.capacity: dict[tuple[bool, int, int, int], int] = {}  # ranks of a shape that fit at most
         self.version = 0  # bumped by every new verdict
+        self.dropped = 0  # bumped whenever a verdict may have been weakened (parked heads need a look)
         self.guard = guard
 
     def reset(self, guard: int) -> None:
@@ -207,6 +216,7 @@ class _PassMemo:
         self.capacity = {}
         self.guard = guard
         self.version += 1
+        self.dropped += 1
 
     def no_node(self, cores: int, gpus: int, memory: int, reserved_ok: bool) -> None:
         fail = (reserved_ok, cores, gpus, memory)
@@ -240,7 +250,10 @@ class _PassMemo:
         node adds what it fits now minus what it fitted before it grew.
         """
         for key in self.capacity:
-            self.capacity[key] += self._grown_delta(key, index, grown)
+            delta = self._grown_delta(key, index, grown)
+            if delta:
+                self.capacity[key] += delta
+                self.dropped += 1
         fc, fg, pool, mem, guard = index.fc, index.fg, index.pool, index.mem, self.guard
         kept: dict[tuple[bool, int, int, int], None] = {}
         for fail in self.fails:
@@ -252,6 +265,8 @@ class _PassMemo:
                     break
             else:
                 kept[fail] = None
+        if len(kept) != len(self.fails):
+            self.dropped += 1
         self.fails = kept
         self.version += 1
 
@@ -317,6 +332,8 @@ class Scheduler:
         self.placements = 0
         self._memo = _PassMemo()
         self._parked: dict[_Key, tuple[float, int, _Key]] = {}  # blocked queue heads, out of the heads heap
+        self._parked_seen = -1      # memo.dropped at the last look at the parked heads
+        self._parked_stale = False  # a queued task was cancelled or expired (maybe a parked head)
         self._slot_cache: dict[tuple[int, ...], tuple[RankSlot, ...]] = {}
         self._cached_slots = 0
         self.walk_limit = 256
@@ -344,7 +361,8 @@ class Scheduler:
         elif isinstance(event, Tick):
             self._dirty = True
         elif isinstance(event, TaskCancelled):
-            self._dequeue(event.task_id)
+            if self._dequeue(event.task_id) is not None:
+                self._parked_stale = True
             self._release(event.task_id)
             self._dirty = True
         self._schedule(out)
@@ -453,6 +471,8 @@ class Scheduler:
             self.index.give(node, cmask, gmask, ranks * cores, ranks * gpus, ranks * memory)
             on_node = self._node_tasks[node]
             del on_node[tid]
+            if on_node and task.end < self._node_end[node]:
+                continue  # another task on the node ends last: nothing changes
             end = max(on_node.values(), default=self.now)
             if end != self._node_end[node]:
                 self._node_end[node] = end
@@ -599,8 +619,10 @@ class Scheduler:
     def _unpark(self, memo: _PassMemo) -> None:
         """Put back into the heads the parked queues whose head the memo no longer rules out."""
         parked = self._parked
-        if not parked:
-            return
+        if not parked or (memo.dropped == self._parked_seen and not self._parked_stale):
+            return  # no verdict weakened and no parked head left its queue since the last look
+        self._parked_seen = memo.dropped
+        self._parked_stale = False
         for key, entry in list(parked.items()):
             queue = self._queues.get(key)
             if queue is None or queue.filed != entry[1]:
@@ -621,8 +643,9 @@ class Scheduler:
         for key, entry in self._parked.items():
             if best is not None and best[0] < entry:
                 continue
-            task = self._tasks.get(self._queues[key].heap[0][2])
-            if task is not None and (share == INF or usage.get(task.event.group, 0.0) < share):
+            queue = self._queues.get(key)
+            task = self._tasks.get(queue.heap[0][2]) if queue is not None and queue.heap else None
+            if task is not None and task.seq == entry[1] and (share == INF or usage.get(task.event.group, 0.0) < share):
                 best = (entry, task)
         return best
 
@@ -655,7 +678,7 @@ class Scheduler:
                 continue
             rank_class = key[1]
             fewest = 1 if rank_class == 0 else (1 << (rank_class - 1)) + 1
-            if not memo.blocked((fewest,) + key[2:], True):  # type: ignore[arg-type]
+            if not memo.blocked((fewest,) + key[2:], True):
                 return False
         return True
 
@@ -750,6 +773,7 @@ class Scheduler:
             task = self._tasks.get(tid)
             if task is not None and task.seq == seq:
                 self._dequeue(tid)
+                self._parked_stale = True
                 out.append(self._walltime_reject(tid, task.estimate))
 
     # ------------------------------------------------------------- placement
@@ -833,7 +857,8 @@ class Scheduler:
         index = self.index
         cache = self._slot_cache
         for node, count in plan:
-            before = (node, index.cmask[node], index.gmask[node], count, cores, gpus)
+            whole = not gpus and count * cores == index.fc[node]  # every free core: the GPU mask does not matter
+            before = (node, index.cmask[node], -1 if whole else index.gmask[node], count, cores, gpus)
             ranks, cmask, gmask = index.take(node, count, cores, gpus, memory)
             alloc.append((node, count, cmask, gmask))
             if count < _CACHE_RANKS:
@@ -929,7 +954,7 @@ class Scheduler:
                 break
             _, run_cores, run_gpus, run_memory, _ = running.shape
             for node, count, _, _ in running.alloc:  # per node, not per rank
-                before = fit(node)
+                before = 0 if single else fit(node)
                 add = extra.setdefault(node, [0, 0, 0])
                 add[0] += count * run_cores
                 add[1] += count * run_gpus

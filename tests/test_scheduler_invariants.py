@@ -84,7 +84,7 @@ class Shadow:
         self.cores = [set(usable) for _ in range(self.pilot.nodes)]
         self.gpus = [set(range(gpus)) for _ in range(self.pilot.nodes)]
         self.memory = [self.pilot.memory_per_node or 0 for _ in range(self.pilot.nodes)]
-        self.held: dict[str, list] = {}
+        self.held: dict[str, tuple[list[tuple[int, tuple[int, ...], tuple[int, ...]]], ResourceRequest]] = {}
 
     def near_of(self, gpus: set[int] | tuple[int, ...]) -> set[int]:
         out: set[int] = set()
@@ -122,11 +122,10 @@ class Shadow:
             if request.memory_per_rank and self.pilot.memory_per_node:
                 self.memory[node] -= len(node_slots) * request.memory_per_rank
                 assert self.memory[node] >= 0
-        self.held[ins.task_id] = [(s.node, s.cores, s.gpus) for s in slots]
-        self.held[ins.task_id].append(request)  # type: ignore[arg-type]
+        self.held[ins.task_id] = ([(s.node, s.cores, s.gpus) for s in slots], request)
 
     def finish(self, tid: str) -> None:
-        *slots, request = self.held.pop(tid)
+        slots, request = self.held.pop(tid)
         for node, cores, gpus in slots:
             assert not set(cores) & self.cores[node] and not set(gpus) & self.gpus[node]
             self.cores[node] |= set(cores)
