@@ -265,11 +265,7 @@ class DaskBackend(Backend):
             raise RuntimeError("dask backend not started; call start() first")
         cancel_file = self._cancel_dir / safe_name(spec.task_id)
         cancel_file.unlink(missing_ok=True)
-        run = RankRun(task_id=spec.task_id, command=tuple(spec.argv), slots=spec.slots,
-                      launcher=self.pilot.launcher, cwd=str(spec.cwd), cancel_file=str(cancel_file),
-                      env=dict(spec.env), timeout=spec.timeout,
-                      stdout=None if spec.stdout is None else str(spec.stdout),
-                      stderr=None if spec.stderr is None else str(spec.stderr))
+        run = RankRun.of(spec, self.pilot.launcher, cancel_file)
         outcome: Future[TaskOutcome] = Future()
         outcome.set_running_or_notify_cancel()
         launch = _Launch(spec.task_id, [], outcome, cancel_file)

@@ -133,6 +133,9 @@ def _run_in_parsl(run: RankRun, parsl_resource_specification: Mapping[str, Any] 
     return run_ranks(dataclasses.replace(run, slots=slots), hosts=nodes[: len(order)])
 
 
+CLEANUP_TIMEOUT = 60.0
+
+
 class ParslBackend(Backend):
     """Launch tasks as Parsl MPI apps in one block that spans the pilot."""
 
@@ -146,6 +149,7 @@ class ParslBackend(Backend):
         self._lock = threading.Lock()
         self._running: dict[str, tuple[Future[TaskOutcome], Path]] = {}
         self._pids: set[int] = set()
+        self._foreign: set[int] = set()
         self._base = run_dir / "parsl"
         self._cancel_dir = self._base / "cancel"
 
@@ -161,6 +165,11 @@ class ParslBackend(Backend):
             log.info("putting %s first on PATH so Parsl finds its worker pool", venv_bin)
             os.environ["PATH"] = os.pathsep.join([venv_bin, os.environ.get("PATH", "")])
         atexit.register(self._at_exit)
+        import psutil
+
+        # Parsl processes that already exist belong to another backend in this process
+        # (e.g. a second pilot): never claim, let alone kill, those.
+        self._foreign = {p.pid for p in psutil.Process().children(recursive=True)}
         self._dfk = DataFlowKernel(parsl_config(self.pilot, self.run_dir))
         self._app = python_app(_run_in_parsl, data_flow_kernel=self._dfk, executors=[LABEL])
         self._remember_children()
@@ -194,7 +203,8 @@ class ParslBackend(Backend):
         for proc in psutil.process_iter(["pid", "cmdline", "uids"]):
             try:
                 cmdline = proc.info["cmdline"] or []
-                ours = proc.pid in descendants and any("parsl" in part for part in cmdline)
+                ours = proc.pid in descendants and proc.pid not in self._foreign and \
+                    any("parsl" in part for part in cmdline)
                 if ours or (proc.info["uids"] and proc.info["uids"].real == os.getuid()
                             and any(base in part for part in cmdline)):
                     self._pids.add(proc.pid)
@@ -212,11 +222,7 @@ class ParslBackend(Backend):
             raise RuntimeError("parsl backend not started; call start() first")
         cancel_file = self._cancel_dir / safe_name(spec.task_id)
         cancel_file.unlink(missing_ok=True)
-        run = RankRun(task_id=spec.task_id, command=tuple(spec.argv), slots=spec.slots,
-                      launcher=self.pilot.launcher, cwd=str(spec.cwd), cancel_file=str(cancel_file),
-                      env=dict(spec.env), timeout=spec.timeout,
-                      stdout=None if spec.stdout is None else str(spec.stdout),
-                      stderr=None if spec.stderr is None else str(spec.stderr))
+        run = RankRun.of(spec, self.pilot.launcher, cancel_file)
         per_node = Counter(slot.node for slot in spec.slots)
         resources: Mapping[str, Any] = {"num_nodes": len(per_node), "num_ranks": spec.ranks,
                                         "ranks_per_node": max(per_node.values())}
@@ -264,11 +270,21 @@ class ParslBackend(Backend):
                 pass
         if self._dfk is not None:
             self._remember_children()
-            try:
-                self._dfk.cleanup()
-            finally:
-                self._dfk = None
-                self._app = None
+            dfk, self._dfk, self._app = self._dfk, None, None
+            # DataFlowKernel.cleanup() talks to the interchange without a timeout: if the
+            # interchange is already gone it never returns.  Bound it; _reap ends the rest.
+
+            def cleanup() -> None:
+                try:
+                    dfk.cleanup()
+                except Exception:  # noqa: BLE001 - shutting down: say it, then reap below
+                    log.exception("Parsl's cleanup failed")
+
+            done = threading.Thread(target=cleanup, name="parsl-cleanup", daemon=True)
+            done.start()
+            done.join(CLEANUP_TIMEOUT)
+            if done.is_alive():
+                log.warning("Parsl's cleanup did not finish within %s s; killing its processes", CLEANUP_TIMEOUT)
         self._reap()
 
     def _reap(self) -> None:

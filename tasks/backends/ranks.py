@@ -26,10 +26,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..launchers.mpiexec import launcher_for
 from ..scheduler import RankSlot
+
+if TYPE_CHECKING:
+    from .base import LaunchSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,14 @@ class RankRun:
     launcher_executable: str | None = None
     abort_file: str | None = None
     """One rank of a task started alone (:func:`run_rank`): stop when this file appears."""
+
+    @classmethod
+    def of(cls, spec: "LaunchSpec", launcher: str, cancel_file: Path) -> "RankRun":
+        """What an engine worker needs to run ``spec`` (paths as strings: it crosses processes)."""
+        return cls(task_id=spec.task_id, command=tuple(spec.argv), slots=spec.slots, launcher=launcher,
+                   cwd=str(spec.cwd), cancel_file=str(cancel_file), env=dict(spec.env), timeout=spec.timeout,
+                   stdout=None if spec.stdout is None else str(spec.stdout),
+                   stderr=None if spec.stderr is None else str(spec.stderr))
 
 
 def find_executable(name: str) -> str:
