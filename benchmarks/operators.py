@@ -23,6 +23,7 @@ also counts the input itself and the interpreter with its libraries (about
 
     .venv/bin/python benchmarks/operators.py                 # the issue's 20M rows per table
     .venv/bin/python benchmarks/operators.py --rows 2000000  # quick check
+    .venv/bin/python benchmarks/operators.py --phases        # where the time goes inside hetflow
 """
 
 from __future__ import annotations
@@ -126,6 +127,45 @@ def hetflow_worker(op: str, rows: int, repeats: int) -> None:
                          "peak_window_reset": reset}, root=0)
     if rank == 0:
         print(MARK + json.dumps({"times": times, "rows_out": out_rows, "ranks": peaks, "explain": explain}), flush=True)
+
+
+def phase_worker(rows: int, repeats: int) -> None:
+    """Wall/CPU seconds of the steps inside the 2-rank operators (rank 0, median; a barrier before each
+    step, so CPU inside a collective includes MPI's busy-waiting)."""
+    from mpi4py import MPI
+
+    from hetflow.operators import comm as tc
+    from hetflow.operators import kernels, partition, sorting
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = [c for c in range(CHUNKS) if c % size == rank]
+    left, right = make_table(1, rows, mine), make_table(2, rows, mine)
+    seen: dict[str, list[tuple[float, float]]] = {}
+
+    def step(name: str, fn: Callable[[], Any]) -> Any:
+        comm.Barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        seen.setdefault(name, []).append((time.perf_counter() - w0, time.process_time() - c0))
+        return out
+
+    for _ in range(repeats):
+        ids = step("join: partition ids (left)", lambda: partition.partition_ids(left, ["k"], size))
+        a = step("join: shuffle (left)", lambda: tc.shuffle(comm, left, ids))
+        ids = step("join: partition ids (right)", lambda: partition.partition_ids(right, ["k"], size))
+        b = step("join: shuffle (right)", lambda: tc.shuffle(comm, right, ids))
+        step("join: local kernel", lambda: kernels.join(a, b, ["k"], ["k"], "inner", "_right"))
+        del a, b
+        ids = step("group-by: hash + partition ids", lambda: partition.partition_ids(left, ["k"], size))
+        g = step("group-by: shuffle", lambda: tc.shuffle(comm, left, ids))
+        step("group-by: local kernel", lambda: kernels.group_aggregate(g, ["k"], [("v", "sum")]))
+        del g, ids
+        step("sort: whole (samples, ids, shuffle, local sort)", lambda: sorting.sample_sort(comm, left, [("k", "ascending")], "at_end"))
+    if rank == 0:
+        print(f"{size} rank(s), {rows:,} rows per table, median of {repeats}; wall / CPU seconds on rank 0")
+        for name, vals in seen.items():
+            print(f"| {name} | {statistics.median(w for w, _ in vals):.3f} / {statistics.median(c for _, c in vals):.3f} |")
 
 
 def run_hetflow(op: str, rows: int, repeats: int, ranks: int) -> dict[str, Any]:
@@ -243,9 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="duckdb,polars,pyarrow")
     ap.add_argument("--no-dask", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results" / "operators.json"))
-    ap.add_argument("--worker", choices=OPS, help=argparse.SUPPRESS)
+    ap.add_argument("--phases", action="store_true", help="time the steps inside the hetflow operators instead (per rank count)")
+    ap.add_argument("--worker", choices=OPS + ("phases",), help=argparse.SUPPRESS)
     ap.add_argument("--engine", nargs=2, metavar=("ENGINE", "OP"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker == "phases":
+        phase_worker(args.rows, args.repeats)
+        return 0
     if args.worker:
         hetflow_worker(args.worker, args.rows, args.repeats)
         return 0
@@ -255,6 +299,15 @@ def main(argv: list[str] | None = None) -> int:
 
     ops = [o for o in args.ops.split(",") if o]
     ranks = [int(r) for r in args.ranks.split(",") if r]
+    if args.phases:
+        mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+        env = {**os.environ, "HETFLOW_OPERATOR_THREADS": "1", "POLARS_MAX_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        for p in ranks:
+            argv = [mpiexec, "-n", str(p), sys.executable, str(Path(__file__).resolve()),
+                    "--worker", "phases", "--rows", str(args.rows), "--repeats", str(args.repeats)]
+            subprocess.run(argv, env=env, check=True)
+        return 0
     engines = [e for e in args.engines.split(",") if e]
     load_before = os.getloadavg()
     results: dict[str, Any] = {"rows_per_table": args.rows, "repeats": args.repeats, "host": platform.node(),
