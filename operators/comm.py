@@ -149,7 +149,7 @@ def _values(arr: pa.Array, w: int) -> np.ndarray:
     return raw.view(_UINT[w]) if w in _UINT else raw.view(np.uint64).reshape(-1, w // 8)
 
 
-def _raw_columns(table: pa.Table) -> list[tuple[np.ndarray, int]] | None:
+def raw_columns(table: pa.Table) -> list[tuple[np.ndarray, int]] | None:
     """Per column (values view, width) when every column is fixed-width without nulls, else ``None``."""
     widths = [raw_width(f.type) for f in table.schema]
     if not widths or any(w is None for w in widths) or any(c.null_count for c in table.columns):
@@ -162,7 +162,8 @@ def _raw_columns(table: pa.Table) -> list[tuple[np.ndarray, int]] | None:
     return out
 
 
-def shuffle(comm: Any, table: pa.Table, ids: np.ndarray, groups: Sequence[np.ndarray] | None = None) -> pa.Table:
+def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence[np.ndarray] | None = None, *,
+            columns: list[tuple[np.ndarray, int]] | None | bool = True) -> pa.Table:
     """Send row ``i`` of ``table`` to rank ``ids[i]``; returns the rows every rank sent here,
     in source-rank order, row order kept within a source.
 
@@ -172,7 +173,9 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray, groups: Sequence[np.nda
     (this rank's own rows are taken into their slot), so the result has one chunk, no
     receive buffer outlives the call, and at most one column's send buffer exists at a time.
     Otherwise the parts travel as Arrow IPC (``alltoall_tables``).  ``groups`` (row indices
-    per destination, ascending) may be passed when the caller already has them.
+    per destination, ascending; ``ids`` is then ignored) may be passed when the caller already
+    has them, and ``columns`` (``raw_columns(table)``) when it shuffles several row subsets of
+    one table, so that multi-chunk columns are combined once.
     """
     from . import partition
 
@@ -180,9 +183,10 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray, groups: Sequence[np.nda
     if size == 1:
         return table
     if groups is None:
+        assert ids is not None, "shuffle needs ids or groups"
         groups = partition.split_indices(ids, size)
     groups = list(groups)
-    raw = _raw_columns(table)
+    raw = raw_columns(table) if columns is True else (columns or None)
     meta = np.array([(g.size, raw is not None) for g in groups], dtype=np.int64)  # rows, can send raw
     rmeta = np.empty_like(meta)
     comm.Alltoall(meta, rmeta)

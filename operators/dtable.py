@@ -9,6 +9,7 @@ model and record it; ``explain()`` prints the choices that produced a table.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
@@ -17,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import comm as tc
-from . import kernels, partition, sorting
+from . import hashjoin, kernels, partition, sorting
 from .costmodel import Plan, hockney
 from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
 from .typing import (AGG_NAMES, DECOMPOSABLE_AGGS, GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS,
@@ -238,10 +239,13 @@ class DTable:
         p = self._comm.Get_size()
         lt, rt = self._table, right._table
         if p == 1:
-            out = kernels.join(lt, rt, lk, rk, how, suffix)
-            return self._derive(out, Plan("join", f"local {how} (1 rank)", 0.0))
+            buckets = hashjoin.bucket_count(max(lt.num_rows, rt.num_rows))
+            out = hashjoin.hash_join(self._comm, lt, rt, lk, rk, how, suffix, buckets)
+            return self._derive(out, Plan("join", f"local {how} (1 rank)", 0.0,
+                                          detail=f"local kernel DuckDB {how} join in {buckets} hash bucket(s)"))
         model = hockney(self._comm)
-        sizes = np.array(self._comm.allgather((int(lt.nbytes), int(rt.nbytes))), dtype=np.float64)
+        stats = np.array(self._comm.allgather((int(lt.nbytes), int(rt.nbytes), lt.num_rows, rt.num_rows)), dtype=np.float64)
+        sizes = stats[:, :2]
         l_total, r_total = sizes[:, 0].sum(), sizes[:, 1].sum()
         # communication (Hockney) + local join work on the bytes each rank ends up joining
         gamma = kernels.JOIN_SECONDS_PER_BYTE
@@ -270,17 +274,21 @@ class DTable:
                 rt = _drop_null_keys(rt, rk)
             elif how == "right":
                 lt = _drop_null_keys(lt, lk)
-            lt = self._shuffle(lt, lk)
-            rt = self._shuffle(rt, rk)
+            buckets = hashjoin.bucket_count(int(math.ceil(max(stats[:, 2].sum(), stats[:, 3].sum()) / p)))
+            out = hashjoin.hash_join(self._comm, lt, rt, lk, rk, how, suffix, buckets)
         elif choice == "broadcast":
             rt = pa.concat_tables(tc.allgather_table(self._comm, rt))
         elif choice == "broadcast_left":
             lt = pa.concat_tables(tc.allgather_table(self._comm, lt))
         else:
             lt, rt = sorting.range_partition(self._comm, [lt, rt], [lk, rk])
-        out = kernels.join(lt, rt, lk, rk, how, suffix)
+        if choice != "hash":
+            out = kernels.join(lt, rt, lk, rk, how, suffix)
+        del lt, rt
         name = {"hash": "hash-shuffle", "broadcast": "broadcast right", "broadcast_left": "broadcast left", "sort": "sort (range-partition)"}[choice]
         detail = f"left {l_total / 1e6:.1f} MB, right {r_total / 1e6:.1f} MB, local kernel DuckDB {how} join"
+        if choice == "hash":
+            detail += f", shuffled and joined in {buckets} hash bucket(s) per rank"
         return self._derive(out, Plan("join", name, costs[choice], costs, detail))
 
     # ------------------------------------------------------------------ sort / rolling

@@ -1,0 +1,115 @@
+"""Bucketed hash join: the same rows as the unbucketed join, DuckDB and the hand-written reference
+(mpiexec -n 1/2/3), and bucket ids that keep every row on the rank the plain shuffle picks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import _opdata as D
+from test_operators_join import HOWS, reference_join
+
+NO_BUCKETS = str(10**12)
+
+
+def duck_join(left: pa.Table, right: pa.Table, keys: list[str], how: str, suffix: str) -> pa.Table:
+    """DuckDB on the gathered inputs, shaped like hetflow's result (keys coalesced into the left names)."""
+    on = " AND ".join(f"l.{D.q(k)} = r.{D.q(k)}" for k in keys)
+    if how in ("semi", "anti"):
+        exists = "EXISTS" if how == "semi" else "NOT EXISTS"
+        return D.duck(f"SELECT l.* FROM l WHERE {exists} (SELECT 1 FROM r WHERE {on})", l=left, r=right)
+    cols = [f"COALESCE(l.{D.q(n)}, r.{D.q(n)})" if n in keys and how in ("right", "full") else f"l.{D.q(n)}"
+            for n in left.schema.names]
+    for n in right.schema.names:
+        if n not in keys:
+            cols.append(f"r.{D.q(n)} AS {D.q(n + suffix if n in left.schema.names else n)}")
+    return D.duck(f"SELECT {', '.join(cols)} FROM l {how.upper()} JOIN r ON {on}", l=left, r=right)
+
+
+def raw_table(seed: int, rank: int, size: int, layout: str, n: int, stream: int) -> pa.Table:
+    """Fixed-width columns without nulls (the column-wise raw shuffle path)."""
+    rng = np.random.default_rng([seed, stream, rank, size])
+    rows = D.rows_on_rank(layout, rank, size, n)
+    return pa.table({"k": rng.integers(-5, n // 2, rows), "v": rng.integers(0, 1000, rows),
+                     "w": rng.random(rows).astype(np.float32)})
+
+
+def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Table, keys: list[str], how: str,
+        ctx: str) -> None:
+    from hetflow.operators import DTable
+
+    lt, rt = DTable(comm, left), DTable(comm, right)
+    monkeypatch.setenv("HETFLOW_JOIN_BUCKET_ROWS", "3")
+    bucketed = lt.join(rt, keys, how=how, algorithm="hash")
+    monkeypatch.setenv("HETFLOW_JOIN_BUCKET_ROWS", NO_BUCKETS)
+    plain = lt.join(rt, keys, how=how, algorithm="hash")
+    rows = max(lt.num_rows, rt.num_rows)
+    got, base = bucketed.gather(), plain.gather()
+    all_left, all_right = lt.gather(), rt.gather()
+    buckets = int(bucketed.explain().split(" hash bucket(s)")[0].rsplit(" ", 1)[1])
+    assert (buckets > 1) == (rows > 3 * comm.Get_size()), f"{ctx}: {bucketed.explain()}"
+    assert "in 1 hash bucket(s)" in plain.explain(), ctx
+    if comm.Get_rank() == 0:
+        assert got.schema == base.schema, ctx
+        D.assert_same_rows(got, base, ctx + " (vs unbucketed)")
+        D.assert_same_rows(got, duck_join(all_left, all_right, keys, how, "_right"), ctx + " (vs DuckDB)")
+        D.assert_same_rows(got, reference_join(all_left, all_right, keys, keys, how, "_right"), ctx + " (vs reference)")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", D.LAYOUTS)
+@pytest.mark.parametrize("how", HOWS)
+def test_bucketed_join_raw_columns(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    seed = 4000 + HOWS.index(how) * 10 + D.LAYOUTS.index(layout)
+    left = raw_table(seed, rank, size, layout, 60, 1)
+    right = raw_table(seed, rank, size, "skew" if layout == "balanced" else layout, 45, 2)
+    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", D.LAYOUTS)
+@pytest.mark.parametrize("how", HOWS)
+def test_bucketed_join_nulls_and_strings(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    seed = 5000 + HOWS.index(how) * 10 + D.LAYOUTS.index(layout)
+    keys = {"a": pa.string(), "b": pa.int32()}
+    left = D.table(seed, rank, size, layout=layout, keys=keys, n=50, stream=1)
+    right = D.table(seed, rank, size, layout=layout, keys=keys, n=50, stream=2).drop_columns(["f"])
+    run(comm, monkeypatch, left, right, list(keys), how, f"seed={seed} layout={layout} how={how} ranks={size}")
+
+
+@pytest.mark.parametrize("buckets", [1, 3, 4, 7])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["int64", "string", "float64"])
+def test_bucket_ids_keep_rank_placement(kind: str, ranks: int, buckets: int) -> None:
+    from hetflow.operators import hashjoin, partition
+
+    t = D.table(17, 0, 1, n=500, keys={"k": D.KEY_TYPES[kind]}, payload=False)
+    groups = hashjoin.bucket_groups(t, ["k"], ranks, buckets)
+    assert len(groups) == ranks * buckets
+    seen = np.concatenate(groups)
+    assert np.array_equal(np.sort(seen), np.arange(t.num_rows))
+    rank_of = partition.partition_ids(t, ["k"], ranks)
+    for j, g in enumerate(groups):
+        assert np.all(np.diff(g) > 0)
+        assert np.all(rank_of[g] == j // buckets), (kind, ranks, buckets, j)
+    if buckets > 1:  # every key value sits in exactly one bucket
+        keys = t.column("k").to_pylist()
+        owner: dict[Any, int] = {}
+        for j, g in enumerate(groups):
+            for i in g:
+                assert owner.setdefault(keys[i], j) == j
+
+
+def test_bucket_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetflow.operators import hashjoin
+
+    monkeypatch.delenv("HETFLOW_JOIN_BUCKET_ROWS", raising=False)
+    assert hashjoin.bucket_count(0) == 1
+    assert hashjoin.bucket_count(hashjoin.BUCKET_ROWS) == 1
+    assert hashjoin.bucket_count(hashjoin.BUCKET_ROWS + 1) == 2
+    assert hashjoin.bucket_count(10**12) == hashjoin.MAX_BUCKETS
