@@ -266,14 +266,7 @@ class DTable:
                 raise InvalidOptionError(f"join algorithm for how={how!r}", algorithm, ["auto", "hash", "sort"])
         else:
             choice = algorithm
-        if choice == "hash":
-            if how in ("inner", "semi"):  # null keys never match: keep them home
-                lt = _drop_null_keys(lt, lk)
-                rt = _drop_null_keys(rt, rk)
-            elif how in ("left", "anti"):
-                rt = _drop_null_keys(rt, rk)
-            elif how == "right":
-                lt = _drop_null_keys(lt, lk)
+        if choice == "hash":  # null keys never match: hash_join keeps them home (no filtered copy)
             buckets = hashjoin.bucket_count(int(math.ceil(max(stats[:, 2].sum(), stats[:, 3].sum()) / p)))
             out = hashjoin.hash_join(self._comm, lt, rt, lk, rk, how, suffix, buckets)
         elif choice == "broadcast":
@@ -382,16 +375,6 @@ class DTable:
         from .io import write_partitions
 
         return write_partitions(self._comm, self._table, directory, "ipc")
-
-
-def _drop_null_keys(table: pa.Table, keys: Sequence[str]) -> pa.Table:
-    if not any(table.column(k).null_count for k in keys):
-        return table
-    mask = None
-    for k in keys:
-        m = pc.is_valid(table.column(k))
-        mask = m if mask is None else pc.and_(mask, m)
-    return table.filter(mask)
 
 
 def _sort_keys(sorting_: SortKey | Sequence[SortKey]) -> list[tuple[str, str]]:

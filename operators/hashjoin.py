@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import comm as tc
 from . import kernels, partition
@@ -48,16 +49,23 @@ def bucket_count(rows_per_rank: int) -> int:
     return max(1, min(MAX_BUCKETS, math.ceil(rows_per_rank / target)))
 
 
-def bucket_groups(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int) -> list[np.ndarray]:
-    """Row indices (ascending) of every partition ``rank * buckets + bucket``.
+def bucket_groups(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int, *,
+                  drop_null_keys: bool = False) -> list[np.ndarray]:
+    """Row indices (ascending) of every partition ``rank * buckets + bucket``; with
+    ``drop_null_keys`` the rows with a null key are in none (they could match nothing),
+    which spares the caller a filtered copy of the table.
 
     Indices are int32 when the table allows (half the memory of int64 for the whole loop)."""
     parts = ranks * buckets
     n = table.num_rows
-    if parts == 1:
+    valid = _valid_keys(table, keys) if drop_null_keys else None
+    if parts == 1 and valid is None:
         return [np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)]
     ids = partition.ids_from_hash(partition.hash_keys(table, keys), parts)
-    counts = np.bincount(ids, minlength=parts)
+    if valid is not None:  # null keys: one extra id past the last partition, cut off below
+        ids = ids.astype(np.min_scalar_type(parts), copy=False)
+        ids[~valid] = parts
+    counts = np.bincount(ids, minlength=parts)[:parts]
     order = np.argsort(ids, kind="stable")  # radix sort on small ints
     del ids
     if n < 2**31:
@@ -65,6 +73,17 @@ def bucket_groups(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int
     bounds = np.zeros(parts + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
     return [order[bounds[j] : bounds[j + 1]] for j in range(parts)]
+
+
+def _valid_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray | None:
+    """Rows whose keys are all non-null, or ``None`` when no key column has a null."""
+    valid = None
+    for k in keys:
+        col = table.column(k)
+        if col.null_count:
+            m = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False))
+            valid = m if valid is None else valid & m
+    return valid
 
 
 def _bucket(comm: Any, table: pa.Table, groups: list[np.ndarray], columns: Any, bucket: int, buckets: int) -> pa.Table:
@@ -80,12 +99,17 @@ def _bucket(comm: Any, table: pa.Table, groups: list[np.ndarray], columns: Any, 
 
 def hash_join(comm: Any, left: pa.Table, right: pa.Table, keys: Sequence[str], right_keys: Sequence[str],
               how: str, suffix: str, buckets: int) -> pa.Table:
-    """Hash-shuffle join of this rank's partitions, ``buckets`` buckets at a time (collective)."""
+    """Hash-shuffle join of this rank's partitions, ``buckets`` buckets at a time (collective).
+
+    Rows with a null key are left home when they cannot appear in the result (both sides of
+    inner/semi, the right side of left/anti, the left side of right)."""
     p = comm.Get_size()
     if p == 1 and buckets == 1:
         return kernels.join(left, right, keys, right_keys, how, suffix)
-    gl = bucket_groups(left, keys, p, buckets)
-    gr = bucket_groups(right, right_keys, p, buckets)
+    drop_left = how in ("inner", "semi", "right")
+    drop_right = how in ("inner", "semi", "left", "anti")
+    gl = bucket_groups(left, keys, p, buckets, drop_null_keys=drop_left)
+    gr = bucket_groups(right, right_keys, p, buckets, drop_null_keys=drop_right)
     cl = tc.raw_columns(left) if p > 1 else None
     cr = tc.raw_columns(right) if p > 1 else None
     outs: list[pa.Table] = []

@@ -113,3 +113,18 @@ def test_bucket_count(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hashjoin.bucket_count(hashjoin.BUCKET_ROWS) == 1
     assert hashjoin.bucket_count(hashjoin.BUCKET_ROWS + 1) == 2
     assert hashjoin.bucket_count(10**12) == hashjoin.MAX_BUCKETS
+
+
+@pytest.mark.parametrize("buckets", [1, 4])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_bucket_groups_leave_null_keys_out(ranks: int, buckets: int) -> None:
+    from hetflow.operators import hashjoin
+
+    t = D.table(23, 0, 1, n=400, keys={"a": pa.string(), "b": pa.int64()}, payload=False, null_frac=0.2)
+    every = hashjoin.bucket_groups(t, ["a", "b"], ranks, buckets)
+    valid = hashjoin.bucket_groups(t, ["a", "b"], ranks, buckets, drop_null_keys=True)
+    a, b = t.column("a").to_pylist(), t.column("b").to_pylist()
+    assert any(x is None or y is None for x, y in zip(a, b))
+    for g_all, g_valid in zip(every, valid):
+        keep = [i for i in g_all if a[i] is not None and b[i] is not None]
+        assert g_valid.tolist() == keep
