@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 BUCKET_ROWS = 1 << 20
 #: upper bound on buckets per rank (ids stay small integers)
 MAX_BUCKETS = 64
+_BLOCK = 1 << 20
 
 
 def bucket_count(rows_per_rank: int) -> int:
@@ -61,17 +62,31 @@ def bucket_groups(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int
     valid = _valid_keys(table, keys) if drop_null_keys else None
     if parts == 1 and valid is None:
         return [np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)]
-    ids = partition.ids_from_hash(partition.hash_keys(table, keys), parts)
-    if valid is not None:  # null keys: one extra id past the last partition, cut off below
-        ids = ids.astype(np.min_scalar_type(parts), copy=False)
+    ids = np.empty(n, dtype=np.min_scalar_type(parts))  # ``parts`` itself marks a null key
+    for start in range(0, n, _BLOCK):  # block by block: the hash words stay in cache, no n-sized temporaries
+        block = table.slice(start, min(_BLOCK, n - start))
+        ids[start : start + block.num_rows] = partition.ids_from_hash(partition.hash_keys(block, keys), parts)
+    if valid is not None:
         ids[~valid] = parts
-    counts = np.bincount(ids, minlength=parts)[:parts]
-    order = np.argsort(ids, kind="stable")  # radix sort on small ints
-    del ids
-    if n < 2**31:
-        order = order.astype(np.int32)
-    bounds = np.zeros(parts + 1, dtype=np.int64)
+    counts = np.bincount(ids, minlength=parts + 1)
+    bounds = np.zeros(parts + 2, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
+    # a counting sort done block by block: a stable radix argsort of each block's ids, scattered
+    # into every part's slice, so the only n-sized array written is the index array itself
+    order = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)
+    fill = bounds[:-1].copy()
+    for start in range(0, n, _BLOCK):
+        block = ids[start : start + _BLOCK]
+        local = np.argsort(block, kind="stable")
+        local_counts = np.bincount(block, minlength=parts + 1)
+        pos = 0
+        for j in np.flatnonzero(local_counts[:parts]):
+            c = int(local_counts[j])
+            np.add(local[pos : pos + c], start, out=order[fill[j] : fill[j] + c], casting="unsafe")
+            fill[j] += c
+            pos += c
+        # ids == parts (null keys) sort last in the block and are dropped
+    del ids
     return [order[bounds[j] : bounds[j + 1]] for j in range(parts)]
 
 

@@ -82,11 +82,15 @@ def test_bucketed_join_nulls_and_strings(comm: Any, monkeypatch: pytest.MonkeyPa
     run(comm, monkeypatch, left, right, list(keys), how, f"seed={seed} layout={layout} how={how} ranks={size}")
 
 
+@pytest.mark.parametrize("block", [1 << 20, 37])
 @pytest.mark.parametrize("buckets", [1, 3, 4, 7])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("kind", ["int64", "string", "float64"])
-def test_bucket_ids_keep_rank_placement(kind: str, ranks: int, buckets: int) -> None:
+def test_bucket_ids_keep_rank_placement(monkeypatch: pytest.MonkeyPatch, kind: str, ranks: int, buckets: int,
+                                        block: int) -> None:
     from hetflow.operators import hashjoin, partition
+
+    monkeypatch.setattr(hashjoin, "_BLOCK", block)  # several blocks exercise the blockwise counting sort
 
     t = D.table(17, 0, 1, n=500, keys={"k": D.KEY_TYPES[kind]}, payload=False)
     groups = hashjoin.bucket_groups(t, ["k"], ranks, buckets)
@@ -115,10 +119,13 @@ def test_bucket_count(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hashjoin.bucket_count(10**12) == hashjoin.MAX_BUCKETS
 
 
+@pytest.mark.parametrize("block", [1 << 20, 29])
 @pytest.mark.parametrize("buckets", [1, 4])
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_bucket_groups_leave_null_keys_out(ranks: int, buckets: int) -> None:
+def test_bucket_groups_leave_null_keys_out(monkeypatch: pytest.MonkeyPatch, ranks: int, buckets: int, block: int) -> None:
     from hetflow.operators import hashjoin
+
+    monkeypatch.setattr(hashjoin, "_BLOCK", block)
 
     t = D.table(23, 0, 1, n=400, keys={"a": pa.string(), "b": pa.int64()}, payload=False, null_frac=0.2)
     every = hashjoin.bucket_groups(t, ["a", "b"], ranks, buckets)
