@@ -1,22 +1,31 @@
-"""Bucketed hash join (layer 2½): shuffle and join one key-hash bucket at a time.
+"""Bucketed hash join (layer 2½): join one key-hash bucket at a time.
 
 Every rank's share of the key space is cut into ``B`` buckets by the same hash
 that picks the rank: a row goes to partition ``rank * B + bucket`` of the
 multiply-shift ``ids_from_hash(h, ranks * B)``, whose ``// B`` is exactly the
 rank the unbucketed shuffle would pick (``floor(x * P * B) // B = floor(x * P)``),
-so the rows of a key still meet on one rank and in one bucket there.  The loop
-then shuffles bucket ``b`` of both tables (one ``np.take`` per destination
-straight into the send buffer, as ``comm.shuffle`` does for the whole table),
-joins it with the local kernel and drops its inputs and DuckDB's hash table
-before the next bucket.  Only one bucket's shuffled copies and hash table
-exist at a time, and a hash table of ``1/B`` of the rows fits the caches better.
+so the rows of a key still meet on one rank and in one bucket there.  A
+blockwise counting sort lays the row indices out by partition, so each
+destination's rows are one contiguous run already grouped by bucket.
 
-Measured on this machine (one process, one DuckDB thread, 10M + 10M rows of
-the Cylon workload, a fresh copy of both tables standing in for the shuffle):
-whole-table join 1.7-2.2 s CPU with peak growth 2.8x the two tables, 4 buckets
-0.78 s and 1.34x, 8 buckets 0.88-1.2 s and 1.0x.  Every join type is exact per
-bucket because a key's rows on both sides are in the same bucket; rows with a
-null key land in some bucket, where they match nothing, as SQL wants.
+Two exchange modes (``ONE_SHUFFLE``): one shuffle per table whose received
+rows are grouped by bucket (every bucket is zero-copy slices of the received
+columns), or one shuffle per bucket (only one bucket's shuffled copies exist
+at a time).  Either way DuckDB builds a hash table of ``1/B`` of the rows and
+drops it before the next bucket.  Every join type is exact per bucket because
+a key's rows on both sides are in the same bucket; rows with a null key that
+cannot appear in the result are left out of the indices (no filtered copy).
+
+Measured (2 ranks, 20M rows per table, one DuckDB thread per rank, wall /
+peak RSS growth over both input partitions, this 2-core VM at load 1.1-1.7):
+unbucketed 1.6-2.6 s / 2.96-3.21x; one shuffle, B=10: 1.23-1.37 s / 1.3x;
+one shuffle per bucket, B=10: 1.27-1.41 s / 0.43-0.66x; B=5 and B=20 were not
+faster.  Kernels on one real bucket (1M + 1M rows, CPU): DuckDB 0.064-0.074 s,
+polars 0.078-0.086 s, numpy packed-sort + searchsorted merge 0.079-0.083 s
+(10M + 10M: DuckDB 0.62-0.72, numpy 0.82-0.87, polars 1.7-1.9 s), so DuckDB
+stays the kernel; bucketing does not make DuckDB's CPU smaller (10 x 0.07 s =
+the whole join), the gain is memory and fewer freshly faulted pages (a new
+page costs ~0.8 ms/MB on this VM).
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ BUCKET_ROWS = 1 << 20
 #: upper bound on buckets per rank (ids stay small integers)
 MAX_BUCKETS = 64
 _BLOCK = 1 << 20
+#: shuffle each table once, grouped by bucket (True), or shuffle bucket by bucket (False)
+ONE_SHUFFLE = os.environ.get("HETFLOW_JOIN_ONE_SHUFFLE", "1") == "1"
 
 
 def bucket_count(rows_per_rank: int) -> int:
@@ -52,7 +63,15 @@ def bucket_count(rows_per_rank: int) -> int:
 
 def bucket_groups(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int, *,
                   drop_null_keys: bool = False) -> list[np.ndarray]:
-    """Row indices (ascending) of every partition ``rank * buckets + bucket``; with
+    """Row indices (ascending) of every partition ``rank * buckets + bucket`` (see ``bucket_order``)."""
+    order, bounds = bucket_order(table, keys, ranks, buckets, drop_null_keys=drop_null_keys)
+    return [order[bounds[j] : bounds[j + 1]] for j in range(ranks * buckets)]
+
+
+def bucket_order(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int, *,
+                 drop_null_keys: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, bounds)``: ``order[bounds[j]:bounds[j + 1]]`` are the row indices (ascending) of
+    partition ``j = rank * buckets + bucket``, so a rank's rows are contiguous and grouped by bucket; with
     ``drop_null_keys`` the rows with a null key are in none (they could match nothing),
     which spares the caller a filtered copy of the table.
 
@@ -61,7 +80,7 @@ def bucket_groups(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int
     n = table.num_rows
     valid = _valid_keys(table, keys) if drop_null_keys else None
     if parts == 1 and valid is None:
-        return [np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)]
+        return np.arange(n, dtype=np.int32 if n < 2**31 else np.int64), np.array([0, n], dtype=np.int64)
     ids = np.empty(n, dtype=np.min_scalar_type(parts))  # ``parts`` itself marks a null key
     for start in range(0, n, _BLOCK):  # block by block: the hash words stay in cache, no n-sized temporaries
         block = table.slice(start, min(_BLOCK, n - start))
@@ -87,7 +106,7 @@ def bucket_groups(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int
             pos += c
         # ids == parts (null keys) sort last in the block and are dropped
     del ids
-    return [order[bounds[j] : bounds[j + 1]] for j in range(parts)]
+    return order, bounds[: parts + 1]
 
 
 def _valid_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray | None:
@@ -112,6 +131,27 @@ def _bucket(comm: Any, table: pa.Table, groups: list[np.ndarray], columns: Any, 
     return tc.shuffle(comm, table, None, mine, columns=columns)
 
 
+def _shuffle_by_bucket(comm: Any, table: pa.Table, keys: Sequence[str], buckets: int, drop_null_keys: bool) -> list[pa.Table]:
+    """One shuffle of the whole table whose sent rows are grouped by bucket (the destinations'
+    index lists are the contiguous runs of ``bucket_order``), then every bucket as zero-copy
+    slices of the received table, one per source rank."""
+    p = comm.Get_size()
+    order, bounds = bucket_order(table, keys, p, buckets, drop_null_keys=drop_null_keys)
+    sent = np.diff(bounds).reshape(p, buckets)
+    got = np.empty_like(sent)
+    comm.Alltoall(sent, got)
+    dest = [order[bounds[r * buckets] : bounds[(r + 1) * buckets]] for r in range(p)]
+    received = tc.shuffle(comm, table, None, dest)
+    del dest, order
+    starts = np.zeros(got.size + 1, dtype=np.int64)
+    np.cumsum(got.reshape(-1), out=starts[1:])  # source-major, then bucket
+    out = []
+    for b in range(buckets):
+        parts = [received.slice(int(starts[s * buckets + b]), int(got[s, b])) for s in range(p) if got[s, b]]
+        out.append(pa.concat_tables(parts) if parts else received.schema.empty_table())
+    return out
+
+
 def hash_join(comm: Any, left: pa.Table, right: pa.Table, keys: Sequence[str], right_keys: Sequence[str],
               how: str, suffix: str, buckets: int) -> pa.Table:
     """Hash-shuffle join of this rank's partitions, ``buckets`` buckets at a time (collective).
@@ -123,11 +163,21 @@ def hash_join(comm: Any, left: pa.Table, right: pa.Table, keys: Sequence[str], r
         return kernels.join(left, right, keys, right_keys, how, suffix)
     drop_left = how in ("inner", "semi", "right")
     drop_right = how in ("inner", "semi", "left", "anti")
+    outs: list[pa.Table] = []
+    if p > 1 and ONE_SHUFFLE:
+        lbs = _shuffle_by_bucket(comm, left, keys, buckets, drop_left)
+        rbs = _shuffle_by_bucket(comm, right, right_keys, buckets, drop_right)
+        for b in range(buckets):
+            out = kernels.join(lbs[b], rbs[b], keys, right_keys, how, suffix)
+            lbs[b] = rbs[b] = left.schema.empty_table()  # the slices go; the received buffers go after the loop
+            if out.num_rows or not outs:
+                outs.append(out)
+        del lbs, rbs
+        return outs[0] if len(outs) == 1 else pa.concat_tables(outs)
     gl = bucket_groups(left, keys, p, buckets, drop_null_keys=drop_left)
     gr = bucket_groups(right, right_keys, p, buckets, drop_null_keys=drop_right)
     cl = tc.raw_columns(left) if p > 1 else None
     cr = tc.raw_columns(right) if p > 1 else None
-    outs: list[pa.Table] = []
     for b in range(buckets):
         lt = _bucket(comm, left, gl, cl, b, buckets)
         rt = _bucket(comm, right, gr, cr, b, buckets)

@@ -38,9 +38,11 @@ def raw_table(seed: int, rank: int, size: int, layout: str, n: int, stream: int)
 
 
 def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Table, keys: list[str], how: str,
-        ctx: str) -> None:
-    from hetflow.operators import DTable
+        ctx: str, one_shuffle: bool) -> None:
+    from hetflow.operators import DTable, hashjoin
 
+    monkeypatch.setattr(hashjoin, "ONE_SHUFFLE", one_shuffle)
+    ctx += f" one_shuffle={one_shuffle}"
     lt, rt = DTable(comm, left), DTable(comm, right)
     monkeypatch.setenv("HETFLOW_JOIN_BUCKET_ROWS", "3")
     bucketed = lt.join(rt, keys, how=how, algorithm="hash")
@@ -60,26 +62,30 @@ def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Ta
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("one_shuffle", [True, False])
 @pytest.mark.parametrize("layout", D.LAYOUTS)
 @pytest.mark.parametrize("how", HOWS)
-def test_bucketed_join_raw_columns(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str) -> None:
+def test_bucketed_join_raw_columns(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str,
+                                   one_shuffle: bool) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     seed = 4000 + HOWS.index(how) * 10 + D.LAYOUTS.index(layout)
     left = raw_table(seed, rank, size, layout, 60, 1)
     right = raw_table(seed, rank, size, "skew" if layout == "balanced" else layout, 45, 2)
-    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size}")
+    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size}", one_shuffle)
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("one_shuffle", [True, False])
 @pytest.mark.parametrize("layout", D.LAYOUTS)
 @pytest.mark.parametrize("how", HOWS)
-def test_bucketed_join_nulls_and_strings(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str) -> None:
+def test_bucketed_join_nulls_and_strings(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str,
+                                         one_shuffle: bool) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     seed = 5000 + HOWS.index(how) * 10 + D.LAYOUTS.index(layout)
     keys = {"a": pa.string(), "b": pa.int32()}
     left = D.table(seed, rank, size, layout=layout, keys=keys, n=50, stream=1)
     right = D.table(seed, rank, size, layout=layout, keys=keys, n=50, stream=2).drop_columns(["f"])
-    run(comm, monkeypatch, left, right, list(keys), how, f"seed={seed} layout={layout} how={how} ranks={size}")
+    run(comm, monkeypatch, left, right, list(keys), how, f"seed={seed} layout={layout} how={how} ranks={size}", one_shuffle)
 
 
 @pytest.mark.parametrize("block", [1 << 20, 37])
