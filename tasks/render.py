@@ -237,9 +237,13 @@ def _backend_problems(pilot: PilotDescription) -> list[str]:
             if not is_local(pilot) and pilot.resource not in GENERIC_RESOURCES:
                 known = _rp_resources()
                 if known is not None and pilot.resource not in known:
-                    close = [r for r in known if str(pilot.resource).split(".")[0] in r][:8]
+                    import difflib
+
+                    site = str(pilot.resource).split(".")[0]
+                    close = difflib.get_close_matches(str(pilot.resource), sorted(known), n=4, cutoff=0.6) or \
+                        sorted(r for r in known if r.startswith(site + "."))[:8]
                     problems.append(f"resource {pilot.resource!r} is not a RADICAL-Pilot resource "
-                                    f"(same site: {close or 'none'})")
+                                    f"(closest: {close or 'none'})")
         elif pilot.backend == "parsl":
             from .backends.parsl import scheduler_of
 
