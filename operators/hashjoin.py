@@ -18,9 +18,10 @@ cannot appear in the result are left out of the indices (no filtered copy).
 
 Measured (2 ranks, 20M rows per table, one DuckDB thread per rank, wall /
 peak RSS growth over both input partitions, this 2-core VM at load 1.1-1.7):
-unbucketed 1.6-2.6 s / 2.96-3.21x; one shuffle, B=10: 1.23-1.37 s / 1.3x;
-one shuffle per bucket, B=10: 1.27-1.41 s / 0.43-0.66x; B=5 and B=20 were not
-faster.  Kernels on one real bucket (1M + 1M rows, CPU): DuckDB 0.064-0.074 s,
+unbucketed 1.6-2.6 s / 2.96-3.21x; one shuffle, B=10: 1.23-1.37 s / 1.3x
+when repeated in one process, 1.50-1.75 s / 1.47x (median of 3) in a fresh
+one; one shuffle per bucket, B=10: 1.27-1.41 s / 0.43-0.66x repeated,
+1.33-1.54 s / 0.85x fresh (the default); B=5 and B=20 were not faster.  Kernels on one real bucket (1M + 1M rows, CPU): DuckDB 0.064-0.074 s,
 polars 0.078-0.086 s, numpy packed-sort + searchsorted merge 0.079-0.083 s
 (10M + 10M: DuckDB 0.62-0.72, numpy 0.82-0.87, polars 1.7-1.9 s), so DuckDB
 stays the kernel; bucketing does not make DuckDB's CPU smaller (10 x 0.07 s =
@@ -50,8 +51,9 @@ BUCKET_ROWS = 1 << 20
 #: upper bound on buckets per rank (ids stay small integers)
 MAX_BUCKETS = 64
 _BLOCK = 1 << 20
-#: shuffle each table once, grouped by bucket (True), or shuffle bucket by bucket (False)
-ONE_SHUFFLE = os.environ.get("HETFLOW_JOIN_ONE_SHUFFLE", "1") == "1"
+#: shuffle each table once, grouped by bucket (True), or shuffle bucket by bucket (False, the default:
+#: as fast or faster in fresh processes and half the peak memory; ``HETFLOW_JOIN_ONE_SHUFFLE=1``)
+ONE_SHUFFLE = os.environ.get("HETFLOW_JOIN_ONE_SHUFFLE", "0") == "1"
 
 
 def bucket_count(rows_per_rank: int) -> int:
