@@ -332,8 +332,11 @@ class Scheduler:
         self.placements = 0
         self._memo = _PassMemo()
         self._parked: dict[_Key, tuple[float, int, _Key]] = {}  # blocked queue heads, out of the heads heap
+        self._parked_shape: dict[_Key, _Shape] = {}  # the request shape of each parked head
         self._parked_seen = -1      # memo.dropped at the last look at the parked heads
         self._parked_stale = False  # a queued task was cancelled or expired (maybe a parked head)
+        self._usable = self.pilot.usable_cores()
+        self._core_slots: dict[int, dict[int, RankSlot]] = {}  # node -> core -> RankSlot(node, (core,))
         self._slot_cache: dict[tuple[int, ...], tuple[RankSlot, ...]] = {}
         self._cached_slots = 0
         self.walk_limit = 256
@@ -573,6 +576,7 @@ class Scheduler:
                     first_blocked = task
                 if memo.blocked(task.shape, True) and not task.event.preferred_nodes:
                     parked[key] = entry  # out of the heads until a freed node could fit it
+                    self._parked_shape[key] = task.shape
                 else:
                     set_aside.append(entry)
                 continue
@@ -622,19 +626,31 @@ class Scheduler:
         if not parked or (memo.dropped == self._parked_seen and not self._parked_stale):
             return  # no verdict weakened and no parked head left its queue since the last look
         self._parked_seen = memo.dropped
+        stale = self._parked_stale
         self._parked_stale = False
+        shapes = self._parked_shape
+        verdicts: dict[_Shape, bool] = {}  # parked heads of several groups often share a shape
         for key, entry in list(parked.items()):
             queue = self._queues.get(key)
             if queue is None or queue.filed != entry[1]:
                 del parked[key]  # superseded: the queue's current entry is in the heads
                 continue
-            task = self._head(key)
-            if task is None:
+            if stale:  # a queued task left: the head may have changed
+                task = self._head(key)
+                if task is None:
+                    del parked[key]
+                    continue
+                if task.seq != entry[1]:
+                    del parked[key]
+                    heapq.heappush(self._heads, entry)  # the pass files the real head
+                    continue
+            shape = shapes[key]
+            blocked = verdicts.get(shape)
+            if blocked is None:
+                blocked = verdicts[shape] = memo.blocked(shape, True)
+            if not blocked:
                 del parked[key]
-                continue
-            if task.seq != entry[1] or not memo.blocked(task.shape, True):
-                del parked[key]
-                heapq.heappush(self._heads, entry)  # the pass files the real head if it changed
+                heapq.heappush(self._heads, entry)
 
     def _parked_first(self, share: float) -> tuple[tuple[float, int, _Key], _Task] | None:
         """The highest-priority parked head of a group within ``share`` (INF: any group)."""
@@ -856,7 +872,16 @@ class Scheduler:
         alloc: list[_Held] = []
         index = self.index
         cache = self._slot_cache
+        single_core = cores == 1 and not gpus
         for node, count in plan:
+            if single_core:  # one core per rank (MPI dataframe ranks): one shared RankSlot per node and core
+                ranks, cmask, gmask = index.take(node, count, cores, gpus, memory)
+                alloc.append((node, count, cmask, gmask))
+                row = self._core_slots.get(node)
+                if row is None:
+                    row = self._core_slots[node] = {core: RankSlot(node, (core,)) for core in self._usable}
+                slots += [row[core_ids[0]] for core_ids, _ in ranks]
+                continue
             whole = not gpus and count * cores == index.fc[node]  # every free core: the GPU mask does not matter
             before = (node, index.cmask[node], -1 if whole else index.gmask[node], count, cores, gpus)
             ranks, cmask, gmask = index.take(node, count, cores, gpus, memory)
