@@ -239,7 +239,7 @@ class DTable:
         p = self._comm.Get_size()
         lt, rt = self._table, right._table
         if p == 1:
-            buckets = hashjoin.bucket_count(max(lt.num_rows, rt.num_rows))
+            buckets = hashjoin.bucket_count(max(lt.num_rows, rt.num_rows), shuffled=False)
             out = hashjoin.hash_join(self._comm, lt, rt, lk, rk, how, suffix, buckets)
             return self._derive(out, Plan("join", f"local {how} (1 rank)", 0.0,
                                           detail=f"local kernel DuckDB {how} join in {buckets} hash bucket(s)"))

@@ -123,6 +123,9 @@ def test_bucket_count(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hashjoin.bucket_count(hashjoin.BUCKET_ROWS) == 1
     assert hashjoin.bucket_count(hashjoin.BUCKET_ROWS + 1) == 2
     assert hashjoin.bucket_count(10**12) == hashjoin.MAX_BUCKETS
+    assert hashjoin.bucket_count(10**12, shuffled=False) == 1
+    monkeypatch.setenv("HETFLOW_JOIN_BUCKET_ROWS", "10")
+    assert hashjoin.bucket_count(31, shuffled=False) == hashjoin.bucket_count(31) == 4
 
 
 @pytest.mark.parametrize("block", [1 << 20, 29])
