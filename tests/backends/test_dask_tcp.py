@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 import conformance_stages as S
+from _procs import alive as _alive
 import hetflow as hf
 from hetflow.tasks.backends import get_backend
 from hetflow.tasks.backends.base import LaunchSpec
@@ -126,18 +127,6 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     engine.shutdown()
     assert _alive(seen) == []
     assert not any((run / "dask" / "comm").iterdir()), "rendezvous directories must be removed"
-
-
-def _alive(pids: set[int]) -> list[str]:
-    alive = []
-    for pid in sorted(pids):
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{pid}: {' '.join(proc.cmdline())[:160]}")
-        except psutil.NoSuchProcess:
-            continue
-    return alive
 
 
 RANK_PROGRAM = """

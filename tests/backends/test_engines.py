@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
+from _procs import alive as _alive
 from hetflow.tasks.backends import get_backend
 from hetflow.tasks.backends.base import Backend, LaunchSpec
 from hetflow.tasks.pilot import PilotDescription
@@ -60,18 +61,6 @@ def _mpi(engine: Engine, slots: list[RankSlot], **kwargs: Any) -> LaunchSpec:
     probe = engine.spec([], slots)  # for the directory only
     return LaunchSpec(task_id=probe.task_id, argv=(sys.executable, "-c", MPI_PROGRAM, str(probe.cwd)),
                       slots=probe.slots, cwd=probe.cwd, stdout=probe.stdout, stderr=probe.stderr, **kwargs)
-
-
-def _alive(pids: set[int]) -> list[str]:
-    alive = []
-    for pid in sorted(pids):
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{pid}: {' '.join(proc.cmdline())[:160]}")
-        except psutil.NoSuchProcess:
-            continue
-    return alive
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

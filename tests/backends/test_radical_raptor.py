@@ -23,6 +23,7 @@ import pyarrow as pa
 import pytest
 
 import conformance_stages as S
+from _procs import alive as _alive
 import hetflow as hf
 import hetflow.pipeline as hp
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
@@ -111,18 +112,6 @@ class Shared(Backend):
 
     def node_names(self) -> list[str]:
         return self.engine.node_names()
-
-
-def _alive(pids: set[int]) -> list[str]:
-    alive = []
-    for pid in sorted(pids):
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{pid}: {' '.join(proc.cmdline())[:160]}")
-        except psutil.NoSuchProcess:
-            continue
-    return alive
 
 
 @pytest.fixture(scope="module")
