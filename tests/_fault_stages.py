@@ -55,10 +55,12 @@ def hang(ctx, table):
 
 
 def flaky(ctx, table):
-    """Fails on its first attempt only (a transient fault)."""
-    marker = Path(ctx.checkpoint_dir) / f"tried-{ctx.rank}"
-    if not marker.exists():
-        marker.touch()
+    """Fails on its first attempt only (a transient fault).
+
+    Decided by the attempt number, not by per-rank marker files: the first rank to
+    raise aborts the others, which may not have reached their marker yet.
+    """
+    if ctx.attempt == 1:
         raise ConnectionError("transient: the file system blinked")
     return {"steady": table}
 
