@@ -124,20 +124,28 @@ def _fixed_values(col: pa.ChunkedArray) -> np.ndarray | None:
     return raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
 
 
-def sort_table(table: pa.Table, key: str, descending: bool) -> pa.Table | None:
-    """``table`` stably sorted by one integer-like key without nulls, or ``None``.
-
-    Fixed-width null-free columns are gathered block by block from the packed words; the
-    others with one Arrow ``take`` (then the permutation is materialised once)."""
-    values = key_values(table.column(key))
+def _sorted_words(col: pa.ChunkedArray, descending: bool) -> tuple[np.ndarray, int, int, int, np.dtype] | None:
+    """The packed, sorted (key, row) words of an integer-like key column and how to unpack
+    them, or ``None`` when the fast path does not apply.  The key values are not kept."""
+    values = key_values(col)
     if values is None:
         return None
     res = packed_sort(values, descending)
     if res is None:
         return None
     packed, bits, lo, hi = res
-    key_dtype = values.dtype
-    del values
+    return packed, bits, lo, hi, values.dtype
+
+
+def sort_table(table: pa.Table, key: str, descending: bool) -> pa.Table | None:
+    """``table`` stably sorted by one integer-like key without nulls, or ``None``.
+
+    Fixed-width null-free columns are gathered block by block from the packed words; the
+    others with one Arrow ``take`` (then the permutation is materialised once)."""
+    found = _sorted_words(table.column(key), descending)
+    if found is None:
+        return None
+    packed, bits, lo, hi, key_dtype = found
     columns: list[pa.Array | pa.ChunkedArray] = []
     order: pa.Array | None = None
     for name, col in zip(table.schema.names, table.columns):
@@ -183,15 +191,10 @@ def group_aggregate(table: pa.Table, keys: Sequence[str], aggs: Sequence[tuple[s
                 return None
             cols[col] = v
     n = table.num_rows
-    key_np = key_values(table.column(keys[0]))
-    if key_np is None:
+    found = _sorted_words(table.column(keys[0]), False)
+    if found is None:
         return None
-    res = packed_sort(key_np, False)
-    if res is None:
-        return None
-    packed, bits, lo, hi = res
-    key_dtype = key_np.dtype
-    del key_np, res
+    packed, bits, lo, hi, key_dtype = found
     # memory: input + packed words + one gathered column + the run starts (+ sizes for count/mean);
     # keys and sums are compacted in place into the buffers they are computed from
     gathered = {col: gather_sorted(v, packed, bits) for col, v in cols.items()}
