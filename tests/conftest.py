@@ -4,6 +4,11 @@ Under ``mpiexec -n N python -m pytest -m mpi`` every rank runs the same tests.
 A failing rank must not leave the others waiting in a collective, so a failed
 report on any rank aborts the whole job (STYLE.md); ``pytest-timeout`` with
 the thread method (pyproject) ends a hang.  Only rank 0 prints.
+
+Under CI (``CI=true``, as ``.ci/run`` is run) a test that skips because a
+component is missing (Chromium, root for tmpfs, torch, the CLI) fails instead:
+CI installs everything, so such a skip means an install step went missing.
+Only skips that depend on the MPI size ("needs two ranks") stay skips.
 """
 
 from __future__ import annotations
@@ -22,6 +27,23 @@ def _world_size() -> int:
 
 
 UNDER_MPIEXEC = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+UNDER_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def _fail_missing_component(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Under CI, turn a skip for a missing component into a failure that says which."""
+    if not (UNDER_CI and report.skipped) or getattr(report, "wasxfail", None) is not None:
+        return
+    reason = _skip_reason(report)
+    if reason.startswith("Skipped: needs") and "rank" in reason:
+        return
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI, where every component must be installed: {reason}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,6 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
     report = outcome.get_result()
+    _fail_missing_component(report)
     if UNDER_MPIEXEC and report.failed and _world_size() > 1:
         from mpi4py import MPI
 
@@ -45,6 +68,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         sys.__stderr__.write(f"\n[rank {rank}] {item.nodeid} failed:\n{report.longreprtext}\n")
         sys.__stderr__.flush()
         MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
+    outcome = yield
+    _fail_missing_component(outcome.get_result())
 
 
 @pytest.fixture
