@@ -219,8 +219,8 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence
 
 
 def _exchange(comm: Any, sendbuf: np.ndarray, sendsizes: np.ndarray, recvbuf: np.ndarray, recvsizes: np.ndarray,
-              rdispl: np.ndarray | None = None) -> None:
-    sdispl = _displs(sendsizes)
+              rdispl: np.ndarray | None = None, sdispl: np.ndarray | None = None) -> None:
+    sdispl = _displs(sendsizes) if sdispl is None else sdispl
     rdispl = _displs(recvsizes) if rdispl is None else rdispl
     if max(int(sendbuf.size), int(recvbuf.size)) < _MAX_CHUNK:
         comm.Alltoallv([sendbuf, (sendsizes, sdispl), MPI.BYTE], [recvbuf, (recvsizes, rdispl), MPI.BYTE])

@@ -38,11 +38,8 @@ def raw_table(seed: int, rank: int, size: int, layout: str, n: int, stream: int)
 
 
 def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Table, keys: list[str], how: str,
-        ctx: str, one_shuffle: bool) -> None:
-    from hetflow.operators import DTable, hashjoin
-
-    monkeypatch.setattr(hashjoin, "ONE_SHUFFLE", one_shuffle)
-    ctx += f" one_shuffle={one_shuffle}"
+        ctx: str) -> None:
+    from hetflow.operators import DTable
     lt, rt = DTable(comm, left), DTable(comm, right)
     monkeypatch.setenv("HETFLOW_JOIN_BUCKET_ROWS", "3")
     bucketed = lt.join(rt, keys, how=how, algorithm="hash")
@@ -62,30 +59,26 @@ def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Ta
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("one_shuffle", [True, False])
 @pytest.mark.parametrize("layout", D.LAYOUTS)
 @pytest.mark.parametrize("how", HOWS)
-def test_bucketed_join_raw_columns(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str,
-                                   one_shuffle: bool) -> None:
+def test_bucketed_join_raw_columns(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     seed = 4000 + HOWS.index(how) * 10 + D.LAYOUTS.index(layout)
     left = raw_table(seed, rank, size, layout, 60, 1)
     right = raw_table(seed, rank, size, "skew" if layout == "balanced" else layout, 45, 2)
-    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size}", one_shuffle)
+    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size}")
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("one_shuffle", [True, False])
 @pytest.mark.parametrize("layout", D.LAYOUTS)
 @pytest.mark.parametrize("how", HOWS)
-def test_bucketed_join_nulls_and_strings(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str,
-                                         one_shuffle: bool) -> None:
+def test_bucketed_join_nulls_and_strings(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     seed = 5000 + HOWS.index(how) * 10 + D.LAYOUTS.index(layout)
     keys = {"a": pa.string(), "b": pa.int32()}
     left = D.table(seed, rank, size, layout=layout, keys=keys, n=50, stream=1)
     right = D.table(seed, rank, size, layout=layout, keys=keys, n=50, stream=2).drop_columns(["f"])
-    run(comm, monkeypatch, left, right, list(keys), how, f"seed={seed} layout={layout} how={how} ranks={size}", one_shuffle)
+    run(comm, monkeypatch, left, right, list(keys), how, f"seed={seed} layout={layout} how={how} ranks={size}")
 
 
 @pytest.mark.parametrize("block", [1 << 20, 37])
@@ -144,3 +137,39 @@ def test_bucket_groups_leave_null_keys_out(monkeypatch: pytest.MonkeyPatch, rank
     for g_all, g_valid in zip(every, valid):
         keep = [i for i in g_all if a[i] is not None and b[i] is not None]
         assert g_valid.tolist() == keep
+
+
+@pytest.mark.parametrize("block", [1 << 16, 7])
+@pytest.mark.parametrize("buckets", [1, 3])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_permuted_columns_match_bucket_order(monkeypatch: pytest.MonkeyPatch, ranks: int, buckets: int, block: int) -> None:
+    """The blockwise counting sort puts every row where ``bucket_order``'s indices say (same partitions,
+    ascending row order within each), for columns of several widths."""
+    from hetflow.operators import comm as tc
+    from hetflow.operators import hashjoin
+
+    monkeypatch.setattr(hashjoin, "_PERMUTE_BLOCK", block)
+    monkeypatch.setattr(hashjoin, "_BLOCK", 29)
+    t = raw_table(31, 0, 1, "balanced", 300, 1).append_column("d", pa.array([i * 3 for i in range(300)], pa.decimal128(20, 2)))
+    raw = tc.raw_columns(t)
+    assert raw is not None
+    columns, bounds = hashjoin.permuted_columns(t, ["k"], ranks, buckets, raw)
+    order, expect = hashjoin.bucket_order(t, ["k"], ranks, buckets)
+    assert np.array_equal(bounds, expect)
+    for (values, _), got in zip(raw, columns):
+        assert np.array_equal(got, values[order])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", HOWS)
+def test_bucketed_join_raw_on_some_ranks_only(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Rank 0's right side has null values (not raw), the other ranks' are raw: every rank takes the
+    general per-bucket shuffle together."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    seed = 6000 + HOWS.index(how)
+    left = raw_table(seed, rank, size, "balanced", 40, 1)
+    right = raw_table(seed, rank, size, "balanced", 40, 2)
+    if rank == 0:
+        v = right.column("v").to_pylist()
+        right = right.set_column(1, "v", pa.array([None if i % 3 == 0 else x for i, x in enumerate(v)], pa.int64()))
+    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} how={how} ranks={size} nulls on rank 0")
