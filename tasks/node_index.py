@@ -65,6 +65,7 @@ class NodeIndex:
         self.gmask = [self.full_gpus] * nodes
         self.fc = [self.max_cores] * nodes
         self.fg = [gpus] * nodes
+        self.memory_per_node = memory
         self.mem: list[int] | None = None if memory is None else [memory] * nodes
         self.pool = [OPEN] * nodes
         width = self.max_cores + 1
