@@ -170,19 +170,21 @@ def permuted_columns(table: pa.Table, keys: Sequence[str], ranks: int, buckets: 
     bounds = np.zeros(parts + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
     columns = [np.empty_like(values) for values, _ in raw]
-    fill = bounds[:-1].copy()
+    fill = bounds[:-1].tolist()
     for start in range(0, n, _PERMUTE_BLOCK):
         block = ids[start : start + _PERMUTE_BLOCK]
-        local = np.argsort(block, kind="stable").astype(np.intp, copy=False)
-        local_counts = np.bincount(block, minlength=parts)
+        local = np.argsort(block, kind="stable")
+        local_counts = np.bincount(block, minlength=parts).tolist()
+        views = [values[start : start + block.size] for values, _ in raw]
         pos = 0
-        for j in np.flatnonzero(local_counts):
-            c = int(local_counts[j])
+        for j, c in enumerate(local_counts):
+            if not c:
+                continue
             rows = local[pos : pos + c]
-            f = int(fill[j])
-            for (values, _), out in zip(raw, columns):
-                np.take(values[start : start + block.size], rows, axis=0, out=out[f : f + c], mode="clip")
-            fill[j] += c
+            f = fill[j]
+            for view, out in zip(views, columns):
+                np.take(view, rows, axis=0, out=out[f : f + c], mode="clip")
+            fill[j] = f + c
             pos += c
     return columns, bounds
 
