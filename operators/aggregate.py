@@ -8,14 +8,24 @@ Group-by has two algorithms (Cylon / Dask ``split_out`` style):
   partials, merge them; moves one row per (rank, group), best with few groups.
   Only for decomposable aggregations (count, sum, mean, min, max, stddev,
   variance on numbers).
+* **range-shuffle-compute** – shuffle-compute with ranges of the key instead of
+  its hash (the sample sort's splitters; all rows of a key value go to one
+  rank); only for one integer-like key without nulls on any rank.  It needs no
+  hash of the key: the splitters cost one comparison per row, and the group
+  count is estimated from every 8th key (``SAMPLE_STRIDE``) instead of a
+  HyperLogLog sketch of every key's hash: 0.016 s against 0.081 s CPU for
+  10M rows (hash 0.019, sketch 0.033, partition ids 0.024).
 
-``auto`` estimates the number of groups with a HyperLogLog sketch of the key
-hashes and compares the Hockney cost of both exchanges.
+``auto`` estimates the number of groups per row and takes combine-shuffle-reduce
+when it is at most ``COMBINE_MAX_GROUP_RATIO``, else range-shuffle-compute when
+the key allows it, else shuffle-compute.  The Hockney cost of each exchange is
+reported in ``explain()``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -23,9 +33,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import comm as tc
-from . import kernels, partition
+from . import kernels, partition, sorting
 from .costmodel import Plan, hockney
-from .errors import UnsupportedAggregationError
+from .errors import InvalidOptionError, UnsupportedAggregationError
 from .typing import DECOMPOSABLE_AGGS
 
 if TYPE_CHECKING:
@@ -34,6 +44,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMBINE_MAX_GROUP_RATIO = 0.5
+#: the range path estimates the group count from every ``SAMPLE_STRIDE``-th key
+SAMPLE_STRIDE = 8
+#: ... when a rank has more rows than this (below it every key is counted)
+SAMPLE_MIN_ROWS = 1 << 16
 
 
 def _decomposable(schema: pa.Schema, aggs: Sequence[tuple[str, str]]) -> bool:
@@ -54,6 +68,38 @@ def _estimate_groups(hashes: np.ndarray) -> int:
     return int(pl.Series(hashes).approx_n_unique())
 
 
+def _range_key(comm: Any, table: pa.Table, keys: Sequence[str]) -> np.ndarray | None:
+    """The integer values of the one integer-like key when no rank's key has a null, else ``None`` (collective)."""
+    values = None
+    if len(keys) == 1 and table.column(keys[0]).null_count == 0:
+        values = sorting._numeric_key(table, keys[0])
+    return values if tc.allreduce_sum(comm, 0 if values is not None else 1) == 0 else None
+
+
+def _groups_from_sample(values: np.ndarray) -> int:
+    """Groups among ``values`` estimated from every ``SAMPLE_STRIDE``-th value: ``d`` distinct values in
+    ``s`` samples are inverted through ``d = G (1 - exp(-s / G))`` (keys of ``G`` groups drawn alike),
+    so a sample that is nearly all distinct means as many groups as rows."""
+    n = int(values.size)
+    if n == 0:
+        return 0
+    sample = values[::SAMPLE_STRIDE] if n > SAMPLE_MIN_ROWS else values
+    s = int(sample.size)
+    d = int(kernels._polars().Series(sample).approx_n_unique())
+    if s == n:
+        return min(d, n)
+    if d >= s * (1 - 1e-6):
+        return n
+    lo, hi = float(d), float(n) * 1e6  # f(G) = G (1 - exp(-s/G)) grows with G from ~d towards s
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if mid * -math.expm1(-s / mid) < d:
+            lo = mid
+        else:
+            hi = mid
+    return min(n, int(round(hi)))
+
+
 def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], algorithm: str) -> "DTable":
     table = dt.to_arrow()
     dt._check_columns([c for c, _ in aggs], "aggregate")
@@ -70,8 +116,16 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
             f"combine-shuffle-reduce needs decomposable numeric aggregations {sorted(DECOMPOSABLE_AGGS)}; got {aggs}")
     model = hockney(comm)
     proj = table.select(needed)
-    hashes = partition.hash_keys(proj, keys)  # once: for the estimate and for the shuffle
-    groups_local = _estimate_groups(hashes) if decomposable else proj.num_rows
+    rkey = _range_key(comm, proj, keys) if algorithm in ("auto", "range") else None
+    if algorithm == "range" and rkey is None:
+        raise InvalidOptionError("group_by algorithm for these keys", algorithm,
+                                 ["auto", "combine", "shuffle", "range (one integer-like key without nulls)"])
+    hashes: np.ndarray | None = None
+    if rkey is not None:
+        groups_local = _groups_from_sample(rkey) if decomposable else proj.num_rows
+    else:
+        hashes = partition.hash_keys(proj, keys)  # once: for the estimate and for the shuffle
+        groups_local = _estimate_groups(hashes) if decomposable else proj.num_rows
     stats = np.array(comm.allgather((proj.num_rows, groups_local, int(proj.nbytes))), dtype=np.float64)
     rows = stats[:, 0].sum()
     ratio = float(stats[:, 1].sum() / rows) if rows else 1.0
@@ -80,21 +134,28 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
     costs = {"shuffle": model.shuffle(p, float(stats[:, 2].max()))}
     if decomposable:
         costs["combine"] = model.shuffle(p, float((stats[:, 1] * partial_row_bytes).max()))
+    if rkey is not None:
+        costs["range"] = costs["shuffle"] + model.allgather(p, 16.0 * sorting.SAMPLES_PER_RANK * p)
     if algorithm == "auto":
-        choice = "combine" if decomposable and ratio <= COMBINE_MAX_GROUP_RATIO else "shuffle"
+        choice = "combine" if decomposable and ratio <= COMBINE_MAX_GROUP_RATIO else "range" if rkey is not None else "shuffle"
     else:
         choice = algorithm
+    how = f"every {SAMPLE_STRIDE}th key" if rkey is not None else "HyperLogLog"
     if decomposable:
-        detail = f"estimated groups/rows {ratio:.2f} (HyperLogLog), {row_bytes:.0f} B/row"
+        detail = f"estimated groups/rows {ratio:.2f} ({how}), {row_bytes:.0f} B/row"
     else:
-        detail = f"non-decomposable aggregation: shuffle-compute only, {row_bytes:.0f} B/row"
-    if choice == "shuffle":
-        ids = partition.ids_from_hash(hashes, p)
-        del hashes
+        detail = f"non-decomposable aggregation: no combine step, {row_bytes:.0f} B/row"
+    if choice in ("shuffle", "range"):
+        if choice == "range":
+            assert rkey is not None
+            ids = sorting.range_ids(comm, rkey, split_ties=False)
+        else:
+            ids = partition.ids_from_hash(hashes if hashes is not None else partition.hash_keys(proj, keys), p)
+        del hashes, rkey
         shuffled = tc.shuffle(comm, proj, ids)
         del ids, proj
         out = kernels.group_aggregate(shuffled, keys, aggs)
-        name = "shuffle-compute"
+        name = "range-shuffle-compute" if choice == "range" else "shuffle-compute"
     else:
         partial = kernels.partial_aggregate(proj, keys, aggs)
         shuffled = tc.shuffle(comm, partial, partition.partition_ids(partial, keys, p))

@@ -6,7 +6,7 @@ from typing import Literal, Sequence, Union, get_args
 
 JoinHow = Literal["inner", "left", "right", "full", "semi", "anti"]
 JoinAlgorithm = Literal["auto", "hash", "broadcast", "sort"]
-GroupByAlgorithm = Literal["auto", "combine", "shuffle"]
+GroupByAlgorithm = Literal["auto", "combine", "shuffle", "range"]
 SortOrder = Literal["ascending", "descending"]
 NullPlacement = Literal["at_start", "at_end"]
 AggName = Literal[

@@ -126,3 +126,65 @@ def test_set_operations(comm: Any, op: str, layout: str) -> None:
         sql = {"union": "UNION", "union_all": "UNION ALL", "intersect": "INTERSECT", "difference": "EXCEPT"}[op]
         want = D.duck(f"SELECT * FROM a {sql} SELECT * FROM b", a=wa, b=wb)
         D.assert_same_rows(got, want, f"seed={seed} {op} layout={layout} ranks={size}")
+
+
+RANGE_KEYS = ["int8", "int64", "uint64", "date32", "timestamp_us"]
+
+
+def _no_null_keys(t: pa.Table, name: str) -> pa.Table:
+    """The key column without nulls: they become the first key value (a heavier key); values keep theirs."""
+    col = t.column(name)
+    if col.null_count and t.num_rows > col.null_count:
+        fill = next(x for x in col.to_pylist() if x is not None)
+        col = pa.chunked_array([pa.array([fill if x is None else x for x in col.to_pylist()], col.type)])
+    elif col.null_count:
+        col = pa.chunked_array([pa.array([0] * t.num_rows, pa.int64()).cast(col.type)])
+    return t.set_column(t.schema.get_field_index(name), name, col)
+
+
+@pytest.mark.parametrize("layout", D.LAYOUTS)
+@pytest.mark.parametrize("kind", RANGE_KEYS)
+@pytest.mark.parametrize("algorithm", ["auto", "range"])
+def test_group_by_range_partitioned(comm: Any, algorithm: str, kind: str, layout: str) -> None:
+    """One integer-like key without nulls: range-shuffle-compute (equal keys meet on one rank) gives
+    DuckDB's groups for every aggregation, with nulls in the values, skew and empty ranks."""
+    from hetflow.operators import DTable
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    seed = 7300 + RANGE_KEYS.index(kind) * 10 + D.LAYOUTS.index(layout) + (5 if algorithm == "range" else 0)
+    for domain, aggs in ((1000, ALL_AGGS), (3, DECOMPOSABLE)):
+        t = _no_null_keys(D.table(seed, rank, size, layout=layout, keys={"k": D.KEY_TYPES[kind]}, n=80, domain=domain), "k")
+        dt = DTable(comm, t)
+        res = dt.group_by("k").aggregate(aggs, algorithm=algorithm)
+        got, whole = res.gather(), dt.gather()
+        ctx = f"seed={seed} layout={layout} kind={kind} domain={domain} algorithm={algorithm} ranks={size}"
+        if size > 1 and (algorithm == "range" or domain == 1000):
+            assert "range-shuffle-compute" in res.explain(), ctx + "\n" + res.explain()
+        if size > 1 and algorithm == "auto" and domain == 3 and layout == "balanced":
+            assert "combine-shuffle-reduce" in res.explain(), ctx + "\n" + res.explain()
+        if rank == 0:
+            D.assert_same_rows(got, reference(whole, ["k"], aggs), ctx)
+
+
+def test_group_by_range_rejects_other_keys(comm: Any) -> None:
+    """Explicit range needs one integer-like key without nulls on every rank; nulls on one rank suffice to refuse."""
+    from hetflow.operators import DTable
+    from hetflow.operators.errors import InvalidOptionError
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t = _no_null_keys(D.table(11, rank, size, n=30), "k")
+    if rank == size - 1:
+        t = t.set_column(0, "k", pa.array([None] + t.column("k").to_pylist()[1:], pa.int64()))
+    dt = DTable(comm, t)
+    if size > 1:
+        with pytest.raises(InvalidOptionError, match="range"):
+            dt.group_by("k").aggregate([("v", "sum")], algorithm="range")
+        with pytest.raises(InvalidOptionError, match="range"):
+            DTable(comm, D.table(12, rank, size, keys={"s2": pa.string()}, n=30)).group_by("s2").aggregate(
+                [("v", "sum")], algorithm="range")
+    res = dt.group_by("k").aggregate([("v", "sum")])  # auto falls back to the hash shuffle
+    got, whole = res.gather(), dt.gather()
+    if size > 1:
+        assert "range-shuffle-compute" not in res.explain()
+    if rank == 0:
+        D.assert_same_rows(got, reference(whole, ["k"], [("v", "sum")]), f"ranks={size}")

@@ -111,3 +111,18 @@ def test_partition_ids_shortcut_equals_multiply_shift(n: int) -> None:
     want = ((h >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32)
     got = ids_from_hash(h, n)
     assert np.array_equal(got.astype(np.uint64), want) and got.max(initial=0) < n
+
+
+@pytest.mark.parametrize("groups", [1, 1000, 50_000, 150_000, 10**9])
+def test_groups_from_sample(groups: int) -> None:
+    """The range group-by's group count from every 8th key is within 15% for keys drawn uniformly from
+    ``groups`` values (or of the row count when nearly every key is distinct)."""
+    from hetflow.operators import aggregate
+
+    n = 400_000
+    values = np.random.default_rng(groups).integers(0, groups, n)
+    exact = np.unique(values).size
+    est = aggregate._groups_from_sample(values)
+    assert abs(est - exact) <= 0.15 * exact, (groups, est, exact)
+    small = values[:1000]  # below SAMPLE_MIN_ROWS every key is counted
+    assert abs(aggregate._groups_from_sample(small) - np.unique(small).size) <= 0.05 * np.unique(small).size
