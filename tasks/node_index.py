@@ -102,6 +102,27 @@ class NodeIndex:
             self._levels[pool][fg] |= 1 << fc
         bucket[node] = None
 
+    def _move(self, node: int, cores: int, gpus: int) -> None:
+        """Change ``node``'s free counts by ``cores`` and ``gpus`` and re-file it (the hot path of
+        take and give: one bucket move, no separate unfile/file calls)."""
+        pool, fg, fc = self.pool[node], self.fg[node], self.fc[node]
+        width = self._width
+        buckets, levels = self._buckets[pool], self._levels[pool]
+        bucket = buckets[fg * width + fc]
+        del bucket[node]
+        if not bucket:
+            levels[fg] &= ~(1 << fc)
+        fc += cores
+        fg += gpus
+        self.fc[node] = fc
+        self.fg[node] = fg
+        self.free_cores_total += cores
+        self.free_gpus_total += gpus
+        bucket = buckets[fg * width + fc]
+        if not bucket:
+            levels[fg] |= 1 << fc
+        bucket[node] = None
+
     def set_pool(self, node: int, pool: int) -> None:
         if self.pool[node] != pool:
             if pool == OPEN and node not in self.grown:
@@ -221,16 +242,11 @@ class NodeIndex:
             if len(self._taken) >= TAKE_MEMO:
                 self._taken.clear()
             taken = self._taken[key] = self._choose(cmask, gmask, ranks, cores, gpus)
-        self._unfile(node)
         self.cmask[node] = cmask & ~taken[1]
         self.gmask[node] = gmask & ~taken[2]
-        self.fc[node] -= ranks * cores
-        self.fg[node] -= ranks * gpus
-        self.free_cores_total -= ranks * cores
-        self.free_gpus_total -= ranks * gpus
+        self._move(node, -ranks * cores, -ranks * gpus)
         if memory and self.mem is not None:
             self.mem[node] -= ranks * memory
-        self._file(node)
         return taken
 
     def _choose(self, cmask: int, gmask: int, ranks: int, cores: int, gpus: int) -> Taken:
@@ -301,13 +317,8 @@ class NodeIndex:
         """Return cores and GPUs (bitmasks, with their counts) and memory to ``node``."""
         if node not in self.grown:
             self.grown[node] = (self.fc[node], self.fg[node], self.pool[node])
-        self._unfile(node)
         self.cmask[node] |= cores
         self.gmask[node] |= gpus
-        self.fc[node] += core_count
-        self.fg[node] += gpu_count
-        self.free_cores_total += core_count
-        self.free_gpus_total += gpu_count
+        self._move(node, core_count, gpu_count)
         if memory and self.mem is not None:
             self.mem[node] += memory
-        self._file(node)

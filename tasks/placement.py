@@ -119,7 +119,8 @@ class Placer:
                 row = self._core_slots.get(node)
                 if row is None:
                     row = self._core_slots[node] = {core: RankSlot(node, (core,)) for core in self._usable}
-                slots += [row[core_ids[0]] for core_ids, _ in ranks]
+                for core_ids, _ in ranks:  # mostly 1-4 ranks a node on a full pilot: no comprehension frame
+                    slots.append(row[core_ids[0]])
                 continue
             whole = not gpus and count * cores == index.fc[node]  # every free core: the GPU mask does not matter
             before = (node, index.cmask[node], -1 if whole else index.gmask[node], count, cores, gpus)

@@ -11,6 +11,7 @@ before that time (backfill).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -28,11 +29,20 @@ class Reservation:
 
 
 class Ends:
-    """Running tasks by estimated end (a lazy heap) and when each node's running tasks all end."""
+    """Running tasks by estimated end, and when each node's running tasks all end.
+
+    Estimated ends are filed in one-second buckets (a dict per whole second,
+    found through a small lazy heap of the bucket seconds), so a task that
+    finishes before its estimate leaves nothing behind: the walk in order of
+    estimated end meets running tasks only.  (A lazy heap of all ends left
+    several stale entries per live one ahead of the walk on a busy pilot,
+    since most tasks end before their estimate.)
+    """
 
     def __init__(self, nodes: int, start_time: float) -> None:
         self.nodes = nodes
-        self._heap: list[tuple[float, int, str]] = []  # running tasks with an estimate
+        self._buckets: dict[int, dict[str, tuple[float, int]]] = {}  # whole second -> task id -> (end, seq)
+        self._seconds: list[int] = []                  # lazy heap of bucket seconds
         self._unknown: dict[str, None] = {}            # running tasks without an estimate
         self._node_tasks: list[dict[str, float]] = [{} for _ in range(nodes)]
         self._node_end = [start_time] * nodes          # when each node's running tasks all end (estimates)
@@ -43,7 +53,12 @@ class Ends:
         if end == INF:
             self._unknown[tid] = None
         else:
-            heapq.heappush(self._heap, (end, task.seq, tid))
+            second = math.floor(end)
+            bucket = self._buckets.get(second)
+            if bucket is None:
+                bucket = self._buckets[second] = {}
+                heapq.heappush(self._seconds, second)
+            bucket[tid] = (end, task.seq)
         node_end = self._node_end
         for node, _, _, _ in task.alloc:
             self._node_tasks[node][tid] = end
@@ -51,8 +66,7 @@ class Ends:
                 node_end[node] = end
                 heapq.heappush(self._free_at, (end, node))
 
-    def remove(self, task: TaskRecord, now: float, running: dict[str, TaskRecord]) -> None:
-        """Forget ``task`` (already out of ``running``, the tasks still running)."""
+    def remove(self, task: TaskRecord, now: float) -> None:
         tid = task.event.task_id
         node_end = self._node_end
         for node, _, _, _ in task.alloc:
@@ -66,24 +80,34 @@ class Ends:
                 heapq.heappush(self._free_at, (end, node))
         if task.end == INF:
             del self._unknown[tid]
-        elif len(self._heap) > 64 and len(self._heap) > 2 * len(running):
-            self._heap = [(t.end, t.seq, i) for i, t in running.items() if t.end < INF]
-            heapq.heapify(self._heap)
+            return
+        second = math.floor(task.end)
+        bucket = self._buckets[second]
+        del bucket[tid]
+        if not bucket:
+            del self._buckets[second]  # its second stays in the heap until a walk or a rebuild drops it
+            if len(self._seconds) > 64 and len(self._seconds) > 2 * len(self._buckets):
+                self._seconds = list(self._buckets)
+                heapq.heapify(self._seconds)
 
     def in_order(self, running: dict[str, TaskRecord]) -> Iterator[TaskRecord]:
-        """Running tasks by estimated end (without copying the heap), unknown ends last."""
-        heap = self._heap
-        while heap and (heap[0][2] not in running or running[heap[0][2]].seq != heap[0][1]):
-            heapq.heappop(heap)  # finished tasks: drop them for good
+        """Running tasks by estimated end (then submission order), unknown ends last."""
+        heap, buckets = self._seconds, self._buckets
+        while heap and heap[0] not in buckets:
+            heapq.heappop(heap)  # emptied buckets
+        seen: set[int] = set()  # a second emptied and filed again is in the heap twice
         frontier = [(heap[0], 0)] if heap else []
         while frontier:
-            (end, seq, tid), i = heapq.heappop(frontier)
+            second, i = heapq.heappop(frontier)
             for child in (2 * i + 1, 2 * i + 2):
                 if child < len(heap):
                     heapq.heappush(frontier, (heap[child], child))
-            task = running.get(tid)
-            if task is not None and task.seq == seq:
-                yield task
+            bucket = buckets.get(second)
+            if bucket is None or second in seen:
+                continue
+            seen.add(second)
+            for _, _, tid in sorted([(end, seq, tid) for tid, (end, seq) in bucket.items()]):
+                yield running[tid]
         for tid in self._unknown:
             yield running[tid]
 
@@ -117,9 +141,13 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
     enough.
     """
     ranks, cores, gpus, memory, per_node = task.shape
-    single = ranks <= per_node
+    if ranks <= per_node:
+        found = _walk_single(task, index, ends, running, walk_limit)
+        if found is not None:
+            return found
+        return _emptied_first(task, index, ends, now)
     extra: dict[int, list[int]] = {}
-    total = 0 if single else index.capacity((OPEN,), cores, gpus, per_node)
+    total = index.capacity((OPEN,), cores, gpus, per_node)
 
     def fit(node: int) -> int:
         add = extra.get(node, (0, 0, 0))
@@ -128,53 +156,95 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
                                    cores, gpus, memory, per_node)
 
     start = INF
-    chosen: list[int] = []
-    found = False
     for walked, ending in enumerate(ends.in_order(running)):
         if walked >= walk_limit:
-            break
+            return _emptied_first(task, index, ends, now)
         _, run_cores, run_gpus, run_memory, _ = ending.shape
         for node, count, _, _ in ending.alloc:  # per node, not per rank
-            before = 0 if single else fit(node)
+            before = fit(node)
             add = extra.setdefault(node, [0, 0, 0])
             add[0] += count * run_cores
             add[1] += count * run_gpus
             add[2] += count * run_memory
-            after = fit(node)
-            total += after - before
-            if single and after >= ranks:
-                chosen = [node]
-                break
-        if chosen or (not single and total >= ranks):
+            total += fit(node) - before
+        if total >= ranks:
             start = ending.end
-            found = True
             break
-    if found and not single:
-        left = ranks
-        for node in sorted(extra, key=lambda n: -fit(n)):
-            if left > 0 and fit(node):
+    else:
+        return _emptied_first(task, index, ends, now)
+    chosen: list[int] = []
+    left = ranks
+    for node in sorted(extra, key=lambda n: -fit(n)):
+        if left > 0 and fit(node):
+            chosen.append(node)
+            left -= fit(node)
+    for fg, fc in sorted(index.keys(OPEN, cores, gpus), reverse=True):
+        if left <= 0:
+            break
+        for node in index.bucket(OPEN, fg, fc):
+            if left <= 0:
+                break
+            if node not in extra:
                 chosen.append(node)
                 left -= fit(node)
-        for fg, fc in sorted(index.keys(OPEN, cores, gpus), reverse=True):
-            if left <= 0:
-                break
-            for node in index.bucket(OPEN, fg, fc):
-                if left <= 0:
-                    break
-                if node not in extra:
-                    chosen.append(node)
-                    left -= fit(node)
-    elif not found:  # nodes that empty first
-        empty = index.ranks_fitting(index.max_cores, index.max_gpus, index.memory_per_node,
-                                    cores, gpus, memory, per_node)
-        left = ranks
-        for end, node in ends.free_times():
-            if node in extra and extra[node] == [-1]:
+    return start, chosen
+
+
+def _walk_single(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict[str, TaskRecord],
+                 walk_limit: int) -> tuple[float, list[int]] | None:
+    """The first node, in order of estimated ends, where a one-node ``task`` fits.
+
+    This is the hot loop of a busy pilot (a walk may meet MPI tasks spread over
+    hundreds of nodes), so it keeps per-node additions in plain dicts and tests
+    the fit inline: ``ranks`` fit on a node when its free GPUs, cores (less the
+    GPU core guard for CPU requests) and memory cover ``ranks`` times the request.
+    """
+    ranks, cores, gpus, memory, _ = task.shape
+    need_c, need_g, need_m = ranks * cores, ranks * gpus, ranks * memory
+    guard = 0 if gpus else index.guard
+    fc, fg = index.fc, index.fg
+    mem = index.mem if memory else None
+    add_c: dict[int, int] = {}
+    add_g: dict[int, int] = {}
+    add_m: dict[int, int] = {}
+    for walked, ending in enumerate(ends.in_order(running)):
+        if walked >= walk_limit:
+            return None
+        _, run_cores, run_gpus, run_memory, _ = ending.shape
+        for node, count, _, _ in ending.alloc:  # per node, not per rank
+            c = add_c[node] = add_c.get(node, 0) + count * run_cores
+            g = fg[node]
+            if run_gpus:
+                extra = add_g[node] = add_g.get(node, 0) + count * run_gpus
+                g += extra
+            elif node in add_g:
+                g += add_g[node]
+            if mem is not None and run_memory:
+                add_m[node] = add_m.get(node, 0) + count * run_memory
+            if g < need_g or fc[node] + c - guard * g < need_c:
                 continue
-            extra[node] = [-1]  # marks a node already chosen (the heap may repeat entries)
-            chosen.append(node)
-            left -= empty
-            start = max(end, now)
-            if left <= 0:
-                break
+            if mem is not None and mem[node] + add_m.get(node, 0) < need_m:
+                continue
+            return ending.end, [node]
+    return None
+
+
+def _emptied_first(task: TaskRecord, index: NodeIndex, ends: Ends, now: float) -> tuple[float, list[int]]:
+    """The nodes whose running tasks all end first, enough of them for ``task`` on empty nodes."""
+    ranks, cores, gpus, memory, per_node = task.shape
+    empty = index.ranks_fitting(index.max_cores, index.max_gpus, index.memory_per_node,
+                                cores, gpus, memory, per_node)
+    start = INF
+    chosen: list[int] = []
+    seen: set[int] = set()  # the heap may repeat entries
+    left = ranks
+    for end, node in ends.free_times():
+        if node in seen:
+            continue
+        seen.add(node)
+        chosen.append(node)
+        left -= empty
+        start = max(end, now)
+        if left <= 0:
+            break
     return start, chosen

@@ -256,7 +256,7 @@ class Scheduler:
         give = self.index.give
         for node, ranks, cmask, gmask in task.alloc:  # whole-node bulk: one give per node
             give(node, cmask, gmask, ranks * cores, ranks * gpus, ranks * memory)
-        self._ends.remove(task, self.now, self._running)
+        self._ends.remove(task, self.now)
         self._group_usage[task.event.group] -= task.weight
 
     # ------------------------------------------------------------- the pass
