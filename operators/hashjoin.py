@@ -56,6 +56,9 @@ BUCKET_ROWS = 1 << 20
 #: upper bound on buckets per rank (ids stay small integers)
 MAX_BUCKETS = 64
 _BLOCK = 1 << 20
+#: buckets moved per exchange of the permuted columns (``HETFLOW_JOIN_EXCHANGE_BUCKETS``): 1 keeps one
+#: bucket's received rows at a time, ``MAX_BUCKETS`` exchanges everything at once
+EXCHANGE_BUCKETS = int(os.environ.get("HETFLOW_JOIN_EXCHANGE_BUCKETS", "1"))
 #: rows per block of the permuting counting sort (a block of a column stays in cache)
 _PERMUTE_BLOCK = 1 << 16
 
@@ -209,35 +212,44 @@ def _permute(comm: Any, table: pa.Table, keys: Sequence[str], buckets: int) -> t
     return columns, sent, got
 
 
-def _exchange_bucket(comm: Any, schema: pa.Schema, columns: list[np.ndarray], sent: np.ndarray,
-                     got: np.ndarray, bucket: int) -> pa.Table:
-    """This rank's rows of ``bucket`` from the permuted ``columns`` (``_permute``): one ``Alltoallv``
-    per column straight from the slices, received into one buffer; own rows stay a zero-copy slice.
-    Rows are in source-rank order (one chunk per non-empty source)."""
+def _exchange_buckets(comm: Any, schema: pa.Schema, columns: list[np.ndarray], sent: np.ndarray,
+                      got: np.ndarray, first: int, stop: int) -> list[pa.Table]:
+    """This rank's rows of buckets ``first..stop-1`` from the permuted ``columns`` (``_permute``): one
+    ``Alltoallv`` per column straight from the contiguous runs (a destination's buckets are adjacent),
+    received into one buffer (source-major, then bucket); own rows stay zero-copy slices.  Rows of a
+    bucket are in source-rank order (one chunk per non-empty source)."""
     p, rank = comm.Get_size(), comm.Get_rank()
     buckets = sent.shape[1]
     starts = np.zeros(sent.size + 1, dtype=np.int64)
     np.cumsum(sent.reshape(-1), out=starts[1:])
-    sdispl = starts[np.arange(p) * buckets + bucket]
-    scount = sent[:, bucket].copy()
+    sdispl = starts[np.arange(p) * buckets + first]
+    scount = sent[:, first:stop].sum(axis=1)
     scount[rank] = 0
-    rcount = got[:, bucket].copy()
-    rcount[rank] = 0
-    rdispl = np.zeros(p, dtype=np.int64)
-    np.cumsum(rcount[:-1], out=rdispl[1:])
-    own = slice(int(sdispl[rank]), int(sdispl[rank] + sent[rank, bucket]))
+    rows_in = got[:, first:stop].copy()
+    rows_in[rank] = 0
+    rcount = rows_in.sum(axis=1)
+    rstart = np.zeros(rows_in.size + 1, dtype=np.int64)  # where (source, bucket) starts in the receive buffer
+    np.cumsum(rows_in.reshape(-1), out=rstart[1:])
+    rdispl = rstart[np.arange(p) * (stop - first)]
     total = int(rcount.sum())
-    chunks: list[list[pa.Array]] = [[] for _ in columns]
+    chunks: list[list[list[pa.Array]]] = [[[] for _ in columns] for _ in range(first, stop)]
     for i, (values, field) in enumerate(zip(columns, schema)):
         w = values.itemsize * (values.shape[1] if values.ndim > 1 else 1)
         recv = np.empty((total,) + values.shape[1:], dtype=values.dtype)
         tc._exchange(comm, values.reshape(-1).view(np.uint8), scount * w, recv.reshape(-1).view(np.uint8),
                      rcount * w, rdispl=rdispl * w, sdispl=sdispl * w)
-        for s in range(p):
-            part = values[own] if s == rank else recv[int(rdispl[s]) : int(rdispl[s] + rcount[s])]
-            if part.shape[0]:
-                chunks[i].append(pa.Array.from_buffers(field.type, part.shape[0], [None, pa.py_buffer(part)]))
-    return pa.Table.from_arrays([pa.chunked_array(c, f.type) for c, f in zip(chunks, schema)], schema=schema)
+        for b in range(first, stop):
+            for src in range(p):
+                if src == rank:
+                    at = int(starts[rank * buckets + b])
+                    part = values[at : at + int(sent[rank, b])]
+                else:
+                    at = int(rstart[src * (stop - first) + b - first])
+                    part = recv[at : at + int(rows_in[src, b - first])]
+                if part.shape[0]:
+                    chunks[b - first][i].append(pa.Array.from_buffers(field.type, part.shape[0], [None, pa.py_buffer(part)]))
+    return [pa.Table.from_arrays([pa.chunked_array(c, f.type) for c, f in zip(cols, schema)], schema=schema)
+            for cols in chunks]
 
 
 def hash_join(comm: Any, left: pa.Table, right: pa.Table, keys: Sequence[str], right_keys: Sequence[str],
@@ -256,13 +268,17 @@ def hash_join(comm: Any, left: pa.Table, right: pa.Table, keys: Sequence[str], r
         lp = _permute(comm, left, keys, buckets)
         rp = _permute(comm, right, right_keys, buckets) if lp is not None else None
         if lp is not None and rp is not None:
-            for b in range(buckets):
-                lt = _exchange_bucket(comm, left.schema, *lp, b)
-                rt = _exchange_bucket(comm, right.schema, *rp, b)
-                out = kernels.join(lt, rt, keys, right_keys, how, suffix)
-                del lt, rt
-                if out.num_rows or not outs:
-                    outs.append(out)
+            step = max(1, min(buckets, EXCHANGE_BUCKETS))
+            for first in range(0, buckets, step):
+                stop = min(buckets, first + step)
+                lts = _exchange_buckets(comm, left.schema, *lp, first, stop)
+                rts = _exchange_buckets(comm, right.schema, *rp, first, stop)
+                for j in range(stop - first):
+                    out = kernels.join(lts[j], rts[j], keys, right_keys, how, suffix)
+                    lts[j] = rts[j] = left.schema.empty_table()
+                    if out.num_rows or not outs:
+                        outs.append(out)
+                del lts, rts
             del lp, rp
             log.debug("bucketed hash join (permuted columns): %d bucket(s), %d rank(s)", buckets, p)
             return outs[0] if len(outs) == 1 else pa.concat_tables(outs)

@@ -59,14 +59,19 @@ def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Ta
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("exchange", [1, 3, 64])
 @pytest.mark.parametrize("layout", D.LAYOUTS)
 @pytest.mark.parametrize("how", HOWS)
-def test_bucketed_join_raw_columns(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str) -> None:
+def test_bucketed_join_raw_columns(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str, exchange: int) -> None:
+    """Raw columns take the permuted path; ``exchange`` buckets move per exchange (one, some, all)."""
+    from hetflow.operators import hashjoin
+
+    monkeypatch.setattr(hashjoin, "EXCHANGE_BUCKETS", exchange)
     rank, size = comm.Get_rank(), comm.Get_size()
     seed = 4000 + HOWS.index(how) * 10 + D.LAYOUTS.index(layout)
     left = raw_table(seed, rank, size, layout, 60, 1)
     right = raw_table(seed, rank, size, "skew" if layout == "balanced" else layout, 45, 2)
-    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size}")
+    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size} exchange={exchange}")
 
 
 @pytest.mark.mpi
