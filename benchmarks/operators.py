@@ -130,12 +130,14 @@ def hetflow_worker(op: str, rows: int, repeats: int) -> None:
 
 
 def phase_worker(rows: int, repeats: int) -> None:
-    """Wall/CPU seconds of the steps inside the 2-rank operators (rank 0, median; a barrier before each
-    step, so CPU inside a collective includes MPI's busy-waiting)."""
+    """Wall/CPU seconds of the steps inside the operators as they run them (rank 0, median; a barrier
+    before each step, so CPU inside a collective includes MPI's busy-waiting).  At 1 rank the join
+    and group-by are one local kernel call; the bucketed join's exchange and kernel are summed over
+    its buckets."""
     from mpi4py import MPI
 
+    from hetflow.operators import aggregate, hashjoin, kernels, sorting
     from hetflow.operators import comm as tc
-    from hetflow.operators import kernels, partition, sorting
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -143,25 +145,42 @@ def phase_worker(rows: int, repeats: int) -> None:
     left, right = make_table(1, rows, mine), make_table(2, rows, mine)
     seen: dict[str, list[tuple[float, float]]] = {}
 
-    def step(name: str, fn: Callable[[], Any]) -> Any:
-        comm.Barrier()
+    def step(name: str, fn: Callable[[], Any], barrier: bool = True) -> Any:
+        if barrier:
+            comm.Barrier()
         w0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         seen.setdefault(name, []).append((time.perf_counter() - w0, time.process_time() - c0))
         return out
 
+    def total(name: str, n: int) -> None:  # fold the last n entries of a per-bucket step into one
+        vals = seen[name][-n:]
+        del seen[name][-n:]
+        seen[name].append((sum(w for w, _ in vals), sum(c for _, c in vals)))
+
     for _ in range(repeats):
-        ids = step("join: partition ids (left)", lambda: partition.partition_ids(left, ["k"], size))
-        a = step("join: shuffle (left)", lambda: tc.shuffle(comm, left, ids))
-        ids = step("join: partition ids (right)", lambda: partition.partition_ids(right, ["k"], size))
-        b = step("join: shuffle (right)", lambda: tc.shuffle(comm, right, ids))
-        step("join: local kernel", lambda: kernels.join(a, b, ["k"], ["k"], "inner", "_right"))
-        del a, b
-        ids = step("group-by: hash + partition ids", lambda: partition.partition_ids(left, ["k"], size))
-        g = step("group-by: shuffle", lambda: tc.shuffle(comm, left, ids))
-        step("group-by: local kernel", lambda: kernels.group_aggregate(g, ["k"], [("v", "sum")]))
-        del g, ids
-        step("sort: whole (samples, ids, shuffle, local sort)", lambda: sorting.sample_sort(comm, left, [("k", "ascending")], "at_end"))
+        if size == 1:
+            step("join: local kernel (DuckDB, not bucketed)", lambda: kernels.join(left, right, ["k"], ["k"], "inner", "_right"))
+            step("group-by: local kernel (numpy packed sort + reduceat)", lambda: kernels.group_aggregate(left, ["k"], [("v", "sum")]))
+        else:
+            buckets = hashjoin.bucket_count(-(-rows // size))
+            lp = step("join: hash + permute columns by (rank, bucket), left", lambda: hashjoin._permute(comm, left, ["k"], buckets))
+            rp = step("join: hash + permute columns by (rank, bucket), right", lambda: hashjoin._permute(comm, right, ["k"], buckets))
+            for b in range(buckets):
+                lt, rt = step("join: exchange, all buckets (Alltoallv per column and bucket)", lambda: (
+                    hashjoin._exchange_buckets(comm, left.schema, *lp, b, b + 1)[0],
+                    hashjoin._exchange_buckets(comm, right.schema, *rp, b, b + 1)[0]))
+                step("join: local kernel, all buckets (DuckDB)", lambda: kernels.join(lt, rt, ["k"], ["k"], "inner", "_right"), barrier=False)
+            total("join: exchange, all buckets (Alltoallv per column and bucket)", buckets)
+            total("join: local kernel, all buckets (DuckDB)", buckets)
+            del lp, rp, lt, rt
+            keys = left.column("k").to_numpy()
+            step("group-by: groups from every 8th key", lambda: aggregate._groups_from_sample(keys))
+            ids = step("group-by: range splitters + ids", lambda: sorting.range_ids(comm, keys, split_ties=False))
+            g = step("group-by: shuffle", lambda: tc.shuffle(comm, left, ids))
+            step("group-by: local kernel (numpy packed sort + reduceat)", lambda: kernels.group_aggregate(g, ["k"], [("v", "sum")]))
+            del g, ids
+        step("sort: whole (samples, ids, shuffle, local packed sort)", lambda: sorting.sample_sort(comm, left, [("k", "ascending")], "at_end"))
     if rank == 0:
         print(f"{size} rank(s), {rows:,} rows per table, median of {repeats}; wall / CPU seconds on rank 0")
         for name, vals in seen.items():
