@@ -21,17 +21,20 @@ is exact per bucket because a key's rows on both sides are in the same bucket; r
 with a null key that cannot appear in the result are left out of the indices (no
 filtered copy).
 
-Measured (2 ranks, 20M rows per table, one DuckDB thread per rank, wall /
-peak RSS growth over both input partitions, this 2-core VM at load 1.1-1.7):
-unbucketed 1.6-2.6 s / 2.96-3.21x; one shuffle, B=10: 1.23-1.37 s / 1.3x
-when repeated in one process, 1.50-1.75 s / 1.47x (median of 3) in a fresh
-one; one shuffle per bucket, B=10: 1.27-1.41 s / 0.43-0.66x repeated,
-1.33-1.54 s / 0.85x fresh (the default); B=5 and B=20 were not faster.  Kernels on one real bucket (1M + 1M rows, CPU): DuckDB 0.064-0.074 s,
-polars 0.078-0.086 s, numpy packed-sort + searchsorted merge 0.079-0.083 s
-(10M + 10M: DuckDB 0.62-0.72, numpy 0.82-0.87, polars 1.7-1.9 s), so DuckDB
-stays the kernel; bucketing does not make DuckDB's CPU smaller (10 x 0.07 s =
-the whole join), the gain is memory and fewer freshly faulted pages (a new
-page costs ~0.8 ms/MB on this VM).
+Measured (2 ranks, 20M rows per table, one DuckDB thread per rank, fresh processes,
+median of 3, wall / CPU / peak RSS growth over both input partitions; this 2-core VM
+shared with other users' CPU-bound jobs, load in brackets): gathering each
+(rank, bucket) through index arrays 1.60 s / 1.59 s / 0.99x, the permuted columns
+1.22 s / 1.21 s / 1.58x (load 2.0, same run); one bucket per exchange 2.22-2.38 s,
+all buckets in one exchange 2.15-2.22 s but 2.0x growth (load 3.1, same run), so
+``EXCHANGE_BUCKETS`` stays 1; B = 5, 10, 20 differ by less than the noise.
+Per rank the join is then DuckDB's one-thread join of its rows (10 x 1M + 1M:
+0.65-0.7 s CPU alone), two permutations (0.18 s CPU each) and the exchanges
+(0.05 s).  Earlier (index-array gathers): unbucketed 1.6-2.6 s / 2.96-3.21x; B=10
+1.33-1.54 s / 0.85x.  Kernels on one real bucket (1M + 1M rows, CPU): DuckDB
+0.064-0.074 s, polars 0.078-0.086 s, numpy packed-sort + searchsorted merge
+0.079-0.083 s (10M + 10M: DuckDB 0.62-0.72, numpy 0.82-0.87, polars 1.7-1.9 s),
+so DuckDB stays the kernel.
 """
 
 from __future__ import annotations
