@@ -236,12 +236,19 @@ class NodeIndex:
         many-rank task on whole nodes costs one dictionary look-up per node.
         """
         cmask, gmask = self.cmask[node], self.gmask[node]
-        key = (cmask, gmask, ranks, cores, gpus)
-        taken = self._taken.get(key)
+        taken: Taken | None = None
+        if ranks == 1 and cores == 1 and not gpus:  # one core: the lowest free core away from free GPUs
+            away = cmask & ~self.near_of(gmask)
+            if away:
+                low = away & -away
+                taken = ((((low.bit_length() - 1,), ()),), low, 0)
         if taken is None:
-            if len(self._taken) >= TAKE_MEMO:
-                self._taken.clear()
-            taken = self._taken[key] = self._choose(cmask, gmask, ranks, cores, gpus)
+            key = (cmask, gmask, ranks, cores, gpus)
+            taken = self._taken.get(key)
+            if taken is None:
+                if len(self._taken) >= TAKE_MEMO:
+                    self._taken.clear()
+                taken = self._taken[key] = self._choose(cmask, gmask, ranks, cores, gpus)
         self.cmask[node] = cmask & ~taken[1]
         self.gmask[node] = gmask & ~taken[2]
         self._move(node, -ranks * cores, -ranks * gpus)

@@ -60,11 +60,16 @@ class Placer:
         left = ranks
         keys = sorted(((fg, fc, pool) for pool in pools for fg, fc in index.keys(pool, cores, gpus)),
                       key=lambda k: -index.ranks_fitting(k[1], k[0], None, cores, gpus, 0, per_node))
+        check_memory = bool(memory) and index.mem is not None
         for fg, fc, pool in keys:
+            # every node of a bucket has the same free cores and GPUs: one fit for all (memory aside)
+            bucket_fit = index.ranks_fitting(fc, fg, None, cores, gpus, 0, per_node)
+            if not bucket_fit:
+                continue
             for node in index.bucket(pool, fg, fc):
-                fit = index.node_fit(node, cores, gpus, memory, per_node)
+                fit = index.node_fit(node, cores, gpus, memory, per_node) if check_memory else bucket_fit
                 if fit:
-                    take = min(fit, left)
+                    take = fit if fit < left else left
                     plan.append((node, take))
                     left -= take
                     if not left:

@@ -126,7 +126,8 @@ class Scheduler:
         self._parked_seen = -1      # memo.dropped at the last look at the parked heads
         self._parked_stale = False  # a queued task was cancelled or expired (maybe a parked head)
         self._placer = Placer(self.index, self.pilot.usable_cores())
-        self.walk_limit = 256
+        self.walk_limit = 256   # running tasks a reservation walk may release (see reservation.earliest_start)
+        self.walk_nodes = 4096  # ... and the nodes they held
 
     # ---------------------------------------------------------------- public
     def handle_event(self, event: Event) -> list[Instruction]:
@@ -572,15 +573,16 @@ class Scheduler:
         """Hold nodes for ``task`` from the earliest time the running tasks' estimates free them.
 
         Running tasks are released in order of estimated end until the task
-        fits; if that takes more than ``walk_limit`` tasks (a whole-node
-        request on a busy pilot), the nodes that become entirely free first are
-        held instead — a later but still valid start.
+        fits; if that takes more than ``walk_limit`` tasks or ``walk_nodes`` of
+        their nodes (a whole-node request on a busy pilot), the nodes that become
+        entirely free first are held instead — a later but still valid start.
         """
         current = self.reservation
         if current is not None and self.now < current.start and current.task_id in self._tasks:
             return  # the holder keeps its reservation until it starts (or the estimate is overrun)
         self._clear_reservation()
-        start, chosen = earliest_start(task, self.index, self._ends, self._running, self.now, self.walk_limit)
+        start, chosen = earliest_start(task, self.index, self._ends, self._running, self.now,
+                                       self.walk_limit, self.walk_nodes)
         if not chosen:
             return
         for node in chosen:

@@ -87,13 +87,14 @@ def _load_function(spec: Mapping[str, Any]) -> Callable[..., Any]:
     if not callable(func):
         raise RuntimeError(f"stage {spec['stage']!r}: {module_name}.{name} is not a function "
                            f"(is it defined at the top level of {path or module_name}?)")
-    return getattr(func, "__wrapped_stage__", func)
+    wrapped: Callable[..., Any] = getattr(func, "__wrapped_stage__", func)
+    return wrapped
 
 
 def _open_input(path: str, rank: int, size: int, verify: str) -> Any:
     from hetflow.operators.dataset import Dataset
 
-    dataset = Dataset(path, verify=verify)  # type: ignore[arg-type]
+    dataset = Dataset(path, verify=verify)
     if dataset.producer.get("ranks") == size:
         return dataset.partitions_for_rank(rank, size)
     return dataset.rows_for_rank(rank, size)
