@@ -76,12 +76,40 @@ _Key = tuple[str, int, int, int, int, int]
 _REFRESH_NODES = 64     # more nodes freed than this since the last pass: start with a fresh memo
 
 
+_Entry = tuple[float, int, str]  # (-priority, seq, task id): smallest first
+
+
 @dataclass
 class _Queue:
-    """Queued tasks of one (group, shape): a heap of (-priority, seq, task id)."""
+    """Queued tasks of one (group, shape), best first.
 
-    heap: list[tuple[float, int, str]] = field(default_factory=list)
+    Entries live in a heap, or in ``run``, a list sorted best-last that a big
+    batch of submissions is settled into: popping a run costs nothing, while
+    popping a heap of 10^5 entries was 5% of a saturated Frontier simulation.
+    """
+
+    heap: list[_Entry] = field(default_factory=list)
+    run: list[_Entry] = field(default_factory=list)
     filed: int = -1  # seq of this queue's entry in the scheduler's heads heap
+
+    def peek(self) -> _Entry | None:
+        heap, run = self.heap, self.run
+        if run:
+            return heap[0] if heap and heap[0] < run[-1] else run[-1]
+        return heap[0] if heap else None
+
+    def pop(self) -> None:
+        heap, run = self.heap, self.run
+        if run and (not heap or run[-1] < heap[0]):
+            run.pop()
+        else:
+            heapq.heappop(heap)
+
+    def settle(self) -> None:
+        """Sort the heap into the run once it is large against it (amortised: each entry moves a few times)."""
+        if len(self.heap) > 64 and 8 * len(self.heap) > len(self.run):
+            self.run = sorted(self.run + self.heap, reverse=True)
+            self.heap = []
 
 
 
@@ -142,6 +170,8 @@ class Scheduler:
         elif isinstance(event, TasksSubmitted):
             for submitted in event.tasks:
                 self._submit(submitted, out)
+            for queue in self._queues.values():
+                queue.settle()
             self._dirty = True
         elif isinstance(event, TaskFinished):
             self._release(event.task_id)
@@ -207,7 +237,8 @@ class Scheduler:
         if queue is None:
             queue = self._queues[key] = _Queue()
         entry = (-event.priority, task.seq, tid)
-        if not queue.heap or entry < queue.heap[0]:
+        best = queue.peek()
+        if best is None or entry < best:
             heapq.heappush(self._heads, (entry[0], entry[1], key))
             queue.filed = task.seq
         heapq.heappush(queue.heap, entry)
@@ -264,12 +295,12 @@ class Scheduler:
     def _head(self, key: _Key) -> TaskRecord | None:
         """The first live task of a queue, dropping cancelled entries."""
         queue = self._queues[key]
-        heap = queue.heap
-        while heap:
-            task = self._tasks.get(heap[0][2])
-            if task is not None and task.seq == heap[0][1]:
+        tasks = self._tasks
+        while (best := queue.peek()) is not None:
+            task = tasks.get(best[2])
+            if task is not None and task.seq == best[1]:
                 return task
-            heapq.heappop(heap)
+            queue.pop()
         del self._queues[key]
         return None
 
@@ -352,7 +383,7 @@ class Scheduler:
                 else:
                     set_aside.append(entry)
                 continue
-            heapq.heappop(queue.heap)
+            queue.pop()
             self._start(task, slots, out)
             nxt = self._head(key)
             if nxt is not None:
@@ -432,7 +463,8 @@ class Scheduler:
             if best is not None and best[0] < entry:
                 continue
             queue = self._queues.get(key)
-            task = self._tasks.get(queue.heap[0][2]) if queue is not None and queue.heap else None
+            head = queue.peek() if queue is not None else None
+            task = self._tasks.get(head[2]) if head is not None else None
             if task is not None and task.seq == entry[1] and (share == INF or usage.get(task.event.group, 0.0) < share):
                 best = (entry, task)
         return best
@@ -512,7 +544,8 @@ class Scheduler:
             return
         key = (task.event.group, (task.shape[0] - 1).bit_length()) + task.shape[1:]
         queue = self._queues[key]
-        if queue.heap[0][2] != task.event.task_id:
+        best = queue.peek()
+        if best is None or best[2] != task.event.task_id:
             return  # an earlier task of its queue is waiting for the same resources
         ok = True
         blocked = self._tasks.get(self._first_blocked) if self._first_blocked is not None else None
@@ -525,7 +558,7 @@ class Scheduler:
             if blocked is None or (-task.event.priority, task.seq) < (-blocked.event.priority, blocked.seq):
                 self._first_blocked = task.event.task_id
             return
-        heapq.heappop(queue.heap)
+        queue.pop()
         self._start(task, slots, out)
         nxt = self._head(key)
         if nxt is not None:
