@@ -23,10 +23,11 @@ from . import comm as tc
 from . import kernels
 
 SAMPLES_PER_RANK = 32
-#: at least this many samples in all for the integer-key splitters (``range_ids``): a rank's share
-#: is off by about ``0.5 / sqrt(samples)`` (the 20M-row benchmark table at 2 ranks: 128 samples gave
-#: one rank 2.9% more rows than half, 4096 samples 2.7% (an unlucky draw, 1 sigma is 0.8%), 65536
-#: 0.03%); 32768 pairs of integers cost ~1 ms to gather and sort
+#: at least this many samples in all for the integer-key splitters (``range_ids``): the share of a
+#: rank is off by about ``0.5 / sqrt(samples)``.  The 20M-row benchmark table at 2 ranks, share of
+#: the rows above the splitter: 128 samples 47.7%, 4096 52.7% (an unlucky draw; 1 sigma is 0.8%),
+#: 16384 51.0%, 131072 50.03%; with 32768 the range group-by's two ranks got 8,951,274 and
+#: 8,983,044 groups.  Sorting the 32768 gathered pairs (np.lexsort) takes about 2 ms
 RANGE_SAMPLES = 1 << 15
 
 
