@@ -52,6 +52,7 @@ free-capacity index in :mod:`~hetflow.tasks.node_index`.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 from dataclasses import dataclass, field
@@ -151,6 +152,10 @@ class Scheduler:
         self._memo = PassMemo()
         self._parked: dict[_Key, tuple[float, int, _Key]] = {}  # blocked queue heads, out of the heads heap
         self._parked_shape: dict[_Key, Shape] = {}  # the request shape of each parked head
+        # parked heads of spanning shapes (ruled out by a capacity figure only), per capacity key:
+        # (-ranks, seq, queue key), sorted so that the fewest ranks come last (popped first)
+        self._parked_spans: dict[tuple[bool, int, int, int], list[tuple[int, int, _Key]]] = {}
+        self._parked_spans_size = 0
         self._parked_seen = -1      # memo.dropped at the last look at the parked heads
         self._parked_stale = False  # a queued task was cancelled or expired (maybe a parked head)
         self._placer = Placer(self.index, self.pilot.usable_cores())
@@ -241,6 +246,7 @@ class Scheduler:
         if best is None or entry < best:
             heapq.heappush(self._heads, (entry[0], entry[1], key))
             queue.filed = task.seq
+            self._parked.pop(key, None)  # its parked head is no longer the queue's head
         heapq.heappush(queue.heap, entry)
         self._group_queued[event.group] = self._group_queued.get(event.group, 0) + 1
         if latest < INF:
@@ -380,6 +386,7 @@ class Scheduler:
                 if memo.blocked(task.shape, True) and not task.event.preferred_nodes:
                     parked[key] = entry  # out of the heads until a freed node could fit it
                     self._parked_shape[key] = task.shape
+                    self._park_span(key, entry, task.shape)
                 else:
                     set_aside.append(entry)
                 continue
@@ -423,8 +430,22 @@ class Scheduler:
         if memo.capacity.get(key, ranks) >= ranks:
             memo.set_capacity(key, index.capacity(pools, cores, gpus, per_node), index)
 
+    def _park_span(self, key: _Key, entry: tuple[float, int, _Key], shape: Shape) -> None:
+        ranks, cores, gpus, _, per_node = shape
+        if ranks <= per_node or ranks == 1:
+            return
+        spans = self._parked_spans.setdefault((True, cores, gpus, per_node), [])
+        bisect.insort(spans, (-ranks, entry[1], key))
+        self._parked_spans_size += 1
+
     def _unpark(self, memo: PassMemo) -> None:
-        """Put back into the heads the parked queues whose head the memo no longer rules out."""
+        """Put back into the heads the parked queues whose head the memo no longer rules out.
+
+        A parked head of a spanning shape is ruled out by its capacity figure
+        alone, so those wait per capacity key sorted by rank count, and a look
+        at them costs one comparison per key unless some now fit; one-node
+        shapes (a few per group) are asked one by one.
+        """
         parked = self._parked
         if not parked or (memo.dropped == self._parked_seen and not self._parked_stale):
             return  # no verdict weakened and no parked head left its queue since the last look
@@ -432,8 +453,16 @@ class Scheduler:
         stale = self._parked_stale
         self._parked_stale = False
         shapes = self._parked_shape
+        if stale or self._parked_spans_size > 4 * len(parked) + 64:
+            self._parked_spans = {}  # rebuilt below from the heads that stay parked
+            self._parked_spans_size = 0
+            stale = True
         verdicts: dict[Shape, bool] = {}  # parked heads of several groups often share a shape
         for key, entry in list(parked.items()):
+            shape = shapes[key]
+            spanning = shape[0] > shape[4] and shape[0] > 1
+            if spanning and not stale:
+                continue  # looked at below, per capacity key
             queue = self._queues.get(key)
             if queue is None or queue.filed != entry[1]:
                 del parked[key]  # superseded: the queue's current entry is in the heads
@@ -447,13 +476,27 @@ class Scheduler:
                     del parked[key]
                     heapq.heappush(self._heads, entry)  # the pass files the real head
                     continue
-            shape = shapes[key]
             blocked = verdicts.get(shape)
             if blocked is None:
                 blocked = verdicts[shape] = memo.blocked(shape, True)
             if not blocked:
                 del parked[key]
                 heapq.heappush(self._heads, entry)
+            elif stale:
+                self._park_span(key, entry, shape)
+        capacity = memo.capacity
+        for cap_key, spans in self._parked_spans.items():
+            fit = capacity.get(cap_key)
+            while spans and (fit is None or -spans[-1][0] <= fit):
+                _, seq, key = spans.pop()
+                self._parked_spans_size -= 1
+                held = parked.get(key)
+                if held is None or held[1] != seq:
+                    continue  # left the parked heads already
+                del parked[key]
+                queue = self._queues.get(key)
+                if queue is not None and queue.filed == seq:
+                    heapq.heappush(self._heads, held)
 
     def _parked_first(self, share: float) -> tuple[tuple[float, int, _Key], TaskRecord] | None:
         """The highest-priority parked head of a group within ``share`` (INF: any group)."""
