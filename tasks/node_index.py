@@ -256,6 +256,34 @@ class NodeIndex:
             self.mem[node] -= ranks * memory
         return taken
 
+    def take_cores(self, node: int, count: int, memory: int) -> tuple[list[int], int]:
+        """Take ``count`` one-core CPU ranks on ``node``: their core ids, ascending, and the taken mask.
+
+        The same choice as :meth:`take` (cores away from free GPUs first, then
+        spread over the GPUs' regions) without the memo or per-rank tuples:
+        the hot path of MPI ranks spread a few per node over a busy pilot,
+        where free masks rarely repeat.
+        """
+        cmask, gmask = self.cmask[node], self.gmask[node]
+        away = cmask & ~self.near_of(gmask)
+        ids: list[int] = []
+        taken = 0
+        while away and len(ids) < count:
+            low = away & -away
+            ids.append(low.bit_length() - 1)
+            taken |= low
+            away ^= low
+        if len(ids) < count:
+            for core in self._spread(cmask & ~taken & ~away, count - len(ids), gmask):
+                ids.append(core)
+                taken |= 1 << core
+            ids.sort()
+        self.cmask[node] = cmask & ~taken
+        self._move(node, -count, 0)
+        if memory and self.mem is not None:
+            self.mem[node] -= count * memory
+        return ids, taken
+
     def _choose(self, cmask: int, gmask: int, ranks: int, cores: int, gpus: int) -> Taken:
         start_c, start_g = cmask, gmask
         out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []

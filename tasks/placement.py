@@ -119,12 +119,18 @@ class Placer:
         single_core = cores == 1 and not gpus
         for node, count in plan:
             if single_core:  # one core per rank (MPI dataframe ranks): one shared RankSlot per node and core
-                ranks, cmask, gmask = index.take(node, count, cores, gpus, memory)
-                alloc.append((node, count, cmask, gmask))
                 row = self._core_slots.get(node)
                 if row is None:
                     row = self._core_slots[node] = {core: RankSlot(node, (core,)) for core in self._usable}
-                for core_ids, _ in ranks:  # mostly 1-4 ranks a node on a full pilot: no comprehension frame
+                if count < CACHE_RANKS:  # a few ranks on a node of a busy pilot: no memo, no per-rank tuples
+                    ids, cmask = index.take_cores(node, count, memory)
+                    alloc.append((node, count, cmask, 0))
+                    for core in ids:
+                        slots.append(row[core])
+                    continue
+                ranks, cmask, gmask = index.take(node, count, cores, gpus, memory)
+                alloc.append((node, count, cmask, gmask))
+                for core_ids, _ in ranks:
                     slots.append(row[core_ids[0]])
                 continue
             whole = not gpus and count * cores == index.fc[node]  # every free core: the GPU mask does not matter
