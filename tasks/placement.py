@@ -138,7 +138,8 @@ class Placer:
             ranks, cmask, gmask = index.take(node, count, cores, gpus, memory)
             alloc.append((node, count, cmask, gmask))
             if count < CACHE_RANKS:
-                slots += [RankSlot(node, core_ids, gpu_ids) for core_ids, gpu_ids in ranks]
+                for core_ids, gpu_ids in ranks:
+                    slots.append(RankSlot(node, core_ids, gpu_ids))
                 continue
             # many ranks on one node (an MPI task's whole node): the same free masks give the same
             # slots, so build them once per node and state
