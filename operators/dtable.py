@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +21,7 @@ from . import comm as tc
 from . import hashjoin, kernels, partition, sorting
 from .costmodel import Plan, hockney
 from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
-from .typing import (AGG_NAMES, DECOMPOSABLE_AGGS, GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS,
+from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS,
                      NULL_PLACEMENTS, ROLLING_AGG_NAMES, SORT_ORDERS, Aggregation, Keys, SortKey)
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 import numpy as np
 import pyarrow as pa
 
-from . import comm as tc
 from .errors import InputError, InvalidOptionError, SchemaMismatchError
 
 if TYPE_CHECKING:
