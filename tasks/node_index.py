@@ -236,19 +236,12 @@ class NodeIndex:
         many-rank task on whole nodes costs one dictionary look-up per node.
         """
         cmask, gmask = self.cmask[node], self.gmask[node]
-        taken: Taken | None = None
-        if ranks == 1 and cores == 1 and not gpus:  # one core: the lowest free core away from free GPUs
-            away = cmask & ~self.near_of(gmask)
-            if away:
-                low = away & -away
-                taken = ((((low.bit_length() - 1,), ()),), low, 0)
+        key = (cmask, gmask, ranks, cores, gpus)
+        taken = self._taken.get(key)
         if taken is None:
-            key = (cmask, gmask, ranks, cores, gpus)
-            taken = self._taken.get(key)
-            if taken is None:
-                if len(self._taken) >= TAKE_MEMO:
-                    self._taken.clear()
-                taken = self._taken[key] = self._choose(cmask, gmask, ranks, cores, gpus)
+            if len(self._taken) >= TAKE_MEMO:
+                self._taken.clear()
+            taken = self._taken[key] = self._choose(cmask, gmask, ranks, cores, gpus)
         self.cmask[node] = cmask & ~taken[1]
         self.gmask[node] = gmask & ~taken[2]
         self._move(node, -ranks * cores, -ranks * gpus)
@@ -264,20 +257,11 @@ class NodeIndex:
         the hot path of MPI ranks spread a few per node over a busy pilot,
         where free masks rarely repeat.
         """
-        cmask, gmask = self.cmask[node], self.gmask[node]
-        away = cmask & ~self.near_of(gmask)
-        ids: list[int] = []
+        cmask = self.cmask[node]
+        ids = self._cpu_cores(cmask, self.gmask[node], count)
         taken = 0
-        while away and len(ids) < count:
-            low = away & -away
-            ids.append(low.bit_length() - 1)
-            taken |= low
-            away ^= low
-        if len(ids) < count:
-            for core in self._spread(cmask & ~taken & ~away, count - len(ids), gmask):
-                ids.append(core)
-                taken |= 1 << core
-            ids.sort()
+        for core in ids:
+            taken |= 1 << core
         self.cmask[node] = cmask & ~taken
         self._move(node, -count, 0)
         if memory and self.mem is not None:
@@ -288,11 +272,7 @@ class NodeIndex:
         start_c, start_g = cmask, gmask
         out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         if not gpus:  # CPU ranks: pick all cores at once, then deal them out in order
-            away = cmask & ~self.near_of(gmask)
-            ids = list(_bits(away))[:ranks * cores]
-            if len(ids) < ranks * cores:  # also cores near free GPUs: take evenly, keeping some by each GPU
-                ids += self._spread(cmask & ~away, ranks * cores - len(ids), gmask)
-                ids.sort()
+            ids = self._cpu_cores(cmask, gmask, ranks * cores)
             for core in ids:
                 cmask &= ~(1 << core)
             out = [(tuple(ids[r * cores:(r + 1) * cores]), ()) for r in range(ranks)]
@@ -321,6 +301,21 @@ class NodeIndex:
             cmask &= ~chosen_c
             out.append((tuple(_bits(chosen_c)), tuple(_bits(chosen_g))))
         return tuple(out), start_c & ~cmask, start_g & ~gmask
+
+    def _cpu_cores(self, cmask: int, gmask: int, count: int) -> list[int]:
+        """``count`` free cores for CPU ranks, ascending: cores away from free GPUs first (lowest
+        ids), then, if those run out, cores near free GPUs taken evenly, keeping some by each GPU."""
+        away = cmask & ~self.near_of(gmask)
+        ids: list[int] = []
+        rest = away
+        while rest and len(ids) < count:
+            low = rest & -rest
+            ids.append(low.bit_length() - 1)
+            rest ^= low
+        if len(ids) < count:
+            ids += self._spread(cmask & ~away, count - len(ids), gmask)
+            ids.sort()
+        return ids
 
     def _spread(self, cmask: int, count: int, gmask: int) -> list[int]:
         """``count`` cores of ``cmask``, each from the free GPU whose nearby cores are most plentiful."""

@@ -155,7 +155,6 @@ class Scheduler:
         # parked heads of spanning shapes (ruled out by a capacity figure only), per capacity key:
         # (-ranks, seq, queue key), sorted so that the fewest ranks come last (popped first)
         self._parked_spans: dict[tuple[bool, int, int, int], list[tuple[int, int, _Key]]] = {}
-        self._parked_spans_size = 0
         self._parked_seen = -1      # memo.dropped at the last look at the parked heads
         self._parked_stale = False  # a queued task was cancelled or expired (maybe a parked head)
         self._placer = Placer(self.index, self.pilot.usable_cores())
@@ -436,7 +435,6 @@ class Scheduler:
             return
         spans = self._parked_spans.setdefault((True, cores, gpus, per_node), [])
         bisect.insort(spans, (-ranks, entry[1], key))
-        self._parked_spans_size += 1
 
     def _unpark(self, memo: PassMemo) -> None:
         """Put back into the heads the parked queues whose head the memo no longer rules out.
@@ -453,9 +451,8 @@ class Scheduler:
         stale = self._parked_stale
         self._parked_stale = False
         shapes = self._parked_shape
-        if stale or self._parked_spans_size > 4 * len(parked) + 64:
+        if stale or sum(map(len, self._parked_spans.values())) > 4 * len(parked) + 64:
             self._parked_spans = {}  # rebuilt below from the heads that stay parked
-            self._parked_spans_size = 0
             stale = True
         verdicts: dict[Shape, bool] = {}  # parked heads of several groups often share a shape
         for key, entry in list(parked.items()):
@@ -489,7 +486,6 @@ class Scheduler:
             fit = capacity.get(cap_key)
             while spans and (fit is None or -spans[-1][0] <= fit):
                 _, seq, key = spans.pop()
-                self._parked_spans_size -= 1
                 held = parked.get(key)
                 if held is None or held[1] != seq:
                     continue  # left the parked heads already
