@@ -164,11 +164,7 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
                                    cores, gpus, memory, per_node)
 
     start = INF
-    budget = walk_nodes
-    for walked, ending in enumerate(ends.in_order(running)):
-        budget -= len(ending.alloc)
-        if walked >= walk_limit or budget < 0:
-            return _emptied_first(task, index, ends, now)
+    for ending in _walk(ends, running, walk_limit, walk_nodes):
         _, run_cores, run_gpus, run_memory, _ = ending.shape
         for node, count, _, _ in ending.alloc:  # per node, not per rank
             before = fit(node)
@@ -200,6 +196,16 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
     return start, chosen
 
 
+def _walk(ends: Ends, running: dict[str, TaskRecord], walk_limit: int, walk_nodes: int) -> Iterator[TaskRecord]:
+    """Running tasks by estimated end, at most ``walk_limit`` of them holding ``walk_nodes`` nodes in all."""
+    budget = walk_nodes
+    for walked, ending in enumerate(ends.in_order(running)):
+        budget -= len(ending.alloc)
+        if walked >= walk_limit or budget < 0:
+            return
+        yield ending
+
+
 def _walk_single(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict[str, TaskRecord],
                  walk_limit: int, walk_nodes: int) -> tuple[float, list[int]] | None:
     """The first node, in order of estimated ends, where a one-node ``task`` fits.
@@ -217,11 +223,7 @@ def _walk_single(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict[s
     add_c: dict[int, int] = {}
     add_g: dict[int, int] = {}
     add_m: dict[int, int] = {}
-    budget = walk_nodes
-    for walked, ending in enumerate(ends.in_order(running)):
-        budget -= len(ending.alloc)
-        if walked >= walk_limit or budget < 0:
-            return None
+    for ending in _walk(ends, running, walk_limit, walk_nodes):
         _, run_cores, run_gpus, run_memory, _ = ending.shape
         for node, count, _, _ in ending.alloc:  # per node, not per rank
             c = add_c[node] = add_c.get(node, 0) + count * run_cores
