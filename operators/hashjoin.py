@@ -99,10 +99,7 @@ def bucket_order(table: pa.Table, keys: Sequence[str], ranks: int, buckets: int,
     valid = _valid_keys(table, keys) if drop_null_keys else None
     if parts == 1 and valid is None:
         return np.arange(n, dtype=np.int32 if n < 2**31 else np.int64), np.array([0, n], dtype=np.int64)
-    ids = np.empty(n, dtype=np.min_scalar_type(parts))  # ``parts`` itself marks a null key
-    for start in range(0, n, _BLOCK):  # block by block: the hash words stay in cache, no n-sized temporaries
-        block = table.slice(start, min(_BLOCK, n - start))
-        ids[start : start + block.num_rows] = partition.ids_from_hash(partition.hash_keys(block, keys), parts)
+    ids = _partition_ids(table, keys, parts)  # its dtype also holds ``parts``, which marks a null key
     if valid is not None:
         ids[~valid] = parts
     counts = np.bincount(ids, minlength=parts + 1)
