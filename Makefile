@@ -10,7 +10,7 @@ EXTRAS ?= ml,mpich,dask,radical,parsl,postgres,dev
 MPI_SIZES ?= 1 2 3
 PYTEST_MPI = $(BIN)/python -m pytest -m mpi -q -p no:cacheprovider
 
-.PHONY: install demo test test-serial test-mpi bench clean
+.PHONY: install demo test test-serial test-mpi compiled test-compiled bench clean
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/hetflow run examples/photoz/pipeline.py --no-progress
 	$(BIN)/hetflow status --json
 
-test: test-serial test-mpi
+test: test-serial test-mpi test-compiled
 
 test-serial: $(STAMP)
 	$(BIN)/python -m pytest -m "not mpi" tests
@@ -34,6 +34,18 @@ test-mpi: $(STAMP)
 	  echo "== mpiexec -n $$n pytest -m mpi"; \
 	  $(BIN)/mpiexec -n $$n $(PYTEST_MPI) tests || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }; \
 	done
+
+# The scheduler compiled with mypyc (setup.py) into build/compiled, beside the editable
+# pure-Python install; PYTHONPATH=build/compiled selects it.
+compiled: $(STAMP)
+	rm -rf build
+	HETFLOW_COMPILE=1 $(BIN)/python -m pip install -q --no-build-isolation --no-deps --target build/compiled .
+
+# the scheduler's tests again, against the compiled build
+test-compiled: compiled
+	PYTHONPATH=build/compiled $(BIN)/python -c "from hetflow.tasks.simulator import scheduler_build as b; assert b() == 'mypyc', b()"
+	PYTHONPATH=build/compiled $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  tests/test_scheduler.py tests/test_scheduler_invariants.py tests/test_simulator.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/operators.py

@@ -8,6 +8,7 @@ node count, the scheduler is sub-linear in pilot size for this workload.
 
     .venv/bin/python benchmarks/scheduler.py                       # 64, 512, 4096, 9408 nodes
     .venv/bin/python benchmarks/scheduler.py --nodes 64 512 --json-out /tmp/sched.json
+    make compiled && PYTHONPATH=build/compiled .venv/bin/python benchmarks/scheduler.py   # the mypyc build
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 from hetflow.tasks.pilot import load_pilot
-from hetflow.tasks.simulator import simulate
+from hetflow.tasks.simulator import scheduler_build, simulate
 from hetflow.tasks.workload import generate
 
 
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json-out", type=Path, default=Path("benchmarks/results/scheduler.json"))
     args = parser.parse_args(argv)
     rows = []
+    print(f"scheduler build: {scheduler_build()}")
     print(f"{'nodes':>6} {'tasks':>8} {'placements/s':>13} {'us/placement':>13} {'us/pl. >=90% full':>18}"
           f" {'cores':>7} {'GPUs':>7} {'makespan/LB':>12}")
     for nodes in args.nodes:
@@ -59,6 +61,7 @@ def main(argv: list[str]) -> int:
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     args.json_out.write_text(json.dumps({"workload": args.workload, "tasks_per_node": args.tasks_per_node,
+                                         "scheduler_build": scheduler_build(),
                                          "load_average_1min": load, "cpu_count": os.cpu_count(),
                                          "rows": rows}, indent=2))
     print(f"written {args.json_out} (1-min load average {load:.1f} on {os.cpu_count()} CPUs; "

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .pilot import PilotDescription, load_pilot
+from . import scheduler as _scheduler_module
 from .scheduler import RejectTask, Scheduler, StartTask, TaskFinished, TasksSubmitted, TaskSubmitted
 from .timeline import Interval
 from .workload import Workload, generate
@@ -60,6 +61,7 @@ class SimulationResult:
     makespan_lower_bound_s: float
     lower_bounds: dict[str, float]
     decision_cost: list[dict[str, float]]
+    scheduler_build: str = "python"  # or "mypyc": the compiled scheduler (see setup.py)
     intervals: list[Interval] = field(default_factory=list, repr=False)
     utilization_curve: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
 
@@ -183,7 +185,13 @@ def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int =
         core_utilization=core_area / (total_cores * makespan) if makespan else 0.0,
         gpu_utilization=gpu_area / (total_gpus * makespan) if makespan and total_gpus else 0.0,
         makespan_s=makespan, makespan_lower_bound_s=max(bounds.values()), lower_bounds=bounds,
-        decision_cost=cost, intervals=intervals, utilization_curve=_downsample(curve, curve_points))
+        decision_cost=cost, scheduler_build=scheduler_build(), intervals=intervals,
+        utilization_curve=_downsample(curve, curve_points))
+
+
+def scheduler_build() -> str:
+    """``"mypyc"`` when the scheduler in use is the compiled build (``setup.py``), else ``"python"``."""
+    return "python" if (_scheduler_module.__file__ or "").endswith(".py") else "mypyc"
 
 
 def _record(intervals: list[Interval], task: int, workload: Workload, slots: Any, start: float,
@@ -248,7 +256,8 @@ def cli_main(argv: list[str]) -> int:
 
 def _print_summary(result: SimulationResult, stream: Any) -> None:
     w = stream.write
-    w(f"{result.workload}: {result.tasks} tasks on {result.pilot} ({result.nodes} nodes)\n")
+    w(f"{result.workload}: {result.tasks} tasks on {result.pilot} ({result.nodes} nodes;"
+      f" {result.scheduler_build} scheduler)\n")
     w(f"  placements/s (scheduler time): {result.placements_per_second:,.0f}"
       f"  ({result.placements} placements, {result.events} events, {result.scheduler_seconds:.2f} s;"
       f" wall {result.wall_seconds:.1f} s)\n")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import hetflow.tasks.scheduler
 from hetflow.tasks.errors import ConfigError
 from hetflow.tasks.pilot import load_pilot
 from hetflow.tasks.simulator import cli_main, simulate
@@ -48,6 +49,9 @@ def test_cli_json_reports_the_required_figures(capsys: pytest.CaptureFixture[str
     assert data["makespan_s"] >= data["makespan_lower_bound_s"] * (1 - 1e-12) > 0
     assert sum(row["placements"] for row in data["decision_cost"]) == data["placements"]
     assert report.exists() and report.with_suffix(".png").exists()
+    # which scheduler made the figures: the compiled one only when it is the one imported
+    compiled = not hetflow.tasks.scheduler.__file__.endswith(".py")
+    assert data["scheduler_build"] == ("mypyc" if compiled else "python")
 
 
 def test_simulated_run_respects_dependencies_and_never_double_books() -> None:
