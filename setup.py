@@ -31,7 +31,11 @@ SUPPORT = ("description", "errors", "pilot")
 def ext_modules() -> list[Any]:
     if os.environ.get("HETFLOW_COMPILE") != "1":
         return []
-    from mypyc.build import mypycify
+    try:
+        from mypyc.build import mypycify
+    except ImportError as exc:
+        raise SystemExit("HETFLOW_COMPILE=1 needs mypy (mypyc) where the build runs: install it (it is in the "
+                         "dev extra) and build with pip install --no-build-isolation") from exc
 
     root = Path(__file__).resolve().parent
     stage = root / "build" / "mypyc-src"
