@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import comm as tc
-from . import hashjoin, kernels, partition, sorting
+from . import hashjoin, kernels, memory, partition, sorting
 from .costmodel import Plan, hockney
 from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
 from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS,
@@ -110,6 +110,7 @@ class DTable:
         if plan is not None and self._comm.Get_size() > 1 and not plan.model:
             plan = replace(plan, model=hockney(self._comm).describe())
         plans = self._plans + ((plan,) if plan is not None else ())
+        memory.trim()  # an operator is done: keep only CACHE_FREE_BYTES of its free scratch buffers
         return DTable(self._comm, table, _plans=plans, _checked=True)
 
     def _check_columns(self, names: Iterable[str], where: str = "table") -> None:

@@ -181,11 +181,13 @@ def sort_indices(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> 
     return np.asarray(idx.to_numpy())
 
 
-def sort(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> pa.Table:
+def sort(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str, *, consume: bool = False) -> pa.Table:
+    """``table`` stably sorted; ``consume``: the caller gives ``table`` up (it alone owns its
+    buffers, like a shuffle's result), so a kernel may overwrite them instead of copying."""
     if table.num_rows <= 1:
         return table
     if len(by) == 1:
-        fast = intkeys.sort_table(table, by[0][0], by[0][1] == "descending")
+        fast = intkeys.sort_table(table, by[0][0], by[0][1] == "descending", consume=consume)
         if fast is not None:
             return fast
     return table.take(pa.array(sort_indices(table, by, nulls)))
@@ -274,14 +276,16 @@ def _duck_ok(schema: pa.Schema, aggs: Sequence[tuple[str, str]]) -> bool:
     return True
 
 
-def group_aggregate(table: pa.Table, keys: Sequence[str], aggs: Sequence[tuple[str, str]]) -> pa.Table:
-    """Final aggregation of all rows of each group (SQL semantics: nulls form one group, aggregates skip nulls)."""
+def group_aggregate(table: pa.Table, keys: Sequence[str], aggs: Sequence[tuple[str, str]], *,
+                    consume: bool = False) -> pa.Table:
+    """Final aggregation of all rows of each group (SQL semantics: nulls form one group, aggregates skip nulls).
+    ``consume`` as in ``sort``."""
     schema = aggregate_schema(table.schema, keys, aggs)
     if not keys:
         return conform(_scalar_aggregate(table, aggs), schema)
     if table.num_rows == 0:
         return schema.empty_table()
-    fast = intkeys.group_aggregate(table, keys, aggs, schema)
+    fast = intkeys.group_aggregate(table, keys, aggs, schema, consume=consume)
     if fast is not None:
         return fast
     if _duck_ok(table.schema, aggs):

@@ -1,0 +1,119 @@
+"""Large numpy work arrays from Arrow's memory pool (layer 0, no communicator).
+
+numpy takes every array above 32 MiB from the kernel with ``mmap`` and gives it
+back with ``munmap`` when it is freed, so each such array is faulted in again on
+first touch.  Arrow's default pool (mimalloc or jemalloc) keeps freed memory
+and hands it out again.  Measured on this 2-core VM (160 MB written once, four
+times in a row, a pause between allocations): ``np.empty`` 18-500 ms (2 MiB huge
+page faults, slowest when the freed memory has gone back to the hypervisor),
+the Arrow mimalloc pool 31 ms the first time and 9-11 ms after (the write
+alone).  Operators therefore take their n-sized scratch and output arrays from
+the pool; the array keeps its Arrow buffer alive (``ndarray.base``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+#: arrays smaller than this come from numpy (its small-array cache is as good)
+POOL_MIN_BYTES = 1 << 20
+#: free cached bytes kept after an operator (``trim``); ``HETFLOW_SCRATCH_CACHE_BYTES`` overrides
+CACHE_FREE_BYTES = int(os.environ.get("HETFLOW_SCRATCH_CACHE_BYTES", str(1 << 30)))
+#: references to a cached buffer nothing else uses: the cache list, the loop name, getrefcount's argument
+_FREE_REFS = 3
+_cache: list[pa.Buffer] = []
+
+
+def empty(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised writable C-contiguous array; when large, from a free cached buffer (see
+    ``_take``) or else from Arrow's default memory pool."""
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    count = 1
+    for d in dims:
+        count *= int(d)
+    nbytes = count * dt.itemsize
+    if nbytes < POOL_MIN_BYTES:
+        return np.empty(dims, dtype=dt)
+    return np.frombuffer(_take(nbytes), dtype=dt, count=count).reshape(dims)
+
+
+def _take(nbytes: int) -> pa.Buffer:
+    """A buffer of at least ``nbytes`` (at most 1/8 more) that nothing else references.
+
+    Allocators give large blocks back to the kernel (numpy at once, mimalloc after 10 ms), and
+    faulting them in again costs more than using them (160 MB: 9-11 ms to write warm memory, 18-500
+    ms fresh).  So the buffers handed out are kept, and one whose arrays have all died (only this
+    cache refers to it) is handed out again.  ``trim`` (called when an operator returns) keeps
+    at most ``CACHE_FREE_BYTES`` of free ones between operators."""
+    best = None
+    for buf in _cache:
+        if sys.getrefcount(buf) == _FREE_REFS and nbytes <= buf.size <= nbytes + (nbytes >> 3) + POOL_MIN_BYTES \
+                and (best is None or buf.size < best.size):
+            best = buf
+    if best is not None:
+        return best
+    buf = pa.allocate_buffer(nbytes)
+    _cache.append(buf)
+    return buf
+
+
+def trim(keep_bytes: int | None = None) -> None:
+    """Drop free cached buffers beyond ``keep_bytes`` (default ``CACHE_FREE_BYTES``), largest first."""
+    limit = CACHE_FREE_BYTES if keep_bytes is None else keep_bytes
+    keep: list[pa.Buffer] = []
+    free: list[pa.Buffer] = []
+    for buf in _cache:
+        (free if sys.getrefcount(buf) == _FREE_REFS else keep).append(buf)
+    total = 0
+    for buf in sorted(free, key=lambda b: b.size):
+        if total + buf.size <= limit:
+            keep.append(buf)
+            total += buf.size
+    _cache[:] = keep
+
+
+def empty_like(a: np.ndarray) -> np.ndarray:
+    return empty(a.shape, a.dtype)
+
+
+#: rows per block of the blockwise index builders: their temporaries (at most 64 KiB) stay below
+#: glibc's 128 KiB mmap threshold, so they never cost a map, fault and unmap each
+BLOCK = 1 << 16
+
+
+def flatnonzero(mask: np.ndarray) -> np.ndarray:
+    """``np.flatnonzero(mask)`` (int64) built block by block into a pool array."""
+    out = empty(int(np.count_nonzero(mask)), np.int64)
+    pos = 0
+    for a in range(0, mask.size, BLOCK):
+        found = np.flatnonzero(mask[a : a + BLOCK])
+        found += a
+        out[pos : pos + found.size] = found
+        pos += found.size
+    return out
+
+
+def indices_by_id(ids: np.ndarray, n: int) -> list[np.ndarray]:
+    """Row indices (ascending, int64) of every id ``0..n-1`` of small integer ``ids``, block by
+    block into pool arrays: one pass over ``ids`` with cache-sized temporaries, where
+    ``np.flatnonzero(ids == j)`` per id would allocate (and fault in) two ``n``-sized arrays each."""
+    counts = np.zeros(n + 1, dtype=np.int64)
+    for a in range(0, ids.size, BLOCK):  # bincount casts its input to int64: in blocks
+        counts += np.bincount(ids[a : a + BLOCK], minlength=n + 1)[: n + 1]
+    out = [empty(int(c), np.int64) for c in counts[:n]]
+    pos = [0] * n
+    eq = np.empty(min(ids.size, BLOCK), dtype=bool)
+    for a in range(0, ids.size, BLOCK):
+        block = ids[a : a + BLOCK]
+        for j in range(n):
+            found = np.flatnonzero(np.equal(block, j, out=eq[: block.size]))
+            found += a
+            out[j][pos[j] : pos[j] + found.size] = found
+            pos[j] += found.size
+    return out
