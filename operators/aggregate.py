@@ -154,7 +154,7 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
         del hashes, rkey
         shuffled = tc.shuffle(comm, proj, ids)
         del ids, proj
-        out = kernels.group_aggregate(shuffled, keys, aggs)
+        out = kernels.group_aggregate(shuffled, keys, aggs, consume=True)  # the shuffle's own buffers
         name = "range-shuffle-compute" if choice == "range" else "shuffle-compute"
     else:
         partial = kernels.partial_aggregate(proj, keys, aggs)

@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 import pyarrow as pa
 
+from . import memory
 from .errors import SchemaMismatchError
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def _read_from(buf: np.ndarray, offset: int, size: int) -> pa.Table:
 def serialize(tables: Sequence[pa.Table | None]) -> tuple[np.ndarray, np.ndarray]:
     """Serialise ``tables`` into one byte buffer; ``None`` entries take 0 bytes."""
     sizes = np.array([0 if t is None else ipc_size(t) for t in tables], dtype=np.int64)
-    buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+    buf = memory.empty(int(sizes.sum()), np.uint8)
     offset = 0
     for t, size in zip(tables, sizes):
         if t is not None:
@@ -97,7 +98,7 @@ def alltoall_tables(comm: Any, parts: Sequence[pa.Table]) -> list[pa.Table]:
             parts[j] = None
     recvsizes = np.empty(size, dtype=np.int64)
     comm.Alltoall(sendsizes, recvsizes)
-    recvbuf = np.empty(int(recvsizes.sum()), dtype=np.uint8)
+    recvbuf = memory.empty(int(recvsizes.sum()), np.uint8)
     _exchange(comm, sendbuf, sendsizes, recvbuf, recvsizes)
     del sendbuf
     received = deserialize(recvbuf, recvsizes)
@@ -175,7 +176,8 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence
     Otherwise the parts travel as Arrow IPC (``alltoall_tables``).  ``groups`` (row indices
     per destination, ascending; ``ids`` is then ignored) may be passed when the caller already
     has them, and ``columns`` (``raw_columns(table)``) when it shuffles several row subsets of
-    one table, so that multi-chunk columns are combined once.
+    one table, so that multi-chunk columns are combined once.  With more than one rank the
+    result never shares a buffer with ``table`` (kernels may consume it).
     """
     from . import partition
 
@@ -201,11 +203,13 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence
     total = int(rmeta[:, 0].sum())
     slot = int(rmeta[:rank, 0].sum())
     arrays = []
+    # one send buffer serves every column in turn (sized for the widest): one allocation, not one per column
+    scratch = memory.empty(int(rows_out.sum()) * max(w for _, w in raw), np.uint8)
     for (values, w), field in zip(raw, table.schema):
         shape = values.shape[1:]
-        out = np.empty((total,) + shape, dtype=values.dtype)
+        out = memory.empty((total,) + shape, values.dtype)
         np.take(values, groups[rank], axis=0, out=out[slot : slot + groups[rank].size], mode="clip")
-        sendbuf = np.empty((int(rows_out.sum()),) + shape, dtype=values.dtype)
+        sendbuf = scratch[: int(rows_out.sum()) * w].view(values.dtype).reshape((-1,) + shape)
         offset = 0
         for j, g in enumerate(groups):
             if j != rank:
@@ -213,7 +217,6 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence
                 offset += g.size
         _exchange(comm, sendbuf.reshape(-1).view(np.uint8), rows_out * w, out.reshape(-1).view(np.uint8), rows_in * w,
                   rdispl=_displs(rmeta[:, 0]) * w)
-        del sendbuf
         arrays.append(pa.Array.from_buffers(field.type, total, [None, pa.py_buffer(out)]))
     return pa.Table.from_arrays(arrays, schema=table.schema)
 

@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from . import memory
+
 _INTLIKE = (pa.types.is_integer, pa.types.is_date, pa.types.is_timestamp, pa.types.is_duration, pa.types.is_boolean)
 
 
@@ -100,7 +102,7 @@ def split_indices(ids: np.ndarray, n: int) -> list[np.ndarray]:
     if n == 1:
         return [np.arange(ids.size, dtype=np.int64)]
     if n <= 16:  # a few linear scans beat a sort (10M rows, 2 parts: 16 ms against 72 ms)
-        return [np.flatnonzero(ids == j) for j in range(n)]
+        return memory.indices_by_id(ids, n)
     counts = np.bincount(ids, minlength=n)
     order = np.argsort(ids, kind="stable")  # radix sort on small ints
     return list(np.split(order, np.cumsum(counts)[:-1]))
