@@ -26,9 +26,22 @@ POOL_MIN_BYTES = 1 << 20
 #: free cached bytes kept after an operator (``trim``); ``HETFLOW_SCRATCH_CACHE_BYTES`` sets it (more
 #: speed for repeated operators, at the price of that much resident memory between them)
 CACHE_FREE_BYTES = int(os.environ.get("HETFLOW_SCRATCH_CACHE_BYTES", "0"))
-#: references to a cached buffer nothing else uses: the cache list, the loop name, getrefcount's argument
-_FREE_REFS = 3
 _cache: list[pa.Buffer] = []
+
+
+def _refs(buffers: list[pa.Buffer], i: int) -> int:
+    """``sys.getrefcount`` of ``buffers[i]``, taken the same way wherever the cache asks (what it counts
+    beyond real users, such as the list and the argument, differs between Python versions)."""
+    return sys.getrefcount(buffers[i])
+
+
+#: what ``_refs`` says of a buffer nobody but the cache holds: measured, not assumed
+_FREE_REFS = _refs([pa.allocate_buffer(0)], 0)
+
+
+def _unused() -> list[bool]:
+    """Which cached buffers nothing but the cache holds (asked before any name is bound to one)."""
+    return [_refs(_cache, i) == _FREE_REFS for i in range(len(_cache))]
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -57,13 +70,14 @@ def _take(nbytes: int) -> pa.Buffer:
     buffers count as resident memory, 20M-row group-by at 2 ranks: peak growth 3.2x the input
     partition with 1 GiB kept, 2.5x with none)."""
     best = None
-    for buf in _cache:
-        if sys.getrefcount(buf) == _FREE_REFS and nbytes <= buf.size <= nbytes + (nbytes >> 3) + POOL_MIN_BYTES \
+    free = _unused()
+    for buf, unused in zip(_cache, free):
+        if unused and nbytes <= buf.size <= nbytes + (nbytes >> 3) + POOL_MIN_BYTES \
                 and (best is None or buf.size < best.size):
             best = buf
     if best is not None:
         return best
-    _cache[:] = [b for b in _cache if sys.getrefcount(b) > _FREE_REFS]  # a miss: free ones go back first
+    _cache[:] = [buf for buf, unused in zip(_cache, free) if not unused]  # a miss: free ones go back first
     buf = pa.allocate_buffer(nbytes)
     _cache.append(buf)
     return buf
@@ -72,10 +86,9 @@ def _take(nbytes: int) -> pa.Buffer:
 def trim(keep_bytes: int | None = None) -> None:
     """Drop free cached buffers beyond ``keep_bytes`` (default ``CACHE_FREE_BYTES``), largest first."""
     limit = CACHE_FREE_BYTES if keep_bytes is None else keep_bytes
-    keep: list[pa.Buffer] = []
-    free: list[pa.Buffer] = []
-    for buf in _cache:
-        (free if sys.getrefcount(buf) == _FREE_REFS else keep).append(buf)
+    unused = _unused()
+    keep = [buf for buf, u in zip(_cache, unused) if not u]
+    free = [buf for buf, u in zip(_cache, unused) if u]
     total = 0
     for buf in sorted(free, key=lambda b: b.size):
         if total + buf.size <= limit:
