@@ -25,7 +25,18 @@ import pyarrow as pa
 POOL_MIN_BYTES = 1 << 20
 #: free cached bytes kept after an operator (``trim``); ``HETFLOW_SCRATCH_CACHE_BYTES`` sets it (more
 #: speed for repeated operators, at the price of that much resident memory between them)
-CACHE_FREE_BYTES = int(os.environ.get("HETFLOW_SCRATCH_CACHE_BYTES", "0"))
+def _cache_free_bytes() -> int:
+    text = os.environ.get("HETFLOW_SCRATCH_CACHE_BYTES", "0")
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"HETFLOW_SCRATCH_CACHE_BYTES={text!r}: expected a whole number of bytes (0 or more)")
+    return value
+
+
+CACHE_FREE_BYTES = _cache_free_bytes()
 _cache: list[pa.Buffer] = []
 
 

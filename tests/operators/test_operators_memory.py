@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -125,3 +129,11 @@ def test_scratch_buffers_are_reused_only_once_free_and_trimmed() -> None:
     assert small.shape == (10,) and memory._cache == []
     shaped = memory.empty((1 << 17, 2), np.uint64)
     assert shaped.shape == (1 << 17, 2) and shaped.flags.writeable and shaped.flags.c_contiguous
+
+
+def test_a_bad_cache_size_setting_names_the_variable() -> None:
+    env = dict(os.environ, HETFLOW_SCRATCH_CACHE_BYTES="1GiB")
+    proc = subprocess.run([sys.executable, "-c", "import hetflow.operators.memory"], env=env,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode != 0
+    assert "HETFLOW_SCRATCH_CACHE_BYTES='1GiB': expected a whole number of bytes" in proc.stderr
