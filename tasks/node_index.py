@@ -15,6 +15,7 @@ pools they may use.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Iterator
 
 OPEN = 0
@@ -38,8 +39,9 @@ class NodeIndex:
     """Free cores/GPUs/memory of every node, indexed by free capacity."""
 
     def __init__(self, nodes: int, usable_cores: tuple[int, ...], gpus: int,
-                 gpu_cores: tuple[tuple[int, ...], ...], memory: int | None) -> None:
+                 gpu_cores: tuple[tuple[int, ...], ...], memory: int | None, span_fraction: float = 0.0) -> None:
         self.nodes = nodes
+        self.span_fraction = span_fraction
         self.max_cores = len(usable_cores)
         self.max_gpus = gpus
         full_cores = 0
@@ -86,6 +88,7 @@ class NodeIndex:
         # node -> (free cores, free GPUs, pool) before the first such change
         self.grown: dict[int, tuple[int, int, int]] = {}
         self._taken: dict[tuple[int, int, int, int, int], Taken] = {}
+        self._least: dict[tuple[int, int, int, int], int] = {}  # (cores, GPUs, per node, guard) -> least
 
     # ------------------------------------------------------------- buckets
     def _unfile(self, node: int) -> None:
@@ -153,6 +156,32 @@ class NodeIndex:
             fit = mem // memory
         return fit if fit < per_node else per_node
 
+    def least(self, cores: int, gpus: int, per_node: int) -> int:
+        """Fewest ranks of this shape a task spanning nodes puts on a node (bar its last):
+        ``span_fraction`` of what an empty node fits, at least 1.  Memory is not counted,
+        so one figure serves every memory request of the shape."""
+        key = (cores, gpus, per_node, self.guard)
+        least = self._least.get(key)
+        if least is None:
+            empty = self.ranks_fitting(self.max_cores, self.max_gpus, None, cores, gpus, 0, per_node)
+            least = self._least[key] = max(1, math.ceil(empty * self.span_fraction))
+        return least
+
+    def span_fit(self, fc: int, fg: int, mem: int | None, cores: int, gpus: int, memory: int,
+                 per_node: int) -> int:
+        """Ranks a spanning task may put on a node with this much free: 0 unless at least
+        :meth:`least` fit by cores and GPUs (memory then only lowers the count)."""
+        fit = self.ranks_fitting(fc, fg, None, cores, gpus, 0, per_node)
+        if fit < self.least(cores, gpus, per_node):
+            return 0
+        if memory and mem is not None and mem // memory < fit:
+            fit = mem // memory
+        return fit
+
+    def node_span_fit(self, node: int, cores: int, gpus: int, memory: int, per_node: int) -> int:
+        mem = None if self.mem is None else self.mem[node]
+        return self.span_fit(self.fc[node], self.fg[node], mem, cores, gpus, memory, per_node)
+
     def node_fit(self, node: int, cores: int, gpus: int, memory: int, per_node: int) -> int:
         mem = None if self.mem is None else self.mem[node]
         return self.ranks_fitting(self.fc[node], self.fg[node], mem, cores, gpus, memory, per_node)
@@ -216,11 +245,12 @@ class NodeIndex:
         return self._buckets[pool][fg * self._width + fc]
 
     def capacity(self, pools: tuple[int, ...], cores: int, gpus: int, per_node: int) -> int:
-        """Ranks of this shape that fit on the given pools right now (memory not counted)."""
+        """Ranks of this shape a spanning task could place on the given pools right now (memory
+        not counted; nodes where fewer than :meth:`least` fit count nothing)."""
         total = 0
         for pool in pools:
             for fg, fc in self.keys(pool, cores, gpus):
-                total += self.ranks_fitting(fc, fg, None, cores, gpus, 0, per_node) * len(self.bucket(pool, fg, fc))
+                total += self.span_fit(fc, fg, None, cores, gpus, 0, per_node) * len(self.bucket(pool, fg, fc))
         return total
 
     # ------------------------------------------------------------ allocate

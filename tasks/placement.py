@@ -2,8 +2,12 @@
 
 One node when the ranks fit on one (best fit: GPU requests pack GPUs, CPU
 requests pack cores), else fewest nodes, taking the nodes with the most room
-first; nodes in ``preferred_nodes`` (where the task's inputs are) win among
-those that fit but are never waited for.  The search is a few big-int
+first and only nodes with room for at least
+:meth:`~hetflow.tasks.node_index.NodeIndex.least` ranks (a quarter of an empty
+node by default), so an MPI task is not scattered a rank or two per node over a
+fragmented pilot: it waits, gets the reservation, and starts on few nodes; nodes
+in ``preferred_nodes`` (where the task's inputs are) win among those that fit
+but are never waited for.  The search is a few big-int
 operations on the free-capacity buckets of
 :class:`~hetflow.tasks.node_index.NodeIndex`, so it does not grow with the
 node count for single-node requests.  A placement records what the task holds
@@ -59,15 +63,15 @@ class Placer:
         plan: list[tuple[int, int]] = []
         left = ranks
         keys = sorted(((fg, fc, pool) for pool in pools for fg, fc in index.keys(pool, cores, gpus)),
-                      key=lambda k: -index.ranks_fitting(k[1], k[0], None, cores, gpus, 0, per_node))
+                      key=lambda k: -index.span_fit(k[1], k[0], None, cores, gpus, 0, per_node))
         check_memory = bool(memory) and index.mem is not None
         for fg, fc, pool in keys:
             # every node of a bucket has the same free cores and GPUs: one fit for all (memory aside)
-            bucket_fit = index.ranks_fitting(fc, fg, None, cores, gpus, 0, per_node)
+            bucket_fit = index.span_fit(fc, fg, None, cores, gpus, 0, per_node)
             if not bucket_fit:
                 continue
             for node in index.bucket(pool, fg, fc):
-                fit = index.node_fit(node, cores, gpus, memory, per_node) if check_memory else bucket_fit
+                fit = index.node_span_fit(node, cores, gpus, memory, per_node) if check_memory else bucket_fit
                 if fit:
                     take = fit if fit < left else left
                     plan.append((node, take))
@@ -93,7 +97,8 @@ class Placer:
         plan: list[tuple[int, int]] = []
         left = ranks
         used = set()
-        for _, _, node, fit in sorted(fits, key=lambda f: -f[3]):
+        spans = [(index.node_span_fit(node, cores, gpus, memory, per_node), node) for _, _, node, _ in fits]
+        for fit, node in sorted(spans, key=lambda f: -f[0]):
             if fit and left:
                 plan.append((node, min(fit, left)))
                 left -= plan[-1][1]
@@ -102,7 +107,7 @@ class Placer:
             for fg, fc in index.keys(pool, cores, gpus):
                 for node in index.bucket(pool, fg, fc):
                     if left and node not in used:
-                        fit = index.node_fit(node, cores, gpus, memory, per_node)
+                        fit = index.node_span_fit(node, cores, gpus, memory, per_node)
                         if fit:
                             plan.append((node, min(fit, left)))
                             left -= plan[-1][1]

@@ -160,8 +160,8 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
     def fit(node: int) -> int:
         add = extra.get(node, (0, 0, 0))
         mem = None if index.mem is None else index.mem[node] + add[2]
-        return index.ranks_fitting(index.fc[node] + add[0], index.fg[node] + add[1], mem,
-                                   cores, gpus, memory, per_node)
+        return index.span_fit(index.fc[node] + add[0], index.fg[node] + add[1], mem,
+                              cores, gpus, memory, per_node)
 
     start = INF
     for ending in _walk(ends, running, walk_limit, walk_nodes):
@@ -190,7 +190,7 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
         for node in index.bucket(OPEN, fg, fc):
             if left <= 0:
                 break
-            if node not in extra:
+            if node not in extra and fit(node):  # too little room counts nothing (NodeIndex.least)
                 chosen.append(node)
                 left -= fit(node)
     return start, chosen

@@ -29,9 +29,11 @@ Policy, in order:
    duration estimate ends before that time; tasks without an estimate are
    treated as never ending.
 4. *Placement*: one node when the ranks fit on one (best fit: GPU requests pack
-   GPUs, CPU requests pack cores), else fewest nodes; nodes in
-   ``preferred_nodes`` (where inputs are) win among those that fit, but are
-   never waited for.
+   GPUs, CPU requests pack cores), else fewest nodes, each (bar the last)
+   holding at least ``span_fraction`` of the ranks an empty node fits, so a
+   task spanning nodes waits for room rather than being scattered a rank or
+   two per node over a fragmented pilot; nodes in ``preferred_nodes`` (where
+   inputs are) win among those that fit, but are never waited for.
 5. *Walltime*: with ``pilot.walltime`` set, a task whose estimate cannot end
    before ``start_time + walltime``, or that would start inside the final
    ``drain`` seconds, is rejected with a reason (:class:`RejectTask` ``cause``).
@@ -75,6 +77,12 @@ logger = logging.getLogger(__name__)
 # a queue: (group, rank class = bit length of ranks-1, cores_per_rank, gpus_per_rank, memory, per_node)
 _Key = tuple[str, int, int, int, int, int]
 _REFRESH_NODES = 64     # more nodes freed than this since the last pass: start with a fresh memo
+# A task spanning nodes uses only nodes with room for at least this fraction of an empty node's ranks.
+# Saturating 10^6 tasks on the Frontier model (compiled build, same machine and run): a task placed over
+# several nodes held 19.6 nodes on average against 191 with 0 (about 11 when packed), so a placement
+# costs far fewer node takes, gives and end-index updates: 12,191 against 7,239 placements/s, with
+# cores 96.6% / GPUs 95.7% busy against 96.7% / 95.9% and a makespan 0.1% longer.
+SPAN_FRACTION = 0.25
 
 
 _Entry = tuple[float, int, str]  # (-priority, seq, task id): smallest first
@@ -118,10 +126,15 @@ class Scheduler:
     """Places ready tasks on the pilot's cores and GPUs; see the module docstring for the policy."""
 
     def __init__(self, pilot: PilotDescription, start_time: float = 0.0, *, fair_share: bool = True,
-                 gpu_core_guard: bool = False) -> None:
+                 gpu_core_guard: bool = False, span_fraction: float = SPAN_FRACTION) -> None:
         """``gpu_core_guard``: while GPU work is queued or running, CPU-only tasks leave one core
         per free GPU on each node.  Off by default: in simulation it helped only when CPU work
-        arrives long before GPU work, and cost utilisation in steady state."""
+        arrives long before GPU work, and cost utilisation in steady state.
+
+        ``span_fraction``: a task spanning nodes puts at least this fraction of what an empty
+        node fits on every node it uses but its last (0: any node with room for one rank)."""
+        if not 0.0 <= span_fraction <= 1.0:
+            raise ValueError(f"span_fraction must be between 0 and 1, got {span_fraction!r}")
         self.pilot = pilot.resolve()
         self.start_time = start_time
         self.end_time = INF if self.pilot.walltime is None else start_time + self.pilot.walltime
@@ -129,7 +142,7 @@ class Scheduler:
         self.gpu_core_guard = gpu_core_guard
         gpus = self.pilot.gpus_per_node or 0
         self.index = NodeIndex(self.pilot.nodes, self.pilot.usable_cores(), gpus,
-                               self.pilot.gpu_cores, self.pilot.memory_per_node)
+                               self.pilot.gpu_cores, self.pilot.memory_per_node, span_fraction)
         cores = self.index.max_cores
         self._gpu_weight = cores / gpus if gpus else 0.0  # a GPU counts as its share of cores
         self._capacity = self.pilot.nodes * (cores + gpus * self._gpu_weight)

@@ -54,7 +54,7 @@ class PassMemo:
     def _grown_delta(key: tuple[bool, int, int, int], index: NodeIndex,
                      grown: dict[int, tuple[int, int, int]]) -> int:
         ok, cores, gpus, per_node = key
-        fits = index.ranks_fitting
+        fits = index.span_fit
         delta = 0
         for node, (fc, fg, pool) in grown.items():
             if ok or index.pool[node] == OPEN:

@@ -62,6 +62,28 @@ def test_mpi_task_spans_nodes_and_honours_ranks_per_node() -> None:
     assert len({slot.node for slot in out["spread"].slots}) == 4
 
 
+def test_spanning_task_waits_for_room_instead_of_scattering_over_a_fragmented_pilot() -> None:
+    """8 nodes of 16 cores, each with 2 cores free: a 16-rank MPI task could be scattered 2 ranks
+    per node over all 8, but ``span_fraction`` (default a quarter: 4 ranks of 16) makes it wait,
+    take the reservation, and start on one node once that node empties; other work still fits."""
+    for fraction, waits in ((0.25, True), (0.0, False)):
+        s = Scheduler(pilot(nodes=8, cores=16), span_fraction=fraction)
+        for node in range(8):
+            assert started(submit(s, f"fill{node}", ranks=14, cores_per_rank=1, duration=10.0 + node))
+        out = started(submit(s, "mpi", ranks=16, cores_per_rank=1, ranks_per_node=16, duration=5.0))
+        if not waits:
+            assert len({slot.node for slot in out["mpi"].slots}) == 8
+            continue
+        assert not out and s.queued == ["mpi"]
+        assert started(submit(s, "small", ranks=2, cores_per_rank=1, duration=1.0))  # backfills a hole
+        assert s.reservation is not None and s.reservation.task_id == "mpi" and s.reservation.start == 10.0
+        out = started(s.handle_event(TaskFinished("fill0", time=10.0)))
+        assert {slot.node for slot in out["mpi"].slots} == {0}  # all 16 ranks on the emptied node
+        assert_disjoint(s)
+    with pytest.raises(ValueError, match="span_fraction"):
+        Scheduler(pilot(), span_fraction=1.5)
+
+
 def test_small_tasks_pack_onto_one_node() -> None:
     s = Scheduler(pilot(nodes=8, cores=16))
     nodes = set()

@@ -10,6 +10,8 @@ copy of what each running rank holds:
   ranks_per_node, memory per node) and names real, distinct ids;
 * topology: a GPU rank gets the free cores near its GPUs before any other,
   a CPU task takes cores away from free GPUs before cores next to them;
+* a task spanning nodes has at most one node with fewer than its ``least``
+  ranks (``SPAN_FRACTION`` of an empty node's fit);
 * differential against a brute-force fit: once a pass is over, no queue head
   could start on the nodes it may use (open nodes, plus the held ones when its
   estimate ends before the reservation) — so parked or memoised verdicts never
@@ -21,6 +23,7 @@ copy of what each running rank holds:
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections import defaultdict
@@ -29,7 +32,7 @@ import pytest
 
 from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.pilot import PilotDescription
-from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished,
+from hetflow.tasks.scheduler import (SPAN_FRACTION, RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished,
                                      TasksSubmitted, TaskSubmitted)
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,6 +104,9 @@ class Shadow:
             assert len(slot.cores) == request.cores_per_rank == len(set(slot.cores)), (ins.task_id, slot)
             assert len(slot.gpus) == request.gpus_per_rank == len(set(slot.gpus)), (ins.task_id, slot)
             per_node[slot.node].append(slot)
+        if len(per_node) > 1 and not request.memory_per_rank:  # spanning: at most one node below `least`
+            thin = [node for node, node_slots in per_node.items() if len(node_slots) < self.least(request)]
+            assert len(thin) <= 1, (ins.task_id, "scattered over nodes with little room", thin)
         for node, node_slots in per_node.items():
             if request.ranks_per_node is not None:
                 assert len(node_slots) <= request.ranks_per_node
@@ -133,17 +139,31 @@ class Shadow:
             if request.memory_per_rank and self.pilot.memory_per_node:
                 self.memory[node] += request.memory_per_rank
 
+    def least(self, request: ResourceRequest) -> int:
+        """The fewest ranks a spanning task may put on a node: SPAN_FRACTION of an empty node's fit."""
+        empty = len(self.pilot.usable_cores()) // request.cores_per_rank
+        if request.gpus_per_rank:
+            empty = min(empty, (self.pilot.gpus_per_node or 0) // request.gpus_per_rank)
+        empty = min(empty, request.ranks_per_node or 1 << 30)
+        return max(1, math.ceil(empty * SPAN_FRACTION))
+
     def fits(self, request: ResourceRequest, nodes: list[int]) -> bool:
-        """Brute force: could ``request`` start now on ``nodes`` (one node or spread)?"""
+        """Brute force: could ``request`` start now on ``nodes`` (all on one node, or spread over
+        nodes that each have room for at least ``least`` ranks by cores and GPUs)?"""
         per_cap = request.ranks_per_node or 1 << 30
+        least = self.least(request)
         total = 0
         for node in nodes:
             n = len(self.cores[node]) // request.cores_per_rank
             if request.gpus_per_rank:
                 n = min(n, len(self.gpus[node]) // request.gpus_per_rank)
+            n = min(n, per_cap)
+            spread = n >= least
             if request.memory_per_rank and self.pilot.memory_per_node:
                 n = min(n, self.memory[node] // request.memory_per_rank)
-            total += min(n, per_cap)
+            if request.ranks <= per_cap and n >= request.ranks:
+                return True
+            total += n if spread else 0
         return total >= request.ranks
 
 
