@@ -34,7 +34,7 @@ import numpy as np
 
 from .pilot import PilotDescription, load_pilot
 from . import scheduler as _scheduler_module
-from .scheduler import RejectTask, Scheduler, StartTask, TaskFinished, TasksSubmitted, TaskSubmitted
+from .scheduler import SPAN_FRACTION, RejectTask, Scheduler, StartTask, TaskFinished, TasksSubmitted, TaskSubmitted
 from .timeline import Interval
 from .workload import Workload, generate
 
@@ -61,6 +61,8 @@ class SimulationResult:
     makespan_lower_bound_s: float
     lower_bounds: dict[str, float]
     decision_cost: list[dict[str, float]]
+    span_fraction: float = 0.0
+    nodes_per_spanning_task: float = 0.0  # mean nodes held by a task placed over several nodes
     scheduler_build: str = "python"  # or "mypyc": the compiled scheduler (see setup.py)
     intervals: list[Interval] = field(default_factory=list, repr=False)
     utilization_curve: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
@@ -74,10 +76,10 @@ class SimulationResult:
 
 
 def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int = 0,
-             curve_points: int = 400) -> SimulationResult:
+             curve_points: int = 400, span_fraction: float = SPAN_FRACTION) -> SimulationResult:
     """Run ``workload`` on ``pilot`` from t=0; keep intervals for the first ``record_nodes`` nodes."""
     pilot = pilot.resolve()
-    scheduler = Scheduler(pilot, start_time=0.0)
+    scheduler = Scheduler(pilot, start_time=0.0, span_fraction=span_fraction)
     n = len(workload)
     priority = workload.critical_path()
     requests = workload.requests
@@ -100,6 +102,7 @@ def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int =
     finish: list[tuple[float, int]] = []
     started = [0.0] * n
     placements = rejected = events = 0
+    spanning = spanning_nodes = 0
     sched_time = 0.0
     used_cores = used_gpus = 0
     core_area = gpu_area = 0.0
@@ -114,7 +117,7 @@ def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int =
     wall0 = time.perf_counter()
 
     def run(event: Any) -> None:
-        nonlocal placements, rejected, events, sched_time, used_cores, used_gpus
+        nonlocal placements, rejected, events, sched_time, used_cores, used_gpus, spanning, spanning_nodes
         fill = min(FILL_BINS - 1, int(FILL_BINS * used_cores / total_cores))
         t0 = clock()
         out = scheduler.handle_event(event)
@@ -133,8 +136,12 @@ def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int =
                 used_cores += cores_of[request_of[task]]
                 used_gpus += gpus_of[request_of[task]]
                 heapq.heappush(finish, (now + duration[task], task))
-                if record_nodes and any(slot.node < record_nodes for slot in ins.slots):
-                    slots_of[task] = ins.slots
+                slots = ins.slots
+                if len(slots) > 1 and slots[0].node != slots[-1].node:
+                    spanning += 1
+                    spanning_nodes += len({slot.node for slot in slots})
+                if record_nodes and any(slot.node < record_nodes for slot in slots):
+                    slots_of[task] = slots
             elif isinstance(ins, RejectTask):
                 rejected += 1
                 logger.info("rejected %s: %s", ins.task_id, ins.reason)
@@ -185,7 +192,9 @@ def simulate(pilot: PilotDescription, workload: Workload, *, record_nodes: int =
         core_utilization=core_area / (total_cores * makespan) if makespan else 0.0,
         gpu_utilization=gpu_area / (total_gpus * makespan) if makespan and total_gpus else 0.0,
         makespan_s=makespan, makespan_lower_bound_s=max(bounds.values()), lower_bounds=bounds,
-        decision_cost=cost, scheduler_build=scheduler_build(), intervals=intervals,
+        decision_cost=cost, span_fraction=span_fraction,
+        nodes_per_spanning_task=spanning_nodes / spanning if spanning else 0.0,
+        scheduler_build=scheduler_build(), intervals=intervals,
         utilization_curve=_downsample(curve, curve_points))
 
 
@@ -233,6 +242,9 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--tasks", type=int, default=None, help="number of tasks (default: the spec's, else 10000)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: the spec's, else 1)")
     parser.add_argument("--nodes", type=int, default=None, help="override the pilot's node count")
+    parser.add_argument("--span-fraction", type=float, default=SPAN_FRACTION,
+                        help="a task spanning nodes uses only nodes with room for this fraction of an empty "
+                             f"node's ranks (default {SPAN_FRACTION}; 0: any node with room for one rank)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--report", type=Path, default=None, help="write a timeline HTML here (and a .png beside)")
     parser.add_argument("--report-nodes", type=int, default=16, help="nodes drawn in the report's Gantt chart")
@@ -241,7 +253,10 @@ def cli_main(argv: list[str]) -> int:
     if args.nodes is not None:
         pilot = dataclasses.replace(pilot, nodes=args.nodes)
     workload = generate(args.workload, tasks=args.tasks, seed=args.seed)
-    result = simulate(pilot, workload, record_nodes=args.report_nodes if args.report else 0)
+    if not 0.0 <= args.span_fraction <= 1.0:
+        parser.error(f"--span-fraction must be between 0 and 1, got {args.span_fraction}")
+    result = simulate(pilot, workload, record_nodes=args.report_nodes if args.report else 0,
+                      span_fraction=args.span_fraction)
     if args.report is not None:
         from .timeline import render_timeline
         render_timeline(result.intervals, pilot, args.report, args.report.with_suffix(".png"),
@@ -265,6 +280,9 @@ def _print_summary(result: SimulationResult, stream: Any) -> None:
     w(f"  makespan {result.makespan_s:,.0f} s, lower bound {result.makespan_lower_bound_s:,.0f} s "
       f"(ratio {result.makespan_s / max(result.makespan_lower_bound_s, 1e-9):.3f}; "
       + ", ".join(f"{k} {v:,.0f}" for k, v in result.lower_bounds.items()) + ")\n")
+    if result.nodes_per_spanning_task:
+        w(f"  tasks over several nodes hold {result.nodes_per_spanning_task:,.1f} nodes on average"
+          f" (span fraction {result.span_fraction:g})\n")
     if result.rejected:
         w(f"  rejected: {result.rejected}\n")
     w("  decision cost by core fill:  fill      events  placements  us/event  us/placement\n")

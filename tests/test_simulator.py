@@ -12,6 +12,7 @@ import pytest
 import hetflow.tasks.scheduler
 from hetflow.tasks.errors import ConfigError
 from hetflow.tasks.pilot import load_pilot
+from hetflow.tasks.scheduler import SPAN_FRACTION
 from hetflow.tasks.simulator import cli_main, simulate
 from hetflow.tasks.workload import generate, load_spec
 
@@ -48,6 +49,7 @@ def test_cli_json_reports_the_required_figures(capsys: pytest.CaptureFixture[str
     assert 0 < data["core_utilization"] <= 1 and 0 < data["gpu_utilization"] <= 1
     assert data["makespan_s"] >= data["makespan_lower_bound_s"] * (1 - 1e-12) > 0
     assert sum(row["placements"] for row in data["decision_cost"]) == data["placements"]
+    assert data["span_fraction"] == SPAN_FRACTION and data["nodes_per_spanning_task"] >= 2
     assert report.exists() and report.with_suffix(".png").exists()
     # which scheduler made the figures: the compiled one only when it is the one imported
     compiled = not hetflow.tasks.scheduler.__file__.endswith(".py")
@@ -104,3 +106,17 @@ def test_workload_specs_are_validated_and_seeded() -> None:
         load_spec("nope")
     spec = load_spec(ROOT / "examples" / "workloads" / "frontier-mixed.yaml")
     assert spec["tasks"] == 100000 and set(spec["kinds"]) == {"dataframe", "train", "train-node", "analysis"}
+
+
+def test_spanning_tasks_use_few_nodes_on_a_saturated_pilot_without_idling_it() -> None:
+    """The span fraction keeps MPI tasks on fewer nodes of a fragmented pilot than scattering freely
+    (same workload, ~100 tasks per node so the pilot stays saturated), and the pilot stays as busy.
+    (Short runs pay for it in the tail: see the README's scheduler section.)"""
+    workload = generate("saturating", tasks=25000, seed=2)
+    free = simulate(frontier(256), workload, span_fraction=0.0)
+    kept = simulate(frontier(256), workload)
+    assert kept.span_fraction == SPAN_FRACTION > 0 and free.placements == kept.placements == len(workload)
+    # dataframe tasks of 112-1,120 ranks, 56 per node at most: 2-20 nodes when packed
+    assert kept.nodes_per_spanning_task < 0.8 * free.nodes_per_spanning_task, (kept.summary(), free.summary())
+    assert kept.core_utilization > 0.99 * free.core_utilization, (kept.summary(), free.summary())
+    assert kept.gpu_utilization > 0.99 * free.gpu_utilization, (kept.summary(), free.summary())
