@@ -27,7 +27,7 @@ demo: $(STAMP)
 test: test-serial test-mpi test-compiled
 
 test-serial: $(STAMP)
-	$(BIN)/python -m pytest -m "not mpi" tests
+	$(BIN)/python -m pytest -m "not mpi" --durations=15 tests
 
 test-mpi: $(STAMP)
 	@for n in $(MPI_SIZES); do \
