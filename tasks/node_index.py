@@ -247,10 +247,13 @@ class NodeIndex:
     def capacity(self, pools: tuple[int, ...], cores: int, gpus: int, per_node: int) -> int:
         """Ranks of this shape a spanning task could place on the given pools right now (memory
         not counted; nodes where fewer than :meth:`least` fit count nothing)."""
+        least = self.least(cores, gpus, per_node)
         total = 0
         for pool in pools:
             for fg, fc in self.keys(pool, cores, gpus):
-                total += self.span_fit(fc, fg, None, cores, gpus, 0, per_node) * len(self.bucket(pool, fg, fc))
+                fit = self.ranks_fitting(fc, fg, None, cores, gpus, 0, per_node)
+                if fit >= least:
+                    total += fit * len(self.bucket(pool, fg, fc))
         return total
 
     # ------------------------------------------------------------ allocate

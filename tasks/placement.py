@@ -26,6 +26,10 @@ CACHE_RANKS = 8        # takes of at least this many ranks on a node keep their 
 CACHE_SLOTS = 1 << 20  # ... up to this many RankSlots in all (then the cache restarts)
 
 
+def _first(item: tuple[int, int, int, int]) -> int:
+    return item[0]
+
+
 class Placer:
     """Chooses nodes and cores for a task and takes them from the index."""
 
@@ -62,14 +66,20 @@ class Placer:
             return None
         plan: list[tuple[int, int]] = []
         left = ranks
-        keys = sorted(((fg, fc, pool) for pool in pools for fg, fc in index.keys(pool, cores, gpus)),
-                      key=lambda k: -index.span_fit(k[1], k[0], None, cores, gpus, 0, per_node))
+        # every node of a bucket has the same free cores and GPUs: one fit for all (memory aside);
+        # buckets with room for fewer than `least` ranks count nothing (NodeIndex.span_fit)
+        least = index.least(cores, gpus, per_node)
+        fits = index.ranks_fitting
+        buckets: list[tuple[int, int, int, int]] = []
+        for pool in pools:
+            for fg, fc in index.keys(pool, cores, gpus):
+                fit = fits(fc, fg, None, cores, gpus, 0, per_node)
+                if fit >= least:
+                    buckets.append((-fit, fg, fc, pool))
+        buckets.sort(key=_first)  # most room first; stable, so pool and bucket order break ties
         check_memory = bool(memory) and index.mem is not None
-        for fg, fc, pool in keys:
-            # every node of a bucket has the same free cores and GPUs: one fit for all (memory aside)
-            bucket_fit = index.span_fit(fc, fg, None, cores, gpus, 0, per_node)
-            if not bucket_fit:
-                continue
+        for neg_fit, fg, fc, pool in buckets:
+            bucket_fit = -neg_fit
             for node in index.bucket(pool, fg, fc):
                 fit = index.node_span_fit(node, cores, gpus, memory, per_node) if check_memory else bucket_fit
                 if fit:
@@ -127,7 +137,9 @@ class Placer:
                 row = self._core_slots.get(node)
                 if row is None:
                     row = self._core_slots[node] = {core: RankSlot(node, (core,)) for core in self._usable}
-                if count < CACHE_RANKS:  # a few ranks on a node of a busy pilot: no memo, no per-rank tuples
+                if count < CACHE_RANKS or index.cmask[node] != index.full_cores:
+                    # a node some cores of which are busy: its free mask rarely repeats, so no take memo
+                    # and no per-rank tuples (an idle node's masks repeat: below, the memo hits)
                     ids, cmask = index.take_cores(node, count, memory)
                     alloc.append((node, count, cmask, 0))
                     for core in ids:

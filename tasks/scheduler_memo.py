@@ -54,13 +54,18 @@ class PassMemo:
     def _grown_delta(key: tuple[bool, int, int, int], index: NodeIndex,
                      grown: dict[int, tuple[int, int, int]]) -> int:
         ok, cores, gpus, per_node = key
-        fits = index.span_fit
+        fits = index.ranks_fitting
+        least = index.least(cores, gpus, per_node)  # what index.span_fit compares, looked up once
         delta = 0
         for node, (fc, fg, pool) in grown.items():
             if ok or index.pool[node] == OPEN:
-                delta += fits(index.fc[node], index.fg[node], None, cores, gpus, 0, per_node)
+                fit = fits(index.fc[node], index.fg[node], None, cores, gpus, 0, per_node)
+                if fit >= least:
+                    delta += fit
             if ok or pool == OPEN:
-                delta -= fits(fc, fg, None, cores, gpus, 0, per_node)
+                fit = fits(fc, fg, None, cores, gpus, 0, per_node)
+                if fit >= least:
+                    delta -= fit
         return delta
 
     def refresh(self, index: NodeIndex, grown: dict[int, tuple[int, int, int]]) -> None:
