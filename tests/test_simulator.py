@@ -120,3 +120,9 @@ def test_spanning_tasks_use_few_nodes_on_a_saturated_pilot_without_idling_it() -
     assert kept.nodes_per_spanning_task < 0.8 * free.nodes_per_spanning_task, (kept.summary(), free.summary())
     assert kept.core_utilization > 0.99 * free.core_utilization, (kept.summary(), free.summary())
     assert kept.gpu_utilization > 0.99 * free.gpu_utilization, (kept.summary(), free.summary())
+
+
+def test_span_fraction_outside_0_1_is_refused_naming_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--nodes", "4", "--tasks", "10", "--span-fraction", "1.5"])
+    assert exit_info.value.code == 2 and "--span-fraction must be between 0 and 1, got 1.5" in capsys.readouterr().err
