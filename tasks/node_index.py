@@ -168,11 +168,12 @@ class NodeIndex:
         return least
 
     def span_fit(self, fc: int, fg: int, mem: int | None, cores: int, gpus: int, memory: int,
-                 per_node: int) -> int:
+                 per_node: int, least: int = 0) -> int:
         """Ranks a spanning task may put on a node with this much free: 0 unless at least
-        :meth:`least` fit by cores and GPUs (memory then only lowers the count)."""
+        :meth:`least` fit by cores and GPUs (memory then only lowers the count).  Loops over
+        many nodes or buckets pass ``least``, looked up once."""
         fit = self.ranks_fitting(fc, fg, None, cores, gpus, 0, per_node)
-        if fit < self.least(cores, gpus, per_node):
+        if fit < (least or self.least(cores, gpus, per_node)):
             return 0
         if memory and mem is not None and mem // memory < fit:
             fit = mem // memory
@@ -251,9 +252,7 @@ class NodeIndex:
         total = 0
         for pool in pools:
             for fg, fc in self.keys(pool, cores, gpus):
-                fit = self.ranks_fitting(fc, fg, None, cores, gpus, 0, per_node)
-                if fit >= least:
-                    total += fit * len(self.bucket(pool, fg, fc))
+                total += self.span_fit(fc, fg, None, cores, gpus, 0, per_node, least) * len(self.bucket(pool, fg, fc))
         return total
 
     # ------------------------------------------------------------ allocate

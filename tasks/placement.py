@@ -69,12 +69,11 @@ class Placer:
         # every node of a bucket has the same free cores and GPUs: one fit for all (memory aside);
         # buckets with room for fewer than `least` ranks count nothing (NodeIndex.span_fit)
         least = index.least(cores, gpus, per_node)
-        fits = index.ranks_fitting
         buckets: list[tuple[int, int, int, int]] = []
         for pool in pools:
             for fg, fc in index.keys(pool, cores, gpus):
-                fit = fits(fc, fg, None, cores, gpus, 0, per_node)
-                if fit >= least:
+                fit = index.span_fit(fc, fg, None, cores, gpus, 0, per_node, least)
+                if fit:
                     buckets.append((-fit, fg, fc, pool))
         buckets.sort(key=_first)  # most room first; stable, so pool and bucket order break ties
         check_memory = bool(memory) and index.mem is not None

@@ -156,12 +156,13 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
         return _emptied_first(task, index, ends, now)
     extra: dict[int, list[int]] = {}
     total = index.capacity((OPEN,), cores, gpus, per_node)
+    least = index.least(cores, gpus, per_node)
 
     def fit(node: int) -> int:
         add = extra.get(node, (0, 0, 0))
         mem = None if index.mem is None else index.mem[node] + add[2]
         return index.span_fit(index.fc[node] + add[0], index.fg[node] + add[1], mem,
-                              cores, gpus, memory, per_node)
+                              cores, gpus, memory, per_node, least)
 
     start = INF
     for ending in _walk(ends, running, walk_limit, walk_nodes):

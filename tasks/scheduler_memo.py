@@ -54,18 +54,14 @@ class PassMemo:
     def _grown_delta(key: tuple[bool, int, int, int], index: NodeIndex,
                      grown: dict[int, tuple[int, int, int]]) -> int:
         ok, cores, gpus, per_node = key
-        fits = index.ranks_fitting
-        least = index.least(cores, gpus, per_node)  # what index.span_fit compares, looked up once
+        fits = index.span_fit
+        least = index.least(cores, gpus, per_node)
         delta = 0
         for node, (fc, fg, pool) in grown.items():
             if ok or index.pool[node] == OPEN:
-                fit = fits(index.fc[node], index.fg[node], None, cores, gpus, 0, per_node)
-                if fit >= least:
-                    delta += fit
+                delta += fits(index.fc[node], index.fg[node], None, cores, gpus, 0, per_node, least)
             if ok or pool == OPEN:
-                fit = fits(fc, fg, None, cores, gpus, 0, per_node)
-                if fit >= least:
-                    delta -= fit
+                delta -= fits(fc, fg, None, cores, gpus, 0, per_node, least)
         return delta
 
     def refresh(self, index: NodeIndex, grown: dict[int, tuple[int, int, int]]) -> None:
