@@ -40,7 +40,10 @@ def load_base(revision: str, into: Path) -> type:
     """The ``Scheduler`` class of ``revision``'s ``tasks/`` package, imported as ``hetflow_ab_base``."""
     archive = into / "base.tar"
     with archive.open("wb") as out:
-        subprocess.run(["git", "-C", str(ROOT), "archive", revision, "tasks"], stdout=out, check=True)
+        done = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "tasks"], stdout=out,
+                              stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"--base {revision!r}: git cannot archive its tasks/ ({done.stderr.strip()})")
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
     base_dir = into / "tasks"
