@@ -208,12 +208,12 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence
     for (values, w), field in zip(raw, table.schema):
         shape = values.shape[1:]
         out = memory.empty((total,) + shape, values.dtype)
-        np.take(values, groups[rank], axis=0, out=out[slot : slot + groups[rank].size], mode="clip")
+        memory.take_rows(values, groups[rank], out[slot : slot + groups[rank].size])
         sendbuf = scratch[: int(rows_out.sum()) * w].view(values.dtype).reshape((-1,) + shape)
         offset = 0
         for j, g in enumerate(groups):
             if j != rank:
-                np.take(values, g, axis=0, out=sendbuf[offset : offset + g.size], mode="clip")
+                memory.take_rows(values, g, sendbuf[offset : offset + g.size])
                 offset += g.size
         _exchange(comm, sendbuf.reshape(-1).view(np.uint8), rows_out * w, out.reshape(-1).view(np.uint8), rows_in * w,
                   rdispl=_displs(rmeta[:, 0]) * w)

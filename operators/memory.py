@@ -117,9 +117,25 @@ def empty_like(a: np.ndarray) -> np.ndarray:
 BLOCK = 1 << 16
 
 
+def index_dtype(n: int) -> np.dtype:
+    """The narrowest index type for positions ``0..n-1``: int32 below 2**31 rows (half the memory
+    of numpy's int64 positions; ``take_rows`` widens them in cache-sized blocks), else int64."""
+    return np.dtype(np.int32) if n <= np.iinfo(np.int32).max else np.dtype(np.int64)
+
+
+def take_rows(values: np.ndarray, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``np.take(values, idx, axis=0, out=out)`` for in-range ``idx`` of any integer type: numpy casts
+    non-``intp`` indices to a whole ``intp`` copy first, so those are taken block by block."""
+    if idx.dtype == np.intp or idx.size <= BLOCK:
+        return np.take(values, idx, axis=0, out=out, mode="clip")
+    for a in range(0, idx.size, BLOCK):
+        np.take(values, idx[a : a + BLOCK], axis=0, out=out[a : a + BLOCK], mode="clip")
+    return out
+
+
 def flatnonzero(mask: np.ndarray) -> np.ndarray:
-    """``np.flatnonzero(mask)`` (int64) built block by block into a pool array."""
-    out = empty(int(np.count_nonzero(mask)), np.int64)
+    """``np.flatnonzero(mask)`` built block by block into a pool array of ``index_dtype(mask.size)``."""
+    out = empty(int(np.count_nonzero(mask)), index_dtype(mask.size))
     pos = 0
     for a in range(0, mask.size, BLOCK):
         found = np.flatnonzero(mask[a : a + BLOCK])
@@ -130,13 +146,14 @@ def flatnonzero(mask: np.ndarray) -> np.ndarray:
 
 
 def indices_by_id(ids: np.ndarray, n: int) -> list[np.ndarray]:
-    """Row indices (ascending, int64) of every id ``0..n-1`` of small integer ``ids``, block by
+    """Row indices (ascending, ``index_dtype(ids.size)``) of every id ``0..n-1`` of small integer ``ids``, block by
     block into pool arrays: one pass over ``ids`` with cache-sized temporaries, where
     ``np.flatnonzero(ids == j)`` per id would allocate (and fault in) two ``n``-sized arrays each."""
     counts = np.zeros(n + 1, dtype=np.int64)
     for a in range(0, ids.size, BLOCK):  # bincount casts its input to int64: in blocks
         counts += np.bincount(ids[a : a + BLOCK], minlength=n + 1)[: n + 1]
-    out = [empty(int(c), np.int64) for c in counts[:n]]
+    dtype = index_dtype(ids.size)
+    out = [empty(int(c), dtype) for c in counts[:n]]
     pos = [0] * n
     eq = np.empty(min(ids.size, BLOCK), dtype=bool)
     for a in range(0, ids.size, BLOCK):

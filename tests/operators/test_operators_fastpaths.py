@@ -33,11 +33,16 @@ def _fixed_table(seed: int, rank: int, size: int, layout: str, null_on_rank: int
     return pa.table(cols)
 
 
+@pytest.mark.parametrize("block", [None, 7])
 @pytest.mark.parametrize("nulls_somewhere", [False, True])
 @pytest.mark.parametrize("layout", D.LAYOUTS)
-def test_raw_shuffle_equals_ipc_shuffle(comm: Any, layout: str, nulls_somewhere: bool) -> None:
-    from hetflow.operators import comm as tc, partition
+def test_raw_shuffle_equals_ipc_shuffle(comm: Any, layout: str, nulls_somewhere: bool, block: int | None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``block=7``: the int32 index lists and the blockwise takes cross many block boundaries."""
+    from hetflow.operators import comm as tc, memory, partition
 
+    if block is not None:
+        monkeypatch.setattr(memory, "BLOCK", block)
     rank, size = comm.Get_rank(), comm.Get_size()
     seed = 9100 + D.LAYOUTS.index(layout) * 2 + nulls_somewhere
     t = _fixed_table(seed, rank, size, layout, null_on_rank=size - 1 if nulls_somewhere else None)

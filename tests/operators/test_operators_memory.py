@@ -107,6 +107,24 @@ def test_indices_by_id_matches_flatnonzero(parts: int) -> None:
         assert np.array_equal(memory.flatnonzero(mask), np.flatnonzero(mask))
 
 
+def test_index_lists_are_int32_below_2_31_rows_and_int64_above() -> None:
+    assert memory.indices_by_id(np.array([1, 0, 1], dtype=np.uint8), 2)[1].dtype == np.int32
+    assert memory.flatnonzero(np.ones(5, dtype=bool)).dtype == np.int32
+    assert memory.index_dtype(2**31 - 1) == np.int32
+    assert memory.index_dtype(2**31) == np.int64
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_take_rows_matches_np_take_across_blocks(dtype: type) -> None:
+    rng = np.random.default_rng(7)
+    for n in (0, 5, memory.BLOCK, 3 * memory.BLOCK + 11):
+        values = rng.integers(-(1 << 60), 1 << 60, (n + 3, 2))  # a 2-D column (fixed-size lists) too
+        idx = np.sort(rng.integers(0, n + 3, n)).astype(dtype)
+        out = np.empty((n, 2), dtype=values.dtype)
+        assert memory.take_rows(values, idx, out) is out
+        assert np.array_equal(out, np.take(values, idx.astype(np.int64), axis=0)), (dtype, n)
+
+
 def test_scratch_buffers_are_reused_only_once_free_and_trimmed() -> None:
     memory.trim(0)
     a = memory.empty(1 << 20, np.int64)
