@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from hetflow.tasks.pilot import load_pilot
-from hetflow.tasks.scheduler import SPAN_FRACTION
+from hetflow.tasks.scheduler import SPAN_FRACTION, check_span_fraction
 from hetflow.tasks.simulator import scheduler_build, simulate
 from hetflow.tasks.workload import generate
 
@@ -51,8 +51,10 @@ def main(argv: list[str]) -> int:
                         help=f"the scheduler's span_fraction (default {SPAN_FRACTION}; 0: scatter freely)")
     parser.add_argument("--json-out", type=Path, default=Path("benchmarks/results/scheduler.json"))
     args = parser.parse_args(argv)
-    if not 0.0 <= args.span_fraction <= 1.0:
-        parser.error(f"--span-fraction must be between 0 and 1, got {args.span_fraction}")
+    try:
+        check_span_fraction(args.span_fraction, "--span-fraction")
+    except ValueError as exc:
+        parser.error(str(exc))
     rows = []
     print(f"scheduler build: {scheduler_build()}; span fraction {args.span_fraction:g}")
     print(f"{'nodes':>6} {'tasks':>8} {'placements/s':>13} {'us/placement':>13} {'us/pl. >=90% full':>18}"

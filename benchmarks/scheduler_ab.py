@@ -47,7 +47,7 @@ def load_base(revision: str, into: Path) -> type:
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
     base_dir = into / "tasks"
-    for name, module in SHARED.items():
+    for name in SHARED:
         if not filecmp.cmp(base_dir / f"{name}.py", ROOT / "tasks" / f"{name}.py", shallow=False):
             raise SystemExit(f"tasks/{name}.py differs between {revision} and the working tree: "
                              "the two schedulers would not share event types; compare whole runs instead")

@@ -182,18 +182,20 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
     chosen: list[int] = []
     left = ranks
     for node in sorted(extra, key=lambda n: -fit(n)):
-        if left > 0 and fit(node):
+        room = fit(node)
+        if left > 0 and room:
             chosen.append(node)
-            left -= fit(node)
+            left -= room
     for fg, fc in sorted(index.keys(OPEN, cores, gpus), reverse=True):
         if left <= 0:
             break
         for node in index.bucket(OPEN, fg, fc):
             if left <= 0:
                 break
-            if node not in extra and fit(node):  # too little room counts nothing (NodeIndex.least)
+            room = 0 if node in extra else fit(node)
+            if room:  # too little room counts nothing (NodeIndex.least)
                 chosen.append(node)
-                left -= fit(node)
+                left -= room
     return start, chosen
 
 

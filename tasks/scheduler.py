@@ -85,6 +85,12 @@ _REFRESH_NODES = 64     # more nodes freed than this since the last pass: start 
 SPAN_FRACTION = 0.25
 
 
+def check_span_fraction(value: float, name: str = "span_fraction") -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a fraction (0 to 1)."""
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be between 0 and 1, got {value!r}")
+
+
 _Entry = tuple[float, int, str]  # (-priority, seq, task id): smallest first
 
 
@@ -133,8 +139,7 @@ class Scheduler:
 
         ``span_fraction``: a task spanning nodes puts at least this fraction of what an empty
         node fits on every node it uses but its last (0: any node with room for one rank)."""
-        if not 0.0 <= span_fraction <= 1.0:
-            raise ValueError(f"span_fraction must be between 0 and 1, got {span_fraction!r}")
+        check_span_fraction(span_fraction)
         self.pilot = pilot.resolve()
         self.start_time = start_time
         self.end_time = INF if self.pilot.walltime is None else start_time + self.pilot.walltime

@@ -34,7 +34,7 @@ import numpy as np
 
 from .pilot import PilotDescription, load_pilot
 from . import scheduler as _scheduler_module
-from .scheduler import SPAN_FRACTION, RejectTask, Scheduler, StartTask, TaskFinished, TasksSubmitted, TaskSubmitted
+from .scheduler import SPAN_FRACTION, RejectTask, Scheduler, StartTask, TaskFinished, TasksSubmitted, TaskSubmitted, check_span_fraction
 from .timeline import Interval
 from .workload import Workload, generate
 
@@ -253,8 +253,10 @@ def cli_main(argv: list[str]) -> int:
     if args.nodes is not None:
         pilot = dataclasses.replace(pilot, nodes=args.nodes)
     workload = generate(args.workload, tasks=args.tasks, seed=args.seed)
-    if not 0.0 <= args.span_fraction <= 1.0:
-        parser.error(f"--span-fraction must be between 0 and 1, got {args.span_fraction}")
+    try:
+        check_span_fraction(args.span_fraction, "--span-fraction")
+    except ValueError as exc:
+        parser.error(str(exc))
     result = simulate(pilot, workload, record_nodes=args.report_nodes if args.report else 0,
                       span_fraction=args.span_fraction)
     if args.report is not None:
