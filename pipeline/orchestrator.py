@@ -28,6 +28,8 @@ from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TasksSubmitted,
                                      TaskSubmitted, Tick)
+from hetflow.tasks.witness import PREFIX as WITNESS_PREFIX
+from hetflow.tasks.witness import ended_alone
 
 from . import __version__
 from .declaration import StageSpec
@@ -39,6 +41,12 @@ from .store import (SUCCESS, TERMINAL, AttemptRecord, DatasetRecord, PartitionRe
 log = logging.getLogger(__name__)
 
 LEASE_SECONDS = 30.0
+
+LONE_DEATH_GRACE = 10.0
+"""Seconds a task may run on after one of its ranks ended by itself (a witness record, see
+:mod:`hetflow.tasks.witness`) before the orchestrator ends it: Hydra can miss a rank's death
+(its own reviewers call the check racy, pmodels/mpich#4862), and ``srun`` ends the other
+ranks only with ``--kill-on-bad-exit``."""
 
 
 def private_dir(path: Path) -> Path:
@@ -90,6 +98,9 @@ class _Live:
     number: int
     attempt_dir: Path
     slots: tuple[Any, ...]
+    lone_death_seen: float | None = None
+    ended_by_us: bool = False
+    """The orchestrator cancelled the task because a rank had died alone and the launcher did not react."""
 
 
 class Orchestrator:
@@ -231,10 +242,13 @@ class Orchestrator:
         if self.pilot.walltime:
             self.deadline = started + self.pilot.walltime
         self.progress.start(self)
-        last_lease = 0.0
+        last_lease = last_look = 0.0
         try:
             while True:
                 self._watch_walltime(scheduler, backend)
+                if time.time() - last_look >= 1.0:
+                    self._watch_lone_deaths(backend)
+                    last_look = time.time()
                 self._submit_ready(scheduler, backend)
                 if not self.live and not scheduler.queued:
                     break
@@ -276,6 +290,21 @@ class Orchestrator:
                 if live.task_id not in self.cut_off:
                     self.cut_off.add(live.task_id)
                     backend.cancel(live.task_id)
+
+    def _watch_lone_deaths(self, backend: Backend) -> None:
+        """End a task whose rank died by itself when its launcher has not ended the others in time."""
+        now = time.time()
+        for live in list(self.live.values()):
+            if live.ended_by_us:
+                continue
+            if live.lone_death_seen is None:
+                if next(live.attempt_dir.glob(f"{WITNESS_PREFIX}*.json"), None) is not None:
+                    live.lone_death_seen = now
+            elif now - live.lone_death_seen > LONE_DEATH_GRACE:
+                log.warning("stage %s: a rank ended by itself %.0f s ago and the launcher has not ended the "
+                            "others; ending the task", live.stage, now - live.lone_death_seen)
+                live.ended_by_us = True
+                backend.cancel(live.task_id)
 
     def _end_task(self, task_id: str, state: str, reason: str) -> None:
         with self.store.session() as session:
@@ -466,7 +495,7 @@ class Orchestrator:
         del self.live[live.task_id]
         spec = self.stages[live.stage]
         ranks = _read_ranks(live.attempt_dir, len(live.slots))
-        failure = _diagnose(spec, outcome, ranks, live.attempt_dir)
+        failure = _diagnose(spec, outcome, ranks, live.attempt_dir, ended_by_us=live.ended_by_us)
         if live.task_id in self.cut_off:
             failure = _Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
                                f"({self.pilot.walltime}s); resume the run in a new allocation")
@@ -615,14 +644,18 @@ def _read_ranks(attempt_dir: Path, ranks: int) -> list[dict[str, Any] | None]:
 
 
 def _diagnose(spec: StageSpec, outcome: TaskOutcome, ranks: list[dict[str, Any] | None],
-              attempt_dir: Path) -> _Failure | None:
-    """``None`` if every rank succeeded, else what went wrong and where."""
+              attempt_dir: Path, *, ended_by_us: bool = False) -> _Failure | None:
+    """``None`` if every rank succeeded, else what went wrong and where.
+
+    A rank that ended without a result is named by its witness's record when
+    there is one (:mod:`hetflow.tasks.witness`), else from the launcher's report.
+    """
     if outcome.ok and all(r is not None and r["status"] == "ok" for r in ranks):
         return None
     if outcome.timed_out:
         return _Failure("TIMED_OUT", f"stage {spec.name!r} exceeded its timeout of {spec.timeout}s; "
                         "its process group was killed")
-    if outcome.cancelled:
+    if outcome.cancelled and not ended_by_us:
         return _Failure("CANCELLED", f"stage {spec.name!r} was cancelled")
     for rank, result in enumerate(ranks):
         if result is not None and result["status"] == "error":
@@ -630,12 +663,21 @@ def _diagnose(spec: StageSpec, outcome: TaskOutcome, ranks: list[dict[str, Any] 
             return _Failure("FAILED", f"rank {rank} raised {err['type']}: {err['message']}", rank, err["traceback"])
     signal, bad_pid = _hydra_report(attempt_dir)
     signal = outcome.signal or signal
-    by_pid = {pid: rank for rank, pid in _rank_pids(attempt_dir).items()}
-    killed = by_pid.get(bad_pid) if bad_pid is not None else None
+    pids = _rank_pids(attempt_dir)
     missing = [r for r, result in enumerate(ranks) if result is None]
-    how = f"killed by signal {signal}" if signal else f"exit code {outcome.returncode}"
+    alone = {r: seen for r, seen in ended_alone(attempt_dir, pids).items() if r in missing}
+    if alone:  # witnessed: the rank that ended by itself first, and how
+        killed = min(alone, key=lambda r: alone[r][1])
+        status = alone[killed][0]
+        signal = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        how = f"killed by signal {signal}" if signal else f"exit code {os.WEXITSTATUS(status)}"
+    else:  # unwitnessed (a Raptor rank, no fork): the launcher's report, which may name a rank it killed
+        killed = {pid: rank for rank, pid in pids.items()}.get(bad_pid) if bad_pid is not None else None
+        how = f"killed by signal {signal}" if signal else f"exit code {outcome.returncode}"
     who = f"rank {killed}" if killed is not None else f"rank(s) {missing}"
     tail = "\n".join(t for t in (_tail(attempt_dir / "stderr.log"), _tail(attempt_dir / "stdout.log")) if t)
+    if ended_by_us:
+        how += f"; the launcher did not end the other ranks within {LONE_DEATH_GRACE:g} s, so hetflow did"
     return _Failure("FAILED", f"{who} of stage {spec.name!r} ended without a result ({how})",
                     killed if killed is not None else (missing[0] if missing else None), tail or None, signal)
 

@@ -11,7 +11,9 @@ file given by the ``HETFLOW_COMM_*`` variables), pins itself to the cores of its
 calls the stage function, writes its partition of every output atomically and
 a ``rank-<r>.json`` result.  The orchestrator commits the manifests after every
 rank has succeeded.  A rank that fails writes its traceback and aborts the
-whole communicator, so no other rank waits forever in a collective.
+whole communicator, so no other rank waits forever in a collective.  Each rank
+runs as the child of a witness process that records how the rank ended if it
+died by itself (:mod:`hetflow.tasks.witness`).
 
 The spec is JSON written by the orchestrator into a private run directory;
 nothing here unpickles anything.
@@ -307,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hetflow.tasks.worker SPEC.json", file=sys.stderr)
         return 2
-    return run(args[0])
+    from hetflow.tasks.witness import witnessed
+
+    # The rank runs in a child; this process only records how it ended if it died by itself
+    # (the orchestrator's spec lives in the attempt directory).
+    return witnessed(Path(args[0]).parent, lambda: run(args[0]))
 
 
 if __name__ == "__main__":

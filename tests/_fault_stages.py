@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -42,6 +43,30 @@ def slow_writer(ctx, table):
             yield pa.record_batch([table["x"].slice(start, 100).combine_chunks()], schema=schema)
 
     return {"written": pa.RecordBatchReader.from_batches(schema, batches())}
+
+
+def dies_alone(ctx, table):
+    """Rank 1 ends by itself mid-stage (``how``: SIGKILL, as the OOM killer does, or ``os._exit(3)``)."""
+    if ctx.rank == 1:
+        time.sleep(0.2)
+        if ctx.params["how"] == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    ctx.comm.barrier()  # the others wait in a collective until mpiexec kills them
+    return {"survivors": table}
+
+
+def missed_death(ctx, table):
+    """Rank 1 leaves the record its witness writes when a rank dies by itself, but stays alive:
+    what a launcher that missed the death leaves behind (Hydra's racy check, mpich#4862; srun
+    without --kill-on-bad-exit)."""
+    if ctx.rank == 1:
+        record = {"pid": os.getpid(), "status": int(signal.SIGKILL), "ended": time.time()}
+        (Path(ctx.workdir) / f"ended-{os.getpid()}.json").write_text(json.dumps(record))
+        while True:
+            time.sleep(0.1)
+    ctx.comm.barrier()
+    return {"survivors": table}
 
 
 def hang(ctx, table):

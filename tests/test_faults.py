@@ -95,6 +95,37 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches_a_clean_run(tmp_path:
     assert got.sort_by("x").equals(want.sort_by("x"))
 
 
+@pytest.mark.parametrize("how, error, signum", [("sigkill", "killed by signal 9", 9), ("exit3", "exit code 3", None)])
+def test_the_rank_that_died_is_named_not_one_mpiexec_killed(tmp_path: Path, how: str, error: str, signum) -> None:
+    # With three ranks, mpiexec's own banner named a rank it had killed itself in 54 of 200 runs,
+    # and for os._exit(3) it reports signal 9: each rank's witness says which rank ended by itself.
+    pilot = hf.PilotDescription(name="three-cores", cores_per_node=3, gpus_per_node=0, memory_per_node=2**34)
+    pipe = hf.Pipeline("alone", pilot=pilot, workdir=tmp_path)
+    pipe.stage(ranks=1, outputs=["numbers"])(F.numbers)
+    pipe.stage(ranks=3, inputs=["numbers"], outputs=["survivors"], params={"how": how})(F.dies_alone)
+    run = pipe.run()
+    stage = run.stage("dies_alone")
+    assert stage.state == "FAILED" and stage.failed_rank == 1 and stage.signal == signum, stage
+    assert stage.error.startswith(f"rank 1 of stage 'dies_alone' ended without a result ({error})"), stage.error
+    assert stage.ended - stage.started < 20
+    assert not _alive(_attempt_pids(run, "dies_alone"))
+
+
+def test_a_death_the_launcher_misses_still_ends_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetflow.orchestrator
+
+    monkeypatch.setattr(hetflow.orchestrator, "LONE_DEATH_GRACE", 1.0)
+    pipe = _pipe("missed", tmp_path)
+    pipe.stage(ranks=2, inputs=["numbers"], outputs=["survivors"])(F.missed_death)  # no timeout: would hang
+    run = pipe.run()
+    stage = run.stage("missed_death")
+    assert stage.state == "FAILED" and stage.failed_rank == 1 and stage.signal == 9, stage
+    assert stage.error.startswith("rank 1 of stage 'missed_death' ended without a result (killed by signal 9; "
+                                  "the launcher did not end the other ranks within 1 s, so hetflow did)"), stage.error
+    assert stage.ended - stage.started < 20
+    assert not _alive(_attempt_pids(run, "missed_death"))
+
+
 @pytest.mark.parametrize("how", ["sigstop", "loop"])
 def test_hung_rank_times_out_and_its_processes_are_killed(tmp_path: Path, how: str) -> None:
     pipe = _pipe("hung", tmp_path)

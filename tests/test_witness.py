@@ -1,0 +1,116 @@
+"""The witness records how a rank ended when it died by itself, and nothing when its group was killed.
+
+Real processes: a child Python runs :func:`hetflow.tasks.witness.witnessed`
+around a rank body, and the test kills the rank, or its whole process group as
+a launcher does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hetflow.tasks.witness import PREFIX, ended_alone
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the witness needs fork")
+
+BODY = """
+import os, sys, time
+from pathlib import Path
+from hetflow.tasks.witness import witnessed
+attempt = Path(sys.argv[1])
+
+def rank():
+    (attempt / "rank-0.pid").write_text(f"{os.getpid()}\\n")
+    how = sys.argv[2]
+    if how == "exit3":
+        return 3
+    if how == "ok":
+        return 0
+    time.sleep(60)  # until killed
+    return 0
+
+sys.exit(witnessed(attempt, rank))
+"""
+
+
+def _start(tmp_path: Path, how: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", BODY, str(tmp_path), how], start_new_session=True)
+
+
+def _rank_pid(tmp_path: Path, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    path = tmp_path / "rank-0.pid"
+    while not (path.exists() and path.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, "the rank never started"
+        time.sleep(0.01)
+    return int(path.read_text())
+
+
+def _records(tmp_path: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in tmp_path.glob(f"{PREFIX}*.json")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM])
+def test_a_rank_killed_alone_is_recorded_and_the_witness_ends_the_same_way(tmp_path: Path, sig: int) -> None:
+    proc = _start(tmp_path, "sleep")
+    pid = _rank_pid(tmp_path)
+    os.kill(pid, sig)
+    assert proc.wait(30) == -sig  # the launcher sees what it would have seen without a witness
+    [record] = _records(tmp_path)
+    assert record["pid"] == pid and os.WIFSIGNALED(record["status"]) and os.WTERMSIG(record["status"]) == sig
+    assert ended_alone(tmp_path, {0: pid}) == {0: (record["status"], record["ended"])}
+    assert ended_alone(tmp_path, {0: pid + 1}) == {}  # another attempt's pid: not this rank
+
+
+def test_an_exit_code_is_recorded_and_a_clean_exit_is_not(tmp_path: Path) -> None:
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "good").mkdir()
+    assert _start(tmp_path / "bad", "exit3").wait(30) == 3
+    [record] = _records(tmp_path / "bad")
+    assert os.WIFEXITED(record["status"]) and os.WEXITSTATUS(record["status"]) == 3
+    assert _start(tmp_path / "good", "ok").wait(30) == 0
+    assert _records(tmp_path / "good") == []
+
+
+def test_a_group_killed_by_its_launcher_leaves_no_record(tmp_path: Path) -> None:
+    for attempt in range(20):  # the launcher's kill of the group must never look like a rank dying alone
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        proc = _start(folder, "sleep")
+        pid = _rank_pid(folder)
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+        assert _records(folder) == [], attempt
+        deadline = time.monotonic() + 10
+        while _alive(pid):
+            assert time.monotonic() < deadline, "the rank outlived its group's SIGKILL"
+            time.sleep(0.01)
+
+
+def test_a_rank_whose_witness_is_killed_alone_does_not_outlive_it(tmp_path: Path) -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux only")
+    proc = _start(tmp_path, "sleep")
+    pid = _rank_pid(tmp_path)
+    proc.kill()  # the witness only
+    proc.wait(30)
+    deadline = time.monotonic() + 10
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the rank outlived its witness"
+        time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
