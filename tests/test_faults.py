@@ -106,7 +106,8 @@ def test_the_rank_that_died_is_named_not_one_mpiexec_killed(tmp_path: Path, how:
     run = pipe.run()
     stage = run.stage("dies_alone")
     assert stage.state == "FAILED" and stage.failed_rank == 1 and stage.signal == signum, stage
-    assert stage.error.startswith(f"rank 1 of stage 'dies_alone' ended without a result ({error})"), stage.error
+    # (if mpiexec misses the death, the orchestrator ends the task and says so after the status: tested below)
+    assert stage.error.startswith(f"rank 1 of stage 'dies_alone' ended without a result ({error}"), stage.error
     assert stage.ended - stage.started < 20
     assert not _alive(_attempt_pids(run, "dies_alone"))
 
