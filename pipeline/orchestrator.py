@@ -28,8 +28,7 @@ from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TasksSubmitted,
                                      TaskSubmitted, Tick)
-from hetflow.tasks.witness import PREFIX as WITNESS_PREFIX
-from hetflow.tasks.witness import ended_alone
+from hetflow.tasks.witness import any_ended_alone, ended_alone
 
 from . import __version__
 from .declaration import StageSpec
@@ -298,7 +297,7 @@ class Orchestrator:
             if live.ended_by_us:
                 continue
             if live.lone_death_seen is None:
-                if next(live.attempt_dir.glob(f"{WITNESS_PREFIX}*.json"), None) is not None:
+                if any_ended_alone(live.attempt_dir):
                     live.lone_death_seen = now
             elif now - live.lone_death_seen > LONE_DEATH_GRACE:
                 log.warning("stage %s: a rank ended by itself %.0f s ago and the launcher has not ended the "
@@ -666,14 +665,15 @@ def _diagnose(spec: StageSpec, outcome: TaskOutcome, ranks: list[dict[str, Any] 
     pids = _rank_pids(attempt_dir)
     missing = [r for r, result in enumerate(ranks) if result is None]
     alone = {r: seen for r, seen in ended_alone(attempt_dir, pids).items() if r in missing}
-    if alone:  # witnessed: the rank that ended by itself first, and how
+    code = outcome.returncode
+    if alone:  # witnessed: the rank that ended by itself first, and its own status
         killed = min(alone, key=lambda r: alone[r][1])
         status = alone[killed][0]
         signal = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        how = f"killed by signal {signal}" if signal else f"exit code {os.WEXITSTATUS(status)}"
+        code = os.WEXITSTATUS(status)
     else:  # unwitnessed (a Raptor rank, no fork): the launcher's report, which may name a rank it killed
         killed = {pid: rank for rank, pid in pids.items()}.get(bad_pid) if bad_pid is not None else None
-        how = f"killed by signal {signal}" if signal else f"exit code {outcome.returncode}"
+    how = f"killed by signal {signal}" if signal else f"exit code {code}"
     who = f"rank {killed}" if killed is not None else f"rank(s) {missing}"
     tail = "\n".join(t for t in (_tail(attempt_dir / "stderr.log"), _tail(attempt_dir / "stdout.log")) if t)
     if ended_by_us:

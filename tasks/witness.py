@@ -61,19 +61,17 @@ def witnessed(attempt_dir: Path, work: Callable[[], int]) -> int:
     for name in _LEFT_TO_THE_RANK:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
-    while True:
-        try:
-            _, status = os.waitpid(child, 0)
-            break
-        except ChildProcessError:  # pragma: no cover - nothing else reaps our child
-            return 1
-        except InterruptedError:  # pragma: no cover - retried by Python since 3.5
-            continue
+    _, status = os.waitpid(child, 0)  # EINTR is retried by Python; nothing else reaps our child
     if status != 0:
         _record(attempt_dir, child, status)
     if os.WIFSIGNALED(status):
         _end_by(os.WTERMSIG(status))
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+def any_ended_alone(attempt_dir: Path) -> bool:
+    """Has a rank of this attempt ended abnormally by itself (one directory listing)?"""
+    return next(attempt_dir.glob(f"{PREFIX}*.json"), None) is not None
 
 
 def ended_alone(attempt_dir: Path, pids: Mapping[int, int]) -> dict[int, tuple[int, float]]:
