@@ -25,6 +25,7 @@ from sqlalchemy import select
 
 from hetflow.operators import dataset as ds
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
+from hetflow.tasks.paths import private_dir
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TasksSubmitted,
                                      TaskSubmitted, Tick)
@@ -46,21 +47,6 @@ LONE_DEATH_GRACE = 10.0
 :mod:`hetflow.tasks.witness`) before the orchestrator ends it: Hydra can miss a rank's death
 (its own reviewers call the check racy, pmodels/mpich#4862), and ``srun`` ends the other
 ranks only with ``--kill-on-bad-exit``."""
-
-
-def private_dir(path: Path) -> Path:
-    """Create ``path`` and any missing parents readable only by this user, whatever the umask."""
-    missing = []
-    probe = path
-    while not probe.exists():
-        missing.append(probe)
-        probe = probe.parent
-    for folder in reversed(missing):
-        folder.mkdir(exist_ok=True)
-        os.chmod(folder, 0o700)
-    if path not in missing:
-        os.chmod(path, 0o700)
-    return path
 
 
 def owner_id() -> str:

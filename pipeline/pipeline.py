@@ -187,7 +187,8 @@ class Pipeline:
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
-        from .orchestrator import Orchestrator, private_dir  # heavy (SQLAlchemy): only where a run starts
+        from hetflow.tasks.paths import private_dir
+        from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
         from .status import run_status
         from .store import Store
 

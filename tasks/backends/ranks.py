@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..launchers.mpiexec import launcher_for
+from ..paths import private_dir
 from ..scheduler import RankSlot
 
 if TYPE_CHECKING:
@@ -176,13 +177,6 @@ def outcome_fields(result: Mapping[str, Any]) -> dict[str, Any]:
 
     names = {f.name for f in dataclasses.fields(TaskOutcome)}
     return {k: v for k, v in result.items() if k in names}
-
-
-def private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) readable by the owner only; return it."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    return path
 
 
 def options_for(pilot: Any, backend: str, allowed: Sequence[str]) -> Mapping[str, Any]:
