@@ -18,6 +18,7 @@ import yaml
 
 from hetflow.tasks.errors import HetflowError, TaskFailed
 
+from .errors import RunAborted, RunInterrupted
 from .pipeline import Pipeline, RunOptions, default_workdir, run_options
 from .status import RunStatus, run_status
 from .store import Store, iso
@@ -56,12 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", help="override the pilot's backend (local, radical, parsl, dask)")
     run.add_argument("--param", action="append", default=[], type=_param, metavar="KEY=VALUE",
                      help="a parameter passed to every stage's ctx.params (repeatable)")
+    run.add_argument("--rerun", action="append", default=[], metavar="STAGE",
+                     help="run STAGE again whatever the cache says, and every stage downstream of it "
+                          "(repeatable; 'all' for every stage)")
     run.add_argument("--no-progress", action="store_true", help="no live progress display")
     _store_args(run)
 
     resume = sub.add_parser("resume", help="resume a failed or interrupted run")
     resume.add_argument("run", help="run id (or a unique prefix)")
     resume.add_argument("--pilot", help="a pilot config for the new allocation")
+    resume.add_argument("--rerun", action="append", default=[], metavar="STAGE",
+                        help="run STAGE (and what is downstream) again whatever the cache says (repeatable)")
     resume.add_argument("--no-progress", action="store_true")
     _store_args(resume)
 
@@ -143,6 +149,8 @@ def _print_summary(status: RunStatus) -> None:
         line = f"  {stage.name:<20} {stage.state:<10} attempts={stage.attempts}"
         if stage.error and stage.state not in ("DONE", "CACHED"):
             line += f"  {stage.error.splitlines()[0]}"
+        elif stage.cache_reason:
+            line += f"  ({stage.cache_reason})"
         print(line)
 
 
@@ -165,6 +173,10 @@ def _status(args: argparse.Namespace) -> int:
             table.add_row(stage.name, stage.state, str(stage.attempts), iso(stage.started) or "", seconds, slots)
         console = Console()
         console.print(table)
+        for stage in status.stages:
+            if stage.cache_reason:
+                console.print(f"{stage.name}: {'reused' if stage.cache_hit else 'ran'}: {stage.cache_reason}",
+                              markup=False, highlight=False)
         for stage in status.stages:
             if stage.state not in ("DONE", "CACHED") and stage.error:
                 console.print(f"[bold]{stage.name}[/bold] {stage.state}: {stage.error}", markup=True, highlight=False)
@@ -242,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(args.param), db=args.db,
-                                 backend=args.backend, progress=False if args.no_progress else None)
+                                 backend=args.backend, progress=False if args.no_progress else None,
+                                 rerun=tuple(args.rerun))
             return _run_script(args.script, options)
         if args.command == "resume":
             store = _open_store(args)
@@ -253,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"run {record.id} was started from Python code, not a script; resume it with "
                                  f"pipe.run(run_id={record.id!r}) from the same code")
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
-                                 run_id=record.id, progress=False if args.no_progress else None)
+                                 run_id=record.id, progress=False if args.no_progress else None,
+                                 rerun=tuple(args.rerun))
             return _run_script(record.script, options)
         if args.command == "status":
             return _status(args)
@@ -271,9 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _pilot(args)
         if args.command == "report":
             return _report(args)
-    except TaskFailed as exc:
+    except (TaskFailed, RunAborted) as exc:
         print(f"hetflow: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except RunInterrupted as exc:
+        print(f"hetflow: {exc}", file=sys.stderr)
+        return 130
     except HetflowError as exc:
         print(f"hetflow: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

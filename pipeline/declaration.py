@@ -38,6 +38,9 @@ class StageSpec:
     timeout: float | None = None
     schemas: Mapping[str, Any] = field(default_factory=dict)
     """Declared Arrow schemas by dataset name, checked at the stage boundary."""
+    files: tuple[str, ...] = ()
+    """Files or globs the stage reads (relative to its script's directory): their content is part of its
+    cache key, and ``ctx.files`` lists them resolved."""
 
     @property
     def module(self) -> str:

@@ -1,14 +1,16 @@
-"""The orchestrator: drives one run of a pipeline on a pilot.
+"""The orchestrator: the I/O shell around one run's plan and the pilot's scheduler.
 
-It is the single writer of the state store.  One loop owns the scheduler (a
-pure state machine) and the store; backend futures only post outcomes into a
-queue.  A stage is submitted when all its inputs are committed; it is skipped
-(reusing committed outputs) when an identical earlier execution exists.
+Both decisions-makers are pure state machines: the run plan
+(:mod:`hetflow.plan`: stage states, cache look-ups, retries, skips, the run's
+end) and the scheduler (:mod:`hetflow.tasks.scheduler`: which ranks go on
+which cores and GPUs).  This module carries out what they decide — the state
+store, the cache (:mod:`hetflow.cache`), attempt directories, the backend —
+and feeds them what happened.  It is the single writer of the state store;
+backend futures only post outcomes into a queue that one loop reads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -16,12 +18,13 @@ import queue
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import psutil
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from hetflow.operators import dataset as ds
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
@@ -31,9 +34,11 @@ from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCance
                                      TaskSubmitted, Tick)
 from hetflow.tasks.witness import any_ended_alone, ended_alone
 
-from . import __version__
+from . import cache
 from .declaration import StageSpec
-from .errors import RunLocked
+from .errors import PipelineError, RunLocked
+from .plan import (Abandon, AttemptEnded, Begin, CacheChecked, CancelTask, Drain, Enqueue, Event, LookUpCache,
+                   RunEnded, RunPlan, StageChanged, StageNode, TaskId, TaskRejected, TaskStarted, Withdraw)
 from .progress import Progress
 from .store import (SUCCESS, TERMINAL, AttemptRecord, DatasetRecord, PartitionRecord, RunRecord, StageRecord, Store,
                     TaskRecord)
@@ -47,6 +52,9 @@ LONE_DEATH_GRACE = 10.0
 :mod:`hetflow.tasks.witness`) before the orchestrator ends it: Hydra can miss a rank's death
 (its own reviewers call the check racy, pmodels/mpich#4862), and ``srun`` ends the other
 ranks only with ``--kill-on-bad-exit``."""
+
+STOP_GRACE = 10.0
+"""Seconds an interrupted run waits for its cancelled tasks to end before it records them cancelled."""
 
 
 def owner_id() -> str:
@@ -78,20 +86,30 @@ class _Failure:
 class _Live:
     """What the loop knows about one running attempt."""
 
-    stage: str
-    task_id: str
-    number: int
+    task: TaskId
     attempt_dir: Path
     slots: tuple[Any, ...]
     lone_death_seen: float | None = None
     ended_by_us: bool = False
     """The orchestrator cancelled the task because a rank had died alone and the launcher did not react."""
 
+    @property
+    def stage(self) -> str:
+        return self.task.stage
+
+
+def where(exc: BaseException) -> str:
+    """One line naming what failed and the path at fault (for OSErrors such as a full disk)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        path = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{path}" if exc.strerror not in str(exc) or not path else str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
 
 class Orchestrator:
     def __init__(self, *, name: str, stages: Mapping[str, StageSpec], pilot: PilotDescription, run_id: str,
                  run_dir: Path, store: Store, params: Mapping[str, Any], script: str | None,
-                 progress: bool, verify: str = "checksum") -> None:
+                 progress: bool, verify: str = "checksum", rerun: Sequence[str] = ()) -> None:
         self.name = name
         self.stages = dict(stages)
         self.pilot = pilot
@@ -103,74 +121,40 @@ class Orchestrator:
         self.verify = verify
         self.progress = Progress(enabled=progress)
         self.producer = {out: s.name for s in self.stages.values() for out in s.outputs}
-        self.consumers: dict[str, list[str]] = {n: [] for n in self.stages}
-        for spec in self.stages.values():
-            for dataset in spec.inputs:
-                self.consumers[self.producer[dataset]].append(spec.name)
-        self.priority = self._critical_path()
-        self.branch = self._branches()
+        self.nodes = [StageNode(s.name, tuple(dict.fromkeys(self.producer[d] for d in s.inputs)), s.retries,
+                                s.request.duration) for s in self.stages.values()]
+        self.plan = RunPlan(run_id, self.nodes)
+        unknown = sorted(set(rerun) - set(self.stages) - {"all"})
+        if unknown:
+            raise PipelineError(f"pipeline {name!r}: --rerun {unknown[0]!r} is not a stage "
+                                f"(stages: {list(self.stages)}, or 'all')")
+        self.rerun = frozenset(self.stages) if "all" in rerun else frozenset(rerun)
+        self.priority = self.plan.priorities()
+        self.branch = self.plan.branches()
         self.outcomes: "queue.Queue[tuple[_Live, TaskOutcome]]" = queue.Queue()
         self.live: dict[str, _Live] = {}
-        self.states: dict[str, str] = {}
-        self.attempts: dict[str, int] = {}
-        self.tries: dict[str, int] = {name: 0 for name in self.stages}
         self.dataset_paths: dict[str, str] = {}
         self.fingerprints: dict[str, str] = {}
+        self.material: dict[str, cache.KeyMaterial] = {}
+        self.code: dict[str, dict[str, str]] = {}
         self.deadline: float | None = None
-        self.draining = False
         self.cut_off: set[str] = set()
+        self.scheduler: Scheduler | None = None
+        self.backend: Backend | None = None
+        self.final: str | None = None
 
-    # ------------------------------------------------------------------ plan
-    def _critical_path(self) -> dict[str, float]:
-        """Length of the longest chain from each stage to a sink (durations, else 1 per stage)."""
-        memo: dict[str, float] = {}
-
-        def length(name: str) -> float:
-            if name not in memo:
-                own = self.stages[name].request.duration or 1.0
-                memo[name] = own + max((length(c) for c in self.consumers[name]), default=0.0)
-            return memo[name]
-
-        return {name: length(name) for name in self.stages}
-
-    def _branches(self) -> dict[str, str]:
-        """The scheduler's fair-share group of each stage: the source stages it descends from.
-
-        Stages fed by the same sources (stages without inputs) form one branch; two
-        independent chains in one pipeline get different groups, so neither can take the
-        whole pilot while the other waits.
-        """
-        memo: dict[str, frozenset[str]] = {}
-
-        def roots(name: str) -> frozenset[str]:
-            if name not in memo:
-                spec = self.stages[name]
-                memo[name] = frozenset([name]) if not spec.inputs else \
-                    frozenset().union(*(roots(self.producer[d]) for d in spec.inputs))
-            return memo[name]
-
-        return {name: ",".join(sorted(roots(name))) for name in self.stages}
+    @property
+    def states(self) -> Mapping[str, str]:
+        return self.plan.states
 
     def stage_params(self, spec: StageSpec) -> dict[str, Any]:
         merged = dict(spec.params)
-        merged.update({k: v for k, v in self.params.items()})
+        merged.update(self.params)
         return merged
-
-    def cache_key(self, spec: StageSpec) -> str:
-        material = {
-            "hetflow": __version__,
-            "code": spec.code_hash(),
-            "params": self.stage_params(spec),
-            "inputs": {name: self.fingerprints[name] for name in spec.inputs},
-            "outputs": list(spec.outputs),
-            "ranks": spec.request.ranks,
-            "schemas": {name: ds.schema_to_text(schema) for name, schema in sorted(spec.schemas.items())},
-        }
-        return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
 
     # ----------------------------------------------------------------- setup
     def prepare(self, *, resume: bool) -> None:
-        """Create or take over the run record; reconcile what a dead orchestrator left RUNNING."""
+        """Take the run (create it, or take over a dead owner's) and set its stages up for planning."""
         private_dir(self.run_dir)
         now = time.time()
         with self.store.session() as session:
@@ -181,32 +165,33 @@ class Orchestrator:
             if run is None:
                 run = RunRecord(id=self.run_id, pipeline=self.name, created=now, run_dir=str(self.run_dir),
                                 script=self.script, pilot=self.pilot.to_mapping(), params=self.params,
-                                hetflow_version=__version__)
+                                hetflow_version=__import__("hetflow").__version__)
                 session.add(run)
                 session.flush()
             run.owner, run.lease_until, run.state, run.started, run.ended = owner_id(), now + LEASE_SECONDS, \
                 "RUNNING", run.started or now, None
             self.store.event(session, self.run_id, "run", self.name, "RUNNING", resume=resume, owner=run.owner)
-            existing = {s.name: s for s in session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
-            for order, spec in enumerate(self.stages.values()):
-                record = existing.get(spec.name)
-                if record is None:
-                    record = StageRecord(run_id=self.run_id, name=spec.name, order=order,
-                                         function=f"{spec.module}:{spec.qualname}")
-                    session.add(record)
-                record.inputs, record.outputs = list(spec.inputs), list(spec.outputs)
-                record.request = {k: v for k, v in vars(spec.request).items()}
-                record.params, record.retries, record.timeout = self.stage_params(spec), spec.retries, spec.timeout
-                if record.state not in SUCCESS:
-                    self._reconcile(session, record)
-                    record.state, record.error, record.started, record.ended = "PENDING", None, None, None
-                self.attempts[spec.name] = len(record.tasks)
-                # committed stages stay DONE in the store; in memory every stage starts PENDING and
-                # is found again by its cache key, so changed code or inputs re-run it
-                self.states[spec.name] = "PENDING"
-            previous = {d.name: d for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == self.run_id))}
-            for name, dataset in previous.items():
-                self.dataset_paths[name], self.fingerprints[name] = dataset.path, dataset.fingerprint
+            self._stage_records(session)
+
+    def _stage_records(self, session: Any) -> None:
+        existing = {s.name: s for s in session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
+        attempts = {}
+        for order, spec in enumerate(self.stages.values()):
+            record = existing.get(spec.name)
+            if record is None:
+                record = StageRecord(run_id=self.run_id, name=spec.name, order=order,
+                                     function=f"{spec.module}:{spec.qualname}")
+                session.add(record)
+            record.inputs, record.outputs = list(spec.inputs), list(spec.outputs)
+            record.request = {k: v for k, v in vars(spec.request).items()}
+            record.params, record.retries, record.timeout = self.stage_params(spec), spec.retries, spec.timeout
+            if record.state not in SUCCESS:
+                self._reconcile(session, record)
+                record.state, record.error, record.started, record.ended = "PENDING", None, None, None
+            attempts[spec.name] = len(record.tasks)
+        # committed stages stay DONE in the store; the plan starts every stage PENDING and finds
+        # them again by their cache key, so changed code, files, parameters or inputs re-run them
+        self.plan = RunPlan(self.run_id, self.nodes, attempts=attempts)
 
     def _reconcile(self, session: Any, record: StageRecord) -> None:
         for task in record.tasks:
@@ -223,60 +208,116 @@ class Orchestrator:
     # ------------------------------------------------------------------ loop
     def execute(self, backend: Backend) -> str:
         started = time.time()
-        scheduler = Scheduler(self.pilot, start_time=started)
+        self.scheduler = scheduler = Scheduler(self.pilot, start_time=started)
+        self.backend = backend
         if self.pilot.walltime:
             self.deadline = started + self.pilot.walltime
         self.progress.start(self)
         last_lease = last_look = 0.0
         try:
-            while True:
-                self._watch_walltime(scheduler, backend)
+            self._feed(Begin(forced=self.rerun))
+            while self.final is None:
+                self._watch_walltime()
                 if time.time() - last_look >= 1.0:
-                    self._watch_lone_deaths(backend)
+                    self._watch_lone_deaths()
                     last_look = time.time()
-                self._submit_ready(scheduler, backend)
-                if not self.live and not scheduler.queued:
-                    break
                 try:
                     live, outcome = self.outcomes.get(timeout=0.5)
                 except queue.Empty:
-                    self._apply(scheduler.handle_event(Tick(time.time())), backend)
+                    self._apply(scheduler.handle_event(Tick(time.time())))
                 else:
                     self._finish(live, outcome)
-                    self._apply(scheduler.handle_event(TaskFinished(live.task_id, time.time())), backend)
                 if time.time() - last_lease > LEASE_SECONDS / 3:
                     self._renew_lease()
                     last_lease = time.time()
                 self.progress.update(self, scheduler)
-        except BaseException:
-            for live in list(self.live.values()):
-                backend.cancel(live.task_id)
-            self._abandon("the orchestrator was interrupted")
+        except KeyboardInterrupt:
+            self.stop("interrupted (Ctrl-C)", "INTERRUPTED")
+            raise
+        except BaseException as exc:
+            self.stop(f"the orchestrator stopped: {where(exc)}", "FAILED")
             raise
         finally:
             self.progress.stop()
         return self._close()
 
-    def _watch_walltime(self, scheduler: Scheduler, backend: Backend) -> None:
+    def stop(self, reason: str, state: str) -> None:
+        """End the run ``state`` (Ctrl-C, an error): cancel what runs, wait briefly, record everything.
+
+        Safe to call at any point, before the loop too; what cannot be recorded (a full disk under
+        the store) is logged, and the run's lease lapses so it shows as ended with its owner gone.
+        """
+        try:
+            self._feed(Abandon(reason, state))
+            deadline = time.time() + STOP_GRACE
+            while self.live and time.time() < deadline:
+                try:
+                    live, outcome = self.outcomes.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._finish(live, outcome)
+            for live in list(self.live.values()):  # did not end in time: recorded as cancelled anyway
+                del self.live[str(live.task)]
+                self._feed(AttemptEnded(live.task, "CANCELLED", reason))
+            self._close(state, reason)
+        except Exception as exc:  # noqa: BLE001 - already failing; say what could not be recorded
+            log.error("run %s: could not record its end (%s)", self.run_id, where(exc))
+
+    def _feed(self, event: Event) -> None:
+        """Hand ``event`` to the plan and carry out its instructions (and what they lead to)."""
+        events: deque[Event] = deque([event])
+        batch: list[Enqueue] = []
+        while events:
+            for instruction in self.plan.handle_event(events.popleft()):
+                if isinstance(instruction, LookUpCache):
+                    events.append(self._look_up(self.stages[instruction.stage]))
+                elif isinstance(instruction, Enqueue):
+                    self._record_task(instruction)
+                    batch.append(instruction)
+                elif isinstance(instruction, StageChanged):
+                    self._record_stage(instruction)
+                elif isinstance(instruction, CancelTask):
+                    self._cancel(instruction)
+                elif isinstance(instruction, Withdraw):
+                    for name in self.stages[instruction.stage].outputs:
+                        ds.uncommit(self.run_dir / "datasets" / name)
+                elif isinstance(instruction, RunEnded):
+                    self.final = instruction.state
+        if batch and self.scheduler is not None:
+            # one scheduler event for all of them: it orders them by priority before placing any
+            now = time.time()
+            tasks = tuple(TaskSubmitted(str(e.task), self.stages[e.task.stage].request, now,
+                                        self.priority[e.task.stage], self._preferred_nodes(e.task.stage),
+                                        self.branch[e.task.stage]) for e in batch)
+            self._apply(self.scheduler.handle_event(TasksSubmitted(tasks, now)))
+
+    def _apply(self, instructions: list[Any]) -> None:
+        """Carry out the scheduler's instructions."""
+        for instruction in instructions:
+            task = self.plan.task(instruction.task_id)
+            if isinstance(instruction, StartTask):
+                self._launch(task, instruction)
+                self._feed(TaskStarted(task))
+            elif isinstance(instruction, RejectTask):
+                self._end_task(instruction.task_id, "REJECTED", instruction.reason)
+                self._feed(TaskRejected(task, instruction.reason, walltime=instruction.cause in ("walltime", "drain")))
+
+    def _watch_walltime(self) -> None:
         """Stop starting work inside the drain window; cut running work off at the deadline."""
         if self.deadline is None:
             return
         now = time.time()
-        if not self.draining and now >= self.deadline - self.pilot.drain:
-            self.draining = True
+        if not self.plan.draining and now >= self.deadline - self.pilot.drain:
             log.warning("pilot walltime drain window reached: no new tasks start")
-            for task_id in list(scheduler.queued):
-                scheduler.handle_event(TaskCancelled(task_id, now))
-                stage = task_id.rsplit("/", 2)[-2]
-                self._end_task(task_id, "CANCELLED", "not started: inside the pilot's walltime drain window")
-                self._set_stage(stage, "PENDING", error="not started before the pilot's walltime ran out")
+            self._feed(Drain("not started before the pilot's walltime ran out"))
         if now >= self.deadline:
             for live in list(self.live.values()):
-                if live.task_id not in self.cut_off:
-                    self.cut_off.add(live.task_id)
-                    backend.cancel(live.task_id)
+                text = str(live.task)
+                if text not in self.cut_off and self.backend is not None:
+                    self.cut_off.add(text)
+                    self.backend.cancel(text)
 
-    def _watch_lone_deaths(self, backend: Backend) -> None:
+    def _watch_lone_deaths(self) -> None:
         """End a task whose rank died by itself when its launcher has not ended the others in time."""
         now = time.time()
         for live in list(self.live.values()):
@@ -285,18 +326,11 @@ class Orchestrator:
             if live.lone_death_seen is None:
                 if any_ended_alone(live.attempt_dir):
                     live.lone_death_seen = now
-            elif now - live.lone_death_seen > LONE_DEATH_GRACE:
+            elif now - live.lone_death_seen > LONE_DEATH_GRACE and self.backend is not None:
                 log.warning("stage %s: a rank ended by itself %.0f s ago and the launcher has not ended the "
                             "others; ending the task", live.stage, now - live.lone_death_seen)
                 live.ended_by_us = True
-                backend.cancel(live.task_id)
-
-    def _end_task(self, task_id: str, state: str, reason: str) -> None:
-        with self.store.session() as session:
-            task = session.get(TaskRecord, task_id)
-            if task is not None:
-                task.state, task.reason = state, reason
-            self.store.event(session, self.run_id, "task", task_id, state, reason=reason)
+                self.backend.cancel(str(live.task))
 
     def _renew_lease(self) -> None:
         with self.store.session() as session:
@@ -304,84 +338,48 @@ class Orchestrator:
             if run is not None:
                 run.lease_until = time.time() + LEASE_SECONDS
 
-    def _submit_ready(self, scheduler: Scheduler, backend: Backend) -> None:
-        """Submit every stage whose inputs are ready, in ONE scheduler event.
+    # ----------------------------------------------------------------- cache
+    def _material(self, spec: StageSpec) -> cache.KeyMaterial:
+        from .fingerprint import code_fingerprint, file_fingerprint
 
-        One event lets the scheduler order all of them by priority (critical path)
-        before placing any; submitting them one by one would place each as it came.
-        """
-        ready: list[StageSpec] = []
-        changed = True
-        while changed:
-            changed = False
-            for spec in self.stages.values():
-                if self.states[spec.name] != "PENDING" or self.draining:
-                    continue
-                upstream = [self.producer[d] for d in spec.inputs]
-                failed = [u for u in upstream if self.states[u] in TERMINAL - SUCCESS]
-                if failed:
-                    self._skip(spec, failed[0])
-                    changed = True
-                elif all(self.states[u] in SUCCESS for u in upstream):
-                    if self._try_cache(spec):
-                        changed = True
-                        continue
-                    self._enqueue(spec)
-                    ready.append(spec)
-        if ready:
-            now = time.time()
-            batch = tuple(TaskSubmitted(self._task_id(spec), spec.request, now, self.priority[spec.name],
-                                        self._preferred_nodes(spec), self.branch[spec.name]) for spec in ready)
-            self._apply(scheduler.handle_event(TasksSubmitted(batch, now)), backend)
+        if spec.name not in self.code:
+            self.code[spec.name] = code_fingerprint(spec.func)
+        base = Path(spec.path).parent if spec.path else Path.cwd()
+        return cache.KeyMaterial(
+            code=self.code[spec.name], files=file_fingerprint(spec.files, base) if spec.files else {},
+            inputs={name: self.fingerprints[name] for name in spec.inputs},
+            schemas={name: ds.schema_to_text(schema) for name, schema in sorted(spec.schemas.items())},
+            outputs=tuple(spec.outputs), ranks=spec.request.ranks)
 
-    def _skip(self, spec: StageSpec, upstream: str) -> None:
-        root = self._root_cause(upstream)
-        reason = f"not run: upstream stage {upstream!r} ended {self.states[upstream]}" + \
-            (f" (root cause: stage {root!r})" if root != upstream else "")
-        self._set_stage(spec.name, "SKIPPED", error=reason)
-
-    def _root_cause(self, name: str) -> str:
-        spec = self.stages[name]
-        for dataset in spec.inputs:
-            upstream = self.producer[dataset]
-            if self.states[upstream] in TERMINAL - SUCCESS:
-                return self._root_cause(upstream)
-        return name
-
-    def _try_cache(self, spec: StageSpec) -> bool:
-        key = self.cache_key(spec)
+    def _look_up(self, spec: StageSpec) -> CacheChecked:
+        """Find an intact committed output of ``spec`` under its key; say why there is none."""
+        material = self.material[spec.name] = self._material(spec)
+        key, params = material.key(), self.stage_params(spec)
         with self.store.session() as session:
-            record = session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id,
-                                                               StageRecord.name == spec.name)).one()
-            record.cache_key = key
-            candidates = session.scalars(select(StageRecord).where(StageRecord.cache_key == key,
-                                                                   StageRecord.state.in_(SUCCESS))
-                                         .order_by(StageRecord.ended.desc()))
-            for hit in candidates:
-                found = {d.name: d for d in session.scalars(select(DatasetRecord).where(
-                    DatasetRecord.run_id == hit.run_id, DatasetRecord.name.in_(spec.outputs)))}
-                if set(found) != set(spec.outputs) or not all(_still_committed(d) for d in found.values()):
-                    continue
-                for name, source in found.items():
-                    self.dataset_paths[name], self.fingerprints[name] = source.path, source.fingerprint
-                    if hit.run_id != self.run_id:
-                        self._copy_dataset_record(session, source)
-                record.cached_from = None if hit.run_id == self.run_id else hit.run_id
-                break
-            else:
-                return False
-        if record.cached_from is None:  # committed earlier in this same run (resume)
-            self._set_stage(spec.name, "DONE", detail={"reused": True})
-        else:
-            self._set_stage(spec.name, "CACHED", detail={"from_run": record.cached_from})
-        return True
+            hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
+                                                params=params, outputs=spec.outputs)
+            for problem in damaged:
+                log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
+            record = self._stage_record(session, spec.name)
+            if hit is None:
+                reason = cache.why_run(session, pipeline=self.name, run_id=self.run_id, stage=spec.name,
+                                       material=material, params=params, damaged=damaged)
+                record.cache_reason, record.cache_hit = reason, False
+                return CacheChecked(spec.name, False, reason)
+            from_run = None if hit.run_id == self.run_id else hit.run_id
+            reason = "committed earlier in this run, unchanged" if from_run is None else \
+                f"unchanged since run {hit.run_id}"
+            for name, source in found.items():
+                self.dataset_paths[name], self.fingerprints[name] = source.path, source.fingerprint
+                if from_run is not None:
+                    self._copy_dataset_record(session, source)
+            record.cached_from, record.cache_key, record.cache_material = from_run, key, material.to_json()
+            record.params_read, record.cache_reason, record.cache_hit = hit.params_read, reason, True
+        return CacheChecked(spec.name, True, reason, from_run)
 
     def _copy_dataset_record(self, session: Any, source: DatasetRecord) -> None:
-        old = session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == self.run_id,
-                                                          DatasetRecord.name == source.name)).first()
-        if old is not None:
-            session.delete(old)
-            session.flush()
+        session.execute(delete(DatasetRecord).where(DatasetRecord.run_id == self.run_id,
+                                                    DatasetRecord.name == source.name))
         copy = DatasetRecord(run_id=self.run_id, name=source.name, path=source.path,
                              producer_stage=source.producer_stage, producer_attempt=source.producer_attempt,
                              num_rows=source.num_rows, num_bytes=source.num_bytes, schema=source.schema,
@@ -390,25 +388,10 @@ class Orchestrator:
                                            checksum=p.checksum, node=p.node, rank=p.rank) for p in source.partitions]
         session.add(copy)
 
-    def _task_id(self, spec: StageSpec) -> str:
-        return f"{self.run_id}/{spec.name}/{self.attempts[spec.name]}"
-
-    def _enqueue(self, spec: StageSpec) -> None:
-        """Record a new attempt of ``spec`` as QUEUED (the caller hands it to the scheduler)."""
-        self.attempts[spec.name] += 1
-        self.tries[spec.name] += 1
-        task_id = self._task_id(spec)
-        with self.store.session() as session:
-            record = self._stage_record(session, spec.name)
-            session.add(TaskRecord(id=task_id, stage_id=record.id, state="QUEUED", priority=self.priority[spec.name],
-                                   submitted=time.time()))
-            self.store.event(session, self.run_id, "task", task_id, "QUEUED")
-        self._set_stage(spec.name, "QUEUED")
-
-    def _preferred_nodes(self, spec: StageSpec) -> frozenset[int]:
+    def _preferred_nodes(self, stage: str) -> frozenset[int]:
         names = [] if self.pilot.nodes == 1 else [f"node{i}" for i in range(self.pilot.nodes)]
         nodes: set[int] = set()
-        for dataset in spec.inputs:
+        for dataset in self.stages[stage].inputs:
             try:
                 manifest = ds.read_manifest(self.dataset_paths[dataset])
             except ds.DatasetError:
@@ -416,37 +399,58 @@ class Orchestrator:
             nodes.update(names.index(p.node) for p in manifest.partitions if p.node in names)
         return frozenset(nodes)
 
-    def _apply(self, instructions: list[Any], backend: Backend) -> None:
-        for instruction in instructions:
-            stage = instruction.task_id.rsplit("/", 2)[-2]
-            if isinstance(instruction, StartTask):
-                self._launch(self.stages[stage], instruction, backend)
-            elif isinstance(instruction, RejectTask):
-                with self.store.session() as session:
-                    task = session.get(TaskRecord, instruction.task_id)
-                    if task is not None:
-                        task.state, task.reason = "REJECTED", instruction.reason
-                    self.store.event(session, self.run_id, "task", instruction.task_id, "REJECTED",
-                                     reason=instruction.reason)
-                if getattr(instruction, "cause", "unsatisfiable") in ("walltime", "drain"):
-                    self._set_stage(stage, "WALLTIME", error=instruction.reason)
-                else:
-                    self._set_stage(stage, "FAILED", error=instruction.reason)
+    # ----------------------------------------------------------------- tasks
+    def _record_task(self, enqueue: Enqueue) -> None:
+        """A new attempt: its task record, and the stage's key withdrawn until its outputs commit."""
+        spec = self.stages[enqueue.task.stage]
+        if spec.name not in self.material:  # forced: never looked up
+            self.material[spec.name] = self._material(spec)
+        with self.store.session() as session:
+            record = self._stage_record(session, spec.name)
+            record.cache_key = record.cache_material = record.cached_from = None
+            if not enqueue.reason.startswith("retry"):
+                record.cache_reason, record.cache_hit = enqueue.reason, False
+            session.execute(delete(DatasetRecord).where(DatasetRecord.run_id == self.run_id,
+                                                        DatasetRecord.name.in_(list(spec.outputs))))
+            session.add(TaskRecord(id=str(enqueue.task), stage_id=record.id, state="QUEUED",
+                                   priority=self.priority[spec.name], submitted=time.time()))
+            self.store.event(session, self.run_id, "task", str(enqueue.task), "QUEUED", reason=enqueue.reason)
 
-    def _launch(self, spec: StageSpec, start: StartTask, backend: Backend) -> None:
-        number = int(start.task_id.rsplit("/", 1)[1])
+    def _cancel(self, cancel: CancelTask) -> None:
+        text = str(cancel.task)
+        if cancel.running:
+            if self.backend is not None:
+                self.backend.cancel(text)
+            return
+        if self.scheduler is not None:
+            self.scheduler.handle_event(TaskCancelled(text, time.time()))
+        self._end_task(text, "CANCELLED", cancel.reason)
+
+    def _end_task(self, task_id: str, state: str, reason: str) -> None:
+        with self.store.session() as session:
+            task = session.get(TaskRecord, task_id)
+            if task is not None:
+                task.state, task.reason = state, reason
+            self.store.event(session, self.run_id, "task", task_id, state, reason=reason)
+
+    def _launch(self, task: TaskId, start: StartTask) -> None:
+        assert self.backend is not None
+        spec = self.stages[task.stage]
         stage_dir = private_dir(self.run_dir / "stages" / spec.name)
-        attempt_dir = private_dir(stage_dir / f"attempt-{number}")
+        attempt_dir = private_dir(stage_dir / f"attempt-{task.attempt}")
         private_dir(stage_dir / "checkpoints")
         outputs = {}
         for name in spec.outputs:
             target = private_dir(self.run_dir / "datasets" / name)
             ds.uncommit(target)
             outputs[name] = str(target)
-        nodes = backend.node_names()
+        nodes = self.backend.node_names()
         slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus)} for s in start.slots]
+        base = Path(spec.path).parent if spec.path else Path.cwd()
+        from .fingerprint import resolve_files
+
         worker_spec = {
-            "run_id": self.run_id, "stage": spec.name, "attempt": number,
+            "run_id": self.run_id, "stage": spec.name, "attempt": task.attempt,
             "function": {"module": spec.module, "path": spec.path, "name": spec.qualname},
             "sys_path": [str(Path(spec.path).parent)] if spec.path else [],
             "params": self.stage_params(spec),
@@ -455,33 +459,35 @@ class Orchestrator:
             "checkpoint_dir": str(stage_dir / "checkpoints"), "slots": slots, "nodes": nodes,
             "verify": self.verify,
             "schemas": {name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
+            "files": [str(p) for p in resolve_files(spec.files, base)] if spec.files else [],
         }
         spec_path = attempt_dir / "spec.json"
         ds.write_json_atomic(spec_path, worker_spec)
-        live = _Live(spec.name, start.task_id, number, attempt_dir, start.slots)
+        live = _Live(task, attempt_dir, start.slots)
         now = time.time()
         with self.store.session() as session:
-            task = session.get(TaskRecord, start.task_id)
-            assert task is not None
-            task.state, task.slots = "RUNNING", [dict(s, node_name=nodes[s["node"]]) for s in slots]
-            session.add(AttemptRecord(task_id=start.task_id, stage_id=task.stage_id, number=number, state="RUNNING",
-                                      started=now, attempt_dir=str(attempt_dir)))
-            self.store.event(session, self.run_id, "task", start.task_id, "RUNNING", slots=task.slots)
-        self._set_stage(spec.name, "RUNNING", started=now)
-        self.live[start.task_id] = live
-        launch = LaunchSpec(task_id=start.task_id, argv=(sys.executable, "-m", "hetflow.tasks.worker", str(spec_path)),
+            record = session.get(TaskRecord, str(task))
+            assert record is not None
+            record.state, record.slots = "RUNNING", [dict(s, node_name=nodes[s["node"]]) for s in slots]
+            session.add(AttemptRecord(task_id=str(task), stage_id=record.stage_id, number=task.attempt,
+                                      state="RUNNING", started=now, attempt_dir=str(attempt_dir)))
+            self.store.event(session, self.run_id, "task", str(task), "RUNNING", slots=record.slots)
+        self.live[str(task)] = live
+        launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(spec_path)),
                             slots=start.slots, cwd=attempt_dir, timeout=spec.timeout,
                             stdout=attempt_dir / "stdout.log", stderr=attempt_dir / "stderr.log")
-        future = backend.launch(launch)
+        future = self.backend.launch(launch)
         future.add_done_callback(lambda f, live=live: self.outcomes.put((live, f.result())))
 
     # --------------------------------------------------------------- outcome
     def _finish(self, live: _Live, outcome: TaskOutcome) -> None:
-        del self.live[live.task_id]
+        text = str(live.task)
+        if self.live.pop(text, None) is None:
+            return  # already recorded as cancelled by stop()
         spec = self.stages[live.stage]
         ranks = _read_ranks(live.attempt_dir, len(live.slots))
         failure = _diagnose(spec, outcome, ranks, live.attempt_dir, ended_by_us=live.ended_by_us)
-        if live.task_id in self.cut_off:
+        if text in self.cut_off:
             failure = _Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
                                f"({self.pilot.walltime}s); resume the run in a new allocation")
         committed: dict[str, ds.Manifest] = {}
@@ -492,7 +498,7 @@ class Orchestrator:
                 failure = _Failure("FAILED", f"{type(exc).__name__}: {exc}")
         state = "DONE" if failure is None else failure.state
         with self.store.session() as session:
-            task = session.get(TaskRecord, live.task_id)
+            task = session.get(TaskRecord, text)
             assert task is not None and task.attempt is not None
             attempt = task.attempt
             attempt.ended, attempt.returncode = outcome.ended or time.time(), outcome.returncode
@@ -502,22 +508,23 @@ class Orchestrator:
                 attempt.signal = failure.signal
             for name, manifest in committed.items():
                 self._record_dataset(session, name, manifest)
-            self.store.event(session, self.run_id, "task", live.task_id, state,
+            if failure is None:  # the key goes onto the outputs produced under it, and only then
+                record = self._stage_record(session, spec.name)
+                material = self.material[spec.name]
+                record.cache_key, record.cache_material = material.key(), material.to_json()
+                record.params_read = _params_read(ranks)
+            self.store.event(session, self.run_id, "task", text, state,
                              returncode=outcome.returncode, signal=None if failure is None else failure.signal,
                              error=None if failure is None else failure.message)
-        if failure is None:
-            self._set_stage(spec.name, "DONE", ended=time.time())
-        elif failure.state == "WALLTIME" or self.tries[spec.name] > spec.retries or failure.state == "TIMED_OUT":
-            for name in spec.outputs:
-                ds.uncommit(self.run_dir / "datasets" / name)
-            self._set_stage(spec.name, failure.state, ended=time.time(), error=failure.message)
-        else:
-            log.warning("stage %s attempt %d failed (%s); retrying", spec.name, live.number, failure.message)
-            self._set_stage(spec.name, "PENDING", error=failure.message)
+        if failure is not None and failure.state not in ("WALLTIME", "TIMED_OUT", "CANCELLED"):
+            log.warning("stage %s attempt %d failed (%s)", spec.name, live.task.attempt, failure.message)
+        self._feed(AttemptEnded(live.task, state, None if failure is None else failure.message))
+        if self.scheduler is not None:  # after the stage's end is recorded: its slots go to the next
+            self._apply(self.scheduler.handle_event(TaskFinished(text, time.time())))
 
     def _commit_outputs(self, spec: StageSpec, live: _Live, ranks: list[dict[str, Any] | None]) -> dict[str, ds.Manifest]:
         committed = {}
-        producer = {"run": self.run_id, "stage": spec.name, "attempt": live.number, "ranks": len(live.slots)}
+        producer = {"run": self.run_id, "stage": spec.name, "attempt": live.task.attempt, "ranks": len(live.slots)}
         for name in spec.outputs:
             parts = [r["outputs"][name] for r in ranks if r is not None and r["outputs"].get(name)]
             if not parts:
@@ -530,11 +537,7 @@ class Orchestrator:
 
     def _record_dataset(self, session: Any, name: str, manifest: ds.Manifest) -> None:
         path = str(self.run_dir / "datasets" / name)
-        old = session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == self.run_id,
-                                                          DatasetRecord.name == name)).first()
-        if old is not None:
-            session.delete(old)
-            session.flush()
+        session.execute(delete(DatasetRecord).where(DatasetRecord.run_id == self.run_id, DatasetRecord.name == name))
         record = DatasetRecord(run_id=self.run_id, name=name, path=path, producer_stage=manifest.producer["stage"],
                                producer_attempt=manifest.producer["attempt"], num_rows=manifest.num_rows,
                                num_bytes=manifest.num_bytes, schema=str(manifest.schema),
@@ -549,42 +552,40 @@ class Orchestrator:
         return session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id,
                                                          StageRecord.name == name)).one()
 
-    def _set_stage(self, name: str, state: str, *, error: str | None = None, started: float | None = None,
-                   ended: float | None = None, detail: Mapping[str, Any] | None = None) -> None:
-        self.states[name] = state
+    def _record_stage(self, change: StageChanged) -> None:
+        now = time.time()
         with self.store.session() as session:
-            record = self._stage_record(session, name)
-            record.state = state
-            if error is not None:
-                record.error = error
-            if started is not None and record.started is None:
-                record.started = started
-            if ended is not None:
-                record.ended = ended
-            self.store.event(session, self.run_id, "stage", name, state, error=error, **(detail or {}))
-        if state in TERMINAL - SUCCESS and error:
-            log.error("stage %s %s: %s", name, state, error.splitlines()[0] if error else "")
+            record = self._stage_record(session, change.stage)
+            record.state = change.state
+            if change.error is not None or change.state in ("QUEUED", "DONE", "CACHED"):
+                record.error = change.error
+            if change.state == "RUNNING" and record.started is None:
+                record.started = now
+            if change.state in TERMINAL:
+                record.ended = now
+            self.store.event(session, self.run_id, "stage", change.stage, change.state, error=change.error,
+                             **dict(change.detail))
+        if change.state in TERMINAL - SUCCESS and change.error:
+            log.error("stage %s %s: %s", change.stage, change.state, change.error.splitlines()[0])
 
-    def _abandon(self, reason: str) -> None:
-        for name, state in self.states.items():
-            if state in ("QUEUED", "RUNNING", "PENDING"):
-                self._set_stage(name, "CANCELLED", error=reason)
-        self._close()
-
-    def _close(self) -> str:
-        states = set(self.states.values())
-        if states <= SUCCESS:
-            final = "DONE"
-        elif states & {"FAILED", "TIMED_OUT", "CANCELLED"}:
-            final = "FAILED"
-        else:  # only work the walltime stopped or never started: resume in the next allocation
-            final = "STOPPED"
+    def _close(self, state: str | None = None, error: str | None = None) -> str:
+        final = self.final = state or self.final or "FAILED"
         with self.store.session() as session:
             run = session.get(RunRecord, self.run_id)
             assert run is not None
-            run.state, run.ended, run.owner, run.lease_until = final, time.time(), None, None
-            self.store.event(session, self.run_id, "run", self.name, final)
+            run.state, run.ended, run.owner, run.lease_until, run.error = final, time.time(), None, None, error
+            self.store.event(session, self.run_id, "run", self.name, final, error=error)
         return final
+
+
+def _params_read(ranks: list[dict[str, Any] | None]) -> list[str] | None:
+    """The parameters the ranks read (``None``: all of them, or a rank did not say)."""
+    names: set[str] = set()
+    for rank in ranks:
+        if rank is None or rank.get("params_read", None) is None:
+            return None
+        names.update(rank["params_read"])
+    return sorted(names)
 
 
 def _rank_pids(attempt_dir: Path) -> dict[int, int]:
@@ -608,13 +609,6 @@ def _reap_orphans(attempt_dir: Path) -> None:
                 proc.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-
-
-def _still_committed(record: DatasetRecord) -> bool:
-    try:
-        return ds.read_manifest(record.path).fingerprint() == record.fingerprint
-    except ds.DatasetError:
-        return False
 
 
 def _read_ranks(attempt_dir: Path, ranks: int) -> list[dict[str, Any] | None]:

@@ -21,7 +21,7 @@ from hetflow.tasks.scheduler import check_request
 from hetflow.tasks.worker import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_name
-from .errors import PipelineError, UnknownRun
+from .errors import HetflowError, PipelineError, RunAborted, RunInterrupted, UnknownRun
 
 if TYPE_CHECKING:
     from .status import RunStatus
@@ -42,6 +42,7 @@ class RunOptions:
     run_id: str | None = None
     progress: bool | None = None
     script: str | None = None
+    rerun: Sequence[str] = ()
 
 
 _overrides: list[tuple[RunOptions, list[RunStatus]]] = []
@@ -86,7 +87,8 @@ class Pipeline:
               gpus_per_rank: int = 0, memory_per_rank: int | None = None, ranks_per_node: int | None = None,
               duration: float | None = None, inputs: Sequence[str] = (), outputs: Sequence[str] = (),
               params: Mapping[str, Any] | None = None, retries: int = 0,
-              timeout: float | None = None, schemas: Mapping[str, Any] | None = None) -> Any:
+              timeout: float | None = None, schemas: Mapping[str, Any] | None = None,
+              files: Sequence[str] = ()) -> Any:
         """Declare a stage; the function is called once per rank as ``func(ctx, *inputs)``.
 
         It returns ``{output name: pa.Table | None}`` with this rank's partition
@@ -95,6 +97,9 @@ class Pipeline:
         re-runs a failed attempt that many times.  ``schemas`` maps input or
         output dataset names to the ``pa.Schema`` this stage expects: a
         dataset that differs is rejected at the boundary with a diff.
+        ``files`` lists files or globs the stage reads (relative to the script's
+        directory, or absolute): their content is part of the stage's cache key,
+        so changing, adding or removing one re-runs it; ``ctx.files`` lists them.
         """
         def register(fn: F) -> F:
             stage_name = name or getattr(fn, "__name__", None)
@@ -123,6 +128,8 @@ class Pipeline:
                 if not isinstance(schema, pa.Schema):
                     raise PipelineError(f"{where}: schema for {dataset!r} must be a pyarrow.Schema, "
                                         f"got {type(schema).__name__}")
+            if isinstance(files, str) or not all(isinstance(f, str) and f for f in files):
+                raise PipelineError(f"{where}: files must be a list of paths or globs, got {files!r}")
             if not isinstance(retries, int) or retries < 0:
                 raise PipelineError(f"{where}: retries must be an integer >= 0, got {retries!r}")
             if timeout is not None and timeout <= 0:
@@ -135,7 +142,8 @@ class Pipeline:
                 raise PipelineError(f"{where}: {exc}") from None
             self.stages[stage_name] = StageSpec(name=stage_name, func=fn, request=request, inputs=tuple(inputs),
                                                 outputs=tuple(outputs), params=dict(params or {}),
-                                                retries=retries, timeout=timeout, schemas=dict(schemas or {}))
+                                                retries=retries, timeout=timeout, schemas=dict(schemas or {}),
+                                                files=tuple(files))
             return fn
 
         return register(func) if func is not None else register
@@ -176,13 +184,16 @@ class Pipeline:
     def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = None,
             workdir: "str | os.PathLike[str] | None" = None, params: Mapping[str, Any] | None = None,
             db: str | None = None, backend: str | None = None, run_id: str | None = None,
-            progress: bool | None = None, check: bool = False) -> RunStatus:
+            progress: bool | None = None, check: bool = False, rerun: Sequence[str] = ()) -> RunStatus:
         """Run the pipeline to the end and return its status.
 
         Stages whose inputs are ready run at the same time on disjoint slots.
         With the same work directory, stages whose code, parameters and inputs
         match a committed earlier execution are not run again (CACHED);
-        ``run_id`` of an existing run resumes it.  ``check=True`` raises
+        ``run_id`` of an existing run resumes it (every stage's key is checked
+        again, so what changed since re-runs).  ``rerun`` names stages to run
+        again whatever the cache says (``"all"`` for every stage), and
+        everything downstream of them.  ``check=True`` raises
         :class:`TaskFailed` if the run did not end DONE.
         """
         if os.environ.get(WORKER_ENV):
@@ -225,11 +236,30 @@ class Pipeline:
             show = sys.stderr.isatty()
         orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
                                     run_dir=root / "runs" / the_id, store=store, params=run_params,
-                                    script=options.script or _script_path(self.stages), progress=show)
-        orchestrator.prepare(resume=resume_id is not None)
-        backend_cls = get_backend(description.backend)
-        with backend_cls(description, orchestrator.run_dir) as engine:
-            orchestrator.execute(engine)
+                                    script=options.script or _script_path(self.stages), progress=show,
+                                    rerun=tuple(options.rerun) + tuple(rerun))
+        try:
+            orchestrator.prepare(resume=resume_id is not None)
+        except OSError as exc:
+            from .orchestrator import where
+
+            raise PipelineError(f"pipeline {self.name!r}: cannot start run {the_id}: {where(exc)}") from None
+        # from here on the run is ours and RUNNING: however it ends, it ends recorded
+        try:
+            backend_cls = get_backend(description.backend)
+            with backend_cls(description, orchestrator.run_dir) as engine:
+                orchestrator.execute(engine)
+        except KeyboardInterrupt:
+            if orchestrator.final is None:
+                orchestrator.stop("interrupted (Ctrl-C)", "INTERRUPTED")
+            raise RunInterrupted(the_id) from None
+        except (HetflowError, OSError, ImportError) as exc:
+            from .orchestrator import where
+
+            reason = where(exc)
+            if orchestrator.final is None:
+                orchestrator.stop(reason, "FAILED")
+            raise RunAborted(the_id, reason) from exc
         status = run_status(store, the_id)
         store.close()
         made.append(status)

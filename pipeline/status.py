@@ -38,13 +38,17 @@ class StageStatus:
     signal: int | None = None
     cached_from: str | None = None
     outputs: tuple[str, ...] = ()
+    cache_hit: bool | None = None
+    """Whether this run reused a committed output (``None``: the stage never got that far)."""
+    cache_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "state": self.state, "attempts": self.attempts,
                 "started": iso(self.started), "ended": iso(self.ended),
                 "slots": [s.to_json() for s in self.slots], "error": self.error,
                 "failed_rank": self.failed_rank, "signal": self.signal, "traceback": self.traceback,
-                "cached_from": self.cached_from, "outputs": list(self.outputs)}
+                "cached_from": self.cached_from, "outputs": list(self.outputs),
+                "cache": {"hit": self.cache_hit, "from_run": self.cached_from, "reason": self.cache_reason}}
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
                 traceback=attempt.traceback if attempt else None,
                 failed_rank=attempt.failed_rank if attempt else None,
                 signal=attempt.signal if attempt else None, cached_from=record.cached_from,
-                outputs=tuple(record.outputs)))
+                outputs=tuple(record.outputs), cache_reason=record.cache_reason,
+                cache_hit=record.cache_hit))
         datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
         return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
                          ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets)

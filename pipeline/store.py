@@ -9,7 +9,8 @@ Stage states: ``PENDING`` → ``QUEUED`` → ``RUNNING`` → ``DONE`` | ``FAILED
 ``TIMED_OUT`` | ``SKIPPED`` (a dependency failed) | ``CACHED`` (an identical
 committed output was reused) | ``CANCELLED`` | ``WALLTIME`` (cut off by the
 pilot's walltime; resumable).  A run ends ``DONE``, ``FAILED`` or ``STOPPED``
-(the walltime stopped it before the end; resume it in the next allocation).
+(the walltime stopped it before the end; resume it in the next allocation) or
+``INTERRUPTED`` (Ctrl-C; resume it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from sqlalchemy import (JSON, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event,
+from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event,
                         select)
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
@@ -54,6 +55,8 @@ class RunRecord(Base):
     hetflow_version: Mapped[str] = mapped_column(String(32))
     owner: Mapped[str | None] = mapped_column(String(256), nullable=True)
     lease_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Why the run ended FAILED or INTERRUPTED when no stage says (no launcher, a full disk, Ctrl-C)."""
     stages: Mapped[list["StageRecord"]] = relationship(back_populates="run", order_by="StageRecord.order")
 
 
@@ -77,6 +80,14 @@ class StageRecord(Base):
     ended: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     cached_from: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    cache_material: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """What ``cache_key`` was made of (:class:`hetflow.cache.KeyMaterial`), to name what changed."""
+    cache_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Why the stage ran or was reused in this run."""
+    cache_hit: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    """Whether this run reused a committed output (``None``: not decided yet)."""
+    params_read: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    """The parameters the committed execution read (``None``: all of them, or not known)."""
     run: Mapped[RunRecord] = relationship(back_populates="stages")
     tasks: Mapped[list["TaskRecord"]] = relationship(back_populates="stage", order_by="TaskRecord.submitted")
 
@@ -166,6 +177,20 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def _add_new_columns(engine: Engine) -> None:
+    """Add the columns a newer hetflow declares to tables an older one created (nullable, so no backfill)."""
+    from sqlalchemy import inspect, text
+
+    inspector = inspect(engine)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in have and column.nullable:
+                kind = column.type.compile(dialect=engine.dialect)
+                with engine.begin() as connection:
+                    connection.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+
+
 def default_url(workdir: Path) -> str:
     return f"sqlite:///{(workdir / 'hetflow.db').resolve()}"
 
@@ -185,6 +210,7 @@ class Store:
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         Base.metadata.create_all(self.engine)
+        _add_new_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @classmethod

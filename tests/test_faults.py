@@ -169,24 +169,34 @@ def test_schema_drift_is_rejected_at_the_boundary_with_a_diff(tmp_path: Path) ->
     assert "- missing column 'weight' (float)" in stage.error
 
 
-@pytest.mark.parametrize("damage", ["truncated", "zero-byte", "not-arrow"])
-def test_corrupt_input_partition_is_named_never_read(tmp_path: Path, damage: str) -> None:
+@pytest.mark.parametrize("damage", ["truncated", "zero-byte", "not-arrow", "deleted"])
+def test_a_damaged_cached_output_is_recomputed_never_served(tmp_path: Path, damage: str, caplog) -> None:
     first = _pipe("corrupt", tmp_path)
     first.stage(name="consumer", ranks=1, inputs=["numbers"], outputs=["consumer_out"])(F.passthrough)
     assert first.run().ok
     part = sorted((tmp_path / "runs").glob("*/datasets/numbers/part-00001.arrow"))[0]
     data = part.read_bytes()
-    part.write_bytes({"truncated": data[: len(data) // 3], "zero-byte": b"",
-                      "not-arrow": b"PAR1" + b"\0" * (len(data) - 4)}[damage])
+    if damage == "deleted":
+        part.unlink()
+    else:
+        part.write_bytes({"truncated": data[: len(data) // 3], "zero-byte": b"",
+                          "not-arrow": b"PAR1" + b"\0" * (len(data) - 4)}[damage])
     second = _pipe("corrupt", tmp_path)
-    second.stage(name="consumer", ranks=1, inputs=["numbers"], outputs=["consumer_out"],
-                 params={"changed": True})(F.passthrough)
-    run = second.run()
-    assert run.stage("numbers").state == "CACHED"
-    stage = run.stage("consumer")
-    assert stage.state == "FAILED"
-    assert "part-00001.arrow" in stage.error and "stage 'numbers'" in stage.error
-    assert "consumer_out" not in run.datasets
+    second.stage(name="consumer", ranks=1, inputs=["numbers"], outputs=["consumer_out"])(F.passthrough)
+    with caplog.at_level("WARNING"):
+        run = second.run()
+    assert run.ok, run
+    numbers = run.stage("numbers")
+    assert numbers.state == "DONE" and numbers.attempts == 1  # recomputed, not CACHED
+    assert numbers.cache_hit is False and "part-00001.arrow" in numbers.cache_reason
+    assert any("part-00001.arrow" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert run.dataset("numbers").num_rows == 4000  # the new dataset reads whole
+    assert run.dataset("consumer_out").num_rows == 4000
+    again = _pipe("corrupt", tmp_path)
+    again.stage(name="consumer", ranks=1, inputs=["numbers"], outputs=["consumer_out"])(F.passthrough)
+    third = again.run()  # and the recomputed output is what the cache serves from now on
+    assert [s.state for s in third.stages] == ["CACHED", "CACHED"]
+    assert third.stage("numbers").cached_from == run.id
 
 
 def test_tampered_manifest_is_not_trusted_for_reuse(tmp_path: Path) -> None:

@@ -1,0 +1,183 @@
+"""Cache decisions: what a stage's key covers, where an intact committed output under it is, and why not.
+
+A stage's key covers what its result depends on that hetflow can see, and
+nothing else (README, "What the cache key covers"):
+
+- its code: the stage function and the user code it reaches (helpers, classes,
+  module-level values they name, local modules), not site-packages
+  (:func:`hetflow.fingerprint.code_fingerprint`);
+- the declared ``files=`` and their content;
+- its inputs' manifests (content checksums), its declared schemas, its
+  outputs' names, its rank count, the hetflow version;
+- the values of the parameters it *read* when it ran: a parameter it never
+  read does not re-run it.  Which ones it read is only known after a run, so
+  the parameters are matched against each candidate's record, not hashed into
+  the key.
+
+A candidate is reused only when every partition file of every output is there
+with its size (and its checksum, when the output is small enough to check
+cheaply); a damaged one is passed over with a warning naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from sqlalchemy import select
+
+from hetflow.operators import dataset as ds
+
+from . import __version__
+from .store import SUCCESS, DatasetRecord, RunRecord, StageRecord
+
+log = logging.getLogger(__name__)
+
+CHECKSUM_BYTES = 256 << 20
+"""Outputs up to this size are checksummed before reuse; larger ones are checked by size only."""
+
+
+@dataclass(frozen=True)
+class KeyMaterial:
+    """Everything a stage's key is made of, by part, so a change can be named."""
+
+    code: Mapping[str, str]
+    files: Mapping[str, str]
+    inputs: Mapping[str, str]
+    schemas: Mapping[str, str]
+    outputs: tuple[str, ...]
+    ranks: int
+    hetflow: str = __version__
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": dict(self.code), "files": dict(self.files), "inputs": dict(self.inputs),
+                "schemas": dict(self.schemas), "outputs": list(self.outputs), "ranks": self.ranks,
+                "hetflow": self.hetflow}
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A cache look-up's result: the hit (its run and datasets) or why the stage must run."""
+
+    hit: StageRecord | None
+    datasets: Mapping[str, DatasetRecord]
+    reason: str
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def params_match(read: Sequence[str] | None, then: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The parameters among those a stage read (``None``: all) whose value differs now; empty if none."""
+    names = sorted(set(then) | set(now)) if read is None else sorted(read)
+    return [n for n in names if (n in then) != (n in now) or (n in then and not _same(then[n], now[n]))]
+
+
+def damage(record: DatasetRecord) -> str | None:
+    """Why the committed dataset ``record`` cannot be served as it is, or ``None`` if it is intact."""
+    path = Path(record.path)
+    try:
+        manifest = ds.read_manifest(path)
+    except ds.DatasetError as exc:
+        return str(exc)
+    if manifest.fingerprint() != record.fingerprint:
+        return f"{path / ds.MANIFEST} no longer describes what was committed (it was rewritten)"
+    check = manifest.num_bytes <= CHECKSUM_BYTES
+    for part in manifest.partitions:
+        file = path / part.file
+        try:
+            info = os.lstat(file)
+        except OSError:
+            return f"partition file {file} is missing"
+        if not stat.S_ISREG(info.st_mode):
+            return f"partition {file} is not a regular file"
+        if info.st_size != part.bytes:
+            return f"partition file {file} has {info.st_size} bytes, the manifest says {part.bytes}"
+        if check and _crc32(file) != part.checksum:
+            return f"partition file {file} does not match its checksum {part.checksum}"
+    return None
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb", buffering=0) as fh:
+        while chunk := fh.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
+
+
+def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[str, Any],
+            outputs: Sequence[str]) -> tuple[StageRecord | None, dict[str, DatasetRecord], list[str]]:
+    """The newest committed execution under ``key`` whose read parameters match and whose outputs are
+    intact; and the damage found on the way (one line per passed-over candidate)."""
+    damaged: list[str] = []
+    candidates = session.scalars(select(StageRecord).where(StageRecord.cache_key == key,
+                                                           StageRecord.state.in_(SUCCESS))
+                                 .order_by(StageRecord.ended.desc()))
+    for hit in candidates:
+        if params_match(hit.params_read, hit.params or {}, params):
+            continue
+        found = {d.name: d for d in session.scalars(select(DatasetRecord).where(
+            DatasetRecord.run_id == hit.run_id, DatasetRecord.name.in_(list(outputs))))}
+        if set(found) != set(outputs):
+            continue
+        problems = [(n, p) for n, d in sorted(found.items()) if (p := damage(d)) is not None]
+        if problems:
+            name, problem = problems[0]
+            damaged.append(f"output {name!r} of run {hit.run_id} is damaged: {problem}")
+            continue
+        return hit, found, damaged
+    return None, {}, damaged
+
+
+def why_run(session: Any, *, pipeline: str, run_id: str, stage: str, material: KeyMaterial,
+            params: Mapping[str, Any], damaged: Sequence[str]) -> str:
+    """Why ``stage`` has no reusable output: what changed since its last committed execution."""
+    if damaged:
+        return damaged[0] + "; recomputing"
+    last = session.scalars(select(StageRecord).join(RunRecord, StageRecord.run_id == RunRecord.id)
+                           .where(RunRecord.pipeline == pipeline, StageRecord.name == stage,
+                                  StageRecord.state.in_(SUCCESS), StageRecord.cache_material.is_not(None))
+                           .order_by(StageRecord.ended.desc()).limit(1)).first()
+    if last is None:
+        return "no earlier execution"
+    return describe(last.cache_material, material.to_json(), last.params_read, last.params or {}, params)
+
+
+def describe(old: Mapping[str, Any], new: Mapping[str, Any], read: Sequence[str] | None,
+             old_params: Mapping[str, Any], params: Mapping[str, Any]) -> str:
+    """Name the first parts of the key that differ between two materials (and the read parameters)."""
+    from .fingerprint import describe_change
+
+    reasons: list[str] = []
+    if old.get("code") != new.get("code"):
+        reasons.append(describe_change(old.get("code", {}), new.get("code", {})))
+    for kind, label in (("files", "file"), ("inputs", "input")):
+        before, after = old.get(kind, {}), new.get(kind, {})
+        for name in sorted(set(before) | set(after)):
+            if name not in after:
+                reasons.append(f"{label} {name} removed")
+            elif name not in before:
+                reasons.append(f"{label} {name} added")
+            elif before[name] != after[name]:
+                reasons.append(f"{label} {name} changed")
+    for part, text in (("schemas", "declared schemas changed"), ("outputs", "declared outputs changed"),
+                       ("ranks", f"ranks changed ({old.get('ranks')} -> {new.get('ranks')})"),
+                       ("hetflow", f"hetflow version changed ({old.get('hetflow')} -> {new.get('hetflow')})")):
+        if old.get(part) != new.get(part):
+            reasons.append(text)
+    reasons += [f"param {name} changed" for name in params_match(read, old_params, params)]
+    if not reasons:
+        return "no reusable output (the earlier one was withdrawn or is from an older hetflow)"
+    return "; ".join(reasons[:3]) + (f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else "")
