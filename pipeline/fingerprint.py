@@ -122,6 +122,10 @@ class _Walker:
             return False
         return path.startswith(self.roots) and not path.startswith(self.external)
 
+    def is_user_object(self, obj: Any) -> bool:
+        """Under ``__main__`` run by runpy, ``inspect`` finds the wrong file for a class: compare module names first."""
+        return getattr(obj, "__module__", None) == self.home or self.is_user(_file_of(obj))
+
     def module_of(self, obj: Any) -> types.ModuleType | None:
         return sys.modules.get(getattr(obj, "__module__", None) or "")
 
@@ -146,7 +150,7 @@ class _Walker:
             else:
                 self.external_module(obj.__name__)
             return f"module {obj.__name__}"
-        if obj.__module__ == self.home or self.is_user(_file_of(obj)):
+        if self.is_user_object(obj):
             if obj.__module__ == self.home or self.module_of(obj) is None:
                 self.queue.append(obj)
             else:
@@ -285,7 +289,7 @@ class _Walker:
         if dataclasses.is_dataclass(obj):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
             return f"{self.follow(type(obj))}({self.value(fields, inner)})"
-        if self.is_user(_file_of(type(obj))) and hasattr(obj, "__dict__"):
+        if self.is_user_object(type(obj)) and hasattr(obj, "__dict__"):
             return f"{self.follow(type(obj))}({self.value(vars(obj), inner)})"
         kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
         if getattr(type(obj), "__repr__", None) is not object.__repr__:

@@ -214,17 +214,27 @@ class Config:
 
 CONFIG = Config(lr=0.1)
 
+class Settings:
+    def __init__(self, depth):
+        self.depth = depth
+
+SETTINGS = Settings(depth=3)
+
 def stage(ctx):
     with LOCK:
-        return CONFIG.lr
+        return CONFIG.lr * SETTINGS.depth
 '''
 
 
-def test_values_without_a_stable_form_fall_back_to_their_type(tmp_path: Path) -> None:
-    fp = fingerprint(tmp_path / "a", UNHASHABLE, "stage")
-    assert fingerprint(tmp_path / "b", UNHASHABLE, "stage") == fp  # no address leaks into the digest
-    changed = fingerprint(tmp_path / "c", edit(UNHASHABLE, "lr=0.1", "lr=0.2"), "stage")
+@pytest.mark.parametrize("name", ["__main__", "__hetflow_script__"])
+def test_objects_by_their_fields_and_the_rest_by_type(tmp_path: Path, name: str) -> None:
+    """The lock has no stable form: it counts by its type, and no address leaks into the digest."""
+    fp = fingerprint(tmp_path / "a", UNHASHABLE, "stage", name)
+    assert fingerprint(tmp_path / "b", UNHASHABLE, "stage", name) == fp
+    changed = fingerprint(tmp_path / "c", edit(UNHASHABLE, "lr=0.1", "lr=0.2"), "stage", name)
     assert describe_change(fp, changed) == "CONFIG changed"
+    changed = fingerprint(tmp_path / "d", edit(UNHASHABLE, "depth=3", "depth=4"), "stage", name)
+    assert describe_change(fp, changed) == "SETTINGS changed"
 
 
 def test_describe_change() -> None:
