@@ -83,8 +83,16 @@ def _file_of(obj: Any) -> str | None:
     return os.path.realpath(path) if path else None
 
 
+def _target(func: Any) -> Any:
+    """The function (or the class of a callable instance) that defines a stage's home module and directory."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    func = getattr(func, "__func__", func)
+    return func if isinstance(func, (types.FunctionType, type)) else type(func)
+
+
 def _default_roots(func: Callable[..., Any]) -> list[str]:
-    path = _file_of(func)
+    path = _file_of(_target(func))
     if path is None:
         return []
     root = os.path.dirname(path)
@@ -97,14 +105,19 @@ class _Walker:
     """Follows the stage function through the user code it reaches; fills ``parts``."""
 
     def __init__(self, func: Callable[..., Any], roots: Sequence[str]) -> None:
-        self.home = getattr(func, "__module__", None)
+        self.home = getattr(_target(func), "__module__", None)
         self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots)
         self.external = _external_dirs()
         self.parts: dict[str, set[str]] = {}
         self.seen: set[int] = set()
-        self.queue: list[Any] = [func]
+        self.queue: list[Any] = []
+        self.func = func
 
     def run(self) -> dict[str, str]:
+        if isinstance(self.func, types.FunctionType):
+            self.queue.append(self.func)
+        else:  # a partial, a bound method, an instance with __call__: hashed as a value, what it names followed
+            self.add("stage", _sha(self.value(self.func)))
         while self.queue:
             obj = self.queue.pop()
             if id(obj) not in self.seen:

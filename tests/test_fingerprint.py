@@ -167,6 +167,14 @@ shifted = make(2, bias=1)
 '''
 
 
+def test_a_partial_stage_counts_its_function_and_its_arguments(tmp_path: Path) -> None:
+    script = FACTORY + "\nimport functools\nbound = functools.partial(make(2), bias=0)\n"
+    fp = fingerprint(tmp_path / "a", script, "bound")
+    assert set(fp) == {"stage", "make.<locals>.inner()"}
+    changed = fingerprint(tmp_path / "b", edit(script, "bias=0)\n", "bias=1)\n"), "bound")
+    assert describe_change(fp, changed) == "stage changed"
+
+
 def test_closures_from_a_factory_differ_by_their_cells(tmp_path: Path) -> None:
     fps = {stage: fingerprint(tmp_path / stage, FACTORY, stage) for stage in ("small", "large", "shifted")}
     assert list(fps["small"]) == ["make.<locals>.inner()"]
