@@ -1,0 +1,416 @@
+"""What a stage's cached output depends on: its code (followed transitively) and its declared files.
+
+Both fingerprints are ``{readable component name: hex digest}`` mappings, so a
+cache miss can say *why* (:func:`describe_change`); :func:`fingerprint_digest`
+folds one or more of them into a single key.  Pure functions: nothing is
+executed, imported or pickle-loaded, except that ``importlib.util.find_spec``
+locates a module a function imports locally and that was never imported.
+
+Decisions, for :func:`code_fingerprint`:
+
+* **User code** is code whose file lies under one of ``roots`` (default: the
+  stage's directory, or the top of its package) and not under ``sys.prefix``,
+  ``sys.base_prefix``, ``sys.exec_prefix`` or a ``site-packages`` /
+  ``dist-packages`` folder.  Everything else is external: a top-level package
+  with a ``__version__`` is recorded as ``"module numpy"`` -> its version; the
+  standard library and packages without a version are left out.
+* Functions of the stage's own module (the script) are hashed one by one, by
+  **bytecode** (``co_code``, constants, names, argument layout; nested code
+  objects recursively), so comments, formatting, line numbers, other stages and
+  the module's name (``__main__`` in the orchestrator, ``__hetflow_script__`` in
+  the worker) do not count.  Their defaults, keyword defaults and closure cells
+  are hashed as values; the globals they load (``LOAD_GLOBAL``, imports) are
+  followed.  Classes: every attribute in the class body (methods by bytecode,
+  other values as values) plus their bases.
+* Other user modules are hashed whole (``"module mylib"``: their source file)
+  and their namespace is followed, so a module they import counts too.
+* **Values** are hashed through a stable text form: ``repr`` of None, bool,
+  numbers, str, bytes, Path, Enum, datetime, Decimal, UUID; containers
+  recursively (sets and dict keys sorted, so hash randomisation cannot reorder
+  them); numpy arrays and scalars by dtype, shape and bytes; dataclasses and
+  instances of user classes by their fields.  Any other object by its
+  ``repr`` when its type defines one that shows no address (a repr may
+  abbreviate: a change inside a large DataFrame is not seen), else as
+  ``<unhashable module.Type>`` only, so a change inside it is not seen either.
+  A function, class or module met inside a value is recorded by name and
+  followed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import decimal
+import dis
+import enum
+import functools
+import glob
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import sysconfig
+import types
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path, PurePath
+from typing import Any
+
+NO_MATCH = "<no match>"
+"""The value :func:`file_fingerprint` records for a glob that matched nothing."""
+
+_SIMPLE = (type(None), bool, int, float, complex, str, bytes, PurePath, decimal.Decimal, uuid.UUID,
+           datetime.date, datetime.time, datetime.timedelta)
+_LOAD_OPS = {"LOAD_GLOBAL", "LOAD_NAME"}
+
+
+def _sha(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+def _external_dirs() -> tuple[str, ...]:
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+def _file_of(obj: Any) -> str | None:
+    try:
+        path = inspect.getsourcefile(obj) or inspect.getfile(obj)
+    except (TypeError, OSError):
+        return None
+    return os.path.realpath(path) if path else None
+
+
+def _target(func: Any) -> Any:
+    """The function (or the class of a callable instance) that defines a stage's home module and directory."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    func = getattr(func, "__func__", func)
+    return func if isinstance(func, (types.FunctionType, type)) else type(func)
+
+
+def _default_roots(func: Callable[..., Any]) -> list[str]:
+    path = _file_of(_target(func))
+    if path is None:
+        return []
+    root = os.path.dirname(path)
+    while os.path.exists(os.path.join(root, "__init__.py")) and os.path.dirname(root) != root:
+        root = os.path.dirname(root)
+    return [root]
+
+
+class _Walker:
+    """Follows the stage function through the user code it reaches; fills ``parts``."""
+
+    def __init__(self, func: Callable[..., Any], roots: Sequence[str]) -> None:
+        self.home = getattr(_target(func), "__module__", None)
+        self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+        self.external = _external_dirs()
+        self.parts: dict[str, set[str]] = {}
+        self.seen: set[int] = set()
+        self.queue: list[Any] = []
+        self.func = func
+
+    def run(self) -> dict[str, str]:
+        if isinstance(self.func, types.FunctionType):
+            self.queue.append(self.func)
+        else:  # a partial, a bound method, an instance with __call__: hashed as a value, what it names followed
+            self.add("stage", _sha(self.value(self.func)))
+        while self.queue:
+            obj = self.queue.pop()
+            if id(obj) not in self.seen:
+                self.seen.add(id(obj))
+                self.visit(obj)
+        return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
+
+    def add(self, key: str, digest: str) -> None:
+        """Record a component; two closures of one factory share a name, so a name may collect several digests."""
+        self.parts.setdefault(key, set()).add(digest)
+
+    # ------------------------------------------------------------ classification
+    def is_user(self, path: str | None) -> bool:
+        if path is None or "site-packages" in path or "dist-packages" in path:
+            return False
+        return path.startswith(self.roots) and not path.startswith(self.external)
+
+    def is_user_object(self, obj: Any) -> bool:
+        """Under ``__main__`` run by runpy, ``inspect`` finds the wrong file for a class: compare module names first."""
+        return getattr(obj, "__module__", None) == self.home or self.is_user(_file_of(obj))
+
+    def module_of(self, obj: Any) -> types.ModuleType | None:
+        return sys.modules.get(getattr(obj, "__module__", None) or "")
+
+    def name(self, obj: Any) -> str:
+        """A component name that does not depend on the script's module name."""
+        if isinstance(obj, types.ModuleType):
+            return f"module {obj.__name__}"
+        prefix = "" if obj.__module__ == self.home else f"{obj.__module__}."
+        if isinstance(obj, type):
+            return f"class {prefix}{obj.__qualname__}"
+        return f"{prefix}{obj.__qualname__}()"
+
+    def follow(self, obj: Any) -> str:
+        """Queue a function, class or module for hashing; return how a value refers to it."""
+        if isinstance(obj, types.MethodType):
+            return f"{self.follow(obj.__func__)} bound to {self.value(obj.__self__)}"
+        if isinstance(obj, functools.partial):
+            return f"partial({self.follow(obj.func)}, {self.value(obj.args)}, {self.value(obj.keywords)})"
+        if isinstance(obj, types.ModuleType):
+            if self.is_user(getattr(obj, "__file__", None)):
+                self.queue.append(obj)
+            else:
+                self.external_module(obj.__name__)
+            return f"module {obj.__name__}"
+        if self.is_user_object(obj):
+            if obj.__module__ == self.home or self.module_of(obj) is None:
+                self.queue.append(obj)
+            else:
+                self.queue.append(self.module_of(obj))  # hashed whole, with everything in it
+            return self.name(obj)
+        self.external_module(obj.__module__ or "")
+        return f"{obj.__module__}.{getattr(obj, '__qualname__', '?')}"
+
+    def external_module(self, name: str) -> None:
+        top = name.partition(".")[0]
+        if top in sys.stdlib_module_names or top in ("builtins", ""):
+            return
+        version = getattr(sys.modules.get(top), "__version__", None)
+        if isinstance(version, str):
+            self.parts[f"module {top}"] = {version}
+
+    # ------------------------------------------------------------ components
+    def visit(self, obj: Any) -> None:
+        if isinstance(obj, types.ModuleType):
+            self.visit_module(obj)
+        elif isinstance(obj, type):
+            self.visit_class(obj)
+        elif isinstance(obj, types.FunctionType):
+            self.add(self.name(obj), _sha(self.function(obj)))
+
+    def visit_module(self, module: types.ModuleType) -> None:
+        path = getattr(module, "__file__", None)
+        self.add(f"module {module.__name__}", _sha(Path(path).read_bytes()) if path else "<no file>")
+        for key, value in sorted(vars(module).items()):
+            if not isinstance(value, (types.ModuleType, types.FunctionType, type)) or key.startswith("__"):
+                continue
+            if isinstance(value, types.ModuleType) or value.__module__ != module.__name__:
+                self.follow(value)
+
+    def visit_class(self, cls: type) -> None:
+        body = [f"bases {[self.follow(b) for b in cls.__bases__ if b is not object]}"]
+        for key, value in sorted(vars(cls).items()):
+            if key in ("__dict__", "__weakref__", "__module__", "__qualname__"):
+                continue
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, property):
+                body.append(f"{key} = property{[self.member(f) for f in (value.fget, value.fset, value.fdel)]}")
+            else:
+                body.append(f"{key} = {self.member(value)}")
+        self.add(self.name(cls), _sha("\n".join(body)))
+
+    def member(self, value: Any) -> str:
+        """A class attribute: a method is part of its class, not a component of its own."""
+        return self.function(value) if isinstance(value, types.FunctionType) else self.value(value)
+
+    def function(self, func: types.FunctionType) -> str:
+        """The text hashed for a function; queues what it reaches."""
+        code = func.__code__
+        self.globals_of(code, func.__globals__)
+        cells = [c.cell_contents for c in func.__closure__ or () if _filled(c)]
+        wrapped = getattr(func, "__wrapped__", None)
+        return (f"code {_code_text(code)}\ndefaults {self.value(func.__defaults__)}\n"
+                f"kwdefaults {self.value(func.__kwdefaults__)}\ncells {self.value(cells)}\n"
+                f"wraps {self.follow(wrapped) if callable(wrapped) else None}")
+
+    def globals_of(self, code: types.CodeType, namespace: Mapping[str, Any]) -> None:
+        """Follow the globals a code object (and the code nested in it) loads or imports."""
+        builtins = namespace.get("__builtins__", {})
+        builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
+        instructions = list(dis.get_instructions(code))
+        for i, ins in enumerate(instructions):
+            if ins.opname in _LOAD_OPS and isinstance(ins.argval, str):
+                if ins.argval in namespace:
+                    self.global_value(ins.argval, namespace)
+                elif ins.argval not in builtins:
+                    self.add(self.label(ins.argval, namespace), "<undefined>")
+            elif ins.opname == "IMPORT_NAME":
+                level = instructions[i - 2].argval if i >= 2 and isinstance(instructions[i - 2].argval, int) else 0
+                self.imported(ins.argval, level, namespace)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                self.globals_of(const, namespace)
+
+    def global_value(self, key: str, namespace: Mapping[str, Any]) -> None:
+        value = namespace[key]
+        if _is_code_like(value):
+            self.follow(value)
+            return
+        label = self.label(key, namespace)
+        if label not in self.parts:
+            self.add(label, _sha(self.value(value)))
+
+    def label(self, key: str, namespace: Mapping[str, Any]) -> str:
+        module = namespace.get("__name__")
+        return key if module == self.home else f"{module}.{key}"
+
+    def imported(self, name: str, level: int, namespace: Mapping[str, Any]) -> None:
+        """A module imported inside a function: hash it if it is user code (it may never have been imported)."""
+        try:
+            name = importlib.util.resolve_name("." * level + name, namespace.get("__package__")) if level else name
+        except ImportError:
+            return
+        module = sys.modules.get(name)
+        if module is not None:
+            self.follow(module)
+            return
+        try:
+            parent = name.rpartition(".")[0]
+            found = importlib.util.find_spec(name) if parent == "" or parent in sys.modules else None
+        except (ImportError, ValueError):
+            found = None
+        origin = found.origin if found is not None else None
+        if origin and self.is_user(os.path.realpath(origin)):
+            self.add(f"module {name}", _sha(Path(origin).read_bytes()))
+
+    # ------------------------------------------------------------ values
+    def value(self, obj: Any, stack: tuple[int, ...] = ()) -> str:
+        """A stable text form of a value (see the module docstring)."""
+        if id(obj) in stack:
+            return "<cycle>"
+        inner = stack + (id(obj),)
+        if isinstance(obj, enum.Enum):
+            return f"{self.follow(type(obj))}.{obj.name}"
+        if isinstance(obj, _SIMPLE):
+            return f"{type(obj).__name__}:{obj!r}"
+        if isinstance(obj, (list, tuple)):
+            return f"{type(obj).__name__}[{', '.join(self.value(v, inner) for v in obj)}]"
+        if isinstance(obj, (set, frozenset)):
+            return f"{type(obj).__name__}{{{', '.join(sorted(self.value(v, inner) for v in obj))}}}"
+        if isinstance(obj, dict):
+            items = sorted(f"{self.value(k, inner)}: {self.value(v, inner)}" for k, v in obj.items())
+            return f"{type(obj).__name__}{{{', '.join(items)}}}"
+        if _is_code_like(obj):
+            return self.follow(obj)
+        if type(obj).__module__ == "numpy":
+            import numpy as np
+
+            if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype != object:
+                return f"numpy {obj.dtype.str} {obj.shape} {_sha(np.ascontiguousarray(obj).tobytes())}"
+        if dataclasses.is_dataclass(obj):
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            return f"{self.follow(type(obj))}({self.value(fields, inner)})"
+        if self.is_user_object(type(obj)) and hasattr(obj, "__dict__"):
+            return f"{self.follow(type(obj))}({self.value(vars(obj), inner)})"
+        kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        if getattr(type(obj), "__repr__", None) is not object.__repr__:
+            text = repr(obj)
+            if " at 0x" not in text:
+                return f"{kind} {text}"
+        return f"<unhashable {kind}>"
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell: the variable is not assigned yet
+        return False
+    return True
+
+
+def _is_code_like(obj: Any) -> bool:
+    return isinstance(obj, (types.FunctionType, type, types.ModuleType, types.MethodType, functools.partial))
+
+
+def _code_text(code: types.CodeType) -> str:
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else f"{type(c).__name__}:{c!r}" for c in code.co_consts]
+    return (f"{code.co_code.hex()} consts={consts} names={code.co_names} vars={code.co_varnames} "
+            f"free={code.co_freevars} cell={code.co_cellvars} args={code.co_argcount},"
+            f"{code.co_posonlyargcount},{code.co_kwonlyargcount} flags={code.co_flags}")
+
+
+def code_fingerprint(func: Callable[..., Any], *, roots: Sequence[str | Path] | None = None) -> dict[str, str]:
+    """``{component: digest}`` for a stage function and the user code it reaches (see the module docstring).
+
+    Names read like ``"transform()"``, ``"Model.fit()"`` (a nested function:
+    ``"make.<locals>.inner()"``), ``"class Model"``, ``"SCALE"``, ``"module
+    mylib"``, ``"mylib.helper()"``.  A global that a function loads but that is
+    not defined (yet) is recorded as ``"<undefined>"``.
+    """
+    chosen = [str(r) for r in roots] if roots is not None else _default_roots(func)
+    return _Walker(func, chosen).run()
+
+
+def describe_change(old: Mapping[str, str], new: Mapping[str, str]) -> str:
+    """Why two fingerprints differ: changes, then additions, then removals, each sorted by name.
+
+    For example ``"code of transform() changed; SCALE changed; helper() added"``, or ``"unchanged"``.
+    """
+    changed = [f"code of {k} changed" if k.endswith("()") else f"{k} changed"
+               for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
+    added = [f"{k} added" for k in sorted(new.keys() - old.keys())]
+    removed = [f"{k} removed" for k in sorted(old.keys() - new.keys())]
+    return "; ".join(changed + added + removed) or "unchanged"
+
+
+def fingerprint_digest(*parts: Mapping[str, str]) -> str:
+    """One hex digest over one or more fingerprints (order of the parts counts, order within each does not)."""
+    return _sha(json.dumps([sorted(p.items()) for p in parts]))
+
+
+# ------------------------------------------------------------------------------------ files
+def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | None]]:
+    """``(pattern, path)`` for each file a pattern names, ``(pattern, None)`` for a glob without match."""
+    found: list[tuple[str, Path | None]] = []
+    for pattern in patterns:
+        full = Path(pattern) if os.path.isabs(pattern) else Path(base) / pattern
+        if glob.has_magic(pattern):
+            hits = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if os.path.isfile(p))
+            found.extend((pattern, p) for p in hits) if hits else found.append((pattern, None))
+        elif full.is_file():
+            found.append((pattern, full))
+        elif full.exists():
+            raise ValueError(f"declared file {pattern!r} is a directory ({full}); name its files with a glob "
+                             f"such as {os.path.join(pattern, '**', '*')!r}")
+        else:
+            raise ValueError(f"declared file {pattern!r} does not exist ({full})")
+    return found
+
+
+def resolve_files(patterns: Sequence[str], base: Path) -> tuple[Path, ...]:
+    """The absolute, sorted, distinct files the declared ``patterns`` name (globs relative to ``base``).
+
+    A glob that matches nothing adds nothing; a plain path that is missing or a
+    directory raises ``ValueError`` naming the pattern (the caller adds the stage).
+    """
+    return tuple(sorted({p.absolute() for _, p in _matches(patterns, base) if p is not None}))
+
+
+def file_fingerprint(patterns: Sequence[str], base: Path) -> dict[str, str]:
+    """``{path: blake2b of the content}`` for the files ``patterns`` name, sorted by path.
+
+    A path is written relative to ``base`` when it lies under it, absolute
+    otherwise.  A glob that matches nothing is recorded as ``{pattern:
+    NO_MATCH}``, so a file that appears later changes the fingerprint.  Every
+    byte is read on every call (no mtime shortcut).  Errors as :func:`resolve_files`.
+    """
+    base = Path(base).absolute()
+    result: dict[str, str] = {}
+    for pattern, path in _matches(patterns, base):
+        if path is None:
+            result[pattern] = NO_MATCH
+            continue
+        path = path.absolute()
+        key = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
+        result[key] = _blake2b(path)
+    return dict(sorted(result.items()))
+
+
+def _blake2b(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

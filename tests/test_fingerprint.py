@@ -1,0 +1,289 @@
+"""Code and file fingerprints: real scripts and modules written to disk and imported."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hetflow.fingerprint import (
+    NO_MATCH,
+    code_fingerprint,
+    describe_change,
+    file_fingerprint,
+    resolve_files,
+)
+
+SCRIPT = '''
+import numpy as np
+import mylib
+
+SCALE = 2
+UNRELATED = 1
+WEIGHTS = np.arange(4, dtype="float64")
+BANDS = {"u", "g", "r", "i", "z"}
+
+
+def helper(x):
+    return x * SCALE
+
+
+class Model:
+    factor = 3
+
+    def fit(self, x):
+        return helper(x) * self.factor
+
+
+def transform(ctx, table):
+    # the stage under test
+    return Model().fit(table) + np.sum(WEIGHTS) + len(BANDS) + mylib.offset()
+
+
+def other(ctx, table):
+    return UNRELATED
+'''
+
+MYLIB = '''
+import mylib2
+
+def offset():
+    return mylib2.BASE + 1
+'''
+MYLIB2 = "BASE = 10\n"
+
+
+def fingerprint(where: Path, script: str = SCRIPT, stage: str = "transform", name: str = "__hetflow_script__",
+                **modules: str) -> dict[str, str]:
+    """Write ``script`` (and modules) into a fresh directory, import it as ``name``, fingerprint ``stage``."""
+    where.mkdir(parents=True)
+    modules = {"mylib": MYLIB, "mylib2": MYLIB2, **modules}
+    for module, text in modules.items():
+        (where / f"{module}.py").write_text(textwrap.dedent(text))
+    (where / "pipeline.py").write_text(textwrap.dedent(script))
+    before = set(sys.modules)
+    sys.path.insert(0, str(where))
+    try:
+        spec = importlib.util.spec_from_file_location(name, where / "pipeline.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return code_fingerprint(getattr(module, stage))
+    finally:
+        sys.path.remove(str(where))
+        for added in set(sys.modules) - before:  # the script's own modules: the next version has the same names
+            if str(getattr(sys.modules[added], "__file__", "")).startswith(str(where)):
+                del sys.modules[added]
+
+
+def edit(text: str, old: str, new: str) -> str:
+    assert old in text
+    return text.replace(old, new)
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> dict[str, str]:
+    return fingerprint(tmp_path / "base")
+
+
+def test_components_are_named_and_external_code_is_left_out(base: dict[str, str]) -> None:
+    assert set(base) == {"transform()", "helper()", "class Model", "SCALE", "WEIGHTS", "BANDS",
+                         "module mylib", "module mylib2", "module numpy"}
+    import numpy
+
+    assert base["module numpy"] == numpy.__version__
+
+
+@pytest.mark.parametrize(("old", "new", "reason"), [
+    ("SCALE = 2", "SCALE = 10", "SCALE changed"),
+    ("return x * SCALE", "return x * SCALE + 0", "code of helper() changed"),
+    ("+ mylib.offset()", "- mylib.offset()", "code of transform() changed"),
+    ("    factor = 3", "    factor = 4", "class Model changed"),
+    ("return helper(x) * self.factor", "return helper(x) / self.factor", "class Model changed"),
+    ('np.arange(4, dtype="float64")', 'np.arange(4, dtype="float64") * 2', "WEIGHTS changed"),
+    ('"z"}', '"y"}', "BANDS changed"),
+    ("def helper(x):", "def helper(x, y=1):", "code of helper() changed"),
+])
+def test_what_the_stage_uses_changes_it(tmp_path: Path, base: dict[str, str], old: str, new: str,
+                                        reason: str) -> None:
+    changed = fingerprint(tmp_path / "changed", edit(SCRIPT, old, new))
+    assert describe_change(base, changed) == reason
+
+
+def test_local_modules_count_transitively(tmp_path: Path, base: dict[str, str]) -> None:
+    assert describe_change(base, fingerprint(tmp_path / "a", mylib=edit(MYLIB, "+ 1", "+ 2"))) == "module mylib changed"
+    assert describe_change(base, fingerprint(tmp_path / "b", mylib2="BASE = 11\n")) == "module mylib2 changed"
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("return UNRELATED", "return UNRELATED + 1"),                      # another stage's code
+    ("UNRELATED = 1", "UNRELATED = 2"),                                # a constant this stage never names
+    ("import mylib\n", "import mylib\n# a comment\n\n\n"),             # a comment; every line below moves
+    ("    # the stage under test\n", "    # the stage under test, reworded\n"),
+    ("BANDS = {", "EXTRA = [1, 2]\nBANDS = {"),                        # a new constant nobody uses
+])
+def test_what_the_stage_does_not_use_leaves_it(tmp_path: Path, base: dict[str, str], old: str, new: str) -> None:
+    assert fingerprint(tmp_path / "changed", edit(SCRIPT, old, new)) == base
+
+
+def test_independent_of_the_scripts_module_name(tmp_path: Path, base: dict[str, str]) -> None:
+    assert fingerprint(tmp_path / "main", name="__main__") == base
+
+
+def test_stable_across_processes_despite_hash_randomisation(tmp_path: Path) -> None:
+    """BANDS is a set of strings: its iteration order differs between these processes."""
+    here = tmp_path / "script"
+    fingerprint(here)  # writes the files
+    code = ("import importlib.util, json, sys; sys.path.insert(0, sys.argv[1]);"
+            "s = importlib.util.spec_from_file_location('__main__', sys.argv[1] + '/pipeline.py');"
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m);"
+            "from hetflow.fingerprint import code_fingerprint; print(json.dumps(code_fingerprint(m.transform)))")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code, str(here)], check=True, capture_output=True,
+                                      text=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout)
+            for seed in ("1", "2", "3")]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_new_helper_is_reported_as_added(tmp_path: Path, base: dict[str, str]) -> None:
+    script = edit(SCRIPT, "def transform(", "def extra():\n    return 0\n\n\ndef transform(")
+    changed = fingerprint(tmp_path / "changed", edit(script, "+ mylib.offset()", "+ mylib.offset() + extra()"))
+    assert describe_change(base, changed) == "code of transform() changed; extra() added"
+
+
+FACTORY = '''
+def make(scale, bias=0):
+    def inner(ctx, table):
+        return [v * scale + bias for v in table]
+    return inner
+
+small = make(2)
+large = make(3)
+shifted = make(2, bias=1)
+'''
+
+
+def test_a_partial_stage_counts_its_function_and_its_arguments(tmp_path: Path) -> None:
+    script = FACTORY + "\nimport functools\nbound = functools.partial(make(2), bias=0)\n"
+    fp = fingerprint(tmp_path / "a", script, "bound")
+    assert set(fp) == {"stage", "make.<locals>.inner()"}
+    changed = fingerprint(tmp_path / "b", edit(script, "bias=0)\n", "bias=1)\n"), "bound")
+    assert describe_change(fp, changed) == "stage changed"
+
+
+def test_closures_from_a_factory_differ_by_their_cells(tmp_path: Path) -> None:
+    fps = {stage: fingerprint(tmp_path / stage, FACTORY, stage) for stage in ("small", "large", "shifted")}
+    assert list(fps["small"]) == ["make.<locals>.inner()"]
+    assert fps["small"] != fps["large"] and fps["small"] != fps["shifted"]
+    assert fingerprint(tmp_path / "again", FACTORY, "small") == fps["small"]
+
+
+RECURSIVE = '''
+import json
+
+LOOP = [1]
+LOOP.append(LOOP)
+
+def even(n):
+    return n == 0 or odd(n - 1)
+
+def odd(n):
+    return n != 0 and even(n - 1)
+
+def stage(ctx, table, default=LOOP):
+    import mylib
+    from local_only import thing
+    return even(len(table)) and json.dumps(default) and thing
+'''
+
+
+def test_cycles_function_local_imports_and_never_imported_modules(tmp_path: Path) -> None:
+    fp = fingerprint(tmp_path / "a", RECURSIVE, "stage", local_only="thing = 1\n")
+    # mylib was never imported either: its file is hashed, but what it imports (mylib2) is not seen
+    assert set(fp) == {"stage()", "even()", "odd()", "module mylib", "module local_only"}
+    changed = fingerprint(tmp_path / "b", RECURSIVE, "stage", local_only="thing = 2\n")
+    assert describe_change(fp, changed) == "module local_only changed"
+    assert "local_only" not in sys.modules  # found, hashed, never executed
+
+
+UNHASHABLE = '''
+import threading
+from dataclasses import dataclass
+
+LOCK = threading.Lock()
+
+@dataclass(frozen=True)
+class Config:
+    lr: float
+
+CONFIG = Config(lr=0.1)
+
+class Settings:
+    def __init__(self, depth):
+        self.depth = depth
+
+SETTINGS = Settings(depth=3)
+
+def stage(ctx):
+    with LOCK:
+        return CONFIG.lr * SETTINGS.depth
+'''
+
+
+@pytest.mark.parametrize("name", ["__main__", "__hetflow_script__"])
+def test_objects_by_their_fields_and_the_rest_by_type(tmp_path: Path, name: str) -> None:
+    """The lock has no stable form: it counts by its type, and no address leaks into the digest."""
+    fp = fingerprint(tmp_path / "a", UNHASHABLE, "stage", name)
+    assert fingerprint(tmp_path / "b", UNHASHABLE, "stage", name) == fp
+    changed = fingerprint(tmp_path / "c", edit(UNHASHABLE, "lr=0.1", "lr=0.2"), "stage", name)
+    assert describe_change(fp, changed) == "CONFIG changed"
+    changed = fingerprint(tmp_path / "d", edit(UNHASHABLE, "depth=3", "depth=4"), "stage", name)
+    assert describe_change(fp, changed) == "SETTINGS changed"
+
+
+def test_describe_change() -> None:
+    assert describe_change({"f()": "1", "X": "1"}, {"f()": "2", "X": "1", "g()": "1"}) == \
+        "code of f() changed; g() added"
+    assert describe_change({"X": "1", "Y": "1"}, {"a()": "1", "Y": "2"}) == "Y changed; a() added; X removed"
+    assert describe_change({"X": "1"}, {"X": "1"}) == "unchanged"
+
+
+# ------------------------------------------------------------------------------------ files
+def test_file_fingerprint_globs_relative_and_absolute(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("obs-2.csv", "obs-1.csv", "notes.txt"):
+        (data / name).write_text(name)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.csv"
+    outside.write_text("x")
+    fp = file_fingerprint(["data/obs-*.csv", str(outside), "data/none-*.csv"], tmp_path)
+    assert list(fp) == sorted(["data/none-*.csv", "data/obs-1.csv", "data/obs-2.csv", str(outside)])
+    assert fp["data/none-*.csv"] == NO_MATCH and fp["data/obs-1.csv"] != fp["data/obs-2.csv"]
+    assert resolve_files(["data/obs-*.csv", "data/obs-1.csv"], tmp_path) == (data / "obs-1.csv", data / "obs-2.csv")
+
+    (data / "obs-1.csv").write_text("changed")
+    (data / "none-1.csv").write_text("new")
+    later = file_fingerprint(["data/obs-*.csv", str(outside), "data/none-*.csv"], tmp_path)
+    assert describe_change(fp, later) == "data/obs-1.csv changed; data/none-1.csv added; data/none-*.csv removed"
+
+
+def test_file_fingerprint_reads_every_chunk(tmp_path: Path) -> None:
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"\0" * (3 << 20))
+    before = file_fingerprint(["big.bin"], tmp_path)
+    with open(big, "r+b") as f:
+        f.seek((3 << 20) - 1)
+        f.write(b"\1")
+    assert file_fingerprint(["big.bin"], tmp_path) != before
+
+
+def test_a_missing_file_or_a_directory_is_refused_naming_the_pattern(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    with pytest.raises(ValueError, match=r"declared file 'data/missing.csv' does not exist"):
+        file_fingerprint(["data/missing.csv"], tmp_path)
+    with pytest.raises(ValueError, match=r"declared file 'data' is a directory .* glob such as 'data/\*\*/\*'"):
+        resolve_files(["data"], tmp_path)
