@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import psutil
-from sqlalchemy import delete, select
+from sqlalchemy import select
 
 from hetflow.operators import dataset as ds
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
@@ -353,7 +353,10 @@ class Orchestrator:
 
     def _look_up(self, spec: StageSpec) -> CacheChecked:
         """Find an intact committed output of ``spec`` under its key; say why there is none."""
-        material = self.material[spec.name] = self._material(spec)
+        try:
+            material = self.material[spec.name] = self._material(spec)
+        except ValueError as exc:  # a declared file that is not there
+            return CacheChecked(spec.name, False, "", error=f"stage {spec.name!r}: {exc}")
         key, params = material.key(), self.stage_params(spec)
         with self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
@@ -378,8 +381,7 @@ class Orchestrator:
         return CacheChecked(spec.name, True, reason, from_run)
 
     def _copy_dataset_record(self, session: Any, source: DatasetRecord) -> None:
-        session.execute(delete(DatasetRecord).where(DatasetRecord.run_id == self.run_id,
-                                                    DatasetRecord.name == source.name))
+        _forget_datasets(session, self.run_id, [source.name])
         copy = DatasetRecord(run_id=self.run_id, name=source.name, path=source.path,
                              producer_stage=source.producer_stage, producer_attempt=source.producer_attempt,
                              num_rows=source.num_rows, num_bytes=source.num_bytes, schema=source.schema,
@@ -404,14 +406,16 @@ class Orchestrator:
         """A new attempt: its task record, and the stage's key withdrawn until its outputs commit."""
         spec = self.stages[enqueue.task.stage]
         if spec.name not in self.material:  # forced: never looked up
-            self.material[spec.name] = self._material(spec)
+            try:
+                self.material[spec.name] = self._material(spec)
+            except ValueError as exc:  # a declared file is missing: the stage runs and meets it itself
+                log.warning("stage %s: %s", spec.name, exc)
         with self.store.session() as session:
             record = self._stage_record(session, spec.name)
             record.cache_key = record.cache_material = record.cached_from = None
             if not enqueue.reason.startswith("retry"):
                 record.cache_reason, record.cache_hit = enqueue.reason, False
-            session.execute(delete(DatasetRecord).where(DatasetRecord.run_id == self.run_id,
-                                                        DatasetRecord.name.in_(list(spec.outputs))))
+            _forget_datasets(session, self.run_id, spec.outputs)
             session.add(TaskRecord(id=str(enqueue.task), stage_id=record.id, state="QUEUED",
                                    priority=self.priority[spec.name], submitted=time.time()))
             self.store.event(session, self.run_id, "task", str(enqueue.task), "QUEUED", reason=enqueue.reason)
@@ -508,9 +512,9 @@ class Orchestrator:
                 attempt.signal = failure.signal
             for name, manifest in committed.items():
                 self._record_dataset(session, name, manifest)
-            if failure is None:  # the key goes onto the outputs produced under it, and only then
+            material = self.material.get(spec.name)
+            if failure is None and material is not None:  # the key goes onto outputs produced under it only
                 record = self._stage_record(session, spec.name)
-                material = self.material[spec.name]
                 record.cache_key, record.cache_material = material.key(), material.to_json()
                 record.params_read = _params_read(ranks)
             self.store.event(session, self.run_id, "task", text, state,
@@ -537,7 +541,7 @@ class Orchestrator:
 
     def _record_dataset(self, session: Any, name: str, manifest: ds.Manifest) -> None:
         path = str(self.run_dir / "datasets" / name)
-        session.execute(delete(DatasetRecord).where(DatasetRecord.run_id == self.run_id, DatasetRecord.name == name))
+        _forget_datasets(session, self.run_id, [name])
         record = DatasetRecord(run_id=self.run_id, name=name, path=path, producer_stage=manifest.producer["stage"],
                                producer_attempt=manifest.producer["attempt"], num_rows=manifest.num_rows,
                                num_bytes=manifest.num_bytes, schema=str(manifest.schema),
@@ -576,6 +580,14 @@ class Orchestrator:
             run.state, run.ended, run.owner, run.lease_until, run.error = final, time.time(), None, None, error
             self.store.event(session, self.run_id, "run", self.name, final, error=error)
         return final
+
+
+def _forget_datasets(session: Any, run_id: str, names: Sequence[str]) -> None:
+    """Drop this run's records of ``names`` (with their partitions) before they are produced again."""
+    for old in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run_id,
+                                                           DatasetRecord.name.in_(list(names)))):
+        session.delete(old)
+    session.flush()
 
 
 def _params_read(ranks: list[dict[str, Any] | None]) -> list[str] | None:

@@ -71,6 +71,8 @@ class CacheChecked:
     reason: str
     from_run: str | None = None
     """The run whose output is reused; ``None`` when it is this run's own (a resume)."""
+    error: str | None = None
+    """The key could not be made (a declared file is missing): the stage fails with this."""
 
 
 @dataclass(frozen=True)
@@ -294,7 +296,9 @@ class RunPlan:
         if self.states.get(event.stage) != "LOOKING":
             raise PlanError(f"stage {event.stage!r} is {self.states.get(event.stage)}, not LOOKING")
         cache = {"hit": event.hit, "from_run": event.from_run, "reason": event.reason}
-        if event.hit:
+        if event.error is not None:
+            self._set(event.stage, "FAILED", out, error=event.error)
+        elif event.hit:
             self._set(event.stage, "DONE" if event.from_run is None else "CACHED", out, detail={"cache": cache})
         elif self.draining or self.abandoned:
             self._set(event.stage, "PENDING", out)

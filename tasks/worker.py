@@ -240,7 +240,8 @@ def run_rank(spec: Mapping[str, Any], rank: int, size: int, get_comm: Callable[[
         ctx = StageContext(comm=comm, stage=stage, run_id=spec["run_id"], attempt=spec["attempt"],
                            params=spec.get("params", {}), workdir=attempt_dir,
                            checkpoint_dir=Path(spec["checkpoint_dir"]), cores=tuple(slot["cores"]),
-                           gpus=tuple(slot["gpus"]), node=spec["nodes"][slot["node"]], log=log)
+                           gpus=tuple(slot["gpus"]), node=spec["nodes"][slot["node"]], log=log,
+                           files=tuple(Path(f) for f in spec.get("files", [])))
         outputs = list(spec["outputs"])
         tables = _check_result(stage, func(ctx, *inputs), outputs)
         for name, value in tables.items():
@@ -256,6 +257,7 @@ def run_rank(spec: Mapping[str, Any], rank: int, size: int, get_comm: Callable[[
                                       schema=value.schema, rank=rank)
             record["outputs"][name] = {"partition": info.to_json(), "schema": ds.schema_to_text(value.schema)}
         record["status"] = "ok"
+        record["params_read"] = ctx.params_read
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded before the abort
         record["status"] = "error"
         record["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}

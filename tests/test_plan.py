@@ -72,6 +72,13 @@ def test_a_cache_hit_from_another_run_is_cached_and_from_this_run_is_done():
     assert out[-1] == RunEnded("DONE")
 
 
+def test_a_key_that_cannot_be_made_fails_the_stage_and_skips_downstream():
+    plan = RunPlan("r", [StageNode("a"), StageNode("b", ("a",))])
+    plan.handle_event(Begin())
+    out = plan.handle_event(CacheChecked("a", False, "", error="declared file 'x.csv' does not exist"))
+    assert plan.states == {"a": "FAILED", "b": "SKIPPED"} and out[-1] == RunEnded("FAILED")
+
+
 def test_forced_stages_and_everything_downstream_skip_the_cache():
     plan = diamond()
     out = plan.handle_event(Begin(forced=frozenset({"b"})))
