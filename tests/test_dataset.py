@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import stat
 from pathlib import Path
 
 import pyarrow as pa
@@ -98,10 +102,6 @@ def test_files_are_private(tmp_path: Path) -> None:
 
 
 # --------------------------------------------- symlinks and manifest entries
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import stat  # noqa: E402
 
 
 def _mode(path: Path) -> int:

@@ -8,12 +8,10 @@ a bad value through.
 from __future__ import annotations
 
 import os
+import re
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 
 import _pipelines as P
@@ -134,3 +132,16 @@ def test_resume_through_a_planted_dataset_symlink_is_refused(tmp_path: Path, out
     assert mode(outside) == 0o755
     assert sorted(os.listdir(outside)) == sorted([ds.MANIFEST, "part-00000.arrow"])
     assert (outside / "part-00000.arrow").read_bytes() == b"precious"
+
+
+# ------------------------------------------------------------------ names
+@pytest.mark.parametrize("bad", ["clean\n", "clean\r\n", "a\nb", "clean\x00", "../up", ".hidden", "x" * 129])
+def test_stage_dataset_and_pipeline_names_are_matched_in_full(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(hf.PipelineError, match="bad pipeline name " + re.escape(repr(bad))):
+        hf.Pipeline(bad, workdir=tmp_path)
+    pipe = hf.Pipeline("names", workdir=tmp_path)
+    with pytest.raises(hf.PipelineError, match=r"pipeline 'names': bad stage name"):
+        pipe.stage(name=bad, ranks=1, outputs=["ok"])(P.tiny)
+    with pytest.raises(hf.PipelineError, match=r"bad output dataset name"):
+        pipe.stage(name="fine", ranks=1, outputs=[bad])(P.tiny)
+    pipe.stage(name="fine", ranks=1, outputs=["ok.v2-final_1"])(P.tiny)  # the allowed alphabet still works
