@@ -145,3 +145,60 @@ def test_stage_dataset_and_pipeline_names_are_matched_in_full(tmp_path: Path, ba
     with pytest.raises(hf.PipelineError, match=r"bad output dataset name"):
         pipe.stage(name="fine", ranks=1, outputs=[bad])(P.tiny)
     pipe.stage(name="fine", ranks=1, outputs=["ok.v2-final_1"])(P.tiny)  # the allowed alphabet still works
+
+
+# ------------------------------------------------------------------ reports
+def _finished_run(workdir: Path) -> hf.RunStatus:
+    pipe = P.pipeline("reported", workdir=workdir)
+    pipe.stage(name="t", ranks=1, outputs=["t"])(P.tiny)
+    run = pipe.run(pilot=LOCAL_1)
+    assert run.ok, run
+    return run
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o277], ids=["umask022", "umask277"])
+def test_report_files_are_private_under_any_umask(tmp_path: Path, umask: int) -> None:
+    from hetflow.report import write_report
+    from hetflow.store import Store
+
+    workdir = tmp_path / "work"
+    run = _finished_run(workdir)
+    old = os.umask(umask)
+    try:
+        html, png = write_report(Store.for_workdir(workdir), run.id)
+        custom, custom_png = write_report(Store.for_workdir(workdir), run.id, tmp_path / "new" / "mine.html")
+    finally:
+        os.umask(old)
+    assert html == workdir / "runs" / run.id / "report.html" and png is not None and custom_png is not None
+    for path in (html, png, custom, custom_png):
+        assert mode(path) == 0o600, path
+    assert mode(tmp_path / "new") == 0o700
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "hetflow run" in html.read_text()
+
+
+@pytest.mark.parametrize("planted", ["report.html", "report.png"])
+def test_report_refuses_a_planted_symlink(tmp_path: Path, outside: Path, planted: str) -> None:
+    from hetflow.report import write_report
+    from hetflow.store import Store
+
+    workdir = tmp_path / "work"
+    run = _finished_run(workdir)
+    link = workdir / "runs" / run.id / planted
+    os.symlink(outside / "part-00000.arrow", link)
+    with pytest.raises(UnsafePath, match=f"refusing {link}: it is a symbolic link"):
+        write_report(Store.for_workdir(workdir), run.id)
+    assert (outside / "part-00000.arrow").read_bytes() == b"precious"
+
+
+def test_report_refuses_a_symlinked_run_dir(tmp_path: Path, outside: Path) -> None:
+    from hetflow.report import write_report
+    from hetflow.store import Store
+
+    workdir = tmp_path / "work"
+    run = _finished_run(workdir)
+    run_dir = workdir / "runs" / run.id
+    run_dir.rename(tmp_path / "moved")
+    os.symlink(outside, run_dir)
+    with pytest.raises(UnsafePath, match=f"refusing {run_dir}: it is a symbolic link"):
+        write_report(Store.for_workdir(workdir), run.id)
+    assert sorted(os.listdir(outside)) == sorted([ds.MANIFEST, "part-00000.arrow"])
