@@ -95,14 +95,19 @@ def _existing_ancestor(path: Path) -> Path:
 def _step(parent_fd: int, name: str, where: Path, create: bool) -> int:
     """Open entry ``name`` of ``parent_fd`` as a directory without following it (and make it if asked)."""
     created = False
-    if create:
-        try:
-            os.mkdir(name, DIR_MODE, dir_fd=parent_fd)
-            created = True
-        except FileExistsError:
-            pass  # an existing entry (or a symlink, even a dangling one): opened and checked below
+    flags = _O_PATH | _O_DIRECTORY | _O_NOFOLLOW
     try:
-        fd = os.open(name, _O_PATH | _O_DIRECTORY | _O_NOFOLLOW, dir_fd=parent_fd)
+        try:
+            fd = os.open(name, flags, dir_fd=parent_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:
+                os.mkdir(name, DIR_MODE, dir_fd=parent_fd)
+                created = True
+            except FileExistsError:
+                pass  # made by someone else meanwhile (or a dangling symlink): checked like any other
+            fd = os.open(name, flags, dir_fd=parent_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
             raise _refusal(name, parent_fd, where) from None
