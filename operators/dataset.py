@@ -13,14 +13,25 @@ and renamed, so a crash leaves either the old file or the new one.
 
 Consumers with another rank count get rows split evenly by :meth:`Dataset.rows_for_rank`
 (zero-copy slices of the mapped partitions).
+
+Nothing is followed through a symlink: the dataset directory itself and every
+entry in it are opened with ``O_NOFOLLOW`` (entries relative to the directory's
+file descriptor), and a symlink is refused with :class:`UnsafeDatasetPath`
+naming it.  The directory's parents are the caller's to trust (hetflow checks
+its run directories with ``hetflow.tasks.paths``).  Manifest entries are plain
+file names inside the dataset directory.  Files are 0600 and directories this
+module creates are 0700, whatever the umask.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import json
+import mmap
 import os
 import socket
+import stat
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +43,11 @@ MANIFEST = "_manifest.json"
 FORMAT_VERSION = 1
 Verify = Literal["checksum", "size", "none"]
 _CHUNK = 8 << 20
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted as a manifest must not block the reader
+_LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)
 
 
 class DatasetError(Exception):
@@ -46,6 +62,39 @@ class CorruptDataset(DatasetError, ValueError):
     """A partition or manifest does not match what the manifest promises."""
 
 
+class UnsafeDatasetPath(DatasetError, OSError):
+    """A dataset path that is a symlink (or not what it must be): refused, never followed."""
+
+    def __init__(self, path: "str | os.PathLike[str]", problem: str) -> None:
+        super().__init__(errno.ELOOP, f"refusing {os.fspath(path)}: {problem}")
+        self.path = os.fspath(path)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def entry_problem(entry: Any) -> str | None:
+    """Why ``entry`` is not a plain file name inside a dataset directory (None when it is)."""
+    if not isinstance(entry, str):
+        return f"is a {type(entry).__name__}, not a string"
+    if entry in ("", ".", ".."):
+        return "is empty, '.' or '..'"
+    if "\0" in entry:
+        return "contains a NUL character"
+    if "/" in entry or os.sep in entry or (os.altsep and os.altsep in entry):
+        return "contains a path separator (absolute paths and subdirectories are not allowed)"
+    return None
+
+
+def check_entry(directory: "str | os.PathLike[str]", entry: Any) -> str:
+    """``entry`` if it is a plain file name such as ``part-00000.arrow``; else :class:`CorruptDataset`."""
+    problem = entry_problem(entry)
+    if problem is not None:
+        raise CorruptDataset(f"dataset {os.fspath(directory)}: partition file {entry!r} {problem}; "
+                             "expected a plain file name inside the dataset directory such as 'part-00000.arrow'")
+    return str(entry)
+
+
 @dataclass(frozen=True)
 class PartitionInfo:
     """One committed partition file (``file`` is relative to the dataset directory)."""
@@ -56,6 +105,12 @@ class PartitionInfo:
     checksum: str
     node: str = ""
     rank: int = 0
+
+    def __post_init__(self) -> None:
+        problem = entry_problem(self.file)
+        if problem is not None:
+            raise CorruptDataset(f"partition file {self.file!r} {problem}; expected a plain file name "
+                                 "inside the dataset directory such as 'part-00000.arrow'")
 
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "rows": self.rows, "bytes": self.bytes,
@@ -160,6 +215,108 @@ class _ChecksumFile:
         return self.size
 
 
+# -------------------------------------------------------- directories, safely
+def _open_dir(directory: Path, *, create: bool = False) -> int:
+    """A read fd on ``directory``, opened with ``O_NOFOLLOW``: a symlink there is refused.
+
+    With ``create``, missing components are made 0700 (fixed through the fd if
+    the umask took bits away); existing ones keep their mode.
+    """
+    try:
+        return os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW)
+    except FileNotFoundError:
+        if not create:
+            raise
+    except OSError as exc:
+        if exc.errno in _LINK_ERRNOS:
+            raise _refusal(directory) from None
+        raise
+    missing = []
+    probe = directory
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = probe.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile: checked when opened below
+        fd = os.open(folder, _O_PATH | _O_DIRECTORY | _O_NOFOLLOW)
+        try:
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise _refusal(folder)
+            if stat.S_IMODE(os.fstat(fd).st_mode) != 0o700:
+                _fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    return _open_dir(directory)
+
+
+def _fchmod(fd: int, mode: int) -> None:
+    try:
+        os.fchmod(fd, mode)
+    except OSError:  # an O_PATH fd: chmod what it refers to, through /proc (never by name)
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+
+
+def _refusal(path: "str | os.PathLike[str]") -> UnsafeDatasetPath:
+    try:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        is_link = False
+    if is_link:
+        return UnsafeDatasetPath(path, "it is a symbolic link, and datasets are never read, written or "
+                                 "deleted through one (remove it, or give the real path)")
+    return UnsafeDatasetPath(path, "it is not a directory or regular file as a dataset needs")
+
+
+def _entry_mode(dfd: int, name: str) -> int | None:
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+
+
+def _refuse_link(dfd: int, directory: Path, name: str) -> None:
+    mode = _entry_mode(dfd, name)
+    if mode is not None and not stat.S_ISREG(mode):
+        raise _refusal(directory / name)
+
+
+def _open_entry(dfd: int, directory: Path, name: str) -> int:
+    """Open regular file ``name`` of the dataset directory for reading, never through a symlink."""
+    try:
+        fd = os.open(name, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in _LINK_ERRNOS:
+            raise _refusal(directory / name) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refusal(directory / name)
+    return fd
+
+
+def _create_temp(dfd: int, name: str) -> tuple[str, int]:
+    """A new 0600 temp file beside ``name`` (O_EXCL, so never an existing file or link)."""
+    tmp = f".{name}.tmp-{os.getpid()}"
+    try:
+        os.unlink(tmp, dir_fd=dfd)  # left by a crashed writer with our pid; unlink never follows
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, 0o600, dir_fd=dfd)
+    os.fchmod(fd, 0o600)  # the umask may have taken bits of 0600 away
+    return tmp, fd
+
+
+def _unlink_quiet(dfd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+
+
+# ----------------------------------------------------------------- writing
 def write_partition(directory: "str | os.PathLike[str]", index: int,
                     data: "pa.Table | Iterable[pa.RecordBatch]", *, schema: pa.Schema | None = None,
                     rank: int = 0) -> PartitionInfo:
@@ -170,12 +327,8 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     iterable.
     """
     directory = Path(directory)
-    if not directory.is_dir():
-        directory.mkdir(parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
     name = partition_name(index)
     final = directory / name
-    tmp = directory / f".{name}.tmp-{os.getpid()}"
     if isinstance(data, pa.Table):
         schema = data.schema
         batches: Iterable[pa.RecordBatch] = data.to_batches()
@@ -184,28 +337,38 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
             raise ValueError("write_partition: a schema is required when data is an iterable of batches")
         batches = data
     rows = 0
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    dfd = _open_dir(directory, create=True)
     try:
-        with os.fdopen(fd, "wb", buffering=_CHUNK) as raw:
-            sink = _ChecksumFile(raw)
-            with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
-                for batch in batches:
-                    if batch.schema != schema:
-                        raise ValueError(f"write_partition {final}: batch schema {batch.schema} does not match {schema}")
-                    writer.write_batch(batch)
-                    rows += batch.num_rows
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, final)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OSError(exc.errno, f"cannot write partition {final}: {exc.strerror or exc}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
+        _refuse_link(dfd, directory, name)
+        tmp, fd = _create_temp(dfd, name)
+        try:
+            with os.fdopen(fd, "wb", buffering=_CHUNK) as raw:
+                sink = _ChecksumFile(raw)
+                with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
+                    for batch in batches:
+                        if batch.schema != schema:
+                            raise ValueError(f"write_partition {final}: batch schema {batch.schema} "
+                                             f"does not match {schema}")
+                        writer.write_batch(batch)
+                        rows += batch.num_rows
+                raw.flush()
+                os.fsync(raw.fileno())
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError as exc:
+            _unlink_quiet(dfd, tmp)
+            raise OSError(exc.errno, f"cannot write partition {final}: {exc.strerror or exc}") from exc
+        except BaseException:
+            _unlink_quiet(dfd, tmp)
+            raise
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
     return PartitionInfo(file=name, rows=rows, bytes=sink.size, checksum=f"crc32:{sink.crc:08x}",
                          node=socket.gethostname(), rank=rank)
+
+
+def _is_part(name: str) -> bool:
+    return "part-" in name and ".arrow" in name.split("part-", 1)[1]
 
 
 def commit(directory: "str | os.PathLike[str]", name: str, schema: pa.Schema,
@@ -213,38 +376,58 @@ def commit(directory: "str | os.PathLike[str]", name: str, schema: pa.Schema,
     """Publish a dataset: check the partitions exist, remove strays, write the manifest last."""
     directory = Path(directory)
     parts = tuple(sorted(partitions, key=lambda p: p.file))
-    for part in parts:
-        path = directory / part.file
-        if not path.is_file() or path.stat().st_size != part.bytes:
-            raise CorruptDataset(f"dataset {name!r}: partition {path} is missing or has the wrong size "
-                                 f"(expected {part.bytes} bytes)")
-    listed = {p.file for p in parts}
-    for stray in directory.glob("*part-*.arrow*"):
-        if stray.name not in listed:
-            stray.unlink(missing_ok=True)
-    manifest = Manifest(name=name, schema=schema, partitions=parts, producer=dict(producer or {}))
-    write_json_atomic(directory / MANIFEST, manifest.to_json())
+    dfd = _open_dir(directory)
+    try:
+        for part in parts:
+            check_entry(directory, part.file)
+            mode = _entry_mode(dfd, part.file)
+            if mode is not None and not stat.S_ISREG(mode):
+                raise _refusal(directory / part.file)
+            if mode is None or os.stat(part.file, dir_fd=dfd, follow_symlinks=False).st_size != part.bytes:
+                raise CorruptDataset(f"dataset {name!r}: partition {directory / part.file} is missing or has "
+                                     f"the wrong size (expected {part.bytes} bytes)")
+        listed = {p.file for p in parts}
+        for stray in sorted(os.listdir(dfd)):
+            if _is_part(stray) and stray not in listed:
+                _refuse_link(dfd, directory, stray)
+                _unlink_quiet(dfd, stray)
+        manifest = Manifest(name=name, schema=schema, partitions=parts, producer=dict(producer or {}))
+        _write_json_at(dfd, directory, MANIFEST, manifest.to_json())
+    finally:
+        os.close(dfd)
     return manifest
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` via temp file + fsync + rename (+ fsync of the directory)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write JSON to ``path`` (0600) via temp file + fsync + rename (+ fsync of the directory).
+
+    Neither the directory nor ``path`` may be a symlink: refused, never written through.
+    """
+    path = Path(path)
+    dfd = _open_dir(path.parent)
+    try:
+        _write_json_at(dfd, path.parent, path.name, data)
+    finally:
+        os.close(dfd)
+
+
+def _write_json_at(dfd: int, directory: Path, name: str, data: Any) -> None:
+    _refuse_link(dfd, directory, name)
+    tmp, fd = _create_temp(dfd, name)
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, sort_keys=True, default=str)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _unlink_quiet(dfd, tmp)
         raise
-    fsync_dir(path.parent)
+    os.fsync(dfd)
 
 
 def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+    fd = _open_dir(Path(directory))
     try:
         os.fsync(fd)
     finally:
@@ -252,24 +435,55 @@ def fsync_dir(directory: Path) -> None:
 
 
 def uncommit(directory: "str | os.PathLike[str]") -> None:
-    """Withdraw a dataset (manifest first, so it stops existing before its files go)."""
+    """Withdraw a dataset (manifest first, so it stops existing before its files go).
+
+    A symlink as the directory, the manifest or a partition is refused before
+    anything is removed.
+    """
     directory = Path(directory)
-    (directory / MANIFEST).unlink(missing_ok=True)
-    for part in directory.glob("*part-*.arrow*"):
-        part.unlink(missing_ok=True)
+    try:
+        dfd = _open_dir(directory)
+    except FileNotFoundError:
+        return
+    try:
+        names = sorted(os.listdir(dfd))
+        doomed = [n for n in names if _is_part(n)]
+        for entry in [MANIFEST, *doomed]:
+            _refuse_link(dfd, directory, entry)
+        _unlink_quiet(dfd, MANIFEST)
+        for entry in doomed:
+            _unlink_quiet(dfd, entry)
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 # ----------------------------------------------------------------- reading
 def read_manifest(directory: "str | os.PathLike[str]") -> Manifest:
     directory = Path(directory)
     path = directory / MANIFEST
-    if not path.is_file():
-        raise DatasetNotFound(f"no committed dataset at {directory} (no {MANIFEST}; "
+    missing = DatasetNotFound(f"no committed dataset at {directory} (no {MANIFEST}; "
                               "an output without a manifest is incomplete and is never read)")
     try:
-        data = json.loads(path.read_text())
+        dfd = _open_dir(directory)
+    except FileNotFoundError:
+        raise missing from None
+    try:
+        try:
+            fd = _open_entry(dfd, directory, MANIFEST)
+        except FileNotFoundError:
+            raise missing from None
+    finally:
+        os.close(dfd)
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            data = json.loads(fh.read())
     except (OSError, ValueError) as exc:
         raise CorruptDataset(f"{path}: unreadable manifest ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("partitions"), list):
+        for entry in data["partitions"]:
+            if isinstance(entry, dict) and "file" in entry:
+                check_entry(directory, entry["file"])
     return Manifest.from_json(data, source=str(path))
 
 
@@ -305,19 +519,33 @@ class Dataset:
         if index in self._cache:
             return self._cache[index]
         info = self.manifest.partitions[index]
-        path = self.path / info.file
+        name = check_entry(self.path, info.file)
+        path = self.path / name
         where = f"{path} (dataset {self.manifest.name!r}, produced by {_producer_text(self.producer)})"
         try:
-            size = path.stat().st_size
-        except OSError:
+            dfd = _open_dir(self.path)
+            try:
+                fd = _open_entry(dfd, self.path, name)
+            finally:
+                os.close(dfd)
+        except FileNotFoundError:
             raise CorruptDataset(f"{where}: partition file is missing") from None
-        if size != info.bytes:
-            raise CorruptDataset(f"{where}: {size} bytes on disk, manifest says {info.bytes}")
-        source = pa.memory_map(str(path), "r")
+        try:
+            size = os.fstat(fd).st_size
+            if size != info.bytes:
+                raise CorruptDataset(f"{where}: {size} bytes on disk, manifest says {info.bytes}")
+            if size == 0:
+                raise CorruptDataset(f"{where}: empty file, not a readable Arrow IPC file")
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # the map outlives the fd
+        finally:
+            os.close(fd)
+        source = pa.BufferReader(pa.py_buffer(mapped))
         if self.verify == "checksum":
             crc = 0
+            view = memoryview(mapped)
             for start in range(0, size, 64 << 20):
-                crc = zlib.crc32(memoryview(source.read_at(min(64 << 20, size - start), start)), crc)
+                crc = zlib.crc32(view[start:start + (64 << 20)], crc)
+            view.release()
             if f"crc32:{crc:08x}" != info.checksum:
                 raise CorruptDataset(f"{where}: checksum crc32:{crc:08x} does not match manifest {info.checksum}")
         try:

@@ -13,12 +13,15 @@ from hetflow.tasks.description import ResourceRequest
 
 from .errors import PipelineError
 
-NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-"""Stage and dataset names become directory names: no separators, no leading dot or dash."""
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+"""Stage, dataset and pipeline names become directory names: no separators, no leading dot or dash.
+
+Always matched with ``fullmatch``: ``^...$`` with ``match`` accepts a trailing newline.
+"""
 
 
 def check_name(kind: str, name: Any, *, where: str) -> str:
-    if not isinstance(name, str) or not NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:
         raise PipelineError(f"{where}: bad {kind} name {name!r} (use letters, digits, '_', '.', '-'; "
                             "not starting with '.' or '-', at most 128 characters)")
     return name

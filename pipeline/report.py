@@ -47,9 +47,17 @@ def run_intervals(store: Store, run_id: str | None) -> tuple[RunRecord, list[Int
 
 
 def write_report(store: Store, run_id: str | None, html_path: Path | None = None) -> tuple[Path, Path | None]:
+    """Write ``report.html`` (and ``.png``) 0600, never through a symlink.
+
+    The default goes into the run directory, checked from the work directory
+    down (``runs/<id>`` must not be a symlink); a path the user gives is taken
+    as given up to its nearest existing directory.
+    """
     run, intervals = run_intervals(store, run_id)
-    html = html_path or Path(run.run_dir) / "report.html"
+    run_dir = Path(run.run_dir)
+    html = html_path or run_dir / "report.html"
     png = html.with_suffix(".png")
+    base = run_dir.parent.parent if html_path is None else None
     pilot = PilotDescription.from_mapping(run.pilot, source=f"run {run.id}")
-    render_timeline(intervals, pilot, html, png, title=f"hetflow run {run.id} ({run.state})")
+    render_timeline(intervals, pilot, html, png, title=f"hetflow run {run.id} ({run.state})", base=base)
     return html, png if png.exists() else None

@@ -5,16 +5,23 @@ A pilot config is a YAML mapping whose keys are exactly the fields of
 naming the file, the key and what is allowed.  ``None`` for ``cores_per_node``,
 ``gpus_per_node`` or ``memory_per_node`` means "detect on this machine" and is
 only allowed for the ``local`` backend.
+
+Every number has an upper bound (:data:`LIMITS`), generous for the largest
+machines (Frontier: 9,408 nodes x 56 cores x 8 GPUs), so a typo such as
+``cores_per_node: 100000000000000000000`` is an error rather than a hang or an
+exhausted memory; NaN and infinities are errors too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, get_args
@@ -28,6 +35,17 @@ Launcher = Literal["mpiexec", "srun", "jsrun"]
 
 BACKENDS: tuple[str, ...] = get_args(Backend)
 LAUNCHERS: tuple[str, ...] = get_args(Launcher)
+
+YEAR = 365 * 24 * 3600
+LIMITS: Mapping[str, tuple[float, float]] = {
+    "nodes": (1, 1_000_000),
+    "cores_per_node": (1, 4096),
+    "gpus_per_node": (0, 64),
+    "memory_per_node": (0, 2**50),  # 1 PiB per node
+    "walltime": (0, YEAR),          # seconds; walltime must also be > 0
+    "drain": (0, YEAR),
+}
+"""Allowed range of each numeric pilot field, inclusive."""
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -70,34 +88,35 @@ class PilotDescription:
             raise bad("backend", self.backend, f"one of {list(BACKENDS)}")
         if self.launcher not in LAUNCHERS:
             raise bad("launcher", self.launcher, f"one of {list(LAUNCHERS)}")
-        if not _is_int(self.nodes) or self.nodes < 1:
-            raise bad("nodes", self.nodes, "an integer >= 1")
+        if not _in_range(self.nodes, "nodes"):
+            raise bad("nodes", self.nodes, _allowed("nodes"))
         for key in ("cores_per_node", "gpus_per_node", "memory_per_node"):
             value = getattr(self, key)
             if value is None:
                 if self.backend != "local" or self.nodes != 1:
                     raise bad(key, value, "a number (only a one-node local pilot may detect it)")
                 continue
-            low = 1 if key == "cores_per_node" else 0
-            if not _is_int(value) or value < low:
-                raise bad(key, value, f"an integer >= {low}")
-        if self.walltime is not None and self.walltime <= 0:
-            raise bad("walltime", self.walltime, "a positive duration")
-        if self.drain < 0:
-            raise bad("drain", self.drain, "a duration >= 0")
-        if self.cores_per_node is not None:
-            for core in self.reserved_cores:
-                if not 0 <= core < self.cores_per_node:
-                    raise bad("reserved_cores", core, f"core ids in 0..{self.cores_per_node - 1}")
-            if len(set(self.reserved_cores)) >= self.cores_per_node:
-                raise bad("reserved_cores", list(self.reserved_cores), "fewer reserved cores than cores_per_node")
-        if self.gpu_cores:
-            if self.gpus_per_node is not None and len(self.gpu_cores) != self.gpus_per_node:
-                raise bad("gpu_cores", f"{len(self.gpu_cores)} entries", f"one entry per GPU ({self.gpus_per_node})")
-            for cores in self.gpu_cores:
-                for core in cores:
-                    if self.cores_per_node is not None and not 0 <= core < self.cores_per_node:
-                        raise bad("gpu_cores", core, f"core ids in 0..{self.cores_per_node - 1}")
+            if not _in_range(value, key):
+                raise bad(key, value, _allowed(key))
+        if self.walltime is not None and not (_in_range(self.walltime, "walltime", real=True) and self.walltime > 0):
+            raise bad("walltime", self.walltime, f"a positive, finite duration of at most {YEAR} s (a year)")
+        if not _in_range(self.drain, "drain", real=True):
+            raise bad("drain", self.drain, f"a finite duration in 0..{YEAR} s (a year)")
+        max_core = (self.cores_per_node or LIMITS["cores_per_node"][1]) - 1
+        for core in self.reserved_cores:
+            if not _is_int(core) or not 0 <= core <= max_core:
+                raise bad("reserved_cores", core, f"core ids (integers) in 0..{max_core}")
+        if len(self.gpu_cores) > LIMITS["gpus_per_node"][1]:
+            raise bad("gpu_cores", f"{len(self.gpu_cores)} entries", f"at most {LIMITS['gpus_per_node'][1]}, "
+                      "one per GPU")
+        for cores in self.gpu_cores:
+            for core in cores:
+                if not _is_int(core) or not 0 <= core <= max_core:
+                    raise bad("gpu_cores", core, f"core ids (integers) in 0..{max_core}")
+        if self.cores_per_node is not None and len(set(self.reserved_cores)) >= self.cores_per_node:
+            raise bad("reserved_cores", list(self.reserved_cores), "fewer reserved cores than cores_per_node")
+        if self.gpu_cores and self.gpus_per_node is not None and len(self.gpu_cores) != self.gpus_per_node:
+            raise bad("gpu_cores", f"{len(self.gpu_cores)} entries", f"one entry per GPU ({self.gpus_per_node})")
 
     # ------------------------------------------------------------------ shape
     def resolve(self) -> "PilotDescription":
@@ -144,12 +163,13 @@ class PilotDescription:
             raise ConfigError(f"{source}: unknown key {unknown[0]!r} (allowed keys: {allowed})")
         values = dict(data)
         try:
-            if "walltime" in values and values["walltime"] is not None:
-                values["walltime"] = parse_duration(values["walltime"])
-            if "drain" in values:
-                values["drain"] = parse_duration(values["drain"])
-            if values.get("memory_per_node") is not None:
-                values["memory_per_node"] = parse_bytes(values["memory_per_node"])
+            for key, parse in (("walltime", parse_duration), ("drain", parse_duration),
+                               ("memory_per_node", parse_bytes)):
+                if values.get(key) is not None:
+                    try:
+                        values[key] = parse(values[key])
+                    except ConfigError as exc:
+                        raise ConfigError(f"bad value for {key!r}: {exc}") from None
             if "reserved_cores" in values:
                 values["reserved_cores"] = tuple(values["reserved_cores"] or ())
             if "gpu_cores" in values:
@@ -167,26 +187,48 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _in_range(value: Any, key: str, *, real: bool = False) -> bool:
+    """``value`` is an integer (or, with ``real``, a finite number) within ``LIMITS[key]``."""
+    low, high = LIMITS[key]
+    if real:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+    elif not _is_int(value):
+        return False
+    return bool(low <= value <= high)
+
+
+def _allowed(key: str) -> str:
+    low, high = LIMITS[key]
+    return f"an integer in {low:,}..{high:,}"
+
+
 def parse_duration(value: Any) -> float:
     """Seconds from a number or an ``[[HH:]MM:]SS`` string."""
+    number: float | int | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str) and re.fullmatch(r"\d+(:\d{1,2}){0,2}", value.strip()):
-        seconds = 0.0
+        number = value
+    elif isinstance(value, str) and re.fullmatch(r"\d+(:\d{1,2}){0,2}", value.strip()):
+        number = 0
         for part in value.strip().split(":"):
-            seconds = seconds * 60 + int(part)
-        return seconds
-    raise ConfigError(f"bad duration {value!r} (expected seconds or 'HH:MM:SS')")
+            number = number * 60 + int(part)
+    if number is None or (isinstance(number, float) and not math.isfinite(number)):
+        raise ConfigError(f"bad duration {value!r} (expected a finite number of seconds or 'HH:MM:SS')")
+    if abs(number) > YEAR:  # before float(), which overflows on huge integers
+        raise ConfigError(f"bad duration {value!r} (expected at most {YEAR} s, a year)")
+    return float(number)
 
 
 def parse_bytes(value: Any) -> int:
     """Bytes from an integer or a string such as ``'512GiB'``."""
     if _is_int(value):
         return int(value)
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?i?[bB]?)\s*", str(value))
+    match = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([kKmMgGtT]?i?[bB]?)\s*", str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"bad size {value!r} (expected bytes or a size such as '512GiB')")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])  # exact: no float overflow
 
 
 def detect_gpus() -> tuple[int, ...]:

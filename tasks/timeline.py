@@ -4,7 +4,8 @@ Input is a list of :class:`Interval` — one per task per node it held — from 
 real run (the orchestrator converts state-store records) or from the
 simulator.  :func:`render_timeline` writes one self-contained HTML file (inline
 SVG and a few lines of inline script, nothing fetched) and optionally a PNG
-drawn with matplotlib.
+drawn with matplotlib.  Both are written 0600 (temp file and rename, under any
+umask) and never through a symlink: see :func:`hetflow.tasks.paths.write_private_file`.
 
 Large runs stay small: the Gantt chart shows the first ``max_nodes`` nodes
 (and at most ``max_bars`` bars); utilisation curves cover every interval, or a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import io
 import json
 import logging
 import os
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from .paths import write_private_file
 from .pilot import PilotDescription
 
 logger = logging.getLogger(__name__)
@@ -112,8 +115,15 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
 def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html_path: str | os.PathLike[str],
                     png_path: str | os.PathLike[str] | None = None, *, title: str = "hetflow timeline",
                     utilization: Sequence[tuple[float, float, float]] | None = None,
-                    max_nodes: int = 32, max_bars: int = 20_000) -> dict[str, int]:
-    """Write the report; returns counts ``{"bars", "nodes", "critical"}`` of what was drawn."""
+                    max_nodes: int = 32, max_bars: int = 20_000,
+                    base: str | os.PathLike[str] | None = None) -> dict[str, int]:
+    """Write the report; returns counts ``{"bars", "nodes", "critical"}`` of what was drawn.
+
+    Directories below ``base`` are never followed through a symlink (missing
+    ones are made 0700); by default ``base`` is the nearest existing directory
+    above each output, i.e. the part of the path the caller named and that
+    exists is taken as given.  An output that is a symlink is refused.
+    """
     pilot = pilot.resolve()
     node_names = sorted({iv.node for iv in intervals})
     shown = node_names[:max_nodes]
@@ -174,12 +184,21 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
     page = _PAGE.format(title=html.escape(title), shape=html.escape(pilot.shape()), legend=legend, note=note,
                         gantt=gantt, util=util, path=path_rows, expected=json.dumps(summary),
                         duration=f"{span:,.1f}")
-    Path(html_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(html_path).write_text(page, encoding="utf-8")
+    write_private_file(html_path, page.encode("utf-8"), base=_base_for(html_path, base))
     if png_path is not None:
-        _render_png(bars, shown, core_lane, gpus, curve, t0, path, Path(png_path), title)
+        png = _render_png(bars, shown, core_lane, gpus, curve, t0, path, title)
+        write_private_file(png_path, png, base=_base_for(png_path, base))
     logger.info("timeline written to %s (%d bars on %d nodes)", html_path, len(bars), len(shown))
     return summary
+
+
+def _base_for(output: str | os.PathLike[str], base: str | os.PathLike[str] | None) -> Path:
+    if base is not None:
+        return Path(base)
+    probe = Path(os.path.abspath(output)).parent
+    while not probe.is_dir():
+        probe = probe.parent
+    return probe
 
 
 def _curve_svg(curve: Sequence[tuple[float, float, float]], x: Callable[[float], float], t0: float, t1: float) -> str:
@@ -203,8 +222,9 @@ def _curve_svg(curve: Sequence[tuple[float, float, float]], x: Callable[[float],
 
 
 def _render_png(bars: Sequence[Interval], shown: Sequence[str], core_lane: dict[int, int], gpus: int,
-                curve: Sequence[tuple[float, float, float]], t0: float, path: Sequence[str], out: Path,
-                title: str) -> None:
+                curve: Sequence[tuple[float, float, float]], t0: float, path: Sequence[str],
+                title: str) -> bytes:
+    """The PNG as bytes (the caller writes it: matplotlib would follow a symlink and obey the umask)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -232,8 +252,10 @@ def _render_png(bars: Sequence[Interval], shown: Sequence[str], core_lane: dict[
     ax_u.set_xlabel("seconds")
     ax_u.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
+    return buffer.getvalue()
 
 
 _PAGE = """<!DOCTYPE html>

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import stat
 from pathlib import Path
 
 import pyarrow as pa
@@ -95,3 +99,121 @@ def test_files_are_private(tmp_path: Path) -> None:
     _write(tmp_path / "d", [3])
     for path in (tmp_path / "d").iterdir():
         assert path.stat().st_mode & 0o077 == 0
+
+
+# --------------------------------------------- symlinks and manifest entries
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """Files outside the dataset that a planted symlink or a bad entry would reach."""
+    victim = tmp_path / "outside"
+    victim.mkdir()
+    os.chmod(victim, 0o755)
+    (victim / "part-00000.arrow").write_bytes(b"precious")
+    (victim / ds.MANIFEST).write_text('{"precious": true}')
+    return victim
+
+
+def _untouched(victim: Path) -> None:
+    assert _mode(victim) == 0o755
+    assert sorted(os.listdir(victim)) == sorted([ds.MANIFEST, "part-00000.arrow"])
+    assert (victim / "part-00000.arrow").read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("entry", ["../stolen.arrow", "ABSOLUTE", "", "part\x00.arrow", "sub/part-00000.arrow", ".."])
+def test_manifest_entries_must_be_plain_names_in_the_dataset(tmp_path: Path, entry: str) -> None:
+    data = tmp_path / "data"
+    manifest = _write(data, [3])
+    stolen = tmp_path / "stolen.arrow"
+    shutil.copy(data / manifest.partitions[0].file, stolen)  # a valid partition: the old code read it happily
+    if entry == "ABSOLUTE":
+        entry = str(stolen)
+    (data / "sub").mkdir()
+    shutil.copy(data / manifest.partitions[0].file, data / "sub" / "part-00000.arrow")
+    raw = json.loads((data / ds.MANIFEST).read_text())
+    raw["partitions"][0]["file"] = entry
+    (data / ds.MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(ds.CorruptDataset) as info:
+        ds.open_dataset(data).to_table()
+    message = str(info.value)
+    assert str(data) in message and repr(entry) in message and "plain file name" in message
+
+
+@pytest.mark.parametrize("entry", ["../x.arrow", "/etc/passwd", "", "a\x00b"])
+def test_partition_info_rejects_bad_entries(entry: str) -> None:
+    with pytest.raises(ds.CorruptDataset, match="plain file name"):
+        ds.PartitionInfo(entry, 1, 10, "crc32:0")
+    with pytest.raises(ds.CorruptDataset, match="plain file name"):
+        ds.PartitionInfo.from_json({"file": entry, "rows": 1, "bytes": 10, "checksum": "crc32:0"})
+
+
+def test_uncommit_refuses_a_symlinked_dataset_dir(tmp_path: Path, outside: Path) -> None:
+    link = tmp_path / "datasets" / "numbers"
+    link.parent.mkdir()
+    os.symlink(outside, link)
+    with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {link}: it is a symbolic link"):
+        ds.uncommit(link)
+    _untouched(outside)
+
+
+def test_write_and_commit_refuse_a_symlinked_dataset_dir(tmp_path: Path, outside: Path) -> None:
+    link = tmp_path / "numbers"
+    os.symlink(outside, link)
+    with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {link}: it is a symbolic link"):
+        ds.write_partition(link, 1, pa.table({"x": [1]}))
+    info = ds.PartitionInfo("part-00000.arrow", 1, len(b"precious"), "crc32:0")
+    with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {link}"):
+        ds.commit(link, "numbers", pa.schema([("x", pa.int64())]), [info])
+    with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {link}"):
+        ds.open_dataset(link)
+    _untouched(outside)
+
+
+@pytest.mark.parametrize("planted", ["part-00000.arrow", "part-00003.arrow", ds.MANIFEST])
+def test_symlinked_entries_are_refused_not_followed(tmp_path: Path, outside: Path, planted: str) -> None:
+    data = tmp_path / "data"
+    _write(data, [3])
+    (data / planted).unlink(missing_ok=True)
+    os.symlink(outside / ("part-00000.arrow" if planted != ds.MANIFEST else ds.MANIFEST), data / planted)
+    # uncommit removes nothing: it refuses before the manifest goes
+    with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {data / planted}: it is a symbolic link"):
+        ds.uncommit(data)
+    if planted == "part-00000.arrow":
+        with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {data / planted}"):
+            ds.open_dataset(data, verify="none").to_table()
+        with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {data / planted}"):
+            ds.write_partition(data, 0, pa.table({"x": [1]}))
+    elif planted == ds.MANIFEST:
+        with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {data / planted}"):
+            ds.read_manifest(data)
+    else:  # a stray that commit would delete
+        info = ds.read_manifest(data).partitions[0]
+        with pytest.raises(ds.UnsafeDatasetPath, match=f"refusing {data / planted}"):
+            ds.commit(data, "numbers", ds.read_manifest(data).schema, [info])
+    assert (data / planted).is_symlink()
+    _untouched(outside)
+
+
+def test_files_and_new_dirs_are_private_under_a_narrow_umask(tmp_path: Path) -> None:
+    old = os.umask(0o277)  # takes the owner's write bit away from 0600/0700
+    try:
+        manifest = _write(tmp_path / "new" / "d", [3])
+    finally:
+        os.umask(old)
+    assert _mode(tmp_path / "new") == _mode(tmp_path / "new" / "d") == 0o700
+    assert _mode(tmp_path / "new" / "d" / ds.MANIFEST) == 0o600
+    assert _mode(tmp_path / "new" / "d" / manifest.partitions[0].file) == 0o600
+    assert ds.open_dataset(tmp_path / "new" / "d").num_rows == 3
+
+
+def test_existing_dataset_dir_keeps_its_mode(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o750)
+    _write(shared, [2])
+    assert _mode(shared) == 0o750

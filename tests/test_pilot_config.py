@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hetflow.tasks.errors import ConfigError
-from hetflow.tasks.pilot import PilotDescription, config_names, load_pilot, parse_bytes, parse_duration
+from hetflow.tasks.pilot import (LIMITS, YEAR, PilotDescription, config_names, load_pilot, parse_bytes,
+                                 parse_duration)
 
 
 def test_every_shipped_config_loads_and_validates() -> None:
@@ -81,3 +85,72 @@ def test_usable_cores_skip_reserved() -> None:
                              reserved_cores=(0, 4), backend="radical")
     assert pilot.usable_cores() == (1, 2, 3, 5, 6, 7)
     assert "2 node(s) x 6 usable cores x 0 GPUs" in pilot.shape()
+
+
+# ----------------------------------------------------------------- bounds
+
+
+_SHAPE = {"name": "p", "backend": "parsl", "nodes": 2, "cores_per_node": 8, "gpus_per_node": 0,
+          "memory_per_node": "1GiB"}
+
+
+def _yaml(path: Path, **changes: object) -> Path:
+    values = {**_SHAPE, **changes}
+    path.write_text("".join(f"{key}: {value}\n" for key, value in values.items()))
+    return path
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("nodes", "100000000000000000000", "1..1,000,000"),
+    ("nodes", "1000001", "1..1,000,000"),
+    ("cores_per_node", "100000000000000000000", "1..4,096"),
+    ("cores_per_node", "4097", "1..4,096"),
+    ("gpus_per_node", "65", "0..64"),
+    ("memory_per_node", "100000000000000000000000", "0..1,125,899,906,842,624"),
+    ("memory_per_node", "2PiB", "size"),
+    ("memory_per_node", "2000TiB", "0..1,125,899,906,842,624"),
+    ("walltime", ".nan", "finite"),
+    ("walltime", ".inf", "finite"),
+    ("walltime", "-.inf", "finite"),
+    ("walltime", "100000000000000000000", "a year"),
+    ("walltime", "'9999:00:00'", "a year"),
+    ("drain", ".nan", "finite"),
+    ("drain", ".inf", "finite"),
+    ("drain", "31536001", "a year"),
+    ("reserved_cores", "[1.5]", "integers"),
+    ("gpu_cores", "[" + ",".join(["[0]"] * 65) + "]", "at most 64"),
+])
+def test_values_out_of_bounds_name_file_key_and_range(tmp_path: Path, key: str, value: str, allowed: str) -> None:
+    path = _yaml(tmp_path / "bad.yaml", **{key: value})
+    with pytest.raises(ConfigError) as info:
+        load_pilot(path)
+    message = str(info.value)
+    assert str(path) in message and f"'{key}'" in message and allowed in message
+
+
+@pytest.mark.parametrize("key", ["walltime", "drain"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_python_built_pilot_rejects_nan_and_inf(key: str, value: float) -> None:
+    shape = {k: v for k, v in _SHAPE.items() if k != "memory_per_node"}
+    with pytest.raises(ConfigError, match=f"bad value for '{key}'.*finite"):
+        PilotDescription(**shape, memory_per_node=2**30, **{key: value})
+
+
+def test_frontier_class_shapes_are_within_bounds() -> None:
+    frontier = PilotDescription(name="frontier-full", backend="parsl", nodes=9408, cores_per_node=56,
+                                gpus_per_node=8, memory_per_node=512 * 2**30, walltime=24 * 3600.0, drain=300.0)
+    assert len(frontier.usable_cores()) == 56
+    edge = PilotDescription(name="edge", backend="parsl", nodes=LIMITS["nodes"][1],
+                            cores_per_node=int(LIMITS["cores_per_node"][1]), gpus_per_node=int(LIMITS["gpus_per_node"][1]),
+                            memory_per_node=int(LIMITS["memory_per_node"][1]), walltime=float(YEAR), drain=float(YEAR))
+    assert edge.nodes == 1_000_000
+    assert parse_bytes("1.5GiB") == 3 * 2**29
+
+
+def test_pilot_check_on_a_huge_value_answers_at_once(tmp_path: Path) -> None:
+    """The user-found failure: cores_per_node: 10**20 made ``hetflow pilot check`` hang."""
+    path = _yaml(tmp_path / "huge.yaml", cores_per_node="100000000000000000000")
+    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "pilot", "check", str(path)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert str(path) in done.stderr and "'cores_per_node'" in done.stderr and "1..4,096" in done.stderr
