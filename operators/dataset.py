@@ -317,6 +317,26 @@ def _unlink_quiet(dfd: int, name: str) -> None:
 
 
 # ----------------------------------------------------------------- writing
+def _full_paths(function: Any) -> Any:
+    """Name the whole path in an OSError raised by ``function(directory, ...)``, whose files are
+    opened relative to the directory's descriptor (a full disk, a read-only one)."""
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(directory: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(directory, *args, **kwargs)
+        except OSError as exc:
+            name = exc.filename
+            if isinstance(exc, DatasetError) or not isinstance(name, str) or os.path.isabs(name):
+                raise
+            base = Path(directory)
+            base = base.parent if function.__name__ == "write_json_atomic" else base
+            raise type(exc)(exc.errno, exc.strerror, str(base / name)) from exc
+
+    return wrapper
+
+
 def write_partition(directory: "str | os.PathLike[str]", index: int,
                     data: "pa.Table | Iterable[pa.RecordBatch]", *, schema: pa.Schema | None = None,
                     rank: int = 0) -> PartitionInfo:
@@ -371,6 +391,7 @@ def _is_part(name: str) -> bool:
     return "part-" in name and ".arrow" in name.split("part-", 1)[1]
 
 
+@_full_paths
 def commit(directory: "str | os.PathLike[str]", name: str, schema: pa.Schema,
            partitions: Iterable[PartitionInfo], *, producer: Mapping[str, Any] | None = None) -> Manifest:
     """Publish a dataset: check the partitions exist, remove strays, write the manifest last."""
@@ -398,6 +419,7 @@ def commit(directory: "str | os.PathLike[str]", name: str, schema: pa.Schema,
     return manifest
 
 
+@_full_paths
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to ``path`` (0600) via temp file + fsync + rename (+ fsync of the directory).
 
@@ -434,6 +456,7 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+@_full_paths
 def uncommit(directory: "str | os.PathLike[str]") -> None:
     """Withdraw a dataset (manifest first, so it stops existing before its files go).
 

@@ -152,6 +152,10 @@ def _print_summary(status: RunStatus) -> None:
         elif stage.cache_reason:
             line += f"  ({stage.cache_reason})"
         print(line)
+    if not status.ok:
+        from .errors import resume_hint
+
+        print(f"  {resume_hint(status.id)} (after fixing the cause; finished stages are not run again)")
 
 
 def _status(args: argparse.Namespace) -> int:

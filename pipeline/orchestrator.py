@@ -11,6 +11,7 @@ backend futures only post outcomes into a queue that one loop reads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from sqlalchemy import select
 
 from hetflow.operators import dataset as ds
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
-from hetflow.tasks.paths import private_dir
+from hetflow.tasks.paths import UnsafePath, private_dir
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TasksSubmitted,
                                      TaskSubmitted, Tick)
@@ -293,10 +294,18 @@ class Orchestrator:
 
     def _apply(self, instructions: list[Any]) -> None:
         """Carry out the scheduler's instructions."""
+        assert self.scheduler is not None
         for instruction in instructions:
             task = self.plan.task(instruction.task_id)
             if isinstance(instruction, StartTask):
-                self._launch(task, instruction)
+                try:
+                    self._launch(task, instruction)
+                except (UnsafePath, ds.DatasetError) as exc:  # a planted symlink, a damaged output dir
+                    self._feed(TaskStarted(task))
+                    self._end_task(str(task), "FAILED", str(exc))
+                    self._feed(AttemptEnded(task, "FAILED", f"stage {task.stage!r} not started: {exc}"))
+                    self._apply(self.scheduler.handle_event(TaskFinished(str(task), time.time())))
+                    continue
                 self._feed(TaskStarted(task))
             elif isinstance(instruction, RejectTask):
                 self._end_task(instruction.task_id, "REJECTED", instruction.reason)
@@ -491,6 +500,10 @@ class Orchestrator:
         spec = self.stages[live.stage]
         ranks = _read_ranks(live.attempt_dir, len(live.slots))
         failure = _diagnose(spec, outcome, ranks, live.attempt_dir, ended_by_us=live.ended_by_us)
+        if failure is not None and failure.traceback is None and _disk_full(live.attempt_dir):
+            # the rank could not even write its log: say what the log would have said
+            failure = dataclasses.replace(failure, message=f"{failure.message}; No space left on device: "
+                                          f"the file system of {live.attempt_dir} is full")
         if text in self.cut_off:
             failure = _Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
                                f"({self.pilot.walltime}s); resume the run in a new allocation")
@@ -580,6 +593,13 @@ class Orchestrator:
             run.state, run.ended, run.owner, run.lease_until, run.error = final, time.time(), None, None, error
             self.store.event(session, self.run_id, "run", self.name, final, error=error)
         return final
+
+
+def _disk_full(path: Path) -> bool:
+    try:
+        return os.statvfs(path).f_bavail == 0
+    except OSError:
+        return False
 
 
 def _forget_datasets(session: Any, run_id: str, names: Sequence[str]) -> None:

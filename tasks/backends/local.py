@@ -28,8 +28,19 @@ KILL_GRACE = 3.0
 """Seconds between SIGTERM and SIGKILL when a task is stopped."""
 
 
+MPIEXEC_ENV = "HETFLOW_MPIEXEC"
+"""Names the ``mpiexec`` to use (a site's MPI module) instead of the one beside this Python."""
+
+
 def find_mpiexec() -> str:
-    """The ``mpiexec`` beside this Python (the ``mpich`` wheel's), else the first on PATH."""
+    """``$HETFLOW_MPIEXEC``, else the ``mpiexec`` beside this Python (the ``mpich`` wheel's), else the first on PATH."""
+    chosen = os.environ.get(MPIEXEC_ENV)
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise HetflowError(f"{MPIEXEC_ENV}={chosen!r} is not an executable mpiexec (not found, or not "
+                               "executable); unset it to use the one installed with hetflow[mpich]")
+        return found
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
