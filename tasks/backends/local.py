@@ -1,7 +1,11 @@
 """The embedded local backend: every task is one ``mpiexec`` on this machine.
 
-Each task runs in its own session (process group), so a timeout or a cancel
-kills every rank and Hydra's proxies with one signal, and nothing outlives
+Each task runs in its own session (process group); a timeout or a cancel
+signals that group, and Hydra passes the signal to its proxies and ranks.
+Each rank's witness ends what the rank started; the backend also watches the
+tree below ``mpiexec`` while the task runs and, when the task has ended, ends
+whatever it saw there that outlived it (a witness killed by SIGKILL cannot do
+its part: :mod:`hetflow.tasks.proctree`).  Nothing outlives
 :meth:`LocalBackend.shutdown`.
 """
 
@@ -20,12 +24,20 @@ from pathlib import Path
 
 from ..errors import HetflowError
 from ..launchers.mpiexec import Mpiexec
+from ..proctree import TreeWatch
 from .base import Backend, LaunchSpec, TaskOutcome
 
 log = logging.getLogger(__name__)
 
 KILL_GRACE = 3.0
 """Seconds between SIGTERM and SIGKILL when a task is stopped."""
+
+WATCH = 0.5
+"""Seconds between looks at the tree below a running task's ``mpiexec``."""
+
+ESCAPES_END = sys.platform.startswith("linux")
+"""Whether a process that left the tree alive is ended at once: only where the witness is a subreaper,
+so that leaving means its witness was killed (elsewhere a rank's daemon leaves it by design)."""
 
 
 def find_mpiexec() -> str:
@@ -50,7 +62,7 @@ class LocalBackend(Backend):
 
     def __init__(self, pilot, run_dir):  # type: ignore[no-untyped-def]
         super().__init__(pilot, run_dir)
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._procs: dict[str, tuple[subprocess.Popen[bytes], TreeWatch]] = {}
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._launcher: Mpiexec | None = None
@@ -76,23 +88,36 @@ class LocalBackend(Backend):
             for fh in (stdout, stderr):
                 if fh != subprocess.DEVNULL:
                     os.close(fh)
+        tree = TreeWatch(proc.pid)
         with self._lock:
-            self._procs[spec.task_id] = proc
+            self._procs[spec.task_id] = (proc, tree)
         log.debug("started %s: pid %d: %s", spec.task_id, proc.pid, argv)
-        thread = threading.Thread(target=self._wait, args=(spec, proc, started, future),
+        thread = threading.Thread(target=self._wait, args=(spec, proc, tree, started, future),
                                   name=f"hetflow-wait-{spec.task_id}", daemon=True)
         thread.start()
         return future
 
-    def _wait(self, spec: LaunchSpec, proc: "subprocess.Popen[bytes]", started: float,
+    def _wait(self, spec: LaunchSpec, proc: "subprocess.Popen[bytes]", tree: TreeWatch, started: float,
               future: "Future[TaskOutcome]") -> None:
         timed_out = False
-        try:
-            proc.wait(timeout=spec.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            log.warning("task %s exceeded its timeout of %ss; killing its process group", spec.task_id, spec.timeout)
-            self._kill_group(proc)
+        deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        while True:
+            self._end_escaped(spec, tree)
+            left = WATCH if deadline is None else min(WATCH, deadline - time.monotonic())
+            try:
+                proc.wait(timeout=max(left, 0.0))
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out = True
+                log.warning("task %s exceeded its timeout of %ss; killing its process group",
+                            spec.task_id, spec.timeout)
+                self._kill_group(proc, tree)
+                break
+        outlived = tree.end()
+        if outlived:
+            log.warning("task %s: ended %d processes that outlived it: pids %s", spec.task_id, len(outlived), outlived)
         with self._lock:
             self._procs.pop(spec.task_id, None)
             cancelled = spec.task_id in self._cancelled
@@ -103,8 +128,17 @@ class LocalBackend(Backend):
             detail=f"timed out after {spec.timeout}s" if timed_out else ""))
 
     @staticmethod
-    def _kill_group(proc: "subprocess.Popen[bytes]") -> None:
+    def _end_escaped(spec: LaunchSpec, tree: TreeWatch) -> None:
+        escaped = tree.look()
+        if escaped and ESCAPES_END:
+            ended = tree.end(escaped)
+            log.warning("task %s: ended %d processes orphaned by a killed rank: pids %s", spec.task_id,
+                        len(ended), ended)
+
+    @staticmethod
+    def _kill_group(proc: "subprocess.Popen[bytes]", tree: TreeWatch) -> None:
         for sig, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, 10.0)):
+            tree.look()  # what is below it now, before a SIGKILL orphans it
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -121,11 +155,11 @@ class LocalBackend(Backend):
 
     def cancel(self, task_id: str) -> None:
         with self._lock:
-            proc = self._procs.get(task_id)
-            if proc is None:
+            running = self._procs.get(task_id)
+            if running is None:
                 return
             self._cancelled.add(task_id)
-        self._kill_group(proc)
+        self._kill_group(*running)
 
     def shutdown(self) -> None:
         with self._lock:
