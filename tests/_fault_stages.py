@@ -160,3 +160,24 @@ def dies_beside_a_daemon(ctx):
         os._exit(3)
     ctx.comm.barrier()
     return None
+
+
+def books_cores(ctx):
+    """Records this rank's CPUs and lifetime in ``params["record"]``.
+
+    With ``until`` (the other run's log): stays until that log says the other run waits for
+    cores, or the other run's stage has started, whichever comes first (at most 30 s).
+    """
+    record = Path(ctx.params["record"])
+    started = time.time()
+    until = ctx.params.get("until")
+    (record / f"started-{'first' if until else 'second'}-{ctx.rank}").touch()
+    if until:
+        deadline = time.time() + 30
+        while time.time() < deadline and not list(record.glob("started-second-*")):
+            if Path(until).exists() and "waiting for cores" in Path(until).read_text(errors="replace"):
+                break
+            time.sleep(0.02)
+    (record / f"{ctx.run_id}-{ctx.rank}.json").write_text(json.dumps(
+        {"cpus": sorted(os.sched_getaffinity(0)), "started": started, "ended": time.time()}))
+    return None

@@ -7,6 +7,10 @@ tree below ``mpiexec`` while the task runs and, when the task has ended, ends
 whatever it saw there that outlived it (a witness killed by SIGKILL cannot do
 its part: :mod:`hetflow.tasks.proctree`).  Nothing outlives
 :meth:`LocalBackend.shutdown`.
+
+Before it starts, a task books its CPUs in the machine-wide, per-user
+:class:`~hetflow.tasks.ledger.CoreLedger`, so two runs on this machine never
+use the same core at once: the second waits, and says so in its log.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from ..errors import HetflowError
 from ..launchers.mpiexec import Mpiexec
+from ..ledger import CoreLedger, real_cpus
 from ..proctree import TreeWatch
 from .base import Backend, LaunchSpec, TaskOutcome
 
@@ -63,21 +68,60 @@ class LocalBackend(Backend):
     def __init__(self, pilot, run_dir):  # type: ignore[no-untyped-def]
         super().__init__(pilot, run_dir)
         self._procs: dict[str, tuple[subprocess.Popen[bytes], TreeWatch]] = {}
+        self._booking: set[str] = set()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._launcher: Mpiexec | None = None
+        self._ledger: CoreLedger | None = None
 
     def start(self) -> None:
         self._launcher = Mpiexec(find_mpiexec())
+        self._ledger = CoreLedger()
 
     def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
-        if self._launcher is None:
+        """Book the task's CPUs in the machine's :class:`CoreLedger` (waiting, in the task's thread,
+        while another run holds them), then start it; the CPUs are given back when it has ended."""
+        if self._launcher is None or self._ledger is None:
             raise HetflowError("LocalBackend.launch() called before start()")
         argv = self._launcher.argv(spec.argv, spec.slots, self.node_names())
-        env = dict(os.environ)
-        env.update(spec.env)
+        cpus = real_cpus([c for slot in spec.slots for c in slot.cores], sorted(os.sched_getaffinity(0)))
         future: Future[TaskOutcome] = Future()
         future.set_running_or_notify_cancel()
+        with self._lock:
+            self._booking.add(spec.task_id)
+        thread = threading.Thread(target=self._run, args=(spec, argv, cpus, self._ledger, future),
+                                  name=f"hetflow-task-{spec.task_id}", daemon=True)
+        thread.start()
+        return future
+
+    def _run(self, spec: LaunchSpec, argv: list[str], cpus: list[int], ledger: CoreLedger,
+             future: "Future[TaskOutcome]") -> None:
+        booked = False
+        try:
+            booked = ledger.book(cpus, spec.task_id, stop=lambda: spec.task_id in self._cancelled)
+            if not booked:
+                future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None, cancelled=True,
+                                              detail="cancelled while waiting for cores"))
+                return
+            proc, tree, started = self._start(spec, argv)
+            self._wait(spec, proc, tree, started, future)
+        except Exception as exc:  # noqa: BLE001 - the orchestrator waits on this future: it must resolve
+            log.error("task %s could not be started: %s: %s", spec.task_id, type(exc).__name__, exc)
+            if spec.stderr is not None:
+                with open(_private_log(spec.stderr), "a") as fh:
+                    print(f"hetflow: could not start {argv[0]}: {type(exc).__name__}: {exc}", file=fh)
+            if not future.done():
+                future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None,
+                                              detail=f"could not start: {type(exc).__name__}: {exc}"))
+        finally:
+            if booked:
+                ledger.release(cpus)
+            with self._lock:
+                self._booking.discard(spec.task_id)
+
+    def _start(self, spec: LaunchSpec, argv: list[str]) -> "tuple[subprocess.Popen[bytes], TreeWatch, float]":
+        env = dict(os.environ)
+        env.update(spec.env)
         stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
         stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
         started = time.time()
@@ -91,11 +135,11 @@ class LocalBackend(Backend):
         tree = TreeWatch(proc.pid)
         with self._lock:
             self._procs[spec.task_id] = (proc, tree)
+            cancelled = spec.task_id in self._cancelled  # while it was being started
         log.debug("started %s: pid %d: %s", spec.task_id, proc.pid, argv)
-        thread = threading.Thread(target=self._wait, args=(spec, proc, tree, started, future),
-                                  name=f"hetflow-wait-{spec.task_id}", daemon=True)
-        thread.start()
-        return future
+        if cancelled:
+            self._kill_group(proc, tree)
+        return proc, tree, started
 
     def _wait(self, spec: LaunchSpec, proc: "subprocess.Popen[bytes]", tree: TreeWatch, started: float,
               future: "Future[TaskOutcome]") -> None:
@@ -156,13 +200,14 @@ class LocalBackend(Backend):
     def cancel(self, task_id: str) -> None:
         with self._lock:
             running = self._procs.get(task_id)
-            if running is None:
+            if running is None and task_id not in self._booking:
                 return
-            self._cancelled.add(task_id)
-        self._kill_group(*running)
+            self._cancelled.add(task_id)  # one still waiting for cores gives up
+        if running is not None:
+            self._kill_group(*running)
 
     def shutdown(self) -> None:
         with self._lock:
-            running = list(self._procs)
+            running = list(self._procs) + list(self._booking)
         for task_id in running:
             self.cancel(task_id)
