@@ -19,8 +19,8 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from .errors import HetflowError
 

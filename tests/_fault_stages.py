@@ -145,7 +145,6 @@ def _leave_child(ctx, how: str) -> Path:
 def leaves_children(ctx):
     """Every rank returns at once, leaving a child behind (``how``, see :func:`_leave_child`)."""
     _leave_child(ctx, ctx.params["how"])
-    return None
 
 
 def dies_beside_a_daemon(ctx):
@@ -159,7 +158,6 @@ def dies_beside_a_daemon(ctx):
         time.sleep(1.0)  # the backend has looked at the tree since
         os._exit(3)
     ctx.comm.barrier()
-    return None
 
 
 def books_cores(ctx):
@@ -180,4 +178,3 @@ def books_cores(ctx):
             time.sleep(0.02)
     (record / f"{ctx.run_id}-{ctx.rank}.json").write_text(json.dumps(
         {"cpus": sorted(os.sched_getaffinity(0)), "started": started, "ended": time.time()}))
-    return None

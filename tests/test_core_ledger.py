@@ -13,8 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from hetflow.tasks.ledger import CoreLedger, real_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
