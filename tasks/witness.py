@@ -20,6 +20,17 @@ before.  A launcher kills a whole process group at once, witness and rank
 together, so a rank the launcher killed leaves no such file: the files name the
 ranks that ended by themselves, and how (:func:`ended_alone`).
 
+The witness also ends everything its rank started.  On Linux it is a *child
+subreaper* (``PR_SET_CHILD_SUBREAPER``): a process the rank started and left
+behind, even one that called ``setsid`` and forked twice, becomes the witness's
+child when its parent ends, instead of ``init``'s.  Once the rank has ended,
+by itself or by the launcher's SIGTERM, the witness sends SIGTERM to every
+descendant still there, SIGKILL after :data:`KILL_GRACE`, and returns only
+when none is left: nothing outlives the stage, and a child holding the rank's
+stdout no longer keeps the launcher waiting.  A witness killed by SIGKILL
+cannot do this; the backend's kill ends the tree it saw instead
+(:func:`hetflow.tasks.proctree.end_tree`).
+
 Without ``fork`` (not POSIX) the rank runs unwitnessed and the orchestrator
 falls back to the launcher's report.
 """
@@ -35,6 +46,12 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 PREFIX = "ended-"
+
+KILL_GRACE = 1.0
+"""Seconds between SIGTERM and SIGKILL of what the rank left behind; shorter than a backend's
+grace, so a witness whose rank got the launcher's SIGTERM is done before its SIGKILL."""
+
+PR_SET_CHILD_SUBREAPER = 36
 
 _LEFT_TO_THE_RANK = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 """Signals the witness leaves to its rank: the launcher sends them to the group, and only the
@@ -52,6 +69,7 @@ def witnessed(attempt_dir: Path, work: Callable[[], int]) -> int:
     if not hasattr(os, "fork"):
         return work()
     parent = os.getpid()
+    _become_subreaper()
     sys.stdout.flush()
     sys.stderr.flush()  # nothing buffered may be written twice
     child = os.fork()
@@ -61,9 +79,10 @@ def witnessed(attempt_dir: Path, work: Callable[[], int]) -> int:
     for name in _LEFT_TO_THE_RANK:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
-    _, status = os.waitpid(child, 0)  # EINTR is retried by Python; nothing else reaps our child
+    status = _wait_for(child)
     if status != 0:
         _record(attempt_dir, child, status)
+    end_descendants()
     if os.WIFSIGNALED(status):
         _end_by(os.WTERMSIG(status))
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
@@ -90,6 +109,64 @@ def ended_alone(attempt_dir: Path, pids: Mapping[int, int]) -> dict[int, tuple[i
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return found
+
+
+def end_descendants(grace: float = KILL_GRACE) -> None:
+    """End every descendant of this process: SIGTERM, SIGKILL after ``grace``; return when none is left.
+
+    Children that end are reaped here; a descendant forked meanwhile is found on the next
+    round (as a subreaper, whatever is orphaned below us becomes our child, so "no child
+    left" means "no descendant left").
+    """
+    if not _children_left():
+        return
+    from .proctree import descendants  # only when something was left behind
+
+    deadline = time.monotonic() + grace
+    termed: set[int] = set()
+    while _children_left():
+        late = time.monotonic() >= deadline
+        for pid in descendants(os.getpid()):
+            if late or pid not in termed:
+                try:
+                    os.kill(pid, signal.SIGKILL if late else signal.SIGTERM)
+                    if not late:
+                        os.kill(pid, signal.SIGCONT)  # a stopped process must run to see SIGTERM
+                except ProcessLookupError:
+                    pass
+                termed.add(pid)
+        time.sleep(0.005)
+
+
+def _wait_for(child: int) -> int:
+    """The wait status of ``child``; orphans that end meanwhile are reaped on the way."""
+    while True:
+        pid, status = os.waitpid(-1, 0)  # EINTR is retried by Python; nothing else reaps our children
+        if pid == child:
+            return status
+
+
+def _children_left() -> bool:
+    """Reap every child that has ended; is any still there?"""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+
+
+def _become_subreaper() -> None:
+    """Linux: orphaned descendants of the rank become this process's children, not init's."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
 
 
 def _record(attempt_dir: Path, pid: int, status: int) -> None:

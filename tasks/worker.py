@@ -56,8 +56,9 @@ def _pin(cores: list[int], gpus: list[int], log: logging.Logger) -> list[int]:
         return available
     # A pilot may declare more cores than this machine has (a demo or test pilot):
     # fold the ids onto the real ones rather than fail, and say so.
-    cpus = sorted({available[c % len(available)] for c in cores}) if any(c not in available for c in cores) \
-        else sorted(cores)
+    from .ledger import real_cpus  # the same CPUs the local backend booked
+
+    cpus = real_cpus(cores, available)
     if cpus != sorted(cores):
         log.info("pilot core ids %s folded onto this machine's CPUs %s", cores, cpus)
     os.sched_setaffinity(0, cpus)

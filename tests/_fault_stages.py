@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,3 +108,73 @@ def sleeper(ctx, table):
     (Path(ctx.workdir) / f"sleeping-{ctx.rank}").touch()
     time.sleep(float(ctx.params.get("sleep", 30)))
     return {"slept": table}
+
+
+DAEMON = """
+import os, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(300)
+"""
+
+
+def _leave_child(ctx, how: str) -> Path:
+    """Start a process that outlives this rank; returns the file with its pid.
+
+    ``how``: ``stdout`` (a child keeping the rank's stdout), ``group`` (a child in the rank's
+    process group, stdout elsewhere), ``daemon`` (``setsid`` and a double fork, stdout kept).
+    """
+    pid_file = Path(ctx.workdir) / f"child-{ctx.rank}.pid"
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    if how == "daemon":
+        subprocess.run([sys.executable, "-c", DAEMON, str(pid_file)], stdin=subprocess.DEVNULL, check=True)
+        while not pid_file.exists():
+            time.sleep(0.01)
+    else:
+        child = subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL, **({} if how == "stdout" else quiet))
+        pid_file.write_text(str(child.pid))
+    return pid_file
+
+
+def leaves_children(ctx):
+    """Every rank returns at once, leaving a child behind (``how``, see :func:`_leave_child`)."""
+    _leave_child(ctx, ctx.params["how"])
+
+
+def dies_beside_a_daemon(ctx):
+    """Rank 0 starts a daemon and waits in a collective; rank 1 then ends by itself, so the launcher
+    SIGKILLs rank 0 together with its witness."""
+    if ctx.rank == 0:
+        _leave_child(ctx, "daemon")
+    else:
+        while not (Path(ctx.workdir) / "child-0.pid").exists():
+            time.sleep(0.01)
+        time.sleep(1.0)  # the backend has looked at the tree since
+        os._exit(3)
+    ctx.comm.barrier()
+
+
+def books_cores(ctx):
+    """Records this rank's CPUs and lifetime in ``params["record"]``.
+
+    With ``until`` (the other run's log): stays until that log says the other run waits for
+    cores, or the other run's stage has started, whichever comes first (at most 30 s).
+    """
+    record = Path(ctx.params["record"])
+    started = time.time()
+    until = ctx.params.get("until")
+    (record / f"started-{'first' if until else 'second'}-{ctx.rank}").touch()
+    if until:
+        deadline = time.time() + 30
+        while time.time() < deadline and not list(record.glob("started-second-*")):
+            if Path(until).exists() and "waiting for cores" in Path(until).read_text(errors="replace"):
+                break
+            time.sleep(0.02)
+    (record / f"{ctx.run_id}-{ctx.rank}.json").write_text(json.dumps(
+        {"cpus": sorted(os.sched_getaffinity(0)), "started": started, "ended": time.time()}))

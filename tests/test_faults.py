@@ -140,6 +140,32 @@ def test_hung_rank_times_out_and_its_processes_are_killed(tmp_path: Path, how: s
     assert not _alive(_attempt_pids(run, "hang"))
 
 
+@pytest.mark.parametrize("how", ["stdout", "group", "daemon"])
+def test_what_a_rank_leaves_behind_ends_with_its_stage(tmp_path: Path, how: str) -> None:
+    # a child keeping the rank's stdout used to hold the stage until its timeout; the others outlived the run
+    pipe = hf.Pipeline("leaves", pilot=PILOT, workdir=tmp_path)
+    pipe.stage(ranks=2, timeout=30, params={"how": how})(F.leaves_children)
+    started = time.time()
+    run = pipe.run()
+    took = time.time() - started
+    assert run.ok, run.stage("leaves_children")
+    assert took < 15, took
+    folder = Path(run.run_dir) / "stages" / "leaves_children" / "attempt-1"
+    children = [int(p.read_text()) for p in folder.glob("child-*.pid")]
+    assert len(children) == 2 and not _alive(children)
+
+
+def test_a_daemon_of_a_rank_the_launcher_killed_does_not_outlive_the_stage(tmp_path: Path) -> None:
+    pipe = hf.Pipeline("beside", pilot=PILOT, workdir=tmp_path)
+    pipe.stage(ranks=2, timeout=30)(F.dies_beside_a_daemon)
+    run = pipe.run()
+    stage = run.stage("dies_beside_a_daemon")
+    assert stage.state == "FAILED" and stage.failed_rank == 1, stage
+    assert stage.ended - stage.started < 15
+    daemon = int((Path(run.run_dir) / "stages" / stage.name / "attempt-1" / "child-0.pid").read_text())
+    assert not _alive([daemon])
+
+
 def test_transient_failure_is_retried_and_deterministic_one_is_not_beyond_retries(tmp_path: Path) -> None:
     pipe = _pipe("retries", tmp_path)
     pipe.stage(ranks=2, inputs=["numbers"], outputs=["steady"], retries=1)(F.flaky)

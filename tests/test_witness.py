@@ -35,6 +35,18 @@ def rank():
         return 3
     if how == "ok":
         return 0
+    if how == "leave":  # a child keeping our stdout, and a setsid daemon (double fork) keeping it too
+        import subprocess
+        (attempt / "child.pid").write_text(str(subprocess.Popen(["sleep", "300"]).pid))
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                (attempt / "daemon.pid").write_text(str(os.getpid()))
+                time.sleep(300)
+            os._exit(0)
+        while not (attempt / "daemon.pid").exists():
+            time.sleep(0.01)
+        return 0
     time.sleep(60)  # until killed
     return 0
 
@@ -107,6 +119,18 @@ def test_a_rank_whose_witness_is_killed_alone_does_not_outlive_it(tmp_path: Path
     while _alive(pid):
         assert time.monotonic() < deadline, "the rank outlived its witness"
         time.sleep(0.01)
+
+
+def test_what_the_rank_leaves_behind_ends_before_the_witness_does(tmp_path: Path) -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_CHILD_SUBREAPER is Linux only")
+    proc = subprocess.Popen([sys.executable, "-c", BODY, str(tmp_path), "leave"], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    started = time.monotonic()
+    proc.communicate(timeout=30)  # EOF on the rank's stdout: nobody holds it any more
+    assert proc.returncode == 0 and time.monotonic() - started < 20
+    left = [int((tmp_path / name).read_text()) for name in ("child.pid", "daemon.pid")]
+    assert not [pid for pid in left if _alive(pid)]
 
 
 def _alive(pid: int) -> bool:

@@ -1,8 +1,16 @@
 """The embedded local backend: every task is one ``mpiexec`` on this machine.
 
-Each task runs in its own session (process group), so a timeout or a cancel
-kills every rank and Hydra's proxies with one signal, and nothing outlives
+Each task runs in its own session (process group); a timeout or a cancel
+signals that group, and Hydra passes the signal to its proxies and ranks.
+Each rank's witness ends what the rank started; the backend also watches the
+tree below ``mpiexec`` while the task runs and, when the task has ended, ends
+whatever it saw there that outlived it (a witness killed by SIGKILL cannot do
+its part: :mod:`hetflow.tasks.proctree`).  Nothing outlives
 :meth:`LocalBackend.shutdown`.
+
+Before it starts, a task books its CPUs in the machine-wide, per-user
+:class:`~hetflow.tasks.ledger.CoreLedger`, so two runs on this machine never
+use the same core at once: the second waits, and says so in its log.
 """
 
 from __future__ import annotations
@@ -20,12 +28,21 @@ from pathlib import Path
 
 from ..errors import HetflowError
 from ..launchers.mpiexec import Mpiexec
+from ..ledger import CoreLedger, real_cpus
+from ..proctree import TreeWatch
 from .base import Backend, LaunchSpec, TaskOutcome
 
 log = logging.getLogger(__name__)
 
 KILL_GRACE = 3.0
 """Seconds between SIGTERM and SIGKILL when a task is stopped."""
+
+WATCH = 0.5
+"""Seconds between looks at the tree below a running task's ``mpiexec``."""
+
+ESCAPES_END = sys.platform.startswith("linux")
+"""Whether a process that left the tree alive is ended at once: only where the witness is a subreaper,
+so that leaving means its witness was killed (elsewhere a rank's daemon leaves it by design)."""
 
 
 MPIEXEC_ENV = "HETFLOW_MPIEXEC"
@@ -61,22 +78,61 @@ class LocalBackend(Backend):
 
     def __init__(self, pilot, run_dir):  # type: ignore[no-untyped-def]
         super().__init__(pilot, run_dir)
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._procs: dict[str, tuple[subprocess.Popen[bytes], TreeWatch]] = {}
+        self._booking: set[str] = set()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._launcher: Mpiexec | None = None
+        self._ledger: CoreLedger | None = None
 
     def start(self) -> None:
         self._launcher = Mpiexec(find_mpiexec())
+        self._ledger = CoreLedger()
 
     def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
-        if self._launcher is None:
+        """Book the task's CPUs in the machine's :class:`CoreLedger` (waiting, in the task's thread,
+        while another run holds them), then start it; the CPUs are given back when it has ended."""
+        if self._launcher is None or self._ledger is None:
             raise HetflowError("LocalBackend.launch() called before start()")
         argv = self._launcher.argv(spec.argv, spec.slots, self.node_names())
-        env = dict(os.environ)
-        env.update(spec.env)
+        cpus = real_cpus([c for slot in spec.slots for c in slot.cores], sorted(os.sched_getaffinity(0)))
         future: Future[TaskOutcome] = Future()
         future.set_running_or_notify_cancel()
+        with self._lock:
+            self._booking.add(spec.task_id)
+        thread = threading.Thread(target=self._run, args=(spec, argv, cpus, self._ledger, future),
+                                  name=f"hetflow-task-{spec.task_id}", daemon=True)
+        thread.start()
+        return future
+
+    def _run(self, spec: LaunchSpec, argv: list[str], cpus: list[int], ledger: CoreLedger,
+             future: "Future[TaskOutcome]") -> None:
+        booked = False
+        try:
+            booked = ledger.book(cpus, spec.task_id, stop=lambda: spec.task_id in self._cancelled)
+            if not booked:
+                future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None, cancelled=True,
+                                              detail="cancelled while waiting for cores"))
+                return
+            proc, tree, started = self._start(spec, argv)
+            self._wait(spec, proc, tree, started, future)
+        except Exception as exc:  # noqa: BLE001 - the orchestrator waits on this future: it must resolve
+            log.error("task %s could not be started: %s: %s", spec.task_id, type(exc).__name__, exc)
+            if spec.stderr is not None:
+                with open(_private_log(spec.stderr), "a") as fh:
+                    print(f"hetflow: could not start {argv[0]}: {type(exc).__name__}: {exc}", file=fh)
+            if not future.done():
+                future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None,
+                                              detail=f"could not start: {type(exc).__name__}: {exc}"))
+        finally:
+            if booked:
+                ledger.release(cpus)
+            with self._lock:
+                self._booking.discard(spec.task_id)
+
+    def _start(self, spec: LaunchSpec, argv: list[str]) -> "tuple[subprocess.Popen[bytes], TreeWatch, float]":
+        env = dict(os.environ)
+        env.update(spec.env)
         stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
         stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
         started = time.time()
@@ -87,23 +143,36 @@ class LocalBackend(Backend):
             for fh in (stdout, stderr):
                 if fh != subprocess.DEVNULL:
                     os.close(fh)
+        tree = TreeWatch(proc.pid)
         with self._lock:
-            self._procs[spec.task_id] = proc
+            self._procs[spec.task_id] = (proc, tree)
+            cancelled = spec.task_id in self._cancelled  # while it was being started
         log.debug("started %s: pid %d: %s", spec.task_id, proc.pid, argv)
-        thread = threading.Thread(target=self._wait, args=(spec, proc, started, future),
-                                  name=f"hetflow-wait-{spec.task_id}", daemon=True)
-        thread.start()
-        return future
+        if cancelled:
+            self._kill_group(proc, tree)
+        return proc, tree, started
 
-    def _wait(self, spec: LaunchSpec, proc: "subprocess.Popen[bytes]", started: float,
+    def _wait(self, spec: LaunchSpec, proc: "subprocess.Popen[bytes]", tree: TreeWatch, started: float,
               future: "Future[TaskOutcome]") -> None:
         timed_out = False
-        try:
-            proc.wait(timeout=spec.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            log.warning("task %s exceeded its timeout of %ss; killing its process group", spec.task_id, spec.timeout)
-            self._kill_group(proc)
+        deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        while True:
+            self._end_escaped(spec, tree)
+            left = WATCH if deadline is None else min(WATCH, deadline - time.monotonic())
+            try:
+                proc.wait(timeout=max(left, 0.0))
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out = True
+                log.warning("task %s exceeded its timeout of %ss; killing its process group",
+                            spec.task_id, spec.timeout)
+                self._kill_group(proc, tree)
+                break
+        outlived = tree.end()
+        if outlived:
+            log.warning("task %s: ended %d processes that outlived it: pids %s", spec.task_id, len(outlived), outlived)
         with self._lock:
             self._procs.pop(spec.task_id, None)
             cancelled = spec.task_id in self._cancelled
@@ -114,8 +183,17 @@ class LocalBackend(Backend):
             detail=f"timed out after {spec.timeout}s" if timed_out else ""))
 
     @staticmethod
-    def _kill_group(proc: "subprocess.Popen[bytes]") -> None:
+    def _end_escaped(spec: LaunchSpec, tree: TreeWatch) -> None:
+        escaped = tree.look()
+        if escaped and ESCAPES_END:
+            ended = tree.end(escaped)
+            log.warning("task %s: ended %d processes orphaned by a killed rank: pids %s", spec.task_id,
+                        len(ended), ended)
+
+    @staticmethod
+    def _kill_group(proc: "subprocess.Popen[bytes]", tree: TreeWatch) -> None:
         for sig, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, 10.0)):
+            tree.look()  # what is below it now, before a SIGKILL orphans it
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -132,14 +210,15 @@ class LocalBackend(Backend):
 
     def cancel(self, task_id: str) -> None:
         with self._lock:
-            proc = self._procs.get(task_id)
-            if proc is None:
+            running = self._procs.get(task_id)
+            if running is None and task_id not in self._booking:
                 return
-            self._cancelled.add(task_id)
-        self._kill_group(proc)
+            self._cancelled.add(task_id)  # one still waiting for cores gives up
+        if running is not None:
+            self._kill_group(*running)
 
     def shutdown(self) -> None:
         with self._lock:
-            running = list(self._procs)
+            running = list(self._procs) + list(self._booking)
         for task_id in running:
             self.cancel(task_id)
