@@ -280,8 +280,7 @@ class Orchestrator:
                 elif isinstance(instruction, CancelTask):
                     self._cancel(instruction)
                 elif isinstance(instruction, Withdraw):
-                    for name in self.stages[instruction.stage].outputs:
-                        ds.uncommit(self.run_dir / "datasets" / name)
+                    self._withdraw(instruction.stage)
                 elif isinstance(instruction, RunEnded):
                     self.final = instruction.state
         if batch and self.scheduler is not None:
@@ -291,6 +290,13 @@ class Orchestrator:
                                         self.priority[e.task.stage], self._preferred_nodes(e.task.stage),
                                         self.branch[e.task.stage]) for e in batch)
             self._apply(self.scheduler.handle_event(TasksSubmitted(tasks, now)))
+
+    def _withdraw(self, stage: str) -> None:
+        for name in self.stages[stage].outputs:
+            try:
+                ds.uncommit(self.run_dir / "datasets" / name)
+            except (UnsafePath, ds.UnsafeDatasetPath) as exc:  # refused: nothing is deleted through a link
+                log.warning("stage %s: output %r not withdrawn: %s", stage, name, exc)
 
     def _apply(self, instructions: list[Any]) -> None:
         """Carry out the scheduler's instructions."""
