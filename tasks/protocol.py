@@ -21,9 +21,10 @@ import json
 import logging
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from .errors import ProtocolError
 from .scheduler_types import RankSlot
@@ -91,7 +92,7 @@ class _Fields:
             raise self.fail(key, "an object of strings", value)
         return dict(value)
 
-    def nested(self, key: str, allowed: Sequence[str]) -> "_Fields":
+    def nested(self, key: str, allowed: Sequence[str]) -> _Fields:
         return _Fields(self.get(key, (dict,), "an object"), self.where, self._join(self.prefix, key), allowed)
 
 
@@ -104,12 +105,17 @@ def _names(cls: type) -> tuple[str, ...]:
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    from hetflow.operators.dataset import write_json_atomic  # temp file + fsync + rename, mode 0600
+    from hetflow.operators.dataset import (
+        write_json_atomic,  # temp file + fsync + rename, mode 0600
+    )
 
     write_json_atomic(path, data)
 
 
-def _construct(cls: Any, where: str, fields: dict[str, Any]) -> Any:
+_T = TypeVar("_T")
+
+
+def _construct(cls: type[_T], where: str, fields: dict[str, Any]) -> _T:
     """``cls(**fields)``, its own checks' errors prefixed with the file."""
     try:
         return cls(**fields)
@@ -184,7 +190,7 @@ class WorkerSpec:
                 "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files)}
 
     @classmethod
-    def from_json(cls, data: Any, where: str = "worker spec") -> "WorkerSpec":
+    def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
         top = _Fields(data, where, "", _names(cls))
         function = top.nested("function", ("module", "path", "name"))
         slots = []
@@ -195,16 +201,16 @@ class WorkerSpec:
         inputs = top.get("inputs", (list,), "a list of [name, path] pairs", [])
         if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in inputs):
             raise top.fail("inputs", "a list of [name, path] pairs", inputs)
-        fields = dict(run_id=top.text("run_id"), stage=top.text("stage"), attempt=top.integer("attempt"),
-                      function=StageFunction(function.text("module"), function.text("name"),
+        fields = {"run_id": top.text("run_id"), "stage": top.text("stage"), "attempt": top.integer("attempt"),
+                      "function": StageFunction(function.text("module"), function.text("name"),
                                              function.get("path", (str, type(None)), "a string or null", None)),
-                      attempt_dir=Path(top.text("attempt_dir")), checkpoint_dir=Path(top.text("checkpoint_dir")),
-                      slots=tuple(slots), nodes=top.items("nodes", str, "strings"),
-                      inputs=tuple((name, path) for name, path in inputs), outputs=top.text_map("outputs", {}),
-                      sys_path=top.items("sys_path", str, "strings", ()),
-                      params=dict(top.get("params", (dict,), "an object", {})),
-                      verify=top.text("verify", "checksum"), schemas=top.text_map("schemas", {}),
-                      files=top.items("files", str, "strings", ()))
+                      "attempt_dir": Path(top.text("attempt_dir")), "checkpoint_dir": Path(top.text("checkpoint_dir")),
+                      "slots": tuple(slots), "nodes": top.items("nodes", str, "strings"),
+                      "inputs": tuple((name, path) for name, path in inputs), "outputs": top.text_map("outputs", {}),
+                      "sys_path": top.items("sys_path", str, "strings", ()),
+                      "params": dict(top.get("params", (dict,), "an object", {})),
+                      "verify": top.text("verify", "checksum"), "schemas": top.text_map("schemas", {}),
+                      "files": top.items("files", str, "strings", ())}
         return _construct(cls, where, fields)
 
     def write(self, path: Path) -> None:
@@ -212,7 +218,7 @@ class WorkerSpec:
         _write_json(path, self.to_json())
 
     @classmethod
-    def read(cls, path: Path) -> "WorkerSpec":
+    def read(cls, path: Path) -> WorkerSpec:
         """The spec in ``path``; :class:`ProtocolError` names the file and the bad field."""
         return cls.from_json(_load(path), str(path))
 
@@ -286,7 +292,7 @@ class RankResult:
         return data
 
     @classmethod
-    def from_json(cls, data: Any, where: str = "rank result") -> "RankResult":
+    def from_json(cls, data: Any, where: str = "rank result") -> RankResult:
         top = _Fields(data, where, "", _names(cls))
         outputs: dict[str, RankOutput | None] = {}
         for name, raw in top.get("outputs", (dict,), "an object", {}).items():
@@ -302,14 +308,14 @@ class RankResult:
         params_read = top.items("params_read", str, "strings", None)
         raptor = top.get("raptor", (dict, type(None)), "an object", None)
         ended = top.get("ended", (int, float, type(None)), "a number", None)
-        fields = dict(rank=top.integer("rank"), size=top.integer("size"), pid=top.integer("pid"),
-                      host=top.text("host"), started=float(top.get("started", (int, float), "a number")),
-                      status=top.text("status", "running"), ended=None if ended is None else float(ended),
-                      outputs=outputs, error=error, cpus=top.items("cpus", int, "integers", None),
-                      cores=top.items("cores", int, "integers", None), gpus=top.items("gpus", int, "integers", None),
-                      cuda_visible_devices=top.get("cuda_visible_devices", (str, type(None)), "a string", None),
-                      params_read=None if params_read is None else list(params_read),
-                      raptor=None if raptor is None else dict(raptor))
+        fields = {"rank": top.integer("rank"), "size": top.integer("size"), "pid": top.integer("pid"),
+                      "host": top.text("host"), "started": float(top.get("started", (int, float), "a number")),
+                      "status": top.text("status", "running"), "ended": None if ended is None else float(ended),
+                      "outputs": outputs, "error": error, "cpus": top.items("cpus", int, "integers", None),
+                      "cores": top.items("cores", int, "integers", None), "gpus": top.items("gpus", int, "integers", None),
+                      "cuda_visible_devices": top.get("cuda_visible_devices", (str, type(None)), "a string", None),
+                      "params_read": None if params_read is None else list(params_read),
+                      "raptor": None if raptor is None else dict(raptor)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path) -> None:
@@ -317,7 +323,7 @@ class RankResult:
         _write_json(path, self.to_json())
 
     @classmethod
-    def read(cls, path: Path) -> "RankResult":
+    def read(cls, path: Path) -> RankResult:
         """The result in ``path``; :class:`ProtocolError` names the file and the bad field."""
         return cls.from_json(_load(path), str(path))
 
@@ -446,7 +452,7 @@ class Failure:
     signal: int | None = None
 
 
-def diagnose(stage_name: str, timeout: float | None, outcome: "TaskOutcome", results: Sequence[RankResult | None],
+def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, results: Sequence[RankResult | None],
              files: AttemptFiles, *, ended_by_us: bool = False, grace: float) -> Failure | None:
     """``None`` if every rank succeeded, else what went wrong and where.
 
