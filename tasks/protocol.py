@@ -105,11 +105,10 @@ def _names(cls: type) -> tuple[str, ...]:
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    from hetflow.operators.dataset import (
-        write_json_atomic,  # temp file + fsync + rename, mode 0600
-    )
+    # lazy: the witness imports this module before it forks, and the dataset module loads pyarrow
+    from hetflow.operators.dataset import write_json_atomic
 
-    write_json_atomic(path, data)
+    write_json_atomic(path, data)  # temp file + fsync + rename, mode 0600
 
 
 _T = TypeVar("_T")

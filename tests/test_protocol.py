@@ -25,15 +25,15 @@ GRACE = 7.0
 
 
 def _spec(tmp_path: Path, **changes: object) -> WorkerSpec:
-    fields: dict[str, object] = dict(
-        run_id="run-1", stage="sort", attempt=2,
-        function=StageFunction(module="__main__", name="sort", path=str(tmp_path / "pipe.py")),
-        attempt_dir=tmp_path, checkpoint_dir=tmp_path / "checkpoints",
-        slots=(RankSlot(0, (0, 1), ()), RankSlot(1, (2,), (0,))), nodes=("node0", "node1"),
-        inputs=(("events", str(tmp_path / "datasets" / "events")),),
-        outputs={"sorted": str(tmp_path / "datasets" / "sorted")}, sys_path=(str(tmp_path),),
-        params={"n": 3, "label": "x", "nested": {"a": [1, 2]}}, verify="size",
-        schemas={"sorted": "c2NoZW1h"}, files=(str(tmp_path / "calibration.csv"),))
+    fields: dict[str, object] = {
+        "run_id": "run-1", "stage": "sort", "attempt": 2,
+        "function": StageFunction(module="__main__", name="sort", path=str(tmp_path / "pipe.py")),
+        "attempt_dir": tmp_path, "checkpoint_dir": tmp_path / "checkpoints",
+        "slots": (RankSlot(0, (0, 1), ()), RankSlot(1, (2,), (0,))), "nodes": ("node0", "node1"),
+        "inputs": (("events", str(tmp_path / "datasets" / "events")),),
+        "outputs": {"sorted": str(tmp_path / "datasets" / "sorted")}, "sys_path": (str(tmp_path),),
+        "params": {"n": 3, "label": "x", "nested": {"a": [1, 2]}}, "verify": "size",
+        "schemas": {"sorted": "c2NoZW1h"}, "files": (str(tmp_path / "calibration.csv"),)}
     fields.update(changes)
     return WorkerSpec(**fields)  # type: ignore[arg-type]
 
