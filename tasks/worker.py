@@ -226,7 +226,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
     # who is who: lets the orchestrator name a rank killed by a signal, and reap orphans
     files.write_pid(rank, os.getpid())
     comm: Any = None
-    ctx: Any = None
+    params_read: Any = None
     placed: dict[str, Any] = {}
     outputs: dict[str, RankOutput | None] = {}
     try:
@@ -270,13 +270,13 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
                                       schema=value.schema, rank=rank)
             outputs[name] = RankOutput(partition=info.to_json(), schema=ds.schema_to_text(value.schema))
         result = dataclasses.replace(result, status="ok")
+        params_read = getattr(ctx, "params_read", None)  # a context that does not track them: None (all)
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded before the abort
         result = dataclasses.replace(result, status="error", error=RankError(
             type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc()))
         log.error("failed: %s: %s", type(exc).__name__, exc)
     finally:
         log.removeHandler(handler)
-    params_read = getattr(ctx, "params_read", None)
     result = dataclasses.replace(result, ended=time.time(), outputs=outputs, **placed,
                                  params_read=None if params_read is None else [str(k) for k in params_read])
     result.write(files.rank_result(rank))
