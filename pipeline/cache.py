@@ -27,13 +27,13 @@ import logging
 import os
 import stat
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
-
-from sqlalchemy import select
+from typing import Any
 
 from hetflow.operators import dataset as ds
+from sqlalchemy import select
 
 from . import __version__
 from .store import SUCCESS, DatasetRecord, RunRecord, StageRecord

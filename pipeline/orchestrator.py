@@ -12,7 +12,6 @@ backend futures only post outcomes into a queue that one loop reads.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -20,29 +19,72 @@ import socket
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import psutil
-from sqlalchemy import select
-
 from hetflow.operators import dataset as ds
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.paths import UnsafePath, private_dir
 from hetflow.tasks.pilot import PilotDescription
-from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished, TasksSubmitted,
-                                     TaskSubmitted, Tick)
-from hetflow.tasks.witness import any_ended_alone, ended_alone
+from hetflow.tasks.protocol import (
+    AttemptFiles,
+    Failure,
+    RankResult,
+    StageFunction,
+    WorkerSpec,
+    diagnose,
+    reap_orphans,
+)
+from hetflow.tasks.scheduler import (
+    RejectTask,
+    Scheduler,
+    StartTask,
+    TaskCancelled,
+    TaskFinished,
+    TasksSubmitted,
+    TaskSubmitted,
+    Tick,
+)
+from sqlalchemy import select
 
 from . import cache
 from .declaration import StageSpec
 from .errors import PipelineError, RunLocked
-from .plan import (Abandon, AttemptEnded, Begin, CacheChecked, CancelTask, Drain, Enqueue, Event, LookUpCache,
-                   RunEnded, RunPlan, StageChanged, StageNode, TaskId, TaskRejected, TaskStarted, Withdraw)
+from .fingerprint import resolve_files
+from .plan import (
+    Abandon,
+    AttemptEnded,
+    Begin,
+    CacheChecked,
+    CancelTask,
+    Drain,
+    Enqueue,
+    Event,
+    LookUpCache,
+    RunEnded,
+    RunPlan,
+    StageChanged,
+    StageNode,
+    TaskId,
+    TaskRejected,
+    TaskStarted,
+    Withdraw,
+)
 from .progress import Progress
-from .store import (SUCCESS, TERMINAL, AttemptRecord, DatasetRecord, PartitionRecord, RunRecord, StageRecord, Store,
-                    TaskRecord)
+from .store import (
+    SUCCESS,
+    TERMINAL,
+    AttemptRecord,
+    DatasetRecord,
+    PartitionRecord,
+    RunRecord,
+    StageRecord,
+    Store,
+    TaskRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +112,6 @@ def owner_alive(owner: str | None, lease_until: float | None) -> bool:
     if host == socket.gethostname():
         return pid.isdigit() and psutil.pid_exists(int(pid)) and int(pid) != os.getpid()
     return lease_until is not None and lease_until > time.time()
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """Why an attempt did not succeed."""
-
-    state: str
-    message: str
-    rank: int | None = None
-    traceback: str | None = None
-    signal: int | None = None
 
 
 @dataclass
@@ -132,7 +163,7 @@ class Orchestrator:
         self.rerun = frozenset(self.stages) if "all" in rerun else frozenset(rerun)
         self.priority = self.plan.priorities()
         self.branch = self.plan.branches()
-        self.outcomes: "queue.Queue[tuple[_Live, TaskOutcome]]" = queue.Queue()
+        self.outcomes: queue.Queue[tuple[_Live, TaskOutcome]] = queue.Queue()
         self.live: dict[str, _Live] = {}
         self.dataset_paths: dict[str, str] = {}
         self.fingerprints: dict[str, str] = {}
@@ -197,7 +228,7 @@ class Orchestrator:
     def _reconcile(self, session: Any, record: StageRecord) -> None:
         for task in record.tasks:
             if task.attempt is not None and task.state == "RUNNING":
-                _reap_orphans(Path(task.attempt.attempt_dir))
+                reap_orphans(AttemptFiles(Path(task.attempt.attempt_dir)))
             if task.state in ("RUNNING", "QUEUED"):
                 task.state = "FAILED"
                 task.reason = "the orchestrator that owned this task ended without recording its outcome"
@@ -339,7 +370,7 @@ class Orchestrator:
             if live.ended_by_us:
                 continue
             if live.lone_death_seen is None:
-                if any_ended_alone(live.attempt_dir):
+                if AttemptFiles(live.attempt_dir).any_ended_alone():
                     live.lone_death_seen = now
             elif now - live.lone_death_seen > LONE_DEATH_GRACE and self.backend is not None:
                 log.warning("stage %s: a rank ended by itself %.0f s ago and the launcher has not ended the "
@@ -464,37 +495,33 @@ class Orchestrator:
             ds.uncommit(target)
             outputs[name] = str(target)
         nodes = self.backend.node_names()
-        slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus)} for s in start.slots]
         base = Path(spec.path).parent if spec.path else Path.cwd()
-        from .fingerprint import resolve_files
-
-        worker_spec = {
-            "run_id": self.run_id, "stage": spec.name, "attempt": task.attempt,
-            "function": {"module": spec.module, "path": spec.path, "name": spec.qualname},
-            "sys_path": [str(Path(spec.path).parent)] if spec.path else [],
-            "params": self.stage_params(spec),
-            "inputs": [[name, self.dataset_paths[name]] for name in spec.inputs],
-            "outputs": outputs, "attempt_dir": str(attempt_dir),
-            "checkpoint_dir": str(stage_dir / "checkpoints"), "slots": slots, "nodes": nodes,
-            "verify": self.verify,
-            "schemas": {name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
-            "files": [str(p) for p in resolve_files(spec.files, base)] if spec.files else [],
-        }
-        spec_path = attempt_dir / "spec.json"
-        ds.write_json_atomic(spec_path, worker_spec)
+        files = AttemptFiles(attempt_dir)
+        WorkerSpec(
+            run_id=self.run_id, stage=spec.name, attempt=task.attempt,
+            function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
+            sys_path=(str(base),) if spec.path else (), params=self.stage_params(spec),
+            inputs=tuple((name, self.dataset_paths[name]) for name in spec.inputs), outputs=outputs,
+            attempt_dir=attempt_dir, checkpoint_dir=stage_dir / "checkpoints", slots=tuple(start.slots),
+            nodes=tuple(nodes), verify=self.verify,  # type: ignore[arg-type]
+            schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
+            files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
+        ).write(files.spec)
         live = _Live(task, attempt_dir, start.slots)
         now = time.time()
         with self.store.session() as session:
             record = session.get(TaskRecord, str(task))
             assert record is not None
-            record.state, record.slots = "RUNNING", [dict(s, node_name=nodes[s["node"]]) for s in slots]
+            record.state = "RUNNING"
+            record.slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus), "node_name": nodes[s.node]}
+                            for s in start.slots]
             session.add(AttemptRecord(task_id=str(task), stage_id=record.stage_id, number=task.attempt,
                                       state="RUNNING", started=now, attempt_dir=str(attempt_dir)))
             self.store.event(session, self.run_id, "task", str(task), "RUNNING", slots=record.slots)
         self.live[str(task)] = live
-        launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(spec_path)),
+        launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
                             slots=start.slots, cwd=attempt_dir, timeout=spec.timeout,
-                            stdout=attempt_dir / "stdout.log", stderr=attempt_dir / "stderr.log")
+                            stdout=files.stdout, stderr=files.stderr)
         future = self.backend.launch(launch)
         future.add_done_callback(lambda f, live=live: self.outcomes.put((live, f.result())))
 
@@ -504,21 +531,22 @@ class Orchestrator:
         if self.live.pop(text, None) is None:
             return  # already recorded as cancelled by stop()
         spec = self.stages[live.stage]
-        ranks = _read_ranks(live.attempt_dir, len(live.slots))
-        failure = _diagnose(spec, outcome, ranks, live.attempt_dir, ended_by_us=live.ended_by_us)
+        ranks = AttemptFiles(live.attempt_dir).read_results(len(live.slots))
+        failure = diagnose(spec.name, spec.timeout, outcome, ranks, AttemptFiles(live.attempt_dir),
+                           ended_by_us=live.ended_by_us, grace=LONE_DEATH_GRACE)
         if failure is not None and failure.traceback is None and _disk_full(live.attempt_dir):
             # the rank could not even write its log: say what the log would have said
             failure = dataclasses.replace(failure, message=f"{failure.message}; No space left on device: "
                                           f"the file system of {live.attempt_dir} is full")
         if text in self.cut_off:
-            failure = _Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
+            failure = Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
                                f"({self.pilot.walltime}s); resume the run in a new allocation")
         committed: dict[str, ds.Manifest] = {}
         if failure is None:
             try:
                 committed = self._commit_outputs(spec, live, ranks)
             except (ds.DatasetError, ValueError) as exc:
-                failure = _Failure("FAILED", f"{type(exc).__name__}: {exc}")
+                failure = Failure("FAILED", f"{type(exc).__name__}: {exc}")
         state = "DONE" if failure is None else failure.state
         with self.store.session() as session:
             task = session.get(TaskRecord, text)
@@ -545,16 +573,16 @@ class Orchestrator:
         if self.scheduler is not None:  # after the stage's end is recorded: its slots go to the next
             self._apply(self.scheduler.handle_event(TaskFinished(text, time.time())))
 
-    def _commit_outputs(self, spec: StageSpec, live: _Live, ranks: list[dict[str, Any] | None]) -> dict[str, ds.Manifest]:
+    def _commit_outputs(self, spec: StageSpec, live: _Live, ranks: list[RankResult | None]) -> dict[str, ds.Manifest]:
         committed = {}
         producer = {"run": self.run_id, "stage": spec.name, "attempt": live.task.attempt, "ranks": len(live.slots)}
         for name in spec.outputs:
-            parts = [r["outputs"][name] for r in ranks if r is not None and r["outputs"].get(name)]
+            parts = [part for r in ranks if r is not None and (part := r.outputs.get(name)) is not None]
             if not parts:
                 raise ValueError(f"stage {spec.name!r}, output {name!r}: no rank returned a table "
                                  "(every rank returned None)")
-            schema = ds.schema_from_text(parts[0]["schema"])
-            infos = [ds.PartitionInfo.from_json(p["partition"]) for p in parts]
+            schema = ds.schema_from_text(parts[0].schema)
+            infos = [ds.PartitionInfo.from_json(dict(p.partition)) for p in parts]
             committed[name] = ds.commit(self.run_dir / "datasets" / name, name, schema, infos, producer=producer)
         return committed
 
@@ -616,107 +644,11 @@ def _forget_datasets(session: Any, run_id: str, names: Sequence[str]) -> None:
     session.flush()
 
 
-def _params_read(ranks: list[dict[str, Any] | None]) -> list[str] | None:
+def _params_read(ranks: list[RankResult | None]) -> list[str] | None:
     """The parameters the ranks read (``None``: all of them, or a rank did not say)."""
     names: set[str] = set()
     for rank in ranks:
-        if rank is None or rank.get("params_read", None) is None:
+        if rank is None or rank.params_read is None:
             return None
-        names.update(rank["params_read"])
+        names.update(rank.params_read)
     return sorted(names)
-
-
-def _rank_pids(attempt_dir: Path) -> dict[int, int]:
-    pids = {}
-    for path in attempt_dir.glob("rank-*.pid"):
-        try:
-            pids[int(path.stem.split("-")[1])] = int(path.read_text().strip())
-        except (OSError, ValueError):
-            continue
-    return pids
-
-
-def _reap_orphans(attempt_dir: Path) -> None:
-    """Kill ranks a dead orchestrator left running (only our workers of that very attempt)."""
-    spec = str(attempt_dir / "spec.json")
-    for pid in _rank_pids(attempt_dir).values():
-        try:
-            proc = psutil.Process(pid)
-            if spec in proc.cmdline():
-                log.warning("killing orphaned rank pid %d of %s", pid, attempt_dir)
-                proc.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-
-
-def _read_ranks(attempt_dir: Path, ranks: int) -> list[dict[str, Any] | None]:
-    results: list[dict[str, Any] | None] = []
-    for rank in range(ranks):
-        path = attempt_dir / f"rank-{rank}.json"
-        try:
-            results.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            results.append(None)
-    return results
-
-
-def _diagnose(spec: StageSpec, outcome: TaskOutcome, ranks: list[dict[str, Any] | None],
-              attempt_dir: Path, *, ended_by_us: bool = False) -> _Failure | None:
-    """``None`` if every rank succeeded, else what went wrong and where.
-
-    A rank that ended without a result is named by its witness's record when
-    there is one (:mod:`hetflow.tasks.witness`), else from the launcher's report.
-    """
-    if outcome.ok and all(r is not None and r["status"] == "ok" for r in ranks):
-        return None
-    if outcome.timed_out:
-        return _Failure("TIMED_OUT", f"stage {spec.name!r} exceeded its timeout of {spec.timeout}s; "
-                        "its process group was killed")
-    if outcome.cancelled and not ended_by_us:
-        return _Failure("CANCELLED", f"stage {spec.name!r} was cancelled")
-    for rank, result in enumerate(ranks):
-        if result is not None and result["status"] == "error":
-            err = result["error"]
-            return _Failure("FAILED", f"rank {rank} raised {err['type']}: {err['message']}", rank, err["traceback"])
-    signal, bad_pid = _hydra_report(attempt_dir)
-    signal = outcome.signal or signal
-    pids = _rank_pids(attempt_dir)
-    missing = [r for r, result in enumerate(ranks) if result is None]
-    alone = {r: seen for r, seen in ended_alone(attempt_dir, pids).items() if r in missing}
-    code = outcome.returncode
-    if alone:  # witnessed: the rank that ended by itself first, and its own status
-        killed = min(alone, key=lambda r: alone[r][1])
-        status = alone[killed][0]
-        signal = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        code = os.WEXITSTATUS(status)
-    else:  # unwitnessed (a Raptor rank, no fork): the launcher's report, which may name a rank it killed
-        killed = {pid: rank for rank, pid in pids.items()}.get(bad_pid) if bad_pid is not None else None
-    how = f"killed by signal {signal}" if signal else f"exit code {code}"
-    who = f"rank {killed}" if killed is not None else f"rank(s) {missing}"
-    tail = "\n".join(t for t in (_tail(attempt_dir / "stderr.log"), _tail(attempt_dir / "stdout.log")) if t)
-    if ended_by_us:
-        how += f"; the launcher did not end the other ranks within {LONE_DEATH_GRACE:g} s, so hetflow did"
-    return _Failure("FAILED", f"{who} of stage {spec.name!r} ended without a result ({how})",
-                    killed if killed is not None else (missing[0] if missing else None), tail or None, signal)
-
-
-def _hydra_report(attempt_dir: Path) -> tuple[int | None, int | None]:
-    """(signal, pid) of the process Hydra reports as badly terminated, if it did."""
-    import re
-
-    signal = pid = None
-    for name in ("stdout.log", "stderr.log"):
-        text = _tail(attempt_dir / name, 20000) or ""
-        if signal is None and (match := re.search(r"\(signal (\d+)\)", text)):
-            signal = int(match.group(1))
-        if pid is None and (match := re.search(r"PID (\d+) RUNNING AT", text)):
-            pid = int(match.group(1))
-    return signal, pid
-
-
-def _tail(path: Path, limit: int = 4000) -> str | None:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    return data[-limit:].decode(errors="replace") or None

@@ -20,8 +20,8 @@ Stage states::
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence, Union
 
 SUCCESS = frozenset({"DONE", "CACHED"})
 FAILURE = frozenset({"FAILED", "TIMED_OUT", "SKIPPED", "CANCELLED", "WALLTIME"})
@@ -113,7 +113,7 @@ class Abandon:
     state: str = "FAILED"
 
 
-Event = Union[Begin, CacheChecked, TaskStarted, AttemptEnded, TaskRejected, Drain, Abandon]
+Event = Begin | CacheChecked | TaskStarted | AttemptEnded | TaskRejected | Drain | Abandon
 
 
 # ------------------------------------------------------------ instructions
@@ -164,7 +164,7 @@ class RunEnded:
     state: str
 
 
-Instruction = Union[LookUpCache, Enqueue, CancelTask, StageChanged, Withdraw, RunEnded]
+Instruction = LookUpCache | Enqueue | CancelTask | StageChanged | Withdraw | RunEnded
 
 
 class PlanError(ValueError):

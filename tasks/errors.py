@@ -25,3 +25,7 @@ class MissingExtraError(HetflowError, ImportError):
 
 class TaskFailed(HetflowError):
     """A task ended unsuccessfully."""
+
+
+class ProtocolError(HetflowError, ValueError):
+    """A worker spec or rank result with bad content (names the file and the field)."""

@@ -24,6 +24,7 @@ from typing import Any, Literal, Mapping
 from .description import ResourceRequest
 from .errors import ConfigError, HetflowError
 from .pilot import PilotDescription
+from .protocol import AttemptFiles
 from .scheduler import RankSlot, check_request
 
 RenderBackend = Literal["radical", "parsl"]
@@ -46,9 +47,10 @@ def _example_spec(pilot: PilotDescription) -> Any:
         gpu = (rank,) if rank < gpus else ()
         cores = tuple(pilot.gpu_cores[rank][:1]) if gpu and pilot.gpu_cores else (usable[rank],)
         slots.append(RankSlot(node=0, cores=cores, gpus=gpu))
-    argv = ("python", "-m", "hetflow.tasks.worker", str(RUN_DIR / "attempts" / "example" / "spec.json"))
-    return LaunchSpec(task_id="example", argv=argv, slots=tuple(slots), cwd=RUN_DIR / "attempts" / "example",
-                      stdout=RUN_DIR / "attempts" / "example" / "stdout", stderr=RUN_DIR / "attempts" / "example" / "stderr")
+    files = AttemptFiles(RUN_DIR / "attempts" / "example")
+    argv = ("python", "-m", "hetflow.tasks.worker", str(files.spec))
+    return LaunchSpec(task_id="example", argv=argv, slots=tuple(slots), cwd=files.directory,
+                      stdout=files.stdout, stderr=files.stderr)
 
 
 def render(pilot: PilotDescription, backend: RenderBackend) -> str:

@@ -18,7 +18,9 @@ writes ``ended-<pid>.json`` (the rank's pid, wait status and time) into the
 attempt directory, then ends the same way, so the launcher sees what it saw
 before.  A launcher kills a whole process group at once, witness and rank
 together, so a rank the launcher killed leaves no such file: the files name the
-ranks that ended by themselves, and how (:func:`ended_alone`).
+ranks that ended by themselves, and how (read by
+:meth:`hetflow.tasks.protocol.AttemptFiles.ended_alone`, which also owns the
+file's name).
 
 The witness also ends everything its rank started.  On Linux it is a *child
 subreaper* (``PR_SET_CHILD_SUBREAPER``): a process the rank started and left
@@ -43,9 +45,9 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
-PREFIX = "ended-"
+from .protocol import AttemptFiles
 
 KILL_GRACE = 1.0
 """Seconds between SIGTERM and SIGKILL of what the rank left behind; shorter than a backend's
@@ -86,29 +88,6 @@ def witnessed(attempt_dir: Path, work: Callable[[], int]) -> int:
     if os.WIFSIGNALED(status):
         _end_by(os.WTERMSIG(status))
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
-
-
-def any_ended_alone(attempt_dir: Path) -> bool:
-    """Has a rank of this attempt ended abnormally by itself (one directory listing)?"""
-    return next(attempt_dir.glob(f"{PREFIX}*.json"), None) is not None
-
-
-def ended_alone(attempt_dir: Path, pids: Mapping[int, int]) -> dict[int, tuple[int, float]]:
-    """``{rank: (wait status, time)}`` of the ranks that ended abnormally by themselves.
-
-    ``pids`` maps rank to pid (the ranks' ``rank-<r>.pid`` files).
-    """
-    rank_of = {pid: rank for rank, pid in pids.items()}
-    found: dict[int, tuple[int, float]] = {}
-    for path in attempt_dir.glob(f"{PREFIX}*.json"):
-        try:
-            record = json.loads(path.read_text())
-            rank = rank_of.get(int(record["pid"]))
-            if rank is not None:
-                found[rank] = (int(record["status"]), float(record["ended"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return found
 
 
 def end_descendants(grace: float = KILL_GRACE) -> None:
@@ -172,7 +151,7 @@ def _become_subreaper() -> None:
 def _record(attempt_dir: Path, pid: int, status: int) -> None:
     data = json.dumps({"pid": pid, "status": status, "ended": time.time()}).encode()
     try:
-        fd = os.open(attempt_dir / f"{PREFIX}{pid}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(AttemptFiles(attempt_dir).ended(pid), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return  # an unwritable attempt directory: the launcher's report is all there will be
     try:

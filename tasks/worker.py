@@ -15,15 +15,16 @@ whole communicator, so no other rank waits forever in a collective.  Each rank
 runs as the child of a witness process that records how the rank ended if it
 died by itself (:mod:`hetflow.tasks.witness`).
 
-The spec is JSON written by the orchestrator into a private run directory;
-nothing here unpickles anything.
+The spec and the result are the typed JSON files of
+:mod:`hetflow.tasks.protocol`, in a private run directory; nothing here
+unpickles anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import socket
@@ -32,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping
+
+from .protocol import AttemptFiles, RankError, RankOutput, RankResult, WorkerSpec
 
 WORKER_ENV = "HETFLOW_WORKER"
 """Set in every worker; ``Pipeline.run()`` raises :class:`ScriptImportStop` when it sees it."""
@@ -65,18 +68,17 @@ def _pin(cores: list[int], gpus: list[int], log: logging.Logger) -> list[int]:
     return cpus
 
 
-def _load_function(spec: Mapping[str, Any]) -> Callable[..., Any]:
-    target = spec["function"]
-    module_name, path, name = target["module"], target.get("path"), target["name"]
+def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
+    module_name, path, name = spec.function.module, spec.function.path, spec.function.name
     os.environ[WORKER_ENV] = "1"
-    for entry in reversed(spec.get("sys_path", [])):
+    for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     if module_name != "__main__":
         module = importlib.import_module(module_name)
     else:
         if not path:
-            raise RuntimeError(f"stage {spec['stage']!r} is defined in __main__ without a file to import")
+            raise RuntimeError(f"stage {spec.stage!r} is defined in __main__ without a file to import")
         module_spec = importlib.util.spec_from_file_location("__hetflow_script__", path)
         if module_spec is None or module_spec.loader is None:
             raise RuntimeError(f"cannot import the pipeline script {path}")
@@ -88,7 +90,7 @@ def _load_function(spec: Mapping[str, Any]) -> Callable[..., Any]:
             pass
     func = getattr(module, name, None)
     if not callable(func):
-        raise RuntimeError(f"stage {spec['stage']!r}: {module_name}.{name} is not a function "
+        raise RuntimeError(f"stage {spec.stage!r}: {module_name}.{name} is not a function "
                            f"(is it defined at the top level of {path or module_name}?)")
     wrapped: Callable[..., Any] = getattr(func, "__wrapped_stage__", func)
     return wrapped
@@ -187,64 +189,67 @@ def _communicator_kind() -> str:
     return kind
 
 
-def run_rank(spec: Mapping[str, Any], rank: int, size: int, get_comm: Callable[[], Any], *,
-             stream: Any = None, fold_cores: bool = True, extra: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
-    """Run rank ``rank`` of ``size`` of the stage in ``spec``; returns its record and its communicator.
+def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any], *,
+             stream: Any = None, fold_cores: bool = True,
+             raptor: Mapping[str, Any] | None = None) -> tuple[RankResult, Any]:
+    """Run rank ``rank`` of ``size`` of the stage in ``spec``; returns its result and its communicator.
 
     Every step a rank takes, for every way of starting one (``mpiexec``, the TCP
     communicator of the Dask backend, a Raptor worker): pid file, pinning, inputs,
-    schema checks, the stage function, outputs, and the ``rank-<r>.json`` record,
+    schema checks, the stage function, outputs, and the ``rank-<r>.json`` result,
     which is written whatever happens.  ``get_comm`` is called inside the recorded
     part (a failed rendezvous is recorded like any failure).  With ``fold_cores``
     false, core ids this machine does not have leave the rank unpinned instead of
-    folding them onto real CPUs.  The caller aborts the other ranks on failure.
+    folding them onto real CPUs.  ``raptor`` is recorded as the result's ``raptor``
+    (which Raptor worker ran the rank).  The caller aborts the other ranks on failure.
     """
     from hetflow.operators import dataset as ds
     from hetflow.tasks.context import StageContext
 
-    stage = spec["stage"]
-    attempt_dir = Path(spec["attempt_dir"])
+    stage = spec.stage
+    attempt_dir = spec.attempt_dir
+    files = AttemptFiles(attempt_dir)
     log = logging.getLogger(f"hetflow.stage.{stage}")
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s [{stage} rank {rank}/{size}] %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    record: dict[str, Any] = {"rank": rank, "size": size, "pid": os.getpid(), "host": socket.gethostname(),
-                              "started": time.time(), "status": "running", "outputs": {}, **(extra or {})}
+    result = RankResult(rank=rank, size=size, pid=os.getpid(), host=socket.gethostname(), started=time.time(),
+                        raptor=raptor)
     # who is who: lets the orchestrator name a rank killed by a signal, and reap orphans
-    fd = os.open(attempt_dir / f"rank-{rank}.pid", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    os.close(fd)
+    files.write_pid(rank, os.getpid())
     comm: Any = None
+    params_read: Any = None
+    placed: dict[str, Any] = {}
+    outputs: dict[str, RankOutput | None] = {}
     try:
         comm = get_comm()
-        if size != len(spec["slots"]):
-            raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec['slots'])} slots")
-        slot = spec["slots"][rank]
-        if fold_cores or set(slot["cores"]) <= os.sched_getaffinity(0):
-            record["cpus"] = _pin(slot["cores"], slot["gpus"], log)
+        if size != len(spec.slots):
+            raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec.slots)} slots")
+        slot = spec.slots[rank]
+        if fold_cores or set(slot.cores) <= os.sched_getaffinity(0):
+            cpus = _pin(list(slot.cores), list(slot.gpus), log)
         else:
-            log.info("pilot core ids %s are not all on this machine; rank left unpinned", slot["cores"])
-            record["cpus"] = _pin([], slot["gpus"], log)
-        record["cores"], record["gpus"] = slot["cores"], slot["gpus"]
-        record["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
+            log.info("pilot core ids %s are not all on this machine; rank left unpinned", list(slot.cores))
+            cpus = _pin([], list(slot.gpus), log)
+        placed = {"cpus": tuple(cpus), "cores": slot.cores, "gpus": slot.gpus,
+                  "cuda_visible_devices": os.environ["CUDA_VISIBLE_DEVICES"]}
         import pyarrow as pa
 
-        pa.set_cpu_count(max(1, len(record["cpus"])))
+        pa.set_cpu_count(max(1, len(cpus)))
         func = _load_function(spec)
-        named_inputs = [(name, path) for name, path in spec["inputs"]]  # declaration order
-        inputs = [_open_input(path, rank, size, spec.get("verify", "checksum")) for _, path in named_inputs]
-        declared = {name: ds.schema_from_text(text) for name, text in spec.get("schemas", {}).items()}
+        named_inputs = list(spec.inputs)  # declaration order
+        inputs = [_open_input(path, rank, size, spec.verify) for _, path in named_inputs]
+        declared = {name: ds.schema_from_text(text) for name, text in spec.schemas.items()}
         for (name, _), table in zip(named_inputs, inputs):
             if name in declared:
                 check_schema(stage, "input", name, table.schema, declared[name])
-        ctx = StageContext(comm=comm, stage=stage, run_id=spec["run_id"], attempt=spec["attempt"],
-                           params=spec.get("params", {}), workdir=attempt_dir,
-                           checkpoint_dir=Path(spec["checkpoint_dir"]), cores=tuple(slot["cores"]),
-                           gpus=tuple(slot["gpus"]), node=spec["nodes"][slot["node"]], log=log,
-                           files=tuple(Path(f) for f in spec.get("files", [])))
-        outputs = list(spec["outputs"])
-        tables = _check_result(stage, func(ctx, *inputs), outputs)
+        ctx = StageContext(comm=comm, stage=stage, run_id=spec.run_id, attempt=spec.attempt,
+                           params=spec.params, workdir=attempt_dir,
+                           checkpoint_dir=spec.checkpoint_dir, cores=slot.cores,
+                           gpus=slot.gpus, node=spec.nodes[slot.node], log=log,
+                           files=tuple(Path(f) for f in spec.files))
+        tables = _check_result(stage, func(ctx, *inputs), list(spec.outputs))
         for name, value in tables.items():
             if value is not None and name in declared:
                 check_schema(stage, "output", name, value.schema, declared[name])
@@ -252,27 +257,28 @@ def run_rank(spec: Mapping[str, Any], rank: int, size: int, get_comm: Callable[[
             _agree_on_schemas(comm, stage, tables)
         for name, value in tables.items():
             if value is None:
-                record["outputs"][name] = None
+                outputs[name] = None
                 continue
-            info = ds.write_partition(spec["outputs"][name], rank, value if isinstance(value, pa.Table) else iter(value),
+            info = ds.write_partition(spec.outputs[name], rank, value if isinstance(value, pa.Table) else iter(value),
                                       schema=value.schema, rank=rank)
-            record["outputs"][name] = {"partition": info.to_json(), "schema": ds.schema_to_text(value.schema)}
-        record["status"] = "ok"
-        record["params_read"] = ctx.params_read
+            outputs[name] = RankOutput(partition=info.to_json(), schema=ds.schema_to_text(value.schema))
+        result = dataclasses.replace(result, status="ok")
+        params_read = ctx.params_read
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded before the abort
-        record["status"] = "error"
-        record["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        result = dataclasses.replace(result, status="error", error=RankError(
+            type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc()))
         log.error("failed: %s: %s", type(exc).__name__, exc)
     finally:
         log.removeHandler(handler)
-    record["ended"] = time.time()
-    ds.write_json_atomic(attempt_dir / f"rank-{rank}.json", record)
-    return record, comm
+    result = dataclasses.replace(result, ended=time.time(), outputs=outputs, **placed,
+                                 params_read=None if params_read is None else [str(k) for k in params_read])
+    result.write(files.rank_result(rank))
+    return result, comm
 
 
 def run(spec_path: str) -> int:
     kind = _communicator_kind()
-    spec = json.loads(Path(spec_path).read_text())
+    spec = WorkerSpec.read(Path(spec_path))
     world: list[Any] = []
     if kind == "tcp":
         import mpi4py
@@ -297,7 +303,7 @@ def run(spec_path: str) -> int:
             return mpi_comm
 
     record, comm = run_rank(spec, rank, size, get_comm)
-    if record["status"] != "ok":
+    if record.status != "ok":
         sys.stderr.flush()
         if size > 1 and comm is not None:
             comm.Abort(1)  # end every rank now; nobody waits in a collective

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hetflow.tasks.witness import PREFIX, ended_alone
+from hetflow.tasks.protocol import AttemptFiles
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the witness needs fork")
 
@@ -68,7 +68,7 @@ def _rank_pid(tmp_path: Path, timeout: float = 30) -> int:
 
 
 def _records(tmp_path: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in tmp_path.glob(f"{PREFIX}*.json")]
+    return [json.loads(p.read_text()) for p in AttemptFiles(tmp_path).ended_records()]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM])
@@ -79,8 +79,8 @@ def test_a_rank_killed_alone_is_recorded_and_the_witness_ends_the_same_way(tmp_p
     assert proc.wait(30) == -sig  # the launcher sees what it would have seen without a witness
     [record] = _records(tmp_path)
     assert record["pid"] == pid and os.WIFSIGNALED(record["status"]) and os.WTERMSIG(record["status"]) == sig
-    assert ended_alone(tmp_path, {0: pid}) == {0: (record["status"], record["ended"])}
-    assert ended_alone(tmp_path, {0: pid + 1}) == {}  # another attempt's pid: not this rank
+    assert AttemptFiles(tmp_path).ended_alone({0: pid}) == {0: (record["status"], record["ended"])}
+    assert AttemptFiles(tmp_path).ended_alone({0: pid + 1}) == {}  # another attempt's pid: not this rank
 
 
 def test_an_exit_code_is_recorded_and_a_clean_exit_is_not(tmp_path: Path) -> None:

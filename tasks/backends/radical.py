@@ -58,8 +58,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ProtocolError
 from ..pilot import PilotDescription
+from ..protocol import AttemptFiles, RankResult
 from .base import Backend, LaunchSpec, TaskOutcome
 from .ranks import options_for, private_dir, safe_name
 
@@ -209,11 +210,15 @@ def raptor_function(spec: LaunchSpec, uid: str, pool: "Pool", sandbox: Path) -> 
 
 def _recorded_error(spec: LaunchSpec) -> bool:
     """Whether a rank of ``spec``'s attempt recorded an error (the stage that brought its pool down)."""
-    for path in spec.cwd.glob("rank-*.json"):
+    files = AttemptFiles(spec.cwd)
+    for rank in range(spec.ranks):
+        path = files.rank_result(rank)
+        if not path.exists():
+            continue
         try:
-            if json.loads(path.read_text()).get("status") == "error":
+            if RankResult.read(path).status == "error":
                 return True
-        except (OSError, ValueError):
+        except ProtocolError:
             return True  # unreadable: do not run it again blindly
     return False
 
@@ -664,7 +669,7 @@ class RadicalBackend(Backend):
             if new is not None:
                 self._submit_pool(new)
             for spec, outcome, started in again:
-                for stale in list(spec.cwd.glob("rank-*.json")) + list(spec.cwd.glob("rank-*.pid")):
+                for stale in AttemptFiles(spec.cwd).rank_files():
                     stale.unlink(missing_ok=True)
                 left = None if spec.timeout is None else max(1.0, spec.timeout - (time.time() - started))
                 self._submit(spec, outcome, started, left, relaunched=True)

@@ -40,11 +40,13 @@ classes are imported only when the worker class is asked for.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from hetflow.tasks.protocol import RankResult, WorkerSpec
 
 WORKER_CLASS = "HetflowWorker"
 STAGE_FUNCTION = "hetflow_stage"
@@ -186,29 +188,30 @@ def run_stage(spec_path: str, comm: Any, stdout: str = "", stderr: str = "") -> 
     """
     affinity = os.sched_getaffinity(0)
     cwd = os.getcwd()
-    spec = json.loads(Path(spec_path).read_text())
+    from hetflow.tasks.protocol import WorkerSpec
+
+    spec = WorkerSpec.read(Path(spec_path))
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(stdout, "a")) if stdout else sys.stdout
         err = stack.enter_context(open(stderr, "a")) if stderr else sys.stderr
         stack.enter_context(contextlib.redirect_stdout(out))
         stack.enter_context(contextlib.redirect_stderr(err))
         try:
-            os.chdir(spec["attempt_dir"])
+            os.chdir(spec.attempt_dir)
             record = _run_rank(spec, comm, err)
         finally:
             os.chdir(cwd)
             os.sched_setaffinity(0, affinity)
             out.flush()
             err.flush()
-    if record["status"] != "ok":
+    if record.error is not None:
         if comm.Get_size() > 1:
             comm.Abort(1)  # the other ranks may wait in a collective forever otherwise
-        raise StageFailed(f"stage {spec['stage']!r} rank {record['rank']}: "
-                          f"{record['error']['type']}: {record['error']['message']}")
-    return {"rank": record["rank"], "size": record["size"], "status": record["status"]}
+        raise StageFailed(f"stage {spec.stage!r} rank {record.rank}: {record.error.type}: {record.error.message}")
+    return {"rank": record.rank, "size": record.size, "status": record.status}
 
 
-def _run_rank(spec: dict[str, Any], comm: Any, err: Any) -> dict[str, Any]:
+def _run_rank(spec: "WorkerSpec", comm: Any, err: Any) -> "RankResult":
     from mpi4py import MPI
 
     from hetflow.tasks.worker import run_rank
@@ -217,11 +220,10 @@ def _run_rank(spec: dict[str, Any], comm: Any, err: Any) -> dict[str, Any]:
     # mpiexec folds the ids onto real CPUs, but two busy-polling ranks of a shared pool folded
     # onto one CPU starve each other (a 3-rank sort on 2 CPUs took 50 s instead of 0.3 s), so
     # here such a rank is left unpinned.
-    extra = {"raptor": {"worker": _WORKER.get("uid"), "pool_rank": MPI.COMM_WORLD.Get_rank(),
-                        "pool_size": MPI.COMM_WORLD.Get_size()}}
-    record: dict[str, Any]
+    raptor = {"worker": _WORKER.get("uid"), "pool_rank": MPI.COMM_WORLD.Get_rank(),
+              "pool_size": MPI.COMM_WORLD.Get_size()}
     record, _ = run_rank(spec, comm.Get_rank(), comm.Get_size(), lambda: comm, stream=err, fold_cores=False,
-                         extra=extra)
+                         raptor=raptor)
     return record
 
 

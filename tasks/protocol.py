@@ -1,0 +1,515 @@
+"""The worker <-> orchestrator protocol: every file of a stage attempt's directory.
+
+The orchestrator writes a :class:`WorkerSpec` (``spec.json``) and starts
+``python -m hetflow.tasks.worker SPEC.json`` once per rank.  Each rank writes
+its pid (``rank-<r>.pid``) first and its :class:`RankResult` (``rank-<r>.json``)
+last; the launcher appends the ranks' output to ``stdout.log``/``stderr.log``;
+a rank's witness writes ``ended-<pid>.json`` when the rank died by itself
+(:mod:`hetflow.tasks.witness`).  :class:`AttemptFiles` names them all, and
+:func:`diagnose` turns them and the backend's outcome into a :class:`Failure`.
+
+Everything is JSON written atomically (mode 0600); nothing is unpickled.
+Reading checks every field and raises :class:`ProtocolError` naming the file
+and the field.  The worker imports this module before it forks its witness,
+so heavy imports stay lazy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from .errors import ProtocolError
+from .scheduler_types import RankSlot
+
+if TYPE_CHECKING:
+    from .backends.base import TaskOutcome
+
+log = logging.getLogger(__name__)
+
+VERIFY = ("checksum", "size", "none")
+STATUSES = ("ok", "error", "running")
+_REQUIRED: Any = object()
+
+
+class _Fields:
+    """Typed reads of one JSON object; every error names the file and the field."""
+
+    def __init__(self, data: Any, where: str, prefix: str, allowed: Sequence[str]) -> None:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{where}: {prefix or 'the content'} must be a JSON object, got {_kind(data)}")
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise ProtocolError(f"{where}: unknown field {self._join(prefix, unknown[0])!r} "
+                                f"(allowed: {list(allowed)})")
+        self.data, self.where, self.prefix = data, where, prefix
+
+    @staticmethod
+    def _join(prefix: str, key: str) -> str:
+        return f"{prefix}.{key}" if prefix else key
+
+    def fail(self, key: str, expected: str, value: Any) -> ProtocolError:
+        return ProtocolError(f"{self.where}: field {self._join(self.prefix, key)!r} must be {expected}, "
+                             f"got {_kind(value)} {str(value)[:80]!r}")
+
+    def get(self, key: str, kinds: tuple[type, ...], expected: str, default: Any = _REQUIRED) -> Any:
+        if key not in self.data:
+            if default is _REQUIRED:
+                raise ProtocolError(f"{self.where}: missing field {self._join(self.prefix, key)!r}")
+            return default
+        value = self.data[key]
+        if value is None and type(None) in kinds:
+            return None
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise self.fail(key, expected, value)
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self.get(key, (str,), "a string", default)
+
+    def integer(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self.get(key, (int,), "an integer", default)
+
+    def items(self, key: str, kind: type, expected: str, default: Any = _REQUIRED) -> Any:
+        """A list whose items are all ``kind``, as a tuple (or ``default``/``None``)."""
+        value = self.get(key, (list, type(None)) if default is None else (list,), f"a list of {expected}", default)
+        if not isinstance(value, list):
+            return value
+        if not all(isinstance(v, kind) and not (isinstance(v, bool) and kind is not bool) for v in value):
+            raise self.fail(key, f"a list of {expected}", value)
+        return tuple(value)
+
+    def text_map(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self.get(key, (dict,), "an object of strings", default)
+        if not all(isinstance(v, str) for v in value.values()):
+            raise self.fail(key, "an object of strings", value)
+        return dict(value)
+
+    def nested(self, key: str, allowed: Sequence[str]) -> _Fields:
+        return _Fields(self.get(key, (dict,), "an object"), self.where, self._join(self.prefix, key), allowed)
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    # lazy: the witness imports this module before it forks, and the dataset module loads pyarrow
+    from hetflow.operators.dataset import write_json_atomic
+
+    write_json_atomic(path, data)  # temp file + fsync + rename, mode 0600
+
+
+_T = TypeVar("_T")
+
+
+def _construct(cls: type[_T], where: str, fields: dict[str, Any]) -> _T:
+    """``cls(**fields)``, its own checks' errors prefixed with the file."""
+    try:
+        return cls(**fields)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
+
+
+def _load(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ProtocolError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+    except ValueError as exc:
+        raise ProtocolError(f"{path}: not valid JSON ({exc})") from exc
+
+
+# ------------------------------------------------------------------------ spec
+@dataclass(frozen=True)
+class StageFunction:
+    """Where the worker finds the stage function: ``module.name`` (``path`` for a script run as ``__main__``)."""
+
+    module: str
+    name: str
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank of one stage attempt is told (``spec.json``).
+
+    ``inputs`` are ``(dataset name, directory)`` in declaration order;
+    ``outputs`` map each output to the directory its partitions go to;
+    ``slots[r]`` is rank r's place, ``slots[r].node`` an index into ``nodes``;
+    ``schemas`` hold the declared schemas as text; ``files`` the declared input
+    files as absolute paths.
+    """
+
+    run_id: str
+    stage: str
+    attempt: int
+    function: StageFunction
+    attempt_dir: Path
+    checkpoint_dir: Path
+    slots: tuple[RankSlot, ...]
+    nodes: tuple[str, ...]
+    inputs: tuple[tuple[str, str], ...] = ()
+    outputs: Mapping[str, str] = field(default_factory=dict)
+    sys_path: tuple[str, ...] = ()
+    params: Mapping[str, Any] = field(default_factory=dict)
+    verify: Literal["checksum", "size", "none"] = "checksum"
+    schemas: Mapping[str, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.verify not in VERIFY:
+            raise ProtocolError(f"stage {self.stage!r}: verify={self.verify!r} (allowed: {list(VERIFY)})")
+        for slot in self.slots:
+            if not 0 <= slot.node < len(self.nodes):
+                raise ProtocolError(f"stage {self.stage!r}: slot node {slot.node} is not an index into the "
+                                    f"{len(self.nodes)} node name(s) {list(self.nodes)}")
+        relative = [f for f in self.files if not os.path.isabs(f)]
+        if relative:
+            raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths, got {relative[0]!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "stage": self.stage, "attempt": self.attempt,
+                "function": {"module": self.function.module, "path": self.function.path, "name": self.function.name},
+                "attempt_dir": str(self.attempt_dir), "checkpoint_dir": str(self.checkpoint_dir),
+                "slots": [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus)} for s in self.slots],
+                "nodes": list(self.nodes), "inputs": [[name, path] for name, path in self.inputs],
+                "outputs": dict(self.outputs), "sys_path": list(self.sys_path), "params": dict(self.params),
+                "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files)}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
+        top = _Fields(data, where, "", _names(cls))
+        function = top.nested("function", ("module", "path", "name"))
+        slots = []
+        for i, raw in enumerate(top.get("slots", (list,), "a list of slots")):
+            slot = _Fields(raw, where, f"slots[{i}]", ("node", "cores", "gpus"))
+            slots.append(RankSlot(slot.integer("node"), slot.items("cores", int, "integers"),
+                                  slot.items("gpus", int, "integers", ())))
+        inputs = top.get("inputs", (list,), "a list of [name, path] pairs", [])
+        if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in inputs):
+            raise top.fail("inputs", "a list of [name, path] pairs", inputs)
+        fields = {"run_id": top.text("run_id"), "stage": top.text("stage"), "attempt": top.integer("attempt"),
+                      "function": StageFunction(function.text("module"), function.text("name"),
+                                             function.get("path", (str, type(None)), "a string or null", None)),
+                      "attempt_dir": Path(top.text("attempt_dir")), "checkpoint_dir": Path(top.text("checkpoint_dir")),
+                      "slots": tuple(slots), "nodes": top.items("nodes", str, "strings"),
+                      "inputs": tuple((name, path) for name, path in inputs), "outputs": top.text_map("outputs", {}),
+                      "sys_path": top.items("sys_path", str, "strings", ()),
+                      "params": dict(top.get("params", (dict,), "an object", {})),
+                      "verify": top.text("verify", "checksum"), "schemas": top.text_map("schemas", {}),
+                      "files": top.items("files", str, "strings", ())}
+        return _construct(cls, where, fields)
+
+    def write(self, path: Path) -> None:
+        """Write this spec to ``path`` atomically, readable by this user only."""
+        _write_json(path, self.to_json())
+
+    @classmethod
+    def read(cls, path: Path) -> WorkerSpec:
+        """The spec in ``path``; :class:`ProtocolError` names the file and the bad field."""
+        return cls.from_json(_load(path), str(path))
+
+
+# ---------------------------------------------------------------------- result
+@dataclass(frozen=True)
+class RankOutput:
+    """One output partition a rank wrote: its ``PartitionInfo.to_json()`` and its schema as text."""
+
+    partition: Mapping[str, Any]
+    schema: str
+
+
+@dataclass(frozen=True)
+class RankError:
+    type: str
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank reports (``rank-<r>.json``), written once, whatever happened.
+
+    ``outputs[name]`` is ``None`` where the rank returned no table.  ``cpus``,
+    ``cores``, ``gpus`` and ``cuda_visible_devices`` are ``None`` when the rank
+    failed before pinning itself.  ``params_read`` lists the parameters the
+    stage read (``None``: all of them, or not tracked).  ``raptor`` says which
+    Raptor worker ran the rank (``None`` outside Raptor).
+    """
+
+    rank: int
+    size: int
+    pid: int
+    host: str
+    started: float
+    status: Literal["ok", "error", "running"] = "running"
+    ended: float | None = None
+    outputs: Mapping[str, RankOutput | None] = field(default_factory=dict)
+    error: RankError | None = None
+    cpus: tuple[int, ...] | None = None
+    cores: tuple[int, ...] | None = None
+    gpus: tuple[int, ...] | None = None
+    cuda_visible_devices: str | None = None
+    params_read: list[str] | None = None
+    raptor: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ProtocolError(f"rank {self.rank}: status {self.status!r} (allowed: {list(STATUSES)})")
+        if (self.status == "error") != (self.error is not None):
+            raise ProtocolError(f"rank {self.rank}: status {self.status!r} with error {self.error!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object; fields that are ``None`` are left out."""
+        data: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.name == "outputs":
+                value = {n: None if o is None else {"partition": dict(o.partition), "schema": o.schema}
+                         for n, o in value.items()}
+            elif f.name == "error":
+                value = dataclasses.asdict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif f.name == "raptor":
+                value = dict(value)
+            data[f.name] = value
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "rank result") -> RankResult:
+        top = _Fields(data, where, "", _names(cls))
+        outputs: dict[str, RankOutput | None] = {}
+        for name, raw in top.get("outputs", (dict,), "an object", {}).items():
+            if raw is not None:
+                part = _Fields(raw, where, f"outputs.{name}", ("partition", "schema"))
+                outputs[name] = RankOutput(dict(part.get("partition", (dict,), "an object")), part.text("schema"))
+            else:
+                outputs[name] = None
+        error = None
+        if top.get("error", (dict, type(None)), "an object", None) is not None:
+            err = top.nested("error", ("type", "message", "traceback"))
+            error = RankError(err.text("type"), err.text("message"), err.text("traceback"))
+        params_read = top.items("params_read", str, "strings", None)
+        raptor = top.get("raptor", (dict, type(None)), "an object", None)
+        ended = top.get("ended", (int, float, type(None)), "a number", None)
+        fields = {"rank": top.integer("rank"), "size": top.integer("size"), "pid": top.integer("pid"),
+                      "host": top.text("host"), "started": float(top.get("started", (int, float), "a number")),
+                      "status": top.text("status", "running"), "ended": None if ended is None else float(ended),
+                      "outputs": outputs, "error": error, "cpus": top.items("cpus", int, "integers", None),
+                      "cores": top.items("cores", int, "integers", None), "gpus": top.items("gpus", int, "integers", None),
+                      "cuda_visible_devices": top.get("cuda_visible_devices", (str, type(None)), "a string", None),
+                      "params_read": None if params_read is None else list(params_read),
+                      "raptor": None if raptor is None else dict(raptor)}
+        return _construct(cls, where, fields)
+
+    def write(self, path: Path) -> None:
+        """Write this result to ``path`` atomically, readable by this user only."""
+        _write_json(path, self.to_json())
+
+    @classmethod
+    def read(cls, path: Path) -> RankResult:
+        """The result in ``path``; :class:`ProtocolError` names the file and the bad field."""
+        return cls.from_json(_load(path), str(path))
+
+
+# ------------------------------------------------------------------ directory
+class AttemptFiles:
+    """The name of every file in one attempt directory, and their readers."""
+
+    SPEC = "spec.json"
+    STDOUT = "stdout.log"
+    STDERR = "stderr.log"
+    ENDED_PREFIX = "ended-"
+    """``ended-<pid>.json``: the witness's record of a rank that ended by itself."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def __repr__(self) -> str:
+        return f"AttemptFiles({str(self.directory)!r})"
+
+    @property
+    def spec(self) -> Path:
+        return self.directory / self.SPEC
+
+    @property
+    def stdout(self) -> Path:
+        return self.directory / self.STDOUT
+
+    @property
+    def stderr(self) -> Path:
+        return self.directory / self.STDERR
+
+    def rank_result(self, rank: int) -> Path:
+        return self.directory / f"rank-{rank}.json"
+
+    def rank_pid(self, rank: int) -> Path:
+        return self.directory / f"rank-{rank}.pid"
+
+    def ended(self, pid: int) -> Path:
+        return self.directory / f"{self.ENDED_PREFIX}{pid}.json"
+
+    def rank_files(self) -> list[Path]:
+        """Every ``rank-<r>.json`` and ``rank-<r>.pid`` present (what a rerun in the same directory clears)."""
+        return sorted(self.directory.glob("rank-*.json")) + sorted(self.directory.glob("rank-*.pid"))
+
+    def ended_records(self) -> list[Path]:
+        return sorted(self.directory.glob(f"{self.ENDED_PREFIX}*.json"))
+
+    def write_pid(self, rank: int, pid: int) -> None:
+        """Record ``rank``'s pid (written first, so the orchestrator can name and reap the rank)."""
+        fd = os.open(self.rank_pid(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, f"{pid}\n".encode())
+        finally:
+            os.close(fd)
+
+    def read_results(self, ranks: int) -> list[RankResult | None]:
+        """Each rank's result, ``None`` for a rank that left none (or an unreadable one)."""
+        results: list[RankResult | None] = []
+        for rank in range(ranks):
+            path = self.rank_result(rank)
+            try:
+                results.append(RankResult.read(path))
+            except ProtocolError as exc:
+                if path.exists():
+                    log.warning("%s", exc)
+                results.append(None)
+        return results
+
+    def rank_pids(self) -> dict[int, int]:
+        """``{rank: pid}`` from the ``rank-<r>.pid`` files."""
+        pids = {}
+        for path in self.directory.glob("rank-*.pid"):
+            try:
+                pids[int(path.stem.split("-")[1])] = int(path.read_text().strip())
+            except (OSError, ValueError, IndexError):
+                continue
+        return pids
+
+    def any_ended_alone(self) -> bool:
+        """Has a rank of this attempt ended abnormally by itself (one directory listing)?"""
+        return next(self.directory.glob(f"{self.ENDED_PREFIX}*.json"), None) is not None
+
+    def ended_alone(self, pids: Mapping[int, int]) -> dict[int, tuple[int, float]]:
+        """``{rank: (wait status, time)}`` of the ranks that ended abnormally by themselves.
+
+        ``pids`` maps rank to pid (:meth:`rank_pids`).
+        """
+        rank_of = {pid: rank for rank, pid in pids.items()}
+        found: dict[int, tuple[int, float]] = {}
+        for path in self.ended_records():
+            try:
+                record = json.loads(path.read_text())
+                rank = rank_of.get(int(record["pid"]))
+                if rank is not None:
+                    found[rank] = (int(record["status"]), float(record["ended"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return found
+
+
+def reap_orphans(files: AttemptFiles) -> None:
+    """Kill ranks a dead orchestrator left running (only our workers of that very attempt)."""
+    import psutil
+
+    spec = str(files.spec)
+    for pid in files.rank_pids().values():
+        try:
+            proc = psutil.Process(pid)
+            if spec in proc.cmdline():
+                log.warning("killing orphaned rank pid %d of %s", pid, files.directory)
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+
+
+# ------------------------------------------------------------------ diagnosis
+@dataclass(frozen=True)
+class Failure:
+    """Why an attempt did not succeed: its state, a message, and the rank it names."""
+
+    state: str
+    message: str
+    rank: int | None = None
+    traceback: str | None = None
+    signal: int | None = None
+
+
+def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, results: Sequence[RankResult | None],
+             files: AttemptFiles, *, ended_by_us: bool = False, grace: float) -> Failure | None:
+    """``None`` if every rank succeeded, else what went wrong and where.
+
+    A rank that ended without a result is named by its witness's record when
+    there is one (:mod:`hetflow.tasks.witness`), else from the launcher's report.
+    ``ended_by_us``: the orchestrator cancelled the task ``grace`` seconds after
+    a rank ended alone, because the launcher did not end the others.
+    """
+    if outcome.ok and all(r is not None and r.status == "ok" for r in results):
+        return None
+    if outcome.timed_out:
+        return Failure("TIMED_OUT", f"stage {stage_name!r} exceeded its timeout of {timeout}s; "
+                       "its process group was killed")
+    if outcome.cancelled and not ended_by_us:
+        return Failure("CANCELLED", f"stage {stage_name!r} was cancelled")
+    for rank, result in enumerate(results):
+        if result is not None and result.error is not None:
+            err = result.error
+            return Failure("FAILED", f"rank {rank} raised {err.type}: {err.message}", rank, err.traceback)
+    signal, bad_pid = hydra_report(files)
+    signal = outcome.signal or signal
+    pids = files.rank_pids()
+    missing = [r for r, result in enumerate(results) if result is None]
+    alone = {r: seen for r, seen in files.ended_alone(pids).items() if r in missing}
+    code = outcome.returncode
+    killed: int | None
+    if alone:  # witnessed: the rank that ended by itself first, and its own status
+        killed = min(alone, key=lambda r: alone[r][1])
+        status = alone[killed][0]
+        signal = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        code = os.WEXITSTATUS(status)
+    else:  # unwitnessed (a Raptor rank, no fork): the launcher's report, which may name a rank it killed
+        killed = {pid: rank for rank, pid in pids.items()}.get(bad_pid) if bad_pid is not None else None
+    how = f"killed by signal {signal}" if signal else f"exit code {code}"
+    who = f"rank {killed}" if killed is not None else f"rank(s) {missing}"
+    output = "\n".join(t for t in (tail(files.stderr), tail(files.stdout)) if t)
+    if ended_by_us:
+        how += f"; the launcher did not end the other ranks within {grace:g} s, so hetflow did"
+    return Failure("FAILED", f"{who} of stage {stage_name!r} ended without a result ({how})",
+                   killed if killed is not None else (missing[0] if missing else None), output or None, signal)
+
+
+def hydra_report(files: AttemptFiles) -> tuple[int | None, int | None]:
+    """(signal, pid) of the process Hydra's banner reports as badly terminated, if it does."""
+    signal = pid = None
+    for path in (files.stdout, files.stderr):
+        text = tail(path, 20000) or ""
+        if signal is None and (match := re.search(r"\(signal (\d+)\)", text)):
+            signal = int(match.group(1))
+        if pid is None and (match := re.search(r"PID (\d+) RUNNING AT", text)):
+            pid = int(match.group(1))
+    return signal, pid
+
+
+def tail(path: Path, limit: int = 4000) -> str | None:
+    """The last ``limit`` bytes of ``path`` as text (``None`` when missing or empty)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return data[-limit:].decode(errors="replace") or None
