@@ -18,7 +18,7 @@ from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import UnsatisfiableRequest
 from hetflow.tasks.pilot import PilotDescription, load_pilot
 from hetflow.tasks.scheduler import check_request
-from hetflow.tasks.worker import WORKER_ENV, ScriptImportStop
+from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_name
 from .errors import HetflowError, PipelineError, RunAborted, RunInterrupted, UnknownRun

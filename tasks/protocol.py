@@ -32,6 +32,19 @@ from .scheduler_types import RankSlot
 if TYPE_CHECKING:
     from .backends.base import TaskOutcome
 
+
+WORKER_ENV = "HETFLOW_WORKER"
+"""Set in every worker; ``Pipeline.run()`` raises :class:`ScriptImportStop` when it sees it."""
+
+
+class ScriptImportStop(BaseException):
+    """Raised by ``Pipeline.run()`` inside a worker: the script is being imported for its stages.
+
+    It lives here, not in the worker, because the worker runs as ``__main__``
+    (``python -m hetflow.tasks.worker``): a class defined there would be
+    ``__main__.ScriptImportStop``, another class than the one the pipeline raises.
+    """
+
 log = logging.getLogger(__name__)
 
 VERIFY = ("checksum", "size", "none")

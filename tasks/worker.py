@@ -34,18 +34,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .protocol import AttemptFiles, RankError, RankOutput, RankResult, WorkerSpec
-
-WORKER_ENV = "HETFLOW_WORKER"
-"""Set in every worker; ``Pipeline.run()`` raises :class:`ScriptImportStop` when it sees it."""
+from .protocol import WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec
 
 COMM_ENV = "HETFLOW_COMM"
 """``mpi`` (default: the ranks are an MPI world) or ``tcp`` (see :mod:`hetflow.operators.tcpcomm`)."""
 COMMUNICATORS = ("mpi", "tcp")
-
-
-class ScriptImportStop(BaseException):
-    """Raised by ``Pipeline.run()`` inside a worker: the script is being imported for its stages."""
 
 
 def _pin(cores: list[int], gpus: list[int], log: logging.Logger) -> list[int]:
@@ -68,6 +61,21 @@ def _pin(cores: list[int], gpus: list[int], log: logging.Logger) -> list[int]:
     return cpus
 
 
+def _registered(module: Any, stage: str, name: str) -> Callable[..., Any] | None:
+    """The function declared as ``stage`` by a pipeline in ``module``'s namespace: stages made by a
+    factory, a closure or a loop have no top-level name to look up."""
+    found = []
+    for value in list(vars(module).values()):
+        stages = getattr(value, "stages", None)
+        declared = stages.get(stage) if isinstance(stages, Mapping) else None
+        func = getattr(declared, "func", None)
+        if callable(func):
+            found.append(func)
+    if len(found) > 1:  # two pipelines with a stage of that name: the one whose function has the name
+        found = [f for f in found if getattr(f, "__name__", None) == name] or found
+    return found[0] if found else None
+
+
 def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
     module_name, path, name = spec.function.module, spec.function.path, spec.function.name
     os.environ[WORKER_ENV] = "1"
@@ -88,10 +96,13 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
             module_spec.loader.exec_module(module)
         except ScriptImportStop:
             pass
-    func = getattr(module, name, None)
+    func = _registered(module, spec.stage, name)
+    if func is None:
+        func = getattr(module, name, None)
     if not callable(func):
-        raise RuntimeError(f"stage {spec.stage!r}: {module_name}.{name} is not a function "
-                           f"(is it defined at the top level of {path or module_name}?)")
+        raise RuntimeError(f"stage {spec.stage!r}: {module_name}.{name} is not a function, and no pipeline in "
+                           f"{path or module_name} declares a stage {spec.stage!r} when the file is imported "
+                           "(declare stages at import time, not inside a function the script calls)")
     wrapped: Callable[..., Any] = getattr(func, "__wrapped_stage__", func)
     return wrapped
 

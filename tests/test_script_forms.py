@@ -1,0 +1,82 @@
+"""Scripts written the ways scientists write them: unguarded ``pipe.run()``, stages from a factory or a loop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hetflow.operators.dataset import Dataset
+
+UNGUARDED = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("tour")
+
+@pipe.stage(ranks=2, outputs=["events"])
+def generate(ctx):
+    return {"events": pa.table({"rank": [ctx.rank] * 3})}
+
+@pipe.stage(inputs=["events"], outputs=["summary"])
+def summarize(ctx, events):
+    return {"summary": pa.table({"rows": [events.num_rows]})}
+
+run = pipe.run(workdir=WORKDIR)
+print("STATE", run.state)
+'''
+
+FACTORY = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("factory")
+
+
+def make(i, factor):
+    def step(ctx):
+        return {f"out{i}": pa.table({"value": [i * factor]})}
+    return step
+
+
+for i in range(3):
+    pipe.stage(make(i, FACTOR), name=f"s{i}", outputs=[f"out{i}"])
+
+pipe.stage(lambda ctx, a, b: {"sum": pa.table({"value": [a["value"][0].as_py() + b["value"][0].as_py()]})},
+           name="add", inputs=["out1", "out2"], outputs=["sum"])
+'''
+
+
+def test_a_script_without_a_main_guard_runs_its_stages(tmp_path: Path) -> None:
+    script = tmp_path / "tour.py"
+    script.write_text(UNGUARDED.replace("WORKDIR", repr(str(tmp_path / "w"))))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "STATE DONE" in done.stdout, done.stdout + done.stderr
+    (summary,) = (tmp_path / "w" / "runs").glob("*/datasets/summary")
+    assert Dataset(summary).to_table()["rows"].to_pylist() == [6]
+
+
+def _run(tmp_path: Path, factor: int) -> dict:
+    (tmp_path / "f.py").write_text(FACTORY.replace("FACTOR", str(factor)))
+    cli = [sys.executable, "-m", "hetflow.cli"]
+    done = subprocess.run([*cli, "run", "f.py", "--workdir", "w", "--no-progress"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shown = subprocess.run([*cli, "status", "--workdir", "w", "--json"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+    return json.loads(shown.stdout)
+
+
+def test_stages_from_a_factory_a_loop_and_a_lambda_run_and_are_cached_by_what_they_capture(tmp_path: Path) -> None:
+    first = _run(tmp_path, factor=10)
+    assert {s["name"]: s["state"] for s in first["stages"]} == {"s0": "DONE", "s1": "DONE", "s2": "DONE",
+                                                                "add": "DONE"}
+    assert Dataset(first["datasets"]["sum"]).to_table()["value"].to_pylist() == [30]
+    again = _run(tmp_path, factor=10)
+    assert {s["state"] for s in again["stages"]} == {"CACHED"}
+    changed = _run(tmp_path, factor=100)  # what the closures captured changed: they run again
+    assert {s["name"]: s["state"] for s in changed["stages"]} == {"s0": "DONE", "s1": "DONE", "s2": "DONE",
+                                                                  "add": "DONE"}
+    assert Dataset(changed["datasets"]["sum"]).to_table()["value"].to_pylist() == [300]
