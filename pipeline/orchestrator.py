@@ -484,30 +484,11 @@ class Orchestrator:
             self.store.event(session, self.run_id, "task", task_id, state, reason=reason)
 
     def _launch(self, task: TaskId, start: StartTask) -> None:
+        """Write the attempt's spec, record it RUNNING and hand it to the backend."""
         assert self.backend is not None
         spec = self.stages[task.stage]
-        stage_dir = private_dir(self.run_dir / "stages" / spec.name)
-        attempt_dir = private_dir(stage_dir / f"attempt-{task.attempt}")
-        private_dir(stage_dir / "checkpoints")
-        outputs = {}
-        for name in spec.outputs:
-            target = private_dir(self.run_dir / "datasets" / name)
-            ds.uncommit(target)
-            outputs[name] = str(target)
         nodes = self.backend.node_names()
-        base = Path(spec.path).parent if spec.path else Path.cwd()
-        files = AttemptFiles(attempt_dir)
-        WorkerSpec(
-            run_id=self.run_id, stage=spec.name, attempt=task.attempt,
-            function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
-            sys_path=(str(base),) if spec.path else (), params=self.stage_params(spec),
-            inputs=tuple((name, self.dataset_paths[name]) for name in spec.inputs), outputs=outputs,
-            attempt_dir=attempt_dir, checkpoint_dir=stage_dir / "checkpoints", slots=tuple(start.slots),
-            nodes=tuple(nodes), verify=self.verify,  # type: ignore[arg-type]
-            schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
-            files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
-        ).write(files.spec)
-        live = _Live(task, attempt_dir, start.slots)
+        files = self._write_spec(spec, task, start, nodes)
         now = time.time()
         with self.store.session() as session:
             record = session.get(TaskRecord, str(task))
@@ -516,40 +497,79 @@ class Orchestrator:
             record.slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus), "node_name": nodes[s.node]}
                             for s in start.slots]
             session.add(AttemptRecord(task_id=str(task), stage_id=record.stage_id, number=task.attempt,
-                                      state="RUNNING", started=now, attempt_dir=str(attempt_dir)))
+                                      state="RUNNING", started=now, attempt_dir=str(files.directory)))
             self.store.event(session, self.run_id, "task", str(task), "RUNNING", slots=record.slots)
-        self.live[str(task)] = live
+        live = self.live[str(task)] = _Live(task, files.directory, start.slots)
         launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
-                            slots=start.slots, cwd=attempt_dir, timeout=spec.timeout,
+                            slots=start.slots, cwd=files.directory, timeout=spec.timeout,
                             stdout=files.stdout, stderr=files.stderr)
         future = self.backend.launch(launch)
         future.add_done_callback(lambda f, live=live: self.outcomes.put((live, f.result())))
 
+    def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str]) -> AttemptFiles:
+        """The attempt's directory and spec; its outputs' directories emptied (nothing through a symlink)."""
+        stage_dir = private_dir(self.run_dir / "stages" / spec.name)
+        files = AttemptFiles(private_dir(stage_dir / f"attempt-{task.attempt}"))
+        private_dir(stage_dir / "checkpoints")
+        outputs = {}
+        for name in spec.outputs:
+            target = private_dir(self.run_dir / "datasets" / name)
+            ds.uncommit(target)
+            outputs[name] = str(target)
+        base = Path(spec.path).parent if spec.path else Path.cwd()
+        WorkerSpec(
+            run_id=self.run_id, stage=spec.name, attempt=task.attempt,
+            function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
+            sys_path=(str(base),) if spec.path else (), params=self.stage_params(spec),
+            inputs=tuple((name, self.dataset_paths[name]) for name in spec.inputs), outputs=outputs,
+            attempt_dir=files.directory, checkpoint_dir=stage_dir / "checkpoints", slots=tuple(start.slots),
+            nodes=tuple(nodes), verify=self.verify,  # type: ignore[arg-type]
+            schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
+            files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
+        ).write(files.spec)
+        return files
+
     # --------------------------------------------------------------- outcome
     def _finish(self, live: _Live, outcome: TaskOutcome) -> None:
+        """An attempt ended: diagnose it, commit its outputs, record it, and tell the plan and scheduler."""
         text = str(live.task)
         if self.live.pop(text, None) is None:
             return  # already recorded as cancelled by stop()
         spec = self.stages[live.stage]
         ranks = AttemptFiles(live.attempt_dir).read_results(len(live.slots))
-        failure = diagnose(spec.name, spec.timeout, outcome, ranks, AttemptFiles(live.attempt_dir),
-                           ended_by_us=live.ended_by_us, grace=LONE_DEATH_GRACE)
-        if failure is not None and failure.traceback is None and _disk_full(live.attempt_dir):
-            # the rank could not even write its log: say what the log would have said
-            failure = dataclasses.replace(failure, message=f"{failure.message}; No space left on device: "
-                                          f"the file system of {live.attempt_dir} is full")
-        if text in self.cut_off:
-            failure = Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
-                               f"({self.pilot.walltime}s); resume the run in a new allocation")
+        failure = self._failure(spec, live, outcome, ranks)
         committed: dict[str, ds.Manifest] = {}
         if failure is None:
             try:
                 committed = self._commit_outputs(spec, live, ranks)
             except (ds.DatasetError, ValueError) as exc:
                 failure = Failure("FAILED", f"{type(exc).__name__}: {exc}")
+        self._record_attempt(live, outcome, failure, committed, ranks)
+        if failure is not None and failure.state not in ("WALLTIME", "TIMED_OUT", "CANCELLED"):
+            log.warning("stage %s attempt %d failed (%s)", spec.name, live.task.attempt, failure.message)
+        self._feed(AttemptEnded(live.task, "DONE" if failure is None else failure.state,
+                                None if failure is None else failure.message))
+        if self.scheduler is not None:  # after the stage's end is recorded: its slots go to the next
+            self._apply(self.scheduler.handle_event(TaskFinished(text, time.time())))
+
+    def _failure(self, spec: StageSpec, live: _Live, outcome: TaskOutcome,
+                 ranks: list[RankResult | None]) -> Failure | None:
+        if str(live.task) in self.cut_off:
+            return Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
+                           f"({self.pilot.walltime}s); resume the run in a new allocation")
+        failure = diagnose(spec.name, spec.timeout, outcome, ranks, AttemptFiles(live.attempt_dir),
+                           ended_by_us=live.ended_by_us, grace=LONE_DEATH_GRACE)
+        if failure is not None and failure.traceback is None and _disk_full(live.attempt_dir):
+            # the rank could not even write its log: say what the log would have said
+            failure = dataclasses.replace(failure, message=f"{failure.message}; No space left on device: "
+                                          f"the file system of {live.attempt_dir} is full")
+        return failure
+
+    def _record_attempt(self, live: _Live, outcome: TaskOutcome, failure: Failure | None,
+                        committed: Mapping[str, ds.Manifest], ranks: list[RankResult | None]) -> None:
         state = "DONE" if failure is None else failure.state
         with self.store.session() as session:
-            task = session.get(TaskRecord, text)
+            task = session.get(TaskRecord, str(live.task))
             assert task is not None and task.attempt is not None
             attempt = task.attempt
             attempt.ended, attempt.returncode = outcome.ended or time.time(), outcome.returncode
@@ -559,19 +579,14 @@ class Orchestrator:
                 attempt.signal = failure.signal
             for name, manifest in committed.items():
                 self._record_dataset(session, name, manifest)
-            material = self.material.get(spec.name)
+            material = self.material.get(live.stage)
             if failure is None and material is not None:  # the key goes onto outputs produced under it only
-                record = self._stage_record(session, spec.name)
+                record = self._stage_record(session, live.stage)
                 record.cache_key, record.cache_material = material.key(), material.to_json()
                 record.params_read = _params_read(ranks)
-            self.store.event(session, self.run_id, "task", text, state,
+            self.store.event(session, self.run_id, "task", str(live.task), state,
                              returncode=outcome.returncode, signal=None if failure is None else failure.signal,
                              error=None if failure is None else failure.message)
-        if failure is not None and failure.state not in ("WALLTIME", "TIMED_OUT", "CANCELLED"):
-            log.warning("stage %s attempt %d failed (%s)", spec.name, live.task.attempt, failure.message)
-        self._feed(AttemptEnded(live.task, state, None if failure is None else failure.message))
-        if self.scheduler is not None:  # after the stage's end is recorded: its slots go to the next
-            self._apply(self.scheduler.handle_event(TaskFinished(text, time.time())))
 
     def _commit_outputs(self, spec: StageSpec, live: _Live, ranks: list[RankResult | None]) -> dict[str, ds.Manifest]:
         committed = {}
