@@ -160,6 +160,7 @@ def _print_summary(status: RunStatus) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     store = _open_store(args)
+    store.reconcile_dead_runs()  # a run whose orchestrator died shows as ended, not RUNNING
     status = run_status(store, args.run)
     if args.json:
         print(json.dumps(status.to_json(), indent=2))

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import queue
-import socket
 import sys
 import time
 from collections import deque
@@ -24,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 from hetflow.operators import dataset as ds
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.paths import UnsafePath, private_dir
@@ -50,9 +48,9 @@ from hetflow.tasks.scheduler import (
 )
 from sqlalchemy import select
 
-from . import cache
+from . import __version__, cache
 from .declaration import StageSpec
-from .errors import PipelineError, RunLocked
+from .errors import HetflowError, PipelineError
 from .fingerprint import resolve_files
 from .plan import (
     Abandon,
@@ -84,6 +82,7 @@ from .store import (
     StageRecord,
     Store,
     TaskRecord,
+    owner_id,
 )
 
 log = logging.getLogger(__name__)
@@ -100,18 +99,8 @@ STOP_GRACE = 10.0
 """Seconds an interrupted run waits for its cancelled tasks to end before it records them cancelled."""
 
 
-def owner_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def owner_alive(owner: str | None, lease_until: float | None) -> bool:
-    """Is the orchestrator that recorded itself as ``owner`` still running?"""
-    if not owner:
-        return False
-    host, _, pid = owner.rpartition(":")
-    if host == socket.gethostname():
-        return pid.isdigit() and psutil.pid_exists(int(pid)) and int(pid) != os.getpid()
-    return lease_until is not None and lease_until > time.time()
+class LeaseLost(HetflowError, RuntimeError):
+    """Another orchestrator took this run over (its lease lapsed): stop without writing anything more."""
 
 
 @dataclass
@@ -174,6 +163,7 @@ class Orchestrator:
         self.scheduler: Scheduler | None = None
         self.backend: Backend | None = None
         self.final: str | None = None
+        self.owner = owner_id()
 
     @property
     def states(self) -> Mapping[str, str]:
@@ -186,23 +176,17 @@ class Orchestrator:
 
     # ----------------------------------------------------------------- setup
     def prepare(self, *, resume: bool) -> None:
-        """Take the run (create it, or take over a dead owner's) and set its stages up for planning."""
+        """Take the run — create it, or take over from an owner that is gone — in one atomic step
+        (:meth:`Store.claim_run`), then set its stages up for planning.  A live owner is never
+        touched: the claim is refused naming it."""
         private_dir(self.run_dir)
-        now = time.time()
+        claim = self.store.claim_run(self.run_id, self.owner, lease_seconds=LEASE_SECONDS, create=lambda: RunRecord(
+            id=self.run_id, pipeline=self.name, created=time.time(), run_dir=str(self.run_dir), script=self.script,
+            pilot=self.pilot.to_mapping(), params=self.params, hetflow_version=__version__),
+            detail={"resume": resume})
+        if claim.previous_reason:
+            log.warning("run %s: taking over from %s (%s)", self.run_id, claim.previous_owner, claim.previous_reason)
         with self.store.session() as session:
-            run = session.get(RunRecord, self.run_id)
-            if run is not None and owner_alive(run.owner, run.lease_until):
-                raise RunLocked(f"run {self.run_id} is being run by another orchestrator ({run.owner}); "
-                                "wait for it to finish or stop it first")
-            if run is None:
-                run = RunRecord(id=self.run_id, pipeline=self.name, created=now, run_dir=str(self.run_dir),
-                                script=self.script, pilot=self.pilot.to_mapping(), params=self.params,
-                                hetflow_version=__import__("hetflow").__version__)
-                session.add(run)
-                session.flush()
-            run.owner, run.lease_until, run.state, run.started, run.ended = owner_id(), now + LEASE_SECONDS, \
-                "RUNNING", run.started or now, None
-            self.store.event(session, self.run_id, "run", self.name, "RUNNING", resume=resume, owner=run.owner)
             self._stage_records(session)
 
     def _stage_records(self, session: Any) -> None:
@@ -265,6 +249,11 @@ class Orchestrator:
                 self.progress.update(self, scheduler)
         except KeyboardInterrupt:
             self.stop("interrupted (Ctrl-C)", "INTERRUPTED")
+            raise
+        except LeaseLost:
+            for live in list(self.live.values()):  # ours to stop; the record is the new owner's now
+                backend.cancel(str(live.task))
+            self.final = "LOST"
             raise
         except BaseException as exc:
             self.stop(f"the orchestrator stopped: {where(exc)}", "FAILED")
@@ -379,10 +368,9 @@ class Orchestrator:
                 self.backend.cancel(str(live.task))
 
     def _renew_lease(self) -> None:
-        with self.store.session() as session:
-            run = session.get(RunRecord, self.run_id)
-            if run is not None:
-                run.lease_until = time.time() + LEASE_SECONDS
+        if not self.store.renew_lease(self.run_id, self.owner, LEASE_SECONDS):
+            raise LeaseLost(f"run {self.run_id} was taken over by another orchestrator while this one ran "
+                            f"(its lease of {LEASE_SECONDS:g} s lapsed); this one stops")
 
     # ----------------------------------------------------------------- cache
     def _material(self, spec: StageSpec) -> cache.KeyMaterial:
@@ -636,11 +624,8 @@ class Orchestrator:
 
     def _close(self, state: str | None = None, error: str | None = None) -> str:
         final = self.final = state or self.final or "FAILED"
-        with self.store.session() as session:
-            run = session.get(RunRecord, self.run_id)
-            assert run is not None
-            run.state, run.ended, run.owner, run.lease_until, run.error = final, time.time(), None, None, error
-            self.store.event(session, self.run_id, "run", self.name, final, error=error)
+        if not self.store.release_run(self.run_id, self.owner, final, error=error):
+            log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
 
 

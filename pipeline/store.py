@@ -15,18 +15,28 @@ pilot's walltime; resumable).  A run ends ``DONE``, ``FAILED`` or ``STOPPED``
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
+import socket
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
-from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event,
-                        select)
+import psutil
+from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
+                        event, func, select, text, update)
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+
+from .errors import RunLocked, UnknownRun
+
+log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"DONE", "FAILED", "TIMED_OUT", "SKIPPED", "CACHED", "CANCELLED", "WALLTIME"})
 SUCCESS = frozenset({"DONE", "CACHED"})
@@ -168,27 +178,165 @@ class EventRecord(Base):
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
+# ------------------------------------------------------------------ run ownership
+START_TOLERANCE = 1.5
+"""Seconds two readings of one process's start time may differ: psutil derives it from the boot
+time in ``/proc/stat``, which some kernels report a second apart between reads.  A reused pid
+started that close to the dead owner's start would need the whole pid space to wrap meanwhile."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """An orchestrator process: ``host:pid:start`` in ``runs.owner``.
+
+    The start time (``psutil.Process().create_time()``) tells a live holder from a later
+    process that got the same pid.  An id without it (``host:pid``, written before) still parses.
+    """
+
+    host: str
+    pid: int
+    start: float | None
+
+    @classmethod
+    def current(cls) -> "Owner":
+        return cls(socket.gethostname(), os.getpid(), round(psutil.Process().create_time(), 2))
+
+    @classmethod
+    def parse(cls, owner: str) -> "Owner":
+        head, _, last = owner.rpartition(":")
+        host, _, pid = head.rpartition(":")
+        if host and pid.isdigit():
+            try:
+                return cls(host, int(pid), float(last))
+            except ValueError:
+                pass
+        if head and last.isdigit():
+            return cls(head, int(last), None)
+        raise ValueError(f"not an owner id {owner!r} (expected host:pid:start)")
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}" + ("" if self.start is None else f":{self.start:.2f}")
+
+    @property
+    def name(self) -> str:
+        """``host:pid``, for messages."""
+        return f"{self.host}:{self.pid}"
+
+    def gone(self) -> str | None:
+        """Why this process is known to be gone, or None (alive, or on another host: unknown)."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            proc = psutil.Process(self.pid)
+            started, zombie = proc.create_time(), proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return f"its orchestrator ({self.name}) ended without recording an outcome"
+        except psutil.AccessDenied:
+            return None
+        if zombie:
+            return f"its orchestrator ({self.name}) ended without recording an outcome"
+        if self.start is not None and abs(started - self.start) > START_TOLERANCE:
+            return (f"its orchestrator ({self.name}, started {iso(self.start)}) ended without recording an "
+                    f"outcome; pid {self.pid} now belongs to a process started {iso(started)}")
+        return None
+
+
+def owner_id() -> str:
+    """This process's owner id, as :meth:`Store.claim_run` records it."""
+    return str(Owner.current())
+
+
+def owner_gone(owner: str | None, lease_until: float | None, *, now: float | None = None) -> str | None:
+    """Why the recorded holder of a run no longer holds it, or None while it does.
+
+    On this host the process decides (gone, a zombie, or its pid reused: gone; alive: holds it,
+    whatever its lease says).  On another host only the lease can: expired means gone.  An id
+    without a start time (older hetflow) counts as alive only while its pid exists and its lease runs.
+    """
+    if not owner:
+        return "no orchestrator holds it"
+    now = time.time() if now is None else now
+    try:
+        holder = Owner.parse(owner)
+    except ValueError:
+        holder = None
+    if holder is not None and holder.host == socket.gethostname():
+        why = holder.gone()
+        if why is not None or holder.start is not None:
+            return why
+    if lease_until is None or lease_until < now:
+        name = holder.name if holder else owner
+        return (f"its orchestrator ({name}) stopped renewing its lease"
+                + ("" if lease_until is None else f" (expired {iso(lease_until)})"))
+    return None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What :meth:`Store.claim_run` took: the run as now recorded, and from whom."""
+
+    run: RunRecord
+    created: bool
+    previous_owner: str | None
+    previous_state: str | None
+    previous_reason: str | None
+    """Why the previous holder no longer held it (None for a new run or a re-claim by the same owner)."""
+
+
+@dataclass(frozen=True)
+class DeadRun:
+    """A RUNNING run whose orchestrator was gone, as :meth:`Store.reconcile_dead_runs` recorded it."""
+
+    run_id: str
+    owner: str | None
+    reason: str
+
+
+def _is(column: Any, value: Any) -> ColumnElement[bool]:
+    condition: ColumnElement[bool] = column.is_(None) if value is None else column == value
+    return condition
+
+
+def _locked_message(run_id: str, owner: str, lease_until: float | None) -> str:
+    try:
+        holder = Owner.parse(owner)
+    except ValueError:
+        holder = None
+    if holder is None:
+        return (f"run {run_id} is held by orchestrator {owner} (lease until {iso(lease_until)}); "
+                "wait for it to finish, or stop it, and resume again")
+    since = f", running since {iso(holder.start)}" if holder.start is not None else ""
+    if holder.host == socket.gethostname():
+        todo = f"wait for it to finish, or stop it (kill {holder.pid}) and resume again"
+    else:
+        todo = (f"wait for it to finish, or stop it on {holder.host} (kill {holder.pid}); it counts as gone "
+                f"once its lease expires ({iso(lease_until)})")
+    return f"run {run_id} is held by orchestrator {holder.name}{since}; {todo}"
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL waits for other openers too
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=30000")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 
 
-def _add_new_columns(engine: Engine) -> None:
+def _add_new_columns(connection: Any) -> None:
     """Add the columns a newer hetflow declares to tables an older one created (nullable, so no backfill)."""
-    from sqlalchemy import inspect, text
+    from sqlalchemy import inspect
 
-    inspector = inspect(engine)
+    inspector = inspect(connection)
     for table in Base.metadata.sorted_tables:
         have = {c["name"] for c in inspector.get_columns(table.name)}
         for column in table.columns:
             if column.name not in have and column.nullable:
-                kind = column.type.compile(dialect=engine.dialect)
-                with engine.begin() as connection:
-                    connection.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+                kind = column.type.compile(dialect=connection.dialect)
+                connection.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+
+
+SCHEMA_LOCK_KEY = 0x6865_7466_6C6F_77  # "hetflow": the PostgreSQL advisory lock around schema creation
 
 
 def default_url(workdir: Path) -> str:
@@ -200,6 +348,7 @@ class Store:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        path: Path | None = None
         if url.startswith("sqlite:///"):
             path = Path(url[len("sqlite:///"):])
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -209,9 +358,32 @@ class Store:
         self.engine: Engine = create_engine(url, future=True)
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        Base.metadata.create_all(self.engine)
-        _add_new_columns(self.engine)
+        self._create_schema(path)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def _create_schema(self, path: Path | None) -> None:
+        """Create missing tables, one process at a time: ``create_all`` checks, then creates, so two
+        processes opening a fresh store at once would both create (``table runs already exists``).
+        SQLite: an ``flock`` on ``hetflow.db.lock`` beside the file; PostgreSQL: an advisory lock
+        held for the transaction."""
+        if path is not None:
+            fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                with self.engine.begin() as conn:
+                    Base.metadata.create_all(conn)
+                    _add_new_columns(conn)
+            finally:
+                os.close(fd)  # releases the lock
+        elif self.engine.dialect.name == "postgresql":
+            with self.engine.begin() as conn:
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+                Base.metadata.create_all(conn)
+                _add_new_columns(conn)
+        else:
+            with self.engine.begin() as conn:
+                Base.metadata.create_all(conn)
+                _add_new_columns(conn)
 
     @classmethod
     def for_workdir(cls, workdir: Path, url: str | None = None) -> "Store":
@@ -233,8 +405,120 @@ class Store:
                           detail=json.loads(json.dumps(detail, default=str))))
 
     def runs(self) -> list[RunRecord]:
+        """All runs, oldest first, after :meth:`reconcile_dead_runs`: none is RUNNING without a live owner."""
+        self.reconcile_dead_runs()
         with self.session() as session:
             return list(session.scalars(select(RunRecord).order_by(RunRecord.created)))
+
+    # ------------------------------------------------------------ ownership
+    def claim_run(self, run_id: str, owner: str, *, lease_seconds: float,
+                  create: Callable[[], RunRecord] | None = None, detail: Mapping[str, Any] | None = None) -> Claim:
+        """Make ``owner`` (an :func:`owner_id`) the one orchestrator of ``run_id``, state RUNNING.
+
+        A new run is one INSERT of ``create()`` (its id must be ``run_id``): of concurrent creators,
+        the primary key lets one in.  An existing run is taken with one compare-and-set UPDATE,
+        conditional on the owner and lease this call saw and judged gone (:func:`owner_gone`) or
+        its own: of concurrent claimers one changes the row, the others see a new, live holder.
+        Raises :class:`RunLocked` naming the holder while it lives, :class:`UnknownRun` if there
+        is no such run and no ``create``.  Commits, with a ``run`` event, before returning.
+        """
+        info = dict(detail or {})
+        for _ in range(8):  # each lost race means a new holder; it is normally alive and refuses us
+            now = time.time()
+            with self.session() as session:
+                seen = session.execute(select(RunRecord.owner, RunRecord.lease_until, RunRecord.state)
+                                       .where(RunRecord.id == run_id)).first()
+            if seen is None:
+                if create is None:
+                    raise UnknownRun(f"no run {run_id!r} in {self.url}")
+                record = create()
+                if record.id != run_id:
+                    raise ValueError(f"create() made run {record.id!r}, not {run_id!r}")
+                record.owner, record.lease_until, record.state = owner, now + lease_seconds, "RUNNING"
+                record.started, record.ended = record.started or now, None
+                try:
+                    with self.session() as session:
+                        session.add(record)
+                        session.flush()
+                        self.event(session, run_id, "run", record.pipeline, "RUNNING", owner=owner, **info)
+                except IntegrityError:
+                    continue  # another claimer created it first: look at its holder
+                return Claim(record, True, None, None, None)
+            held_by, lease_until, state = seen
+            why = None if held_by in (None, owner) else owner_gone(held_by, lease_until, now=now)
+            if held_by not in (None, owner) and why is None:
+                raise RunLocked(_locked_message(run_id, held_by, lease_until))
+            with self.session() as session:
+                taken = session.execute(
+                    update(RunRecord)
+                    .where(RunRecord.id == run_id, _is(RunRecord.owner, held_by), _is(RunRecord.lease_until, lease_until))
+                    .values(owner=owner, lease_until=now + lease_seconds, state="RUNNING",
+                            started=func.coalesce(RunRecord.started, now), ended=None)
+                    .execution_options(synchronize_session=False))
+                if taken.rowcount != 1:  # type: ignore[attr-defined]
+                    continue
+                taken_run = session.get(RunRecord, run_id)
+                assert taken_run is not None
+                self.event(session, run_id, "run", taken_run.pipeline, "RUNNING", owner=owner, previous_owner=held_by,
+                           previous_state=state, previous_reason=why, **info)
+            return Claim(taken_run, False, held_by, state, why)
+        raise RunLocked(f"run {run_id}: gave up claiming it after 8 contended tries; another orchestrator "
+                        "keeps taking it, see `hetflow runs`")
+
+    def renew_lease(self, run_id: str, owner: str, lease_seconds: float) -> bool:
+        """Extend ``owner``'s lease; False if it no longer holds the run (taken over, or reconciled)."""
+        with self.session() as session:
+            renewed = session.execute(
+                update(RunRecord).where(RunRecord.id == run_id, RunRecord.owner == owner)
+                .values(lease_until=time.time() + lease_seconds).execution_options(synchronize_session=False))
+            return renewed.rowcount == 1  # type: ignore[attr-defined,no-any-return]
+
+    def release_run(self, run_id: str, owner: str, state: str, *, error: str | None = None,
+                    detail: Mapping[str, Any] | None = None) -> bool:
+        """Record the run's outcome ``state`` (and ``error``) and give up ownership, with a ``run`` event.
+
+        Only while ``owner`` still holds it: False (nothing written) if another took it meanwhile.
+        """
+        with self.session() as session:
+            released = session.execute(
+                update(RunRecord).where(RunRecord.id == run_id, RunRecord.owner == owner)
+                .values(state=state, ended=time.time(), owner=None, lease_until=None, error=error)
+                .execution_options(synchronize_session=False))
+            if released.rowcount != 1:  # type: ignore[attr-defined]
+                return False
+            pipeline = session.scalar(select(RunRecord.pipeline).where(RunRecord.id == run_id))
+            self.event(session, run_id, "run", pipeline or "", state, error=error, **dict(detail or {}))
+            return True
+
+    def reconcile_dead_runs(self) -> list[DeadRun]:
+        """Record FAILED every RUNNING run whose orchestrator is gone (:func:`owner_gone`).
+
+        The outcome was never written: the run ends FAILED now, unowned (a late holder's
+        :meth:`renew_lease` then says False), with a ``run`` event giving the reason.  Each change is
+        conditional on the owner and lease seen, so a run claimed meanwhile is left alone.
+        ``hetflow resume`` still continues such a run.
+        """
+        now = time.time()
+        with self.session() as session:
+            running = session.execute(select(RunRecord.id, RunRecord.pipeline, RunRecord.owner, RunRecord.lease_until)
+                                      .where(RunRecord.state == "RUNNING")).all()
+        dead = []
+        for run_id, pipeline, held_by, lease_until in running:
+            why = owner_gone(held_by, lease_until, now=now)
+            if why is None:
+                continue
+            with self.session() as session:
+                ended = session.execute(
+                    update(RunRecord)
+                    .where(RunRecord.id == run_id, RunRecord.state == "RUNNING", _is(RunRecord.owner, held_by),
+                           _is(RunRecord.lease_until, lease_until))
+                    .values(state="FAILED", ended=now, owner=None, lease_until=None)
+                    .execution_options(synchronize_session=False))
+                if ended.rowcount == 1:  # type: ignore[attr-defined]
+                    self.event(session, run_id, "run", pipeline, "FAILED", reason=why, owner=held_by)
+                    dead.append(DeadRun(run_id, held_by, why))
+                    log.warning("run %s: %s; recorded FAILED", run_id, why)
+        return dead
 
     def find_run(self, run_id: str | None) -> RunRecord | None:
         """A run by id (or unique prefix); the latest run for ``None``."""

@@ -304,7 +304,7 @@ def test_killed_orchestrator_leaves_a_consistent_store_and_resume_reconciles(tmp
     # while it lives, nobody else may run the same run
     second = subprocess.run([*cli, "resume", run_id, "--workdir", str(workdir), "--no-progress"], env=env,
                             capture_output=True, text=True, timeout=60)
-    assert second.returncode == 2 and "being run by another orchestrator" in second.stderr
+    assert second.returncode == 2 and "is held by orchestrator" in second.stderr
 
     orchestrator.send_signal(signal.SIGKILL)
     orchestrator.wait(10)
