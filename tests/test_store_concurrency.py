@@ -49,3 +49,24 @@ def test_hundreds_of_short_tasks_reconcile(tmp_path: Path) -> None:
     # every stage has exactly QUEUED, RUNNING, DONE events: no lost or doubled update
     assert q("SELECT count(*) FROM events WHERE run_id=? AND kind='stage'") == 3 * stages
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_a_store_an_older_hetflow_made_gets_the_new_columns(tmp_path: Path) -> None:
+    """Runs recorded before the cache parts and ownership columns existed stay readable and reusable."""
+    from hetflow.store import Store
+
+    db = tmp_path / "hetflow.db"
+    Store.for_workdir(tmp_path).close()
+    new = {"stages": ["cache_material", "cache_reason", "cache_hit", "params_read"], "runs": ["error"]}
+    with sqlite3.connect(db) as connection:
+        for table, columns in new.items():
+            for column in columns:
+                connection.execute(f'ALTER TABLE {table} DROP COLUMN "{column}"')
+    store = Store.for_workdir(tmp_path)
+    store.close()
+    with sqlite3.connect(db) as connection:
+        for table, columns in new.items():
+            have = {row[1] for row in connection.execute(f"PRAGMA table_info({table})")}
+            assert set(columns) <= have, (table, have)
+    pilot = hf.PilotDescription(name="one", cores_per_node=1, gpus_per_node=0, memory_per_node=2**33)
+    assert P.wide(tmp_path, 2, pilot).run().ok
