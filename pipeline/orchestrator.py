@@ -200,8 +200,9 @@ class Orchestrator:
                 session.add(record)
             record.inputs, record.outputs = list(spec.inputs), list(spec.outputs)
             record.request = {k: v for k, v in vars(spec.request).items()}
-            record.params, record.retries, record.timeout = self.stage_params(spec), spec.retries, spec.timeout
-            if record.state not in SUCCESS:
+            record.retries, record.timeout = spec.retries, spec.timeout
+            if record.state not in SUCCESS:  # a committed stage keeps the parameters it ran with: its key
+                record.params = self.stage_params(spec)  # is matched against them
                 self._reconcile(session, record)
                 record.state, record.error, record.started, record.ended = "PENDING", None, None, None
             attempts[spec.name] = len(record.tasks)
@@ -412,6 +413,7 @@ class Orchestrator:
                     self._copy_dataset_record(session, source)
             record.cached_from, record.cache_key, record.cache_material = from_run, key, material.to_json()
             record.params_read, record.cache_reason, record.cache_hit = hit.params_read, reason, True
+            record.params = params if from_run is not None else record.params
         return CacheChecked(spec.name, True, reason, from_run)
 
     def _copy_dataset_record(self, session: Any, source: DatasetRecord) -> None:
@@ -447,6 +449,7 @@ class Orchestrator:
         with self.store.session() as session:
             record = self._stage_record(session, spec.name)
             record.cache_key = record.cache_material = record.cached_from = None
+            record.params = self.stage_params(spec)
             if not enqueue.reason.startswith("retry"):
                 record.cache_reason, record.cache_hit = enqueue.reason, False
             _forget_datasets(session, self.run_id, spec.outputs)

@@ -204,3 +204,38 @@ def test_a_declared_file_that_is_missing_fails_the_stage_naming_it(tmp_path: Pat
     stages = status(cwd)
     assert stages["load"]["state"] == "FAILED" and "data/calib.csv" in stages["load"]["error"]
     assert stages["train"]["state"] == "SKIPPED"
+
+
+RESUME_WITH_PARAMS = '''
+import sys
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("params", workdir="w")
+
+
+@pipe.stage(outputs=["a"])
+def reads(ctx):
+    return {"a": pa.table({"v": [ctx.params.get("k", 0)]})}
+
+
+@pipe.stage(outputs=["b"])
+def ignores(ctx):
+    return {"b": pa.table({"v": [1]})}
+
+
+if __name__ == "__main__":
+    first = pipe.run(params={"k": 1})
+    again = pipe.run(run_id=first.id, params={"k": 2})
+    reads_, ignores_ = again.stage("reads"), again.stage("ignores")
+    print(reads_.attempts, ignores_.attempts, reads_.cache_reason, again.dataset("a").to_table()["v"].to_pylist())
+'''
+
+
+def test_resuming_with_other_parameters_reruns_the_stages_that_read_them(tmp_path: Path) -> None:
+    """Through the Python API a resume can bring new parameters: a committed stage that read one
+    runs again; its record keeps the parameters it ran with until then."""
+    (tmp_path / "r.py").write_text(RESUME_WITH_PARAMS)
+    done = subprocess.run([sys.executable, "r.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "2 1 param k changed [2]", done.stdout
