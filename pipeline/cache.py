@@ -57,7 +57,9 @@ class KeyMaterial:
     hetflow: str = __version__
 
     def to_json(self) -> dict[str, Any]:
+        # the inputs in the order the stage function takes them: swapping two changes the result
         return {"code": dict(self.code), "files": dict(self.files), "inputs": dict(self.inputs),
+                "input_order": list(self.inputs),
                 "schemas": dict(self.schemas), "outputs": list(self.outputs), "ranks": self.ranks,
                 "hetflow": self.hetflow}
 
@@ -172,7 +174,7 @@ def describe(old: Mapping[str, Any], new: Mapping[str, Any], read: Sequence[str]
                 reasons.append(f"{label} {name} added")
             elif before[name] != after[name]:
                 reasons.append(f"{label} {name} changed")
-    for part, text in (("schemas", "declared schemas changed"), ("outputs", "declared outputs changed"),
+    for part, text in (("input_order", "the order of the inputs changed"), ("schemas", "declared schemas changed"), ("outputs", "declared outputs changed"),
                        ("ranks", f"ranks changed ({old.get('ranks')} -> {new.get('ranks')})"),
                        ("hetflow", f"hetflow version changed ({old.get('hetflow')} -> {new.get('hetflow')})")):
         if old.get(part) != new.get(part):

@@ -191,20 +191,28 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _datasets(args: argparse.Namespace) -> int:
-    from hetflow.operators.dataset import read_manifest
+    from hetflow.operators.dataset import DatasetError, read_manifest
 
     store = _open_store(args)
     status = run_status(store, args.run)
     rows = []
     for name, path in sorted(status.datasets.items()):
-        manifest = read_manifest(path)
+        try:
+            manifest = read_manifest(path)
+        except DatasetError as exc:  # listed with what is wrong; a rerun recomputes it
+            rows.append({"name": name, "rows": None, "bytes": None, "partitions": None, "producer": None,
+                         "path": path, "schema": [], "damaged": str(exc)})
+            continue
         rows.append({"name": name, "rows": manifest.num_rows, "bytes": manifest.num_bytes,
                      "partitions": len(manifest.partitions), "producer": manifest.producer.get("stage"),
-                     "path": path, "schema": [f"{f.name}: {f.type}" for f in manifest.schema]})
+                     "path": path, "schema": [f"{f.name}: {f.type}" for f in manifest.schema], "damaged": None})
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         for row in rows:
+            if row["damaged"]:
+                print(f"{row['name']:<24} DAMAGED: {row['damaged']}")
+                continue
             print(f"{row['name']:<24} {row['rows']:>12} rows {row['bytes']:>14} bytes {row['partitions']:>4} parts  "
                   f"from {row['producer']}  {row['path']}")
     return EXIT_OK

@@ -404,9 +404,9 @@ class Orchestrator:
                                        material=material, params=params, damaged=damaged)
                 record.cache_reason, record.cache_hit = reason, False
                 return CacheChecked(spec.name, False, reason)
-            from_run = None if hit.run_id == self.run_id else hit.run_id
+            from_run = None if hit.run_id == self.run_id else (hit.cached_from or hit.run_id)  # who computed it
             reason = "committed earlier in this run, unchanged" if from_run is None else \
-                f"unchanged since run {hit.run_id}"
+                f"unchanged since run {from_run}"
             for name, source in found.items():
                 self.dataset_paths[name], self.fingerprints[name] = source.path, source.fingerprint
                 if from_run is not None:

@@ -201,6 +201,8 @@ class Pipeline:
         from hetflow.tasks.paths import private_dir
         from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
         from .status import run_status
+        from sqlalchemy.exc import SQLAlchemyError
+
         from .store import Store
 
         options, made = _overrides[-1] if _overrides else (RunOptions(), [])
@@ -253,10 +255,13 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop("interrupted (Ctrl-C)", "INTERRUPTED")
             raise RunInterrupted(the_id) from None
-        except (HetflowError, OSError, ImportError) as exc:
+        except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
             from .orchestrator import where
 
             reason = where(exc)
+            if isinstance(exc, SQLAlchemyError):  # a full disk under SQLite, a lost database server
+                cause = getattr(exc, "orig", None) or exc
+                reason = f"the state store {store.url} could not be written ({cause})"
             if orchestrator.final is None:
                 orchestrator.stop(reason, "FAILED")
             raise RunAborted(the_id, reason) from exc

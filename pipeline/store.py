@@ -339,6 +339,13 @@ def _add_new_columns(connection: Any) -> None:
 SCHEMA_LOCK_KEY = 0x6865_7466_6C6F_77  # "hetflow": the PostgreSQL advisory lock around schema creation
 
 
+def _writable(directory: Path) -> bool:
+    try:
+        return os.access(directory, os.W_OK) and not os.statvfs(directory).f_flag & os.ST_RDONLY
+    except OSError:
+        return False
+
+
 def default_url(workdir: Path) -> str:
     return f"sqlite:///{(workdir / 'hetflow.db').resolve()}"
 
@@ -349,16 +356,25 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         path: Path | None = None
+        self.read_only = False
+        """The store's directory cannot be written (an archived or a colleague's work directory):
+        it is opened read-only, for ``runs``, ``status``, ``datasets`` and reports."""
+        engine_url = url
         if url.startswith("sqlite:///"):
             path = Path(url[len("sqlite:///"):])
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if not path.exists():
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-                os.close(fd)
-        self.engine: Engine = create_engine(url, future=True)
-        if self.engine.dialect.name == "sqlite":
+            if path.is_file() and not _writable(path.parent):
+                self.read_only = True
+                engine_url = f"sqlite:///file:{path}?mode=ro&immutable=1&uri=true"
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                if not path.exists():
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+                    os.close(fd)
+        self.engine: Engine = create_engine(engine_url, future=True)
+        if self.engine.dialect.name == "sqlite" and not self.read_only:
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        self._create_schema(path)
+        if not self.read_only:
+            self._create_schema(path)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def _create_schema(self, path: Path | None) -> None:
@@ -498,6 +514,8 @@ class Store:
         conditional on the owner and lease seen, so a run claimed meanwhile is left alone.
         ``hetflow resume`` still continues such a run.
         """
+        if self.read_only:
+            return []
         now = time.time()
         with self.session() as session:
             running = session.execute(select(RunRecord.id, RunRecord.pipeline, RunRecord.owner, RunRecord.lease_until)
@@ -516,6 +534,14 @@ class Store:
                     .execution_options(synchronize_session=False))
                 if ended.rowcount == 1:  # type: ignore[attr-defined]
                     self.event(session, run_id, "run", pipeline, "FAILED", reason=why, owner=held_by)
+                    reason = f"not finished: {why}; resume the run"
+                    session.execute(update(RunRecord).where(RunRecord.id == run_id).values(error=why)
+                                    .execution_options(synchronize_session=False))
+                    session.execute(update(StageRecord)
+                                    .where(StageRecord.run_id == run_id,
+                                           StageRecord.state.in_(("PENDING", "LOOKING", "QUEUED", "RUNNING")))
+                                    .values(state="FAILED", error=reason, ended=now)
+                                    .execution_options(synchronize_session=False))
                     dead.append(DeadRun(run_id, held_by, why))
                     log.warning("run %s: %s; recorded FAILED", run_id, why)
         return dead

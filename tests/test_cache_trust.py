@@ -239,3 +239,45 @@ def test_resuming_with_other_parameters_reruns_the_stages_that_read_them(tmp_pat
     done = subprocess.run([sys.executable, "r.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[-2] == "2 1 param k changed [2]", done.stdout
+
+
+ORDER = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("order")
+
+@pipe.stage(outputs=["x"])
+def mx(ctx):
+    return {"x": pa.table({"v": [10]})}
+
+@pipe.stage(outputs=["y"])
+def my(ctx):
+    return {"y": pa.table({"v": [1]})}
+
+@pipe.stage(inputs=["x", "y"], outputs=["d"])
+def diff(ctx, first, second):
+    return {"d": pa.table({"v": [first["v"][0].as_py() - second["v"][0].as_py()]})}
+'''
+
+
+def test_swapping_the_order_of_inputs_reruns_the_stage(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(ORDER)
+    assert table(run(tmp_path), "d")["v"].to_pylist() == [9]
+    (tmp_path / "p.py").write_text(ORDER.replace('inputs=["x", "y"]', 'inputs=["y", "x"]'))
+    swapped = run(tmp_path)
+    assert swapped["diff"]["state"] == "DONE" and "order of the inputs" in swapped["diff"]["cache"]["reason"]
+    assert table(swapped, "d")["v"].to_pylist() == [-9]
+
+
+def test_datasets_lists_a_damaged_dataset_naming_the_damage(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(ORDER)
+    run(tmp_path)
+    (manifest,) = (tmp_path / "work").glob("runs/*/datasets/d/_manifest.json")
+    manifest.write_text('{"garbage": 1}')
+    listing = hetflow("datasets", cwd=tmp_path)
+    assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
+    line = next(ln for ln in listing.stdout.splitlines() if ln.startswith("d "))
+    assert "DAMAGED" in line and "_manifest.json" in line
+    again = run(tmp_path)  # and a rerun recomputes it
+    assert again["diff"]["state"] == "DONE" and table(again, "d")["v"].to_pylist() == [9]

@@ -201,3 +201,23 @@ def test_a_workdir_that_fills_up_mid_run_ends_the_run_recorded_and_resumable(tmp
         assert _runs(db)[0][1] == "DONE"
     finally:
         subprocess.run(["umount", "-l", str(work)], check=False)
+
+
+def test_a_full_disk_under_the_store_itself_is_one_line_and_the_run_is_resumable(tmp_path: Path) -> None:
+    cwd = _project(tmp_path)
+    work = cwd / "small"
+    _small_mount(work, "3m")
+    try:
+        done = _hetflow("run", "p.py", "--workdir", str(work), "--no-progress", "--param", "action=fill",
+                        "--param", f"workdir={work}", cwd=cwd)
+        assert done.returncode == 1, done.stdout + done.stderr
+        _no_traceback(done)
+        assert "hetflow resume" in done.stdout + done.stderr
+        (work / "filler").unlink()
+        listed = _hetflow("runs", "--workdir", str(work), cwd=cwd)
+        assert "RUNNING" not in listed.stdout, listed.stdout  # its owner is gone: shown ended
+        run_id = listed.stdout.split()[0]
+        resumed = _hetflow("resume", run_id, "--workdir", str(work), "--no-progress", cwd=cwd)
+        assert resumed.returncode == 0, resumed.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(work)], check=False)
