@@ -141,7 +141,7 @@ def _bucket(comm: Any, table: pa.Table, groups: list[np.ndarray], columns: Any, 
     if p == 1:
         if buckets == 1:
             return table
-        return table.take(pa.array(groups[bucket]))
+        return kernels.arrowtypes.take(table, pa.array(groups[bucket]))
     mine = [groups[r * buckets + bucket] for r in range(p)]
     return tc.shuffle(comm, table, None, mine, columns=columns)
 
