@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 from . import comm as tc
 from . import arrowtypes, kernels, partition, sorting
 from .costmodel import Plan, hockney
-from .errors import InvalidOptionError, UnsupportedAggregationError
+from .errors import AggregateOverflowError, InvalidOptionError, UnsupportedAggregationError
 from .typing import DECOMPOSABLE_AGGS
 
 if TYPE_CHECKING:
@@ -164,12 +164,12 @@ def _group_aggregate(dt: "DTable", table: pa.Table, keys: list[str], aggs: list[
         del hashes, rkey
         shuffled = tc.shuffle(comm, proj, ids)
         del ids, proj
-        out = kernels.group_aggregate(shuffled, keys, aggs, consume=True, schema=schema)  # the shuffle's own buffers
+        out = _collectively(comm, lambda: kernels.group_aggregate(shuffled, keys, aggs, consume=True, schema=schema))
         name = "range-shuffle-compute" if choice == "range" else "shuffle-compute"
     else:
         partial = kernels.partial_aggregate(proj, keys, aggs)
         shuffled = tc.shuffle(comm, partial, partition.partition_ids(partial, keys, p))
-        out = kernels.combine_aggregate(shuffled, keys, aggs, arrowtypes.plain_schema(schema))
+        out = _collectively(comm, lambda: kernels.combine_aggregate(shuffled, keys, aggs, arrowtypes.plain_schema(schema)))
         name = "combine-shuffle-reduce"
     return out, Plan("group_by", name, costs[choice], costs, detail)
 
@@ -183,13 +183,17 @@ def column_aggregates(dt: "DTable", aggs: list[tuple[str, str]]) -> dict[str, An
     out: dict[str, Any] = {}
     dec = [a for a in aggs if _decomposable(table.schema, [a])]
     root = comm.Get_rank() == 0  # results are computed on rank 0 and broadcast: bit-identical replicas
+    error = None
     if dec:
         partial = kernels.partial_aggregate(table, [], dec)
         parts = tc.gather_table(comm, partial, root=0)
         if parts is not None:
-            res = kernels.combine_aggregate(pa.concat_tables(parts), [], dec, kernels.aggregate_schema(table.schema, [], dec))
-            for name in res.schema.names:
-                out[name] = _py(res.column(name), schema.field(name).type)
+            try:
+                res = kernels.combine_aggregate(pa.concat_tables(parts), [], dec, kernels.aggregate_schema(table.schema, [], dec))
+                for name in res.schema.names:
+                    out[name] = _py(res.column(name), schema.field(name).type)
+            except AggregateOverflowError as exc:
+                error = str(exc)
     for col, agg in aggs:
         name = kernels.agg_name(col, agg)
         if (col, agg) in dec:
@@ -208,10 +212,30 @@ def column_aggregates(dt: "DTable", aggs: list[tuple[str, str]]) -> dict[str, An
         else:  # list and the aggregations of non-numeric types: on the gathered column
             parts = tc.gather_table(comm, column, root=0)
             if parts is not None:
-                res = kernels.group_aggregate(pa.concat_tables(parts), [], [(col, agg)])
-                out[name] = _py(res.column(0), schema.field(name).type)
-    final = {name: out[name] for name in schema.names} if root else None
-    return comm.bcast(final, root=0)  # type: ignore[no-any-return]
+                try:
+                    res = kernels.group_aggregate(pa.concat_tables(parts), [], [(col, agg)])
+                    out[name] = _py(res.column(0), schema.field(name).type)
+                except AggregateOverflowError as exc:
+                    error = str(exc)
+    final = {name: out[name] for name in schema.names} if root and error is None else None
+    error, final = comm.bcast((error, final), root=0)
+    if error is not None:  # raised on every rank, not only where it happened
+        raise AggregateOverflowError(error)
+    return final  # type: ignore[no-any-return]
+
+
+def _collectively(comm: Any, kernel: Any) -> pa.Table:
+    """``kernel()`` on every rank; an ``AggregateOverflowError`` on one rank is raised on all of them
+    (the others would otherwise wait in the next collective)."""
+    out, error = None, None
+    try:
+        out = kernel()
+    except AggregateOverflowError as exc:
+        error = str(exc)
+    errors = [e for e in comm.allgather(error) if e is not None]
+    if errors:
+        raise AggregateOverflowError(errors[0])
+    return out  # type: ignore[return-value]
 
 
 def _py(col: pa.ChunkedArray | pa.Array, t: pa.DataType) -> Any:

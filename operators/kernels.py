@@ -108,7 +108,8 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     table = table.rename_columns(schema.names)
     if table.num_rows == 0:
         return schema.empty_table()
-    return table.cast(schema)
+    cols = [c if c.type == f.type else c.cast(f.type) for c, f in zip(table.columns, schema)]
+    return pa.Table.from_arrays(cols, schema=schema)
 
 
 # --------------------------------------------------------------------------- join
@@ -569,6 +570,8 @@ def partial_aggregate(table: pa.Table, keys: Sequence[str], aggs: Sequence[tuple
         if agg == "m2":  # variance(ddof=0) * count
             cnt = agg_cols[spec.index((col, "count"))]
             c = pc.multiply(pc.fill_null(c, 0.0), pc.cast(cnt, pa.float64()))
+        elif agg == "sum" and pa.types.is_integer(table.schema.field(col).type):
+            c = c.cast(pa.decimal128(38, 0))  # one partial type on every rank, merged without wrapping
         cols.append(c)
         names.append(f"{col}__{agg}")
     return pa.table(cols, names=names)
@@ -585,9 +588,6 @@ def combine_aggregate(partials: pa.Table, keys: Sequence[str], aggs: Sequence[tu
             work = work.append_column(f"{col}__nm", pc.multiply(n, m))
             work = work.append_column(f"{col}__nmm", pc.multiply(pc.multiply(n, m), m))
             extra.append(col)
-    for i, name in enumerate(work.schema.names):  # merged integer sums that could wrap: exactly
-        if name.endswith("__sum") and not _int_sum_exact(work.column(i), work.num_rows):
-            work = work.set_column(i, name, work.column(i).cast(pa.decimal128(38, 0)))
     spec: list[tuple[str, str, Any]] = []
     for name in work.schema.names:
         if name in keys:
