@@ -235,7 +235,7 @@ def _collectively(comm: Any, kernel: Any) -> pa.Table:
     errors = [e for e in comm.allgather(error) if e is not None]
     if errors:
         raise AggregateOverflowError(errors[0])
-    return out  # type: ignore[return-value]
+    return out
 
 
 def _py(col: pa.ChunkedArray | pa.Array, t: pa.DataType) -> Any:

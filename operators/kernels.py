@@ -330,7 +330,7 @@ def _int_sum_exact(col: pa.ChunkedArray | pa.Array, rows: int) -> bool:
     if lo is None:
         return True
     limit = 1 << (64 if pa.types.is_unsigned_integer(col.type) else 63)
-    return max(abs(lo), abs(hi)) * rows < limit
+    return bool(max(abs(lo), abs(hi)) * rows < limit)
 
 
 def check_sum(col: pa.ChunkedArray | pa.Array, target: pa.DataType, column: str) -> pa.ChunkedArray | pa.Array:
