@@ -59,6 +59,8 @@ def _decomposable(schema: pa.Schema, aggs: Sequence[tuple[str, str]], keys: Sequ
         if agg not in DECOMPOSABLE_AGGS:
             return False
         t = schema.field(col).type
+        if agg != "count" and not kernels.native_aggregate_type(t):  # partial states need pyarrow's own kernels
+            return False
         if agg in ("sum", "mean", "stddev", "variance") and not (pa.types.is_integer(t) or pa.types.is_floating(t)):
             return False
     return True

@@ -239,6 +239,10 @@ class DTable:
             ta, tb = self.schema.field(a).type, right.schema.field(b).type
             if _norm_type(ta) != _norm_type(tb):
                 raise KeyTypeMismatchError(f"join key type mismatch: left {a!r} is {ta}, right {b!r} is {tb}")
+        if algorithm == "sort":
+            for a, b in zip(lk, rk):
+                _check_orderable(self.schema.field(a), "join algorithm 'sort'")
+                _check_orderable(right.schema.field(b), "join algorithm 'sort'")
         p = self._comm.Get_size()
         target = kernels.join_schema(self.schema, right.schema, rk, how, suffix)[0]
         lt, rt = arrowtypes.to_kernel(self._table), arrowtypes.to_kernel(right._table)
@@ -296,9 +300,7 @@ class DTable:
             raise InvalidOptionError("nulls", nulls, NULL_PLACEMENTS)
         self._check_columns([c for c, _ in by], "sort_by")
         for c, _ in by:
-            t = arrowtypes.plain_type(self.schema.field(c).type)
-            if pa.types.is_interval(t) or pa.types.is_map(t):
-                raise UnsupportedTypeError(f"sort_by: column {c!r} of type {self.schema.field(c).type} has no order")
+            _check_orderable(self.schema.field(c), "sort_by")
         p = self._comm.Get_size()
         out = arrowtypes.restore(sorting.sample_sort(self._comm, arrowtypes.to_kernel(self._table), by, nulls), self.schema)
         est = hockney(self._comm).shuffle(p, self._bytes()[1]) + hockney(self._comm).allgather(p, 64.0 * sorting.SAMPLES_PER_RANK * p)
@@ -384,6 +386,14 @@ class DTable:
         from .io import write_partitions
 
         return write_partitions(self._comm, self._table, directory, "ipc")
+
+
+def _check_orderable(field: pa.Field, what: str) -> None:
+    """Sort keys: scalars only (intervals have no order; lists, structs and maps are not range-partitioned)."""
+    t = arrowtypes.plain_type(field.type)
+    if t.num_fields or pa.types.is_interval(t):
+        raise UnsupportedTypeError(f"{what}: column {field.name!r} of type {field.type} cannot be a sort key "
+                                   "(numbers, strings, binaries, temporal types and decimals can)")
 
 
 def _sort_keys(sorting_: SortKey | Sequence[SortKey]) -> list[tuple[str, str]]:

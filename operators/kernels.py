@@ -252,7 +252,7 @@ def _pa_options(agg: str) -> Any:
     return None
 
 
-def _native(t: pa.DataType) -> bool:
+def native_aggregate_type(t: pa.DataType) -> bool:
     """Types whose values pyarrow's hash aggregates take directly (after ``arrowtypes.to_kernel``)."""
     return bool(pa.types.is_integer(t) or pa.types.is_floating(t) and not pa.types.is_float16(t)
                 or pa.types.is_decimal128(t) or pa.types.is_decimal256(t) or pa.types.is_boolean(t)
@@ -381,7 +381,7 @@ def _pa_group_by(table: pa.Table, keys: Sequence[str], aggs: Sequence[tuple[str,
         p = src.type
         ct = _compute_type(p)
         out_t = schema.field(agg_name(col, agg)).type
-        if agg in ("first", "last", "list") and (not _native(p) and ct is None or agg != "list" and (
+        if agg in ("first", "last", "list") and (not native_aggregate_type(p) and ct is None or agg != "list" and (
                 pa.types.is_decimal(p) or pa.types.is_fixed_size_binary(p))):  # no hash_first_last kernel
             i = add(pos_name, pa.array(np.arange(table.num_rows, dtype=np.int64)),
                     {"first": "first", "last": "last", "list": "list"}[agg], _pa_options(agg) if agg != "list" else None)

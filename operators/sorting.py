@@ -37,7 +37,8 @@ def _value(col: pa.ChunkedArray, i: int) -> Any:
         return None
     t = s.type
     if pa.types.is_temporal(t):
-        return s.cast(pa.int64()).as_py() if not pa.types.is_date32(t) else s.cast(pa.int32()).as_py()
+        narrow = pa.types.is_date32(t) or pa.types.is_time32(t)  # 32-bit storage casts only to int32
+        return s.cast(pa.int32() if narrow else pa.int64()).as_py()
     return s.as_py()
 
 

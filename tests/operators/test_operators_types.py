@@ -38,7 +38,7 @@ KEYS: dict[str, pa.DataType] = {
     "dict_string": pa.dictionary(pa.int32(), pa.string()), "dict_int": pa.dictionary(pa.int16(), pa.int64()),
     "large_string": pa.large_string(), "decimal128": pa.decimal128(12, 2), "decimal256": pa.decimal256(40, 5),
     "timestamp_tz": pa.timestamp("us", tz="America/New_York"), "duration": pa.duration("s"),
-    "float16": pa.float16(), "fixed_binary": pa.binary(2),
+    "float16": pa.float16(), "fixed_binary": pa.binary(2), "time32": pa.time32("s"),
 }
 NESTED_KEYS: dict[str, pa.DataType] = {"list": pa.list_(pa.int64()), "struct": pa.struct([("a", pa.int8()), ("b", pa.string())])}
 ORDERED = [k for k in KEYS]
@@ -66,6 +66,8 @@ def value(t: pa.DataType, x: int) -> Any:
         return dt.datetime(2024, 3, 10, 1, tzinfo=dt.timezone.utc) + dt.timedelta(hours=x, milliseconds=x)
     if pa.types.is_duration(t):
         return dt.timedelta(seconds=x - 5)
+    if pa.types.is_time(t):
+        return dt.time(x % 24, x % 60, 7)
     if pa.types.is_decimal(t):
         return Decimal(x - 7) / 8 if t.scale >= 3 else Decimal(x - 7) / 4
     if pa.types.is_float16(t):
@@ -129,6 +131,8 @@ def friendly_type(t: pa.DataType) -> pa.DataType:
         return pa.int64()
     if pa.types.is_timestamp(t):
         return pa.timestamp("us", tz=t.tz)
+    if pa.types.is_time(t):
+        return pa.time64("us")
     return t
 
 
@@ -265,6 +269,40 @@ def test_types_join(comm: Any, kind: str, how: str) -> None:
         check(got, D.duck(sql, l=friendly(wl), r=friendly(wr)), f"seed={seed} join {how} key={kind} ranks={size}")
 
 
+@pytest.mark.parametrize("kind", ["string_view", "dict_int", "decimal256", "timestamp_tz", "float16", "time32"])
+@pytest.mark.parametrize("algorithm", ["broadcast", "sort"])
+def test_types_join_algorithms(comm: Any, kind: str, algorithm: str) -> None:
+    """The broadcast and the sort-merge (range-partitioned) join with the same types."""
+    from hetflow.operators import DTable
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    seed = 9250 + list(KEYS).index(kind)
+    payload = {n: PAYLOAD[n] for n in ("sv", "llv", "dct", "d256", "f16")}
+    left = DTable(comm, table(seed, rank, size, KEYS[kind], n=20, payload=payload, stream=1))
+    right = DTable(comm, table(seed, rank, size, KEYS[kind], n=10, payload={"bv": PAYLOAD["bv"]}, stream=2))
+    res = left.join(right, "k", how="left", algorithm=algorithm)
+    out = pa.schema(list(left.schema) + [pa.field("id_right", pa.int64()), right.schema.field("bv")])
+    got = _gather_check_schema(res, out, f"join {algorithm} key={kind}")
+    wl, wr = left.gather(), right.gather()
+    if rank == 0:
+        assert got is not None
+        lcols = ", ".join(f"l.{D.q(c)}" for c in wl.schema.names)
+        want = D.duck(f"SELECT {lcols}, r.id AS id_right, r.bv FROM l LEFT JOIN r ON l.k = r.k", l=friendly(wl), r=friendly(wr))
+        check(got, want, f"seed={seed} join {algorithm} key={kind} ranks={size}")
+
+
+@pytest.mark.parametrize("kind", ["list", "struct"])
+def test_types_without_order_are_refused_as_sort_keys(comm: Any, kind: str) -> None:
+    from hetflow.operators import DTable
+    from hetflow.operators.errors import UnsupportedTypeError
+
+    t = DTable(comm, table(9280, comm.Get_rank(), comm.Get_size(), NESTED_KEYS[kind], payload={}))
+    with pytest.raises(UnsupportedTypeError, match="'k'.*cannot be a sort key"):
+        t.sort_by("k")
+    with pytest.raises(UnsupportedTypeError, match="cannot be a sort key"):
+        t.join(t, "k", algorithm="sort")
+
+
 # --------------------------------------------------------------------------- group-by
 
 
@@ -299,6 +337,29 @@ def test_types_group_by(comm: Any, kind: str, algorithm: str) -> None:
         exprs = ", ".join(SQL[a].format(c=D.q(c)) for c, a in aggs)
         want = D.duck(f"SELECT k, {exprs} FROM t GROUP BY k", t=D.with_index(friendly(whole)))
         check(got, want, f"seed={seed} group_by key={kind} layout={layout} algorithm={algorithm} ranks={size}")
+
+
+@pytest.mark.parametrize("kind", ["string_view", "dict_string", "int64"])
+def test_types_group_by_few_groups(comm: Any, kind: str) -> None:
+    """Few groups (auto takes combine-shuffle-reduce where the value types allow it) with min/max/count
+    of every orderable type, and sums/means of the numbers."""
+    from hetflow.operators import DTable
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    seed = 9350 + list(KEYS).index(kind)
+    t = DTable(comm, table(seed, rank, size, KEYS[kind], n=40, domain=3))
+    numeric = [("id", "sum"), ("id", "mean"), ("id", "max"), ("id", "count")]
+    cases = [(MINMAX + [(c, "count") for c in ORDERABLE] + numeric, "auto"), (numeric, "auto"),
+             (numeric, "combine"), (MINMAX, "shuffle")]
+    got = [t.group_by("k").aggregate(aggs, algorithm=alg if size > 1 else "auto").gather() for aggs, alg in cases]
+    whole = t.gather()
+    if rank == 0:
+        assert whole is not None
+        for (aggs, alg), g in zip(cases, got):
+            assert g is not None
+            exprs = ", ".join(SQL[a].format(c=D.q(c)) for c, a in aggs)
+            want = D.duck(f"SELECT k, {exprs} FROM t GROUP BY k", t=friendly(whole))
+            check(g, want, f"seed={seed} few groups key={kind} algorithm={alg} aggs={len(aggs)} ranks={size}")
 
 
 # --------------------------------------------------------------------------- partitioned I/O
