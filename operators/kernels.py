@@ -18,9 +18,11 @@ group-by sum   1.7 s     1.4 s     0.95 s    0.31 s (sort + reduceat) -> intkeys
 
 (CPU seconds; sort is the permutation only.)
 
-All engines read the Arrow buffers without copying; results are cast back to
-the schema pyarrow itself would produce, so a result never depends on which
-engine ran.
+All engines read the Arrow buffers without copying; results are cast to one
+schema (``join_schema``, ``aggregate_schema``: SQL's types, as DuckDB gives them),
+so a result never depends on which engine ran.  Kernels take plain tables
+(``arrowtypes.to_kernel``: no view layouts, no dictionaries); the operators cast
+their results back to the input's types.
 """
 
 from __future__ import annotations
