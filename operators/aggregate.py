@@ -33,9 +33,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import comm as tc
-from . import kernels, partition, sorting
+from . import arrowtypes, kernels, partition, sorting
 from .costmodel import Plan, hockney
-from .errors import InvalidOptionError, UnsupportedAggregationError
+from .errors import AggregateOverflowError, InvalidOptionError, UnsupportedAggregationError
 from .typing import DECOMPOSABLE_AGGS
 
 if TYPE_CHECKING:
@@ -50,11 +50,17 @@ SAMPLE_STRIDE = 8
 SAMPLE_MIN_ROWS = 1 << 16
 
 
-def _decomposable(schema: pa.Schema, aggs: Sequence[tuple[str, str]]) -> bool:
+def _decomposable(schema: pa.Schema, aggs: Sequence[tuple[str, str]], keys: Sequence[str] = ()) -> bool:
+    for k in keys:  # the partial states are grouped by pyarrow on the keys as they are
+        t = schema.field(k).type
+        if arrowtypes.key_encoding(t) is not None or t.num_fields:
+            return False
     for col, agg in aggs:
         if agg not in DECOMPOSABLE_AGGS:
             return False
         t = schema.field(col).type
+        if agg != "count" and not kernels.native_aggregate_type(t):  # partial states need pyarrow's own kernels
+            return False
         if agg in ("sum", "mean", "stddev", "variance") and not (pa.types.is_integer(t) or pa.types.is_floating(t)):
             return False
     return True
@@ -101,16 +107,22 @@ def _groups_from_sample(values: np.ndarray) -> int:
 
 
 def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], algorithm: str) -> "DTable":
-    table = dt.to_arrow()
     dt._check_columns([c for c, _ in aggs], "aggregate")
-    schema = kernels.aggregate_schema(table.schema, keys, aggs)  # validates names and types
+    schema = kernels.aggregate_schema(dt.schema, keys, aggs)  # validates names and types
+    needed = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))
+    out, plan = _group_aggregate(dt, arrowtypes.to_kernel(dt.to_arrow().select(needed)), keys, aggs, algorithm, schema)
+    return dt._derive(arrowtypes.restore(out, schema), plan)
+
+
+def _group_aggregate(dt: "DTable", table: pa.Table, keys: list[str], aggs: list[tuple[str, str]], algorithm: str,
+                     schema: pa.Schema) -> tuple[pa.Table, Plan]:
     table = partition.canonical_floats(table, keys)  # -0.0 and 0.0 (and all NaNs) are one group
     comm = dt.comm
     p = comm.Get_size()
     needed = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))
     if p == 1:
-        return dt._derive(kernels.group_aggregate(table, keys, aggs), Plan("group_by", "local aggregate (1 rank)", 0.0))
-    decomposable = _decomposable(table.schema, aggs)
+        return kernels.group_aggregate(table, keys, aggs, schema=schema), Plan("group_by", "local aggregate (1 rank)", 0.0)
+    decomposable = _decomposable(table.schema, aggs, keys)
     if algorithm == "combine" and not decomposable:
         raise UnsupportedAggregationError(
             f"combine-shuffle-reduce needs decomposable numeric aggregations {sorted(DECOMPOSABLE_AGGS)}; got {aggs}")
@@ -154,32 +166,36 @@ def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], 
         del hashes, rkey
         shuffled = tc.shuffle(comm, proj, ids)
         del ids, proj
-        out = kernels.group_aggregate(shuffled, keys, aggs, consume=True)  # the shuffle's own buffers
+        out = _collectively(comm, lambda: kernels.group_aggregate(shuffled, keys, aggs, consume=True, schema=schema))
         name = "range-shuffle-compute" if choice == "range" else "shuffle-compute"
     else:
         partial = kernels.partial_aggregate(proj, keys, aggs)
         shuffled = tc.shuffle(comm, partial, partition.partition_ids(partial, keys, p))
-        out = kernels.combine_aggregate(shuffled, keys, aggs, schema)
+        out = _collectively(comm, lambda: kernels.combine_aggregate(shuffled, keys, aggs, arrowtypes.plain_schema(schema)))
         name = "combine-shuffle-reduce"
-    return dt._derive(out, Plan("group_by", name, costs[choice], costs, detail))
+    return out, Plan("group_by", name, costs[choice], costs, detail)
 
 
 def column_aggregates(dt: "DTable", aggs: list[tuple[str, str]]) -> dict[str, Any]:
     """Replicated whole-table aggregates as Python values keyed ``<col>_<agg>``."""
-    table = dt.to_arrow()
     dt._check_columns([c for c, _ in aggs], "aggregate")
-    schema = kernels.aggregate_schema(table.schema, [], aggs)
+    schema = kernels.aggregate_schema(dt.schema, [], aggs)
+    table = arrowtypes.to_kernel(dt.to_arrow().select(list(dict.fromkeys(c for c, _ in aggs))))
     comm = dt.comm
     out: dict[str, Any] = {}
     dec = [a for a in aggs if _decomposable(table.schema, [a])]
     root = comm.Get_rank() == 0  # results are computed on rank 0 and broadcast: bit-identical replicas
+    error = None
     if dec:
         partial = kernels.partial_aggregate(table, [], dec)
         parts = tc.gather_table(comm, partial, root=0)
         if parts is not None:
-            res = kernels.combine_aggregate(pa.concat_tables(parts), [], dec, kernels.aggregate_schema(table.schema, [], dec))
-            for name in res.schema.names:
-                out[name] = res.column(name)[0].as_py()
+            try:
+                res = kernels.combine_aggregate(pa.concat_tables(parts), [], dec, kernels.aggregate_schema(table.schema, [], dec))
+                for name in res.schema.names:
+                    out[name] = _py(res.column(name), schema.field(name).type)
+            except AggregateOverflowError as exc:
+                error = str(exc)
     for col, agg in aggs:
         name = kernels.agg_name(col, agg)
         if (col, agg) in dec:
@@ -191,14 +207,39 @@ def column_aggregates(dt: "DTable", aggs: list[tuple[str, str]]) -> dict[str, An
             out[name] = tc.allreduce_sum(comm, local)
         elif agg in ("first", "last"):
             n = column.num_rows
-            mine = None if n == 0 else column.column(col)[0 if agg == "first" else n - 1].as_py()
+            mine = None if n == 0 else _py(column.column(col).slice(0 if agg == "first" else n - 1, 1), schema.field(name).type)
             every = comm.allgather((n > 0, mine))
             vals = [v for has, v in every if has]
             out[name] = None if not vals else (vals[0] if agg == "first" else vals[-1])
         else:  # list and the aggregations of non-numeric types: on the gathered column
             parts = tc.gather_table(comm, column, root=0)
             if parts is not None:
-                res = kernels.group_aggregate(pa.concat_tables(parts), [], [(col, agg)])
-                out[name] = res.column(0)[0].as_py()
-    final = {name: out[name] for name in schema.names} if root else None
-    return comm.bcast(final, root=0)  # type: ignore[no-any-return]
+                try:
+                    res = kernels.group_aggregate(pa.concat_tables(parts), [], [(col, agg)])
+                    out[name] = _py(res.column(0), schema.field(name).type)
+                except AggregateOverflowError as exc:
+                    error = str(exc)
+    final = {name: out[name] for name in schema.names} if root and error is None else None
+    error, final = comm.bcast((error, final), root=0)
+    if error is not None:  # raised on every rank, not only where it happened
+        raise AggregateOverflowError(error)
+    return final  # type: ignore[no-any-return]
+
+
+def _collectively(comm: Any, kernel: Any) -> pa.Table:
+    """``kernel()`` on every rank; an ``AggregateOverflowError`` on one rank is raised on all of them
+    (the others would otherwise wait in the next collective)."""
+    out, error = None, None
+    try:
+        out = kernel()
+    except AggregateOverflowError as exc:
+        error = str(exc)
+    errors = [e for e in comm.allgather(error) if e is not None]
+    if errors:
+        raise AggregateOverflowError(errors[0])
+    return out
+
+
+def _py(col: pa.ChunkedArray | pa.Array, t: pa.DataType) -> Any:
+    """The first value of a kernel's result column as a Python value of the user's type ``t``."""
+    return arrowtypes.restore_column(col.slice(0, 1), t)[0].as_py()

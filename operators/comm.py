@@ -193,7 +193,9 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence
     rmeta = np.empty_like(meta)
     comm.Alltoall(meta, rmeta)
     if raw is None or not rmeta[:, 1].all():  # some rank has nulls or a variable-width column
-        parts = [table.take(pa.array(g)) for g in groups]
+        from . import arrowtypes
+
+        parts = [arrowtypes.take(table, pa.array(g)) for g in groups]
         del groups
         return pa.concat_tables(alltoall_tables(comm, parts))
     rows_in = rmeta[:, 0].copy()

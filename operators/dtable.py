@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import comm as tc
-from . import hashjoin, kernels, memory, partition, sorting
+from . import arrowtypes, hashjoin, kernels, memory, partition, sorting
 from .costmodel import Plan, hockney
-from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
+from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError, UnsupportedTypeError
 from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS,
                      NULL_PLACEMENTS, ROLLING_AGG_NAMES, SORT_ORDERS, Aggregation, Keys, SortKey)
 
@@ -36,6 +36,8 @@ def _keys(keys: Keys) -> list[str]:
 
 
 def _norm_type(t: pa.DataType) -> pa.DataType:
+    """The key type two join sides must agree on: views, large and dictionary-encoded layouts count as one."""
+    t = arrowtypes.plain_type(t)
     if pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return pa.string()
     if pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
@@ -140,12 +142,12 @@ class DTable:
         """Rows where ``expr`` (a ``pyarrow.compute`` expression or ``fn(table) -> bool mask``) is true."""
         if isinstance(expr, pc.Expression):
             try:
-                out = self._table.filter(expr)
+                out = arrowtypes.filter_table(self._table, expr)
             except (pa.ArrowInvalid, KeyError) as exc:
                 self._raise_missing_field(exc)
                 raise
         else:
-            out = self._table.filter(expr(self._table))
+            out = arrowtypes.filter_table(self._table, expr(self._table))
         return self._derive(out)
 
     def _raise_missing_field(self, exc: Exception) -> None:
@@ -237,11 +239,16 @@ class DTable:
             ta, tb = self.schema.field(a).type, right.schema.field(b).type
             if _norm_type(ta) != _norm_type(tb):
                 raise KeyTypeMismatchError(f"join key type mismatch: left {a!r} is {ta}, right {b!r} is {tb}")
+        if algorithm == "sort":
+            for a, b in zip(lk, rk):
+                _check_orderable(self.schema.field(a), "join algorithm 'sort'")
+                _check_orderable(right.schema.field(b), "join algorithm 'sort'")
         p = self._comm.Get_size()
-        lt, rt = self._table, right._table
+        target = kernels.join_schema(self.schema, right.schema, rk, how, suffix)[0]
+        lt, rt = arrowtypes.to_kernel(self._table), arrowtypes.to_kernel(right._table)
         if p == 1:
             buckets = hashjoin.bucket_count(max(lt.num_rows, rt.num_rows), shuffled=False)
-            out = hashjoin.hash_join(self._comm, lt, rt, lk, rk, how, suffix, buckets)
+            out = arrowtypes.restore(hashjoin.hash_join(self._comm, lt, rt, lk, rk, how, suffix, buckets), target)
             return self._derive(out, Plan("join", f"local {how} (1 rank)", 0.0,
                                           detail=f"local kernel DuckDB {how} join in {buckets} hash bucket(s)"))
         model = hockney(self._comm)
@@ -283,7 +290,7 @@ class DTable:
         detail = f"left {l_total / 1e6:.1f} MB, right {r_total / 1e6:.1f} MB, local kernel DuckDB {how} join"
         if choice == "hash":
             detail += f", shuffled and joined in {buckets} hash bucket(s) per rank"
-        return self._derive(out, Plan("join", name, costs[choice], costs, detail))
+        return self._derive(arrowtypes.restore(out, target), Plan("join", name, costs[choice], costs, detail))
 
     # ------------------------------------------------------------------ sort / rolling
     def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "at_end") -> "DTable":
@@ -292,8 +299,10 @@ class DTable:
         if nulls not in NULL_PLACEMENTS:
             raise InvalidOptionError("nulls", nulls, NULL_PLACEMENTS)
         self._check_columns([c for c, _ in by], "sort_by")
+        for c, _ in by:
+            _check_orderable(self.schema.field(c), "sort_by")
         p = self._comm.Get_size()
-        out = sorting.sample_sort(self._comm, self._table, by, nulls)
+        out = arrowtypes.restore(sorting.sample_sort(self._comm, arrowtypes.to_kernel(self._table), by, nulls), self.schema)
         est = hockney(self._comm).shuffle(p, self._bytes()[1]) + hockney(self._comm).allgather(p, 64.0 * sorting.SAMPLES_PER_RANK * p)
         return self._derive(out, Plan("sort_by", "sample sort (regular sampling, PSRS)" if p > 1 else "local sort", est,
                                       detail="local kernel numpy packed sort (one integer-like key without nulls) "
@@ -340,18 +349,19 @@ class DTable:
         ks = self.column_names if keys is None else _keys(keys)
         self._check_columns(ks, "unique")
         p = self._comm.Get_size()
-        shuffled = self._shuffle(self._table, ks)
+        shuffled = self._shuffle(arrowtypes.to_kernel(self._table), ks)
         est = hockney(self._comm).shuffle(p, self._bytes()[1])
-        return self._derive(kernels.first_per_key(shuffled, ks), Plan("unique", "hash-shuffle + first per key" if p > 1 else "local", est))
+        return self._derive(arrowtypes.restore(kernels.first_per_key(shuffled, ks), self.schema), Plan("unique", "hash-shuffle + first per key" if p > 1 else "local", est))
 
     def _set_op(self, other: "DTable", op: str) -> "DTable":
         if not other.schema.remove_metadata().equals(self.schema.remove_metadata()):
             raise SchemaMismatchError(f"{op}: schemas differ: {tc._short(self.schema)} vs {tc._short(other.schema)}")
         cols = self.column_names
         p = self._comm.Get_size()
-        a, b = self._shuffle(self._table, cols), self._shuffle(other._table, cols)
+        a = self._shuffle(arrowtypes.to_kernel(self._table), cols)
+        b = self._shuffle(arrowtypes.to_kernel(other._table.cast(self.schema)), cols)
         est = hockney(self._comm).shuffle(p, self._bytes()[1] + other._bytes()[1])
-        return self._derive(kernels.set_operation(a, b, op), Plan(op, "hash-shuffle both sides on all columns" if p > 1 else "local", est))
+        return self._derive(arrowtypes.restore(kernels.set_operation(a, b, op), self.schema), Plan(op, "hash-shuffle both sides on all columns" if p > 1 else "local", est))
 
     def union(self, other: "DTable", *, distinct: bool = True) -> "DTable":
         if not distinct:
@@ -376,6 +386,14 @@ class DTable:
         from .io import write_partitions
 
         return write_partitions(self._comm, self._table, directory, "ipc")
+
+
+def _check_orderable(field: pa.Field, what: str) -> None:
+    """Sort keys: scalars only (intervals have no order; lists, structs and maps are not range-partitioned)."""
+    t = arrowtypes.plain_type(field.type)
+    if t.num_fields or pa.types.is_interval(t):
+        raise UnsupportedTypeError(f"{what}: column {field.name!r} of type {field.type} cannot be a sort key "
+                                   "(numbers, strings, binaries, temporal types and decimals can)")
 
 
 def _sort_keys(sorting_: SortKey | Sequence[SortKey]) -> list[tuple[str, str]]:

@@ -50,3 +50,11 @@ class InvalidOptionError(OperatorError, ValueError):
 
 class InputError(OperatorError, FileNotFoundError):
     """Partitioned input that cannot be read (no file matches, unreadable file)."""
+
+
+class AggregateOverflowError(OperatorError, OverflowError):
+    """An integer sum that leaves the range of its result type (it is never wrapped silently)."""
+
+
+class UnsupportedTypeError(OperatorError, TypeError):
+    """A column whose Arrow type the operation cannot take (e.g. sorting by an interval)."""

@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import comm as tc
-from . import kernels, partition
+from . import arrowtypes, kernels, partition
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def _bucket(comm: Any, table: pa.Table, groups: list[np.ndarray], columns: Any, 
     if p == 1:
         if buckets == 1:
             return table
-        return table.take(pa.array(groups[bucket]))
+        return arrowtypes.take(table, pa.array(groups[bucket]))
     mine = [groups[r * buckets + bucket] for r in range(p)]
     return tc.shuffle(comm, table, None, mine, columns=columns)
 

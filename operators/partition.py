@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import memory
+from . import arrowtypes, memory
 
 _INTLIKE = (pa.types.is_integer, pa.types.is_date, pa.types.is_timestamp, pa.types.is_duration, pa.types.is_boolean)
 
@@ -55,6 +55,9 @@ def canonical_floats(table: pa.Table, names: Sequence[str]) -> pa.Table:
     values SQL calls equal (DuckDB: -0.0 = 0.0, NaN = NaN) hash and group alike."""
     for name in names:
         col = table.column(name)
+        if pa.types.is_float16(col.type):  # no arithmetic kernels for halffloat: as float, exactly
+            col = col.cast(pa.float32())
+            table = table.set_column(table.schema.get_field_index(name), pa.field(name, col.type), col)
         if pa.types.is_floating(col.type) and col.num_chunks:
             fixed = pc.if_else(pc.is_nan(col), pa.scalar(float("nan"), col.type), pc.add(col, pa.scalar(0.0, col.type)))
             table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), fixed)
@@ -67,6 +70,7 @@ def hash_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
     The high bits are the well-mixed ones (``ids_from_hash`` uses them)."""
     if table.num_rows == 0:
         return np.empty(0, dtype=np.uint64)
+    table = arrowtypes.encode_keys(arrowtypes.to_kernel(table.select(list(keys))), keys)
     if len(keys) == 1 and any(pred(table.schema.field(keys[0]).type) for pred in _INTLIKE):
         return _fibonacci(_as_int64_numpy(table.column(keys[0])).astype(np.int64, copy=False))
     import polars as pl
@@ -117,7 +121,7 @@ def split_by_ids(table: pa.Table, ids: np.ndarray, n: int) -> list[pa.Table]:
     if len(nonzero) == 1:  # everything goes to one part: no copy
         return [table if j == nonzero[0] else table.slice(0, 0) for j in range(n)]
     # one take per part: each part owns its buffers, so sent parts can be freed independently
-    return [table.take(pa.array(g)) if g.size else table.slice(0, 0) for g in split_indices(ids, n)]
+    return [arrowtypes.take(table, pa.array(g)) if g.size else table.slice(0, 0) for g in split_indices(ids, n)]
 
 
 def hash_partition(table: pa.Table, keys: Sequence[str], n: int) -> list[pa.Table]:

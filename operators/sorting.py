@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import comm as tc
-from . import kernels, memory
+from . import arrowtypes, kernels, memory
 
 SAMPLES_PER_RANK = 32
 #: at least this many samples in all for the integer-key splitters (``range_ids``): the share of a
@@ -37,7 +37,8 @@ def _value(col: pa.ChunkedArray, i: int) -> Any:
         return None
     t = s.type
     if pa.types.is_temporal(t):
-        return s.cast(pa.int64()).as_py() if not pa.types.is_date32(t) else s.cast(pa.int32()).as_py()
+        narrow = pa.types.is_date32(t) or pa.types.is_time32(t)  # 32-bit storage casts only to int32
+        return s.cast(pa.int32() if narrow else pa.int64()).as_py()
     return s.as_py()
 
 
@@ -205,7 +206,7 @@ def sample_sort(comm: Any, table: pa.Table, by: Sequence[tuple[str, str]], nulls
         return kernels.sort(table, by, nulls)
     if table.num_rows > 1:
         perm = kernels.sort_indices(table, by, nulls)
-        local = table.take(pa.array(perm))
+        local = arrowtypes.take(table, pa.array(perm))
     else:
         perm = np.arange(table.num_rows, dtype=np.int64)
         local = table
@@ -237,7 +238,7 @@ def range_partition(comm: Any, tables: Sequence[pa.Table], keysets: Sequence[Seq
         n = t.num_rows
         k = min(n, SAMPLES_PER_RANK)
         idx = (np.arange(k, dtype=np.int64) * n) // max(k, 1)
-        samples.append(t.select(list(keys)).take(pa.array(idx)).rename_columns(list(first)).cast(tables[0].select(list(first)).schema))
+        samples.append(arrowtypes.take(t.select(list(keys)), pa.array(idx)).rename_columns(list(first)).cast(tables[0].select(list(first)).schema))
     sample = pa.concat_tables(samples)
     everyone = pa.concat_tables(tc.allgather_table(comm, sample))
     out = []
