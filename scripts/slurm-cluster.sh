@@ -144,6 +144,7 @@ start() {
     check_tools
     if all_running && nodes_answer; then
         say "already running ($STATE)"
+        echo "export SLURM_CONF=$SLURM_CONF"
         return 0
     fi
     stop_daemons   # a partial cluster: stop what is ours and start afresh
