@@ -10,7 +10,8 @@ message saying how to get one.
 
 ``srun`` runs in its own session; a timeout, cancel or shutdown sends it
 SIGTERM (srun passes it to every rank of the step), then SIGKILL to the
-group.  Slurm ends the step's remote processes when ``srun`` goes.
+group; a step that is still listed after that (found by its name,
+``hetflow-<task>``) is ended with ``scancel``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..errors import ConfigError, HetflowError
 from ..launchers.srun import SrunStep
 from ..slurm_allocation import Allocation, current_allocation
 from .base import Backend, LaunchSpec, TaskOutcome
+from .ranks import safe_name
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class SlurmBackend(Backend):
         super().__init__(pilot, run_dir)
         self._allocation: Allocation | None = None
         self._launcher: SrunStep | None = None
+        self._srun = "srun"
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cancelled: set[str] = set()
         self._threads: dict[str, threading.Thread] = {}
@@ -67,6 +70,7 @@ class SlurmBackend(Backend):
                               f"({', '.join(alloc.nodes)}) x {cores} CPUs x {gpus} GPUs; give the run a pilot "
                               "config with `backend: slurm` so the pilot takes the allocation's shape")
         self._allocation = alloc
+        self._srun = srun
         self._launcher = SrunStep(srun)
         log.info("slurm backend in job %s: nodes %s", alloc.job_id, ", ".join(alloc.nodes[:pilot.nodes]))
 
@@ -79,7 +83,8 @@ class SlurmBackend(Backend):
     def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._launcher is None:
             raise HetflowError("SlurmBackend.launch() called before start()")
-        argv = self._launcher.argv(spec.argv, spec.slots, self.node_names())
+        step = SrunStep(self._srun, job_name=step_name(spec.task_id))
+        argv = step.argv(spec.argv, spec.slots, self.node_names())
         future: Future[TaskOutcome] = Future()
         future.set_running_or_notify_cancel()
         thread = threading.Thread(target=self._run, args=(spec, argv, future), name=f"hetflow-step-{spec.task_id}",
@@ -136,6 +141,8 @@ class SlurmBackend(Backend):
                 break
         with self._lock:
             cancelled = spec.task_id in self._cancelled
+        if (timed_out or cancelled) and self._allocation is not None:
+            _end_step(self._allocation.job_id, step_name(spec.task_id))
         code = proc.returncode
         return TaskOutcome(task_id=spec.task_id, returncode=code, timed_out=timed_out, cancelled=cancelled,
                            signal=-code if code is not None and code < 0 else None, started=started,
@@ -159,6 +166,28 @@ class SlurmBackend(Backend):
             self.cancel(task_id)
         for _, thread in running:
             thread.join(timeout=2 * KILL_GRACE + 5)
+
+
+def step_name(task_id: str) -> str:
+    """The job step's name: finds a step whose ``srun`` is gone."""
+    return f"hetflow-{safe_name(task_id)}"
+
+
+def _end_step(job_id: str, name: str) -> None:
+    """``scancel`` the steps of job ``job_id`` named ``name`` that are still listed."""
+    try:
+        listed = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], capture_output=True,
+                                text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not list the steps of job %s to end %s: %s", job_id, name, exc)
+        return
+    steps = [line.split()[0] for line in listed.stdout.splitlines() if line.split()[1:] == [name]]
+    if steps:
+        log.warning("job steps %s (%s) outlived their srun; scancel", steps, name)
+        try:
+            subprocess.run(["scancel", "--quiet", *steps], timeout=30, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("could not scancel %s: %s", steps, exc)
 
 
 def _log(path: Path | None) -> int:

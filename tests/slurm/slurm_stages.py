@@ -30,3 +30,19 @@ def sort_rows(ctx, rows):
 def noop(ctx):
     """A trivial one-rank stage: what the per-task overhead is measured with."""
     return {}
+
+
+def fail_on_last_rank(ctx):
+    """The last rank raises; the others wait in a barrier that only the abort ends."""
+    if ctx.rank == ctx.size - 1:
+        raise ValueError(f"boom on rank {ctx.rank} of {ctx.size}")
+    ctx.comm.barrier()
+    return {}
+
+
+def sleep_long(ctx):
+    """Outlives its stage's timeout on every rank."""
+    import time
+
+    time.sleep(300)
+    return {}

@@ -86,3 +86,18 @@ def test_pipeline_on_backend_slurm_spans_two_nodes_and_matches_local(slurm_env: 
     assert slurm["partitions"] == local["partitions"]
     _no_jobs_left(slurm_env)
     assert _leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.timeout(300)
+def test_failed_rank_and_timeout_end_their_job_steps(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-faults", sys.executable,
+            str(HERE / "run_faults.py"), str(tmp_path)]
+    done = subprocess.run(argv, env=slurm_env, capture_output=True, text=True, timeout=240)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    failed, slept = record["stages"]["fail_on_last_rank"], record["stages"]["sleep_long"]
+    assert failed["nodes"] == ["n1", "n2"] and slept["nodes"] == ["n1", "n2"], record
+    assert failed["state"] == "FAILED" and failed["failed_rank"] == 1, failed
+    assert "boom on rank 1 of 2" in failed["error"], failed
+    assert slept["state"] == "TIMED_OUT", slept
+    _no_jobs_left(slurm_env)
+    assert _leftovers(str(tmp_path)) == []
