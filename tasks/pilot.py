@@ -127,7 +127,10 @@ class PilotDescription:
         """Fill detected values (cores, GPUs, memory of this machine) for a local pilot,
         or the allocation's shape for a ``slurm`` pilot (:func:`_from_allocation`)."""
         if self.backend == "slurm":
-            return _from_allocation(self)
+            # once shaped (or given a shape, e.g. by --backend slurm), a slurm pilot stays as it is
+            if self.cores_per_node is None or self.gpus_per_node is None:
+                return _from_allocation(self)
+            return self
         if self.cores_per_node is not None and self.gpus_per_node is not None and self.memory_per_node is not None:
             return self
         changes: dict[str, Any] = {}

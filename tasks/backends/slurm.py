@@ -69,6 +69,10 @@ class SlurmBackend(Backend):
             raise ConfigError(f"{pilot.shape()} does not fit Slurm job {alloc.job_id}: {len(alloc.nodes)} node(s) "
                               f"({', '.join(alloc.nodes)}) x {cores} CPUs x {gpus} GPUs; give the run a pilot "
                               "config with `backend: slurm` so the pilot takes the allocation's shape")
+        if pilot.nodes < len(alloc.nodes) or (pilot.cores_per_node or 0) < cores:
+            log.warning("%s uses part of Slurm job %s (%d node(s) x %d CPUs); a pilot config with "
+                        "`backend: slurm` takes the whole allocation", pilot.shape(), alloc.job_id,
+                        len(alloc.nodes), cores)
         self._allocation = alloc
         self._srun = srun
         self._launcher = SrunStep(srun)

@@ -101,3 +101,16 @@ def test_failed_rank_and_timeout_end_their_job_steps(slurm_env: dict[str, str], 
     assert slept["state"] == "TIMED_OUT", slept
     _no_jobs_left(slurm_env)
     assert _leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.timeout(300)
+def test_backend_override_keeps_the_given_pilot_shape(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """`hetflow run --backend slurm` with a one-node pilot runs on the allocation's first node only."""
+    script = HERE.parents[1] / "examples" / "demo" / "pipeline.py"
+    hetflow = str(Path(sys.executable).parent / "hetflow")
+    _run(["salloc", "-N2", "--exclusive", "--time=5", hetflow, "run", str(script), "--backend", "slurm",
+          "--no-progress", "--workdir", str(tmp_path)], slurm_env, timeout=240)
+    status = json.loads(_run([hetflow, "status", "--json", "--workdir", str(tmp_path)], slurm_env).stdout)
+    assert status["state"] == "DONE", status
+    nodes = {slot["node"] for stage in status["stages"] for slot in stage["slots"]}
+    assert nodes == {"n1"}, status

@@ -88,3 +88,12 @@ def test_outside_an_allocation_backend_slurm_says_how_to_get_one(monkeypatch: py
     local_shape = PilotDescription(name="l", backend="slurm", cores_per_node=2, gpus_per_node=0)
     with pytest.raises(ConfigError, match="salloc"):
         get_backend("slurm")(local_shape, tmp_path).start()  # e.g. `hetflow run --backend slurm`
+
+
+def test_a_shaped_slurm_pilot_resolves_to_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler resolves its pilot again: a shaped one (or one given by --backend) keeps its shape."""
+    from hetflow.tasks.pilot import PilotDescription
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    shaped = PilotDescription(name="l", backend="slurm", nodes=1, cores_per_node=2, gpus_per_node=0)
+    assert shaped.resolve() is shaped
