@@ -31,6 +31,7 @@ from typing import Any, Literal, Mapping, get_args
 import yaml
 
 from .errors import ConfigError
+from .slurm_allocation import current_allocation
 
 Backend = Literal["local", "slurm", "radical", "parsl", "dask"]
 Launcher = Literal["mpiexec", "srun", "jsrun"]
@@ -197,12 +198,11 @@ def _from_allocation(pilot: PilotDescription) -> PilotDescription:
     """``pilot`` shaped like the Slurm allocation this process runs in.
 
     Nodes, cores and GPUs per node come from the job (the smallest node's
-    CPUs and GPUs when they differ); a config value for them that the
-    allocation does not match is an error, not silently replaced; the
-    walltime is the job's time left, or the config's if shorter.
+    CPUs and GPUs when they differ); a ``cores_per_node`` or
+    ``gpus_per_node`` in the config that the allocation does not match is an
+    error, not silently replaced; the walltime is the job's time left, or the
+    config's if shorter.
     """
-    from .slurm_allocation import current_allocation
-
     alloc = current_allocation()
     cores, gpus = min(alloc.cpus_per_node), min(alloc.gpus_per_node)
     for key, have in (("cores_per_node", cores), ("gpus_per_node", gpus)):
