@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,12 @@ def _run(argv: list[str], env: dict[str, str], timeout: float = 120) -> subproce
     return done
 
 
-def _no_jobs_left(env: dict[str, str]) -> None:
-    assert _run(["squeue", "-h", "-o", "%i %j %T"], env).stdout.strip() == ""
+def _no_jobs_left(env: dict[str, str], wait: float = 30.0) -> None:
+    """No job left in the queue; one still COMPLETING (Slurm ending its steps) gets ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while (listed := _run(["squeue", "-h", "-o", "%i %j %T"], env).stdout.strip()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert listed == ""
 
 
 def test_three_nodes_answer(slurm_env: dict[str, str]) -> None:
