@@ -4,7 +4,9 @@ A pilot config is a YAML mapping whose keys are exactly the fields of
 :class:`PilotDescription`.  Unknown keys and bad values are :class:`ConfigError`
 naming the file, the key and what is allowed.  ``None`` for ``cores_per_node``,
 ``gpus_per_node`` or ``memory_per_node`` means "detect on this machine" and is
-only allowed for the ``local`` backend.
+only allowed for the ``local`` backend; for the ``slurm`` backend the allocation
+the pilot runs in gives ``nodes``, ``cores_per_node``, ``gpus_per_node`` and the
+time left (:meth:`PilotDescription.resolve`).
 
 Every number has an upper bound (:data:`LIMITS`), generous for the largest
 machines (Frontier: 9,408 nodes x 56 cores x 8 GPUs), so a typo such as
@@ -29,8 +31,9 @@ from typing import Any, Literal, Mapping, get_args
 import yaml
 
 from .errors import ConfigError
+from .slurm_allocation import current_allocation
 
-Backend = Literal["local", "radical", "parsl", "dask"]
+Backend = Literal["local", "slurm", "radical", "parsl", "dask"]
 Launcher = Literal["mpiexec", "srun", "jsrun"]
 
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -93,6 +96,8 @@ class PilotDescription:
         for key in ("cores_per_node", "gpus_per_node", "memory_per_node"):
             value = getattr(self, key)
             if value is None:
+                if self.backend == "slurm":
+                    continue  # taken from the allocation by resolve()
                 if self.backend != "local" or self.nodes != 1:
                     raise bad(key, value, "a number (only a one-node local pilot may detect it)")
                 continue
@@ -120,7 +125,13 @@ class PilotDescription:
 
     # ------------------------------------------------------------------ shape
     def resolve(self) -> "PilotDescription":
-        """Fill detected values (cores, GPUs, memory of this machine) for a local pilot."""
+        """Fill detected values (cores, GPUs, memory of this machine) for a local pilot,
+        or the allocation's shape for a ``slurm`` pilot (:func:`_from_allocation`)."""
+        if self.backend == "slurm":
+            # once shaped (or given a shape, e.g. by --backend slurm), a slurm pilot stays as it is
+            if self.cores_per_node is None or self.gpus_per_node is None:
+                return _from_allocation(self)
+            return self
         if self.cores_per_node is not None and self.gpus_per_node is not None and self.memory_per_node is not None:
             return self
         changes: dict[str, Any] = {}
@@ -181,6 +192,29 @@ class PilotDescription:
             return cls(**values)
         except (ConfigError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: {exc}") from None
+
+
+def _from_allocation(pilot: PilotDescription) -> PilotDescription:
+    """``pilot`` shaped like the Slurm allocation this process runs in.
+
+    Nodes, cores and GPUs per node come from the job (the smallest node's
+    CPUs and GPUs when they differ); a ``cores_per_node`` or
+    ``gpus_per_node`` in the config that the allocation does not match is an
+    error, not silently replaced; the walltime is the job's time left, or the
+    config's if shorter.
+    """
+    alloc = current_allocation()
+    cores, gpus = min(alloc.cpus_per_node), min(alloc.gpus_per_node)
+    for key, have in (("cores_per_node", cores), ("gpus_per_node", gpus)):
+        wanted = getattr(pilot, key)
+        if wanted is not None and wanted != have:
+            raise ConfigError(f"pilot {pilot.name!r}: {key}={wanted} but Slurm job {alloc.job_id} has {have} "
+                              f"per node ({', '.join(alloc.nodes)}); leave {key} out of a slurm pilot's config")
+    walltime = pilot.walltime
+    if alloc.seconds_left is not None:
+        walltime = alloc.seconds_left if walltime is None else min(walltime, alloc.seconds_left)
+    return dataclasses.replace(pilot, nodes=len(alloc.nodes), cores_per_node=cores, gpus_per_node=gpus,
+                               walltime=walltime if walltime is None or walltime > 0 else 1.0)
 
 
 def _is_int(value: Any) -> bool:

@@ -40,7 +40,7 @@ def test_unknown_key_names_file_key_and_allowed(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("body, key", [
-    ("backend: slurm\n", "backend"),
+    ("backend: pbs\n", "backend"),
     ("nodes: 0\n", "nodes"),
     ("launcher: aprun\n", "launcher"),
     ("nodes: 2\ncores_per_node: 8\ngpus_per_node: 0\nmemory_per_node: 1GiB\nreserved_cores: [9]\n", "reserved_cores"),

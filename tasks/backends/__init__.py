@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # name -> (module under hetflow.tasks.backends, class, top-level packages it needs, pip extra)
 _REGISTRY: dict[str, tuple[str, str, tuple[str, ...], str | None]] = {
     "local": ("local", "LocalBackend", ("mpi4py",), "mpich"),
+    "slurm": ("slurm", "SlurmBackend", ("mpi4py",), "mpich"),
     "radical": ("radical", "RadicalBackend", ("radical.pilot",), "radical"),
     "parsl": ("parsl", "ParslBackend", ("parsl",), "parsl"),
     "dask": ("dask", "DaskBackend", ("distributed",), "dask"),

@@ -148,11 +148,11 @@ def test_check_reports_config_mistakes() -> None:
 
 
 def test_registry_knows_every_backend_and_imports_lazily() -> None:
-    assert backend_names() == ["local", "radical", "parsl", "dask"]
+    assert backend_names() == ["local", "slurm", "radical", "parsl", "dask"]
     for name in backend_names():
         assert get_backend(name).name == name
-    with pytest.raises(ConfigError, match=r"unknown backend 'slurm' \(known backends: \['local'"):
-        get_backend("slurm")
+    with pytest.raises(ConfigError, match=r"unknown backend 'pbs' \(known backends: \['local'"):
+        get_backend("pbs")
 
 
 def test_missing_engine_names_the_pip_extra(monkeypatch: pytest.MonkeyPatch) -> None:

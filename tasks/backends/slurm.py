@@ -1,0 +1,214 @@
+"""The ``slurm`` backend: hetflow's own pilot inside a Slurm allocation, one job step per task.
+
+Run inside ``salloc``/``sbatch``: the pilot has the allocation's shape
+(:mod:`hetflow.tasks.slurm_allocation`), hetflow's scheduler places the ranks,
+and each task is one ``srun`` job step with exactly those ranks per node
+(:class:`~hetflow.tasks.launchers.srun.SrunStep`); many steps run at once.
+The step's ranks are one MPI world (PMI-2), so a stage across nodes has one
+communicator.  Outside an allocation :meth:`SlurmBackend.start` refuses with a
+message saying how to get one.
+
+``srun`` runs in its own session; a timeout, cancel or shutdown sends it
+SIGTERM (srun passes it to every rank of the step), then SIGKILL to the
+group; a step that is still listed after that (found by its name,
+``hetflow-<task>``) is ended with ``scancel``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from ..errors import ConfigError, HetflowError
+from ..launchers.srun import SrunStep
+from ..slurm_allocation import Allocation, current_allocation
+from .base import Backend, LaunchSpec, TaskOutcome
+from .ranks import safe_name
+
+log = logging.getLogger(__name__)
+
+KILL_GRACE = 5.0
+"""Seconds between SIGTERM and SIGKILL of a step's ``srun``."""
+
+POLL = 0.2
+"""Seconds between checks of a running step's deadline and cancellation."""
+
+SRUN_INPUTS_DROPPED = ("SLURM_HOSTFILE", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET",
+                       "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU", "SLURM_DISTRIBUTION")
+"""srun options the allocation's environment may carry that would change the step's layout."""
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+
+    def __init__(self, pilot, run_dir):  # type: ignore[no-untyped-def]
+        super().__init__(pilot, run_dir)
+        self._allocation: Allocation | None = None
+        self._launcher: SrunStep | None = None
+        self._srun = "srun"
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._cancelled: set[str] = set()
+        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        alloc = current_allocation()
+        srun = shutil.which("srun")
+        if srun is None:
+            raise HetflowError(f"Slurm job {alloc.job_id}: srun is not on PATH; load your site's Slurm module")
+        pilot = self.pilot
+        cores, gpus = min(alloc.cpus_per_node), min(alloc.gpus_per_node)
+        if pilot.nodes > len(alloc.nodes) or (pilot.cores_per_node or 0) > cores or (pilot.gpus_per_node or 0) > gpus:
+            raise ConfigError(f"{pilot.shape()} does not fit Slurm job {alloc.job_id}: {len(alloc.nodes)} node(s) "
+                              f"({', '.join(alloc.nodes)}) x {cores} CPUs x {gpus} GPUs; give the run a pilot "
+                              "config with `backend: slurm` so the pilot takes the allocation's shape")
+        if pilot.nodes < len(alloc.nodes) or (pilot.cores_per_node or 0) < cores:
+            log.warning("%s uses part of Slurm job %s (%d node(s) x %d CPUs); a pilot config with "
+                        "`backend: slurm` takes the whole allocation", pilot.shape(), alloc.job_id,
+                        len(alloc.nodes), cores)
+        self._allocation = alloc
+        self._srun = srun
+        self._launcher = SrunStep(srun)
+        log.info("slurm backend in job %s: nodes %s", alloc.job_id, ", ".join(alloc.nodes[:pilot.nodes]))
+
+    def node_names(self) -> list[str]:
+        """The allocation's hostnames (``scontrol show hostnames``), the first ``pilot.nodes`` of them."""
+        if self._allocation is None:
+            return super().node_names()
+        return list(self._allocation.nodes[: self.pilot.nodes])
+
+    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+        if self._launcher is None:
+            raise HetflowError("SlurmBackend.launch() called before start()")
+        step = SrunStep(self._srun, job_name=step_name(spec.task_id))
+        argv = step.argv(spec.argv, spec.slots, self.node_names())
+        future: Future[TaskOutcome] = Future()
+        future.set_running_or_notify_cancel()
+        thread = threading.Thread(target=self._run, args=(spec, argv, future), name=f"hetflow-step-{spec.task_id}",
+                                  daemon=True)
+        with self._lock:
+            self._threads[spec.task_id] = thread
+        thread.start()
+        return future
+
+    def _run(self, spec: LaunchSpec, argv: list[str], future: "Future[TaskOutcome]") -> None:
+        started = time.time()
+        try:
+            outcome = self._step(spec, argv, started)
+        except Exception as exc:  # noqa: BLE001 - the orchestrator waits on this future: it must resolve
+            log.error("task %s: could not start its job step: %s: %s", spec.task_id, type(exc).__name__, exc)
+            outcome = TaskOutcome(task_id=spec.task_id, returncode=None, started=started, ended=time.time(),
+                                  detail=f"could not start srun: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._procs.pop(spec.task_id, None)
+                self._threads.pop(spec.task_id, None)
+        future.set_result(outcome)
+
+    def _step(self, spec: LaunchSpec, argv: list[str], started: float) -> TaskOutcome:
+        env = {k: v for k, v in os.environ.items() if k not in SRUN_INPUTS_DROPPED}
+        env.update(spec.env)
+        out = _log(spec.stdout)
+        err = _log(spec.stderr)
+        try:
+            proc = subprocess.Popen(argv, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True)
+        finally:
+            for fd in (out, err):
+                if fd != subprocess.DEVNULL:
+                    os.close(fd)
+        with self._lock:
+            self._procs[spec.task_id] = proc
+            cancelled = spec.task_id in self._cancelled
+        log.debug("task %s: job step %s", spec.task_id, argv)
+        if cancelled:
+            _stop(proc)
+        timed_out = False
+        deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        while True:
+            try:
+                proc.wait(POLL)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out = True
+                log.warning("task %s exceeded its timeout of %ss; ending its job step", spec.task_id, spec.timeout)
+                _stop(proc)
+                break
+        with self._lock:
+            cancelled = spec.task_id in self._cancelled
+        if (timed_out or cancelled) and self._allocation is not None:
+            _end_step(self._allocation.job_id, step_name(spec.task_id))
+        code = proc.returncode
+        return TaskOutcome(task_id=spec.task_id, returncode=code, timed_out=timed_out, cancelled=cancelled,
+                           signal=-code if code is not None and code < 0 else None, started=started,
+                           ended=time.time(),
+                           detail=(f"timed out after {spec.timeout}s" if timed_out else
+                                   f"srun exited with {code} (its log names the node and task)" if code else ""))
+
+    def cancel(self, task_id: str) -> None:
+        with self._lock:
+            if task_id not in self._threads:
+                return
+            self._cancelled.add(task_id)
+            proc = self._procs.get(task_id)
+        if proc is not None:
+            _stop(proc)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            running = list(self._threads.items())
+        for task_id, _ in running:
+            self.cancel(task_id)
+        for _, thread in running:
+            thread.join(timeout=2 * KILL_GRACE + 5)
+
+
+def step_name(task_id: str) -> str:
+    """The job step's name: finds a step whose ``srun`` is gone."""
+    return f"hetflow-{safe_name(task_id)}"
+
+
+def _end_step(job_id: str, name: str) -> None:
+    """``scancel`` the steps of job ``job_id`` named ``name`` that are still listed."""
+    try:
+        listed = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], capture_output=True,
+                                text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not list the steps of job %s to end %s: %s", job_id, name, exc)
+        return
+    steps = [line.split()[0] for line in listed.stdout.splitlines() if line.split()[1:] == [name]]
+    if steps:
+        log.warning("job steps %s (%s) outlived their srun; scancel", steps, name)
+        try:
+            subprocess.run(["scancel", "--quiet", *steps], timeout=30, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("could not scancel %s: %s", steps, exc)
+
+
+def _log(path: Path | None) -> int:
+    if path is None:
+        return subprocess.DEVNULL
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
+def _stop(proc: "subprocess.Popen[bytes]") -> None:
+    """SIGTERM to srun's session (srun forwards it to the step's ranks), SIGKILL after a grace."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(KILL_GRACE)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,50 @@
+"""One task as one Slurm job step: the ``srun`` argv of the ``slurm`` backend.
+
+Rank ``r`` runs on ``hosts[slots[r].node]``: ``--nodelist`` repeats each
+rank's node in rank order and ``--distribution=arbitrary`` keeps that order,
+so the step has exactly the ranks per node the pilot's scheduler chose.
+``--exact`` gives the step only the CPUs it asks for (so steps run side by
+side), ``--cpus-per-task`` and ``--gpus-per-task`` the slot's counts;
+``--cpu-bind=cores`` binds every rank to its own cores of the step.  Slurm,
+not hetflow, picks the core ids inside a ``--exact`` step (an explicit
+``map_cpu`` outside the step's CPUs is refused by Slurm), so hetflow's core ids
+set the counts and the rank's record shows the CPUs it ran on.
+``--kill-on-bad-exit=1`` ends the step when one rank fails; ``--mpi`` (PMI-2
+for MPICH) makes the step's ranks one MPI world.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..scheduler import RankSlot
+from .base import Launcher
+
+
+class SrunStep(Launcher):
+    """``srun`` inside an allocation, one job step per task (the ``slurm`` backend)."""
+
+    def __init__(self, executable: str = "srun", mpi: str = "pmi2", job_name: str | None = None) -> None:
+        self.executable = executable
+        self.mpi = mpi
+        self.job_name = job_name
+
+    def argv(self, command: Sequence[str], slots: Sequence[RankSlot], hosts: Sequence[str]) -> list[str]:
+        if not slots:
+            raise ValueError("a job step needs at least one rank slot")
+        cores = {len(s.cores) for s in slots}
+        gpus = {len(s.gpus) for s in slots}
+        if len(cores) > 1 or len(gpus) > 1:
+            raise ValueError(f"srun starts ranks of one shape; slots have {sorted(cores)} cores and "
+                             f"{sorted(gpus)} GPUs")
+        per_rank_cores, per_rank_gpus = max(cores.pop(), 1), gpus.pop()
+        rank_hosts = [hosts[s.node] for s in slots]
+        argv = [self.executable, f"--nodes={len(set(rank_hosts))}", f"--ntasks={len(slots)}",
+                f"--nodelist={','.join(rank_hosts)}", "--distribution=arbitrary",
+                f"--cpus-per-task={per_rank_cores}", "--exact", "--cpu-bind=cores",
+                "--kill-on-bad-exit=1", f"--mpi={self.mpi}"]
+        if per_rank_gpus:
+            argv += [f"--gpus-per-task={per_rank_gpus}", "--gpu-bind=none"]
+        if self.job_name:
+            argv.append(f"--job-name={self.job_name}")
+        return argv + list(command)

@@ -1,0 +1,48 @@
+"""Stage functions for the slurm tests (imported by the workers by module and name).
+
+Deterministic for a given rank count, so the slurm and local backends must commit
+byte-identical datasets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+
+def generate(ctx):
+    """Rows with a shuffled integer key, seeded per rank."""
+    n = int(ctx.params.get("rows_per_rank", 200))
+    rng = np.random.default_rng([7, ctx.rank])
+    keys = rng.permutation(n).astype(np.int64) * ctx.size + ctx.rank
+    return {"rows": pa.table({"key": keys, "x": rng.normal(size=n)})}
+
+
+def sort_rows(ctx, rows):
+    """A hetflow operator across the stage's ranks (one communicator, whatever the nodes)."""
+    from hetflow.operators.sorting import sample_sort
+
+    ordered = sample_sort(ctx.comm, rows, [("key", "ascending")], "at_end")
+    assert ctx.comm.allreduce(ordered.num_rows) == ctx.comm.allreduce(rows.num_rows)
+    return {"sorted": ordered}
+
+
+def noop(ctx):
+    """A trivial one-rank stage: what the per-task overhead is measured with."""
+    return {}
+
+
+def fail_on_last_rank(ctx):
+    """The last rank raises; the others wait in a barrier that only the abort ends."""
+    if ctx.rank == ctx.size - 1:
+        raise ValueError(f"boom on rank {ctx.rank} of {ctx.size}")
+    ctx.comm.barrier()
+    return {}
+
+
+def sleep_long(ctx):
+    """Outlives its stage's timeout on every rank."""
+    import time
+
+    time.sleep(300)
+    return {}

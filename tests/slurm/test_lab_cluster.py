@@ -1,0 +1,121 @@
+"""The Slurm lab cluster itself, and hetflow's ``slurm`` backend on it.
+
+Real slurmctld, three slurmd (n1, n2, n3, each with its own hostname), real
+``salloc``/``srun`` job steps, MPICH's PMI-2 across nodes: no mocks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(argv: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def _no_jobs_left(env: dict[str, str], wait: float = 30.0) -> None:
+    """No job left in the queue; one still COMPLETING (Slurm ending its steps) gets ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while (listed := _run(["squeue", "-h", "-o", "%i %j %T"], env).stdout.strip()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert listed == ""
+
+
+def test_three_nodes_answer(slurm_env: dict[str, str]) -> None:
+    nodes = _run(["sinfo", "-h", "-N", "-o", "%N %t"], slurm_env).stdout.split("\n")
+    assert sorted(line.split()[0] for line in nodes if line) == ["n1", "n2", "n3"]
+    hosts = _run(["srun", "-N2", "hostname"], slurm_env).stdout.split()
+    assert sorted(hosts) == ["n1", "n2"]
+
+
+def test_one_mpi_world_across_two_nodes(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    hello = tmp_path / "hello.py"
+    hello.write_text(textwrap.dedent("""
+        import socket
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        hosts = comm.allgather(socket.gethostname())
+        if comm.Get_rank() == 0:
+            print(comm.Get_size(), ",".join(hosts))
+    """))
+    out = _run(["srun", "-N2", "-n4", "--mpi=pmi2", sys.executable, str(hello)], slurm_env, timeout=60).stdout
+    size, hosts = out.split()
+    assert size == "4" and set(hosts.split(",")) == {"n1", "n2"}
+
+
+def _pipeline(backend: str, workdir: Path, env: dict[str, str]) -> dict[str, Any]:
+    argv = [sys.executable, str(HERE / "run_pipeline.py"), backend, str(workdir)]
+    if backend == "slurm":
+        argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-test", *argv]
+    done = _run(argv, env, timeout=240)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _leftovers(marker: str) -> list[str]:
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(marker in p for p in proc.info["cmdline"] or []):
+                found.append(f"{proc.pid}: {' '.join(proc.info['cmdline'])[:200]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_on_backend_slurm_spans_two_nodes_and_matches_local(slurm_env: dict[str, str],
+                                                                     tmp_path: Path) -> None:
+    slurm = _pipeline("slurm", tmp_path / "slurm", slurm_env)
+    assert slurm["state"] == "DONE", slurm["stages"]
+    for stage in ("generate", "sort_rows"):  # 4 ranks on 2-CPU nodes: one world across n1 and n2
+        assert sorted(set(slurm["hosts"][stage])) == ["n1", "n2"], slurm["hosts"]
+        assert len(slurm["hosts"][stage]) == 4
+    local = _pipeline("local", tmp_path / "local", slurm_env)
+    assert local["state"] == "DONE", local["stages"]
+    assert slurm["hashes"] == local["hashes"] and set(slurm["hashes"]) == {"rows", "sorted"}
+    assert slurm["partitions"] == local["partitions"]
+    _no_jobs_left(slurm_env)
+    assert _leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.timeout(300)
+def test_failed_rank_and_timeout_end_their_job_steps(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-faults", sys.executable,
+            str(HERE / "run_faults.py"), str(tmp_path)]
+    done = subprocess.run(argv, env=slurm_env, capture_output=True, text=True, timeout=240)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    failed, slept = record["stages"]["fail_on_last_rank"], record["stages"]["sleep_long"]
+    assert failed["nodes"] == ["n1", "n2"] and slept["nodes"] == ["n1", "n2"], record
+    assert failed["state"] == "FAILED" and failed["failed_rank"] == 1, failed
+    assert "boom on rank 1 of 2" in failed["error"], failed
+    assert slept["state"] == "TIMED_OUT", slept
+    _no_jobs_left(slurm_env)
+    assert _leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.timeout(300)
+def test_backend_override_keeps_the_given_pilot_shape(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """`hetflow run --backend slurm` with a one-node pilot runs on the allocation's first node only."""
+    script = HERE.parents[1] / "examples" / "demo" / "pipeline.py"
+    hetflow = str(Path(sys.executable).parent / "hetflow")
+    _run(["salloc", "-N2", "--exclusive", "--time=5", hetflow, "run", str(script), "--backend", "slurm",
+          "--no-progress", "--workdir", str(tmp_path)], slurm_env, timeout=240)
+    status = json.loads(_run([hetflow, "status", "--json", "--workdir", str(tmp_path)], slurm_env).stdout)
+    assert status["state"] == "DONE", status
+    nodes = {slot["node"] for stage in status["stages"] for slot in stage["slots"]}
+    assert nodes == {"n1"}, status
