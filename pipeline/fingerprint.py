@@ -3,8 +3,8 @@
 Both fingerprints are ``{readable component name: hex digest}`` mappings, so a
 cache miss can say *why* (:func:`describe_change`); :func:`fingerprint_digest`
 folds one or more of them into a single key.  Pure functions: nothing is
-executed, imported or pickle-loaded, except that ``importlib.util.find_spec``
-locates a module a function imports locally and that was never imported.
+executed, imported or pickle-loaded; a module that a function or a reached
+module imports but that was never imported is only located (its file found).
 
 Decisions, for :func:`code_fingerprint`:
 
@@ -23,7 +23,19 @@ Decisions, for :func:`code_fingerprint`:
   followed.  Classes: every attribute in the class body (methods by bytecode,
   other values as values) plus their bases.
 * Other user modules are hashed whole (``"module mylib"``: their source file)
-  and their namespace is followed, so a module they import counts too.
+  and their namespace is followed; so is every import statement in their
+  source (parsed, not run), so ``from .consts import SCALE`` makes
+  ``mylib.consts`` count.  A module is reached, not a package: a stage that
+  names ``helper`` (from ``from mylib import helper``) counts the module that
+  defines ``helper`` and what that module imports, not ``mylib/__init__.py``
+  nor its other submodules; a stage that names ``mylib`` itself (``import
+  mylib``) counts ``__init__.py`` and everything it imports.  ``from a import
+  x`` (in a function or in a reached module's source) follows the submodule
+  ``a.x`` if there is one, else what ``x`` is in ``a`` when that is a
+  function, class or module, else ``a`` whole.  A user module that was never
+  imported is located without importing it or its packages (``find_spec`` on
+  the top-level name, then the path finder): its file is hashed and its
+  imports read from its source; ``from a import x`` then counts ``a`` whole.
 * **Values** are hashed through a stable text form: ``repr`` of None, bool,
   numbers, str, bytes, Path, Enum, datetime, Decimal, UUID; containers
   recursively (sets and dict keys sorted, so hash randomisation cannot reorder
@@ -38,6 +50,7 @@ Decisions, for :func:`code_fingerprint`:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime
 import decimal
@@ -46,6 +59,7 @@ import enum
 import functools
 import glob
 import hashlib
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -109,8 +123,9 @@ class _Walker:
         self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots)
         self.external = _external_dirs()
         self.parts: dict[str, set[str]] = {}
-        self.seen: set[int] = set()
+        self.seen: set[int | str] = set()
         self.queue: list[Any] = []
+        self.specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
         self.func = func
 
     def run(self) -> dict[str, str]:
@@ -120,8 +135,9 @@ class _Walker:
             self.add("stage", _sha(self.value(self.func)))
         while self.queue:
             obj = self.queue.pop()
-            if id(obj) not in self.seen:
-                self.seen.add(id(obj))
+            key = obj.name if isinstance(obj, _Located) else id(obj)
+            if key not in self.seen:
+                self.seen.add(key)
                 self.visit(obj)
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
 
@@ -182,7 +198,11 @@ class _Walker:
 
     # ------------------------------------------------------------ components
     def visit(self, obj: Any) -> None:
-        if isinstance(obj, types.ModuleType):
+        if isinstance(obj, _Located):
+            source = Path(obj.origin).read_bytes()
+            self.add(f"module {obj.name}", _sha(source))
+            self.module_imports(obj.name, obj.origin, source, obj.is_package)
+        elif isinstance(obj, types.ModuleType):
             self.visit_module(obj)
         elif isinstance(obj, type):
             self.visit_class(obj)
@@ -191,7 +211,10 @@ class _Walker:
 
     def visit_module(self, module: types.ModuleType) -> None:
         path = getattr(module, "__file__", None)
-        self.add(f"module {module.__name__}", _sha(Path(path).read_bytes()) if path else "<no file>")
+        source = Path(path).read_bytes() if path else b""
+        self.add(f"module {module.__name__}", _sha(source) if path else "<no file>")
+        if path:
+            self.module_imports(module.__name__, path, source, hasattr(module, "__path__"))
         for key, value in sorted(vars(module).items()):
             if not isinstance(value, (types.ModuleType, types.FunctionType, type)) or key.startswith("__"):
                 continue
@@ -238,7 +261,9 @@ class _Walker:
                     self.add(self.label(ins.argval, namespace), "<undefined>")
             elif ins.opname == "IMPORT_NAME":
                 level = instructions[i - 2].argval if i >= 2 and isinstance(instructions[i - 2].argval, int) else 0
-                self.imported(ins.argval, level, namespace)
+                fromlist = instructions[i - 1].argval if i >= 1 else None
+                fromlist = fromlist if isinstance(fromlist, tuple) else None
+                self.imported(ins.argval, level, fromlist, namespace.get("__package__"))
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 self.globals_of(const, namespace)
@@ -256,24 +281,67 @@ class _Walker:
         module = namespace.get("__name__")
         return key if module == self.home else f"{module}.{key}"
 
-    def imported(self, name: str, level: int, namespace: Mapping[str, Any]) -> None:
-        """A module imported inside a function: hash it if it is user code (it may never have been imported)."""
+    def imported(self, name: str, level: int, fromlist: Sequence[str] | None, package: str | None) -> None:
+        """``import name`` / ``from name import *fromlist*`` (``level`` dots), met in code or in a module's source.
+
+        ``import a.b`` follows ``a.b`` (not the package ``a``).  ``from a import x``
+        follows the submodule ``a.x`` when there is one, else what ``x`` names in
+        ``a`` when it is a function, class or module (so its own module, not every
+        module ``a`` imports), else ``a`` whole (``x`` is a value, or ``*``).
+        """
         try:
-            name = importlib.util.resolve_name("." * level + name, namespace.get("__package__")) if level else name
-        except ImportError:
+            name = importlib.util.resolve_name("." * level + name, package) if level else name
+        except (ImportError, ValueError):
             return
+        if not fromlist:
+            self.follow_module_name(name)
+            return
+        base = sys.modules.get(name)
+        whole = False
+        for attr in fromlist:
+            sub = f"{name}.{attr}"
+            if attr == "*":
+                whole = True
+            elif sub in sys.modules:
+                self.follow(sys.modules[sub])
+            elif base is not None and attr in vars(base):
+                value = vars(base)[attr]
+                if isinstance(value, (types.FunctionType, type, types.ModuleType)):
+                    self.follow(value)
+                else:
+                    whole = True
+            elif (base is None or hasattr(base, "__path__")) and self.locate(sub) is not None:
+                self.follow_module_name(sub)
+            else:
+                whole = True
+        if whole:
+            self.follow_module_name(name)
+
+    def follow_module_name(self, name: str) -> None:
+        """Follow a module by name: imported, or located and hashed from its file without being imported."""
         module = sys.modules.get(name)
         if module is not None:
             self.follow(module)
             return
-        try:
-            parent = name.rpartition(".")[0]
-            found = importlib.util.find_spec(name) if parent == "" or parent in sys.modules else None
-        except (ImportError, ValueError):
-            found = None
-        origin = found.origin if found is not None else None
-        if origin and self.is_user(os.path.realpath(origin)):
-            self.add(f"module {name}", _sha(Path(origin).read_bytes()))
+        found = self.locate(name)
+        if found is not None and found.has_location and found.origin and self.is_user(os.path.realpath(found.origin)):
+            self.queue.append(_Located(name, found.origin, found.submodule_search_locations is not None))
+        else:
+            self.external_module(name)
+
+    def locate(self, name: str) -> importlib.machinery.ModuleSpec | None:
+        """A module's spec, found without importing it or its packages (so none of their code runs)."""
+        if name not in self.specs:
+            self.specs[name] = _locate(name)
+        return self.specs[name]
+
+    def module_imports(self, name: str, path: str, source: bytes, is_package: bool) -> None:
+        """Follow what a module's source imports anywhere in it (module level, functions, ``try`` blocks)."""
+        if not path.endswith(".py"):
+            return
+        package = name if is_package else name.rpartition(".")[0]
+        for level, module, names in _source_imports(source, path):
+            self.imported(module, level, names, package)
 
     # ------------------------------------------------------------ values
     def value(self, obj: Any, stack: tuple[int, ...] = ()) -> str:
@@ -310,6 +378,65 @@ class _Walker:
             if " at 0x" not in text:
                 return f"{kind} {text}"
         return f"<unhashable {kind}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Located:
+    """A user module that was never imported: hashed from its file, its imports read from its source."""
+
+    name: str
+    origin: str
+    is_package: bool
+
+
+def _locate(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of module ``name``; a package on the way that was not imported is searched, never imported."""
+    spec: importlib.machinery.ModuleSpec | None = None
+    search: Sequence[str] | None = None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        if i and search is None:  # the parent is not a package
+            return None
+        full = ".".join(parts[:i + 1])
+        module = sys.modules.get(full)
+        try:
+            if module is not None:
+                spec = getattr(module, "__spec__", None)
+                search = getattr(module, "__path__", None)
+                if spec is None:
+                    return None
+                continue
+            spec = importlib.util.find_spec(full) if i == 0 else \
+                importlib.machinery.PathFinder.find_spec(full, list(search or ()))
+        except (ImportError, ValueError, AttributeError):
+            return None
+        if spec is None:
+            return None
+        search = spec.submodule_search_locations
+    return spec
+
+
+_IMPORTS: dict[str, tuple[tuple[int, str, tuple[str, ...] | None], ...]] = {}
+
+
+def _source_imports(source: bytes, path: str) -> tuple[tuple[int, str, tuple[str, ...] | None], ...]:
+    """``(level, module, names or None)`` for every import statement in a module's source (parsed, not run)."""
+    key = hashlib.sha256(source).hexdigest()
+    if key not in _IMPORTS:
+        found: list[tuple[int, str, tuple[str, ...] | None]] = []
+        try:
+            tree = ast.parse(source, path)
+        except (SyntaxError, ValueError):
+            tree = ast.Module(body=[], type_ignores=[])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.extend((0, alias.name, None) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                found.append((node.level, node.module or "", tuple(alias.name for alias in node.names)))
+        if len(_IMPORTS) > 4096:
+            _IMPORTS.clear()
+        _IMPORTS[key] = tuple(found)
+    return _IMPORTS[key]
 
 
 def _filled(cell: Any) -> bool:
