@@ -20,8 +20,10 @@ Decisions, for :func:`code_fingerprint`:
   the module's name (``__main__`` in the orchestrator, ``__hetflow_script__`` in
   the worker) do not count.  Their defaults, keyword defaults and closure cells
   are hashed as values; the globals they load (``LOAD_GLOBAL``, imports) are
-  followed.  Classes: every attribute in the class body (methods by bytecode,
-  other values as values) plus their bases.
+  followed.  Classes: every attribute in the class body (methods by bytecode;
+  ``property``, ``cached_property``, ``partialmethod``, ``singledispatchmethod``
+  by the functions in them; other values as values) plus their bases and their
+  metaclass.  A ``singledispatch`` function counts its registered functions.
 * Other user modules are hashed whole (``"module mylib"``: their source file)
   and their namespace is followed; so is every import statement in their
   source (parsed, not run), so ``from .consts import SCALE`` makes
@@ -40,7 +42,12 @@ Decisions, for :func:`code_fingerprint`:
   numbers, str, bytes, Path, Enum, datetime, Decimal, UUID; containers
   recursively (sets and dict keys sorted, so hash randomisation cannot reorder
   them); numpy arrays and scalars by dtype, shape and bytes; dataclasses and
-  instances of user classes by their fields.  Any other object by its
+  instances of user classes by their fields (``__dict__`` and set
+  ``__slots__``, read without running their code); a ``functools.partial`` by
+  its function and arguments, a bound method by its function and its
+  ``__self__`` (so ``APPLY = Scaler(2).apply`` counts the 2); a callable
+  wrapper (``functools.lru_cache``, ``update_wrapper``) by its type and the
+  function in its ``__wrapped__`` (and an ``lru_cache``'s parameters).  Any other object by its
   ``repr`` when its type defines one that shows no address (a repr may
   abbreviate: a change inside a large DataFrame is not seen), else as
   ``<unhashable module.Type>`` only, so a change inside it is not seen either.
@@ -167,12 +174,16 @@ class _Walker:
             return f"class {prefix}{obj.__qualname__}"
         return f"{prefix}{obj.__qualname__}()"
 
-    def follow(self, obj: Any) -> str:
+    def follow(self, obj: Any, stack: tuple[int, ...] = ()) -> str:
         """Queue a function, class or module for hashing; return how a value refers to it."""
         if isinstance(obj, types.MethodType):
-            return f"{self.follow(obj.__func__)} bound to {self.value(obj.__self__)}"
+            return f"{self.follow(obj.__func__)} bound to {self.value(obj.__self__, stack)}"
         if isinstance(obj, functools.partial):
-            return f"partial({self.follow(obj.func)}, {self.value(obj.args)}, {self.value(obj.keywords)})"
+            return (f"partial({self.follow(obj.func, stack)}, {self.value(obj.args, stack)}, "
+                    f"{self.value(obj.keywords, stack)})")
+        wrapped = _wrapped(obj)
+        if wrapped is not None:
+            return self.wrapper(obj, wrapped, stack)
         if isinstance(obj, types.ModuleType):
             if self.is_user(getattr(obj, "__file__", None)):
                 self.queue.append(obj)
@@ -223,6 +234,8 @@ class _Walker:
 
     def visit_class(self, cls: type) -> None:
         body = [f"bases {[self.follow(b) for b in cls.__bases__ if b is not object]}"]
+        if type(cls) is not type:
+            body.append(f"metaclass {self.follow(type(cls))}")
         for key, value in sorted(vars(cls).items()):
             if key in ("__dict__", "__weakref__", "__module__", "__qualname__"):
                 continue
@@ -236,7 +249,22 @@ class _Walker:
 
     def member(self, value: Any) -> str:
         """A class attribute: a method is part of its class, not a component of its own."""
-        return self.function(value) if isinstance(value, types.FunctionType) else self.value(value)
+        if isinstance(value, types.FunctionType):
+            return self.function(value)
+        if isinstance(value, functools.cached_property):
+            return f"cached_property({self.member(value.func)})"
+        if isinstance(value, functools.partialmethod):
+            return f"partialmethod({self.member(value.func)}, {self.value(value.args)}, {self.value(value.keywords)})"
+        if isinstance(value, functools.singledispatchmethod):
+            return f"singledispatchmethod({self.member(value.dispatcher)})"
+        return self.value(value)
+
+    def wrapper(self, obj: Any, wrapped: Callable[..., Any], stack: tuple[int, ...]) -> str:
+        """A callable object that wraps a function (``functools.lru_cache``, ``update_wrapper``): the function counts."""
+        kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        parameters = getattr(obj, "cache_parameters", None) if isinstance(obj, _LRU_WRAPPER) else None
+        extra = f" {self.value(parameters(), stack)}" if callable(parameters) else ""
+        return f"{kind}{extra} of {self.follow(wrapped, stack)}"
 
     def function(self, func: types.FunctionType) -> str:
         """The text hashed for a function; queues what it reaches."""
@@ -244,9 +272,13 @@ class _Walker:
         self.globals_of(code, func.__globals__)
         cells = [c.cell_contents for c in func.__closure__ or () if _filled(c)]
         wrapped = getattr(func, "__wrapped__", None)
-        return (f"code {_code_text(code)}\ndefaults {self.value(func.__defaults__)}\n"
+        text = (f"code {_code_text(code)}\ndefaults {self.value(func.__defaults__)}\n"
                 f"kwdefaults {self.value(func.__kwdefaults__)}\ncells {self.value(cells)}\n"
                 f"wraps {self.follow(wrapped) if callable(wrapped) else None}")
+        registry = vars(func).get("registry")
+        if isinstance(registry, Mapping) and "dispatch" in vars(func):  # functools.singledispatch
+            text += f"\nregistry {self.value(dict(registry))}"
+        return text
 
     def globals_of(self, code: types.CodeType, namespace: Mapping[str, Any]) -> None:
         """Follow the globals a code object (and the code nested in it) loads or imports."""
@@ -270,9 +302,9 @@ class _Walker:
 
     def global_value(self, key: str, namespace: Mapping[str, Any]) -> None:
         value = namespace[key]
-        if _is_code_like(value):
+        if isinstance(value, (types.FunctionType, type, types.ModuleType)):
             self.follow(value)
-            return
+            return  # a partial, a bound method or a wrapper carries state: hashed as a value below
         label = self.label(key, namespace)
         if label not in self.parts:
             self.add(label, _sha(self.value(value)))
@@ -361,7 +393,9 @@ class _Walker:
             items = sorted(f"{self.value(k, inner)}: {self.value(v, inner)}" for k, v in obj.items())
             return f"{type(obj).__name__}{{{', '.join(items)}}}"
         if _is_code_like(obj):
-            return self.follow(obj)
+            return self.follow(obj, inner)
+        if isinstance(obj, types.BuiltinMethodType) and not isinstance(obj.__self__, (types.ModuleType, type(None))):
+            return f"{obj.__qualname__} bound to {self.value(obj.__self__, inner)}"  # TABLE.get
         if type(obj).__module__ == "numpy":
             import numpy as np
 
@@ -370,8 +404,13 @@ class _Walker:
         if dataclasses.is_dataclass(obj):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
             return f"{self.follow(type(obj))}({self.value(fields, inner)})"
-        if self.is_user_object(type(obj)) and hasattr(obj, "__dict__"):
-            return f"{self.follow(type(obj))}({self.value(vars(obj), inner)})"
+        if self.is_user_object(type(obj)):
+            state = _instance_state(obj)
+            if state is not None:
+                return f"{self.follow(type(obj))}({self.value(state, inner)})"
+        wrapped = _wrapped(obj)
+        if wrapped is not None:
+            return self.wrapper(obj, wrapped, inner)
         kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
         if getattr(type(obj), "__repr__", None) is not object.__repr__:
             text = repr(obj)
@@ -437,6 +476,47 @@ def _source_imports(source: bytes, path: str) -> tuple[tuple[int, str, tuple[str
             _IMPORTS.clear()
         _IMPORTS[key] = tuple(found)
     return _IMPORTS[key]
+
+
+_LRU_WRAPPER = type(functools.lru_cache(lambda: None))
+
+
+def _wrapped(obj: Any) -> Callable[..., Any] | None:
+    """The function a callable object wraps (its ``__wrapped__``, read without running a descriptor), else None."""
+    if isinstance(obj, (types.FunctionType, type, types.ModuleType)) or not callable(obj):
+        return None  # a function's __wrapped__ is part of the function (see function())
+    try:
+        inner = inspect.getattr_static(obj, "__wrapped__", None)
+    except Exception:  # noqa: BLE001 - an odd object: nothing to follow
+        return None
+    return inner if callable(inner) and not isinstance(inner, (property, types.MemberDescriptorType)) else None
+
+
+def _instance_state(obj: Any) -> dict[str, Any] | None:
+    """An instance's fields: its ``__dict__`` and its ``__slots__`` (set ones), read without running user code."""
+    state: dict[str, Any] = {}
+    found = False
+    try:
+        fields = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        fields = None
+    if isinstance(fields, dict):
+        state.update(fields)
+        found = True
+    for cls in type(obj).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot in ("__dict__", "__weakref__"):
+                continue
+            attr = f"_{cls.__name__.lstrip('_')}{slot}" if slot.startswith("__") and not slot.endswith("__") else slot
+            descriptor = vars(cls).get(attr)
+            if isinstance(descriptor, types.MemberDescriptorType):
+                found = True
+                try:
+                    state[attr] = descriptor.__get__(obj, cls)
+                except AttributeError:  # not set
+                    continue
+    return state if found else None
 
 
 def _filled(cell: Any) -> bool:

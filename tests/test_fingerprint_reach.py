@@ -149,6 +149,213 @@ def test_a_stage_that_names_the_package_reaches_what_it_imports(tmp_path: Path) 
     assert not changes(tmp_path / "c", files, "pkg/unused.py", "C = 3", "C = 4")
 
 
+def test_the_body_of_an_lru_cache_helper(tmp_path: Path) -> None:
+    # a functools._lru_cache_wrapper is neither a function nor hashable by value: "<unhashable ...>"
+    files = {"pipeline.py": """
+        import functools
+        @functools.lru_cache
+        def helper():
+            return 2
+        def stage(ctx):
+            return helper()
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "return 2", "return 3")
+
+
+def test_a_config_object_of_a_slots_class(tmp_path: Path) -> None:
+    # no __dict__: falls to repr, which shows an address: "<unhashable>", and the class is not followed
+    files = {"pipeline.py": """
+        class Config:
+            __slots__ = ("scale",)
+            def __init__(self, scale):
+                self.scale = scale
+        CONFIG = Config(2)
+        def stage(ctx):
+            return CONFIG.scale
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "Config(2)", "Config(3)")
+
+
+def test_a_cached_property_body(tmp_path: Path) -> None:
+    files = {"pipeline.py": """
+        import functools
+        class Model:
+            @functools.cached_property
+            def scale(self):
+                return 2
+        def stage(ctx):
+            return Model().scale
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "return 2", "return 3")
+
+
+def test_the_arguments_of_a_global_partial(tmp_path: Path) -> None:
+    # global_value() follows a partial but throws away the text naming its arguments
+    files = {"pipeline.py": """
+        import functools
+        def scaled(x, factor):
+            return x * factor
+        DOUBLE = functools.partial(scaled, factor=2)
+        def stage(ctx):
+            return DOUBLE(1)
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "factor=2", "factor=3")
+
+
+def test_the_instance_of_a_global_bound_method(tmp_path: Path) -> None:
+    files = {"pipeline.py": """
+        class Scaler:
+            def __init__(self, factor):
+                self.factor = factor
+            def apply(self, x):
+                return x * self.factor
+        APPLY = Scaler(2).apply
+        def stage(ctx):
+            return APPLY(1)
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "Scaler(2)", "Scaler(3)")
+
+
+def test_a_metaclass_method(tmp_path: Path) -> None:
+    files = {"pipeline.py": """
+        class Meta(type):
+            def __call__(cls):
+                return 2
+        class Thing(metaclass=Meta):
+            pass
+        def stage(ctx):
+            return Thing()
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "return 2", "return 3")
+
+
+
+MORE = {
+    "singledispatch": ("""
+        import functools
+        @functools.singledispatch
+        def scale(x):
+            return x
+        @scale.register
+        def _(x: int):
+            return x * 2
+        def stage(ctx):
+            return scale(1)
+    """, "x * 2", "x * 3"),
+    "wraps instance": ("""
+        import functools
+        class traced:
+            def __init__(self, func):
+                functools.update_wrapper(self, func)
+            def __call__(self, *args):
+                return self.__wrapped__(*args)
+        @traced
+        def helper():
+            return 2
+        def stage(ctx):
+            return helper()
+    """, "return 2", "return 3"),
+    "lru_cache method": ("""
+        import functools
+        class Model:
+            @functools.lru_cache(maxsize=4)
+            def scale(self):
+                return 2
+        def stage(ctx):
+            return Model().scale()
+    """, "return 2", "return 3"),
+    "lru_cache size": ("""
+        import functools
+        @functools.lru_cache(maxsize=4)
+        def helper():
+            return 2
+        def stage(ctx):
+            return helper()
+    """, "maxsize=4", "maxsize=8"),
+    "builtin bound method": ("""
+        LOOKUP = {"a": 2}.get
+        def stage(ctx):
+            return LOOKUP("a")
+    """, '"a": 2', '"a": 3'),
+    "partialmethod": ("""
+        import functools
+        class Model:
+            def _scale(self, x, factor):
+                return x * factor
+            double = functools.partialmethod(_scale, factor=2)
+        def stage(ctx):
+            return Model().double(1)
+    """, "factor=2", "factor=3"),
+    "slots in a base class, mangled": ("""
+        class Base:
+            __slots__ = ("__scale",)
+            def __init__(self, scale):
+                self.__scale = scale
+        class Config(Base):
+            __slots__ = ("name", "__dict__")
+        CONFIG = Config(2)
+        CONFIG.name = "x"
+        CONFIG.extra = 1
+        def stage(ctx):
+            return CONFIG
+    """, "Config(2)", "Config(3)"),
+    "a bound method of an object that holds it": ("""
+        class Scaler:
+            def __init__(self, factor):
+                self.factor = factor
+                self.callback = self.apply
+            def apply(self, x):
+                return x * self.factor
+        APPLY = Scaler(2).apply
+        def stage(ctx):
+            return APPLY(1)
+    """, "Scaler(2)", "Scaler(3)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MORE))
+def test_more_callables_and_objects(tmp_path: Path, case: str) -> None:
+    source, old, new = MORE[case]
+    files = {"pipeline.py": source}
+    assert not changes(tmp_path / "same", files, "pipeline.py", old, old)  # stable: no address, no order
+    assert changes(tmp_path / "edit", files, "pipeline.py", old, new)
+
+
+LEFT = """
+    import functools
+    UNRELATED = 1
+    class Scaler:
+        __slots__ = ("factor",)
+        def __init__(self, factor):
+            self.factor = factor
+        def apply(self, x):
+            return x * self.factor
+    def scaled(x, factor):
+        return x * factor
+    @functools.lru_cache
+    def helper():
+        return 2
+    DOUBLE = functools.partial(scaled, factor=2)
+    APPLY = Scaler(2).apply
+    def stage(ctx):
+        # uses a partial, a bound method and a cached helper
+        return DOUBLE(1) + APPLY(1) + helper()
+    def other(ctx):
+        return UNRELATED
+"""
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("UNRELATED = 1", "UNRELATED = 2"),
+    ("return UNRELATED", "return UNRELATED + 1"),
+    ("# uses a partial", "# uses, reworded, a partial"),
+    ("import functools\n", "import functools\n    # a comment; every line below moves\n\n"),
+])
+def test_what_the_stage_does_not_use_leaves_it_with_partials_methods_and_caches(tmp_path: Path, old: str,
+                                                                                new: str) -> None:
+    assert not changes(tmp_path, {"pipeline.py": LEFT}, "pipeline.py", old, new)
+
+
 SCRIPT = """
 import pyarrow as pa
 import hetflow as hf
