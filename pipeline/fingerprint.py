@@ -96,12 +96,12 @@ def _external_dirs() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
 
 
-def _file_of(obj: Any) -> str | None:
+def _file_of(obj: Any, realpath: Callable[[str], str] = os.path.realpath) -> str | None:
     try:
         path = inspect.getsourcefile(obj) or inspect.getfile(obj)
     except (TypeError, OSError):
         return None
-    return os.path.realpath(path) if path else None
+    return realpath(path) if path else None
 
 
 def _target(func: Any) -> Any:
@@ -133,6 +133,8 @@ class _Walker:
         self.seen: set[int | str] = set()
         self.queue: list[Any] = []
         self.specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+        self.user_objects: dict[int, tuple[Any, bool]] = {}
+        self.realpaths: dict[str, str] = {}
         self.func = func
 
     def run(self) -> dict[str, str]:
@@ -153,6 +155,11 @@ class _Walker:
         self.parts.setdefault(key, set()).add(digest)
 
     # ------------------------------------------------------------ classification
+    def realpath(self, path: str) -> str:
+        if path not in self.realpaths:
+            self.realpaths[path] = os.path.realpath(path)
+        return self.realpaths[path]
+
     def is_user(self, path: str | None) -> bool:
         if path is None or "site-packages" in path or "dist-packages" in path:
             return False
@@ -160,7 +167,11 @@ class _Walker:
 
     def is_user_object(self, obj: Any) -> bool:
         """Under ``__main__`` run by runpy, ``inspect`` finds the wrong file for a class: compare module names first."""
-        return getattr(obj, "__module__", None) == self.home or self.is_user(_file_of(obj))
+        if getattr(obj, "__module__", None) == self.home:
+            return True
+        if id(obj) not in self.user_objects:  # memoised per walk; the object is kept so that its id is not reused
+            self.user_objects[id(obj)] = (obj, self.is_user(_file_of(obj, self.realpath)))
+        return self.user_objects[id(obj)][1]
 
     def module_of(self, obj: Any) -> types.ModuleType | None:
         return sys.modules.get(getattr(obj, "__module__", None) or "")
