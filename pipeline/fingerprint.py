@@ -274,7 +274,9 @@ class _Walker:
         """A callable object that wraps a function (``functools.lru_cache``, ``update_wrapper``): the function counts."""
         kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
         parameters = getattr(obj, "cache_parameters", None) if isinstance(obj, _LRU_WRAPPER) else None
-        extra = f" {self.value(parameters(), stack)}" if callable(parameters) else ""
+        extra = ""
+        if callable(parameters) and getattr(parameters, "__module__", None) == "functools":  # never user code
+            extra = f" {self.value(parameters(), stack)}"
         return f"{kind}{extra} of {self.follow(wrapped, stack)}"
 
     def function(self, func: types.FunctionType) -> str:
