@@ -47,7 +47,9 @@ Decisions, for :func:`code_fingerprint`:
   its function and arguments, a bound method by its function and its
   ``__self__`` (so ``APPLY = Scaler(2).apply`` counts the 2); a callable
   wrapper (``functools.lru_cache``, ``update_wrapper``) by its type and the
-  function in its ``__wrapped__`` (and an ``lru_cache``'s parameters).  Any other object by its
+  function in its ``__wrapped__`` (``numpy.vectorize``: ``pyfunc``; numba:
+  ``py_func``; and an ``lru_cache``'s parameters); a ``SimpleNamespace`` by its
+  fields; a ``logging.Logger`` by its name only (its repr shows its level).  Any other object by its
   ``repr`` when its type defines one that shows no address (a repr may
   abbreviate: a change inside a large DataFrame is not seen), else as
   ``<unhashable module.Type>`` only, so a change inside it is not seen either.
@@ -70,6 +72,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -407,6 +410,10 @@ class _Walker:
             return f"{type(obj).__name__}{{{', '.join(items)}}}"
         if _is_code_like(obj):
             return self.follow(obj, inner)
+        if isinstance(obj, types.SimpleNamespace):
+            return f"namespace{self.value(vars(obj), inner)}"
+        if isinstance(obj, logging.Logger):  # its repr shows its level, which -v changes
+            return f"logging.Logger {obj.name!r}"
         if isinstance(obj, types.BuiltinMethodType) and not isinstance(obj.__self__, (types.ModuleType, type(None))):
             return f"{obj.__qualname__} bound to {self.value(obj.__self__, inner)}"  # TABLE.get
         if type(obj).__module__ == "numpy":
@@ -500,9 +507,15 @@ def _wrapped(obj: Any) -> Callable[..., Any] | None:
         return None  # a function's __wrapped__ is part of the function (see function())
     try:
         inner = inspect.getattr_static(obj, "__wrapped__", None)
+        # numpy.vectorize keeps its function as .pyfunc, numba's dispatchers as .py_func
+        inner = inner if callable(inner) else inspect.getattr_static(obj, "pyfunc", None)
+        inner = inner if callable(inner) else inspect.getattr_static(obj, "py_func", None)
     except Exception:  # noqa: BLE001 - an odd object: nothing to follow
         return None
-    return inner if callable(inner) and not isinstance(inner, (property, types.MemberDescriptorType)) else None
+    if isinstance(inner, (property, types.MemberDescriptorType)) or not callable(inner):
+        return None
+    found: Callable[..., Any] = inner
+    return found
 
 
 def _instance_state(obj: Any) -> dict[str, Any] | None:

@@ -356,6 +356,55 @@ def test_what_the_stage_does_not_use_leaves_it_with_partials_methods_and_caches(
     assert not changes(tmp_path, {"pipeline.py": LEFT}, "pipeline.py", old, new)
 
 
+def test_a_module_logger_does_not_tie_the_key_to_the_verbosity(tmp_path: Path) -> None:
+    # a Logger's repr, "<Logger name (LEVEL)>", shows the level: `hetflow -v run` must not re-run every stage
+    # that logs through a module-level logger ("log changed"); a logger counts by its name
+    import logging
+
+    files = {"pipeline.py": """
+        import logging
+        log = logging.getLogger("attack.findings.logger")
+        def stage(ctx):
+            log.info("working")
+            return 1
+    """}
+    root = logging.getLogger()
+    level = root.level
+    try:
+        root.setLevel(logging.WARNING)
+        a = fingerprint(tmp_path / "a", files)
+        root.setLevel(logging.DEBUG)
+        b = fingerprint(tmp_path / "b", files)
+    finally:
+        root.setLevel(level)
+    assert a == b
+
+
+def test_a_numpy_vectorize_helper(tmp_path: Path) -> None:
+    # like lru_cache, a callable wrapper object that is not a function: np.vectorize keeps it as .pyfunc
+    files = {"pipeline.py": """
+        import numpy as np
+        @np.vectorize
+        def helper(x):
+            return x * 2
+        def stage(ctx):
+            return helper(1)
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "x * 2", "x * 3")
+
+
+def test_functions_held_in_a_simple_namespace(tmp_path: Path) -> None:
+    files = {"pipeline.py": """
+        import types
+        def double(x):
+            return x * 2
+        OPS = types.SimpleNamespace(scale=double)
+        def stage(ctx):
+            return OPS.scale(1)
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "x * 2", "x * 3")
+
+
 SCRIPT = """
 import pyarrow as pa
 import hetflow as hf
