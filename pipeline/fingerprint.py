@@ -49,10 +49,11 @@ Decisions, for :func:`code_fingerprint`:
   wrapper (``functools.lru_cache``, ``update_wrapper``) by its type and the
   function in its ``__wrapped__`` (``numpy.vectorize``: ``pyfunc``; numba:
   ``py_func``; and an ``lru_cache``'s parameters); a ``SimpleNamespace`` by its
-  fields; a ``logging.Logger`` by its name only (its repr shows its level).  Any other object by its
-  ``repr`` when its type defines one that shows no address (a repr may
-  abbreviate: a change inside a large DataFrame is not seen), else as
-  ``<unhashable module.Type>`` only, so a change inside it is not seen either.
+  fields; a ``logging.Logger`` by its name only (its repr shows its level).
+  Any other object by its ``repr`` when its type defines one that shows no
+  address (a repr may abbreviate: a change inside a large DataFrame is not
+  seen), else as ``<unhashable module.Type>`` only, so a change inside it is
+  not seen either.
   A function, class or module met inside a value is recorded by name and
   followed.
 """
