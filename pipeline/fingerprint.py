@@ -3,8 +3,8 @@
 Both fingerprints are ``{readable component name: hex digest}`` mappings, so a
 cache miss can say *why* (:func:`describe_change`); :func:`fingerprint_digest`
 folds one or more of them into a single key.  Pure functions: nothing is
-executed, imported or pickle-loaded, except that ``importlib.util.find_spec``
-locates a module a function imports locally and that was never imported.
+executed, imported or pickle-loaded; a module that a function or a reached
+module imports but that was never imported is only located (its file found).
 
 Decisions, for :func:`code_fingerprint`:
 
@@ -20,24 +20,47 @@ Decisions, for :func:`code_fingerprint`:
   the module's name (``__main__`` in the orchestrator, ``__hetflow_script__`` in
   the worker) do not count.  Their defaults, keyword defaults and closure cells
   are hashed as values; the globals they load (``LOAD_GLOBAL``, imports) are
-  followed.  Classes: every attribute in the class body (methods by bytecode,
-  other values as values) plus their bases.
+  followed.  Classes: every attribute in the class body (methods by bytecode;
+  ``property``, ``cached_property``, ``partialmethod``, ``singledispatchmethod``
+  by the functions in them; other values as values) plus their bases and their
+  metaclass.  A ``singledispatch`` function counts its registered functions.
 * Other user modules are hashed whole (``"module mylib"``: their source file)
-  and their namespace is followed, so a module they import counts too.
+  and their namespace is followed; so is every import statement in their
+  source (parsed, not run), so ``from .consts import SCALE`` makes
+  ``mylib.consts`` count.  A module is reached, not a package: a stage that
+  names ``helper`` (from ``from mylib import helper``) counts the module that
+  defines ``helper`` and what that module imports, not ``mylib/__init__.py``
+  nor its other submodules; a stage that names ``mylib`` itself (``import
+  mylib``) counts ``__init__.py`` and everything it imports.  ``from a import
+  x`` (in a function or in a reached module's source) follows the submodule
+  ``a.x`` if there is one, else what ``x`` is in ``a`` when that is a
+  function, class or module, else ``a`` whole.  A user module that was never
+  imported is located without importing it or its packages (``find_spec`` on
+  the top-level name, then the path finder): its file is hashed and its
+  imports read from its source; ``from a import x`` then counts ``a`` whole.
 * **Values** are hashed through a stable text form: ``repr`` of None, bool,
   numbers, str, bytes, Path, Enum, datetime, Decimal, UUID; containers
   recursively (sets and dict keys sorted, so hash randomisation cannot reorder
   them); numpy arrays and scalars by dtype, shape and bytes; dataclasses and
-  instances of user classes by their fields.  Any other object by its
-  ``repr`` when its type defines one that shows no address (a repr may
-  abbreviate: a change inside a large DataFrame is not seen), else as
-  ``<unhashable module.Type>`` only, so a change inside it is not seen either.
+  instances of user classes by their fields (``__dict__`` and set
+  ``__slots__``, read without running their code); a ``functools.partial`` by
+  its function and arguments, a bound method by its function and its
+  ``__self__`` (so ``APPLY = Scaler(2).apply`` counts the 2); a callable
+  wrapper (``functools.lru_cache``, ``update_wrapper``) by its type and the
+  function in its ``__wrapped__`` (``numpy.vectorize``: ``pyfunc``; numba:
+  ``py_func``; and an ``lru_cache``'s parameters); a ``SimpleNamespace`` by its
+  fields; a ``logging.Logger`` by its name only (its repr shows its level).
+  Any other object by its ``repr`` when its type defines one that shows no
+  address (a repr may abbreviate: a change inside a large DataFrame is not
+  seen), else as ``<unhashable module.Type>`` only, so a change inside it is
+  not seen either.
   A function, class or module met inside a value is recorded by name and
   followed.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime
 import decimal
@@ -46,9 +69,11 @@ import enum
 import functools
 import glob
 import hashlib
+import importlib.machinery
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -75,12 +100,12 @@ def _external_dirs() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
 
 
-def _file_of(obj: Any) -> str | None:
+def _file_of(obj: Any, realpath: Callable[[str], str] = os.path.realpath) -> str | None:
     try:
         path = inspect.getsourcefile(obj) or inspect.getfile(obj)
     except (TypeError, OSError):
         return None
-    return os.path.realpath(path) if path else None
+    return realpath(path) if path else None
 
 
 def _target(func: Any) -> Any:
@@ -109,8 +134,11 @@ class _Walker:
         self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots)
         self.external = _external_dirs()
         self.parts: dict[str, set[str]] = {}
-        self.seen: set[int] = set()
+        self.seen: set[int | str] = set()
         self.queue: list[Any] = []
+        self.specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+        self.user_objects: dict[int, tuple[Any, bool]] = {}
+        self.realpaths: dict[str, str] = {}
         self.func = func
 
     def run(self) -> dict[str, str]:
@@ -120,8 +148,9 @@ class _Walker:
             self.add("stage", _sha(self.value(self.func)))
         while self.queue:
             obj = self.queue.pop()
-            if id(obj) not in self.seen:
-                self.seen.add(id(obj))
+            key = obj.name if isinstance(obj, _Located) else id(obj)
+            if key not in self.seen:
+                self.seen.add(key)
                 self.visit(obj)
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
 
@@ -130,6 +159,11 @@ class _Walker:
         self.parts.setdefault(key, set()).add(digest)
 
     # ------------------------------------------------------------ classification
+    def realpath(self, path: str) -> str:
+        if path not in self.realpaths:
+            self.realpaths[path] = os.path.realpath(path)
+        return self.realpaths[path]
+
     def is_user(self, path: str | None) -> bool:
         if path is None or "site-packages" in path or "dist-packages" in path:
             return False
@@ -137,7 +171,11 @@ class _Walker:
 
     def is_user_object(self, obj: Any) -> bool:
         """Under ``__main__`` run by runpy, ``inspect`` finds the wrong file for a class: compare module names first."""
-        return getattr(obj, "__module__", None) == self.home or self.is_user(_file_of(obj))
+        if getattr(obj, "__module__", None) == self.home:
+            return True
+        if id(obj) not in self.user_objects:  # memoised per walk; the object is kept so that its id is not reused
+            self.user_objects[id(obj)] = (obj, self.is_user(_file_of(obj, self.realpath)))
+        return self.user_objects[id(obj)][1]
 
     def module_of(self, obj: Any) -> types.ModuleType | None:
         return sys.modules.get(getattr(obj, "__module__", None) or "")
@@ -151,12 +189,16 @@ class _Walker:
             return f"class {prefix}{obj.__qualname__}"
         return f"{prefix}{obj.__qualname__}()"
 
-    def follow(self, obj: Any) -> str:
+    def follow(self, obj: Any, stack: tuple[int, ...] = ()) -> str:
         """Queue a function, class or module for hashing; return how a value refers to it."""
         if isinstance(obj, types.MethodType):
-            return f"{self.follow(obj.__func__)} bound to {self.value(obj.__self__)}"
+            return f"{self.follow(obj.__func__)} bound to {self.value(obj.__self__, stack)}"
         if isinstance(obj, functools.partial):
-            return f"partial({self.follow(obj.func)}, {self.value(obj.args)}, {self.value(obj.keywords)})"
+            return (f"partial({self.follow(obj.func, stack)}, {self.value(obj.args, stack)}, "
+                    f"{self.value(obj.keywords, stack)})")
+        wrapped = _wrapped(obj)
+        if wrapped is not None:
+            return self.wrapper(obj, wrapped, stack)
         if isinstance(obj, types.ModuleType):
             if self.is_user(getattr(obj, "__file__", None)):
                 self.queue.append(obj)
@@ -182,7 +224,11 @@ class _Walker:
 
     # ------------------------------------------------------------ components
     def visit(self, obj: Any) -> None:
-        if isinstance(obj, types.ModuleType):
+        if isinstance(obj, _Located):
+            source = Path(obj.origin).read_bytes()
+            self.add(f"module {obj.name}", _sha(source))
+            self.module_imports(obj.name, obj.origin, source, obj.is_package)
+        elif isinstance(obj, types.ModuleType):
             self.visit_module(obj)
         elif isinstance(obj, type):
             self.visit_class(obj)
@@ -191,7 +237,10 @@ class _Walker:
 
     def visit_module(self, module: types.ModuleType) -> None:
         path = getattr(module, "__file__", None)
-        self.add(f"module {module.__name__}", _sha(Path(path).read_bytes()) if path else "<no file>")
+        source = Path(path).read_bytes() if path else b""
+        self.add(f"module {module.__name__}", _sha(source) if path else "<no file>")
+        if path:
+            self.module_imports(module.__name__, path, source, hasattr(module, "__path__"))
         for key, value in sorted(vars(module).items()):
             if not isinstance(value, (types.ModuleType, types.FunctionType, type)) or key.startswith("__"):
                 continue
@@ -200,6 +249,8 @@ class _Walker:
 
     def visit_class(self, cls: type) -> None:
         body = [f"bases {[self.follow(b) for b in cls.__bases__ if b is not object]}"]
+        if type(cls) is not type:
+            body.append(f"metaclass {self.follow(type(cls))}")
         for key, value in sorted(vars(cls).items()):
             if key in ("__dict__", "__weakref__", "__module__", "__qualname__"):
                 continue
@@ -213,7 +264,24 @@ class _Walker:
 
     def member(self, value: Any) -> str:
         """A class attribute: a method is part of its class, not a component of its own."""
-        return self.function(value) if isinstance(value, types.FunctionType) else self.value(value)
+        if isinstance(value, types.FunctionType):
+            return self.function(value)
+        if isinstance(value, functools.cached_property):
+            return f"cached_property({self.member(value.func)})"
+        if isinstance(value, functools.partialmethod):
+            return f"partialmethod({self.member(value.func)}, {self.value(value.args)}, {self.value(value.keywords)})"
+        if isinstance(value, functools.singledispatchmethod):
+            return f"singledispatchmethod({self.member(value.dispatcher)})"
+        return self.value(value)
+
+    def wrapper(self, obj: Any, wrapped: Callable[..., Any], stack: tuple[int, ...]) -> str:
+        """A callable object that wraps a function (``functools.lru_cache``, ``update_wrapper``): the function counts."""
+        kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        parameters = getattr(obj, "cache_parameters", None) if isinstance(obj, _LRU_WRAPPER) else None
+        extra = ""
+        if callable(parameters) and getattr(parameters, "__module__", None) == "functools":  # never user code
+            extra = f" {self.value(parameters(), stack)}"
+        return f"{kind}{extra} of {self.follow(wrapped, stack)}"
 
     def function(self, func: types.FunctionType) -> str:
         """The text hashed for a function; queues what it reaches."""
@@ -221,9 +289,13 @@ class _Walker:
         self.globals_of(code, func.__globals__)
         cells = [c.cell_contents for c in func.__closure__ or () if _filled(c)]
         wrapped = getattr(func, "__wrapped__", None)
-        return (f"code {_code_text(code)}\ndefaults {self.value(func.__defaults__)}\n"
+        text = (f"code {_code_text(code)}\ndefaults {self.value(func.__defaults__)}\n"
                 f"kwdefaults {self.value(func.__kwdefaults__)}\ncells {self.value(cells)}\n"
                 f"wraps {self.follow(wrapped) if callable(wrapped) else None}")
+        registry = vars(func).get("registry")
+        if isinstance(registry, Mapping) and "dispatch" in vars(func):  # functools.singledispatch
+            text += f"\nregistry {self.value(dict(registry))}"
+        return text
 
     def globals_of(self, code: types.CodeType, namespace: Mapping[str, Any]) -> None:
         """Follow the globals a code object (and the code nested in it) loads or imports."""
@@ -238,16 +310,18 @@ class _Walker:
                     self.add(self.label(ins.argval, namespace), "<undefined>")
             elif ins.opname == "IMPORT_NAME":
                 level = instructions[i - 2].argval if i >= 2 and isinstance(instructions[i - 2].argval, int) else 0
-                self.imported(ins.argval, level, namespace)
+                fromlist = instructions[i - 1].argval if i >= 1 else None
+                fromlist = fromlist if isinstance(fromlist, tuple) else None
+                self.imported(ins.argval, level, fromlist, namespace.get("__package__"))
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 self.globals_of(const, namespace)
 
     def global_value(self, key: str, namespace: Mapping[str, Any]) -> None:
         value = namespace[key]
-        if _is_code_like(value):
+        if isinstance(value, (types.FunctionType, type, types.ModuleType)):
             self.follow(value)
-            return
+            return  # a partial, a bound method or a wrapper carries state: hashed as a value below
         label = self.label(key, namespace)
         if label not in self.parts:
             self.add(label, _sha(self.value(value)))
@@ -256,24 +330,67 @@ class _Walker:
         module = namespace.get("__name__")
         return key if module == self.home else f"{module}.{key}"
 
-    def imported(self, name: str, level: int, namespace: Mapping[str, Any]) -> None:
-        """A module imported inside a function: hash it if it is user code (it may never have been imported)."""
+    def imported(self, name: str, level: int, fromlist: Sequence[str] | None, package: str | None) -> None:
+        """``import name`` / ``from name import *fromlist*`` (``level`` dots), met in code or in a module's source.
+
+        ``import a.b`` follows ``a.b`` (not the package ``a``).  ``from a import x``
+        follows the submodule ``a.x`` when there is one, else what ``x`` names in
+        ``a`` when it is a function, class or module (so its own module, not every
+        module ``a`` imports), else ``a`` whole (``x`` is a value, or ``*``).
+        """
         try:
-            name = importlib.util.resolve_name("." * level + name, namespace.get("__package__")) if level else name
-        except ImportError:
+            name = importlib.util.resolve_name("." * level + name, package) if level else name
+        except (ImportError, ValueError):
             return
+        if not fromlist:
+            self.follow_module_name(name)
+            return
+        base = sys.modules.get(name)
+        whole = False
+        for attr in fromlist:
+            sub = f"{name}.{attr}"
+            if attr == "*":
+                whole = True
+            elif sub in sys.modules:
+                self.follow(sys.modules[sub])
+            elif base is not None and attr in vars(base):
+                value = vars(base)[attr]
+                if isinstance(value, (types.FunctionType, type, types.ModuleType)):
+                    self.follow(value)
+                else:
+                    whole = True
+            elif (base is None or hasattr(base, "__path__")) and self.locate(sub) is not None:
+                self.follow_module_name(sub)
+            else:
+                whole = True
+        if whole:
+            self.follow_module_name(name)
+
+    def follow_module_name(self, name: str) -> None:
+        """Follow a module by name: imported, or located and hashed from its file without being imported."""
         module = sys.modules.get(name)
         if module is not None:
             self.follow(module)
             return
-        try:
-            parent = name.rpartition(".")[0]
-            found = importlib.util.find_spec(name) if parent == "" or parent in sys.modules else None
-        except (ImportError, ValueError):
-            found = None
-        origin = found.origin if found is not None else None
-        if origin and self.is_user(os.path.realpath(origin)):
-            self.add(f"module {name}", _sha(Path(origin).read_bytes()))
+        found = self.locate(name)
+        if found is not None and found.has_location and found.origin and self.is_user(os.path.realpath(found.origin)):
+            self.queue.append(_Located(name, found.origin, found.submodule_search_locations is not None))
+        else:
+            self.external_module(name)
+
+    def locate(self, name: str) -> importlib.machinery.ModuleSpec | None:
+        """A module's spec, found without importing it or its packages (so none of their code runs)."""
+        if name not in self.specs:
+            self.specs[name] = _locate(name)
+        return self.specs[name]
+
+    def module_imports(self, name: str, path: str, source: bytes, is_package: bool) -> None:
+        """Follow what a module's source imports anywhere in it (module level, functions, ``try`` blocks)."""
+        if not path.endswith(".py"):
+            return
+        package = name if is_package else name.rpartition(".")[0]
+        for level, module, names in _source_imports(source, path):
+            self.imported(module, level, names, package)
 
     # ------------------------------------------------------------ values
     def value(self, obj: Any, stack: tuple[int, ...] = ()) -> str:
@@ -293,7 +410,13 @@ class _Walker:
             items = sorted(f"{self.value(k, inner)}: {self.value(v, inner)}" for k, v in obj.items())
             return f"{type(obj).__name__}{{{', '.join(items)}}}"
         if _is_code_like(obj):
-            return self.follow(obj)
+            return self.follow(obj, inner)
+        if isinstance(obj, types.SimpleNamespace):
+            return f"namespace{self.value(vars(obj), inner)}"
+        if isinstance(obj, logging.Logger):  # its repr shows its level, which -v changes
+            return f"logging.Logger {obj.name!r}"
+        if isinstance(obj, types.BuiltinMethodType) and not isinstance(obj.__self__, (types.ModuleType, type(None))):
+            return f"{obj.__qualname__} bound to {self.value(obj.__self__, inner)}"  # TABLE.get
         if type(obj).__module__ == "numpy":
             import numpy as np
 
@@ -302,14 +425,125 @@ class _Walker:
         if dataclasses.is_dataclass(obj):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
             return f"{self.follow(type(obj))}({self.value(fields, inner)})"
-        if self.is_user_object(type(obj)) and hasattr(obj, "__dict__"):
-            return f"{self.follow(type(obj))}({self.value(vars(obj), inner)})"
+        if self.is_user_object(type(obj)):
+            state = _instance_state(obj)
+            if state is not None:
+                return f"{self.follow(type(obj))}({self.value(state, inner)})"
+        wrapped = _wrapped(obj)
+        if wrapped is not None:
+            return self.wrapper(obj, wrapped, inner)
         kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
         if getattr(type(obj), "__repr__", None) is not object.__repr__:
             text = repr(obj)
             if " at 0x" not in text:
                 return f"{kind} {text}"
         return f"<unhashable {kind}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Located:
+    """A user module that was never imported: hashed from its file, its imports read from its source."""
+
+    name: str
+    origin: str
+    is_package: bool
+
+
+def _locate(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of module ``name``; a package on the way that was not imported is searched, never imported."""
+    spec: importlib.machinery.ModuleSpec | None = None
+    search: Sequence[str] | None = None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        if i and search is None:  # the parent is not a package
+            return None
+        full = ".".join(parts[:i + 1])
+        module = sys.modules.get(full)
+        try:
+            if module is not None:
+                spec = getattr(module, "__spec__", None)
+                search = getattr(module, "__path__", None)
+                if spec is None:
+                    return None
+                continue
+            spec = importlib.util.find_spec(full) if i == 0 else \
+                importlib.machinery.PathFinder.find_spec(full, list(search or ()))
+        except (ImportError, ValueError, AttributeError):
+            return None
+        if spec is None:
+            return None
+        search = spec.submodule_search_locations
+    return spec
+
+
+_IMPORTS: dict[str, tuple[tuple[int, str, tuple[str, ...] | None], ...]] = {}
+
+
+def _source_imports(source: bytes, path: str) -> tuple[tuple[int, str, tuple[str, ...] | None], ...]:
+    """``(level, module, names or None)`` for every import statement in a module's source (parsed, not run)."""
+    key = hashlib.sha256(source).hexdigest()
+    if key not in _IMPORTS:
+        found: list[tuple[int, str, tuple[str, ...] | None]] = []
+        try:
+            tree = ast.parse(source, path)
+        except (SyntaxError, ValueError):
+            tree = ast.Module(body=[], type_ignores=[])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.extend((0, alias.name, None) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                found.append((node.level, node.module or "", tuple(alias.name for alias in node.names)))
+        if len(_IMPORTS) > 4096:
+            _IMPORTS.clear()
+        _IMPORTS[key] = tuple(found)
+    return _IMPORTS[key]
+
+
+_LRU_WRAPPER = type(functools.lru_cache(lambda: None))
+
+
+def _wrapped(obj: Any) -> Callable[..., Any] | None:
+    """The function a callable object wraps (its ``__wrapped__``, read without running a descriptor), else None."""
+    if isinstance(obj, (types.FunctionType, type, types.ModuleType)) or not callable(obj):
+        return None  # a function's __wrapped__ is part of the function (see function())
+    try:
+        inner = inspect.getattr_static(obj, "__wrapped__", None)
+        # numpy.vectorize keeps its function as .pyfunc, numba's dispatchers as .py_func
+        inner = inner if callable(inner) else inspect.getattr_static(obj, "pyfunc", None)
+        inner = inner if callable(inner) else inspect.getattr_static(obj, "py_func", None)
+    except Exception:  # noqa: BLE001 - an odd object: nothing to follow
+        return None
+    if isinstance(inner, (property, types.MemberDescriptorType)) or not callable(inner):
+        return None
+    found: Callable[..., Any] = inner
+    return found
+
+
+def _instance_state(obj: Any) -> dict[str, Any] | None:
+    """An instance's fields: its ``__dict__`` and its ``__slots__`` (set ones), read without running user code."""
+    state: dict[str, Any] = {}
+    found = False
+    try:
+        fields = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        fields = None
+    if isinstance(fields, dict):
+        state.update(fields)
+        found = True
+    for cls in type(obj).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot in ("__dict__", "__weakref__"):
+                continue
+            attr = f"_{cls.__name__.lstrip('_')}{slot}" if slot.startswith("__") and not slot.endswith("__") else slot
+            descriptor = vars(cls).get(attr)
+            if isinstance(descriptor, types.MemberDescriptorType):
+                found = True
+                try:
+                    state[attr] = descriptor.__get__(obj, cls)
+                except AttributeError:  # not set
+                    continue
+    return state if found else None
 
 
 def _filled(cell: Any) -> bool:

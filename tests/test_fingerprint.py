@@ -203,11 +203,13 @@ def stage(ctx, table, default=LOOP):
 
 def test_cycles_function_local_imports_and_never_imported_modules(tmp_path: Path) -> None:
     fp = fingerprint(tmp_path / "a", RECURSIVE, "stage", local_only="thing = 1\n")
-    # mylib was never imported either: its file is hashed, but what it imports (mylib2) is not seen
-    assert set(fp) == {"stage()", "even()", "odd()", "module mylib", "module local_only"}
+    # mylib was never imported either: its file is hashed, and what its source imports (mylib2) too
+    assert set(fp) == {"stage()", "even()", "odd()", "module mylib", "module mylib2", "module local_only"}
     changed = fingerprint(tmp_path / "b", RECURSIVE, "stage", local_only="thing = 2\n")
     assert describe_change(fp, changed) == "module local_only changed"
-    assert "local_only" not in sys.modules  # found, hashed, never executed
+    changed = fingerprint(tmp_path / "c", RECURSIVE, "stage", local_only="thing = 1\n", mylib2="BASE = 11\n")
+    assert describe_change(fp, changed) == "module mylib2 changed"
+    assert not {"local_only", "mylib", "mylib2"} & set(sys.modules)  # found, hashed, never executed
 
 
 UNHASHABLE = '''

@@ -1,0 +1,432 @@
+"""How far the code fingerprint reaches: cases an attack on the cache key found (issue 17), now fixed.
+
+Each edit below changes what a stage computes, so it must change the stage's
+code fingerprint (else ``hetflow run`` serves the old output as ``CACHED``);
+the edits in the ``leaves`` tests must not.  The end-to-end test runs hetflow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hetflow.fingerprint import code_fingerprint
+
+
+def fingerprint(where: Path, files: dict[str, str], stage: str = "stage") -> dict[str, str]:
+    """Write ``files`` (relative paths; ``pipeline.py`` is the script) into ``where``, import the script, fingerprint ``stage``."""
+    where.mkdir(parents=True)
+    for rel, text in files.items():
+        (where / rel).parent.mkdir(parents=True, exist_ok=True)
+        (where / rel).write_text(textwrap.dedent(text))
+    before = set(sys.modules)
+    sys.path.insert(0, str(where))
+    try:
+        spec = importlib.util.spec_from_file_location("__hetflow_script__", where / "pipeline.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return code_fingerprint(getattr(module, stage))
+    finally:
+        sys.path.remove(str(where))
+        for added in set(sys.modules) - before:
+            if str(getattr(sys.modules[added], "__file__", "")).startswith(str(where)):
+                del sys.modules[added]
+
+
+def changes(tmp_path: Path, files: dict[str, str], rel: str, old: str, new: str) -> bool:
+    a = fingerprint(tmp_path / "a", files)
+    assert old in files[rel]
+    b = fingerprint(tmp_path / "b", {**files, rel: files[rel].replace(old, new)})
+    return a != b
+
+
+PACKAGE = {
+    "pipeline.py": """
+        from mylib import helper
+        def stage(ctx):
+            return helper()
+    """,
+    "mylib/__init__.py": "from .core import helper\n",
+    "mylib/core.py": "from .consts import SCALE\ndef helper():\n    return SCALE\n",
+    "mylib/consts.py": "SCALE = 2\n",
+}
+
+
+def test_a_constant_in_a_sibling_submodule_of_a_local_package(tmp_path: Path) -> None:
+    # core.py does `from .consts import SCALE`: core is hashed whole, consts.py never is
+    assert changes(tmp_path, PACKAGE, "mylib/consts.py", "SCALE = 2", "SCALE = 3")
+
+
+def test_star_import_of_a_package_whose_module_reads_another_submodule(tmp_path: Path) -> None:
+    files = {
+        "pipeline.py": "from lib2 import *\ndef stage(ctx):\n    return star_helper()\n",
+        "lib2/__init__.py": "from .impl import *\n",
+        "lib2/impl.py": "__all__ = ['star_helper']\nfrom .tables import FACTORS\ndef star_helper():\n    return FACTORS['a']\n",
+        "lib2/tables.py": "FACTORS = {'a': 2}\n",
+    }
+    assert changes(tmp_path, files, "lib2/tables.py", "2", "3")
+
+
+def test_a_submodule_imported_inside_the_stage(tmp_path: Path) -> None:
+    # `from inner import sub` inside the function: only inner/__init__.py (empty) is hashed
+    files = {
+        "pipeline.py": "def stage(ctx):\n    from inner import sub\n    return sub.VAL\n",
+        "inner/__init__.py": "",
+        "inner/sub.py": "VAL = 2\n",
+    }
+    assert changes(tmp_path, files, "inner/sub.py", "VAL = 2", "VAL = 3")
+
+
+
+def test_a_submodule_of_a_package_never_imported_is_located_not_run(tmp_path: Path) -> None:
+    files = {
+        "pipeline.py": "def stage(ctx):\n    from inner.deep import sub\n    return sub.VAL\n",
+        "inner/__init__.py": "open(__file__ + '.ran', 'w').close()\n",
+        "inner/deep/__init__.py": "open(__file__ + '.ran', 'w').close()\n",
+        "inner/deep/sub.py": "VAL = 2\n",
+    }
+    assert changes(tmp_path, files, "inner/deep/sub.py", "VAL = 2", "VAL = 3")
+    assert not list(tmp_path.rglob("*.ran"))
+
+
+SPLIT = {
+    "pipeline.py": """
+        from pkg import fa
+        def stage(ctx):
+            return fa()
+    """,
+    "pkg/__init__.py": "from .a import fa\nfrom .b import fb\n",
+    "pkg/a.py": "from .consts import A\ndef fa():\n    return A\n",
+    "pkg/b.py": "from .consts import B\ndef fb():\n    return B\n",
+    "pkg/consts.py": "A = 1\nB = 2\n",
+    "pkg/unused.py": "C = 3\n",
+}
+
+
+@pytest.mark.parametrize(("rel", "old", "new"), [
+    ("pkg/b.py", "return B", "return B + 1"),          # a sibling the stage never reaches
+    ("pkg/unused.py", "C = 3", "C = 4"),               # a module nobody imports
+    ("pkg/__init__.py", "from .b", "# re-exports\nfrom .b"),  # the package itself: the stage names fa, not pkg
+])
+def test_a_package_counts_by_the_modules_the_stage_reaches(tmp_path: Path, rel: str, old: str, new: str) -> None:
+    assert not changes(tmp_path, SPLIT, rel, old, new)
+
+
+def test_the_modules_reached_count_whole(tmp_path: Path) -> None:
+    assert changes(tmp_path / "a", SPLIT, "pkg/a.py", "return A", "return A + 1")
+    # a.py imports consts, so consts counts whole: B too, although only fa() runs
+    assert changes(tmp_path / "c", SPLIT, "pkg/consts.py", "B = 2", "B = 3")
+
+
+@pytest.mark.parametrize("stage_source", [
+    "import pkg.a\ndef stage(ctx):\n    from pkg import fa\n    return fa()\n",    # imported inside the stage
+    "import helper_mod\ndef stage(ctx):\n    return helper_mod.go()\n",          # through a local module
+])
+def test_a_name_imported_from_a_package_follows_its_own_module(tmp_path: Path, stage_source: str) -> None:
+    files = {**SPLIT, "pipeline.py": stage_source, "helper_mod.py": "from pkg import fa\ndef go():\n    return fa()\n"}
+    assert changes(tmp_path / "a", files, "pkg/a.py", "return A", "return A + 1")
+    assert not changes(tmp_path / "b", files, "pkg/b.py", "return B", "return B + 1")
+
+
+def test_a_package_never_imported_counts_whole(tmp_path: Path) -> None:
+    """Without importing it, what ``fa`` is in ``pkg`` cannot be seen: pkg counts whole, with all it imports."""
+    files = {**SPLIT, "pipeline.py": "def stage(ctx):\n    from pkg import fa\n    return fa()\n"}
+    assert changes(tmp_path / "a", files, "pkg/a.py", "return A", "return A + 1")
+    assert changes(tmp_path / "b", files, "pkg/b.py", "return B", "return B + 1")
+
+
+def test_a_stage_that_names_the_package_reaches_what_it_imports(tmp_path: Path) -> None:
+    """``import pkg; pkg.fa()``: the package's own source counts, and so does everything it imports."""
+    files = {**SPLIT, "pipeline.py": "import pkg\ndef stage(ctx):\n    return pkg.fa()\n"}
+    assert changes(tmp_path / "a", files, "pkg/__init__.py", "from .b", "# re-exports\nfrom .b")
+    assert changes(tmp_path / "b", files, "pkg/b.py", "return B", "return B + 1")
+    assert not changes(tmp_path / "c", files, "pkg/unused.py", "C = 3", "C = 4")
+
+
+def test_the_body_of_an_lru_cache_helper(tmp_path: Path) -> None:
+    # a functools._lru_cache_wrapper is neither a function nor hashable by value: "<unhashable ...>"
+    files = {"pipeline.py": """
+        import functools
+        @functools.lru_cache
+        def helper():
+            return 2
+        def stage(ctx):
+            return helper()
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "return 2", "return 3")
+
+
+def test_a_config_object_of_a_slots_class(tmp_path: Path) -> None:
+    # no __dict__: falls to repr, which shows an address: "<unhashable>", and the class is not followed
+    files = {"pipeline.py": """
+        class Config:
+            __slots__ = ("scale",)
+            def __init__(self, scale):
+                self.scale = scale
+        CONFIG = Config(2)
+        def stage(ctx):
+            return CONFIG.scale
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "Config(2)", "Config(3)")
+
+
+def test_a_cached_property_body(tmp_path: Path) -> None:
+    files = {"pipeline.py": """
+        import functools
+        class Model:
+            @functools.cached_property
+            def scale(self):
+                return 2
+        def stage(ctx):
+            return Model().scale
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "return 2", "return 3")
+
+
+def test_the_arguments_of_a_global_partial(tmp_path: Path) -> None:
+    # global_value() follows a partial but throws away the text naming its arguments
+    files = {"pipeline.py": """
+        import functools
+        def scaled(x, factor):
+            return x * factor
+        DOUBLE = functools.partial(scaled, factor=2)
+        def stage(ctx):
+            return DOUBLE(1)
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "factor=2", "factor=3")
+
+
+def test_the_instance_of_a_global_bound_method(tmp_path: Path) -> None:
+    files = {"pipeline.py": """
+        class Scaler:
+            def __init__(self, factor):
+                self.factor = factor
+            def apply(self, x):
+                return x * self.factor
+        APPLY = Scaler(2).apply
+        def stage(ctx):
+            return APPLY(1)
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "Scaler(2)", "Scaler(3)")
+
+
+def test_a_metaclass_method(tmp_path: Path) -> None:
+    files = {"pipeline.py": """
+        class Meta(type):
+            def __call__(cls):
+                return 2
+        class Thing(metaclass=Meta):
+            pass
+        def stage(ctx):
+            return Thing()
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "return 2", "return 3")
+
+
+
+MORE = {
+    "singledispatch": ("""
+        import functools
+        @functools.singledispatch
+        def scale(x):
+            return x
+        @scale.register
+        def _(x: int):
+            return x * 2
+        def stage(ctx):
+            return scale(1)
+    """, "x * 2", "x * 3"),
+    "wraps instance": ("""
+        import functools
+        class traced:
+            def __init__(self, func):
+                functools.update_wrapper(self, func)
+            def __call__(self, *args):
+                return self.__wrapped__(*args)
+        @traced
+        def helper():
+            return 2
+        def stage(ctx):
+            return helper()
+    """, "return 2", "return 3"),
+    "lru_cache method": ("""
+        import functools
+        class Model:
+            @functools.lru_cache(maxsize=4)
+            def scale(self):
+                return 2
+        def stage(ctx):
+            return Model().scale()
+    """, "return 2", "return 3"),
+    "lru_cache size": ("""
+        import functools
+        @functools.lru_cache(maxsize=4)
+        def helper():
+            return 2
+        def stage(ctx):
+            return helper()
+    """, "maxsize=4", "maxsize=8"),
+    "builtin bound method": ("""
+        LOOKUP = {"a": 2}.get
+        def stage(ctx):
+            return LOOKUP("a")
+    """, '"a": 2', '"a": 3'),
+    "partialmethod": ("""
+        import functools
+        class Model:
+            def _scale(self, x, factor):
+                return x * factor
+            double = functools.partialmethod(_scale, factor=2)
+        def stage(ctx):
+            return Model().double(1)
+    """, "factor=2", "factor=3"),
+    "slots in a base class, mangled": ("""
+        class Base:
+            __slots__ = ("__scale",)
+            def __init__(self, scale):
+                self.__scale = scale
+        class Config(Base):
+            __slots__ = ("name", "__dict__")
+        CONFIG = Config(2)
+        CONFIG.name = "x"
+        CONFIG.extra = 1
+        def stage(ctx):
+            return CONFIG
+    """, "Config(2)", "Config(3)"),
+    "a bound method of an object that holds it": ("""
+        class Scaler:
+            def __init__(self, factor):
+                self.factor = factor
+                self.callback = self.apply
+            def apply(self, x):
+                return x * self.factor
+        APPLY = Scaler(2).apply
+        def stage(ctx):
+            return APPLY(1)
+    """, "Scaler(2)", "Scaler(3)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MORE))
+def test_more_callables_and_objects(tmp_path: Path, case: str) -> None:
+    source, old, new = MORE[case]
+    files = {"pipeline.py": source}
+    assert not changes(tmp_path / "same", files, "pipeline.py", old, old)  # stable: no address, no order
+    assert changes(tmp_path / "edit", files, "pipeline.py", old, new)
+
+
+LEFT = """
+    import functools
+    UNRELATED = 1
+    class Scaler:
+        __slots__ = ("factor",)
+        def __init__(self, factor):
+            self.factor = factor
+        def apply(self, x):
+            return x * self.factor
+    def scaled(x, factor):
+        return x * factor
+    @functools.lru_cache
+    def helper():
+        return 2
+    DOUBLE = functools.partial(scaled, factor=2)
+    APPLY = Scaler(2).apply
+    def stage(ctx):
+        # uses a partial, a bound method and a cached helper
+        return DOUBLE(1) + APPLY(1) + helper()
+    def other(ctx):
+        return UNRELATED
+"""
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("UNRELATED = 1", "UNRELATED = 2"),
+    ("return UNRELATED", "return UNRELATED + 1"),
+    ("# uses a partial", "# uses, reworded, a partial"),
+    ("import functools\n", "import functools\n    # a comment; every line below moves\n\n"),
+])
+def test_what_the_stage_does_not_use_leaves_it_with_partials_methods_and_caches(tmp_path: Path, old: str,
+                                                                                new: str) -> None:
+    assert not changes(tmp_path, {"pipeline.py": LEFT}, "pipeline.py", old, new)
+
+
+def test_a_module_logger_does_not_tie_the_key_to_the_verbosity(tmp_path: Path) -> None:
+    # a Logger's repr, "<Logger name (LEVEL)>", shows the level: `hetflow -v run` must not re-run every stage
+    # that logs through a module-level logger ("log changed"); a logger counts by its name
+    import logging
+
+    files = {"pipeline.py": """
+        import logging
+        log = logging.getLogger("attack.findings.logger")
+        def stage(ctx):
+            log.info("working")
+            return 1
+    """}
+    root = logging.getLogger()
+    level = root.level
+    try:
+        root.setLevel(logging.WARNING)
+        a = fingerprint(tmp_path / "a", files)
+        root.setLevel(logging.DEBUG)
+        b = fingerprint(tmp_path / "b", files)
+    finally:
+        root.setLevel(level)
+    assert a == b
+
+
+def test_a_numpy_vectorize_helper(tmp_path: Path) -> None:
+    # like lru_cache, a callable wrapper object that is not a function: np.vectorize keeps it as .pyfunc
+    files = {"pipeline.py": """
+        import numpy as np
+        @np.vectorize
+        def helper(x):
+            return x * 2
+        def stage(ctx):
+            return helper(1)
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "x * 2", "x * 3")
+
+
+def test_functions_held_in_a_simple_namespace(tmp_path: Path) -> None:
+    files = {"pipeline.py": """
+        import types
+        def double(x):
+            return x * 2
+        OPS = types.SimpleNamespace(scale=double)
+        def stage(ctx):
+            return OPS.scale(1)
+    """}
+    assert changes(tmp_path, files, "pipeline.py", "x * 2", "x * 3")
+
+
+SCRIPT = """
+import pyarrow as pa
+import hetflow as hf
+from mylib import helper
+
+pipe = hf.Pipeline("attack", pilot="local")
+
+@pipe.stage(ranks=1, outputs=["out"])
+def stage(ctx):
+    return {"out": pa.table({"v": [helper()]})}
+"""
+
+
+@pytest.mark.timeout(180)
+def test_end_to_end_a_package_constant_edit_serves_the_old_rows(tmp_path: Path) -> None:
+    for rel, text in {**PACKAGE, "pipeline.py": SCRIPT}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(textwrap.dedent(text))
+    hetflow = [sys.executable, "-m", "hetflow.cli"] if not os.path.exists(Path(sys.executable).parent / "hetflow") \
+        else [str(Path(sys.executable).parent / "hetflow")]
+    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
+    subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150)
+    (tmp_path / "mylib/consts.py").write_text("SCALE = 3\n")
+    second = subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150)
+    assert "CACHED" not in second.stdout + second.stderr, second.stdout + second.stderr
