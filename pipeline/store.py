@@ -31,7 +31,7 @@ import psutil
 from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
                         event, func, select, text, update)
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from .errors import RunLocked, UnknownRun
@@ -454,11 +454,13 @@ class Store:
                 record.started, record.ended = record.started or now, None
                 try:
                     with self.session() as session:
+                        if self.engine.dialect.name == "postgresql":  # never wait forever on a racing insert
+                            session.execute(text("SET LOCAL lock_timeout = '5s'"))
                         session.add(record)
                         session.flush()
                         self.event(session, run_id, "run", record.pipeline, "RUNNING", owner=owner, **info)
-                except IntegrityError:
-                    continue  # another claimer created it first: look at its holder
+                except (IntegrityError, OperationalError):
+                    continue  # another claimer created it first (or held it too long): look at its holder
                 return Claim(record, True, None, None, None)
             held_by, lease_until, state = seen
             why = None if held_by in (None, owner) else owner_gone(held_by, lease_until, now=now)
