@@ -88,14 +88,15 @@ def launch_argv(run: RankRun, hosts: Sequence[str]) -> list[str]:
     return launcher_for(run.launcher, executable).argv(run.command, run.slots, hosts)
 
 
-def _kill_group(proc: "subprocess.Popen[bytes]") -> None:
+def _kill_group(proc: "subprocess.Popen[bytes]", grace: float = KILL_GRACE) -> None:
+    """SIGTERM to ``proc``'s session, SIGKILL after ``grace`` seconds; return once it ended."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
         try:
-            proc.wait(KILL_GRACE)
+            proc.wait(grace)
             return
         except subprocess.TimeoutExpired:
             continue

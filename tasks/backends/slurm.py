@@ -202,13 +202,6 @@ def _log(path: Path | None) -> int:
 
 def _stop(proc: "subprocess.Popen[bytes]") -> None:
     """SIGTERM to srun's session (srun forwards it to the step's ranks), SIGKILL after a grace."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(KILL_GRACE)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    from .ranks import _kill_group
+
+    _kill_group(proc, KILL_GRACE)
