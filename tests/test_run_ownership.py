@@ -126,17 +126,8 @@ def _winners(outcomes: dict[str, list[tuple[str, str]]]) -> dict[str, list[str]]
     return {run_id: [text for outcome, text in got if outcome == "won"] for run_id, got in outcomes.items()}
 
 
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'hetflow.db'}"
-
-
 @pytest.mark.slow
-def test_one_of_eight_concurrent_claimers_takes_a_new_or_dead_run(sqlite_url: str) -> None:
-    # SQLite only for now: on the private PostgreSQL server this 8-process race intermittently
-    # leaves claimers blocked in the run INSERT (session-9 note); the single-claim PostgreSQL cases
-    # below still run.  Open: find what holds the row lock.
-    url = sqlite_url
+def test_one_of_eight_concurrent_claimers_takes_a_new_or_dead_run(url: str) -> None:
     new = [f"new-{i}-{time.time_ns()}" for i in range(ROUNDS)]
     outcomes = _race(url, "claim_run", new + _seed_dead_runs(url, "dead"))
     store = Store(url)

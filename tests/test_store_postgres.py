@@ -48,9 +48,13 @@ def postgres_url() -> Iterator[str]:
         as_user = ["runuser", "-u", "postgres", "--"]
     subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-U", "hetflow", "--auth=trust",
                     "-E", "UTF8"], check=True, capture_output=True)
-    server = subprocess.Popen([*as_user, str(bindir / "postgres"), "-D", str(data), "-k", str(sock),
-                               "-c", "listen_addresses=", "-c", "fsync=off"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # The server's log goes to a file: through an unread pipe, a race that logs one
+    # duplicate-key ERROR per loser fills the pipe and the logging backend blocks mid-statement.
+    log = root / "server.log"
+    with open(log, "wb") as log_file:
+        server = subprocess.Popen([*as_user, str(bindir / "postgres"), "-D", str(data), "-k", str(sock),
+                                   "-c", "listen_addresses=", "-c", "fsync=off"],
+                                  stdout=subprocess.DEVNULL, stderr=log_file)
     url = f"postgresql+psycopg://hetflow@/postgres?host={sock}"
     engine = sa.create_engine(url)
     try:
@@ -61,7 +65,7 @@ def postgres_url() -> Iterator[str]:
                 break
             except sa.exc.OperationalError:
                 if server.poll() is not None:
-                    pytest.fail(f"postgres exited: {server.stderr.read().decode() if server.stderr else ''}")
+                    pytest.fail(f"postgres exited: {log.read_text(errors='replace')[-4000:]}")
                 time.sleep(0.1)
         else:
             pytest.fail("postgres did not accept connections within 30 s")
