@@ -6,6 +6,8 @@ Two int64 columns per table (``k``, ``v``), uniform random keys over
 
 * hetflow at 1 and 2 ranks (``mpiexec -n P``, one kernel thread per rank);
 * dask.dataframe on ``LocalCluster(n_workers=2, threads_per_worker=1)``;
+* Bodo (SPMD under ``mpiexec -n 2``) and Modin on unidist's MPI engine (2 workers), in their own
+  environment (``benchmarks/peers-env.sh``; ``--peers-python``), see ``benchmarks/peers_mpi.py``;
 * DuckDB, polars and pyarrow in one process with 2 threads.
 
 Every engine sees the same rows (two seeded chunks per table), and the result
@@ -24,6 +26,7 @@ also counts the input itself and the interpreter with its libraries (about
     .venv/bin/python benchmarks/operators.py                 # the issue's 20M rows per table
     .venv/bin/python benchmarks/operators.py --rows 2000000  # quick check
     .venv/bin/python benchmarks/operators.py --phases        # where the time goes inside hetflow
+    benchmarks/peers-env.sh && .venv/bin/python benchmarks/operators.py   # with Bodo and Modin-on-MPI
 """
 
 from __future__ import annotations
@@ -252,6 +255,64 @@ def run_engine(engine: str, op: str, rows: int, repeats: int, threads: int) -> d
     return _collect(argv, dict(os.environ))
 
 
+# --------------------------------------------------------------------------- Bodo and Modin (their own Python)
+
+PEERS_PYTHON = HERE / ".peers-venv" / "bin" / "python"
+
+
+def run_peer(engine: str, op: str, rows: int, repeats: int, python: Path) -> dict[str, Any]:
+    """``peers_mpi.py`` under the peers' ``mpiexec``: Bodo on 2 ranks, Modin with 2 unidist workers."""
+    mpiexec = str(python.with_name("mpiexec"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "BODO_NUM_WORKERS": "2"}
+    if engine == "modin":  # unidist's root and monitor, then the workers, all started by mpiexec
+        env.update(UNIDIST_IS_MPI_SPAWN_WORKERS="False", MODIN_CPUS="2")
+        procs = 4
+    else:
+        procs = 2
+    argv = [mpiexec, "-n", str(procs), str(python), str(HERE / "peers_mpi.py"), engine, op, "--rows", str(rows),
+            "--repeats", str(repeats)]
+    return _collect_then_end(argv, env)
+
+
+def _collect_then_end(argv: list[str], env: dict[str, str], linger: float = 15.0) -> dict[str, Any]:
+    """Like :func:`_collect`, but ends the process group ``linger`` seconds after the result line.
+
+    unidist's MPI shutdown can leave ``mpiexec`` waiting forever once the result is printed (seen
+    when started from Python), and a benchmark must not hang on a peer's exit.
+    """
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            seen_at = None
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if seen_at is None:
+                    out.seek(0)
+                    if MARK in out.read():
+                        seen_at = time.monotonic()
+                elif time.monotonic() - seen_at > linger:
+                    break
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if proc.poll() is not None:
+                    break
+                os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    continue
+        out.seek(0)
+        text = out.read()
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            return dict(json.loads(line[len(MARK):]))
+    raise RuntimeError(f"{argv} failed ({proc.returncode}):\n{text[-4000:]}")
+
+
 # --------------------------------------------------------------------------- dask
 
 
@@ -301,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads of the single-process engines")
     ap.add_argument("--engines", default="duckdb,polars,pyarrow")
     ap.add_argument("--no-dask", action="store_true")
+    ap.add_argument("--peers", default="bodo,modin", help="MPI dataframe peers run under --peers-python ('' for none)")
+    ap.add_argument("--peers-python", type=Path, default=PEERS_PYTHON,
+                    help="the Python of the peers' environment (benchmarks/peers-env.sh makes the default one)")
     ap.add_argument("--out", default=str(HERE / "results" / "operators.json"))
     ap.add_argument("--phases", action="store_true", help="time the steps inside the hetflow operators instead (per rank count)")
     ap.add_argument("--worker", choices=OPS + ("phases",), help=argparse.SUPPRESS)
@@ -328,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(argv, env=env, check=True)
         return 0
     engines = [e for e in args.engines.split(",") if e]
+    peers = [e for e in args.peers.split(",") if e]
+    if peers and not args.peers_python.exists():
+        print(f"no peers' Python at {args.peers_python} (run benchmarks/peers-env.sh): {', '.join(peers)} not run",
+              file=sys.stderr)
+        peers = []
     load_before = os.getloadavg()
     results: dict[str, Any] = {"rows_per_table": args.rows, "repeats": args.repeats, "host": platform.node(),
                                "cpus": os.cpu_count(), "loadavg_before": load_before, "ops": {}}
@@ -339,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         for e in engines:
             print(f"[{op}] {e} ({args.threads} threads) ...", file=sys.stderr, flush=True)
             entry[e] = run_engine(e, op, args.rows, args.repeats, args.threads)
+        for peer in peers:
+            print(f"[{op}] {peer} (2 ranks/workers, {args.peers_python}) ...", file=sys.stderr, flush=True)
+            entry[peer] = run_peer(peer, op, args.rows, args.repeats, args.peers_python)
         results["ops"][op] = entry
     if not args.no_dask:
         print(f"[{','.join(ops)}] dask LocalCluster(2 workers x 1 thread) ...", file=sys.stderr, flush=True)
@@ -355,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
 def summarise(results: dict[str, Any]) -> None:
     rows = results["rows_per_table"]
     print(f"\n{rows:,} rows per table, median of {results['repeats']} (seconds); load before {results['loadavg_before'][0]:.2f}")
-    header = ["op", "hetflow 1r", "hetflow 2r", "dask 2w", "duckdb", "polars", "pyarrow", "dask/het2", "het2/best", "1r/2r",
-              "grow/part", "peak/part"]
+    header = ["op", "hetflow 1r", "hetflow 2r", "dask 2w", "bodo 2r", "modin 2w", "duckdb", "polars", "pyarrow",
+              "peers/het2", "het2/duckdb", "het2/best", "1r/2r", "grow/part", "peak/part"]
     print(" | ".join(f"{h:>10}" for h in header))
     for op, entry in results["ops"].items():
         med = {k: statistics.median(v["times"]) for k, v in entry.items()}
@@ -366,6 +438,7 @@ def summarise(results: dict[str, Any]) -> None:
         agree = len(set(counts.values())) == 1
         singles = [med[e] for e in ("duckdb", "polars", "pyarrow") if e in med]
         h1, h2 = med.get("hetflow_1"), med.get("hetflow_2")
+        distributed = [p for p in ("dask", "bodo", "modin") if p in med]
         peak = absolute = None
         if "hetflow_2" in entry:
             ranks = entry["hetflow_2"]["ranks"]
@@ -374,6 +447,8 @@ def summarise(results: dict[str, Any]) -> None:
         entry["summary"] = {
             "row_counts_agree": agree, "row_counts": {k: v["rows_out"] for k, v in entry.items() if "rows_out" in v},
             "dask_over_hetflow2": (med["dask"] / h2) if h2 and "dask" in med else None,
+            "fastest_distributed_peer_over_hetflow2": (min(med[p] for p in distributed) / h2) if h2 and distributed else None,
+            "hetflow2_over_duckdb": (h2 / med["duckdb"]) if h2 and "duckdb" in med else None,
             "hetflow2_over_best_single": (h2 / min(singles)) if h2 and singles else None,
             "speedup_2_over_1": (h1 / h2) if h1 and h2 else None,
             "peak_rss_growth_over_partition_2r": peak,
@@ -383,9 +458,10 @@ def summarise(results: dict[str, Any]) -> None:
 
         def f(x: float | None, suffix: str = "") -> str:
             return "-" if x is None else f"{x:.2f}{suffix}"
-        cells = [op, f(h1), f(h2), f(med.get("dask")), f(med.get("duckdb")), f(med.get("polars")), f(med.get("pyarrow")),
-                 f(s["dask_over_hetflow2"], "x"), f(s["hetflow2_over_best_single"], "x"), f(s["speedup_2_over_1"], "x"), f(peak, "x"),
-                 f(absolute, "x")]
+        cells = [op, f(h1), f(h2), f(med.get("dask")), f(med.get("bodo")), f(med.get("modin")), f(med.get("duckdb")),
+                 f(med.get("polars")), f(med.get("pyarrow")), f(s["fastest_distributed_peer_over_hetflow2"], "x"),
+                 f(s["hetflow2_over_duckdb"], "x"), f(s["hetflow2_over_best_single"], "x"), f(s["speedup_2_over_1"], "x"),
+                 f(peak, "x"), f(absolute, "x")]
         print(" | ".join(f"{c:>10}" for c in cells) + ("" if agree else f"   ROW COUNTS DIFFER {s['row_counts']}"))
 
 
