@@ -503,6 +503,8 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
     output = "\n".join(t for t in (tail(files.stderr), tail(files.stdout)) if t)
     if ended_by_us:
         how += f"; the launcher did not end the other ranks within {grace:g} s, so hetflow did"
+    if outcome.detail:  # the launcher's own account (srun: its exit code, error lines and node)
+        how += f"; {outcome.detail}"
     return Failure("FAILED", f"{who} of stage {stage_name!r} ended without a result ({how})",
                    killed if killed is not None else (missing[0] if missing else None), output or None, signal)
 

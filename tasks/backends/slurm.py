@@ -27,7 +27,8 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ..errors import ConfigError, HetflowError
-from ..launchers.srun import SrunStep
+from ..launchers.srun import SrunStep, failure_report
+from ..protocol import tail
 from ..slurm_allocation import Allocation, current_allocation
 from .base import Backend, LaunchSpec, TaskOutcome
 from .ranks import safe_name
@@ -148,11 +149,14 @@ class SlurmBackend(Backend):
         if (timed_out or cancelled) and self._allocation is not None:
             _end_step(self._allocation.job_id, step_name(spec.task_id))
         code = proc.returncode
+        detail = ""
+        if timed_out:
+            detail = f"timed out after {spec.timeout}s"
+        elif code and not cancelled:
+            detail = failure_report(code, None if spec.stderr is None else tail(spec.stderr, 20000))
         return TaskOutcome(task_id=spec.task_id, returncode=code, timed_out=timed_out, cancelled=cancelled,
                            signal=-code if code is not None and code < 0 else None, started=started,
-                           ended=time.time(),
-                           detail=(f"timed out after {spec.timeout}s" if timed_out else
-                                   f"srun exited with {code} (its log names the node and task)" if code else ""))
+                           ended=time.time(), detail=detail)
 
     def cancel(self, task_id: str) -> None:
         with self._lock:
