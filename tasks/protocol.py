@@ -475,6 +475,8 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
     """
     if outcome.ok and all(r is not None and r.status == "ok" for r in results):
         return None
+    if not outcome.launched:
+        return Failure("FAILED", f"stage {stage_name!r} was not started: {outcome.detail}")
     if outcome.timed_out:
         return Failure("TIMED_OUT", f"stage {stage_name!r} exceeded its timeout of {timeout}s; "
                        "its process group was killed")

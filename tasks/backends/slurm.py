@@ -92,7 +92,7 @@ class SlurmBackend(Backend):
             return super().node_names()
         return list(self._allocation.nodes[: self.pilot.nodes])
 
-    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._launcher is None:
             raise HetflowError("SlurmBackend.launch() called before start()")
         step = SrunStep(self._srun, job_name=step_name(spec.task_id))
