@@ -475,6 +475,8 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
     """
     if outcome.ok and all(r is not None and r.status == "ok" for r in results):
         return None
+    if not outcome.launched:
+        return Failure("FAILED", f"stage {stage_name!r} was not started: {outcome.detail}")
     if outcome.timed_out:
         return Failure("TIMED_OUT", f"stage {stage_name!r} exceeded its timeout of {timeout}s; "
                        "its process group was killed")
@@ -503,6 +505,8 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
     output = "\n".join(t for t in (tail(files.stderr), tail(files.stdout)) if t)
     if ended_by_us:
         how += f"; the launcher did not end the other ranks within {grace:g} s, so hetflow did"
+    if outcome.detail:  # the launcher's own account (srun: its exit code, error lines and node)
+        how += f"; {outcome.detail}"
     return Failure("FAILED", f"{who} of stage {stage_name!r} ended without a result ({how})",
                    killed if killed is not None else (missing[0] if missing else None), output or None, signal)
 

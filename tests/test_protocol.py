@@ -7,6 +7,7 @@ witness and Hydra write them, and read back through :mod:`hetflow.tasks.protocol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -238,3 +239,14 @@ def _banner(pid: int, sig: int) -> str:
             f"=   PID {pid} RUNNING AT node0\n=   EXIT CODE: {sig}\n=   CLEANING UP REMAINING PROCESSES\n"
             f"=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES\n{rule}\n"
             f"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal {sig})\n")
+
+
+def test_the_launchers_account_follows_a_rank_without_a_result(tmp_path: Path) -> None:
+    """srun's report (exit code, its error line naming the node) is part of the stage's error text."""
+    files = AttemptFiles(tmp_path)
+    outcome = dataclasses.replace(_outcome(15), detail="srun exited with 15: srun: error: n1: tasks 0-1: "
+                                                       "Exited with exit code 15")
+    failure = diagnose("generate", None, outcome, [None, None], files, grace=GRACE)
+    assert failure is not None
+    assert failure.message == ("rank(s) [0, 1] of stage 'generate' ended without a result (exit code 15; srun exited "
+                               "with 15: srun: error: n1: tasks 0-1: Exited with exit code 15)")

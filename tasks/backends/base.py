@@ -9,6 +9,8 @@ in the attempt directory, so they do not depend on the backend.
 from __future__ import annotations
 
 import abc
+import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,8 @@ from typing import Mapping
 
 from ..pilot import PilotDescription
 from ..scheduler import RankSlot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class TaskOutcome:
     started: float | None = None
     ended: float | None = None
     detail: str = ""
+    launched: bool = True
+    """False when the task never started: the backend refused or failed to launch it (``detail`` says why)."""
 
     @property
     def ok(self) -> bool:
@@ -73,9 +79,41 @@ class Backend(abc.ABC):
     def start(self) -> None:
         """Acquire the pilot (no-op for the local backend)."""
 
-    @abc.abstractmethod
     def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
-        """Start one task; the future resolves when every rank has exited."""
+        """Start one task; the future resolves when every rank has exited.
+
+        Checks the spec against the pilot, then calls :meth:`_launch`.  A task that cannot
+        be launched (a bad spec, an engine error, a backend not started) does not raise: its
+        future resolves at once with ``launched=False`` and the reason, so whoever waits on
+        it (the orchestrator) records the task FAILED instead of waiting forever.
+        """
+        try:
+            problem = self._check(spec)
+            if problem is None:
+                return self._launch(spec)
+        except Exception as exc:  # any launch error ends this task, not the run
+            log.exception("task %s: backend %s could not launch it", spec.task_id, self.name)
+            problem = f"{type(exc).__name__}: {exc}"
+        now = time.time()
+        future: Future[TaskOutcome] = Future()
+        future.set_running_or_notify_cancel()
+        future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None, started=now, ended=now, launched=False,
+                                      detail=f"backend {self.name!r} could not launch it: {problem}"))
+        return future
+
+    def _check(self, spec: LaunchSpec) -> str | None:
+        """What makes ``spec`` impossible to launch on this pilot (``None``: nothing)."""
+        if not spec.slots:
+            return "it has no rank slots"
+        nodes = len(self.node_names())
+        outside = sorted({s.node for s in spec.slots if not 0 <= s.node < nodes})
+        if outside:
+            return f"its slots name node(s) {outside}, but the pilot has {nodes} node(s) (0..{nodes - 1})"
+        return None
+
+    @abc.abstractmethod
+    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+        """Start the checked task ``spec``; raise if it cannot be started (:meth:`launch` converts)."""
 
     @abc.abstractmethod
     def cancel(self, task_id: str) -> None:

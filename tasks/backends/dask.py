@@ -260,7 +260,7 @@ class DaskBackend(Backend):
         """Whether a task on ``slots`` gets the TCP communicator (else one ``mpiexec``)."""
         return choose_communicator(self.communicator, [self._hosts[slot.node] for slot in slots]) == "tcp"
 
-    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._client is None:
             raise RuntimeError("dask backend not started; call start() first")
         cancel_file = self._cancel_dir / safe_name(spec.task_id)

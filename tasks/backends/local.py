@@ -89,7 +89,7 @@ class LocalBackend(Backend):
         self._launcher = Mpiexec(find_mpiexec())
         self._ledger = CoreLedger()
 
-    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         """Book the task's CPUs in the machine's :class:`CoreLedger` (waiting, in the task's thread,
         while another run holds them), then start it; the CPUs are given back when it has ended."""
         if self._launcher is None or self._ledger is None:

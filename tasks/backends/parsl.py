@@ -217,7 +217,7 @@ class ParslBackend(Backend):
         self._remember_children()
         return sorted(self._pids)
 
-    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._app is None:
             raise RuntimeError("parsl backend not started; call start() first")
         cancel_file = self._cancel_dir / safe_name(spec.task_id)
@@ -230,7 +230,12 @@ class ParslBackend(Backend):
         outcome.set_running_or_notify_cancel()
         with self._lock:
             self._running[spec.task_id] = (outcome, cancel_file)
-        remote = self._app(run, parsl_resource_specification=dict(resources))
+        try:
+            remote = self._app(run, parsl_resource_specification=dict(resources))
+        except BaseException:
+            with self._lock:
+                self._running.pop(spec.task_id, None)
+            raise
         remote.add_done_callback(lambda f, task_id=spec.task_id: self._done(task_id, f))
         self._remember_children()
         return outcome

@@ -440,7 +440,7 @@ class RadicalBackend(Backend):
         psutil.wait_procs(alive, timeout=5)
 
     # ------------------------------------------------------------------- tasks
-    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
 
         if self._tmgr is None:
             raise RuntimeError("radical backend not started; call start() first")
@@ -473,7 +473,16 @@ class RadicalBackend(Backend):
                 description = task_description(spec, self.pilot, self.node_names(), uid, sandbox)
             self._running[uid] = (spec.task_id, outcome, started)
             self._uids[spec.task_id] = uid
-        tmgr.submit_tasks(rp.TaskDescription(description))
+        try:
+            tmgr.submit_tasks(rp.TaskDescription(description))
+        except BaseException:  # not submitted: forget it (launch() reports the error)
+            with self._lock:
+                self._running.pop(uid, None)
+                self._uids.pop(spec.task_id, None)
+                self._specs.pop(uid, None)
+                if self._in_pool.pop(uid, None) is not None and pool is not None:
+                    pool.tasks.discard(uid)
+            raise
         if timeout is not None:
             timer = threading.Timer(timeout, self._time_out, args=(uid,))
             timer.daemon = True

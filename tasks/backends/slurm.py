@@ -27,7 +27,8 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ..errors import ConfigError, HetflowError
-from ..launchers.srun import SrunStep
+from ..launchers.srun import SrunStep, failure_report
+from ..protocol import tail
 from ..slurm_allocation import Allocation, current_allocation
 from .base import Backend, LaunchSpec, TaskOutcome
 from .ranks import safe_name
@@ -39,6 +40,13 @@ KILL_GRACE = 5.0
 
 POLL = 0.2
 """Seconds between checks of a running step's deadline and cancellation."""
+
+STEP_ENV_DEFAULTS = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+"""Set in every step unless the user set them.  The PyPI MPICH's default netmod (UCX) publishes a
+business card of several KB through Slurm's PMI-1 service in ~1 KB segments; a segment whose hex
+does not compress makes a ``put`` line longer than the 1024 bytes slurmstepd reads, the line is cut,
+and MPI_Init fails on every rank (exit code 15, ``mpi/pmi2: invalid client request`` in slurmd's
+log) -- now and then, depending on the bytes.  OFI's address is a few bytes: one short ``put``."""
 
 SRUN_INPUTS_DROPPED = ("SLURM_HOSTFILE", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET",
                        "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU", "SLURM_DISTRIBUTION")
@@ -84,7 +92,7 @@ class SlurmBackend(Backend):
             return super().node_names()
         return list(self._allocation.nodes[: self.pilot.nodes])
 
-    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._launcher is None:
             raise HetflowError("SlurmBackend.launch() called before start()")
         step = SrunStep(self._srun, job_name=step_name(spec.task_id))
@@ -115,6 +123,8 @@ class SlurmBackend(Backend):
     def _step(self, spec: LaunchSpec, argv: list[str], started: float) -> TaskOutcome:
         env = {k: v for k, v in os.environ.items() if k not in SRUN_INPUTS_DROPPED}
         env.update(spec.env)
+        for key, value in STEP_ENV_DEFAULTS.items():
+            env.setdefault(key, value)
         out = _log(spec.stdout)
         err = _log(spec.stderr)
         try:
@@ -148,11 +158,14 @@ class SlurmBackend(Backend):
         if (timed_out or cancelled) and self._allocation is not None:
             _end_step(self._allocation.job_id, step_name(spec.task_id))
         code = proc.returncode
+        detail = ""
+        if timed_out:
+            detail = f"timed out after {spec.timeout}s"
+        elif code and not cancelled:
+            detail = failure_report(code, None if spec.stderr is None else tail(spec.stderr, 20000))
         return TaskOutcome(task_id=spec.task_id, returncode=code, timed_out=timed_out, cancelled=cancelled,
                            signal=-code if code is not None and code < 0 else None, started=started,
-                           ended=time.time(),
-                           detail=(f"timed out after {spec.timeout}s" if timed_out else
-                                   f"srun exited with {code} (its log names the node and task)" if code else ""))
+                           ended=time.time(), detail=detail)
 
     def cancel(self, task_id: str) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ for MPICH) makes the step's ranks one MPI world.
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from ..scheduler import RankSlot
@@ -48,3 +49,26 @@ class SrunStep(Launcher):
         if self.job_name:
             argv.append(f"--job-name={self.job_name}")
         return argv + list(command)
+
+
+STEP_ERROR = re.compile(r"^(srun: (error|fatal):|slurmstepd(-[\w.-]+)?: error:|Abort\(|Fatal error in )")
+"""The lines of a step's stderr that say why it failed: srun's and slurmstepd's own errors (which name
+the node and the tasks) and an MPI library's fatal error (MPI_Init failing inside a rank)."""
+
+REPORTED_LINES = 4
+
+
+def failure_report(code: int, stderr_text: str | None) -> str:
+    """``srun exited with CODE`` and the last few error lines srun and the step wrote.
+
+    srun's exit code alone does not say whether a rank ended by itself, MPI failed to start, or Slurm
+    refused the step; its own error lines (``srun: error: n1: tasks 0-1: Exited with exit code 15``)
+    name the node and the tasks, so they go into the stage's error text.
+    """
+    found: list[str] = []
+    for line in (stderr_text or "").splitlines():
+        line = line.strip()
+        if STEP_ERROR.match(line) and line not in found:
+            found.append(line[:240])
+    lines = found[-REPORTED_LINES:]
+    return f"srun exited with {code}" + (": " + " | ".join(lines) if lines else " (no srun error in its log)")

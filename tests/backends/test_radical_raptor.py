@@ -101,7 +101,7 @@ class Shared(Backend):
     def start(self) -> None:
         pass
 
-    def launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         return self.engine.launch(spec)
 
     def cancel(self, task_id: str) -> None:

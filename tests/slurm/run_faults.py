@@ -18,6 +18,7 @@ import slurm_stages as S  # noqa: E402
 def main(workdir: Path) -> None:
     pipe = hf.Pipeline("slurmfaults", workdir=workdir)
     pipe.stage(ranks=2, ranks_per_node=1)(S.fail_on_last_rank)
+    pipe.stage(ranks=2, ranks_per_node=1)(S.exit_on_last_rank)
     pipe.stage(ranks=2, ranks_per_node=1, timeout=3)(S.sleep_long)
     run = pipe.run(pilot=hf.PilotDescription(name="lab", backend="slurm"))
     print(json.dumps({"state": run.state, "stages": {

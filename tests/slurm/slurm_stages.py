@@ -40,6 +40,16 @@ def fail_on_last_rank(ctx):
     return {}
 
 
+def exit_on_last_rank(ctx):
+    """The last rank leaves without a result (exit code 15, what MPICH's MPI_ERR_OTHER gives)."""
+    import os
+
+    if ctx.rank == ctx.size - 1:
+        os._exit(15)
+    ctx.comm.barrier()
+    return {}
+
+
 def sleep_long(ctx):
     """Outlives its stage's timeout on every rank."""
     import time

@@ -103,6 +103,11 @@ def test_failed_rank_and_timeout_end_their_job_steps(slurm_env: dict[str, str], 
     assert failed["nodes"] == ["n1", "n2"] and slept["nodes"] == ["n1", "n2"], record
     assert failed["state"] == "FAILED" and failed["failed_rank"] == 1, failed
     assert "boom on rank 1 of 2" in failed["error"], failed
+    # a rank gone without a result: the error carries srun's exit code and its own line naming the node
+    exited = record["stages"]["exit_on_last_rank"]
+    assert exited["state"] == "FAILED" and exited["failed_rank"] == 1, exited
+    assert "(exit code 15; srun exited with " in exited["error"], exited  # srun: 143 when it ended rank 0
+    assert "srun: error: n2: task 1: Exited with exit code 15" in exited["error"], exited
     assert slept["state"] == "TIMED_OUT", slept
     _no_jobs_left(slurm_env)
     assert _leftovers(str(tmp_path)) == []

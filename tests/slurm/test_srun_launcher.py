@@ -97,3 +97,21 @@ def test_a_shaped_slurm_pilot_resolves_to_itself(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     shaped = PilotDescription(name="l", backend="slurm", nodes=1, cores_per_node=2, gpus_per_node=0)
     assert shaped.resolve() is shaped
+
+
+def test_a_failed_step_reports_srun_and_mpi_error_lines() -> None:
+    """What a step whose MPI_Init failed leaves in its stderr: the report keeps the lines naming why and where."""
+    from hetflow.tasks.launchers.srun import failure_report
+
+    log = (  # srun repeats its line: kept once
+        "2026-11-24 07:26:55 [generate rank 0/2] INFO starting\n"
+        "Abort(1090575) on node 0: Fatal error in internal_Init: Other MPI error, error stack:\n"
+        "internal_Init(70)....: MPI_Init(argc=(nil), argv=(nil)) failed\n"
+        "srun: error: n1: tasks 0-1: Exited with exit code 15\n"
+        "srun: error: n1: tasks 0-1: Exited with exit code 15\n")
+    assert failure_report(15, log) == (
+        "srun exited with 15: Abort(1090575) on node 0: Fatal error in internal_Init: Other MPI error, "
+        "error stack: | srun: error: n1: tasks 0-1: Exited with exit code 15")
+    assert failure_report(1, None) == "srun exited with 1 (no srun error in its log)"
+    many = "\n".join(f"srun: error: n{i}: task {i}: Killed" for i in range(9))
+    assert failure_report(137, many).count("srun: error:") == 4 and "n8" in failure_report(137, many)
