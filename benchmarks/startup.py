@@ -18,16 +18,20 @@ numpy and mpi4py (what a rank needs for its data), and importing torch.
 
 ``--base REV`` stages that revision's package (``git archive``) next to this
 working tree's, and every round runs each case once per build, in turn, so
-the machine's drift falls on both alike.  Each build runs from a staged copy
+the machine's drift falls on both alike.  Besides wall time, each case
+reports the CPU seconds of every process it involved (``RUSAGE_CHILDREN``),
+which a shared machine disturbs less.  Each build runs from a staged copy
 on ``PYTHONPATH`` with the same interpreter and ``mpiexec``.  The runs use a
 private ``XDG_RUNTIME_DIR``, so another run's core bookings on this machine
-never make a stage wait.  Prints medians with min-max per case and build.
+never make a stage wait.  Prints medians with min-max per case and build; the
+per-stage figures are marginal costs taken within each round.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -84,14 +88,17 @@ def stage_build(source: Path | None, revision: str | None, into: Path) -> Path:
     return pkg
 
 
-def timed(argv: list[str], env: dict[str, str], cwd: Path) -> float:
+def timed(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float]:
+    """Wall seconds, and CPU seconds (user + system) of the command and every process it waited for."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(argv, check=False, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     took = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
         raise SystemExit(f"{' '.join(argv)} failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
-    return took
+    return took, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -128,7 +135,7 @@ def main() -> None:
                  "mpiexec -n 2 python -c pass": [mpiexec, "-n", "2", python, "-c", "pass"],
                  "import pyarrow, numpy, mpi4py": [python, "-c", "import pyarrow, numpy, mpi4py"],
                  "import torch": [python, "-c", "import torch"]}
-        times: dict[tuple[str, ...], list[float]] = {}
+        times: dict[tuple[str, ...], list[tuple[float, float]]] = {}
         for rep in range(args.reps):
             for name, argv in peers.items():
                 times.setdefault(("peer", name), []).append(timed(argv, base_env, work))
@@ -141,29 +148,36 @@ def main() -> None:
                     times.setdefault((label, kind, str(n)), []).append(timed(argv, env, work))
                     shutil.rmtree(workdir)
             print(f"round {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+        sys.stderr.flush()
         report(times, builds, kinds, args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):6.2f} s ({min(values):.2f}-{max(values):.2f})"
+    return f"{statistics.median(values):5.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def report(times: dict[tuple[str, ...], list[float]], builds: dict[str, Path], kinds: list[str], reps: int) -> None:
-    print(f"\nhetflow stage start-up, {reps} rounds, {os.cpu_count()} CPUs; median (min-max)\n")
-    print("peers")
+def report(times: dict[tuple[str, ...], list[tuple[float, float]]], builds: dict[str, Path], kinds: list[str],
+           reps: int) -> None:
+    """Seconds, median (min-max) over the rounds: wall clock, and CPU of every process involved."""
+    load = os.getloadavg()[0]
+    print(f"\nhetflow stage start-up: {reps} rounds on {os.cpu_count()} CPUs (load average {load:.1f} at the end); "
+          "seconds, median (min-max)\n")
+    print(f"{'peer':<34} {'wall':<20} cpu")
     for key, values in times.items():
         if key[0] == "peer":
-            print(f"  {key[1]:<32} {spread(values)}")
-    print(f"\n{'build':<16} {'case':<14} {'1 stage (run)':<26} {'10 stages':<26} per stage (marginal)")
+            print(f"{key[1]:<34} {spread([w for w, _ in values]):<20} {spread([c for _, c in values])}")
+    print(f"\n{'build':<16} {'case':<13} {'1 stage: wall':<19} {'10 stages: wall':<19} "
+          f"{'per stage: wall':<19} {'per stage: cpu':<19}")
     for label in builds:
         for kind in kinds:
             one, ten = times[(label, kind, "1")], times[(label, kind, "10")]
-            marginal = [(t - o) / 9 for t, o in zip(ten, one)]  # same round: same machine state
-            flag = "" if kind == "2-rank" else ("  ok" if statistics.median(marginal) <= TARGET else
-                                                f"  > target {TARGET} s")
-            print(f"{label:<16} {kind:<14} {spread(one):<26} {spread(ten):<26} {spread(marginal)}{flag}")
+            wall = [(t[0] - o[0]) / 9 for t, o in zip(ten, one)]  # marginal, within a round
+            cpu = [(t[1] - o[1]) / 9 for t, o in zip(ten, one)]
+            flag = "" if kind == "2-rank" else (" ok" if statistics.median(wall) <= TARGET else f" > {TARGET}")
+            print(f"{label:<16} {kind:<13} {spread([w for w, _ in one]):<19} {spread([w for w, _ in ten]):<19} "
+                  f"{spread(wall):<19} {spread(cpu):<19}{flag}")
 
 
 if __name__ == "__main__":
