@@ -197,8 +197,8 @@ def main() -> int:
     _preload()
     _server_pid = os.getpid()
     job = serve()
-    if job is None:
-        return 0
+    if job is None:  # the backend is done: nothing here needs tearing down
+        _exit(0)
     _become_task(job)
     from hetflow.tasks import worker
 
