@@ -41,7 +41,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from .protocol import FORK_SERVER
 
@@ -191,7 +191,8 @@ def _preload() -> None:
 _server_pid = 0
 
 
-def main() -> int:
+def main() -> NoReturn:
+    """The server; in each forked child, the task (the witness and its rank both come back here to end)."""
     global _server_pid
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the orchestrator's to handle
     _preload()
@@ -202,12 +203,10 @@ def main() -> int:
     _become_task(job)
     from hetflow.tasks import worker
 
-    code: int = worker.main([job.spec])  # MPI starts in the rank (see worker.run); both witness and rank return
-    _exit(code)
-    return code
+    _exit(worker.main([job.spec]))  # MPI starts in the rank (see worker.run)
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     """End a child as the interpreter would, less the teardown of every module the server imported.
 
     Non-daemon threads are waited for, ``atexit`` handlers run (MPI is finalized) and the standard
@@ -376,4 +375,4 @@ class ForkServerGone(RuntimeError):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
