@@ -13,17 +13,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from hetflow.operators.dataset import Dataset
-from hetflow.tasks.backends import get_backend
 from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import UnsatisfiableRequest
-from hetflow.tasks.pilot import PilotDescription, load_pilot
-from hetflow.tasks.scheduler import check_request
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_name
 from .errors import HetflowError, PipelineError, RunAborted, RunInterrupted, UnknownRun
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
+    from hetflow.tasks.pilot import PilotDescription
+
     from .status import RunStatus
 
 log = logging.getLogger(__name__)
@@ -151,6 +150,8 @@ class Pipeline:
     # ------------------------------------------------------------ checking
     def validate(self, pilot: PilotDescription) -> None:
         """Reject an invalid DAG or a request the pilot can never satisfy, before anything runs."""
+        from hetflow.tasks.scheduler import check_request
+
         if not self.stages:
             raise PipelineError(f"pipeline {self.name!r} declares no stages")
         produced = {out: s.name for s in self.stages.values() for out in s.outputs}
@@ -198,7 +199,9 @@ class Pipeline:
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
+        from hetflow.tasks.backends import get_backend
         from hetflow.tasks.paths import private_dir
+        from hetflow.tasks.pilot import load_pilot
         from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
         from .status import run_status
         from sqlalchemy.exc import SQLAlchemyError

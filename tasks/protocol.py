@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from .backends.base import TaskOutcome
 
 
+FORK_SERVER = "hetflow.tasks.forkserver"
+"""The module the local backend's fork server runs as (``python -m``): the command line of its children."""
+
 WORKER_ENV = "HETFLOW_WORKER"
 """Set in every worker; ``Pipeline.run()`` raises :class:`ScriptImportStop` when it sees it."""
 
@@ -445,7 +448,10 @@ def reap_orphans(files: AttemptFiles) -> None:
     for pid in files.rank_pids().values():
         try:
             proc = psutil.Process(pid)
-            if spec in proc.cmdline():
+            cmdline = proc.cmdline()
+            # a rank the fork server started has the server's command line, and the attempt as its directory
+            warm = FORK_SERVER in cmdline and Path(proc.cwd()) == Path(files.directory)
+            if spec in cmdline or warm:
                 log.warning("killing orphaned rank pid %d of %s", pid, files.directory)
                 proc.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import logging
 import os
 import socket
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -66,6 +66,8 @@ def _registered(module: Any, stage: str, name: str) -> Callable[..., Any] | None
     factory, a closure or a loop have no top-level name to look up."""
     found = []
     for value in list(vars(module).values()):
+        if isinstance(value, types.ModuleType):
+            continue  # not a pipeline; and looking into a deferred import would load it
         stages = getattr(value, "stages", None)
         declared = stages.get(stage) if isinstance(stages, Mapping) else None
         func = getattr(declared, "func", None)
@@ -87,15 +89,12 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
     else:
         if not path:
             raise RuntimeError(f"stage {spec.stage!r} is defined in __main__ without a file to import")
-        module_spec = importlib.util.spec_from_file_location("__hetflow_script__", path)
-        if module_spec is None or module_spec.loader is None:
-            raise RuntimeError(f"cannot import the pipeline script {path}")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules["__hetflow_script__"] = module
+        from .script import import_script
+
         try:
-            module_spec.loader.exec_module(module)
+            module = import_script(path, "__hetflow_script__")
         except ScriptImportStop:
-            pass
+            module = sys.modules["__hetflow_script__"]
     func = _registered(module, spec.stage, name)
     if func is None:
         func = getattr(module, name, None)
@@ -287,6 +286,14 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
     return result, comm
 
 
+def _start_mpi(mpi: Any) -> None:
+    """Start MPI here (a singleton world without a launcher) and finalize it at exit, as mpi4py would."""
+    import atexit
+
+    mpi.Init_thread(mpi.THREAD_MULTIPLE)
+    atexit.register(lambda: None if mpi.Is_finalized() else mpi.Finalize())
+
+
 def run(spec_path: str) -> int:
     kind = _communicator_kind()
     spec = WorkerSpec.read(Path(spec_path))
@@ -307,6 +314,8 @@ def run(spec_path: str) -> int:
     else:
         from mpi4py import MPI
 
+        if not MPI.Is_initialized():  # loaded by the fork server, which leaves MPI to each rank
+            _start_mpi(MPI)
         mpi_comm = MPI.COMM_WORLD.Dup()
         rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
 

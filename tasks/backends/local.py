@@ -8,6 +8,13 @@ whatever it saw there that outlived it (a witness killed by SIGKILL cannot do
 its part: :mod:`hetflow.tasks.proctree`).  Nothing outlives
 :meth:`LocalBackend.shutdown`.
 
+A one-rank task on one core without GPUs is started warm, by a fork server
+that has the worker's imports done (:mod:`hetflow.tasks.forkserver`): the
+same worker in a child that leads its own session, so timeouts, cancels, the
+witness and the tree watch work on it as on ``mpiexec``.  A pilot turns this
+off with ``options.local.warm_start: false``; a fork server that has ended
+leaves the tasks after it to ``mpiexec``.
+
 Before it starts, a task books its CPUs in the machine-wide, per-user
 :class:`~hetflow.tasks.ledger.CoreLedger`, so two runs on this machine never
 use the same core at once: the second waits, and says so in its log.
@@ -25,12 +32,15 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Protocol
 
-from ..errors import HetflowError
+from ..errors import ConfigError, HetflowError
+from ..forkserver import ForkServer, ForkServerGone
 from ..launchers.mpiexec import Mpiexec
 from ..ledger import CoreLedger, real_cpus
 from ..proctree import TreeWatch
 from .base import Backend, LaunchSpec, TaskOutcome
+from .ranks import options_for
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +78,38 @@ def find_mpiexec() -> str:
     return found
 
 
+OPTIONS = ("warm_start",)
+"""Keys of ``pilot.options.local``."""
+
+
+class _Process(Protocol):
+    """What the backend needs of a started task: a ``subprocess.Popen`` or a fork server's child."""
+
+    pid: int
+    returncode: int | None
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def warm_start(pilot: object) -> bool:
+    """``options.local.warm_start`` of ``pilot`` (default true), checked."""
+    value = options_for(pilot, "local", OPTIONS).get("warm_start", True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"pilot {getattr(pilot, 'name', '?')!r}: options.local.warm_start must be true or "
+                          f"false, got {value!r}")
+    return value
+
+
+def _warm_command(spec: LaunchSpec) -> str | None:
+    """The spec path when ``spec`` is one worker rank the fork server can start: one core, no GPUs."""
+    argv = spec.argv
+    if len(spec.slots) != 1 or len(spec.slots[0].cores) > 1 or spec.slots[0].gpus:
+        return None
+    if len(argv) != 4 or tuple(argv[:3]) != (sys.executable, "-m", "hetflow.tasks.worker"):
+        return None
+    return argv[3]
+
+
 def _private_log(path: Path) -> "int":
     """An append-only log file readable by this user only (whatever the umask)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -78,16 +120,26 @@ class LocalBackend(Backend):
 
     def __init__(self, pilot, run_dir):  # type: ignore[no-untyped-def]
         super().__init__(pilot, run_dir)
-        self._procs: dict[str, tuple[subprocess.Popen[bytes], TreeWatch]] = {}
+        self._procs: dict[str, tuple[_Process, TreeWatch]] = {}
         self._booking: set[str] = set()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._launcher: Mpiexec | None = None
         self._ledger: CoreLedger | None = None
+        self._warm = warm_start(pilot)
+        self._server: ForkServer | None = None
 
     def start(self) -> None:
         self._launcher = Mpiexec(find_mpiexec())
         self._ledger = CoreLedger()
+
+    def _fork_server(self) -> ForkServer | None:
+        """The run's fork server, started on first use; ``None`` once it has ended."""
+        with self._lock:
+            if self._server is None and self._warm:
+                log_path = self.run_dir / "forkserver.log" if self.run_dir is not None else None
+                self._server = ForkServer(log_path)
+            return self._server if self._server is not None and self._server.alive else None
 
     def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         """Book the task's CPUs in the machine's :class:`CoreLedger` (waiting, in the task's thread,
@@ -130,19 +182,21 @@ class LocalBackend(Backend):
             with self._lock:
                 self._booking.discard(spec.task_id)
 
-    def _start(self, spec: LaunchSpec, argv: list[str]) -> "tuple[subprocess.Popen[bytes], TreeWatch, float]":
+    def _start(self, spec: LaunchSpec, argv: list[str]) -> "tuple[_Process, TreeWatch, float]":
         env = dict(os.environ)
         env.update(spec.env)
-        stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
-        stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
         started = time.time()
-        try:
-            proc = subprocess.Popen(argv, cwd=spec.cwd, env=env, stdout=stdout, stderr=stderr,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            for fh in (stdout, stderr):
-                if fh != subprocess.DEVNULL:
-                    os.close(fh)
+        proc = self._start_warm(spec, env)
+        if proc is None:
+            stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
+            stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
+            try:
+                proc = subprocess.Popen(argv, cwd=spec.cwd, env=env, stdout=stdout, stderr=stderr,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            finally:
+                for fh in (stdout, stderr):
+                    if fh != subprocess.DEVNULL:
+                        os.close(fh)
         tree = TreeWatch(proc.pid)
         with self._lock:
             self._procs[spec.task_id] = (proc, tree)
@@ -152,7 +206,19 @@ class LocalBackend(Backend):
             self._kill_group(proc, tree)
         return proc, tree, started
 
-    def _wait(self, spec: LaunchSpec, proc: "subprocess.Popen[bytes]", tree: TreeWatch, started: float,
+    def _start_warm(self, spec: LaunchSpec, env: dict[str, str]) -> _Process | None:
+        """Start ``spec`` by the fork server, if it can take it; ``None``: start it with ``mpiexec``."""
+        command = _warm_command(spec)
+        server = self._fork_server() if command is not None else None
+        if server is None or command is None:
+            return None
+        try:
+            return server.start_task(command, spec.cwd, env, spec.stdout, spec.stderr)
+        except ForkServerGone as exc:
+            log.warning("task %s: started with mpiexec: %s", spec.task_id, exc)
+            return None
+
+    def _wait(self, spec: LaunchSpec, proc: _Process, tree: TreeWatch, started: float,
               future: "Future[TaskOutcome]") -> None:
         timed_out = False
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
@@ -191,7 +257,7 @@ class LocalBackend(Backend):
                         len(ended), ended)
 
     @staticmethod
-    def _kill_group(proc: "subprocess.Popen[bytes]", tree: TreeWatch) -> None:
+    def _kill_group(proc: _Process, tree: TreeWatch) -> None:
         for sig, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, 10.0)):
             tree.look()  # what is below it now, before a SIGKILL orphans it
             try:
@@ -222,3 +288,7 @@ class LocalBackend(Backend):
             running = list(self._procs) + list(self._booking)
         for task_id in running:
             self.cancel(task_id)
+        with self._lock:
+            server, self._server, self._warm = self._server, None, False
+        if server is not None:
+            server.close()

@@ -1,0 +1,378 @@
+"""A warm start for one-rank stages on this machine: a fork server with the worker's imports done.
+
+A stage started cold pays, on every rank, for a Python interpreter, the
+launcher and the imports every worker needs (pyarrow, numpy, mpi4py, the
+worker itself), which is most of what a short stage costs.  The local backend
+therefore keeps one *fork server* per run (``python -m
+hetflow.tasks.forkserver``), started on first use in its own session: it
+imports those modules once, without starting MPI and with one BLAS thread,
+then forks one child per one-rank task it is asked to start.
+
+The child is what ``mpiexec -n 1 python -m hetflow.tasks.worker SPEC`` would
+have been: the leader of a new session (so the backend's timeout, cancel and
+Ctrl-C kill its process group as before), stdin from ``/dev/null``, stdout and
+stderr appended to the attempt's logs, the task's working directory and
+environment (less a launcher's ``PMI_*`` variables), then :func:`worker.main
+<hetflow.tasks.worker.main>`, which forks the rank below its witness as
+usual; MPI starts in the rank as a singleton, so the stage's communicator is
+a real MPI communicator of size 1.  The child leaves the server's loop by
+returning from it and ends as an interpreter does (threads joined, ``atexit``
+handlers run, MPI finalized, streams flushed) but without tearing down every
+module the server imported, which would double what a short stage costs.
+
+Protocol, one JSON object per line: the backend writes ``{"id", "spec",
+"cwd", "env", "stdout", "stderr"}``; the server answers ``{"id", "pid"}``
+once the child is forked (or ``{"id", "error"}``) and ``{"pid", "status"}``
+(the wait status) when a child has ended.  The server ends when its stdin
+closes; children still running carry on, orphaned, like a launcher's ranks
+when the orchestrator is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, NoReturn
+
+from .protocol import FORK_SERVER
+
+log = logging.getLogger(__name__)
+
+PRELOAD = ("pyarrow", "hetflow.tasks.worker", "hetflow.tasks.context", "hetflow.tasks.script",
+           "hetflow.operators.dataset", "hetflow.pipeline")
+"""What every rank imports anyway; the user's script and its imports are left to each child."""
+
+LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL")
+"""Prefixes of variables a launcher sets for its ranks: a child must not join an enclosing launcher's job."""
+
+BLAS_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+"""Set to 1 while the server imports: the BLAS loaded with numpy starts no threads before the forks (and
+serves one-core stages only)."""
+
+
+# ------------------------------------------------------------------ server
+@dataclass(frozen=True)
+class Job:
+    """One child's task, as the backend asked for it."""
+
+    id: int
+    spec: str
+    cwd: str
+    env: Mapping[str, str]
+    stdout: str | None
+    stderr: str | None
+
+    @classmethod
+    def from_line(cls, line: bytes) -> Job:
+        data = json.loads(line)
+        return cls(id=int(data["id"]), spec=str(data["spec"]), cwd=str(data["cwd"]),
+                   env={str(k): str(v) for k, v in data["env"].items()},
+                   stdout=data.get("stdout"), stderr=data.get("stderr"))
+
+
+def _reply(message: Mapping[str, Any]) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(1, data):]
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _reply({"pid": pid, "status": status})
+
+
+def serve() -> Job | None:
+    """The server's loop; returns ``None`` when its stdin closes, and in each forked child, that child's job."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD wakes the select
+    pending = b""
+    try:
+        while True:
+            ready, _, _ = select.select([0, wake_r], [], [])
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+                _reap()
+            if 0 not in ready:
+                continue
+            data = os.read(0, 1 << 16)
+            if not data:
+                _reap()
+                return None
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                try:
+                    job = Job.from_line(line)
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    _reply({"id": None, "error": f"bad request: {exc}"})
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()  # nothing buffered here may be written again by a child
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    _reply({"id": job.id, "error": f"fork failed: {exc}"})
+                    continue
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    return job
+                _reply({"id": job.id, "pid": pid})
+    finally:
+        if os.getpid() == _server_pid:
+            signal.set_wakeup_fd(-1)
+
+
+def _open_log(path: str | None) -> int:
+    if path is None:
+        return os.open(os.devnull, os.O_WRONLY)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
+def _become_task(job: Job) -> None:
+    """In the child: take the task's session, files, directory and environment, as a launcher would."""
+    os.setsid()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for target, path in ((1, job.stdout), (2, job.stderr)):
+        fd = _open_log(path)
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(job.cwd)
+    os.environ.clear()
+    os.environ.update(job.env)
+    from hetflow.tasks import worker
+
+    sys.argv = [str(worker.__file__), job.spec]
+    sys.path[0] = job.cwd  # as for python -m, started in the task's directory
+
+
+def _preload() -> None:
+    saved = {name: os.environ.get(name) for name in BLAS_ENV}
+    os.environ.update({name: "1" for name in BLAS_ENV})
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False  # each rank starts (and ends) its own MPI
+    import importlib
+
+    from mpi4py import MPI  # noqa: F401 - the library loaded, not started
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+_server_pid = 0
+
+
+def main() -> NoReturn:
+    """The server; in each forked child, the task (the witness and its rank both come back here to end)."""
+    global _server_pid
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the orchestrator's to handle
+    _preload()
+    _server_pid = os.getpid()
+    job = serve()
+    if job is None:  # the backend is done: nothing here needs tearing down
+        _exit(0)
+    _become_task(job)
+    from hetflow.tasks import worker
+
+    _exit(worker.main([job.spec]))  # MPI starts in the rank (see worker.run)
+
+
+def _exit(code: int) -> NoReturn:
+    """End a child as the interpreter would, less the teardown of every module the server imported.
+
+    Non-daemon threads are waited for, ``atexit`` handlers run (MPI is finalized) and the standard
+    streams are flushed, as at a normal exit; objects still alive are not finalized one by one.
+    """
+    import atexit
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+# ------------------------------------------------------------------ client
+class ForkedTask:
+    """A child of the fork server, waited on like a :class:`subprocess.Popen` (``pid``, ``wait``, ``returncode``)."""
+
+    def __init__(self, pid: int, argv: list[str]) -> None:
+        self.pid = pid
+        self.args = argv
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def _set(self, status: int | None) -> None:
+        if status is None:
+            self.returncode = -signal.SIGKILL
+        elif os.WIFSIGNALED(status):
+            self.returncode = -os.WTERMSIG(status)
+        else:
+            self.returncode = os.WEXITSTATUS(status)
+        self._ended.set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+class ForkServer:
+    """The backend's side: starts the server, asks it for children, and hands out their ends.
+
+    If the server dies, its running children are killed (nobody could report
+    how they ended) and :meth:`start_task` raises :class:`ForkServerGone`.
+    """
+
+    def __init__(self, log_path: Path | None) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._running: dict[int, ForkedTask] = {}
+        self._closing = False
+        self.alive = True
+        stderr: int = subprocess.DEVNULL
+        if log_path is not None:
+            stderr = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", FORK_SERVER],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                          start_new_session=True)
+        finally:
+            if stderr != subprocess.DEVNULL:
+                os.close(stderr)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._stdin = self._proc.stdin
+        self._reader = threading.Thread(target=self._read, args=(self._proc.stdout,), name="hetflow-forkserver",
+                                        daemon=True)
+        self._reader.start()
+
+    def start_task(self, spec: str, cwd: Path, env: Mapping[str, str], stdout: Path | None,
+                   stderr: Path | None) -> ForkedTask:
+        """Fork a child running the worker on ``spec``; returns once it runs."""
+        clean = {k: v for k, v in env.items() if not k.startswith(LAUNCHER_ENV)}
+        event = threading.Event()
+        answer: list[Any] = []
+        with self._lock:
+            if not self.alive:
+                raise ForkServerGone("the fork server has ended")
+            self._next += 1
+            ident = self._next
+            self._waiting[ident] = (event, answer)
+            line = json.dumps({"id": ident, "spec": spec, "cwd": str(cwd), "env": clean,
+                               "stdout": None if stdout is None else str(stdout),
+                               "stderr": None if stderr is None else str(stderr)}) + "\n"
+            try:
+                self._stdin.write(line.encode())
+                self._stdin.flush()
+            except (OSError, ValueError) as exc:
+                self._waiting.pop(ident, None)
+                raise ForkServerGone(f"the fork server has ended ({exc})") from None
+        event.wait()
+        if not isinstance(answer[0], ForkedTask):
+            raise ForkServerGone(str(answer[0]))
+        return answer[0]
+
+    def _read(self, stream: IO[bytes]) -> None:
+        """Replies, in the server's order: a child's pid always comes before its end."""
+        for raw in stream:
+            try:
+                message = json.loads(raw)
+            except ValueError:
+                continue
+            ended: tuple[ForkedTask, int] | None = None
+            with self._lock:
+                if "status" in message:
+                    task = self._running.pop(int(message["pid"]), None)
+                    if task is not None:
+                        ended = task, int(message["status"])
+                elif (waiter := self._waiting.pop(message.get("id"), None)) is not None:
+                    if "pid" in message:
+                        task = self._running[int(message["pid"])] = ForkedTask(int(message["pid"]), [])
+                        waiter[1].append(task)
+                    else:
+                        waiter[1].append(message.get("error", "the fork server failed"))
+                    waiter[0].set()
+            if ended is not None:
+                ended[0]._set(ended[1])
+        self._lost()
+
+    def _lost(self) -> None:
+        """The server is gone: nobody will report how its children end, so end them now."""
+        with self._lock:
+            self.alive = False
+            running = list(self._running.values())
+            self._running.clear()
+            waiting = list(self._waiting.values())
+            self._waiting.clear()
+        for event, answer in waiting:
+            answer.append("the fork server has ended")
+            event.set()
+        for task in running:
+            try:
+                os.killpg(task.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            task._set(None)
+        if running and not self._closing:
+            log.error("hetflow's fork server ended while %d tasks ran; they were killed", len(running))
+
+    def close(self) -> None:
+        """End the server (its stdin closes) and any child still running."""
+        self._closing = True
+        try:
+            self._stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout=10.0)
+
+
+class ForkServerGone(RuntimeError):
+    """The fork server cannot start a task (it has ended); the caller starts the task cold."""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Importing a pipeline script in a worker, without the top-level imports its stage does not use.
+
+A worker finds a stage defined in a script (``__main__``) by executing the
+script again, so every rank of every stage would pay for everything the
+script imports at its top, ``import torch`` included, whether its stage uses
+it or not.  :func:`import_script` executes the script with its top-level
+``import X`` / ``import X as Y`` statements *deferred*: ``X`` is found (a
+module that is not installed still fails at the import line), bound to a
+lazy module (:class:`importlib.util.LazyLoader`), and executed on the first
+attribute access, so a stage that uses it gets the real module and one that
+does not never loads it.
+
+Deferred are only the script's own module-level ``import`` statements of a
+top-level module, written in Python, not yet imported, whose bound name the
+script uses somewhere (a module imported only for its side effects stays
+eager).  ``from X import Y``, ``import X.Y``, C extensions, modules already
+imported and every import made by other modules load as usual.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader)
+"""Loaders whose modules can be executed later (a C extension is created when it is found)."""
+
+
+def deferrable(source: str) -> frozenset[str]:
+    """The top-level modules the script imports as ``import X [as Y]`` at module level and uses by name."""
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # name in the script -> module
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:  # module level: the body, and blocks that run with it (if, try, with; not def or class)
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if "." not in alias.name:
+                    bound[alias.asname or alias.name] = alias.name
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            for block in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(node, block, ()):
+                    todo += child.body if isinstance(child, ast.ExceptHandler) else [child]
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return frozenset(module for name, module in bound.items() if name in used)
+
+
+class _Deferring(importlib.abc.MetaPathFinder):
+    """Finds ``names`` lazily when the script's module-level code imports them; nothing else."""
+
+    def __init__(self, namespace: dict[str, Any], names: frozenset[str]) -> None:
+        self.namespace = namespace
+        self.names = names
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if path is not None or fullname not in self.names or not self._from_script_top_level():
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if isinstance(spec.loader, _LOADERS):
+            spec.loader = importlib.util.LazyLoader(spec.loader)
+        return spec
+
+    def _from_script_top_level(self) -> bool:
+        """Is the import statement being run the script's own module-level code?"""
+        frame: types.FrameType | None = sys._getframe(2)  # above find_spec
+        while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+            frame = frame.f_back
+        return frame is not None and frame.f_globals is self.namespace and frame.f_code.co_name == "<module>"
+
+
+def import_script(path: str, module_name: str) -> types.ModuleType:
+    """Execute the script at ``path`` as the module ``module_name``, its unused top-level imports deferred.
+
+    The module is in ``sys.modules`` under ``module_name`` while it runs (so that
+    its functions, classes and pickles find it) and afterwards; exceptions from
+    the script propagate.
+    """
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot import the pipeline script {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        names = deferrable(Path(path).read_text())
+    except (SyntaxError, ValueError, OSError, UnicodeDecodeError):
+        names = frozenset()  # the loader reports what is wrong with the file
+    finder = _Deferring(module.__dict__, names)
+    sys.meta_path.insert(0, finder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.meta_path.remove(finder)
+    return module
+
+
+def is_deferred(module: types.ModuleType) -> bool:
+    """Whether ``module`` is a deferred import not loaded yet (looking at it does not load it)."""
+    lazy = getattr(importlib.util, "_LazyModule", None)
+    return lazy is not None and isinstance(module, lazy)

@@ -1,0 +1,212 @@
+"""One-rank stages start warm, from the local backend's fork server, with every guarantee of a cold start.
+
+Real runs: the stage reports who started it; faults (a hang, a SIGKILL, children left behind, a
+killed fork server, Ctrl-C) are injected as in test_faults.py, and nothing may survive them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _fault_stages as F
+import _warm_stages as W
+import hetflow as hf
+import psutil
+import pytest
+from hetflow.operators.dataset import open_dataset
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server needs Linux")
+
+PILOT = hf.PilotDescription(name="two-cores", cores_per_node=2, gpus_per_node=0, memory_per_node=2**34)
+COLD = hf.PilotDescription(name="two-cores-cold", cores_per_node=2, gpus_per_node=0, memory_per_node=2**34,
+                           options={"local": {"warm_start": False}})
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def _servers(run_dir: Path) -> list[int]:
+    """Fork servers whose log is in ``run_dir`` (their children have their stages' logs open instead)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if "hetflow.tasks.forkserver" in (proc.info["cmdline"] or []) and \
+                    any(f.path == str(run_dir / "forkserver.log") for f in proc.open_files()):
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _lineage(run: hf.RunStatus, name: str = "lineage") -> list[dict]:
+    return open_dataset(Path(run.run_dir) / "datasets" / name).to_table().to_pylist()
+
+
+def test_a_one_rank_stage_starts_warm_with_a_real_communicator_and_more_ranks_start_with_mpiexec(
+        tmp_path: Path) -> None:
+    pipe = hf.Pipeline("warm", pilot=PILOT, workdir=tmp_path)
+    pipe.stage(ranks=1, outputs=["lineage"])(W.lineage)
+    pipe.stage(ranks=2, outputs=["lineage2"])(W.lineage2)
+    run = pipe.run()
+    assert run.ok, run
+    (one,) = _lineage(run)
+    assert "hetflow.tasks.forkserver" in one["starter"], one
+    assert one["session_leader"] and one["mpi_comm"] and one["size"] == 1 and one["gathered"] == [0], one
+    assert one["blas_threads"] == "1" and one["stdin_null"], one
+    assert Path(one["cwd"]) == Path(run.run_dir) / "stages" / "lineage" / "attempt-1"
+    two = _lineage(run, "lineage2")
+    assert len(two) == 2 and all("hydra_pmi_proxy" in r["starter"] and r["size"] == 2 for r in two), two
+    assert _servers(Path(run.run_dir)) == []  # ended with the run
+
+
+def test_warm_start_off_starts_one_rank_with_mpiexec(tmp_path: Path) -> None:
+    pipe = hf.Pipeline("cold", pilot=COLD, workdir=tmp_path)
+    pipe.stage(ranks=1, outputs=["lineage"])(W.lineage)
+    run = pipe.run()
+    (one,) = _lineage(run)
+    assert "hydra_pmi_proxy" in one["starter"] and one["size"] == 1, one
+    assert not (Path(run.run_dir) / "forkserver.log").exists()
+
+
+def test_a_bad_warm_start_option_is_a_config_error(tmp_path: Path) -> None:
+    bad = hf.PilotDescription(name="bad", cores_per_node=2, gpus_per_node=0, memory_per_node=2**34,
+                              options={"local": {"warm_start": "yes"}})
+    pipe = hf.Pipeline("bad", pilot=bad, workdir=tmp_path)
+    pipe.stage(outputs=["lineage"])(W.lineage)
+    with pytest.raises(hf.HetflowError, match=r"options.local.warm_start must be true or false, got 'yes'"):
+        pipe.run()
+
+
+def test_a_warm_stage_writes_to_its_attempt_logs(tmp_path: Path) -> None:
+    pipe = hf.Pipeline("logs", pilot=PILOT, workdir=tmp_path)
+    pipe.stage()(W.prints)
+    run = pipe.run()
+    attempt = Path(run.run_dir) / "stages" / "prints" / "attempt-1"
+    assert "hello from prints" in (attempt / "stdout.log").read_text()
+    assert "warning from prints" in (attempt / "stderr.log").read_text()
+    assert oct((attempt / "stdout.log").stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("how", ["sigstop", "loop"])
+def test_a_hung_warm_stage_times_out_and_leaves_nothing(tmp_path: Path, how: str) -> None:
+    pipe = hf.Pipeline("hung", pilot=PILOT, workdir=tmp_path)
+    pipe.stage(timeout=3, params={"how": how})(W.hangs)
+    started = time.time()
+    run = pipe.run()
+    stage = run.stage("hangs")
+    assert stage.state == "TIMED_OUT" and "timeout of 3" in stage.error, stage
+    assert time.time() - started < 30
+    rank = int((Path(run.run_dir) / "stages" / "hangs" / "attempt-1" / "rank-0.pid").read_text())
+    assert _alive([rank]) == []
+
+
+def test_a_warm_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
+    pipe = hf.Pipeline("killed", pilot=PILOT, workdir=tmp_path)
+    pipe.stage()(W.kills_itself)
+    run = pipe.run()
+    stage = run.stage("kills_itself")
+    assert stage.state == "FAILED" and stage.failed_rank == 0 and stage.signal == 9, stage
+    assert stage.error.startswith("rank 0 of stage 'kills_itself' ended without a result (killed by signal 9"), \
+        stage.error
+
+
+@pytest.mark.parametrize("how", ["stdout", "group", "daemon"])
+def test_what_a_warm_rank_leaves_behind_ends_with_its_stage(tmp_path: Path, how: str) -> None:
+    pipe = hf.Pipeline("leaves", pilot=PILOT, workdir=tmp_path)
+    pipe.stage(ranks=1, timeout=30, params={"how": how})(F.leaves_children)
+    started = time.time()
+    run = pipe.run()
+    assert run.ok, run.stage("leaves_children")
+    assert time.time() - started < 15
+    child = int((Path(run.run_dir) / "stages" / "leaves_children" / "attempt-1" / "child-0.pid").read_text())
+    assert _alive([child]) == []
+
+
+def test_a_killed_fork_server_fails_its_running_stage_and_the_retry_starts_cold(tmp_path: Path) -> None:
+    pipe = hf.Pipeline("lost", pilot=PILOT, workdir=tmp_path)
+    pipe.stage(outputs=["slept"], retries=1)(W.sleeps)
+    pipe.stage(inputs=["slept"], outputs=["lineage"])(W.lineage_after)
+
+    def kill_the_server() -> None:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            flags = list(tmp_path.glob("runs/*/stages/sleeps/attempt-1/sleeping"))
+            if flags:
+                rank = int((flags[0].parent / "rank-0.pid").read_text())
+                server = psutil.Process(rank).parent().parent()  # rank <- witness <- fork server
+                assert "hetflow.tasks.forkserver" in server.cmdline()
+                server.kill()
+                return
+            time.sleep(0.05)
+
+    import threading
+
+    killer = threading.Thread(target=kill_the_server, daemon=True)
+    killer.start()
+    run = pipe.run()
+    killer.join()
+    assert run.ok, run
+    sleeps = run.stage("sleeps")
+    assert sleeps.attempts == 2
+    first = Path(run.run_dir) / "stages" / "sleeps" / "attempt-1"
+    assert _alive([int((first / "rank-0.pid").read_text())]) == []
+    (after,) = _lineage(run)
+    assert "hydra_pmi_proxy" in after["starter"], after  # the server is gone: mpiexec from then on
+
+
+def test_ctrl_c_during_a_warm_stage_leaves_no_process(tmp_path: Path) -> None:
+    script = tmp_path / "interrupted.py"
+    script.write_text((
+        "import sys, time\n"
+        "sys.path.insert(0, {tests!r})\n"
+        "import hetflow as hf\n"
+        "import _fault_stages as F\n"
+        "pipe = hf.Pipeline('ctrlc', pilot='local', workdir={workdir!r})\n"
+        "@pipe.stage(outputs=['numbers'])\n"
+        "def numbers(ctx):\n"
+        "    return F.numbers(ctx)\n"
+        "@pipe.stage(inputs=['numbers'], outputs=['slept'], params={{'sleep': 300}})\n"
+        "def sleeper(ctx, table):\n"
+        "    return F.sleeper(ctx, table)\n"
+        "if __name__ == '__main__':\n"
+        "    pipe.run()\n").format(tests=str(Path(__file__).parent), workdir=str(tmp_path / "w")))
+    env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", str(tmp_path)))
+    as_in_a_terminal = ("import signal, runpy, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                        "sys.argv = [sys.argv[1]]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", as_in_a_terminal, str(script)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        flags: list[Path] = []
+        while not flags and time.time() < deadline:
+            flags = list((tmp_path / "w").glob("runs/*/stages/sleeper/attempt-1/sleeping-0"))
+            time.sleep(0.05)
+        assert flags, "the stage never started"
+        attempt = flags[0].parent
+        rank = int((attempt / "rank-0.pid").read_text())
+        witness = psutil.Process(rank).ppid()
+        servers = _servers(attempt.parents[2])
+        assert len(servers) == 1
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.time() + 10
+    while _alive([rank, witness, *servers]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _alive([rank, witness, *servers]) == []
