@@ -79,7 +79,7 @@ def test_a_real_dask_engine_that_refuses_the_task_fails_it(tmp_path: Path) -> No
 def test_a_run_whose_launch_fails_ends_with_the_stage_failed(tmp_path: Path) -> None:
     """The orchestrator records a task it could not launch FAILED, and the run ends (it used to wait forever)."""
     import hetflow as hf
-    import hetflow.pipeline as hp
+    import hetflow.tasks.backends as hb
     from hetflow.tasks.backends.local import LocalBackend
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -97,7 +97,7 @@ def test_a_run_whose_launch_fails_ends_with_the_stage_failed(tmp_path: Path) -> 
     pipe.stage(outputs=["rows"])(S.first)
     pipe.stage(inputs=["rows"], outputs=["out"])(S.second)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hp, "get_backend", lambda name: NoDevice)
+        patch.setattr(hb, "get_backend", lambda name: NoDevice)  # looked up when the run starts
         run = pipe.run(pilot=hf.PilotDescription(name="one", backend="local", cores_per_node=2, gpus_per_node=0,
                                                  memory_per_node=2**33))
     stages = {s.name: s for s in run.stages}
