@@ -45,6 +45,11 @@ _LAZY = {"Pipeline": "pipeline", "RunOptions": "pipeline", "run_options": "pipel
          "RunStatus": "status", "StageStatus": "status", "run_status": "status"}
 
 
+def __dir__() -> list[str]:
+    """The public names too, before their lazy import (``dir()``, tab completion)."""
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str) -> Any:
     import importlib
 
