@@ -1,8 +1,14 @@
-"""mkdocs hook: the command-line reference, generated from hetflow's own parsers at build time.
+"""mkdocs hooks: the command-line reference from hetflow's own parsers, and a source tree for the API pages.
 
-``docs/cli.md`` holds the marker ``<!-- cli-reference -->``; it is replaced by the
-``--help`` text of ``hetflow`` and of every sub-command (``hetflow simulate`` has
-its own parser), so the page cannot drift from the code.
+``docs/cli.md`` holds the marker ``<!-- cli-reference -->``; it is replaced at
+build time by the ``--help`` text of ``hetflow`` and of every sub-command
+(``hetflow simulate`` has its own parser), so the page cannot drift from the code.
+
+mkdocstrings reads the source statically, and hetflow's folders are mapped into
+one import package (``pipeline/`` is ``hetflow``, ``operators/`` is
+``hetflow.operators``, ...), which it cannot follow.  ``on_config`` lays the
+folders out as that package under ``build/api-src`` (symbolic links), the path
+``mkdocs.yml`` gives it.
 """
 
 from __future__ import annotations
@@ -11,9 +17,41 @@ import argparse
 import contextlib
 import io
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
+try:
+    from mkdocs.plugins import event_priority
+except ImportError:  # tests/test_docs.py builds the CLI reference without the docs extra
+    def event_priority(priority: float) -> Any:
+        return lambda fn: fn
+
 MARKER = "<!-- cli-reference -->"
+#: ``[tool.setuptools.package-dir]`` of pyproject.toml: the sub-packages that live in their own folders
+SUBPACKAGES = {"tasks": "tasks", "operators": "operators", "ml": "ml", "pilot_configs": "pilot-configs"}
+ROOT_PACKAGE = "pipeline"
+API_SRC = Path("build") / "api-src"
+
+
+def api_source_tree(root: Path) -> Path:
+    """``<root>/build/api-src/hetflow``: the package as one tree of links into the folders."""
+    tree = root / API_SRC / "hetflow"
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    for item in (root / ROOT_PACKAGE).iterdir():
+        if item.suffix in (".py", ".pyi"):
+            (tree / item.name).symlink_to(item.resolve())
+    for name, folder in SUBPACKAGES.items():
+        (tree / name).symlink_to((root / folder).resolve(), target_is_directory=True)
+    return tree
+
+
+@event_priority(100)  # before mkdocstrings reads its paths (a missing path is dropped)
+def on_config(config: Any, **kwargs: Any) -> Any:
+    api_source_tree(Path(config["config_file_path"]).resolve().parent)
+    return config
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
