@@ -38,7 +38,7 @@ test-mpi: $(STAMP)
 # The docs site (mkdocs.yml, docs/): warnings are errors; the CLI reference is generated from the parser
 # and the API reference from the docstrings at build time (scripts/docs_hooks.py, mkdocstrings).
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 # The scheduler compiled with mypyc (setup.py) into build/compiled, beside the editable
 # pure-Python install; PYTHONPATH=build/compiled selects it.

@@ -34,7 +34,7 @@ __all__ = [
     "__version__", "Pipeline", "RunOptions", "run_options", "open_dataset", "RunStatus", "StageStatus",
     "run_status", "StageContext", "ResourceRequest", "PilotDescription", "load_pilot", "HetflowError",
     "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "PipelineError", "RunLocked", "TaskFailed",
-    "UnknownRun", "ml",
+    "UnknownRun", "ml", "operators",
 ]
 
 
@@ -53,8 +53,8 @@ def __dir__() -> list[str]:
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name == "ml":  # torch is heavy: import hetflow.ml only when asked for
-        return importlib.import_module("hetflow.ml")
+    if name in ("ml", "operators"):  # torch is heavy: import hetflow.ml only when asked for (operators alike)
+        return importlib.import_module(f"hetflow.{name}")
     if name in _LAZY:
         value = getattr(importlib.import_module(f"hetflow.{_LAZY[name]}"), name)
         globals()[name] = value
