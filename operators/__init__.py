@@ -17,18 +17,38 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from .dtable import DTable, GroupBy
-    from .errors import (AggregateOverflowError, ColumnNotFoundError, InputError, InvalidOptionError,
-                         KeyTypeMismatchError, OperatorError, SchemaMismatchError, UnsupportedAggregationError,
-                         UnsupportedTypeError)
+    from .errors import (
+        AggregateOverflowError,
+        ColumnNotFoundError,
+        InputError,
+        InvalidOptionError,
+        KeyTypeMismatchError,
+        OperatorError,
+        SchemaMismatchError,
+        UnsupportedAggregationError,
+        UnsupportedTypeError,
+    )
     from .io import read_csv, read_ipc, read_parquet
 
-_ERRORS = ["OperatorError", "ColumnNotFoundError", "KeyTypeMismatchError", "UnsupportedAggregationError",
-           "SchemaMismatchError", "InvalidOptionError", "InputError", "AggregateOverflowError", "UnsupportedTypeError"]
-
-__all__ = ["DTable", "GroupBy", "read_parquet", "read_csv", "read_ipc", *_ERRORS]
+__all__ = [
+    "AggregateOverflowError",
+    "ColumnNotFoundError",
+    "DTable",
+    "GroupBy",
+    "InputError",
+    "InvalidOptionError",
+    "KeyTypeMismatchError",
+    "OperatorError",
+    "SchemaMismatchError",
+    "UnsupportedAggregationError",
+    "UnsupportedTypeError",
+    "read_csv",
+    "read_ipc",
+    "read_parquet",
+]
 
 _LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io",
-         **{name: "errors" for name in _ERRORS}}
+         **{name: "errors" for name in __all__ if name.endswith("Error")}}
 
 
 def __dir__() -> list[str]:

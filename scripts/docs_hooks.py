@@ -18,14 +18,11 @@ import contextlib
 import io
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-try:
-    from mkdocs.plugins import event_priority
-except ImportError:  # tests/test_docs.py builds the CLI reference without the docs extra
-    def event_priority(priority: float) -> Any:
-        return lambda fn: fn
+F = TypeVar("F", bound=Callable[..., Any])
 
 MARKER = "<!-- cli-reference -->"
 #: ``[tool.setuptools.package-dir]`` of pyproject.toml: the sub-packages that live in their own folders
@@ -48,7 +45,16 @@ def api_source_tree(root: Path) -> Path:
     return tree
 
 
-@event_priority(100)  # before mkdocstrings reads its paths (a missing path is dropped)
+def _first(fn: F) -> F:
+    """Run this event before mkdocstrings' (which drops a search path that does not exist yet)."""
+    try:
+        from mkdocs.plugins import event_priority
+    except ImportError:  # tests/test_docs.py imports this module for the CLI reference, without mkdocs
+        return fn
+    return event_priority(100)(fn)
+
+
+@_first
 def on_config(config: Any, **kwargs: Any) -> Any:
     api_source_tree(Path(config["config_file_path"]).resolve().parent)
     return config

@@ -11,7 +11,8 @@ Conventions in the Markdown (an HTML comment on the line(s) just before a fence)
 
 The blocks of one page run in order, in one fresh directory outside the source
 tree, with the installed ``python`` and ``hetflow`` (real runs on the local
-pilot); each must exit 0.
+pilot); each must exit 0, and every run they leave in ``./.hetflow`` must have
+ended DONE (a script that ignores a failed run would still exit 0).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARKER = re.compile(r"^<!--\s*(.*?)\s*-->$")
+#: pages whose blocks run pipelines: they must leave runs behind, all DONE
+PIPELINE_PAGES = {"README.md", "quickstart.md", "ml.md"}
 
 
 @dataclass(frozen=True)
@@ -115,9 +118,25 @@ def test_the_code_blocks_of_a_page_run(page: Path, tmp_path: Path) -> None:
             argv = [sys.executable, name]
         else:
             argv = ["bash", "-euo", "pipefail", "-c", block.code]
-        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+        proc = subprocess.run(argv, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, (f"{where}: the block exited {proc.returncode}\n--- code\n{block.code}"
                                       f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    runs = _run_states(tmp_path / ".hetflow")
+    if page.name in PIPELINE_PAGES:
+        assert runs, f"{page.name}: its blocks ran no pipeline"
+    assert all(state == "DONE" for state in runs.values()), f"{page.name}: runs that did not end DONE: {runs}"
+
+
+def _run_states(workdir: Path) -> dict[str, str]:
+    if not workdir.is_dir():
+        return {}
+    from hetflow.store import Store
+
+    store = Store.for_workdir(workdir)
+    try:
+        return {run.id: run.state for run in store.runs()}
+    finally:
+        store.close()
 
 
 # ---------------------------------------------------------------- the API reference's sources
