@@ -1,13 +1,22 @@
 """hetflow: pilot-based heterogeneous workflows on Arrow data.
 
+A script declares a :class:`Pipeline` and its stages; each stage is a function
+called once per rank with a :class:`StageContext` and its input partitions, and
+returns ``{output name: pyarrow.Table}`` (this rank's partition)::
+
     import hetflow as hf
+
     pipe = hf.Pipeline("demo", pilot="local")
 
     @pipe.stage(ranks=2, outputs=["events"])
     def generate(ctx):
-        return {"events": table_for_this_rank}
+        return {"events": pa.table({"rank": [ctx.rank]})}
 
     run = pipe.run()
+
+``hetflow.operators`` (distributed dataframe operators) and ``hetflow.ml``
+(training and inference) are reachable as ``hf.operators`` and ``hf.ml``.
+The documentation (``docs/``) starts with the quickstart.
 """
 
 from __future__ import annotations
