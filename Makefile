@@ -5,12 +5,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hetflow-installed
-EXTRAS ?= ml,mpich,dask,radical,parsl,postgres,dev
+EXTRAS ?= ml,mpich,dask,radical,parsl,postgres,docs,dev
 # the MPI test sizes: 1, 2 and an odd size
 MPI_SIZES ?= 1 2 3
 PYTEST_MPI = $(BIN)/python -m pytest -m mpi -q -p no:cacheprovider
 
-.PHONY: install demo test test-serial test-mpi compiled test-compiled bench clean
+.PHONY: install demo docs test test-serial test-mpi compiled test-compiled bench clean
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/hetflow run examples/photoz/pipeline.py --no-progress
 	$(BIN)/hetflow status --json
 
-test: test-serial test-mpi test-compiled
+test: docs test-serial test-mpi test-compiled
 
 test-serial: $(STAMP)
 	$(BIN)/python -m pytest -m "not mpi" --durations=15 tests
@@ -34,6 +34,11 @@ test-mpi: $(STAMP)
 	  echo "== mpiexec -n $$n pytest -m mpi"; \
 	  $(BIN)/mpiexec -n $$n $(PYTEST_MPI) tests || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }; \
 	done
+
+# The docs site (mkdocs.yml, docs/): warnings are errors; the CLI reference is generated from the parser
+# and the API reference from the docstrings at build time (scripts/docs_hooks.py, mkdocstrings).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 # The scheduler compiled with mypyc (setup.py) into build/compiled, beside the editable
 # pure-Python install; PYTHONPATH=build/compiled selects it.

@@ -55,6 +55,7 @@ class ModelManifest:
             raise ModelArtifactError("model manifest names no feature columns")
 
     def to_json(self) -> str:
+        """The manifest as JSON text, as stored in a model table's schema metadata (see :func:`read_manifest`)."""
         return json.dumps({"format": FORMAT_VERSION, "architecture": self.architecture,
                            "kwargs": dict(self.kwargs), "features": list(self.features),
                            "label": self.label,

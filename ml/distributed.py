@@ -60,6 +60,7 @@ class DistributedEnv:
         return [float(v) for v in t.cpu()]
 
     def barrier(self) -> None:
+        """Wait until every rank of the process group arrives (``torch.distributed.barrier``)."""
         import torch.distributed as dist
 
         dist.barrier()

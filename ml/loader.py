@@ -144,6 +144,7 @@ class ArrowLoader:
         return x
 
     def label_of(self, rows: np.ndarray) -> "torch.Tensor":
+        """The label values of ``rows`` (row indices of this rank's partition) as a tensor on the loader's device."""
         import torch
 
         if self.label_column is None:

@@ -115,5 +115,6 @@ class MLP(nn.Module):
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The network's output for a batch ``x``; one output feature is returned as shape ``(batch,)``."""
         y: torch.Tensor = self.net(x)
         return y.squeeze(-1) if self.out_features == 1 else y

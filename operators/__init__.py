@@ -17,11 +17,43 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from .dtable import DTable, GroupBy
+    from .errors import (
+        AggregateOverflowError,
+        ColumnNotFoundError,
+        InputError,
+        InvalidOptionError,
+        KeyTypeMismatchError,
+        OperatorError,
+        SchemaMismatchError,
+        UnsupportedAggregationError,
+        UnsupportedTypeError,
+    )
     from .io import read_csv, read_ipc, read_parquet
 
-__all__ = ["DTable", "GroupBy", "read_parquet", "read_csv", "read_ipc"]
+__all__ = [
+    "AggregateOverflowError",
+    "ColumnNotFoundError",
+    "DTable",
+    "GroupBy",
+    "InputError",
+    "InvalidOptionError",
+    "KeyTypeMismatchError",
+    "OperatorError",
+    "SchemaMismatchError",
+    "UnsupportedAggregationError",
+    "UnsupportedTypeError",
+    "read_csv",
+    "read_ipc",
+    "read_parquet",
+]
 
-_LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io"}
+_LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io",
+         **{name: "errors" for name in __all__ if name.endswith("Error")}}
+
+
+def __dir__() -> list[str]:
+    """The public names too, before their lazy import (``dir()``, tab completion)."""
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str) -> Any:

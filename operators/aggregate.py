@@ -13,8 +13,8 @@ Group-by has two algorithms (Cylon / Dask ``split_out`` style):
   rank); only for one integer-like key without nulls on any rank.  It needs no
   hash of the key: the splitters cost one comparison per row, and the group
   count is estimated from every 8th key (``SAMPLE_STRIDE``) instead of a
-  HyperLogLog sketch of every key's hash: 0.016 s against 0.081 s CPU for
-  10M rows (hash 0.019, sketch 0.033, partition ids 0.024).
+  HyperLogLog sketch of every key's hash, about five times cheaper
+  (docs/benchmarks.md, "Group-by estimate and splitters").
 
 ``auto`` estimates the number of groups per row and takes combine-shuffle-reduce
 when it is at most ``COMBINE_MAX_GROUP_RATIO``, else range-shuffle-compute when

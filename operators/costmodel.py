@@ -88,7 +88,7 @@ def _key(comm: Any) -> str:
     """Cache key of the measured α, β: the hosts, the rank count and the transport.
 
     MPI and the TCP communicator have very different α and β on the same hosts
-    (about 3.6 µs against 34 µs here), so they never share an entry.
+    (an order of magnitude apart: docs/benchmarks.md), so they never share an entry.
     """
     hosts = sorted(set(comm.allgather(socket.gethostname())))
     return f"{','.join(hosts)}|np={comm.Get_size()}|{type(comm).__module__}.{type(comm).__name__}"

@@ -46,7 +46,18 @@ def _norm_type(t: pa.DataType) -> pa.DataType:
 
 
 class DTable:
-    """This rank's partition of a distributed Arrow table over ``comm``."""
+    """This rank's partition of a distributed Arrow table over ``comm``.
+
+    Every method is collective: all ranks of ``comm`` call it, in the same order.
+    Operators return a new ``DTable`` (the input is not changed); ``explain()``
+    lists the algorithm each one chose.  Inside a stage, ``ctx.dtable(table)``
+    builds one over the stage's communicator.
+
+    :param comm: an mpi4py communicator (or one with the same methods); never
+        assumed to be ``COMM_WORLD``.
+    :param table: this rank's partition (a ``pyarrow.Table`` or ``RecordBatch``).
+    :raises SchemaMismatchError: the ranks' partitions do not have one schema.
+    """
 
     def __init__(self, comm: Any, table: pa.Table | pa.RecordBatch, *, _plans: tuple[Plan, ...] = (), _checked: bool = False) -> None:
         if isinstance(table, pa.RecordBatch):
@@ -63,14 +74,17 @@ class DTable:
     # ------------------------------------------------------------------ basics
     @property
     def comm(self) -> Any:
+        """The communicator that links the partitions."""
         return self._comm
 
     @property
     def schema(self) -> pa.Schema:
+        """The table's Arrow schema (the same on every rank)."""
         return self._table.schema
 
     @property
     def column_names(self) -> list[str]:
+        """The column names, in schema order."""
         return list(self._table.schema.names)
 
     @property
@@ -82,6 +96,7 @@ class DTable:
 
     @property
     def local_num_rows(self) -> int:
+        """Rows in this rank's partition (not collective)."""
         return int(self._table.num_rows)
 
     def to_arrow(self) -> pa.Table:
@@ -134,6 +149,10 @@ class DTable:
 
     # ------------------------------------------------------------------ embarrassingly parallel
     def select(self, columns: Sequence[str]) -> "DTable":
+        """Only ``columns`` (a name or a list of names), in that order; no data moves between ranks.
+
+        :raises ColumnNotFoundError: a name the table does not have (the message lists the columns).
+        """
         cols = _keys(columns)
         self._check_columns(cols, "select")
         return self._derive(self._table.select(cols))
@@ -184,12 +203,15 @@ class DTable:
 
     # ------------------------------------------------------------------ head / tail / repartition
     def head(self, n: int) -> "DTable":
+        """The first ``n`` rows of the global order (rank 0's rows first); each rank keeps its part of
+        them, so later ranks may hold none.  ``.head(n).gather()`` gives them on rank 0."""
         counts = self._comm.allgather(self.local_num_rows)
         before = sum(counts[: self._comm.Get_rank()])
         keep = max(0, min(self.local_num_rows, n - before))
         return self._derive(self._table.slice(0, keep))
 
     def tail(self, n: int) -> "DTable":
+        """The last ``n`` rows of the global order; each rank keeps its part of them."""
         counts = self._comm.allgather(self.local_num_rows)
         after = sum(counts[self._comm.Get_rank() + 1 :])
         keep = max(0, min(self.local_num_rows, n - after))
@@ -223,6 +245,27 @@ class DTable:
     # ------------------------------------------------------------------ join
     def join(self, right: "DTable", keys: Keys, *, right_keys: Keys | None = None, how: str = "inner",
              suffix: str = "_right", algorithm: str = "auto") -> "DTable":
+        """SQL join of this table (left) with ``right`` on equal keys; null keys never match.
+
+        Output columns: every left column (the key columns keep the left names; for ``right`` and
+        ``full`` joins they hold the key of whichever side has one), then the right side's non-key
+        columns, a name that clashes with a left column getting ``suffix``.  ``semi`` and ``anti``
+        return the left columns only.  Row order is not defined: sort afterwards if it matters.
+
+        :param right: the right table, over the same communicator.
+        :param keys: the left key column(s); also the right ones unless ``right_keys`` is given.
+        :param right_keys: the right key column(s), as many as ``keys``, with the same types (string
+            and binary layouts — large, view, dictionary — count as one type).
+        :param how: ``inner``, ``left``, ``right``, ``full``, ``semi`` or ``anti``.
+        :param suffix: appended to a right column whose name a left column already has.
+        :param algorithm: ``auto`` (cheapest by the Hockney cost model: hash-shuffle both sides or
+            broadcast the smaller one), ``hash``, ``broadcast`` or ``sort`` (range-partition both sides).
+        :returns: the joined table, distributed over the same ranks.
+        :raises ColumnNotFoundError: a key column that one side does not have.
+        :raises KeyTypeMismatchError: a left and right key of different types.
+        :raises InvalidOptionError: an unknown ``how`` or ``algorithm``, or ``right_keys`` of another length.
+        :raises UnsupportedTypeError: ``algorithm="sort"`` with a list, struct, map or interval key.
+        """
         if how not in JOIN_HOWS:
             raise InvalidOptionError("join how", how, JOIN_HOWS)
         if algorithm not in JOIN_ALGORITHMS:
@@ -294,7 +337,13 @@ class DTable:
 
     # ------------------------------------------------------------------ sort / rolling
     def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "at_end") -> "DTable":
-        """Global order across ranks (rank 0 holds the first rows); stable."""
+        """Sort globally across ranks (rank 0 holds the first rows); stable.
+
+        :param sorting_: a column name, ``(name, "ascending" | "descending")``, or a list of them.
+        :param nulls: ``at_end`` or ``at_start``.
+        :returns: the sorted table; partitions are balanced by sample sort, not equal in size.
+        :raises UnsupportedTypeError: a list, struct, map or interval sort key.
+        """
         by = _sort_keys(sorting_)
         if nulls not in NULL_PLACEMENTS:
             raise InvalidOptionError("nulls", nulls, NULL_PLACEMENTS)
@@ -309,7 +358,14 @@ class DTable:
                                              "or polars arg-sort + take"))
 
     def rolling(self, order_by: SortKey | Sequence[SortKey], window: int, aggs: Sequence[Aggregation]) -> "DTable":
-        """Trailing windows of ``window`` rows over the global order; halo rows come from the preceding ranks."""
+        """Trailing windows of ``window`` rows over the global order given by ``order_by``.
+
+        Halo rows come from the preceding ranks.  The output is the sorted table plus one column per
+        aggregation, named ``<column>_rolling_<agg>`` (``count``, ``sum``, ``mean``, ``min``, ``max``,
+        ``stddev``, ``variance``).
+
+        :raises UnsupportedAggregationError: an aggregation outside that list.
+        """
         if not isinstance(window, int) or window < 1:
             raise InvalidOptionError("rolling window", window, ["int >= 1"])
         for col, agg in aggs:
@@ -336,10 +392,21 @@ class DTable:
 
     # ------------------------------------------------------------------ grouping / distinct / sets
     def group_by(self, keys: Keys) -> "GroupBy":
+        """Group by ``keys`` (a name or a list); call :meth:`GroupBy.aggregate` on the result.
+
+        :raises ColumnNotFoundError: a key the table does not have.
+        """
         return GroupBy(self, _keys(keys))
 
     def aggregate(self, aggs: Sequence[Aggregation]) -> dict[str, Any]:
-        """Whole-table aggregates, replicated on every rank: ``{"v_min": ..., ...}``."""
+        """Whole-table aggregates, replicated on every rank as Python values.
+
+        :param aggs: ``[(column, agg), ...]`` with ``agg`` one of ``count``, ``count_distinct``,
+            ``sum``, ``mean``, ``min``, ``max``, ``stddev``, ``variance``, ``first``, ``last``, ``list``.
+        :returns: a dict keyed ``<column>_<agg>``, e.g. ``{"v_min": 0, "v_sum": 10}``, identical on every rank.
+        :raises UnsupportedAggregationError: an unknown aggregation, or one not defined for the column's type.
+        :raises AggregateOverflowError: an integer sum outside int64/uint64 (raised on every rank).
+        """
         from .aggregate import column_aggregates
 
         return column_aggregates(self, list(aggs))
@@ -364,6 +431,11 @@ class DTable:
         return self._derive(arrowtypes.restore(kernels.set_operation(a, b, op), self.schema), Plan(op, "hash-shuffle both sides on all columns" if p > 1 else "local", est))
 
     def union(self, other: "DTable", *, distinct: bool = True) -> "DTable":
+        """Rows of either table: SQL ``UNION`` (distinct rows, nulls equal) or, with
+        ``distinct=False``, ``UNION ALL`` (a local concatenation, no data moves).
+
+        :raises SchemaMismatchError: the two schemas differ.
+        """
         if not distinct:
             if not other.schema.remove_metadata().equals(self.schema.remove_metadata()):
                 raise SchemaMismatchError(f"union: schemas differ: {tc._short(self.schema)} vs {tc._short(other.schema)}")
@@ -371,18 +443,35 @@ class DTable:
         return self._set_op(other, "union")
 
     def intersect(self, other: "DTable") -> "DTable":
+        """Distinct rows present in both tables (SQL ``INTERSECT``; nulls equal).
+
+        :raises SchemaMismatchError: the two schemas differ.
+        """
         return self._set_op(other, "intersect")
 
     def difference(self, other: "DTable") -> "DTable":
+        """Distinct rows of this table that ``other`` does not have (SQL ``EXCEPT``; nulls equal).
+
+        :raises SchemaMismatchError: the two schemas differ.
+        """
         return self._set_op(other, "difference")
 
     # ------------------------------------------------------------------ output
     def write_parquet(self, directory: str) -> list[str]:
+        """Write each rank's partition as ``<directory>/part-<rank>.parquet`` (five-digit rank).
+
+        Each file is written to a temporary name, fsynced and renamed, so a reader never sees a
+        partial file; ``directory`` is created (mode 0700) if missing.
+
+        :returns: every rank's file path, in rank order, on every rank.
+        """
         from .io import write_partitions
 
         return write_partitions(self._comm, self._table, directory, "parquet")
 
     def write_ipc(self, directory: str) -> list[str]:
+        """Like :meth:`write_parquet`, as Arrow IPC files ``part-<rank>.arrow`` (readable zero-copy
+        with :func:`~hetflow.operators.read_ipc`)."""
         from .io import write_partitions
 
         return write_partitions(self._comm, self._table, directory, "ipc")
@@ -420,7 +509,7 @@ def _evaluate(table: pa.Table, expr: pc.Expression) -> pa.ChunkedArray:
 
 
 class GroupBy:
-    """``DTable.group_by(keys)``; call ``aggregate([(column, agg), ...])``."""
+    """What ``DTable.group_by(keys)`` returns; call :meth:`aggregate` on it."""
 
     def __init__(self, table: DTable, keys: list[str]) -> None:
         table._check_columns(keys, "group_by")
@@ -428,6 +517,24 @@ class GroupBy:
         self._keys = keys
 
     def aggregate(self, aggs: Sequence[Aggregation], *, algorithm: str = "auto") -> DTable:
+        """One row per distinct key value (nulls form one group) with one column per aggregation.
+
+        Output columns: the keys, then ``<column>_<agg>`` for each ``(column, agg)`` in order —
+        ``group_by("run").aggregate([("energy", "sum"), ("energy", "mean")])`` gives
+        ``run, energy_sum, energy_mean``.  Types follow DuckDB: ``count``/``count_distinct`` int64;
+        ``min``/``max``/``first``/``last`` the input's type, ``list`` a list of it; ``sum`` of integers
+        int64 (uint64 for unsigned), of floats float64, of ``decimal(p, s)`` ``decimal128(38, s)``;
+        ``mean``/``variance``/``stddev`` (sample, ddof 1) float64.  Group order is not defined.
+
+        :param aggs: ``[(column, agg), ...]``; ``agg`` is one of ``count``, ``count_distinct``, ``sum``,
+            ``mean``, ``min``, ``max``, ``stddev``, ``variance``, ``first``, ``last``, ``list``.
+        :param algorithm: ``auto`` (combine-shuffle-reduce when few groups are estimated, else a
+            range or hash shuffle), ``combine``, ``shuffle`` or ``range`` (one integer key without nulls).
+        :raises UnsupportedAggregationError: an unknown aggregation, one not defined for the column's
+            type, or ``combine`` with a non-decomposable one (``count_distinct``, ``first``, ``last``, ``list``).
+        :raises AggregateOverflowError: an integer sum outside int64/uint64 (raised on every rank).
+        :raises InvalidOptionError: an unknown ``algorithm``, or ``range`` for keys it cannot take.
+        """
         from .aggregate import group_aggregate
 
         if algorithm not in GROUPBY_ALGORITHMS:

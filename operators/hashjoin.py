@@ -11,8 +11,7 @@ destination's rows are one contiguous run already grouped by bucket.
 Exchange: when every rank's tables are fixed-width without nulls, each column is
 copied once into partition order by a blockwise counting sort (``permuted_columns``:
 the column is read and written once, where gathering each partition through an
-index array reads the whole column once per partition: 20 partitions of 10M rows
-cost 0.2 s against 0.34 s per two-column table), and each bucket is then one
+index array reads the whole column once per partition), and each bucket is then one
 ``Alltoallv`` per column sent straight from the contiguous runs, with this rank's
 own run used in place (no copy).  Other tables are shuffled bucket by bucket
 through ``comm.shuffle`` (Arrow IPC when needed).  Either way DuckDB builds a hash
@@ -21,20 +20,11 @@ is exact per bucket because a key's rows on both sides are in the same bucket; r
 with a null key that cannot appear in the result are left out of the indices (no
 filtered copy).
 
-Measured (2 ranks, 20M rows per table, one DuckDB thread per rank, fresh processes,
-median of 3, wall / CPU / peak RSS growth over both input partitions; this 2-core VM
-shared with other users' CPU-bound jobs, load in brackets): gathering each
-(rank, bucket) through index arrays 1.60 s / 1.59 s / 0.99x, the permuted columns
-1.22 s / 1.21 s / 1.58x (load 2.0, same run); one bucket per exchange 2.22-2.38 s,
-all buckets in one exchange 2.15-2.22 s but 2.0x growth (load 3.1, same run), so
-``EXCHANGE_BUCKETS`` stays 1; B = 5, 10, 20 differ by less than the noise.
-Per rank the join is then DuckDB's one-thread join of its rows (10 x 1M + 1M:
-0.65-0.7 s CPU alone), two permutations (0.18 s CPU each) and the exchanges
-(0.05 s).  Earlier (index-array gathers): unbucketed 1.6-2.6 s / 2.96-3.21x; B=10
-1.33-1.54 s / 0.85x.  Kernels on one real bucket (1M + 1M rows, CPU): DuckDB
-0.064-0.074 s, polars 0.078-0.086 s, numpy packed-sort + searchsorted merge
-0.079-0.083 s (10M + 10M: DuckDB 0.62-0.72, numpy 0.82-0.87, polars 1.7-1.9 s),
-so DuckDB stays the kernel.
+Decisions, from the measurements in docs/benchmarks.md ("Bucketed hash join"):
+copying each column once into partition order beats gathering through index
+arrays; one bucket per exchange (``EXCHANGE_BUCKETS = 1``) keeps peak memory
+down at no clear cost in time; the bucket count barely matters; DuckDB stays the
+per-bucket kernel (faster than polars and a numpy sort-merge).
 """
 
 from __future__ import annotations
@@ -70,8 +60,8 @@ def bucket_count(rows_per_rank: int, *, shuffled: bool = True) -> int:
     """Buckets for a join whose larger side has ``rows_per_rank`` rows per rank (same value on every rank).
 
     A join that needs no shuffle (one rank) is bucketed only when ``HETFLOW_JOIN_BUCKET_ROWS``
-    is set: there each bucket costs a ``take`` the plain join does not need (20M + 20M rows:
-    2.1-2.4 s bucketed against 1.5-1.7 s plain, peak growth 0.62x against 1.89x)."""
+    is set: there each bucket costs a ``take`` the plain join does not need (slower, for less
+    peak memory: docs/benchmarks.md, "Bucketed hash join")."""
     env = os.environ.get("HETFLOW_JOIN_BUCKET_ROWS")
     if not env and not shuffled:
         return 1
@@ -164,8 +154,7 @@ def permuted_columns(table: pa.Table, keys: Sequence[str], ranks: int, buckets: 
 
     A counting sort done block by block: each block's rows are gathered (from a block small enough
     to stay in cache) into every partition's run, so each column is read and written once.  A
-    gather through ``bucket_order``'s indices instead reads the whole column once per partition
-    (20 partitions, 10M rows: 0.23 s per column against ~0.03 s)."""
+    gather through ``bucket_order``'s indices instead reads the whole column once per partition."""
     parts = ranks * buckets
     n = table.num_rows
     ids = _partition_ids(table, keys, parts)

@@ -3,14 +3,12 @@
 The order of ``n`` rows by an integer key whose range fits in ``64 - ceil(log2 n)``
 bits is one ``np.sort`` of packed ``(key - min) << bits | row`` words: numpy's
 vectorised (AVX-512/AVX2) sort, stable because the row number breaks ties, and
-it yields the sorted keys as well as the permutation.  Measured on this
-machine (one core, 10M rows, keys uniform on [0, 9e7)): packed sort 0.12 s CPU
-against 0.41 s for polars ``arg_sort``, 0.64 s for ``np.argsort`` and 2.0 s
-for ``pyarrow.compute.sort_indices``.
+it yields the sorted keys as well as the permutation.  It is the fastest of
+the sorts tried (polars ``arg_sort``, ``np.argsort``, ``pyarrow.compute.sort_indices``).
 
 Group-by of integer values (count/sum/mean/min/max) then reduces contiguous
-runs with ``np.add.reduceat`` & co.: 0.31 s CPU on the same 10M rows against
-0.95 s for DuckDB, 1.4 s for polars and 1.7 s for pyarrow (all one thread).
+runs with ``np.add.reduceat`` & co., faster than DuckDB, polars and pyarrow on
+one thread.  Figures: docs/benchmarks.md, "Integer keys".
 
 Every function returns ``None`` when its fast path does not apply; callers
 fall back to the general kernels, which give the same rows.

@@ -85,7 +85,18 @@ def _finish(comm: Any, table: pa.Table | None, schema: pa.Schema | None, what: s
 
 
 def read_parquet(comm: Any, paths: Paths, *, columns: Sequence[str] | None = None) -> "DTable":
-    """Parquet files (a path, a directory, a glob or a list) as a balanced distributed table."""
+    """Parquet files as one distributed table, balanced over the ranks of ``comm`` (collective).
+
+    Each rank reads only the row groups of its share (footers first), then rows are rebalanced
+    so every rank holds an equal, order-preserving share (file order, then row order).
+
+    :param comm: the communicator (in a stage: ``ctx.comm``).
+    :param paths: a file, a directory (its ``*.parquet``/``*.pq`` files, sorted), a glob, or a list of them.
+    :param columns: read only these columns.
+    :returns: a :class:`~hetflow.operators.DTable`.
+    :raises InputError: no file matches, or a listed file does not exist.
+    :raises SchemaMismatchError: the files' schemas cannot be unified.
+    """
     import pyarrow.parquet as pq
 
     files = _expand(paths, "parquet")
@@ -109,7 +120,13 @@ def read_parquet(comm: Any, paths: Paths, *, columns: Sequence[str] | None = Non
 
 
 def read_ipc(comm: Any, paths: Paths, *, columns: Sequence[str] | None = None) -> "DTable":
-    """Arrow IPC files (memory-mapped, zero-copy) as a balanced distributed table."""
+    """Arrow IPC files (memory-mapped, zero-copy) as one distributed table balanced over the ranks.
+
+    :param paths: a file, a directory (its ``*.arrow``/``*.ipc``/``*.feather`` files), a glob, or a list.
+    :param columns: keep only these columns.
+    :returns: a :class:`~hetflow.operators.DTable`.
+    :raises InputError: no file matches, or a listed file does not exist.
+    """
     files = _expand(paths, "ipc")
     readers = [pa.ipc.open_file(pa.memory_map(f, "r")) for f in files]
     units = [(i, b, r.get_batch(b).num_rows) for i, r in enumerate(readers) for b in range(r.num_record_batches)]
@@ -124,10 +141,18 @@ def read_ipc(comm: Any, paths: Paths, *, columns: Sequence[str] | None = None) -
 
 
 def read_csv(comm: Any, paths: Paths, *, schema: pa.Schema | None = None, **read_options: Any) -> "DTable":
-    """CSV files, split over the ranks by file size, then rebalanced by rows.
+    """CSV files as one distributed table: whole files split over the ranks by size, then rebalanced by rows.
 
     With ``schema`` every file is read with those column types; otherwise the
-    inferred types of all files are unified (int + double -> double).
+    inferred types of all files are unified (int + double -> double).  An empty
+    field is null.
+
+    :param paths: a file, a directory (its ``*.csv``/``*.csv.gz`` files), a glob, or a list.
+    :param schema: the column types to read with (``pyarrow.csv.ConvertOptions(column_types=...)``).
+    :param read_options: passed to ``pyarrow.csv.read_csv`` (``read_options=``, ``parse_options=``).
+    :returns: a :class:`~hetflow.operators.DTable`.
+    :raises InputError: no file matches, or a listed file does not exist.
+    :raises SchemaMismatchError: the files' inferred types cannot be unified.
     """
     import pyarrow.csv as pcsv
 

@@ -1,22 +1,13 @@
 """Local kernels (layer 1): pure functions on ``pa.Table``, no communicator.
 
-The engine per operator was chosen by measurement (one core, 10M rows of two
-int64 columns, ~90% unique keys; see benchmarks/operators.py):
+The engine per operator, chosen by measurement (docs/benchmarks.md, "Local kernels"):
 
-=============  ========  ========  ========  ==========
-operator       pyarrow   polars    DuckDB    numpy (intkeys)
-=============  ========  ========  ========  ==========
-inner join     3.7 s     1.9 s     0.7 s     1.1 s (sort-merge)  -> DuckDB (SQL null semantics for free)
-sort           2.0 s     0.4 s     0.8 s     0.12 s (packed sort) -> intkeys for one integer-like key
-                                                        without nulls, else polars arg-sort + Arrow take
-group-by sum   1.7 s     1.4 s     0.95 s    0.31 s (sort + reduceat) -> intkeys for one integer-like
-                                                        key and count/sum/mean/min/max of integers
-                                                        without nulls; else DuckDB for numeric
-                                                        count/sum/mean/min/max/std/var, pyarrow
-                                                        (ordered) for first/last/list/others
-=============  ========  ========  ========  ==========
-
-(CPU seconds; sort is the permutation only.)
+- join: DuckDB (fastest, and SQL null semantics for free);
+- sort: ``intkeys``' packed sort for one integer-like key without nulls, else
+  polars arg-sort + Arrow take;
+- group-by: ``intkeys`` for one integer-like key and count/sum/mean/min/max of
+  integers without nulls; else DuckDB for numeric count/sum/mean/min/max/std/var,
+  pyarrow (ordered) for first/last/list/others.
 
 All engines read the Arrow buffers without copying; results are cast to one
 schema (``join_schema``, ``aggregate_schema``: SQL's types, as DuckDB gives them),
@@ -44,7 +35,7 @@ from .typing import AGG_NAMES
 
 log = logging.getLogger(__name__)
 
-#: local DuckDB hash-join throughput on one core (0.73 s for 2 x 160 MB above); the join cost model's compute term
+#: local DuckDB hash-join throughput on one core (docs/benchmarks.md, "Local kernels"); the join cost model's compute term
 JOIN_SECONDS_PER_BYTE = 2.3e-9
 
 _local = threading.local()

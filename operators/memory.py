@@ -3,11 +3,9 @@
 numpy takes every array above 32 MiB from the kernel with ``mmap`` and gives it
 back with ``munmap`` when it is freed, so each such array is faulted in again on
 first touch.  Arrow's default pool (mimalloc or jemalloc) keeps freed memory
-and hands it out again.  Measured on this 2-core VM (160 MB written once, four
-times in a row, a pause between allocations): ``np.empty`` 18-500 ms (2 MiB huge
-page faults, slowest when the freed memory has gone back to the hypervisor),
-the Arrow mimalloc pool 31 ms the first time and 9-11 ms after (the write
-alone).  Operators therefore take their n-sized scratch and output arrays from
+and hands it out again, which is several times cheaper to write into than
+freshly faulted pages (figures: docs/benchmarks.md, "Scratch memory").
+Operators therefore take their n-sized scratch and output arrays from
 the pool through a small cache of buffers (``_take``); the array keeps its Arrow
 buffer alive (``ndarray.base``).
 """
@@ -73,8 +71,7 @@ def _take(nbytes: int) -> pa.Buffer:
     """A buffer of at least ``nbytes`` (at most 1/8 more) that nothing else references.
 
     Allocators give large blocks back to the kernel (numpy at once, mimalloc after 10 ms), and
-    faulting them in again costs more than using them (160 MB: 9-11 ms to write warm memory, 18-500
-    ms fresh).  So the buffers handed out are kept, and one whose arrays have all died (only this
+    faulting them in again costs more than using them (docs/benchmarks.md, "Scratch memory").  So the buffers handed out are kept, and one whose arrays have all died (only this
     cache refers to it) is handed out again.  On a miss the free ones are dropped first, so an
     operator's peak memory is what it would be without the cache; ``trim`` (called when an operator
     returns) keeps ``CACHE_FREE_BYTES`` of free ones for the next operator (default none: kept

@@ -105,7 +105,7 @@ def split_indices(ids: np.ndarray, n: int) -> list[np.ndarray]:
     """Row indices (ascending) of every id 0..n-1."""
     if n == 1:
         return [np.arange(ids.size, dtype=np.int64)]
-    if n <= 16:  # a few linear scans beat a sort (10M rows, 2 parts: 16 ms against 72 ms)
+    if n <= 16:  # a few linear scans beat a sort (docs/benchmarks.md, "Group-by estimate and splitters")
         return memory.indices_by_id(ids, n)
     counts = np.bincount(ids, minlength=n)
     order = np.argsort(ids, kind="stable")  # radix sort on small ints

@@ -24,10 +24,8 @@ from . import arrowtypes, kernels, memory
 
 SAMPLES_PER_RANK = 32
 #: at least this many samples in all for the integer-key splitters (``range_ids``): the share of a
-#: rank is off by about ``0.5 / sqrt(samples)``.  The 20M-row benchmark table at 2 ranks, share of
-#: the rows above the splitter: 128 samples 47.7%, 4096 52.7% (an unlucky draw; 1 sigma is 0.8%),
-#: 16384 51.0%, 131072 50.03%; with 32768 the range group-by's two ranks got 8,951,274 and
-#: 8,983,044 groups.  Sorting the 32768 gathered pairs (np.lexsort) takes about 2 ms
+#: rank is off by about ``0.5 / sqrt(samples)``, so 32768 keeps ranks within about 0.3% of an equal share
+#: for a negligible gather and sort (docs/benchmarks.md, "Group-by estimate and splitters")
 RANGE_SAMPLES = 1 << 15
 
 

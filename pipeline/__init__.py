@@ -1,13 +1,22 @@
 """hetflow: pilot-based heterogeneous workflows on Arrow data.
 
+A script declares a :class:`Pipeline` and its stages; each stage is a function
+called once per rank with a :class:`StageContext` and its input partitions, and
+returns ``{output name: pyarrow.Table}`` (this rank's partition)::
+
     import hetflow as hf
+
     pipe = hf.Pipeline("demo", pilot="local")
 
     @pipe.stage(ranks=2, outputs=["events"])
     def generate(ctx):
-        return {"events": table_for_this_rank}
+        return {"events": pa.table({"rank": [ctx.rank]})}
 
     run = pipe.run()
+
+``hetflow.operators`` (distributed dataframe operators) and ``hetflow.ml``
+(training and inference) are reachable as ``hf.operators`` and ``hf.ml``.
+The documentation (``docs/``) starts with the quickstart.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ __all__ = [
     "__version__", "Pipeline", "RunOptions", "run_options", "open_dataset", "RunStatus", "StageStatus",
     "run_status", "StageContext", "ResourceRequest", "PilotDescription", "load_pilot", "HetflowError",
     "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "PipelineError", "RunLocked", "TaskFailed",
-    "UnknownRun", "ml",
+    "UnknownRun", "ml", "operators",
 ]
 
 
@@ -45,11 +54,16 @@ _LAZY = {"Pipeline": "pipeline", "RunOptions": "pipeline", "run_options": "pipel
          "RunStatus": "status", "StageStatus": "status", "run_status": "status"}
 
 
+def __dir__() -> list[str]:
+    """The public names too, before their lazy import (``dir()``, tab completion)."""
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name == "ml":  # torch is heavy: import hetflow.ml only when asked for
-        return importlib.import_module("hetflow.ml")
+    if name in ("ml", "operators"):  # torch is heavy: import hetflow.ml only when asked for (operators alike)
+        return importlib.import_module(f"hetflow.{name}")
     if name in _LAZY:
         value = getattr(importlib.import_module(f"hetflow.{_LAZY[name]}"), name)
         globals()[name] = value

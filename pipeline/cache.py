@@ -1,7 +1,7 @@
 """Cache decisions: what a stage's key covers, where an intact committed output under it is, and why not.
 
 A stage's key covers what its result depends on that hetflow can see, and
-nothing else (README, "What the cache key covers"):
+nothing else (docs/caching.md):
 
 - its code: the stage function and the user code it reaches (helpers, classes,
   module-level values they name, local modules), not site-packages

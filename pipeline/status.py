@@ -43,6 +43,7 @@ class StageStatus:
     cache_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """This stage's record as JSON-ready values (what ``hetflow status --json`` prints per stage)."""
         return {"name": self.name, "state": self.state, "attempts": self.attempts,
                 "started": iso(self.started), "ended": iso(self.ended),
                 "slots": [s.to_json() for s in self.slots], "error": self.error,
@@ -67,31 +68,40 @@ class RunStatus:
 
     @property
     def ok(self) -> bool:
+        """Whether the run ended ``DONE``."""
         return self.state == "DONE"
 
     def stage(self, name: str) -> StageStatus:
+        """The record of stage ``name``; ``KeyError`` naming the run's stages when there is none."""
         for stage in self.stages:
             if stage.name == name:
                 return stage
         raise KeyError(f"run {self.id} has no stage {name!r} (stages: {[s.name for s in self.stages]})")
 
     def dataset(self, name: str) -> Dataset:
+        """The committed output ``name`` as a :class:`~hetflow.operators.dataset.Dataset`
+        (``.to_table()``, ``.partitions()``); ``KeyError`` if the run committed no such dataset."""
         if name not in self.datasets:
             raise KeyError(f"run {self.id} has no committed dataset {name!r} (datasets: {sorted(self.datasets)})")
         return Dataset(self.datasets[name])
 
     def raise_for_state(self) -> None:
+        """Raise :class:`~hetflow.TaskFailed` listing every stage that did not end DONE or CACHED,
+        unless the run is :attr:`ok`."""
         if not self.ok:
             failed = [f"{s.name}: {s.state}: {s.error}" for s in self.stages if s.state not in ("DONE", "CACHED")]
             raise TaskFailed(f"run {self.id} ended {self.state}:\n  " + "\n  ".join(failed))
 
     def to_json(self) -> dict[str, Any]:
+        """The run as JSON-ready values: what ``hetflow status --json`` prints."""
         return {"id": self.id, "pipeline": self.pipeline, "state": self.state, "created": iso(self.created),
                 "started": iso(self.started), "ended": iso(self.ended), "run_dir": self.run_dir,
                 "stages": [s.to_json() for s in self.stages], "datasets": dict(self.datasets)}
 
 
 def run_status(store: Store, run_id: str | None) -> RunStatus:
+    """The status of run ``run_id`` (a unique prefix will do; ``None``: the latest run) read from
+    ``store``; :class:`~hetflow.UnknownRun` when there is no such run."""
     run = store.find_run(run_id)
     if run is None:
         raise UnknownRun(f"no run {run_id!r} in {store.url}" if run_id else f"no runs yet in {store.url}")

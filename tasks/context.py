@@ -100,10 +100,12 @@ class StageContext:
 
     @property
     def rank(self) -> int:
+        """This rank's index in ``comm`` (0 .. ``size`` - 1)."""
         return int(self.comm.Get_rank())
 
     @property
     def size(self) -> int:
+        """The stage's rank count (``comm``'s size)."""
         return int(self.comm.Get_size())
 
     @property

@@ -157,6 +157,7 @@ class PilotDescription:
         return f"pilot {self.name!r}: {self.nodes} node(s) x {cores} usable cores x {gpus} GPUs"
 
     def to_mapping(self) -> dict[str, Any]:
+        """The description as plain values, the keys of a pilot config file (what ``hetflow pilot show`` prints)."""
         data = dataclasses.asdict(self)
         data["reserved_cores"] = list(self.reserved_cores)
         data["gpu_cores"] = [list(c) for c in self.gpu_cores]

@@ -141,12 +141,9 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
     first are chosen instead — a later but still valid start.  No nodes:
     nothing running frees enough.
 
-    The node budget bounds the cost of a walk on a fragmented pilot.  On the
-    saturating 10^6-task Frontier workload 256 tasks / 4,096 nodes placed
-    faster than 256 / 16,384 (6,781 vs 6,585 placements/s, same run, load
-    ~4) and not worse (cores 96.7% vs 96.4%, makespan 2,184 s vs 2,191 s):
-    an exact but late-found start allows no more backfill than the
-    emptied-first one.
+    The node budget bounds the cost of a walk on a fragmented pilot; a larger
+    budget placed no better (docs/benchmarks.md, "Scheduler"): an exact but
+    late-found start allows no more backfill than the emptied-first one.
     """
     ranks, cores, gpus, memory, per_node = task.shape
     if ranks <= per_node:

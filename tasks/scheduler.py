@@ -77,11 +77,9 @@ logger = logging.getLogger(__name__)
 # a queue: (group, rank class = bit length of ranks-1, cores_per_rank, gpus_per_rank, memory, per_node)
 _Key = tuple[str, int, int, int, int, int]
 _REFRESH_NODES = 64     # more nodes freed than this since the last pass: start with a fresh memo
-# A task spanning nodes uses only nodes with room for at least this fraction of an empty node's ranks.
-# Saturating 10^6 tasks on the Frontier model (compiled build, same machine and run): a task placed over
-# several nodes held 19.6 nodes on average against 191 with 0 (about 11 when packed), so a placement
-# costs far fewer node takes, gives and end-index updates: 12,191 against 7,239 placements/s, with
-# cores 96.6% / GPUs 95.7% busy against 96.7% / 95.9% and a makespan 0.1% longer.
+# A task spanning nodes uses only nodes with room for at least this fraction of an empty node's ranks:
+# a spanning task then holds far fewer nodes, so a placement costs far fewer node takes, gives and
+# end-index updates, for about the same utilisation (figures: docs/benchmarks.md, "Scheduler").
 SPAN_FRACTION = 0.25
 
 
@@ -100,7 +98,7 @@ class _Queue:
 
     Entries live in a heap, or in ``run``, a list sorted best-last that a big
     batch of submissions is settled into: popping a run costs nothing, while
-    popping a heap of 10^5 entries was 5% of a saturated Frontier simulation.
+    popping a large heap showed in saturated simulations (docs/benchmarks.md).
     """
 
     heap: list[_Entry] = field(default_factory=list)

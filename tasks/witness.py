@@ -2,13 +2,10 @@
 
 When one rank of a task dies without a result (the OOM killer's SIGKILL, a
 segfault, ``os._exit``), the launcher kills the other ranks at once, and what it
-reports afterwards is a race inside it.  MPICH 5.0.2's Hydra prints the first
-abnormal wait status *in rank order*, which is often a rank it killed itself:
-for a SIGKILL of rank 1 it named rank 0 in 8 of 300 two-rank runs and in 54 of
-200 three-rank runs here, and for ``os._exit(3)`` of rank 1 it reported rank 0,
-signal 9.  The kernel's order of the ranks' ends is no better witness: a pidfd
-of the dead rank became ready after that of a rank Hydra killed in between in
-23 of those 200 runs.
+reports afterwards is a race inside it.  MPICH's Hydra prints the first
+abnormal wait status *in rank order*, which is often a rank it killed itself,
+and reports ``os._exit(3)`` as signal 9; the kernel's order of the ranks' ends
+is no better witness (how often: docs/benchmarks.md, "The rank witness").
 
 So each rank runs as the child of a small *witness*, forked before anything
 heavy is imported and left in the same process group.  The witness keeps the

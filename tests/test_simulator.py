@@ -111,7 +111,7 @@ def test_workload_specs_are_validated_and_seeded() -> None:
 def test_spanning_tasks_use_few_nodes_on_a_saturated_pilot_without_idling_it() -> None:
     """The span fraction keeps MPI tasks on fewer nodes of a fragmented pilot than scattering freely
     (same workload, ~100 tasks per node so the pilot stays saturated), and the pilot stays as busy.
-    (Short runs pay for it in the tail: see the README's scheduler section.)"""
+    (Short runs pay for it in the tail: see docs/benchmarks.md, "Scheduler".)"""
     workload = generate("saturating", tasks=25000, seed=2)
     free = simulate(frontier(256), workload, span_fraction=0.0)
     kept = simulate(frontier(256), workload)
