@@ -18,10 +18,12 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 if TYPE_CHECKING:
     from .dtable import DTable, GroupBy
     from .io import read_csv, read_ipc, read_parquet
+    from .scan import Scan, scan_ipc
 
-__all__ = ["DTable", "GroupBy", "read_parquet", "read_csv", "read_ipc"]
+__all__ = ["DTable", "GroupBy", "Scan", "read_csv", "read_ipc", "read_parquet", "scan_ipc"]
 
-_LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io"}
+_LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io",
+         "Scan": "scan", "scan_ipc": "scan"}
 
 
 def __getattr__(name: str) -> Any:
