@@ -32,6 +32,7 @@ failure or interrupt (``spill.SpillDir``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -41,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import arrowtypes, kernels, partition, sorting, spill
 from . import comm as tc
@@ -52,21 +54,21 @@ from .errors import (
     OperatorError,
     UnsupportedAggregationError,
 )
-from .scan import Scan, Slice, plan_chunks, read_chunk, scan_ipc, slices_of
+from .scan import Scan, Slice, scan_ipc
 from .typing import JOIN_HOWS, NULL_PLACEMENTS, Aggregation, Keys, SortKey
 
 log = logging.getLogger(__name__)
 
 #: share of the budget read (and shuffled) per round
 CHUNK_FRACTION = 1 / 16
-#: share of the budget one join bucket (both sides) may hold: DuckDB's hash table and the output come on top
-JOIN_BUCKET_FRACTION = 1 / 6
+#: share of the budget one join bucket (both sides) may hold: DuckDB takes about 3.5x the bucket on top
+JOIN_BUCKET_FRACTION = 1 / 12
 #: share of the budget one group-by bucket may hold
-GROUP_BUCKET_FRACTION = 1 / 4
+GROUP_BUCKET_FRACTION = 1 / 8
 #: share of the budget one sorted run holds before it is written (it is sorted in memory once)
-RUN_FRACTION = 1 / 5
-#: share of the budget the merge holds (one slice of every run, plus the emitted window)
-MERGE_FRACTION = 1 / 8
+RUN_FRACTION = 1 / 8
+#: share of the budget the merge holds (one batch of every run of the expected number, plus the emitted window)
+MERGE_FRACTION = 1 / 16
 #: aggregations whose result depends on row order, which the bucketed path does not keep
 ORDER_DEPENDENT = frozenset({"first", "last", "list"})
 
@@ -94,6 +96,20 @@ def _chunk_rows(scan: Scan, budget: int) -> int:
     return max(1024, int(budget * CHUNK_FRACTION / scan.row_bytes))
 
 
+@contextlib.contextmanager
+def _duckdb_flush_threshold(nbytes: int) -> Iterator[None]:
+    """DuckDB (the join and group-by kernel) hands freed memory back above ``nbytes`` instead of its
+    default 128 MiB, for the duration of an out-of-core operator: its cache would count against a
+    budget of that order."""
+    con = kernels._duck()
+    old = con.execute("SELECT current_setting('allocator_flush_threshold')").fetchone()[0]
+    con.execute(f"SET allocator_flush_threshold = '{int(nbytes)}B'")
+    try:
+        yield
+    finally:
+        con.execute(f"SET allocator_flush_threshold = '{old}'")
+
+
 # --------------------------------------------------------------------------- grace hash partitioning
 def _partition(scan: Scan, keys: Sequence[str], buckets: int, directory: Path, name: str, budget: int,
                prepare: Callable[[pa.Table], pa.Table]) -> spill.Buckets:
@@ -115,6 +131,7 @@ def _partition(scan: Scan, keys: Sequence[str], buckets: int, directory: Path, n
             for bucket, piece in enumerate(partition.split_by_ids(table, ids, buckets)):
                 out.write(bucket, piece)
             del table, ids
+            spill.release()
     finally:
         out.close()
     return out
@@ -152,10 +169,19 @@ def _write_output(comm: Any, output: str | os.PathLike[str], schema: pa.Schema, 
     return out
 
 
-def _batches(table: pa.Table, rows: int) -> Iterator[pa.RecordBatch]:
-    for batch in table.to_batches(max_chunksize=max(1, rows)):
-        if batch.num_rows:
-            yield batch
+def _batches(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.RecordBatch]:
+    """``tables`` as record batches of about ``rows`` rows: small tables are gathered (few, large
+    batches keep the output's headers few), large ones cut."""
+    held: list[pa.Table] = []
+    count = 0
+    for table in tables:
+        held.append(table)
+        count += table.num_rows
+        if count >= rows:
+            yield from pa.concat_tables(held).combine_chunks().to_batches(max_chunksize=max(1, rows))
+            held, count = [], 0
+    if count:
+        yield from pa.concat_tables(held).combine_chunks().to_batches(max_chunksize=max(1, rows))
 
 
 # --------------------------------------------------------------------------- join
@@ -185,23 +211,23 @@ def join(left: Scan, right: Scan, keys: Keys, *, right_keys: Keys | None = None,
     total = sum(comm.allgather(left.local_bytes + right.local_bytes))
     buckets = bucket_count(total / comm.Get_size(), budget * JOIN_BUCKET_FRACTION)
     out_rows = _chunk_rows(left, budget)
-    with spill.SpillDir(spill_dir) as directory:
+    with spill.SpillDir(spill_dir) as directory, _duckdb_flush_threshold(budget // 16):
         lb = _partition(left, lk, buckets, directory, "left", budget, arrowtypes.to_kernel)
         rb = _partition(right, rk, buckets, directory, "right", budget, arrowtypes.to_kernel)
         spilled = sum(lb.bytes) + sum(rb.bytes)
 
-        def produce() -> Iterator[pa.RecordBatch]:
+        def produce() -> Iterator[pa.Table]:
             for b in range(buckets):
                 lt, rt = lb.read(b), rb.read(b)
                 if lt.num_rows or rt.num_rows:
                     joined = arrowtypes.restore(kernels.join(lt, rt, lk, rk, how, suffix), target)
                     del lt, rt
-                    yield from _batches(joined, out_rows)
+                    yield joined
                     del joined
                 spill.release()
 
         stats = {"operator": "join", "buckets": buckets, "spilled_bytes": spilled}
-        return _write_output(comm, output, target, produce(), f"join {how} on {lk}", stats)
+        return _write_output(comm, output, target, _batches(produce(), out_rows), f"join {how} on {lk}", stats)
 
 
 # --------------------------------------------------------------------------- group-by
@@ -245,21 +271,21 @@ def group_aggregate(scan: Scan, keys: list[str], aggs: list[tuple[str, str]], *,
     def prepare(t: pa.Table) -> pa.Table:
         return partition.canonical_floats(arrowtypes.to_kernel(t), keys)  # -0.0 and 0.0 are one group
 
-    with spill.SpillDir(spill_dir) as directory:
+    with spill.SpillDir(spill_dir) as directory, _duckdb_flush_threshold(budget // 16):
         parts = _partition(work, keys, buckets, directory, "rows", budget, prepare)
 
-        def produce() -> Iterator[pa.RecordBatch]:
+        def produce() -> Iterator[pa.Table]:
             for b in range(buckets):
                 rows = parts.read(b)
                 if rows.num_rows:
                     res = arrowtypes.restore(kernels.group_aggregate(rows, keys, aggs, consume=True, schema=plain), target)
                     del rows
-                    yield from _batches(res, out_rows)
+                    yield res
                     del res
                 spill.release()
 
         stats = {"operator": "group_by", "buckets": buckets, "spilled_bytes": sum(parts.bytes)}
-        return _write_output(comm, output, target, produce(), f"group_by {keys}", stats)
+        return _write_output(comm, output, target, _batches(produce(), out_rows), f"group_by {keys}", stats)
 
 
 # --------------------------------------------------------------------------- sort
@@ -287,8 +313,15 @@ def _splitters(scan: Scan, chunks: list[list[Slice]], by: list[tuple[str, str]],
 
 
 def _upper_bound(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str, key: Sequence[Any]) -> int:
-    """Rows of the sorted ``table`` ordered at or before ``key``."""
+    """Rows of the sorted ``table`` ordered at or before ``key`` (a binary search of Python values; one
+    integer-like key without nulls is searched in numpy)."""
     names = [c for c, _ in by]
+    if len(by) == 1 and key[0] is not None and table.column(names[0]).null_count == 0:
+        values = sorting._numeric_key(table, names[0])
+        if values is not None:
+            if by[0][1] == "ascending":
+                return int(np.searchsorted(values, key[0], side="right"))
+            return int(values.size - np.searchsorted(values[::-1], key[0], side="left"))
     lo, hi = 0, table.num_rows
     while lo < hi:
         mid = (lo + hi) // 2
@@ -299,27 +332,41 @@ def _upper_bound(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str, key
     return lo
 
 
-def _merge(runs: list[list[Slice]], schema: pa.Schema, by: list[tuple[str, str]], nulls: str, window_rows: int,
-           out_rows: int) -> Iterator[pa.Table]:
-    """The sorted runs merged, a window at a time: one slice of about ``window_rows / len(runs)`` rows
-    of every run is held; the window ends at the smallest last key among them, so every row up to it
-    (from every run) is final."""
+def _sort(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> pa.Table:
+    """``table`` sorted (ties in no particular order) by kernels whose scratch is handed back when freed
+    (numpy's for one integer-like key without nulls: a stable sort that merges presorted runs, as the merge
+    window is made of; else Arrow's, whose pool ``spill.release`` empties).  The in-memory kernels'
+    (polars, the packed radix sort) stays resident in their allocators and would count against the budget."""
+    if table.num_rows <= 1:
+        return table
+    values = None
+    if len(by) == 1 and table.column(by[0][0]).null_count == 0:
+        values = sorting._numeric_key(table, by[0][0])
+    if values is not None:
+        if by[0][1] == "ascending":
+            order = np.argsort(values, kind="stable")
+        else:
+            order = (values.size - 1 - np.argsort(values[::-1], kind="stable"))[::-1]
+        return arrowtypes.take(table, pa.array(order))
+    order = pc.sort_indices(table.select([c for c, _ in by]), sort_keys=[(c, o, nulls) for c, o in by])
+    return arrowtypes.take(table, order)
+
+
+def _merge(runs: list[Iterator[pa.Table]], by: list[tuple[str, str]], nulls: str) -> Iterator[pa.Table]:
+    """The sorted runs (each an iterator of its batches) merged, a window at a time: one batch of every
+    run is held; the window ends at the smallest last key among them, so every row up to it (from every
+    run) is final."""
     names = [c for c, _ in by]
-    per_run = max(256, window_rows // max(1, len(runs)))
-    pending = [plan_chunks(r, per_run) for r in runs]
-    current: list[pa.Table | None] = []
-    for chunks in pending:
-        current.append(read_chunk(chunks.pop(0), schema) if chunks else None)
+    current: list[pa.Table | None] = [next(r, None) for r in runs]
     while True:
         live = [i for i, t in enumerate(current) if t is not None]
         if not live:
             return
         if len(live) == 1:  # the last run: no comparisons left to make
-            i = live[0]
-            t = current[i]
+            t = current[live[0]]
             while t is not None:
                 yield t
-                t = read_chunk(pending[i].pop(0), schema) if pending[i] else None
+                t = next(runs[live[0]], None)
             return
         bound: list[Any] | None = None
         for i in live:
@@ -336,12 +383,14 @@ def _merge(runs: list[list[Slice]], schema: pa.Schema, by: list[tuple[str, str]]
             n = _upper_bound(t, by, nulls, bound)
             if n:
                 pieces.append(t.slice(0, n))
-            rest = t.slice(n)
-            while rest.num_rows == 0 and pending[i]:
-                rest = read_chunk(pending[i].pop(0), schema)
-            current[i] = rest if rest.num_rows else None
+            rest: pa.Table | None = t.slice(n)
+            while rest is not None and rest.num_rows == 0:
+                rest = next(runs[i], None)
+            current[i] = rest
         if pieces:
-            yield kernels.sort(pa.concat_tables(pieces), by, nulls)
+            yield _sort(pa.concat_tables(pieces), by, nulls)
+        del pieces
+        spill.release()
 
 
 def sort_by(scan: Scan, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "at_end",
@@ -367,20 +416,22 @@ def sort_by(scan: Scan, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "
     run_bytes = budget * RUN_FRACTION
     with spill.SpillDir(spill_dir) as directory:
         spl = _splitters(scan, chunks, by, nulls, prepare)
-        runs: list[list[Slice]] = []
+        runs: list[Path] = []
+        expected_runs = max(1, math.ceil(sum(comm.allgather(scan.local_bytes)) / p / run_bytes))
+        run_batch_rows = max(256, int(budget * MERGE_FRACTION / scan.row_bytes / expected_runs))
         held: list[pa.Table] = []
         held_bytes = 0
         spilled = 0
-        kernel_schema = prepare(scan.schema.empty_table()).schema
 
         def flush() -> None:
             nonlocal held, held_bytes, spilled
             if not held:
                 return
-            run = kernels.sort(pa.concat_tables(held), by, nulls)
+            run = _sort(pa.concat_tables(held).combine_chunks(), by, nulls)
             held, held_bytes = [], 0
             path = directory / f"run-{len(runs):05d}.arrow"
-            runs.append(slices_of(str(path), spill.write_run(path, run)))
+            spill.write_run(path, run, run_batch_rows)
+            runs.append(path)
             spilled += int(run.nbytes)
             del run
             spill.release()
@@ -388,7 +439,7 @@ def sort_by(scan: Scan, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "
         for i in range(_max(comm, len(chunks))):
             table = prepare(scan.read(chunks[i]) if i < len(chunks) else scan.schema.empty_table())
             if p > 1:
-                table = kernels.sort(table, by, nulls)
+                table = _sort(table, by, nulls)
                 bounds = [0] + [sorting.lower_bound(table, by, nulls, key, None, rank, None) for key in spl]
                 bounds = list(np.maximum.accumulate(bounds + [table.num_rows]))
                 parts = [table.slice(bounds[j], bounds[j + 1] - bounds[j]) for j in range(p)]
@@ -403,13 +454,13 @@ def sort_by(scan: Scan, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "
             del received
             if held_bytes >= run_bytes:
                 flush()
+            spill.release()
         flush()
-        window = max(1024, int(budget * MERGE_FRACTION / scan.row_bytes))
         out_rows = _chunk_rows(scan, budget)
 
-        def produce() -> Iterator[pa.RecordBatch]:
-            for piece in _merge(runs, kernel_schema, by, nulls, window, out_rows):
-                yield from _batches(arrowtypes.restore(piece, target), out_rows)
+        def produce() -> Iterator[pa.Table]:
+            for piece in _merge([spill.read_run(r) for r in runs], by, nulls):
+                yield arrowtypes.restore(piece, target)
 
         stats = {"operator": "sort", "runs": len(runs), "spilled_bytes": spilled}
-        return _write_output(comm, output, target, produce(), f"sort_by {by}", stats)
+        return _write_output(comm, output, target, _batches(produce(), out_rows), f"sort_by {by}", stats)

@@ -163,6 +163,24 @@ class Scan:
         return ScanGroupBy(self, [keys] if isinstance(keys, str) else list(keys))
 
 
+#: record batches whose row counts are read through one memory map (each read maps the pages around the
+#: batch's header, and they stay mapped until the map is closed)
+_COUNT_GROUP = 32
+
+
+def batch_lengths(path: str) -> tuple[pa.Schema, list[int]]:
+    """The schema and the row count of every record batch of the IPC file ``path`` (headers only)."""
+    lengths: list[int] = []
+    with pa.memory_map(path, "r") as source:
+        reader = pa.ipc.open_file(source)
+        schema, count = reader.schema, reader.num_record_batches
+    for start in range(0, count, _COUNT_GROUP):
+        with pa.memory_map(path, "r") as source:
+            reader = pa.ipc.open_file(source)
+            lengths += [reader.get_batch(b).num_rows for b in range(start, min(count, start + _COUNT_GROUP))]
+    return schema, lengths
+
+
 def scan_ipc(comm: Any, paths: Any, *, columns: Sequence[str] | None = None) -> Scan:
     """Arrow IPC files (a path, directory, glob, list, or a hetflow dataset directory) as a ``Scan``:
     footers are read, rows are not (collective: every rank lists the same files)."""
@@ -174,10 +192,7 @@ def scan_ipc(comm: Any, paths: Any, *, columns: Sequence[str] | None = None) -> 
     total_bytes = 0
     for f in files:
         try:
-            with pa.memory_map(f, "r") as source:
-                reader = pa.ipc.open_file(source)
-                lengths = [reader.get_batch(b).num_rows for b in range(reader.num_record_batches)]
-                file_schema = reader.schema
+            file_schema, lengths = batch_lengths(f)
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(f"scan_ipc: {f!r} is not a readable Arrow IPC file: {exc}") from exc
         if schema is None:

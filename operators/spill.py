@@ -24,7 +24,7 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -155,15 +155,20 @@ def read_slice(path: str, batch: int, offset: int, length: int, columns: Sequenc
     return out
 
 
-def write_run(path: Path, table: pa.Table) -> list[int]:
-    """One sorted run as an IPC file; returns its record batches' row counts (for ``read_slice``)."""
-    lengths = []
+def write_run(path: Path, table: pa.Table, batch_rows: int) -> None:
+    """One sorted run as an IPC file of record batches of at most ``batch_rows`` rows (``read_run``)."""
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        for batch in table.to_batches():
+        writer.write_table(table, max_chunksize=max(1, batch_rows))
+
+
+def read_run(path: Path) -> Iterator[pa.Table]:
+    """The record batches of a run, one at a time, each read (not mapped) when asked for."""
+    with pa.OSFile(str(path), "rb") as source:
+        reader = pa.ipc.open_file(source)
+        for b in range(reader.num_record_batches):
+            batch = reader.get_batch(b)
             if batch.num_rows:
-                writer.write_batch(batch)
-                lengths.append(batch.num_rows)
-    return lengths
+                yield pa.Table.from_batches([batch])
 
 
 def release() -> None:
