@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         UnsupportedTypeError,
     )
     from .io import read_csv, read_ipc, read_parquet
+    from .scan import Scan, scan_ipc
 
 __all__ = [
     "AggregateOverflowError",
@@ -39,16 +40,18 @@ __all__ = [
     "InvalidOptionError",
     "KeyTypeMismatchError",
     "OperatorError",
+    "Scan",
     "SchemaMismatchError",
     "UnsupportedAggregationError",
     "UnsupportedTypeError",
     "read_csv",
     "read_ipc",
     "read_parquet",
+    "scan_ipc",
 ]
 
 _LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io",
-         **{name: "errors" for name in __all__ if name.endswith("Error")}}
+         "Scan": "scan", "scan_ipc": "scan", **{name: "errors" for name in __all__ if name.endswith("Error")}}
 
 
 def __dir__() -> list[str]:
