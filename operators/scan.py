@@ -109,6 +109,7 @@ class Scan:
 
     @property
     def local_num_rows(self) -> int:
+        """Rows in this rank's share of the files."""
         return sum(s.length for s in self.slices)
 
     @property
@@ -117,6 +118,7 @@ class Scan:
         return int(self.row_bytes * self.local_num_rows)
 
     def chunks(self, rows: int) -> list[list[Slice]]:
+        """This rank's share cut into chunks of at most ``rows`` rows (each a list of file slices to :meth:`read`)."""
         return plan_chunks(self.slices, max(1, rows))
 
     def read(self, chunk: Sequence[Slice], columns: Sequence[str] | None = None) -> pa.Table:
@@ -145,6 +147,11 @@ class Scan:
     def join(self, right: Scan, keys: Keys, *, right_keys: Keys | None = None, how: str = "inner",
              suffix: str = "_right", output: str | os.PathLike[str], memory_budget: int,
              spill_dir: str | os.PathLike[str] | None = None) -> Scan:
+        """Join with ``right`` out of core (grace hash buckets spilled under ``spill_dir``) into the dataset ``output``.
+
+        ``how`` and ``suffix`` as :meth:`DTable.join`; ``memory_budget`` bounds each rank's working memory
+        (bytes above the process's baseline).  Returns a :class:`Scan` of the written dataset.
+        """
         from .outofcore import join
 
         return join(self, right, keys, right_keys=right_keys, how=how, suffix=suffix, output=output,
@@ -153,11 +160,19 @@ class Scan:
     def sort_by(self, sorting: SortKey | Sequence[SortKey], *, nulls: str = "at_end",
                 output: str | os.PathLike[str], memory_budget: int,
                 spill_dir: str | os.PathLike[str] | None = None) -> Scan:
+        """Sort out of core (sorted runs spilled under ``spill_dir``, then a k-way merge) into the dataset ``output``.
+
+        Its partitions in rank order are the sorted table.  Returns a :class:`Scan` of it.
+        """
         from .outofcore import sort_by
 
         return sort_by(self, sorting, nulls=nulls, output=output, memory_budget=memory_budget, spill_dir=spill_dir)
 
     def group_by(self, keys: Keys) -> ScanGroupBy:
+        """Group by ``keys``; ``.aggregate([(column, agg), ...], output=..., memory_budget=...)`` runs it out of core.
+
+        Output columns are named ``<column>_<agg>`` as for :meth:`DTable.group_by`.
+        """
         from .outofcore import ScanGroupBy
 
         return ScanGroupBy(self, [keys] if isinstance(keys, str) else list(keys))
