@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="output HTML path (default: <run dir>/report.html)")
     _store_args(report)
 
+    serve = sub.add_parser("serve", help="serve a web page of a run's status and timeline (refreshing while it runs)")
+    serve.add_argument("run", nargs="?", help="run id (or a unique prefix; default: the latest run, at each request)")
+    serve.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free one)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; the page has no login)")
+    _store_args(serve)
+
     sub.add_parser("simulate", help="drive the scheduler with simulated time (see hetflow simulate --help)",
                    add_help=False)
     return parser
@@ -285,6 +292,32 @@ def _logs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import make_server
+
+    store = _open_store(args)
+    run_id = None
+    if args.run is not None:
+        record = store.find_run(args.run)
+        if record is None:
+            raise UsageError(f"no run {args.run!r} in {store.url}")
+        run_id = record.id
+    try:
+        server = make_server(store, run_id, host=args.host, port=args.port)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    host, port = server.server_address[:2]
+    print(f"serving {'run ' + run_id if run_id else 'the latest run'} at http://{host}:{port}/ (Ctrl-C to stop)",
+          flush=True)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return EXIT_OK
+
+
 def _runs(args: argparse.Namespace) -> int:
     store = _open_store(args)
     for run in store.runs():
@@ -366,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _runs(args)
         if args.command == "logs":
             return _logs(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "pilots":
             from hetflow.tasks.pilot import config_names, load_pilot
 

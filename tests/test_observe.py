@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -49,7 +52,7 @@ TWO_RANKS = textwrap.dedent('''
 
 
 def hetflow(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*HETFLOW, *args], cwd=cwd, capture_output=True, text=True, timeout=240,
+    return subprocess.run([*HETFLOW, *args], check=False, cwd=cwd, capture_output=True, text=True, timeout=240,
                           env=env or dict(os.environ))
 
 
@@ -228,3 +231,65 @@ def test_progress_text_takes_the_slowest_rank_and_rank_0_metrics() -> None:
     assert progress_text(reports) == "batch 4/10 40% loss=0.1235"
     assert progress_text({}) == ""
     assert progress_text({2: {"done": 12.0, "total": None, "unit": "", "metrics": {}}}) == "12"
+
+
+def test_serve_shows_a_running_run_and_refreshes_until_it_ends_in_chromium(tmp_path: Path) -> None:
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (scripts/system-deps.sh installs it)")
+    path = script(tmp_path)
+    run = subprocess.Popen([*HETFLOW, "run", str(path), "--workdir", "w", "--param", "lines=14", "--param",
+                            "pause=0.5"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    serve = None
+    try:
+        assert run.stderr is not None
+        started = run.stderr.readline()
+        rid = started.split("run ", 1)[1].split()[0]
+        serve = subprocess.Popen([*HETFLOW, "serve", rid[:10], "--port", "0", "--workdir", "w"], cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert serve.stdout is not None
+        line = serve.stdout.readline()
+        url = line.split(" at ", 1)[1].split()[0]
+        assert url.startswith("http://127.0.0.1:"), line
+        with urllib.request.urlopen(url + "api/status", timeout=30) as answer:
+            assert json.loads(answer.read())["state"] == "RUNNING"       # the page is opened mid-run
+        argv = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=120000", "--dump-dom", url]
+        dom = subprocess.run(argv, capture_output=True, text=True, timeout=200, check=True).stdout
+        assert run.wait(timeout=60) == 0
+    finally:
+        run.kill()
+        if serve is not None:
+            serve.send_signal(signal.SIGINT)
+            serve.wait(timeout=30)
+    assert serve.returncode == 0
+    # the page saw the run RUNNING, kept refreshing, and ended showing it DONE with both stages
+    assert 'data-state="DONE"' in dom and 'data-seen="RUNNING DONE"' in dom, dom[:2000]
+    assert f"hetflow run {rid}: DONE" in dom
+    rows = re.findall(r'<tr data-stage="([^"]+)">(.*?)</tr>', dom, re.DOTALL)
+    assert [name for name, _ in rows] == ["talk", "after"]
+    assert all('class="state DONE"' in body for _, body in rows)
+    assert f"/w/runs/{rid}/stages/talk/attempt-1" in rows[0][1]          # where the logs are
+
+
+def test_serve_binds_this_machine_only_and_names_bad_requests(tmp_path: Path) -> None:
+    done = hetflow("run", str(script(tmp_path)), "--workdir", "w", "--param", "lines=1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    serve = subprocess.Popen([*HETFLOW, "serve", "--port", "0", "--workdir", "w"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout is not None
+        url = serve.stdout.readline().split(" at ", 1)[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(url + "timeline", timeout=30) as answer:
+            page = answer.read().decode()
+        assert "talk" in page and 'id="gantt"' in page
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(url + "../etc/passwd", timeout=30)
+        assert missing.value.code == 404
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=30)
