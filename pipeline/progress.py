@@ -16,6 +16,7 @@ it comes, labelled ``[stage rank r]`` (see :mod:`hetflow.logs`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -90,8 +91,12 @@ def last_line(files: AttemptFiles, limit: int = 2048) -> str:
         except OSError:
             continue
         if lines and (best is None or mtime >= best[0]):
-            best = (mtime, lines[-1].strip())
+            best = (mtime, _LOG_PREFIX.sub("", lines[-1].strip()))
     return best[1] if best else ""
+
+
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:,.]+\s+(\[[^\]]* rank \d+/\d+\]\s+)?")
+"""The time and ``[stage rank r/n]`` that ``ctx.log`` puts before a message: the row says both already."""
 
 
 def slot_text(slots: Sequence[Any]) -> str:
