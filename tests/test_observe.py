@@ -178,8 +178,11 @@ def test_ctrl_c_prints_the_summary_with_the_exact_resume_command(tmp_path: Path)
     proc = subprocess.Popen([*HETFLOW, "run", str(path), "--workdir", "w", "--param", "lines=60", "--param",
                              "pause=0.5"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
-    while "talk RUNNING" not in proc.stderr.readline():
-        pass
+    seen = ""
+    while "talk RUNNING" not in seen:   # the plain progress line says the stage runs
+        line = proc.stderr.readline()
+        assert line, f"the run ended or said nothing before its stage ran: {seen}"
+        seen += line
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
