@@ -26,6 +26,7 @@ from typing import Any, Literal, TextIO
 
 from hetflow.tasks.protocol import AttemptFiles
 
+from .errors import PipelineError
 from .logs import AttemptLogs, LogTail
 
 PLAIN_INTERVAL_ENV = "HETFLOW_PROGRESS_INTERVAL"
@@ -119,6 +120,19 @@ def elapsed_text(seconds: float | None) -> str:
     return f"{minutes}m{sec:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
 
 
+def plain_interval(text: str | None) -> float:
+    """``$HETFLOW_PROGRESS_INTERVAL`` as seconds (default :data:`PLAIN_INTERVAL`); anything else is refused."""
+    if not text:
+        return PLAIN_INTERVAL
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise PipelineError(f"{PLAIN_INTERVAL_ENV}={text!r} is not a number of seconds above 0")
+    return seconds
+
+
 def choose_mode(requested: bool | None, stream: TextIO) -> Mode:
     """``False``: off; otherwise a live table on a terminal and plain lines elsewhere."""
     if requested is False:
@@ -133,7 +147,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.mode: Mode = choose_mode(enabled, self.stream)
         self.stream_logs = stream_logs
-        self.interval = float(os.environ.get(PLAIN_INTERVAL_ENV) or PLAIN_INTERVAL)
+        self.interval = plain_interval(os.environ.get(PLAIN_INTERVAL_ENV))
         self._live: Any = None
         self._console: Any = None
         self._started = time.time()

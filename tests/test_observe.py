@@ -296,3 +296,10 @@ def test_serve_binds_this_machine_only_and_names_bad_requests(tmp_path: Path) ->
     finally:
         serve.send_signal(signal.SIGINT)
         serve.wait(timeout=30)
+
+
+def test_a_bad_progress_interval_is_one_clear_line(tmp_path: Path) -> None:
+    env = dict(os.environ, HETFLOW_PROGRESS_INTERVAL="soon")
+    done = hetflow("run", str(script(tmp_path)), "--workdir", "w", cwd=tmp_path, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "hetflow: error: HETFLOW_PROGRESS_INTERVAL='soon' is not a number of seconds above 0"
