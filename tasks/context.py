@@ -129,7 +129,9 @@ class StageContext:
         ``progress-<rank>.json`` in the attempt directory, replaced atomically (no
         database write): calling it often is cheap, and reports closer than 0.1 s
         apart are dropped except the last unit (``done == total``).  Metric values
-        are stored as numbers when they convert to ``float``, else as text.
+        are stored as numbers when they convert to ``float``, else as text.  A report
+        that cannot be written (a full disk) is skipped with one warning: the display
+        misses it, the stage goes on.
         """
         now = time.time()
         last = getattr(self, "_progress_written", 0.0)
@@ -146,11 +148,16 @@ class StageContext:
                 values[key] = str(value)
         path = AttemptFiles(self.workdir).progress(self.rank)
         temp = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"done": float(done), "total": None if total is None else float(total), "unit": unit,
-                       "metrics": values, "time": now}, fh)
-        os.replace(temp, path)
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"done": float(done), "total": None if total is None else float(total), "unit": unit,
+                           "metrics": values, "time": now}, fh)
+            os.replace(temp, path)
+        except OSError as exc:  # only the display misses it: a full disk or a context without a directory
+            if not getattr(self, "_progress_failed", False):  # must not end a stage that is otherwise fine
+                object.__setattr__(self, "_progress_failed", True)
+                self.log.warning("progress not recorded (%s: %s); the stage goes on", path, exc.strerror or exc)
 
     def dtable(self, table: Any) -> Any:
         """Wrap this rank's partition as a distributed table over ``comm``."""

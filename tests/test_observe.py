@@ -303,3 +303,29 @@ def test_a_bad_progress_interval_is_one_clear_line(tmp_path: Path) -> None:
     done = hetflow("run", str(script(tmp_path)), "--workdir", "w", cwd=tmp_path, env=env)
     assert done.returncode == 2
     assert done.stderr.strip() == "hetflow: error: HETFLOW_PROGRESS_INTERVAL='soon' is not a number of seconds above 0"
+
+
+def test_ctx_progress_writes_one_small_file_and_never_fails_the_stage(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from hetflow.tasks.context import StageContext
+    from hetflow.tasks.protocol import AttemptFiles
+
+    comm = SimpleNamespace(Get_rank=lambda: 1, Get_size=lambda: 2)  # only its rank is read
+    ctx = StageContext(comm=comm, stage="s", run_id="r", attempt=1, params={}, workdir=tmp_path,
+                       checkpoint_dir=tmp_path)
+    ctx.progress(1, 4, unit="file", loss=0.5, note="warm")
+    ctx.progress(2, 4)                      # within 0.1 s of the last: dropped
+    assert AttemptFiles(tmp_path).read_progress() == {1: {"done": 1.0, "total": 4.0, "unit": "file", "metrics":
+                                                          {"loss": 0.5, "note": "warm"},
+                                                          "time": pytest.approx(time.time(), abs=60)}}
+    ctx.progress(4, 4)                      # the last unit always lands
+    assert AttemptFiles(tmp_path).read_progress()[1]["done"] == 4.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["progress-1.json"]
+    gone = StageContext(comm=comm, stage="s", run_id="r", attempt=1, params={}, workdir=tmp_path / "missing",
+                        checkpoint_dir=tmp_path)
+    with caplog.at_level("WARNING", logger="hetflow.stage"):
+        gone.progress(1, 2)
+        gone.progress(2, 2)
+    assert len([r for r in caplog.records if "progress not recorded" in r.getMessage()]) == 1
