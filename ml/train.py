@@ -228,6 +228,10 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
             }
             history.append(record)
             ctx.log.info("epoch %d: %s", epoch, {k: round(v, 6) for k, v in record.items()})
+            report = getattr(ctx, "progress", None)  # the live view's epoch and loss (a plain ctx has none)
+            if callable(report):
+                report(epoch + 1, epochs, unit="epoch", loss=record["train_loss"],
+                       **{k: record[k] for k in ("val_loss",) if k in record})
             partial = [0.0, 0.0, 0.0]
             checkpoint(epoch + 1, 0)
             if on_epoch_end is not None:

@@ -48,7 +48,9 @@ def _store_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetflow", description="Pilot-based heterogeneous workflows on Arrow data.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-vv for debug); with run/resume, stream every stage's output live, "
+                             "each line labelled with its stage and rank")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run a pipeline script")
@@ -81,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     datasets.add_argument("--json", action="store_true")
     _store_args(datasets)
 
+    logs = sub.add_parser("logs", help="show what the ranks of a run printed, each line labelled with its rank")
+    logs.add_argument("run", help="run id (or a unique prefix)")
+    logs.add_argument("stage", nargs="?", help="only this stage (default: every stage)")
+    logs.add_argument("--rank", type=int, metavar="N", help="only rank N's output (no launcher lines)")
+    logs.add_argument("--attempt", type=int, metavar="K", help="attempt K of STAGE (default: its latest)")
+    logs.add_argument("--follow", "-f", action="store_true",
+                      help="keep printing new output (of new attempts too) until the run ends")
+    _store_args(logs)
+
     runs = sub.add_parser("runs", help="list runs")
     _store_args(runs)
 
@@ -100,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="output HTML path (default: <run dir>/report.html)")
     _store_args(report)
 
+    serve = sub.add_parser("serve", help="serve a web page of a run's status and timeline (refreshing while it runs)")
+    serve.add_argument("run", nargs="?", help="run id (or a unique prefix; default: the latest run, at each request)")
+    serve.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free one)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; the page has no login)")
+    _store_args(serve)
+
     sub.add_parser("simulate", help="drive the scheduler with simulated time (see hetflow simulate --help)",
                    add_help=False)
     return parser
@@ -117,7 +135,7 @@ def _open_store(args: argparse.Namespace) -> Store:
     return Store.for_workdir(workdir, args.db)
 
 
-def _run_script(script: str, options: RunOptions) -> int:
+def _run_script(script: str, options: RunOptions, args: argparse.Namespace | None = None) -> int:
     path = Path(script)
     if not path.is_file():
         raise UsageError(f"pipeline script {script!r} does not exist")
@@ -139,23 +157,44 @@ def _run_script(script: str, options: RunOptions) -> int:
     finally:
         sys.argv, sys.path = saved_argv, saved_path
     for status in runs:
-        _print_summary(status)
+        _print_summary(status, args)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
 
 
-def _print_summary(status: RunStatus) -> None:
-    print(f"run {status.id}: {status.state}  ({status.run_dir})")
+def resume_command(run_id: str, args: argparse.Namespace | None, verb: str = "resume") -> str:
+    """The exact command that resumes ``run_id`` (or runs another ``verb`` on it) from where this one was
+    typed: the same work directory and store."""
+    parts = ["hetflow", verb, run_id]
+    if args is not None and getattr(args, "workdir", None):
+        parts += ["--workdir", args.workdir]
+    if args is not None and getattr(args, "db", None):
+        parts += ["--db", args.db]
+    import shlex
+
+    return shlex.join(parts)
+
+
+def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) -> None:
+    """The end of a run: each stage's state, duration and log directory; the resume command unless DONE."""
+    from .progress import elapsed_text
+
+    total = (status.ended or 0.0) - (status.started or status.created) if status.ended else None
+    print(f"run {status.id}: {status.state}" + (f" in {elapsed_text(total)}" if total is not None else "")
+          + f"  ({status.run_dir})")
     for stage in status.stages:
-        line = f"  {stage.name:<20} {stage.state:<10} attempts={stage.attempts}"
+        seconds = elapsed_text(stage.ended - stage.started) if stage.started and stage.ended else "-"
+        line = f"  {stage.name:<20} {stage.state:<10} {seconds:>8}  attempts={stage.attempts}"
         if stage.error and stage.state not in ("DONE", "CACHED"):
             line += f"  {stage.error.splitlines()[0]}"
         elif stage.cache_reason:
             line += f"  ({stage.cache_reason})"
         print(line)
+        if stage.log_dir:
+            print(f"  {'':<20} logs: {stage.log_dir}")
     if not status.ok:
-        from .errors import resume_hint
-
-        print(f"  {resume_hint(status.id)} (after fixing the cause; finished stages are not run again)")
+        print(f"  resume with: {resume_command(status.id, args)}  (after fixing the cause; finished stages "
+              f"are not run again)")
+    print(f"  output of every rank: {resume_command(status.id, args, 'logs')}")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -178,6 +217,10 @@ def _status(args: argparse.Namespace) -> int:
             table.add_row(stage.name, stage.state, str(stage.attempts), iso(stage.started) or "", seconds, slots)
         console = Console()
         console.print(table)
+        for stage in status.stages:
+            if stage.log_dir:
+                console.print(f"{stage.name}: logs: {stage.log_dir}/rank-*.log (launcher: stdout.log, stderr.log)",
+                              markup=False, highlight=False, soft_wrap=True)
         for stage in status.stages:
             if stage.cache_reason:
                 console.print(f"{stage.name}: {'reused' if stage.cache_hit else 'ran'}: {stage.cache_reason}",
@@ -218,6 +261,63 @@ def _datasets(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _logs(args: argparse.Namespace) -> int:
+    from .logs import LogsError, follow, labelled, run_logs
+
+    store = _open_store(args)
+    run, attempts = run_logs(store, args.run, args.stage, args.attempt)
+    if args.rank is not None and not args.follow:
+        ranks = sorted({r for a in attempts for r in a.files.rank_logs()})
+        if args.rank not in ranks:
+            raise LogsError(f"run {run.id}: no output of rank {args.rank}"
+                            + (f" in stage {args.stage!r}" if args.stage else "") + f" (ranks with output: {ranks})")
+    out = sys.stdout
+    if args.follow:
+        if args.attempt is not None:
+            raise LogsError("--follow shows every attempt as it comes; leave out --attempt")
+
+        def emit(line: str) -> None:
+            print(line, file=out, flush=True)
+
+        follow(store, run.id, args.stage, args.rank, emit)
+        return EXIT_OK
+    for attempt in attempts:
+        for label, path in attempt.sources(args.rank):
+            try:
+                text = path.read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            for line in labelled(label, text):
+                print(line, file=out)
+    return EXIT_OK
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import make_server
+
+    store = _open_store(args)
+    run_id = None
+    if args.run is not None:
+        record = store.find_run(args.run)
+        if record is None:
+            raise UsageError(f"no run {args.run!r} in {store.url}")
+        run_id = record.id
+    try:
+        server = make_server(store, run_id, host=args.host, port=args.port)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    host, port = server.server_address[:2]
+    print(f"serving {'run ' + run_id if run_id else 'the latest run'} at http://{host}:{port}/ (Ctrl-C to stop)",
+          flush=True)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return EXIT_OK
+
+
 def _runs(args: argparse.Namespace) -> int:
     store = _open_store(args)
     for run in store.runs():
@@ -254,6 +354,15 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _summary_after(run_id: str, args: argparse.Namespace) -> None:
+    """The summary of a run that ended by an exception (Ctrl-C), as recorded; nothing when unreadable."""
+    try:
+        store = Store.for_workdir(_workdir(args), getattr(args, "db", None))
+        _print_summary(run_status(store, run_id), args)
+    except Exception as exc:  # noqa: BLE001 - the interruption was reported already; this is extra
+        logging.getLogger(__name__).info("no summary of run %s: %s", run_id, exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
@@ -268,8 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(args.param), db=args.db,
                                  backend=args.backend, progress=False if args.no_progress else None,
-                                 rerun=tuple(args.rerun))
-            return _run_script(args.script, options)
+                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
+            return _run_script(args.script, options, args)
         if args.command == "resume":
             store = _open_store(args)
             record = store.find_run(args.run)
@@ -280,14 +389,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"pipe.run(run_id={record.id!r}) from the same code")
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  run_id=record.id, progress=False if args.no_progress else None,
-                                 rerun=tuple(args.rerun))
-            return _run_script(record.script, options)
+                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
+            return _run_script(record.script, options, args)
         if args.command == "status":
             return _status(args)
         if args.command == "datasets":
             return _datasets(args)
         if args.command == "runs":
             return _runs(args)
+        if args.command == "logs":
+            return _logs(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "pilots":
             from hetflow.tasks.pilot import config_names, load_pilot
 
@@ -300,9 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args)
     except (TaskFailed, RunAborted) as exc:
         print(f"hetflow: {exc}", file=sys.stderr)
+        if isinstance(exc, RunAborted):
+            _summary_after(exc.run_id, args)
         return EXIT_FAILED
     except RunInterrupted as exc:
         print(f"hetflow: {exc}", file=sys.stderr)
+        _summary_after(exc.run_id, args)
         return 130
     except HetflowError as exc:
         print(f"hetflow: error: {exc}", file=sys.stderr)

@@ -130,7 +130,8 @@ def where(exc: BaseException) -> str:
 class Orchestrator:
     def __init__(self, *, name: str, stages: Mapping[str, StageSpec], pilot: PilotDescription, run_id: str,
                  run_dir: Path, store: Store, params: Mapping[str, Any], script: str | None,
-                 progress: bool, verify: str = "checksum", rerun: Sequence[str] = ()) -> None:
+                 progress: bool | None, verify: str = "checksum", rerun: Sequence[str] = (),
+                 stream_logs: bool = False) -> None:
         self.name = name
         self.stages = dict(stages)
         self.pilot = pilot
@@ -140,7 +141,7 @@ class Orchestrator:
         self.params = dict(params)
         self.script = script
         self.verify = verify
-        self.progress = Progress(enabled=progress)
+        self.progress = Progress(enabled=progress, stream_logs=stream_logs)
         self.producer = {out: s.name for s in self.stages.values() for out in s.outputs}
         self.nodes = [StageNode(s.name, tuple(dict.fromkeys(self.producer[d] for d in s.inputs)), s.retries,
                                 s.request.duration) for s in self.stages.values()]
@@ -260,7 +261,7 @@ class Orchestrator:
             self.stop(f"the orchestrator stopped: {where(exc)}", "FAILED")
             raise
         finally:
-            self.progress.stop()
+            self.progress.stop(self)
         return self._close()
 
     def stop(self, reason: str, state: str) -> None:

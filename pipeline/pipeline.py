@@ -42,6 +42,8 @@ class RunOptions:
     progress: bool | None = None
     script: str | None = None
     rerun: Sequence[str] = ()
+    stream_logs: bool = False
+    """Print every stage's output as it is written, each line labelled (``hetflow run -v``)."""
 
 
 _overrides: list[tuple[RunOptions, list[RunStatus]]] = []
@@ -236,12 +238,12 @@ class Pipeline:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_params = dict(params or {})
         run_params.update(options.params)
-        show = options.progress if options.progress is not None else progress
-        if show is None:
-            show = sys.stderr.isatty()
+        show = options.progress if options.progress is not None else progress  # None: live view on a terminal,
+        # plain lines otherwise
         orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
                                     run_dir=root / "runs" / the_id, store=store, params=run_params,
                                     script=options.script or _script_path(self.stages), progress=show,
+                                    stream_logs=options.stream_logs,
                                     rerun=tuple(options.rerun) + tuple(rerun))
         try:
             orchestrator.prepare(resume=resume_id is not None)

@@ -1,48 +1,290 @@
-"""A live one-line progress display (stages done / running / waiting, slots in use)."""
+"""What a run shows while it runs: a live table on a terminal, plain lines elsewhere, labelled output.
+
+One row per stage: state, ranks, slots, elapsed time, progress (from the ranks'
+``ctx.progress`` files, which ``hf.ml.fit`` writes once per epoch with the
+loss) and the last line a rank printed.  Everything is read from the attempt
+directories of the running stages (:class:`~hetflow.tasks.protocol.AttemptFiles`),
+never from the state store, so a refresh costs a few small file reads.
+
+Modes: ``live`` (a rich table redrawn in place, on a terminal), ``plain`` (one
+line per stage state change and, every :data:`PLAIN_INTERVAL` seconds, one per
+running stage: what a CI log can keep) and ``off``.  With ``stream_logs``
+(``hetflow run -v``) every line the ranks and launchers write is printed as
+it comes, labelled ``[stage rank r]`` (see :mod:`hetflow.logs`).
+"""
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+from hetflow.tasks.protocol import AttemptFiles
+
+from .errors import PipelineError
+from .logs import AttemptLogs, LogTail
+
+PLAIN_INTERVAL_ENV = "HETFLOW_PROGRESS_INTERVAL"
+PLAIN_INTERVAL = 30.0
+"""Seconds between the plain progress lines of running stages (``$HETFLOW_PROGRESS_INTERVAL``)."""
+
+Mode = Literal["live", "plain", "off"]
+FINISHED = ("DONE", "CACHED", "FAILED", "TIMED_OUT", "SKIPPED", "CANCELLED", "INTERRUPTED", "WALLTIME", "REJECTED")
+_STYLE = {"RUNNING": "bold blue", "DONE": "green", "CACHED": "green", "FAILED": "bold red", "TIMED_OUT": "bold red",
+          "CANCELLED": "yellow", "SKIPPED": "yellow", "INTERRUPTED": "yellow"}
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One stage as the live view shows it."""
+
+    name: str
+    state: str
+    ranks: int
+    slots: str
+    elapsed: float | None
+    progress: str
+    last_line: str
+
+
+def progress_text(reports: Mapping[int, Mapping[str, Any]]) -> str:
+    """``"epoch 3/10 loss=0.3121"`` from the ranks' progress reports: the slowest rank's count,
+    rank 0's metrics (the first reporting rank's when rank 0 has not reported)."""
+    if not reports:
+        return ""
+    slowest = min(reports.values(), key=lambda r: float(r.get("done") or 0.0))
+    first = reports[min(reports)]
+    done, total, unit = slowest.get("done"), slowest.get("total"), str(slowest.get("unit") or "")
+    count = _number(done) if total is None else f"{_number(done)}/{_number(total)}"
+    text = f"{unit} {count}".strip()
+    if total:
+        text += f" {100.0 * float(done or 0.0) / float(total):.0f}%"
+    metrics = first.get("metrics") or {}
+    if isinstance(metrics, Mapping):
+        text += "".join(f" {k}={_number(v, 4)}" for k, v in metrics.items())
+    return text
+
+
+def _number(value: Any, digits: int = 6) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def last_line(files: AttemptFiles, limit: int = 2048) -> str:
+    """The last non-empty line any rank of the attempt wrote (the most recently written log)."""
+    logs = list(files.rank_logs().values())
+    best: tuple[float, str] | None = None
+    for path in logs:
+        try:
+            with open(path, "rb") as fh:
+                size = fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, size - limit))
+                lines = [ln for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+            mtime = path.stat().st_mtime
+        except OSError:
+            continue
+        if lines and (best is None or mtime >= best[0]):
+            best = (mtime, _LOG_PREFIX.sub("", lines[-1].strip()))
+    return best[1] if best else ""
+
+
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:,.]+\s+(\[[^\]]* rank \d+/\d+\]\s+)?")
+"""The time and ``[stage rank r/n]`` that ``ctx.log`` puts before a message: the row says both already."""
+
+
+def slot_text(slots: Sequence[Any]) -> str:
+    """``"2 cores"``, ``"4 cores, 2 GPUs"`` (``"3 nodes, ..."`` when the slots span nodes)."""
+    cores = sum(len(s.cores) for s in slots)
+    gpus = sum(len(s.gpus) for s in slots)
+    nodes = len({s.node for s in slots})
+    parts = ([f"{nodes} nodes"] if nodes > 1 else []) + [f"{cores} core{'s' * (cores != 1)}"]
+    if gpus:
+        parts.append(f"{gpus} GPU{'s' * (gpus != 1)}")
+    return ", ".join(parts)
+
+
+def elapsed_text(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(seconds), 60)
+    return f"{minutes}m{sec:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def plain_interval(text: str | None) -> float:
+    """``$HETFLOW_PROGRESS_INTERVAL`` as seconds (default :data:`PLAIN_INTERVAL`); anything else is refused."""
+    if not text:
+        return PLAIN_INTERVAL
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise PipelineError(f"{PLAIN_INTERVAL_ENV}={text!r} is not a number of seconds above 0")
+    return seconds
+
+
+def choose_mode(requested: bool | None, stream: TextIO) -> Mode:
+    """``False``: off; otherwise a live table on a terminal and plain lines elsewhere."""
+    if requested is False:
+        return "off"
+    return "live" if stream.isatty() else "plain"
 
 
 class Progress:
-    """Shows a rich status line on an interactive terminal; does nothing otherwise."""
+    """The display of one run, fed by the orchestrator's loop (:meth:`update` after every event)."""
 
-    def __init__(self, *, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, *, enabled: bool | None, stream_logs: bool = False, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.mode: Mode = choose_mode(enabled, self.stream)
+        self.stream_logs = stream_logs
+        self.interval = plain_interval(os.environ.get(PLAIN_INTERVAL_ENV))
         self._live: Any = None
+        self._console: Any = None
         self._started = time.time()
+        self._last_plain = 0.0
+        self._last_draw = 0.0
+        self._seen: dict[str, str] = {}
+        self._times: dict[str, list[float | None]] = {}
+        self._rows: dict[str, StageRow] = {}
+        self._tail = LogTail()
+        self._following: dict[str, AttemptLogs] = {}
 
+    # ---------------------------------------------------------------- loop
     def start(self, orchestrator: Any) -> None:
-        if not self.enabled:
+        self._started = time.time()
+        if self.mode == "off" and not self.stream_logs:
             return
         from rich.console import Console
-        from rich.live import Live
 
-        self._started = time.time()
-        self._live = Live(self._render(orchestrator, None), console=Console(file=sys.stderr),
-                          refresh_per_second=4, transient=True)
-        self._live.start()
+        self._console = Console(file=self.stream, highlight=False)
+        self._observe(orchestrator, self._started)
+        if self.mode == "live":
+            from rich.live import Live
+
+            self._live = Live(self.render(orchestrator), console=self._console, refresh_per_second=4,
+                              transient=False, redirect_stdout=False, redirect_stderr=False)
+            self._live.start()
+        elif self.mode == "plain":
+            self._say(f"hetflow: run {orchestrator.run_id} started ({len(orchestrator.stages)} stages)")
 
     def update(self, orchestrator: Any, scheduler: Any) -> None:
-        if self._live is not None:
-            self._live.update(self._render(orchestrator, scheduler))
+        now = time.time()
+        changed = self._observe(orchestrator, now)
+        if self.stream_logs:
+            self._stream(orchestrator)
+        if self.mode == "live" and self._live is not None and (changed or now - self._last_draw >= 0.25):
+            self._last_draw = now
+            self._live.update(self.render(orchestrator, scheduler))
+        elif self.mode == "plain":
+            for name in changed:
+                self._plain_change(name, now)
+            if now - self._last_plain >= self.interval:
+                self._last_plain = now
+                for row in self._rows.values():
+                    if row.state == "RUNNING" and row.name not in changed:
+                        self._say(self.plain_line(row, now))
 
-    def stop(self) -> None:
+    def stop(self, orchestrator: Any = None) -> None:
+        if orchestrator is not None:
+            changed = self._observe(orchestrator, time.time())
+            if self.stream_logs:
+                self._stream(orchestrator, final=True)
+            if self.mode == "plain":
+                for name in changed:
+                    self._plain_change(name, time.time())
+            if self._live is not None:
+                self._live.update(self.render(orchestrator, getattr(orchestrator, "scheduler", None)))
         if self._live is not None:
             self._live.stop()
             self._live = None
 
-    def _render(self, orchestrator: Any, scheduler: Any) -> Any:
+    # ------------------------------------------------------------- state
+    def _observe(self, orchestrator: Any, now: float) -> list[str]:
+        """Refresh every row; returns the stages whose state changed since the last look."""
+        live_by_stage = {live.stage: live for live in orchestrator.live.values()}
+        changed = []
+        for name, spec in orchestrator.stages.items():
+            state = orchestrator.states.get(name, "PENDING")
+            times = self._times.setdefault(name, [None, None])
+            if state == "RUNNING" and times[0] is None:
+                times[0] = now
+            if state in FINISHED and times[1] is None and times[0] is not None:
+                times[1] = now
+            if self._seen.get(name) != state:
+                self._seen[name] = state
+                changed.append(name)
+            live = live_by_stage.get(name)
+            old = self._rows.get(name)
+            if live is not None:
+                files = AttemptFiles(live.attempt_dir)
+                progress = progress_text(files.read_progress()) or (old.progress if old else "")
+                line = last_line(files) or (old.last_line if old else "")
+                slots = slot_text(live.slots)
+                ranks = len(live.slots)
+            else:
+                progress = old.progress if old else ""
+                line = old.last_line if old else ""
+                slots = old.slots if old else ""
+                ranks = old.ranks if old else spec.request.ranks
+            elapsed = None if times[0] is None else (times[1] or now) - times[0]
+            self._rows[name] = StageRow(name, state, ranks, slots, elapsed, progress, line)
+        return changed
+
+    def rows(self) -> list[StageRow]:
+        return list(self._rows.values())
+
+    def _stream(self, orchestrator: Any, final: bool = False) -> None:
+        for live in orchestrator.live.values():
+            key = str(live.attempt_dir)
+            if key not in self._following:
+                self._following[key] = AttemptLogs(live.stage, live.task.attempt, Path(live.attempt_dir), "RUNNING")
+        running = {str(live.attempt_dir) for live in orchestrator.live.values()}
+        for key, attempt in list(self._following.items()):
+            ended = key not in running
+            for line in self._tail.poll(attempt.sources(), flush=ended or final):
+                self._say(line)
+            if ended:
+                del self._following[key]
+
+    def _plain_change(self, name: str, now: float) -> None:
+        row = self._rows[name]
+        if row.state == "RUNNING" or row.state in FINISHED:  # not every PENDING and QUEUED
+            self._say(self.plain_line(row, now))
+
+    def _say(self, line: str) -> None:
+        if self._console is not None:
+            self._console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    # ------------------------------------------------------------ render
+    def plain_line(self, row: StageRow, now: float) -> str:
+        text = f"hetflow: [{now - self._started:7.1f}s] {row.name} {row.state}"
+        if row.state == "RUNNING":
+            text += f" ({row.ranks} rank{'s' * (row.ranks != 1)}, {row.slots})" if row.slots else ""
+            if row.progress:
+                text += f" {row.progress}"
+            if row.last_line:
+                text += f" | {row.last_line[:120]}"
+        elif row.elapsed is not None and row.state in FINISHED:
+            text += f" in {elapsed_text(row.elapsed)}"
+        return text
+
+    def render(self, orchestrator: Any, scheduler: Any = None) -> Any:
+        """The live table (a rich renderable)."""
+        from rich.table import Table
         from rich.text import Text
 
-        states = list(orchestrator.states.values())
-        done = sum(s in ("DONE", "CACHED") for s in states)
-        running = sum(s == "RUNNING" for s in states)
-        failed = sum(s in ("FAILED", "TIMED_OUT", "SKIPPED", "CANCELLED") for s in states)
-        waiting = len(states) - done - running - failed
         pilot = orchestrator.pilot
         total_cores = len(pilot.usable_cores()) * pilot.nodes
         total_gpus = (pilot.gpus_per_node or 0) * pilot.nodes
@@ -51,9 +293,14 @@ class Progress:
             for slots in scheduler.running.values():
                 used_cores += sum(len(s.cores) for s in slots)
                 used_gpus += sum(len(s.gpus) for s in slots)
-        names = ", ".join(n for n, s in orchestrator.states.items() if s == "RUNNING")
-        line = (f"{orchestrator.name} [{time.time() - self._started:6.1f}s] stages: {done} done, {running} running, "
-                f"{waiting} waiting, {failed} failed | cores {used_cores}/{total_cores} gpus {used_gpus}/{total_gpus}")
-        if names:
-            line += f" | running: {names}"
-        return Text(line)
+        title = (f"hetflow run {orchestrator.run_id}  {elapsed_text(time.time() - self._started)}  "
+                 f"cores {used_cores}/{total_cores}" + (f"  GPUs {used_gpus}/{total_gpus}" if total_gpus else ""))
+        table = Table(title=Text(title, style="bold"), title_justify="left", expand=False, pad_edge=False)
+        for column, kwargs in (("stage", {}), ("state", {}), ("ranks", {"justify": "right"}), ("slots", {}),
+                               ("elapsed", {"justify": "right"}), ("progress", {}),
+                               ("last output", {"max_width": 60, "no_wrap": True, "overflow": "ellipsis"})):
+            table.add_column(column, **kwargs)
+        for row in self.rows():
+            table.add_row(Text(row.name), Text(row.state, style=_STYLE.get(row.state, "dim")), str(row.ranks),
+                          Text(row.slots), elapsed_text(row.elapsed), Text(row.progress), Text(row.last_line))
+        return table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -41,6 +42,18 @@ class StageStatus:
     cache_hit: bool | None = None
     """Whether this run reused a committed output (``None``: the stage never got that far)."""
     cache_reason: str | None = None
+    log_dir: str | None = None
+    """The directory of the latest attempt: ``rank-<r>.log`` per rank, the launcher's ``stdout.log``/``stderr.log``."""
+
+    def logs(self) -> dict[str, Any] | None:
+        """The latest attempt's log files (``None``: the stage never started)."""
+        if self.log_dir is None:
+            return None
+        from hetflow.tasks.protocol import AttemptFiles
+
+        files = AttemptFiles(Path(self.log_dir))
+        return {"directory": self.log_dir, "ranks": {str(r): str(p) for r, p in files.rank_logs().items()},
+                "launcher": [str(files.stdout), str(files.stderr)]}
 
     def to_json(self) -> dict[str, Any]:
         """This stage's record as JSON-ready values (what ``hetflow status --json`` prints per stage)."""
@@ -49,7 +62,8 @@ class StageStatus:
                 "slots": [s.to_json() for s in self.slots], "error": self.error,
                 "failed_rank": self.failed_rank, "signal": self.signal, "traceback": self.traceback,
                 "cached_from": self.cached_from, "outputs": list(self.outputs),
-                "cache": {"hit": self.cache_hit, "from_run": self.cached_from, "reason": self.cache_reason}}
+                "cache": {"hit": self.cache_hit, "from_run": self.cached_from, "reason": self.cache_reason},
+                "logs": self.logs()}
 
 
 @dataclass(frozen=True)
@@ -125,7 +139,7 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
                 failed_rank=attempt.failed_rank if attempt else None,
                 signal=attempt.signal if attempt else None, cached_from=record.cached_from,
                 outputs=tuple(record.outputs), cache_reason=record.cache_reason,
-                cache_hit=record.cache_hit))
+                cache_hit=record.cache_hit, log_dir=attempt.attempt_dir if attempt else None))
         datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
         return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
                          ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +73,8 @@ class StageContext:
     attempts of the same stage in the same run (so a retry can resume).
     ``files`` are the stage's declared files, resolved and absolute.
 
+    :meth:`progress` reports how far this rank is (a small file the live view reads).
+
     ``params`` is wrapped in :class:`TrackedParams` on construction (so every
     existing caller, the worker included, gets tracking unchanged);
     :attr:`params_read` says what the stage read.
@@ -118,6 +123,43 @@ class StageContext:
         except ImportError:
             return "cpu"
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def progress(self, done: float, total: float | None = None, *, unit: str = "", **metrics: Any) -> None:
+        """Report this rank's progress: ``done`` of ``total`` (in ``unit``), and metrics (``loss=0.31``).
+
+        The live view of ``hetflow run`` shows it on the stage's row.  It goes to
+        ``progress-<rank>.json`` in the attempt directory, replaced atomically (no
+        database write): calling it often is cheap, and reports closer than 0.1 s
+        apart are dropped except the last unit (``done == total``).  Metric values
+        are stored as numbers when they convert to ``float``, else as text.  A report
+        that cannot be written (a full disk) is skipped with one warning: the display
+        misses it, the stage goes on.
+        """
+        now = time.time()
+        last = getattr(self, "_progress_written", 0.0)
+        if now - last < 0.1 and (total is None or done < total):
+            return
+        object.__setattr__(self, "_progress_written", now)
+        from .protocol import AttemptFiles
+
+        values: dict[str, float | str] = {}
+        for key, value in metrics.items():
+            try:
+                values[key] = float(value)
+            except (TypeError, ValueError):
+                values[key] = str(value)
+        path = AttemptFiles(self.workdir).progress(self.rank)
+        temp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"done": float(done), "total": None if total is None else float(total), "unit": unit,
+                           "metrics": values, "time": now}, fh)
+            os.replace(temp, path)
+        except OSError as exc:  # only the display misses it: a full disk or a context without a directory
+            if not getattr(self, "_progress_failed", False):  # must not end a stage that is otherwise fine
+                object.__setattr__(self, "_progress_failed", True)
+                self.log.warning("progress not recorded (%s: %s); the stage goes on", path, exc.strerror or exc)
 
     def dtable(self, table: Any) -> Any:
         """Wrap this rank's partition as a distributed table over ``comm``."""

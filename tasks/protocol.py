@@ -3,7 +3,10 @@
 The orchestrator writes a :class:`WorkerSpec` (``spec.json``) and starts
 ``python -m hetflow.tasks.worker SPEC.json`` once per rank.  Each rank writes
 its pid (``rank-<r>.pid``) first and its :class:`RankResult` (``rank-<r>.json``)
-last; the launcher appends the ranks' output to ``stdout.log``/``stderr.log``;
+last; its own output (stdout and stderr, ``print`` and ``ctx.log``) goes to
+``rank-<r>.log`` and its latest ``ctx.progress`` to ``progress-<r>.json``; the
+launcher's own output (Hydra's banners, anything said before a rank knew its
+number) stays in ``stdout.log``/``stderr.log``;
 a rank's witness writes ``ended-<pid>.json`` when the rank died by itself
 (:mod:`hetflow.tasks.witness`).  :class:`AttemptFiles` names them all, and
 :func:`diagnose` turns them and the backend's outcome into a :class:`Failure`.
@@ -377,6 +380,37 @@ class AttemptFiles:
     def rank_pid(self, rank: int) -> Path:
         return self.directory / f"rank-{rank}.pid"
 
+    def rank_log(self, rank: int) -> Path:
+        """What rank ``rank`` wrote to its stdout and stderr, in order (one file per rank)."""
+        return self.directory / f"rank-{rank}.log"
+
+    def rank_logs(self) -> dict[int, Path]:
+        """``{rank: rank-<r>.log}`` of every rank that has a log, by rank."""
+        found = {}
+        for path in self.directory.glob("rank-*.log"):
+            number = path.stem.split("-", 1)[1]
+            if number.isdigit():
+                found[int(number)] = path
+        return dict(sorted(found.items()))
+
+    def progress(self, rank: int) -> Path:
+        """Rank ``rank``'s latest ``ctx.progress(done, total, **metrics)``, replaced on every report."""
+        return self.directory / f"progress-{rank}.json"
+
+    def read_progress(self) -> dict[int, dict[str, Any]]:
+        """``{rank: {"done", "total", "metrics", "time"}}`` of the ranks that reported progress
+        (a file being replaced or unreadable is skipped: the next look finds it)."""
+        found: dict[int, dict[str, Any]] = {}
+        for path in self.directory.glob("progress-*.json"):
+            number = path.stem.split("-", 1)[1]
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if number.isdigit() and isinstance(data, dict):
+                found[int(number)] = data
+        return dict(sorted(found.items()))
+
     def ended(self, pid: int) -> Path:
         return self.directory / f"{self.ENDED_PREFIX}{pid}.json"
 
@@ -508,7 +542,8 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
         killed = {pid: rank for rank, pid in pids.items()}.get(bad_pid) if bad_pid is not None else None
     how = f"killed by signal {signal}" if signal else f"exit code {code}"
     who = f"rank {killed}" if killed is not None else f"rank(s) {missing}"
-    output = "\n".join(t for t in (tail(files.stderr), tail(files.stdout)) if t)
+    ranks_said = [f"[rank {r}] {text}" for r in (missing or []) if (text := tail(files.rank_log(r), 2000))]
+    output = "\n".join(t for t in (*ranks_said, tail(files.stderr), tail(files.stdout)) if t)
     if ended_by_us:
         how += f"; the launcher did not end the other ranks within {grace:g} s, so hetflow did"
     if outcome.detail:  # the launcher's own account (srun: its exit code, error lines and node)

@@ -14,15 +14,15 @@ precomputed curve can be passed in (the simulator does, for all nodes).
 
 from __future__ import annotations
 
-import hashlib
 import html
 import io
 import json
 import logging
 import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any
 
 from .paths import write_private_file
 from .pilot import PilotDescription
@@ -31,8 +31,11 @@ logger = logging.getLogger(__name__)
 
 WIDTH = 1100          # px of the time axis
 LEFT = 90             # px for lane labels
-PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
-           "#bab0ac", "#86bcb6", "#d37295", "#8cd17d")
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#000080", "#808000")
+"""Distinct colours (matplotlib's tab10, then navy and olive): stages are given them in order, so no two
+stages of a run share or nearly share a colour until there are more stages than colours."""
+TOP = 14              # px above the first grid line: room for its label
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,15 @@ def utilization_curve(intervals: Iterable[Interval], pilot: PilotDescription,
     return curve
 
 
-def _color(name: str) -> str:
-    return PALETTE[int(hashlib.sha1(name.encode()).hexdigest()[:6], 16) % len(PALETTE)]
+def stage_of(name: str) -> str:
+    """The stage an interval belongs to: ``"train#2"`` (attempt 2) → ``"train"``."""
+    return name.rsplit("#", 1)[0] if "#" in name and name.rsplit("#", 1)[1].isdigit() else name
+
+
+def stage_colors(intervals: Iterable[Interval]) -> dict[str, str]:
+    """One colour per stage (every attempt of it), given in sorted stage order from :data:`PALETTE`."""
+    stages = sorted({stage_of(iv.name) for iv in intervals})
+    return {stage: PALETTE[i % len(PALETTE)] for i, stage in enumerate(stages)}
 
 
 def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -124,6 +134,23 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
     above each output, i.e. the part of the path the caller named and that
     exists is taken as given.  An output that is a symlink is refused.
     """
+    page, summary, png = _draw(intervals, pilot, title, utilization, max_nodes, max_bars, png_path is not None)
+    write_private_file(html_path, page.encode("utf-8"), base=_base_for(html_path, base))
+    if png_path is not None and png is not None:
+        write_private_file(png_path, png, base=_base_for(png_path, base))
+    logger.info("timeline written to %s (%d bars on %d nodes)", html_path, summary["bars"], summary["nodes"])
+    return summary
+
+
+def timeline_page(intervals: Sequence[Interval], pilot: PilotDescription, *, title: str = "hetflow timeline",
+                  max_nodes: int = 32, max_bars: int = 20_000) -> str:
+    """The report's HTML page as text (what :func:`render_timeline` writes), for ``hetflow serve``."""
+    return _draw(intervals, pilot, title, None, max_nodes, max_bars, False)[0]
+
+
+def _draw(intervals: Sequence[Interval], pilot: PilotDescription, title: str,
+          utilization: Sequence[tuple[float, float, float]] | None, max_nodes: int, max_bars: int,
+          want_png: bool) -> tuple[str, dict[str, int], bytes | None]:
     pilot = pilot.resolve()
     node_names = sorted({iv.node for iv in intervals})
     shown = node_names[:max_nodes]
@@ -140,6 +167,7 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
         return LEFT + WIDTH * (t - t0) / span
 
     core_lane = {c: i for i, c in enumerate(pilot.usable_cores())}
+    colors = stage_colors(intervals)
     gpus = pilot.gpus_per_node or 0
     lanes = len(core_lane) + gpus
     lane_h = max(2.0, min(8.0, 200.0 / max(lanes, 1)))
@@ -166,15 +194,15 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
             for first, length in _runs(lanes_held):
                 rects.append(f'<rect x="{x(iv.start):.1f}" y="{top + 14 + first * lane_h:.1f}" '
                              f'width="{max(x(iv.end) - x(iv.start), 0.5):.1f}" height="{length * lane_h:.1f}" '
-                             f'fill="{_color(iv.name)}"/>')
+                             f'fill="{colors[stage_of(iv.name)]}"/>')
             parts.append(f'<g class="{cls}" data-task="{html.escape(iv.task_id)}"><title>{html.escape(tip)}</title>'
                          + "".join(rects) + "</g>")
         parts.append("</g>")
     parts.append("</svg>")
     gantt = "".join(parts)
     util = _curve_svg(curve, x, t0, t1)
-    legend = "".join(f'<span class="key"><i style="background:{_color(n)}"></i>{html.escape(n)}</span>'
-                     for n in sorted({iv.name for iv in intervals}))
+    legend = "".join(f'<span class="key"><i style="background:{c}"></i>{html.escape(n)}</span>'
+                     for n, c in colors.items())
     path_rows = "".join(f"<li>{html.escape(t)}</li>" for t in path)
     summary = {"bars": len(bars), "nodes": len(shown), "critical": len(path)}
     note = ""
@@ -184,12 +212,8 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
     page = _PAGE.format(title=html.escape(title), shape=html.escape(pilot.shape()), legend=legend, note=note,
                         gantt=gantt, util=util, path=path_rows, expected=json.dumps(summary),
                         duration=f"{span:,.1f}")
-    write_private_file(html_path, page.encode("utf-8"), base=_base_for(html_path, base))
-    if png_path is not None:
-        png = _render_png(bars, shown, core_lane, gpus, curve, t0, path, title)
-        write_private_file(png_path, png, base=_base_for(png_path, base))
-    logger.info("timeline written to %s (%d bars on %d nodes)", html_path, len(bars), len(shown))
-    return summary
+    png = _render_png(bars, shown, core_lane, gpus, curve, t0, path, title, colors) if want_png else None
+    return page, summary, png
 
 
 def _base_for(output: str | os.PathLike[str], base: str | os.PathLike[str] | None) -> Path:
@@ -203,59 +227,88 @@ def _base_for(output: str | os.PathLike[str], base: str | os.PathLike[str] | Non
 
 def _curve_svg(curve: Sequence[tuple[float, float, float]], x: Callable[[float], float], t0: float, t1: float) -> str:
     h = 160.0
+    def y(fraction: float) -> float:
+        return TOP + h - h * fraction
     def points(col: int) -> str:
         pts: list[str] = []
         last = 0.0
         for sample in curve:
-            pts.append(f"{x(sample[0]):.1f},{h - h * last:.1f}")
+            pts.append(f"{x(sample[0]):.1f},{y(last):.1f}")
             last = sample[col]
-            pts.append(f"{x(sample[0]):.1f},{h - h * last:.1f}")
-        pts.append(f"{x(t1):.1f},{h - h * last:.1f}")
+            pts.append(f"{x(sample[0]):.1f},{y(last):.1f}")
+        pts.append(f"{x(t1):.1f},{y(last):.1f}")
         return " ".join(pts)
-    grid = "".join(f'<line x1="{LEFT}" x2="{LEFT + WIDTH}" y1="{h - h * f:.1f}" y2="{h - h * f:.1f}" class="grid"/>'
-                   f'<text x="{LEFT - 36}" y="{h - h * f + 4:.1f}" class="label">{int(100 * f)}%</text>'
+    grid = "".join(f'<line x1="{LEFT}" x2="{LEFT + WIDTH}" y1="{y(f):.1f}" y2="{y(f):.1f}" class="grid"/>'
+                   f'<text x="{LEFT - 6}" y="{y(f) + 4:.1f}" class="label" text-anchor="end">{int(100 * f)}%</text>'
                    for f in (0.0, 0.5, 1.0))
-    return (f'<svg id="util" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" height="{h + 20:.0f}">'
+    return (f'<svg id="util" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" height="{TOP + h + 20:.0f}">'
             f'{grid}<polyline class="cores" points="{points(1)}"/><polyline class="gpus" points="{points(2)}"/>'
-            f'<text x="{LEFT}" y="{h + 16:.0f}" class="label">t = 0</text>'
-            f'<text x="{LEFT + WIDTH - 80}" y="{h + 16:.0f}" class="label">t = {t1 - t0:,.0f} s</text></svg>')
+            f'<text x="{LEFT}" y="{TOP + h + 16:.0f}" class="label">t = 0</text>'
+            f'<text x="{LEFT + WIDTH}" y="{TOP + h + 16:.0f}" class="label" text-anchor="end">'
+            f't = {t1 - t0:,.0f} s</text></svg>')
 
 
 def _render_png(bars: Sequence[Interval], shown: Sequence[str], core_lane: dict[int, int], gpus: int,
                 curve: Sequence[tuple[float, float, float]], t0: float, path: Sequence[str],
-                title: str) -> bytes:
+                title: str, colors: dict[str, str]) -> bytes:
     """The PNG as bytes (the caller writes it: matplotlib would follow a symlink and obey the umask)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = timeline_figure(bars, shown, core_lane, gpus, curve, t0, path, title, colors)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def timeline_figure(bars: Sequence[Interval], shown: Sequence[str], core_lane: dict[int, int], gpus: int,
+                    curve: Sequence[tuple[float, float, float]], t0: float, path: Sequence[str],
+                    title: str, colors: dict[str, str]) -> Any:
+    """The matplotlib figure of the PNG: bars coloured by stage and labelled with their stage (and
+    attempt) where they are wide enough, a legend of the stages, node rows, utilisation below."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
     lanes = len(core_lane) + gpus
     fig, (ax_g, ax_u) = plt.subplots(2, 1, figsize=(12, 8), gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
     row_of = {name: i for i, name in enumerate(shown)}
     on_path = set(path)
+    span = max([iv.end - t0 for iv in bars] + [1e-9])
+    labelled: set[tuple[str, str]] = set()
     for iv in bars:
         base = row_of[iv.node] * (lanes + 2)
         held = [core_lane[c] for c in iv.cores if c in core_lane] + [len(core_lane) + g for g in iv.gpus if g < gpus]
         for first, length in _runs(held):
             ax_g.broken_barh([(iv.start - t0, max(iv.end - iv.start, 1e-9))], (base + first, length),
-                             facecolors=_color(iv.name), edgecolors="black" if iv.task_id in on_path else "none",
-                             linewidth=0.6)
-    ax_g.set_yticks([row_of[n] * (lanes + 2) + lanes / 2 for n in shown], list(shown), fontsize=6)
+                             facecolors=colors[stage_of(iv.name)],
+                             edgecolors="black" if iv.task_id in on_path else "none", linewidth=0.6)
+        if held and (iv.task_id, iv.node) not in labelled and (iv.end - iv.start) / span > 0.04:
+            labelled.add((iv.task_id, iv.node))  # one label per bar, on its first lanes
+            first, length = _runs(held)[0]
+            ax_g.text((iv.start + iv.end) / 2 - t0, base + first + length / 2, iv.name, ha="center",
+                      va="center", fontsize=9, color="white", clip_on=True,
+                      bbox={"boxstyle": "round,pad=0.1", "facecolor": "black", "alpha": 0.35, "linewidth": 0})
+    ax_g.set_yticks([row_of[n] * (lanes + 2) + lanes / 2 for n in shown], list(shown), fontsize=8)
     ax_g.invert_yaxis()
+    ax_g.set_ylabel("node (lanes: cores, then GPUs)")
     ax_g.set_title(title)
+    ax_g.legend(handles=[Patch(facecolor=c, label=n) for n, c in colors.items()], title="stage",
+                loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title_fontsize=8, frameon=False)
     if curve:
         times = [c[0] - t0 for c in curve]
-        ax_u.step(times, [100 * c[1] for c in curve], where="post", label="cores")
-        ax_u.step(times, [100 * c[2] for c in curve], where="post", label="GPUs")
+        ax_u.step(times, [100 * c[1] for c in curve], where="post", label="cores", color="black")
+        ax_u.step(times, [100 * c[2] for c in curve], where="post", label="GPUs", color="#d62728",
+                  linestyle="--")
     ax_u.set_ylim(0, 105)
     ax_u.set_ylabel("utilisation %")
     ax_u.set_xlabel("seconds")
-    ax_u.legend(loc="lower right")
+    ax_u.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    return buffer.getvalue()
+    return fig
 
 
 _PAGE = """<!DOCTYPE html>
@@ -288,7 +341,6 @@ Bars with a black outline are on the critical path.</p>
 {gantt}
 <h2>Critical path</h2>
 <ol id="critical-path">{path}</ol>
-<pre id="report-status"></pre>
 <script>
 (function () {{
   var expected = {expected};
@@ -296,7 +348,14 @@ Bars with a black outline are on the critical path.</p>
   var status = {{bars: bars, expected_bars: expected.bars,
                 critical: document.querySelectorAll("#critical-path li").length,
                 errors: window.hetflowErrors}};
-  document.getElementById("report-status").textContent = JSON.stringify(status);
+  var clipped = 0;
+  document.querySelectorAll("svg text").forEach(function (t) {{
+    var box = t.getBBox(), svg = t.ownerSVGElement;
+    if (box.x < 0 || box.y < 0 || box.x + box.width > svg.width.baseVal.value ||
+        box.y + box.height > svg.height.baseVal.value) {{ clipped += 1; }}
+  }});
+  status.clipped = clipped;
+  document.body.setAttribute("data-report-status", JSON.stringify(status));  // for tests; not shown
   document.body.setAttribute("data-bars", String(bars));
 }})();
 </script>

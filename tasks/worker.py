@@ -294,6 +294,28 @@ def _start_mpi(mpi: Any) -> None:
     atexit.register(lambda: None if mpi.Is_finalized() else mpi.Finalize())
 
 
+def own_output(files: AttemptFiles, rank: int) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2: ``print``, ``ctx.log``,
+    C libraries, child processes) to ``rank-<rank>.log``, line-buffered.
+
+    Done by the rank itself rather than the launcher, so it works the same under
+    ``mpiexec``, ``srun`` and one-by-one starts, and the launcher's own output
+    (Hydra's ``BAD TERMINATION`` banner) stays apart in ``stdout.log``/``stderr.log``.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(files.rank_log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+
+
 def run(spec_path: str) -> int:
     kind = _communicator_kind()
     spec = WorkerSpec.read(Path(spec_path))
@@ -322,6 +344,7 @@ def run(spec_path: str) -> int:
         def get_comm() -> Any:
             return mpi_comm
 
+    own_output(AttemptFiles(spec.attempt_dir), rank)
     record, comm = run_rank(spec, rank, size, get_comm)
     if record.status != "ok":
         sys.stderr.flush()

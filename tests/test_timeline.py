@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html as html_lib
 import json
 import re
 import shutil
@@ -60,9 +61,9 @@ def run_chromium(html: Path, tmp: Path) -> tuple[str, str]:
 
 
 def page_status(dom: str) -> dict[str, object]:
-    match = re.search(r'<pre id="report-status">(.*?)</pre>', dom, re.S)
+    match = re.search(r'data-report-status="(.*?)"', dom, re.S)
     assert match, "the page's script did not run"
-    return json.loads(match.group(1).replace("&quot;", '"'))
+    return json.loads(html_lib.unescape(match.group(1)))
 
 
 def check_page(html: Path, expected_bars: int, tmp: Path) -> None:
@@ -102,3 +103,58 @@ def test_simulated_run_report_is_sampled_and_renders(tmp_path: Path) -> None:
     assert drawn["bars"] == expected and drawn["nodes"] == min(4, len(nodes))
     assert html.stat().st_size < 2_000_000
     check_page(html, expected, tmp_path)
+
+
+def _distance(a: str, b: str) -> float:
+    ra, rb = (tuple(int(c[i:i + 2], 16) for i in (1, 3, 5)) for c in (a, b))
+    return sum((x - y) ** 2 for x, y in zip(ra, rb)) ** 0.5
+
+
+def test_report_colours_stages_apart_and_attempts_alike(tmp_path: Path) -> None:
+    intervals = real_run_intervals() + [Interval("b2", "train#2", "node1", (3,), (), 50.0, 60.0)]
+    intervals = [dataclasses.replace(iv, name=f"{iv.name}#1") if "#" not in iv.name else iv for iv in intervals]
+    html = tmp_path / "run.html"
+    render_timeline(intervals, small_pilot(), html)
+    text = html.read_text()
+    fills: dict[str, set[str]] = {}
+    for task, body in re.findall(r'<g class="bar[^"]*" data-task="([^"]+)">(.*?)</g>', text, re.S):
+        name = next(iv.name for iv in intervals if iv.task_id == task).split("#")[0]
+        fills.setdefault(name, set()).update(re.findall(r'fill="(#[0-9a-f]{6})"', body))
+    assert set(fills) == {"load", "train", "stats", "infer"}
+    assert all(len(f) == 1 for f in fills.values())          # both attempts of train: one colour
+    colours = [next(iter(f)) for f in fills.values()]
+    assert min(_distance(a, b) for i, a in enumerate(colours) for b in colours[i + 1:]) > 80
+    keys = re.findall(r'<span class="key"><i style="background:(#[0-9a-f]{6})"></i>([^<]+)</span>', text)
+    assert sorted(n for _, n in keys) == ["infer", "load", "stats", "train"]   # legend by stage, not attempt
+
+
+def test_report_page_has_no_debug_text_and_no_clipped_label(tmp_path: Path) -> None:
+    html = tmp_path / "run.html"
+    render_timeline(real_run_intervals(), small_pilot(), html, title="run 1")
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (scripts/system-deps.sh installs it)")
+    dom, _ = run_chromium(html, tmp_path)
+    body = re.sub(r"<script.*?</script>|<style.*?</style>|<title>.*?</title>", "", dom, flags=re.S)
+    visible = html_lib.unescape(re.sub(r"<[^>]+>", " ", body))
+    assert "expected_bars" not in visible and "{" not in visible
+    status = page_status(dom)
+    assert status["errors"] == [] and status["clipped"] == 0
+
+
+def test_png_labels_its_bars_and_has_a_legend(tmp_path: Path) -> None:
+    from hetflow.tasks.timeline import stage_colors, timeline_figure
+
+    intervals = [dataclasses.replace(iv, name=f"{iv.name}#1") for iv in real_run_intervals()]
+    pilot = small_pilot().resolve()
+    core_lane = {c: i for i, c in enumerate(pilot.usable_cores())}
+    fig = timeline_figure(intervals, ["node0", "node1"], core_lane, 2, utilization_curve(intervals, pilot), 0.0,
+                          critical_path(intervals), "run", stage_colors(intervals))
+    gantt = fig.axes[0]
+    legend = gantt.get_legend()
+    assert legend is not None and sorted(t.get_text() for t in legend.get_texts()) == ["infer", "load", "stats",
+                                                                                        "train"]
+    labels = sorted(t.get_text() for t in gantt.texts)
+    assert labels == ["infer#1", "load#1", "load#1", "stats#1", "train#1"]   # one per bar (load holds two nodes)
+    png = tmp_path / "run.png"
+    render_timeline(intervals, small_pilot(), tmp_path / "run.html", png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -182,8 +182,9 @@ def run_stage(spec_path: str, comm: Any, stdout: str = "", stderr: str = "") -> 
     The steps and the ``rank-<r>.json`` record are those of ``python -m
     hetflow.tasks.worker`` (whose helpers this calls).  Differences that come from
     living in a persistent worker: the process's cwd, CPU affinity and logging are
-    restored afterwards, stage output goes to the attempt's ``stdout.log`` /
-    ``stderr.log`` by redirection, and a failure raises :class:`StageFailed`
+    restored afterwards, stage output goes to the rank's ``rank-<r>.log`` in the
+    attempt directory by redirection of ``sys.stdout``/``sys.stderr`` (not of the file descriptors, which the
+    worker shares), and a failure raises :class:`StageFailed`
     (after ``Abort`` of ``comm`` when other ranks may be waiting in a collective).
     """
     affinity = os.sched_getaffinity(0)
@@ -192,8 +193,14 @@ def run_stage(spec_path: str, comm: Any, stdout: str = "", stderr: str = "") -> 
 
     spec = WorkerSpec.read(Path(spec_path))
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(open(stdout, "a")) if stdout else sys.stdout
-        err = stack.enter_context(open(stderr, "a")) if stderr else sys.stderr
+        if stdout or stderr:  # the rank's own log, as a rank started by a launcher has (the worker's own_output)
+            from hetflow.tasks.protocol import AttemptFiles
+
+            rank_log = AttemptFiles(spec.attempt_dir).rank_log(comm.Get_rank())
+            out = err = stack.enter_context(open(os.open(rank_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+                                                 "a", buffering=1))
+        else:
+            out, err = sys.stdout, sys.stderr
         stack.enter_context(contextlib.redirect_stdout(out))
         stack.enter_context(contextlib.redirect_stderr(err))
         try:

@@ -40,7 +40,7 @@ def test_photoz_pipeline_trains_resumes_and_beats_the_trivial_predictor(tmp_path
     assert status["state"] == "DONE"
     stages = {s["name"]: s for s in status["stages"]}
     assert stages["train"]["attempts"] == 2
-    logs = "".join(p.read_text() for p in sorted(Path(status["run_dir"]).glob("stages/train/attempt-*/stderr.log")))
+    logs = "".join(p.read_text() for p in sorted(Path(status["run_dir"]).glob("stages/train/attempt-*/rank-*.log")))
     assert "injected crash after epoch 2" in logs and "resumed at epoch 3" in logs
 
     # heterogeneity: qa overlapped train's first attempt, on cores that attempt did not use

@@ -1,0 +1,158 @@
+"""Where a run's output is, and reading it back labelled: ``hetflow logs`` and ``hetflow run -v``.
+
+Each rank writes its own ``rank-<r>.log`` in the attempt directory (the worker
+redirects its stdout and stderr there); the launcher's own output stays in the
+attempt's ``stdout.log``/``stderr.log``.  Lines are shown as
+``[stage rank r] text`` and ``[stage launcher] text`` (``stage#k`` for an
+attempt after the first), so a reader can tell ranks and launcher apart and
+``grep`` one of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetflow.tasks.protocol import AttemptFiles
+from sqlalchemy import select
+
+from .errors import HetflowError, UnknownRun
+from .store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
+
+
+class LogsError(HetflowError, ValueError):
+    """A ``hetflow logs`` request names a stage, attempt or rank the run does not have."""
+
+
+@dataclass(frozen=True)
+class AttemptLogs:
+    """The log files of one attempt of one stage."""
+
+    stage: str
+    attempt: int
+    directory: Path
+    state: str
+
+    @property
+    def files(self) -> AttemptFiles:
+        return AttemptFiles(self.directory)
+
+    def label(self, rank: int | None) -> str:
+        name = self.stage if self.attempt == 1 else f"{self.stage}#{self.attempt}"
+        return f"[{name} launcher]" if rank is None else f"[{name} rank {rank}]"
+
+    def sources(self, rank: int | None = None) -> list[tuple[str, Path]]:
+        """``(label, path)`` of every log of this attempt: each rank's, then the launcher's two
+        (only rank ``rank``'s when given)."""
+        files = self.files
+        ranks = [(self.label(r), p) for r, p in files.rank_logs().items() if rank is None or r == rank]
+        if rank is not None:
+            return ranks
+        return ranks + [(self.label(None), files.stdout), (self.label(None), files.stderr)]
+
+    def to_json(self) -> dict[str, object]:
+        files = self.files
+        return {"attempt": self.attempt, "directory": str(self.directory), "state": self.state,
+                "ranks": {str(r): str(p) for r, p in files.rank_logs().items()},
+                "launcher": [str(files.stdout), str(files.stderr)]}
+
+
+def run_logs(store: Store, run_id: str | None, stage: str | None = None,
+             attempt: int | None = None) -> tuple[RunRecord, list[AttemptLogs]]:
+    """The run and the attempts asked for: every stage's latest attempt by default, or ``stage``'s
+    (its ``attempt``-th when given), in stage order.  Names what is not there."""
+    run = store.find_run(run_id)
+    if run is None:
+        raise UnknownRun(f"no run {run_id!r} in {store.url}" if run_id else f"no runs yet in {store.url}")
+    with store.session() as session:
+        rows = session.execute(select(StageRecord.name, AttemptRecord.number, AttemptRecord.attempt_dir,
+                                      AttemptRecord.state)
+                               .join(TaskRecord, TaskRecord.stage_id == StageRecord.id)
+                               .join(AttemptRecord, AttemptRecord.task_id == TaskRecord.id)
+                               .where(StageRecord.run_id == run.id)
+                               .order_by(StageRecord.order, AttemptRecord.number)).all()
+        names = list(session.scalars(select(StageRecord.name).where(StageRecord.run_id == run.id)
+                                     .order_by(StageRecord.order)))
+    if stage is not None and stage not in names:
+        raise LogsError(f"run {run.id} has no stage {stage!r} (stages: {names})")
+    by_stage: dict[str, list[AttemptLogs]] = {}
+    for name, number, directory, state in rows:
+        if stage is None or name == stage:
+            by_stage.setdefault(name, []).append(AttemptLogs(name, number, Path(directory), state))
+    if attempt is None:
+        return run, [attempts[-1] for attempts in by_stage.values()]
+    if stage is None:
+        raise LogsError("--attempt needs a STAGE (attempts are numbered per stage)")
+    chosen = [a for a in by_stage.get(stage, []) if a.attempt == attempt]
+    if not chosen:
+        have = [a.attempt for a in by_stage.get(stage, [])]
+        raise LogsError(f"stage {stage!r} of run {run.id} has no attempt {attempt} (attempts: {have})")
+    return run, chosen
+
+
+def labelled(label: str, text: str) -> Iterator[str]:
+    """``text``'s lines, each prefixed with ``label``."""
+    for line in text.splitlines():
+        yield f"{label} {line}"
+
+
+@dataclass
+class LogTail:
+    """New complete lines of a set of growing files since the last :meth:`poll` (a partial last
+    line waits for its end; :meth:`poll` with ``flush`` returns it too)."""
+
+    offsets: dict[Path, int] = field(default_factory=dict)
+    partial: dict[Path, bytes] = field(default_factory=dict)
+
+    def poll(self, sources: list[tuple[str, Path]], *, flush: bool = False) -> list[str]:
+        lines: list[str] = []
+        for label, path in sources:
+            start = self.offsets.get(path, 0)
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(start)
+                    data = fh.read()
+            except OSError:
+                continue
+            self.offsets[path] = start + len(data)
+            data = self.partial.pop(path, b"") + data
+            complete, _, rest = data.rpartition(b"\n")
+            if rest and not flush:
+                self.partial[path] = rest
+                text = complete.decode(errors="replace")
+            else:
+                text = data.decode(errors="replace")
+            lines.extend(labelled(label, text))
+        return lines
+
+
+def follow(store: Store, run_id: str, stage: str | None, rank: int | None, emit: Callable[[str], None], *,
+           interval: float = 0.5) -> str:
+    """Print the run's logs as they grow (new attempts included) until the run is no longer
+    RUNNING, then what is left; returns the run's final state."""
+    tail = LogTail()
+    while True:
+        store.reconcile_dead_runs()
+        run = store.find_run(run_id)
+        state = run.state if run is not None else "GONE"
+        _, attempts = _all_attempts(store, run_id, stage)
+        sources = [s for a in attempts for s in a.sources(rank)]
+        ended = state != "RUNNING"
+        for line in tail.poll(sources, flush=ended):
+            emit(line)
+        if ended:
+            return state
+        time.sleep(interval)
+
+
+def _all_attempts(store: Store, run_id: str, stage: str | None) -> tuple[RunRecord, list[AttemptLogs]]:
+    """Every attempt of the run (of ``stage``), in stage and attempt order: a follower shows retries too."""
+    run, latest = run_logs(store, run_id, stage)
+    attempts: list[AttemptLogs] = []
+    for last in latest:
+        for number in range(1, last.attempt + 1):
+            directory = last.directory.parent / f"attempt-{number}"
+            attempts.append(AttemptLogs(last.stage, number, directory, last.state if number == last.attempt else ""))
+    return run, attempts

@@ -1,0 +1,235 @@
+"""``hetflow serve [RUN]``: a small read-only web page of a run's status and timeline.
+
+Standard library only (``http.server``), bound to 127.0.0.1 unless told
+otherwise.  Three fixed routes, nothing read from a path the client names:
+
+- ``/``: the page (status table, links to the logs, the timeline in a frame);
+- ``/api/status``: the run's status as JSON (:meth:`RunStatus.to_json` plus
+  ``digest`` and each stage's ``seconds``); with ``since=DIGEST&wait=S`` the
+  request waits up to ``S`` seconds for the status to differ from ``DIGEST``
+  (a long poll: the page learns of a change as it happens, without polling
+  the store from the browser every second);
+- ``/timeline``: the timeline report of :mod:`hetflow.tasks.timeline`, drawn
+  from the store at each request (running attempts end "now").
+
+The page keeps polling while the run is RUNNING and stops once it has ended.
+Text from the run (stage names, errors) is put into the page with
+``textContent``, never as markup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from .report import run_intervals
+from .status import run_status
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT = 30.0
+"""The longest a status request may wait for a change (seconds)."""
+
+RECONCILE_EVERY = 5.0
+"""Seconds between looks for runs whose orchestrator died (so such a run stops showing RUNNING)."""
+
+
+class RunView:
+    """What the server shows: one run (``run_id``), or the latest run at each request."""
+
+    def __init__(self, store: Store, run_id: str | None) -> None:
+        self.store = store
+        self.run_id = run_id
+        self._reconciled = 0.0
+        self._lock = threading.Lock()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            if time.time() - self._reconciled > RECONCILE_EVERY:
+                self.store.reconcile_dead_runs()
+                self._reconciled = time.time()
+        status = run_status(self.store, self.run_id)
+        data = status.to_json()
+        data["digest"] = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        now = time.time()
+        for stage, record in zip(data["stages"], status.stages):
+            stage["seconds"] = None if record.started is None else (record.ended or now) - record.started
+        return data
+
+    def wait_for_change(self, since: str, wait: float) -> dict[str, Any]:
+        deadline = time.monotonic() + min(max(wait, 0.0), MAX_WAIT)
+        while True:
+            data = self.status()
+            if data["digest"] != since or data["state"] != "RUNNING" or time.monotonic() >= deadline:
+                return data
+            time.sleep(0.5)
+
+    def timeline(self) -> str:
+        from hetflow.tasks.pilot import PilotDescription
+        from hetflow.tasks.timeline import timeline_page
+
+        run, intervals = run_intervals(self.store, self.run_id)
+        pilot = PilotDescription.from_mapping(run.pilot, source=f"run {run.id}")
+        page: str = timeline_page(intervals, pilot, title=f"hetflow run {run.id} ({run.state})")
+        return page
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        try:
+            if url.path == "/":
+                self._send(HTTPStatus.OK, "text/html; charset=utf-8", PAGE.encode())
+            elif url.path == "/api/status":
+                since = query.get("since", [""])[0]
+                wait = float(query.get("wait", ["0"])[0] or 0.0)
+                data = self.server.view.wait_for_change(since, wait) if since else self.server.view.status()
+                self._send(HTTPStatus.OK, "application/json", json.dumps(data).encode())
+            elif url.path == "/timeline":
+                self._send(HTTPStatus.OK, "text/html; charset=utf-8", self.server.view.timeline().encode())
+            else:
+                self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8",
+                           f"no page {url.path!r} (pages: /, /api/status, /timeline)\n".encode())
+        except LookupError as exc:  # no such run (yet)
+            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", f"{exc}\n".encode())
+        except ValueError as exc:  # a bad wait=
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8", f"{exc}\n".encode())
+        except Exception as exc:  # noqa: BLE001 - one bad request must not end the server
+            log.warning("serve: %s failed: %s: %s", url.path, type(exc).__name__, exc)
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "text/plain; charset=utf-8",
+                       f"{type(exc).__name__}: {exc}\n".encode())
+
+    def _send(self, status: HTTPStatus, kind: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Security-Policy",
+                         "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'")
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the browser went away
+            pass
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("serve: " + format, *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], view: RunView) -> None:
+        super().__init__(address, _Handler)
+        self.view = view
+
+
+def make_server(store: Store, run_id: str | None, *, host: str = "127.0.0.1", port: int = 8765) -> _Server:
+    """A server for ``run_id`` (the latest run when ``None``); ``port=0`` picks a free port."""
+    return _Server((host, port), RunView(store, run_id))
+
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>hetflow run</title>
+<style>
+body { font: 14px sans-serif; margin: 16px; color: #222; }
+h1 { font-size: 18px; margin: 0 0 4px 0; }
+#meta { color: #555; margin-bottom: 10px; }
+table { border-collapse: collapse; margin-bottom: 14px; }
+th, td { text-align: left; padding: 3px 10px; border-bottom: 1px solid #ddd; vertical-align: top; }
+td.num { text-align: right; }
+.state { font-weight: bold; }
+.RUNNING { color: #1f5fbf; } .DONE, .CACHED { color: #2a8a2a; }
+.FAILED, .TIMED_OUT { color: #c0392b; } .INTERRUPTED, .CANCELLED, .SKIPPED { color: #b9770e; }
+code { font-size: 12px; color: #444; }
+#error { color: #c0392b; }
+iframe { width: 100%; height: 760px; border: 1px solid #ddd; }
+</style></head>
+<body data-state="" data-seen="">
+<h1 id="title">hetflow run</h1>
+<div id="meta"></div>
+<div id="error"></div>
+<table id="stages"><thead><tr><th>stage</th><th>state</th><th>attempts</th><th>seconds</th><th>slots</th>
+<th>logs</th><th>note</th></tr></thead><tbody></tbody></table>
+<iframe id="timeline" title="timeline" src="/timeline"></iframe>
+<script>
+(function () {
+  var seen = [];
+  function cell(row, text, cls) {
+    var td = document.createElement("td");
+    td.textContent = text;
+    if (cls) { td.className = cls; }
+    row.appendChild(td);
+    return td;
+  }
+  function render(s) {
+    document.getElementById("title").textContent = "hetflow run " + s.id + ": " + s.state;
+    document.getElementById("title").className = s.state;
+    var meta = "pipeline " + s.pipeline + " \\u00b7 started " + (s.started || "-") +
+               (s.ended ? " \\u00b7 ended " + s.ended : "") + " \\u00b7 " + s.run_dir;
+    if (s.state === "RUNNING") { meta += " \\u00b7 refreshing while it runs"; }
+    document.getElementById("meta").textContent = meta;
+    var body = document.querySelector("#stages tbody");
+    body.textContent = "";
+    s.stages.forEach(function (st) {
+      var row = document.createElement("tr");
+      row.setAttribute("data-stage", st.name);
+      cell(row, st.name);
+      cell(row, st.state, "state " + st.state);
+      cell(row, String(st.attempts), "num");
+      cell(row, st.seconds === null ? "" : st.seconds.toFixed(1), "num");
+      cell(row, st.slots.map(function (sl) {
+        return sl.node + " cores " + sl.cores.join(",") + (sl.gpus.length ? " GPUs " + sl.gpus.join(",") : "");
+      }).join("; "));
+      var logs = cell(row, "");
+      if (st.logs) {
+        var code = document.createElement("code");
+        code.textContent = st.logs.directory;
+        logs.appendChild(code);
+      }
+      var note = st.error && st.state !== "DONE" && st.state !== "CACHED" ? st.error.split("\\n")[0]
+                 : (st.cache && st.cache.reason) || "";
+      cell(row, note);
+      body.appendChild(row);
+    });
+    if (seen[seen.length - 1] !== s.state) { seen.push(s.state); }
+    document.body.setAttribute("data-state", s.state);
+    document.body.setAttribute("data-seen", seen.join(" "));
+  }
+  function reloadTimeline() {
+    document.getElementById("timeline").src = "/timeline?t=" + Date.now();
+  }
+  function poll(since) {
+    fetch("/api/status?wait=20&since=" + encodeURIComponent(since), {cache: "no-store"})
+      .then(function (r) { if (!r.ok) { throw new Error("status " + r.status); } return r.json(); })
+      .then(function (s) {
+        document.getElementById("error").textContent = "";
+        render(s);
+        reloadTimeline();
+        if (s.state === "RUNNING") { poll(s.digest); }
+      })
+      .catch(function (e) {
+        document.getElementById("error").textContent = "cannot reach hetflow serve (" + e.message + "); retrying";
+        setTimeout(function () { poll(since); }, 2000);
+      });
+  }
+  fetch("/api/status", {cache: "no-store"}).then(function (r) { return r.json(); }).then(function (s) {
+    render(s);
+    if (s.state === "RUNNING") { poll(s.digest); }
+  }).catch(function (e) { document.getElementById("error").textContent = String(e); });
+})();
+</script>
+</body></html>
+"""
