@@ -22,10 +22,10 @@ import yaml
 from hetflow.tasks.errors import HetflowError, TaskFailed
 
 from . import __version__
-from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted
+from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
 from .pipeline import Pipeline, RunOptions, default_workdir, run_options
 from .status import RunStatus, run_status
-from .store import Store, iso
+from .store import Store, iso, unreadable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 RUN_STATES = ("RUNNING", "DONE", "FAILED", "INTERRUPTED", "CANCELLED", "STOPPED")
@@ -147,14 +147,11 @@ def _open_store(args: argparse.Namespace) -> Store:
     if args.db is None and not os.environ.get("HETFLOW_DB") and not (workdir / "hetflow.db").exists():
         raise UsageError(f"no hetflow state store in {workdir.resolve()} "
                          "(run a pipeline first, or pass --workdir/--db, or set HETFLOW_DB)")
-    url = args.db or os.environ.get("HETFLOW_DB") or str((workdir / "hetflow.db").resolve())
+    store = Store.for_workdir(workdir, args.db)
     try:
-        store = Store.for_workdir(workdir, args.db)
         store.runs()  # reads every run's row: a damaged file or schema shows here, not halfway through
     except SQLAlchemyError as exc:
-        cause = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        raise UsageError(f"cannot read the state store {url}: {cause} (a damaged or foreign file? "
-                         "move it aside to start a new store)") from None
+        raise StoreUnreadable(unreadable(store.url, exc)) from None
     return store
 
 

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from .status import RunStatus
 
 __all__ = ["HetflowError", "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "TaskFailed",
-           "PipelineError", "RunLocked", "UnknownRun", "RunAborted", "RunInterrupted", "RunFailed"]
+           "PipelineError", "RunLocked", "StoreUnreadable", "UnknownRun", "RunAborted", "RunInterrupted", "RunFailed"]
 
 
 class PipelineError(HetflowError, ValueError):
@@ -19,6 +19,10 @@ class PipelineError(HetflowError, ValueError):
 
 class RunLocked(HetflowError, RuntimeError):
     """Another live orchestrator owns this run."""
+
+
+class StoreUnreadable(HetflowError, RuntimeError):
+    """The state store cannot be opened or read (a damaged or foreign file, a wrong URL)."""
 
 
 class UnknownRun(HetflowError, LookupError):

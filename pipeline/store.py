@@ -31,10 +31,10 @@ import psutil
 from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
                         event, func, select, text, update)
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
-from .errors import RunLocked, UnknownRun
+from .errors import RunLocked, StoreUnreadable, UnknownRun
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +341,13 @@ def _add_new_columns(connection: Any) -> None:
 SCHEMA_LOCK_KEY = 0x6865_7466_6C6F_77  # "hetflow": the PostgreSQL advisory lock around schema creation
 
 
+def unreadable(url: str, exc: SQLAlchemyError) -> str:
+    """One line for a store that cannot be read: its URL and the database's own words."""
+    cause = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+    hint = " (a damaged or foreign file? move it aside to start a new store)" if url.startswith("sqlite") else ""
+    return f"cannot read the state store {url}: {cause}{hint}"
+
+
 def _listing(ids: list[str], *, total: int | None = None, most: int = 5) -> str:
     """``a, b, c`` (newest first), cut to ``most`` with how many more there are."""
     total = len(ids) if total is None else total
@@ -383,7 +390,10 @@ class Store:
         if self.engine.dialect.name == "sqlite" and not self.read_only:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         if not self.read_only:
-            self._create_schema(path)
+            try:
+                self._create_schema(path)
+            except SQLAlchemyError as exc:  # a damaged file, a server that does not answer: one line
+                raise StoreUnreadable(unreadable(url, exc)) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def _create_schema(self, path: Path | None) -> None:
