@@ -31,10 +31,10 @@ import psutil
 from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
                         event, func, select, text, update)
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
-from .errors import RunLocked, StoreUnreadable, UnknownRun
+from .errors import MissingExtraError, RunLocked, StoreUnreadable, UnknownRun
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +386,14 @@ class Store:
                 if not path.exists():
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
                     os.close(fd)
-        self.engine: Engine = create_engine(engine_url, future=True)
+        try:
+            self.engine: Engine = create_engine(engine_url, future=True)
+        except ImportError as exc:  # the database driver (psycopg for PostgreSQL) is an extra
+            extra = ": pip install 'hetflow[postgres]'" if url.startswith("postgresql") else ""
+            raise MissingExtraError(f"the state store {url} needs a database driver that is not installed "
+                                    f"({exc}){extra}") from None
+        except ArgumentError as exc:
+            raise StoreUnreadable(f"bad state store URL {url!r}: {exc}") from None
         if self.engine.dialect.name == "sqlite" and not self.read_only:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         if not self.read_only:
