@@ -119,7 +119,8 @@ pipe = hf.Pipeline("held")
 def hold(ctx):
     hold = Path(ctx.params["hold"])
     (hold.parent / f"holding-{ctx.rank}").touch()
-    while hold.exists():
+    give_up = time.time() + 180  # a test that failed half-way leaves nothing running for long
+    while hold.exists() and time.time() < give_up:
         time.sleep(0.2)
     return {"t": pa.table({"x": [ctx.rank]})}
 '''
