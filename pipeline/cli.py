@@ -243,7 +243,7 @@ def _datasets(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     status = run_status(store, args.run)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, path in sorted(status.datasets.items()):
         try:
             manifest = read_manifest(path)

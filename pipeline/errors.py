@@ -43,7 +43,7 @@ class RunFailed(TaskFailed, RuntimeError):
     line of its error) and the resume command.
     """
 
-    def __init__(self, status: "RunStatus") -> None:
+    def __init__(self, status: RunStatus) -> None:
         self.status = status
         unfinished = [s for s in status.stages if s.state not in ("DONE", "CACHED")]
         failed = [f"{s.name} {s.state}" + (f" ({s.error.splitlines()[0]})" if s.error else "")
