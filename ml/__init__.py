@@ -39,6 +39,13 @@ from __future__ import annotations
 
 import logging
 
+try:  # every part below needs torch: one line naming the extra instead of a traceback deep in one of them
+    import torch  # noqa: F401
+except ImportError as _exc:
+    from hetflow.tasks.errors import MissingExtraError
+
+    raise MissingExtraError(f"hetflow.ml needs PyTorch ({_exc}): pip install 'hetflow[ml]'") from None
+
 from hetflow.ml.artifact import ModelManifest, gather_model_table, model_from_table, model_to_table, read_manifest
 from hetflow.ml.checkpoint import (COMMIT_MARKER, committed_checkpoints, latest_checkpoint, load_checkpoint,
                                    rng_state, save_checkpoint, set_rng_state)

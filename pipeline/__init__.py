@@ -30,8 +30,8 @@ from hetflow.tasks.context import StageContext  # noqa: E402
 from hetflow.tasks.description import ResourceRequest  # noqa: E402
 from hetflow.tasks.pilot import PilotDescription, load_pilot  # noqa: E402
 
-from .errors import (ConfigError, HetflowError, MissingExtraError, PipelineError, RunLocked, TaskFailed,  # noqa: E402
-                     UnknownRun, UnsatisfiableRequest)
+from .errors import (ConfigError, HetflowError, MissingExtraError, PipelineError, RunFailed,  # noqa: E402
+                     RunLocked, TaskFailed, UnknownRun, UnsatisfiableRequest)
 
 if TYPE_CHECKING:  # the orchestrator, the store and SQLAlchemy load on first use (see __getattr__)
     from .pipeline import Pipeline, RunOptions, open_dataset, run_options
@@ -42,8 +42,8 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "__version__", "Pipeline", "RunOptions", "run_options", "open_dataset", "RunStatus", "StageStatus",
     "run_status", "StageContext", "ResourceRequest", "PilotDescription", "load_pilot", "HetflowError",
-    "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "PipelineError", "RunLocked", "TaskFailed",
-    "UnknownRun", "ml", "operators",
+    "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "PipelineError", "RunFailed", "RunLocked",
+    "TaskFailed", "UnknownRun", "ml", "operators",
 ]
 
 

@@ -1,6 +1,9 @@
 """The ``hetflow`` command.
 
-Exit codes: 0 the run is DONE, 1 it FAILED, 2 bad usage or configuration.
+Exit codes: 0 the run is DONE, 1 it did not end DONE (FAILED, CANCELLED, STOPPED),
+2 bad usage or configuration, 130 interrupted (Ctrl-C).  Every error a user can
+cause prints one line naming what is at fault (and the extra to install, where
+one is missing); a traceback is left for hetflow's own bugs.
 """
 
 from __future__ import annotations
@@ -18,27 +21,32 @@ import yaml
 
 from hetflow.tasks.errors import HetflowError, TaskFailed
 
-from .errors import RunAborted, RunInterrupted
+from . import __version__
+from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
 from .pipeline import Pipeline, RunOptions, default_workdir, run_options
 from .status import RunStatus, run_status
-from .store import Store, iso
+from .store import Store, iso, unreadable
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+RUN_STATES = ("RUNNING", "DONE", "FAILED", "INTERRUPTED", "CANCELLED", "STOPPED")
 
 
 class UsageError(HetflowError):
     """Bad command-line usage."""
 
 
-def _param(text: str) -> tuple[str, Any]:
+def _param(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` as text; :func:`hetflow.params.typed` gives the value its type at run time."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        parsed = yaml.safe_load(value) if value else ""
-    except yaml.YAMLError:
-        parsed = value
-    return key, parsed if isinstance(parsed, (int, float, bool, str)) or parsed is None else value
+    return key, value
+
+
+PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable). The value takes the type of the "
+              "default a stage declares for KEY in params= (int, float, bool: true/false, str: as typed); "
+              "for a KEY no stage declares: an integer or decimal number becomes a number, true/false a "
+              "bool, null None, anything else stays text (no, 1.2.3, 007 are text)")
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:
@@ -51,14 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more logging (-vv for debug); with run/resume, stream every stage's output live, "
                              "each line labelled with its stage and rank")
+    parser.add_argument("--version", action="version", version=f"hetflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run a pipeline script")
     run.add_argument("script", help="path to a Python file that declares a hetflow.Pipeline")
     run.add_argument("--pilot", help="a shipped pilot config name or a path to a .yaml config")
     run.add_argument("--backend", help="override the pilot's backend (local, radical, parsl, dask)")
-    run.add_argument("--param", action="append", default=[], type=_param, metavar="KEY=VALUE",
-                     help="a parameter passed to every stage's ctx.params (repeatable)")
+    run.add_argument("--param", action="append", default=[], type=_param, metavar="KEY=VALUE", help=PARAM_HELP)
     run.add_argument("--rerun", action="append", default=[], metavar="STAGE",
                      help="run STAGE again whatever the cache says, and every stage downstream of it "
                           "(repeatable; 'all' for every stage)")
@@ -92,8 +100,31 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep printing new output (of new attempts too) until the run ends")
     _store_args(logs)
 
-    runs = sub.add_parser("runs", help="list runs")
+    runs = sub.add_parser("runs", help="list runs (oldest first)")
+    runs.add_argument("--json", action="store_true", help="print JSON")
+    runs.add_argument("--state", action="append", default=[], type=str.upper, metavar="STATE",
+                      help=f"only runs in STATE (repeatable; one of {', '.join(RUN_STATES)})")
     _store_args(runs)
+
+    rm = sub.add_parser("rm", help="remove runs: records, logs and datasets no other run uses")
+    rm.add_argument("runs", nargs="+", metavar="RUN", help="run id (or a unique prefix)")
+    rm.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    _store_args(rm)
+
+    gc = sub.add_parser("gc", help="remove unfinished runs (all but each pipeline's latest) and leftover files",
+                        description="Remove runs that ended FAILED, INTERRUPTED, CANCELLED or STOPPED, except "
+                                    "the latest run of each pipeline (the one to resume), and directories under "
+                                    "runs/ that no run record names. Keeps every DONE run, every running run and "
+                                    "every dataset a kept run uses (its cache hits point into earlier runs).")
+    gc.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    _store_args(gc)
+
+    cancel = sub.add_parser("cancel", help="stop a running run (from any terminal or host sharing its store)")
+    cancel.add_argument("run", help="run id (or a unique prefix)")
+    cancel.add_argument("--no-wait", action="store_true", help="ask, and do not wait for the run to stop")
+    cancel.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds to wait for the run to stop (default 60)")
+    _store_args(cancel)
 
     sub.add_parser("pilots", help="list the shipped pilot configs")
     pilot = sub.add_parser("pilot", help="inspect a pilot config")
@@ -128,11 +159,18 @@ def _workdir(args: argparse.Namespace) -> Path:
 
 
 def _open_store(args: argparse.Namespace) -> Store:
+    from sqlalchemy.exc import SQLAlchemyError
+
     workdir = _workdir(args)
     if args.db is None and not os.environ.get("HETFLOW_DB") and not (workdir / "hetflow.db").exists():
         raise UsageError(f"no hetflow state store in {workdir.resolve()} "
                          "(run a pipeline first, or pass --workdir/--db, or set HETFLOW_DB)")
-    return Store.for_workdir(workdir, args.db)
+    store = Store.for_workdir(workdir, args.db)
+    try:
+        store.runs()  # reads every run's row: a damaged file or schema shows here, not halfway through
+    except SQLAlchemyError as exc:
+        raise StoreUnreadable(unreadable(store.url, exc)) from None
+    return store
 
 
 def _run_script(script: str, options: RunOptions, args: argparse.Namespace | None = None) -> int:
@@ -147,13 +185,16 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     sys.path.insert(0, str(path.resolve().parent))
     try:
         with run_options(options) as runs:
-            namespace = runpy.run_path(str(path.resolve()), run_name="__main__")
-            if not runs:
-                pipelines = [v for v in namespace.values() if isinstance(v, Pipeline)]
-                if not pipelines:
-                    raise UsageError(f"{script} declares no hetflow.Pipeline and runs none")
-                for pipe in pipelines:
-                    pipe.run()
+            try:
+                namespace = runpy.run_path(str(path.resolve()), run_name="__main__")
+                if not runs:
+                    pipelines = [v for v in namespace.values() if isinstance(v, Pipeline)]
+                    if not pipelines:
+                        raise UsageError(f"{script} declares no hetflow.Pipeline and runs none")
+                    for pipe in pipelines:
+                        pipe.run()
+            except RunFailed:
+                pass  # the run is in `runs`: its summary below says what failed and how to resume
     finally:
         sys.argv, sys.path = saved_argv, saved_path
     for status in runs:
@@ -192,8 +233,15 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
         if stage.log_dir:
             print(f"  {'':<20} logs: {stage.log_dir}")
     if not status.ok:
-        print(f"  resume with: {resume_command(status.id, args)}  (after fixing the cause; finished stages "
-              f"are not run again)")
+        if status.error and not any(s.error for s in status.stages if s.state not in ("DONE", "CACHED")):
+            print(f"  {status.error.splitlines()[0]}")
+        if status.script is None:
+            from .errors import resume_hint
+
+            print(f"  {resume_hint(status.id, script=False)} (after fixing the cause; finished stages are not run again)")
+        else:
+            print(f"  resume with: {resume_command(status.id, args)}  (after fixing the cause; finished stages "
+                  f"are not run again)")
     print(f"  output of every rank: {resume_command(status.id, args, 'logs')}")
 
 
@@ -205,16 +253,19 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status.to_json(), indent=2))
     else:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
-        table = Table(title=f"run {status.id} ({status.pipeline}): {status.state}")
+        # stage names, errors and tracebacks are the user's text: escaped, never read as rich markup
+        table = Table(title=escape(f"run {status.id} ({status.pipeline}): {status.state}"))
         for column in ("stage", "state", "attempts", "started", "seconds", "slots"):
             table.add_column(column)
         for stage in status.stages:
             seconds = f"{stage.ended - stage.started:.2f}" if stage.started and stage.ended else ""
             slots = "; ".join(f"{s.node} cores {list(s.cores)}" + (f" gpus {list(s.gpus)}" if s.gpus else "")
                               for s in stage.slots)
-            table.add_row(stage.name, stage.state, str(stage.attempts), iso(stage.started) or "", seconds, slots)
+            table.add_row(escape(stage.name), stage.state, str(stage.attempts), iso(stage.started) or "", seconds,
+                          escape(slots))
         console = Console()
         console.print(table)
         for stage in status.stages:
@@ -227,7 +278,8 @@ def _status(args: argparse.Namespace) -> int:
                               markup=False, highlight=False)
         for stage in status.stages:
             if stage.state not in ("DONE", "CACHED") and stage.error:
-                console.print(f"[bold]{stage.name}[/bold] {stage.state}: {stage.error}", markup=True, highlight=False)
+                console.print(f"[bold]{escape(stage.name)}[/bold] {stage.state}: {escape(stage.error)}", markup=True,
+                              highlight=False)
                 if stage.traceback:
                     console.print(stage.traceback, markup=False, highlight=False)
     return EXIT_OK if status.ok else EXIT_FAILED
@@ -238,7 +290,7 @@ def _datasets(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     status = run_status(store, args.run)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, path in sorted(status.datasets.items()):
         try:
             manifest = read_manifest(path)
@@ -252,6 +304,8 @@ def _datasets(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
+        if not rows:
+            print(f"run {status.id} has no committed datasets")
         for row in rows:
             if row["damaged"]:
                 print(f"{row['name']:<24} DAMAGED: {row['damaged']}")
@@ -298,15 +352,13 @@ def _serve(args: argparse.Namespace) -> int:
     store = _open_store(args)
     run_id = None
     if args.run is not None:
-        record = store.find_run(args.run)
-        if record is None:
-            raise UsageError(f"no run {args.run!r} in {store.url}")
-        run_id = record.id
+        run_id = store.resolve_run(args.run).id
     try:
         server = make_server(store, run_id, host=args.host, port=args.port)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     host, port = server.server_address[:2]
+    host = host.decode() if isinstance(host, bytes) else host
     print(f"serving {'run ' + run_id if run_id else 'the latest run'} at http://{host}:{port}/ (Ctrl-C to stop)",
           flush=True)
     try:
@@ -319,10 +371,77 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
+    unknown = sorted(set(args.state) - set(RUN_STATES))
+    if unknown:
+        raise UsageError(f"--state {unknown[0]}: not a run state (states: {', '.join(RUN_STATES)})")
     store = _open_store(args)
-    for run in store.runs():
-        print(f"{run.id:<48} {run.state:<8} {iso(run.created)}")
+    runs = [r for r in store.runs() if not args.state or r.state in args.state]
+    if args.json:
+        print(json.dumps([{"id": r.id, "pipeline": r.pipeline, "state": r.state, "created": iso(r.created),
+                           "started": iso(r.started), "ended": iso(r.ended), "run_dir": r.run_dir,
+                           "script": r.script, "owner": r.owner, "error": r.error} for r in runs], indent=2))
+        return EXIT_OK
+    for run in runs:
+        print(f"{run.id:<48} {run.state:<11} {iso(run.created)}")
     return EXIT_OK
+
+
+def _removal_lines(removal: Any, dry_run: bool) -> None:
+    verb = "would remove" if dry_run else "removed"
+    for run_id in removal.runs:
+        print(f"{verb} run {run_id}")
+    for path in removal.paths:
+        print(f"{verb} {path}")
+    for path, users in sorted(removal.kept.items()):
+        print(f"kept {path} (used by run {', '.join(sorted(set(users)))})")
+    if not removal.runs and not removal.paths:
+        print("nothing to remove")
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from .manage import remove_runs
+
+    store = _open_store(args)
+    ids = list(dict.fromkeys(store.resolve_run(r).id for r in args.runs))
+    _removal_lines(remove_runs(store, ids, dry_run=args.dry_run), args.dry_run)
+    return EXIT_OK
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from .manage import collect_garbage
+
+    store = _open_store(args)
+    runs_dir = _workdir(args).resolve() / "runs"
+    _removal_lines(collect_garbage(store, runs_dir, dry_run=args.dry_run), args.dry_run)
+    return EXIT_OK
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    import socket
+    import time
+
+    from .errors import resume_hint
+
+    store = _open_store(args)
+    run = store.resolve_run(args.run)
+    if run.state != "RUNNING":
+        raise UsageError(f"run {run.id} is not running (it ended {run.state}); nothing to cancel")
+    if not store.request_cancel(run.id, f"{socket.gethostname()}:{os.getpid()} at {iso(time.time())}"):
+        raise UsageError(f"run {run.id} ended before it could be cancelled")
+    if args.no_wait:
+        print(f"asked run {run.id} to stop (its orchestrator looks every second)")
+        return EXIT_OK
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        store.reconcile_dead_runs()
+        now = store.resolve_run(run.id)
+        if now.state != "RUNNING":
+            print(f"run {run.id} {now.state}; {resume_hint(run.id, script=now.script is not None)}")
+            return EXIT_OK
+        time.sleep(0.5)
+    print(f"hetflow: run {run.id} is still running {args.timeout:g} s after the cancel request "
+          f"(its orchestrator {run.owner} has not answered)", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _pilot(args: argparse.Namespace) -> int:
@@ -345,8 +464,21 @@ def _pilot(args: argparse.Namespace) -> int:
     return EXIT_USAGE if problems else EXIT_OK
 
 
+def _need(module: str, extra: str, what: str) -> None:
+    """Raise :class:`MissingExtraError` naming the extra when ``module`` cannot be imported."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise MissingExtraError(f"{what} needs {module}, which is not installed: "
+                                f"pip install 'hetflow[{extra}]'") from None
+
+
 def _report(args: argparse.Namespace) -> int:
     from .report import write_report
+
+    _need("matplotlib", "report", "hetflow report")
 
     store = _open_store(args)
     html, png = write_report(store, args.run, Path(args.out) if args.out else None)
@@ -368,22 +500,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "simulate":
         from hetflow.tasks.simulator import cli_main
 
-        return cli_main(argv[1:])
+        try:
+            if "--report" in argv:
+                _need("matplotlib", "report", "hetflow simulate --report")
+            return int(cli_main(argv[1:]))
+        except HetflowError as exc:
+            print(f"hetflow: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "run":
-            options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(args.param), db=args.db,
+            options = RunOptions(pilot=args.pilot, workdir=args.workdir, param_text=dict(args.param), db=args.db,
                                  backend=args.backend, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
             return _run_script(args.script, options, args)
         if args.command == "resume":
             store = _open_store(args)
-            record = store.find_run(args.run)
-            if record is None:
-                raise UsageError(f"no run {args.run!r} in {store.url}")
+            record = store.resolve_run(args.run)
             if not record.script:
                 raise UsageError(f"run {record.id} was started from Python code, not a script; resume it with "
                                  f"pipe.run(run_id={record.id!r}) from the same code")
@@ -401,6 +537,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _logs(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "rm":
+            return _rm(args)
+        if args.command == "gc":
+            return _gc(args)
+        if args.command == "cancel":
+            return _cancel(args)
         if args.command == "pilots":
             from hetflow.tasks.pilot import config_names, load_pilot
 
@@ -419,13 +561,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunInterrupted as exc:
         print(f"hetflow: {exc}", file=sys.stderr)
         _summary_after(exc.run_id, args)
-        return 130
+        return EXIT_INTERRUPTED
     except HetflowError as exc:
         print(f"hetflow: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("hetflow: interrupted; running tasks were stopped", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
 

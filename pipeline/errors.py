@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hetflow.tasks.errors import ConfigError, HetflowError, MissingExtraError, TaskFailed, UnsatisfiableRequest
 
+if TYPE_CHECKING:
+    from .status import RunStatus
+
 __all__ = ["HetflowError", "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "TaskFailed",
-           "PipelineError", "RunLocked", "UnknownRun", "RunAborted", "RunInterrupted"]
+           "PipelineError", "RunLocked", "StoreUnreadable", "UnknownRun", "RunAborted", "RunInterrupted", "RunFailed"]
 
 
 class PipelineError(HetflowError, ValueError):
@@ -16,12 +21,43 @@ class RunLocked(HetflowError, RuntimeError):
     """Another live orchestrator owns this run."""
 
 
+class StoreUnreadable(HetflowError, RuntimeError):
+    """The state store cannot be opened or read (a damaged or foreign file, a wrong URL)."""
+
+
 class UnknownRun(HetflowError, LookupError):
     """No run with that id in the state store."""
 
 
-def resume_hint(run_id: str) -> str:
-    return f"resume it with: hetflow resume {run_id}"
+def resume_hint(run_id: str, *, script: bool = True) -> str:
+    """How to go on with a run: ``hetflow resume`` for a script's run, ``pipe.run(run_id=...)`` otherwise."""
+    if script:
+        return f"resume it with: hetflow resume {run_id}"
+    return f"resume it with: pipe.run(run_id={run_id!r}) from the same code"
+
+
+class RunFailed(TaskFailed, RuntimeError):
+    """A run ended other than DONE; ``status`` is its :class:`~hetflow.RunStatus`.
+
+    The message names the run, its state, each stage that did not finish (with the first
+    line of its error) and the resume command.
+    """
+
+    def __init__(self, status: RunStatus) -> None:
+        self.status = status
+        unfinished = [s for s in status.stages if s.state not in ("DONE", "CACHED")]
+        failed = [f"{s.name} {s.state}" + (f" ({s.error.splitlines()[0]})" if s.error else "")
+                  for s in unfinished if s.state != "SKIPPED"]
+        skipped = [s.name for s in unfinished if s.state == "SKIPPED"]
+        parts = [f"run {status.id} ended {status.state}"]
+        if status.error and not failed:
+            parts.append(status.error.splitlines()[0])
+        if failed:
+            parts.append("stage " + ", stage ".join(failed))
+        if skipped:
+            parts.append(f"skipped: {', '.join(skipped)}")
+        parts.append(resume_hint(status.id, script=status.script is not None))
+        super().__init__("; ".join(parts))
 
 
 class RunAborted(HetflowError, RuntimeError):

@@ -18,7 +18,7 @@ from pathlib import Path
 from hetflow.tasks.protocol import AttemptFiles
 from sqlalchemy import select
 
-from .errors import HetflowError, UnknownRun
+from .errors import HetflowError
 from .store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
 
 
@@ -63,9 +63,7 @@ def run_logs(store: Store, run_id: str | None, stage: str | None = None,
              attempt: int | None = None) -> tuple[RunRecord, list[AttemptLogs]]:
     """The run and the attempts asked for: every stage's latest attempt by default, or ``stage``'s
     (its ``attempt``-th when given), in stage order.  Names what is not there."""
-    run = store.find_run(run_id)
-    if run is None:
-        raise UnknownRun(f"no run {run_id!r} in {store.url}" if run_id else f"no runs yet in {store.url}")
+    run = store.resolve_run(run_id)
     with store.session() as session:
         rows = session.execute(select(StageRecord.name, AttemptRecord.number, AttemptRecord.attempt_dir,
                                       AttemptRecord.state)

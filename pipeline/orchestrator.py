@@ -103,6 +103,10 @@ class LeaseLost(HetflowError, RuntimeError):
     """Another orchestrator took this run over (its lease lapsed): stop without writing anything more."""
 
 
+class CancelRequested(HetflowError, RuntimeError):
+    """``hetflow cancel`` asked (through the store) to stop this run: it ends CANCELLED, resumable."""
+
+
 @dataclass
 class _Live:
     """What the loop knows about one running attempt."""
@@ -238,6 +242,7 @@ class Orchestrator:
                 self._watch_walltime()
                 if time.time() - last_look >= 1.0:
                     self._watch_lone_deaths()
+                    self._watch_cancel()
                     last_look = time.time()
                 try:
                     live, outcome = self.outcomes.get(timeout=0.5)
@@ -252,6 +257,9 @@ class Orchestrator:
         except KeyboardInterrupt:
             self.stop("interrupted (Ctrl-C)", "INTERRUPTED")
             raise
+        except CancelRequested as cancel:
+            self.stop(str(cancel), "CANCELLED")
+            return "CANCELLED"
         except LeaseLost:
             for live in list(self.live.values()):  # ours to stop; the record is the new owner's now
                 backend.cancel(str(live.task))
@@ -368,6 +376,11 @@ class Orchestrator:
                             "others; ending the task", live.stage, now - live.lone_death_seen)
                 live.ended_by_us = True
                 self.backend.cancel(str(live.task))
+
+    def _watch_cancel(self) -> None:
+        who = self.store.cancel_request(self.run_id)
+        if who is not None:
+            raise CancelRequested(f"cancelled with `hetflow cancel` by {who}")
 
     def _renew_lease(self) -> None:
         if not self.store.renew_lease(self.run_id, self.owner, LEASE_SECONDS):
@@ -624,7 +637,10 @@ class Orchestrator:
             self.store.event(session, self.run_id, "stage", change.stage, change.state, error=change.error,
                              **dict(change.detail))
         if change.state in TERMINAL - SUCCESS and change.error:
-            log.error("stage %s %s: %s", change.stage, change.state, change.error.splitlines()[0])
+            # a stage's own failure is an error; one stopped by Ctrl-C, a cancel or the walltime is not
+            level = logging.ERROR if change.state in ("FAILED", "TIMED_OUT") else \
+                logging.INFO if change.state == "CANCELLED" else logging.WARNING
+            log.log(level, "stage %s %s: %s", change.stage, change.state, change.error.splitlines()[0])
 
     def _close(self, state: str | None = None, error: str | None = None) -> str:
         final = self.final = state or self.final or "FAILED"

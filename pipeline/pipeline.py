@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, Ty
 
 from hetflow.operators.dataset import Dataset
 from hetflow.tasks.description import ResourceRequest
-from hetflow.tasks.errors import UnsatisfiableRequest
+from hetflow.tasks.errors import ConfigError, UnsatisfiableRequest
+from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_name
-from .errors import HetflowError, PipelineError, RunAborted, RunInterrupted, UnknownRun
+from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
@@ -36,6 +37,8 @@ class RunOptions:
     pilot: "str | PilotDescription | None" = None
     workdir: str | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
+    param_text: Mapping[str, str] = field(default_factory=dict)
+    """``--param`` values as typed; each gets its type by :mod:`hetflow.params`."""
     db: str | None = None
     backend: str | None = None
     run_id: str | None = None
@@ -85,7 +88,7 @@ class Pipeline:
 
     # ------------------------------------------------------------ declaring
     def stage(self, func: F | None = None, *, name: str | None = None, ranks: int = 1, cores_per_rank: int = 1,
-              gpus_per_rank: int = 0, memory_per_rank: int | None = None, ranks_per_node: int | None = None,
+              gpus_per_rank: int = 0, memory_per_rank: int | str | None = None, ranks_per_node: int | None = None,
               duration: float | None = None, inputs: Sequence[str] = (), outputs: Sequence[str] = (),
               params: Mapping[str, Any] | None = None, retries: int = 0,
               timeout: float | None = None, schemas: Mapping[str, Any] | None = None,
@@ -101,6 +104,8 @@ class Pipeline:
         ``files`` lists files or globs the stage reads (relative to the script's
         directory, or absolute): their content is part of the stage's cache key,
         so changing, adding or removing one re-runs it; ``ctx.files`` lists them.
+        ``memory_per_rank`` is bytes or a size as the pilot config writes it
+        (``"4GB"`` = 4·10⁹, ``"4GiB"`` = 4·2³⁰).
         """
         def register(fn: F) -> F:
             stage_name = name or getattr(fn, "__name__", None)
@@ -136,8 +141,12 @@ class Pipeline:
             if timeout is not None and timeout <= 0:
                 raise PipelineError(f"{where}: timeout must be > 0 seconds, got {timeout!r}")
             try:
+                memory = None if memory_per_rank is None else parse_bytes(memory_per_rank)
+            except ConfigError as exc:
+                raise PipelineError(f"{where}: memory_per_rank: {exc}") from None
+            try:
                 request = ResourceRequest(ranks=ranks, cores_per_rank=cores_per_rank, gpus_per_rank=gpus_per_rank,
-                                          memory_per_rank=memory_per_rank, ranks_per_node=ranks_per_node,
+                                          memory_per_rank=memory, ranks_per_node=ranks_per_node,
                                           duration=duration)
             except UnsatisfiableRequest as exc:
                 raise PipelineError(f"{where}: {exc}") from None
@@ -187,7 +196,7 @@ class Pipeline:
     def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = None,
             workdir: "str | os.PathLike[str] | None" = None, params: Mapping[str, Any] | None = None,
             db: str | None = None, backend: str | None = None, run_id: str | None = None,
-            progress: bool | None = None, check: bool = False, rerun: Sequence[str] = ()) -> RunStatus:
+            progress: bool | None = None, check: bool = True, rerun: Sequence[str] = ()) -> RunStatus:
         """Run the pipeline to the end and return its status.
 
         Stages whose inputs are ready run at the same time on disjoint slots.
@@ -196,8 +205,12 @@ class Pipeline:
         ``run_id`` of an existing run resumes it (every stage's key is checked
         again, so what changed since re-runs).  ``rerun`` names stages to run
         again whatever the cache says (``"all"`` for every stage), and
-        everything downstream of them.  ``check=True`` raises
-        :class:`TaskFailed` if the run did not end DONE.
+        everything downstream of them.
+
+        A run that does not end DONE raises :class:`~hetflow.RunFailed`, which carries
+        the status (``exc.status``) and names the failed stages and the resume command;
+        ``check=False`` returns the status instead.  Uncaught in a script, it prints that
+        one line (no traceback) and the script exits 1 (:func:`_report_uncaught`).
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
@@ -230,14 +243,14 @@ class Pipeline:
         store = Store.for_workdir(root, options.db or db or self.db)
         resume_id = options.run_id or run_id
         if resume_id is not None:
-            record = store.find_run(resume_id)
-            if record is None:
-                raise UnknownRun(f"no run {resume_id!r} in {store.url}")
-            the_id = record.id
+            the_id = store.resolve_run(resume_id).id
         else:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        from .params import from_command_line
+
         run_params = dict(params or {})
         run_params.update(options.params)
+        run_params.update(from_command_line(options.param_text, self.stages.values()))
         show = options.progress if options.progress is not None else progress  # None: live view on a terminal,
         # plain lines otherwise
         orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
@@ -259,6 +272,7 @@ class Pipeline:
         except KeyboardInterrupt:
             if orchestrator.final is None:
                 orchestrator.stop("interrupted (Ctrl-C)", "INTERRUPTED")
+            _report_uncaught()
             raise RunInterrupted(the_id) from None
         except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
             from .orchestrator import where
@@ -269,14 +283,37 @@ class Pipeline:
                 reason = f"the state store {store.url} could not be written ({cause})"
             if orchestrator.final is None:
                 orchestrator.stop(reason, "FAILED")
+            _report_uncaught()
             raise RunAborted(the_id, reason) from exc
         status = run_status(store, the_id)
         store.close()
         made.append(status)
         log.info("run %s ended %s", status.id, status.state)
-        if check:
+        if check and not status.ok:
+            _report_uncaught()
             status.raise_for_state()
         return status
+
+
+def _report_uncaught() -> None:
+    """Let an uncaught run failure print as its one-line message, not a traceback.
+
+    A run that did not end DONE is an outcome the status records, not a bug in the
+    script, and the frames inside hetflow say nothing the message does not.  The hook
+    wraps ``sys.excepthook`` only while it is Python's own (an IDE's or IPython's is
+    left alone) and passes every other exception to it.  The interpreter still exits 1.
+    """
+    if sys.excepthook is not sys.__excepthook__:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, (RunFailed, RunAborted, RunInterrupted)):
+            print(f"hetflow: {value}", file=sys.stderr)
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def _script_path(stages: Mapping[str, StageSpec]) -> str | None:

@@ -10,15 +10,12 @@ from sqlalchemy import select
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.timeline import Interval, render_timeline
 
-from .errors import UnknownRun
 from .store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
 
 
 def run_intervals(store: Store, run_id: str | None) -> tuple[RunRecord, list[Interval]]:
     """One interval per attempt per node it held; dependencies follow the datasets."""
-    found = store.find_run(run_id)
-    if found is None:
-        raise UnknownRun(f"no run {run_id!r} in {store.url}" if run_id else f"no runs yet in {store.url}")
+    found = store.resolve_run(run_id)
     intervals: list[Interval] = []
     with store.session() as session:
         stages = list(session.scalars(select(StageRecord).where(StageRecord.run_id == found.id)))

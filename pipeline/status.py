@@ -10,9 +10,8 @@ from sqlalchemy import select
 
 from hetflow.operators.dataset import Dataset
 
-from .errors import UnknownRun
+from .errors import RunFailed
 from .store import DatasetRecord, RunRecord, StageRecord, Store, TaskRecord, iso
-from hetflow.tasks.errors import TaskFailed
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,10 @@ class RunStatus:
     run_dir: str
     stages: tuple[StageStatus, ...]
     datasets: dict[str, str] = field(default_factory=dict)
+    script: str | None = None
+    """The script ``hetflow resume`` re-executes (``None``: started from Python code)."""
+    error: str | None = None
+    """Why the run ended FAILED, INTERRUPTED or CANCELLED when no stage says (Ctrl-C, a cancel, no launcher)."""
 
     @property
     def ok(self) -> bool:
@@ -100,27 +103,24 @@ class RunStatus:
         return Dataset(self.datasets[name])
 
     def raise_for_state(self) -> None:
-        """Raise :class:`~hetflow.TaskFailed` listing every stage that did not end DONE or CACHED,
-        unless the run is :attr:`ok`."""
+        """Raise :class:`~hetflow.RunFailed` (carrying this status) unless the run is DONE."""
         if not self.ok:
-            failed = [f"{s.name}: {s.state}: {s.error}" for s in self.stages if s.state not in ("DONE", "CACHED")]
-            raise TaskFailed(f"run {self.id} ended {self.state}:\n  " + "\n  ".join(failed))
+            raise RunFailed(self)
 
     def to_json(self) -> dict[str, Any]:
         """The run as JSON-ready values: what ``hetflow status --json`` prints."""
         return {"id": self.id, "pipeline": self.pipeline, "state": self.state, "created": iso(self.created),
                 "started": iso(self.started), "ended": iso(self.ended), "run_dir": self.run_dir,
-                "stages": [s.to_json() for s in self.stages], "datasets": dict(self.datasets)}
+                "script": self.script, "error": self.error, "stages": [s.to_json() for s in self.stages], "datasets": dict(self.datasets)}
 
 
 def run_status(store: Store, run_id: str | None) -> RunStatus:
     """The status of run ``run_id`` (a unique prefix will do; ``None``: the latest run) read from
-    ``store``; :class:`~hetflow.UnknownRun` when there is no such run."""
-    run = store.find_run(run_id)
-    if run is None:
-        raise UnknownRun(f"no run {run_id!r} in {store.url}" if run_id else f"no runs yet in {store.url}")
+    ``store``; :class:`~hetflow.UnknownRun` naming what exists when there is no such run or the
+    prefix is ambiguous."""
+    found = store.resolve_run(run_id)
     with store.session() as session:
-        run = session.get(RunRecord, run.id)
+        run = session.get(RunRecord, found.id)
         assert run is not None
         stages = []
         for record in session.scalars(select(StageRecord).where(StageRecord.run_id == run.id)
@@ -142,4 +142,5 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
                 cache_hit=record.cache_hit, log_dir=attempt.attempt_dir if attempt else None))
         datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
         return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
-                         ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets)
+                         ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets,
+                         script=run.script, error=run.error)

@@ -10,7 +10,7 @@ Stage states: ``PENDING`` → ``QUEUED`` → ``RUNNING`` → ``DONE`` | ``FAILED
 committed output was reused) | ``CANCELLED`` | ``WALLTIME`` (cut off by the
 pilot's walltime; resumable).  A run ends ``DONE``, ``FAILED`` or ``STOPPED``
 (the walltime stopped it before the end; resume it in the next allocation) or
-``INTERRUPTED`` (Ctrl-C; resume it).
+``INTERRUPTED`` (Ctrl-C; resume it) or ``CANCELLED`` (``hetflow cancel``; resume it).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import psutil
 from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
                         event, func, select, text, update)
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
-from .errors import RunLocked, UnknownRun
+from .errors import MissingExtraError, RunLocked, StoreUnreadable, UnknownRun
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ class RunRecord(Base):
     lease_until: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     """Why the run ended FAILED or INTERRUPTED when no stage says (no launcher, a full disk, Ctrl-C)."""
+    cancel_requested: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Who asked ``hetflow cancel`` to stop the run (``host:pid at time``); its orchestrator polls it."""
     stages: Mapped[list["StageRecord"]] = relationship(back_populates="run", order_by="StageRecord.order")
 
 
@@ -339,6 +341,20 @@ def _add_new_columns(connection: Any) -> None:
 SCHEMA_LOCK_KEY = 0x6865_7466_6C6F_77  # "hetflow": the PostgreSQL advisory lock around schema creation
 
 
+def unreadable(url: str, exc: SQLAlchemyError) -> str:
+    """One line for a store that cannot be read: its URL and the database's own words."""
+    cause = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+    hint = " (a damaged or foreign file? move it aside to start a new store)" if url.startswith("sqlite") else ""
+    return f"cannot read the state store {url}: {cause}{hint}"
+
+
+def _listing(ids: list[str], *, total: int | None = None, most: int = 5) -> str:
+    """``a, b, c`` (newest first), cut to ``most`` with how many more there are."""
+    total = len(ids) if total is None else total
+    shown = ", ".join(ids[:most])
+    return shown + (f" and {total - most} more" if total > most else "")
+
+
 def _writable(directory: Path) -> bool:
     try:
         return os.access(directory, os.W_OK) and not os.statvfs(directory).f_flag & os.ST_RDONLY
@@ -370,11 +386,21 @@ class Store:
                 if not path.exists():
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
                     os.close(fd)
-        self.engine: Engine = create_engine(engine_url, future=True)
+        try:
+            self.engine: Engine = create_engine(engine_url, future=True)
+        except ImportError as exc:  # the database driver (psycopg for PostgreSQL) is an extra
+            extra = ": pip install 'hetflow[postgres]'" if url.startswith("postgresql") else ""
+            raise MissingExtraError(f"the state store {url} needs a database driver that is not installed "
+                                    f"({exc}){extra}") from None
+        except ArgumentError as exc:
+            raise StoreUnreadable(f"bad state store URL {url!r}: {exc}") from None
         if self.engine.dialect.name == "sqlite" and not self.read_only:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         if not self.read_only:
-            self._create_schema(path)
+            try:
+                self._create_schema(path)
+            except SQLAlchemyError as exc:  # a damaged file, a server that does not answer: one line
+                raise StoreUnreadable(unreadable(url, exc)) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def _create_schema(self, path: Path | None) -> None:
@@ -451,6 +477,7 @@ class Store:
                 if record.id != run_id:
                     raise ValueError(f"create() made run {record.id!r}, not {run_id!r}")
                 record.owner, record.lease_until, record.state = owner, now + lease_seconds, "RUNNING"
+                record.cancel_requested = None
                 record.started, record.ended = record.started or now, None
                 try:
                     with self.session() as session:
@@ -471,7 +498,7 @@ class Store:
                     update(RunRecord)
                     .where(RunRecord.id == run_id, _is(RunRecord.owner, held_by), _is(RunRecord.lease_until, lease_until))
                     .values(owner=owner, lease_until=now + lease_seconds, state="RUNNING",
-                            started=func.coalesce(RunRecord.started, now), ended=None)
+                            started=func.coalesce(RunRecord.started, now), ended=None, cancel_requested=None)
                     .execution_options(synchronize_session=False))
                 if taken.rowcount != 1:  # type: ignore[attr-defined]
                     continue
@@ -507,6 +534,26 @@ class Store:
             pipeline = session.scalar(select(RunRecord.pipeline).where(RunRecord.id == run_id))
             self.event(session, run_id, "run", pipeline or "", state, error=error, **dict(detail or {}))
             return True
+
+    def request_cancel(self, run_id: str, who: str) -> bool:
+        """Ask the orchestrator of RUNNING ``run_id`` to stop it (it polls :meth:`cancel_request`).
+
+        Through the store, so it reaches an orchestrator on another host too.  False if the run is
+        not RUNNING.  A later claim (a resume) clears the request.
+        """
+        with self.session() as session:
+            asked = session.execute(
+                update(RunRecord).where(RunRecord.id == run_id, RunRecord.state == "RUNNING")
+                .values(cancel_requested=who).execution_options(synchronize_session=False))
+            if asked.rowcount != 1:  # type: ignore[attr-defined]
+                return False
+            self.event(session, run_id, "run", run_id, "CANCEL_REQUESTED", by=who)
+            return True
+
+    def cancel_request(self, run_id: str) -> str | None:
+        """Who asked to cancel ``run_id`` (``None``: nobody)."""
+        with self.session() as session:
+            return session.scalar(select(RunRecord.cancel_requested).where(RunRecord.id == run_id))
 
     def reconcile_dead_runs(self) -> list[DeadRun]:
         """Record FAILED every RUNNING run whose orchestrator is gone (:func:`owner_gone`).
@@ -549,12 +596,35 @@ class Store:
         return dead
 
     def find_run(self, run_id: str | None) -> RunRecord | None:
-        """A run by id (or unique prefix); the latest run for ``None``."""
+        """A run by id (or unique prefix); the latest run for ``None``; ``None`` if none or ambiguous."""
+        try:
+            return self.resolve_run(run_id)
+        except UnknownRun:
+            return None
+
+    def resolve_run(self, run_id: str | None) -> RunRecord:
+        """A run by id or unique prefix (the latest for ``None``).
+
+        :class:`UnknownRun` says which runs an ambiguous prefix matches, or which runs
+        there are when none matches, so the next command can be typed from the message.
+        """
         with self.session() as session:
             if run_id is None:
-                return session.scalars(select(RunRecord).order_by(RunRecord.created.desc()).limit(1)).first()
+                latest = session.scalars(select(RunRecord).order_by(RunRecord.created.desc()).limit(1)).first()
+                if latest is None:
+                    raise UnknownRun(f"no runs yet in {self.url}")
+                return latest
             exact = session.get(RunRecord, run_id)
             if exact is not None:
                 return exact
-            matches = list(session.scalars(select(RunRecord).where(RunRecord.id.startswith(run_id))))
-            return matches[0] if len(matches) == 1 else None
+            matches = list(session.scalars(select(RunRecord).where(RunRecord.id.startswith(run_id, autoescape=True))
+                                           .order_by(RunRecord.created.desc())))
+            if len(matches) == 1:
+                return matches[0]
+            if matches:
+                raise UnknownRun(f"{run_id!r} matches {len(matches)} runs: {_listing([m.id for m in matches])}; "
+                                 "give more of the id")
+            newest = list(session.scalars(select(RunRecord.id).order_by(RunRecord.created.desc()).limit(6)))
+            known = f"runs: {_listing(newest, total=session.scalar(select(func.count()).select_from(RunRecord)))}" \
+                if newest else "no runs yet"
+            raise UnknownRun(f"no run {run_id!r} in {self.url} ({known}; `hetflow runs` lists them)")

@@ -30,6 +30,10 @@ class ResourceRequest:
                 raise UnsatisfiableRequest(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.gpus_per_rank, int) or self.gpus_per_rank < 0:
             raise UnsatisfiableRequest(f"gpus_per_rank must be an integer >= 0, got {self.gpus_per_rank!r}")
+        if self.memory_per_rank is not None and (not isinstance(self.memory_per_rank, int)
+                                                 or isinstance(self.memory_per_rank, bool)):
+            raise UnsatisfiableRequest(f"memory_per_rank must be a number of bytes, got {self.memory_per_rank!r} "
+                                       "(a stage also takes a size such as '4GB' or '4GiB')")
         if self.memory_per_rank is not None and self.memory_per_rank < 0:
             raise UnsatisfiableRequest(f"memory_per_rank must be >= 0 bytes, got {self.memory_per_rank!r}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:

@@ -23,7 +23,6 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, get_args
@@ -31,6 +30,7 @@ from typing import Any, Literal, Mapping, get_args
 import yaml
 
 from .errors import ConfigError
+from .sizes import parse_bytes
 from .slurm_allocation import current_allocation
 
 Backend = Literal["local", "slurm", "radical", "parsl", "dask"]
@@ -49,10 +49,6 @@ LIMITS: Mapping[str, tuple[float, float]] = {
     "drain": (0, YEAR),
 }
 """Allowed range of each numeric pilot field, inclusive."""
-
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
 
 @dataclass(frozen=True)
 class PilotDescription:
@@ -254,16 +250,6 @@ def parse_duration(value: Any) -> float:
     if abs(number) > YEAR:  # before float(), which overflows on huge integers
         raise ConfigError(f"bad duration {value!r} (expected at most {YEAR} s, a year)")
     return float(number)
-
-
-def parse_bytes(value: Any) -> int:
-    """Bytes from an integer or a string such as ``'512GiB'``."""
-    if _is_int(value):
-        return int(value)
-    match = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([kKmMgGtT]?i?[bB]?)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"bad size {value!r} (expected bytes or a size such as '512GiB')")
-    return int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])  # exact: no float overflow
 
 
 def detect_gpus() -> tuple[int, ...]:

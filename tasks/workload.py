@@ -134,9 +134,17 @@ def load_spec(spec: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         if not path.is_file():
             raise ConfigError(f"unknown workload {str(spec)!r} (builtin: {sorted(BUILTIN)}; or a .yaml/.json file)")
         import yaml
-        data, source = yaml.safe_load(path.read_text()) or {}, str(path)
+        source = str(path)
+        hint = ("; a pipeline script runs with `hetflow run`" if path.suffix == ".py" else "")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" (line {where.line + 1})" if where is not None else ""
+            raise ConfigError(f"{source}: not a workload spec: not YAML or JSON{at}; --workload takes a builtin "
+                              f"({', '.join(sorted(BUILTIN))}) or a .yaml/.json spec{hint}") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"{source}: a workload spec must be a mapping")
+            raise ConfigError(f"{source}: a workload spec must be a mapping{hint}")
         if "extends" in data:
             base = data.pop("extends")
             if base not in BUILTIN:

@@ -76,7 +76,7 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches_a_clean_run(tmp_path:
         return pipe
 
     killer = _kill_rank_when(marker, tmp_path / "w", rank=1)
-    run = build(tmp_path / "w").run()
+    run = build(tmp_path / "w").run(check=False)
     killer.join(5)
     stage = run.stage(stage_fn.__name__)
     assert run.state == "FAILED" and stage.state == "FAILED"
@@ -87,10 +87,10 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_matches_a_clean_run(tmp_path:
     with pytest.raises(DatasetNotFound):
         open_dataset(Path(run.run_dir) / "datasets" / output)
     # the next attempt (same run) finishes, and equals a clean run
-    resumed = build(tmp_path / "w").run(run_id=run.id)
+    resumed = build(tmp_path / "w").run(run_id=run.id, check=False)
     assert resumed.ok and resumed.stage("numbers").attempts == 1  # the producer was not re-run
     assert resumed.stage(stage_fn.__name__).attempts == 2
-    clean = build(tmp_path / "clean").run()
+    clean = build(tmp_path / "clean").run(check=False)
     got, want = resumed.dataset(output).to_table(), clean.dataset(output).to_table()
     assert got.sort_by("x").equals(want.sort_by("x"))
 
@@ -103,7 +103,7 @@ def test_the_rank_that_died_is_named_not_one_mpiexec_killed(tmp_path: Path, how:
     pipe = hf.Pipeline("alone", pilot=pilot, workdir=tmp_path)
     pipe.stage(ranks=1, outputs=["numbers"])(F.numbers)
     pipe.stage(ranks=3, inputs=["numbers"], outputs=["survivors"], params={"how": how})(F.dies_alone)
-    run = pipe.run()
+    run = pipe.run(check=False)
     stage = run.stage("dies_alone")
     assert stage.state == "FAILED" and stage.failed_rank == 1 and stage.signal == signum, stage
     # (if mpiexec misses the death, the orchestrator ends the task and says so after the status: tested below)
@@ -118,7 +118,7 @@ def test_a_death_the_launcher_misses_still_ends_the_task(tmp_path: Path, monkeyp
     monkeypatch.setattr(hetflow.orchestrator, "LONE_DEATH_GRACE", 1.0)
     pipe = _pipe("missed", tmp_path)
     pipe.stage(ranks=2, inputs=["numbers"], outputs=["survivors"])(F.missed_death)  # no timeout: would hang
-    run = pipe.run()
+    run = pipe.run(check=False)
     stage = run.stage("missed_death")
     assert stage.state == "FAILED" and stage.failed_rank == 1 and stage.signal == 9, stage
     assert stage.error.startswith("rank 1 of stage 'missed_death' ended without a result (killed by signal 9; "
@@ -132,7 +132,7 @@ def test_hung_rank_times_out_and_its_processes_are_killed(tmp_path: Path, how: s
     pipe = _pipe("hung", tmp_path)
     pipe.stage(ranks=2, inputs=["numbers"], outputs=["hung"], timeout=4, params={"how": how})(F.hang)
     started = time.time()
-    run = pipe.run()
+    run = pipe.run(check=False)
     stage = run.stage("hang")
     assert stage.state == "TIMED_OUT" and run.state == "FAILED"
     assert "timeout of 4" in stage.error
@@ -146,7 +146,7 @@ def test_what_a_rank_leaves_behind_ends_with_its_stage(tmp_path: Path, how: str)
     pipe = hf.Pipeline("leaves", pilot=PILOT, workdir=tmp_path)
     pipe.stage(ranks=2, timeout=30, params={"how": how})(F.leaves_children)
     started = time.time()
-    run = pipe.run()
+    run = pipe.run(check=False)
     took = time.time() - started
     assert run.ok, run.stage("leaves_children")
     assert took < 15, took
@@ -158,7 +158,7 @@ def test_what_a_rank_leaves_behind_ends_with_its_stage(tmp_path: Path, how: str)
 def test_a_daemon_of_a_rank_the_launcher_killed_does_not_outlive_the_stage(tmp_path: Path) -> None:
     pipe = hf.Pipeline("beside", pilot=PILOT, workdir=tmp_path)
     pipe.stage(ranks=2, timeout=30)(F.dies_beside_a_daemon)
-    run = pipe.run()
+    run = pipe.run(check=False)
     stage = run.stage("dies_beside_a_daemon")
     assert stage.state == "FAILED" and stage.failed_rank == 1, stage
     assert stage.ended - stage.started < 15
@@ -172,7 +172,7 @@ def test_transient_failure_is_retried_and_deterministic_one_is_not_beyond_retrie
     pipe.stage(ranks=1, inputs=["numbers"], outputs=["picked"], retries=2)(F.unknown_column)
     pipe.stage(name="downstream", ranks=1, inputs=["picked"], outputs=["downstream_out"])(F.passthrough)
     pipe.stage(name="later", ranks=1, inputs=["downstream_out"], outputs=["later_out"])(F.passthrough)
-    run = pipe.run()
+    run = pipe.run(check=False)
     assert run.stage("flaky").state == "DONE" and run.stage("flaky").attempts == 2
     bad = run.stage("unknown_column")
     assert bad.state == "FAILED" and bad.attempts == 3  # 1 + retries, no more
@@ -187,7 +187,7 @@ def test_schema_drift_is_rejected_at_the_boundary_with_a_diff(tmp_path: Path) ->
     pipe = _pipe("drift", tmp_path)
     pipe.stage(name="consumer", ranks=1, inputs=["numbers"], outputs=["consumer_out"],
                schemas={"numbers": expected})(F.passthrough)
-    run = pipe.run()
+    run = pipe.run(check=False)
     stage = run.stage("consumer")
     assert stage.state == "FAILED"
     assert "input 'numbers': schema differs" in stage.error
@@ -210,7 +210,7 @@ def test_a_damaged_cached_output_is_recomputed_never_served(tmp_path: Path, dama
     second = _pipe("corrupt", tmp_path)
     second.stage(name="consumer", ranks=1, inputs=["numbers"], outputs=["consumer_out"])(F.passthrough)
     with caplog.at_level("WARNING"):
-        run = second.run()
+        run = second.run(check=False)
     assert run.ok, run
     numbers = run.stage("numbers")
     assert numbers.state == "DONE" and numbers.attempts == 1  # recomputed, not CACHED
@@ -220,18 +220,18 @@ def test_a_damaged_cached_output_is_recomputed_never_served(tmp_path: Path, dama
     assert run.dataset("consumer_out").num_rows == 4000
     again = _pipe("corrupt", tmp_path)
     again.stage(name="consumer", ranks=1, inputs=["numbers"], outputs=["consumer_out"])(F.passthrough)
-    third = again.run()  # and the recomputed output is what the cache serves from now on
+    third = again.run(check=False)  # and the recomputed output is what the cache serves from now on
     assert [s.state for s in third.stages] == ["CACHED", "CACHED"]
     assert third.stage("numbers").cached_from == run.id
 
 
 def test_tampered_manifest_is_not_trusted_for_reuse(tmp_path: Path) -> None:
-    first = _pipe("tamper", tmp_path).run()
+    first = _pipe("tamper", tmp_path).run(check=False)
     manifest_path = Path(first.datasets["numbers"]) / MANIFEST
     manifest = json.loads(manifest_path.read_text())
     manifest["partitions"][0]["rows"] += 5
     manifest_path.write_text(json.dumps(manifest))
-    again = _pipe("tamper", tmp_path).run()
+    again = _pipe("tamper", tmp_path).run(check=False)
     assert again.stage("numbers").state == "DONE"  # re-run, not reused
     assert again.dataset("numbers").num_rows == 4000
 
@@ -245,7 +245,7 @@ def test_full_disk_fails_the_stage_naming_the_path_and_publishes_nothing(tmp_pat
     try:
         pipe = _pipe("full", workdir)
         pipe.stage(ranks=1, inputs=["numbers"], outputs=["big"])(F.big_output)
-        run = pipe.run()
+        run = pipe.run(check=False)
         stage = run.stage("big_output")
         assert stage.state == "FAILED"
         assert "No space left on device" in stage.error and "datasets/big/part-00000.arrow" in stage.error
@@ -260,7 +260,7 @@ def test_unusable_workdir_is_a_clear_error(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(hf.PipelineError, match=f"work directory {blocker}/w is not usable"):
-        _pipe("nowhere", blocker / "w").run()
+        _pipe("nowhere", blocker / "w").run(check=False)
 
 
 def test_directories_and_files_are_private_under_a_permissive_umask(tmp_path: Path) -> None:
@@ -339,11 +339,11 @@ def test_walltime_cuts_off_running_work_and_the_next_allocation_resumes(tmp_path
         pipe.stage(name="after", ranks=1, inputs=["slept"], outputs=["after_out"])(F.passthrough)
         return pipe
 
-    run = build(short, 60).run()
+    run = build(short, 60).run(check=False)
     assert run.state == "STOPPED"
     assert run.stage("numbers").state == "DONE"
     assert run.stage("sleeper").state == "WALLTIME" and "walltime" in run.stage("sleeper").error
     assert run.stage("after").state == "PENDING"
     assert "slept" not in run.datasets
-    resumed = build(PILOT, 0).run(run_id=run.id)
+    resumed = build(PILOT, 0).run(run_id=run.id, check=False)
     assert resumed.ok and resumed.stage("numbers").attempts == 1

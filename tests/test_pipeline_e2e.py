@@ -77,7 +77,7 @@ def test_failing_rank_fails_the_stage_fast_and_skips_dependents(tmp_path: Path) 
     pipe.stage(ranks=2, inputs=["numbers"], outputs=["never"])(P.fail_on_rank_one)
     pipe.stage(name="after", ranks=1, inputs=["never"], outputs=["after_out"])(P.describe_rank)
     pipe.stage(name="independent", ranks=1, inputs=["numbers"], outputs=["independent_out"])(P.describe_rank)
-    run = pipe.run(pilot=LOCAL_2)
+    run = pipe.run(pilot=LOCAL_2, check=False)
     assert run.state == "FAILED"
     failed = run.stage("fail_on_rank_one")
     assert failed.state == "FAILED" and failed.failed_rank == 1
@@ -141,7 +141,7 @@ def test_rerun_reuses_committed_outputs_and_param_change_reruns(tmp_path: Path) 
 def test_stage_result_errors_name_the_stage_and_outputs(tmp_path: Path) -> None:
     pipe = P.pipeline("bad-return", workdir=tmp_path)
     pipe.stage(ranks=1, outputs=["wrong_name"])(P.make_rows)
-    run = pipe.run(pilot=LOCAL_2)
+    run = pipe.run(pilot=LOCAL_2, check=False)
     stage = run.stage("make_rows")
     assert stage.state == "FAILED"
     assert "returned outputs ['numbers']; declared outputs are ['wrong_name']" in (stage.error or "")

@@ -9,6 +9,7 @@ that Debian's package creates.  ``scripts/system-deps.sh`` installs the server.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pwd
 import shutil
@@ -108,3 +109,64 @@ def test_runs_resume_and_status_on_postgres(postgres_url: str, tmp_path: Path) -
                             "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert f'"{run.id}"' in shown.stdout and '"DONE"' in shown.stdout
+
+
+HELD = '''
+import time
+from pathlib import Path
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("held")
+
+@pipe.stage(ranks=2, outputs=["t"])
+def hold(ctx):
+    hold = Path(ctx.params["hold"])
+    (hold.parent / f"holding-{ctx.rank}").touch()
+    give_up = time.time() + 180  # a test that failed half-way leaves nothing running for long
+    while hold.exists() and time.time() < give_up:
+        time.sleep(0.2)
+    return {"t": pa.table({"x": [ctx.rank]})}
+'''
+
+
+def test_cancel_and_rm_through_postgres(postgres_url: str, tmp_path: Path) -> None:
+    """`hetflow cancel` reaches the orchestrator through the store alone (as it would from another
+    host); `hetflow rm` then removes the run's rows from the server."""
+    (tmp_path / "held.py").write_text(HELD)
+    (tmp_path / "hold").touch()
+    env = dict(os.environ, HETFLOW_DB=postgres_url)
+    cli = [sys.executable, "-m", "hetflow.cli"]
+    proc = subprocess.Popen([*cli, "run", "held.py", "--no-progress", "--param", f"hold={tmp_path / 'hold'}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "holding-1").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        listed = subprocess.run([*cli, "runs", "--state", "RUNNING", "--json"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)
+        (run,) = [r for r in json.loads(listed.stdout) if r["pipeline"] == "held"]
+        cancelled = subprocess.run([*cli, "cancel", run["id"]], cwd=tmp_path, env=env, capture_output=True,
+                                   text=True, timeout=120)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert f"run {run['id']} CANCELLED" in cancelled.stdout
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    removed = subprocess.run([*cli, "rm", run["id"]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert removed.returncode == 0, removed.stderr
+    engine = sa.create_engine(postgres_url)
+    with engine.connect() as conn:
+        for query in ("SELECT count(*) FROM runs WHERE id = :run",
+                      "SELECT count(*) FROM stages WHERE run_id = :run",
+                      "SELECT count(*) FROM events WHERE run_id = :run",
+                      "SELECT count(*) FROM datasets WHERE run_id = :run",
+                      "SELECT count(*) FROM tasks WHERE id LIKE :run || '/%'"):
+            assert conn.execute(sa.text(query), {"run": run["id"]}).scalar_one() == 0, query
+    engine.dispose()
+    assert not Path(run["run_dir"]).exists()

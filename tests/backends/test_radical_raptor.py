@@ -126,12 +126,12 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RadicalBackend]
 
 def _run(pipe: hf.Pipeline, backend: str, engine: RadicalBackend | None, workdir: Path) -> Any:
     if backend == "local":
-        return pipe.run(pilot=_pilot("local"), workdir=workdir)
+        return pipe.run(pilot=_pilot("local"), workdir=workdir, check=False)
     assert engine is not None
     Shared.engine = engine
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hp, "get_backend", lambda name: Shared)
-        return pipe.run(pilot=_pilot("radical"), workdir=workdir)
+        return pipe.run(pilot=_pilot("radical"), workdir=workdir, check=False)
 
 
 def _stage_dirs(workdir: Path, run_id: str, stage: str) -> list[dict[str, Any]]:

@@ -1,0 +1,203 @@
+"""Run management: remove runs (``hetflow rm``), collect garbage (``hetflow gc``), cancel a run.
+
+A cache hit does not copy data: the later run's dataset record points at the
+earlier run's dataset directory (``runs/<earlier>/datasets/<name>``).  So removing
+a run removes its records and its directory *except* the dataset directories
+that a kept run's records point at; those stay where they are, and go once the
+last run using them is removed (by ``rm`` of that run, or by ``gc``).  Nothing a
+kept run reads, resumes from or serves from the cache is ever deleted.
+
+Records go first (one transaction), files after: a crash in between leaves
+directories no record names, which ``gc`` removes later; never a record naming
+a deleted directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from .errors import HetflowError, RunLocked
+from .store import (
+    AttemptRecord,
+    DatasetRecord,
+    EventRecord,
+    PartitionRecord,
+    RunRecord,
+    StageRecord,
+    Store,
+    TaskRecord,
+    owner_gone,
+)
+
+RESUMABLE = frozenset({"FAILED", "INTERRUPTED", "CANCELLED", "STOPPED"})
+"""Ended runs that did not finish: what ``gc`` removes (all but each pipeline's latest)."""
+
+ORPHAN_GRACE = 300.0
+"""Seconds a directory under ``runs/`` without a record is left alone: a run being created
+makes its directory just before its record."""
+
+
+@dataclass
+class Removal:
+    """What removing runs did (or, for a dry run, would do)."""
+
+    runs: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    kept: dict[str, list[str]] = field(default_factory=dict)
+    """Dataset directory -> the kept runs that use it (left on disk)."""
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _live(run: RunRecord) -> bool:
+    return run.state == "RUNNING" and owner_gone(run.owner, run.lease_until) is None
+
+
+def _hetflow_path(path: Path) -> bool:
+    """``path`` has the shape hetflow creates (``…/runs/<id>`` or ``…/runs/<id>/<part>…``): nothing else is
+    removed, whatever a record says."""
+    parts = path.parts
+    return "runs" in parts[:-1] and len(parts) - parts.index("runs") >= 2
+
+
+def remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool = False) -> Removal:
+    """Remove the runs ``run_ids`` (full ids): their records, then their files no kept run uses.
+
+    Refuses (:class:`RunLocked`, nothing removed) while one of them is running with a live owner.
+    """
+    store.reconcile_dead_runs()
+    doomed = set(run_ids)
+    result = Removal()
+    with store.session() as session:
+        runs = []
+        for run_id in run_ids:
+            run = session.get(RunRecord, run_id)
+            if run is None:
+                raise HetflowError(f"no run {run_id!r} in {store.url}")
+            if _live(run):
+                raise RunLocked(f"run {run.id} is running (orchestrator {run.owner}); stop it first with "
+                                f"`hetflow cancel {run.id}`; nothing was removed")
+            runs.append(run)
+        used: dict[str, list[str]] = {}  # dataset path -> kept runs whose records point at it
+        for path, user in session.execute(select(DatasetRecord.path, DatasetRecord.run_id)
+                                          .where(DatasetRecord.run_id.not_in(doomed))):
+            used.setdefault(path, []).append(user)
+        kept_dirs = [d for i, d in session.execute(select(RunRecord.id, RunRecord.run_dir)) if i not in doomed]
+        reused = set(session.scalars(select(DatasetRecord.path).where(DatasetRecord.run_id.in_(doomed))))
+        for run in runs:
+            result.runs.append(run.id)
+            kept = {p: users for p, users in used.items() if _inside(p, run.run_dir)}
+            result.kept.update(kept)
+            if kept:
+                result.paths.extend(_run_dir_parts(Path(run.run_dir), set(kept)))
+            elif os.path.lexists(run.run_dir):
+                result.paths.append(run.run_dir)
+        # datasets the removed runs reused from a run removed before: theirs to remove now, unless a kept
+        # run uses them too or they sit in a kept run's directory
+        for path in sorted(reused):
+            if path in used or any(_inside(path, d) for d in kept_dirs) or \
+                    any(_inside(path, r.run_dir) for r in runs) or not os.path.lexists(path):
+                continue
+            result.paths.append(path)
+        result.paths = [p for p in result.paths if _hetflow_path(Path(p))]
+        if dry_run:
+            session.rollback()
+            return result
+        _delete_records(session, doomed)
+    for path in result.paths:
+        _remove_tree(Path(path))
+    return result
+
+
+def _run_dir_parts(run_dir: Path, kept: set[str]) -> list[str]:
+    """Everything in ``run_dir`` but the kept dataset directories."""
+    parts: list[str] = []
+    try:
+        children = sorted(run_dir.iterdir())
+    except OSError:
+        return []
+    for child in children:
+        if child.name == "datasets" and child.is_dir() and not child.is_symlink():
+            parts.extend(str(d) for d in sorted(child.iterdir()) if str(d) not in kept)
+        else:
+            parts.append(str(child))
+    return parts
+
+
+def _delete_records(session: Session, run_ids: Iterable[str]) -> None:
+    ids = list(run_ids)
+    stage_ids = select(StageRecord.id).where(StageRecord.run_id.in_(ids))
+    dataset_ids = select(DatasetRecord.id).where(DatasetRecord.run_id.in_(ids))
+    task_ids = select(TaskRecord.id).where(TaskRecord.stage_id.in_(stage_ids))
+    for statement in (delete(EventRecord).where(EventRecord.run_id.in_(ids)),
+                      delete(PartitionRecord).where(PartitionRecord.dataset_id.in_(dataset_ids)),
+                      delete(DatasetRecord).where(DatasetRecord.run_id.in_(ids)),
+                      delete(AttemptRecord).where(AttemptRecord.task_id.in_(task_ids)),
+                      delete(TaskRecord).where(TaskRecord.stage_id.in_(stage_ids)),
+                      delete(StageRecord).where(StageRecord.run_id.in_(ids)),
+                      delete(RunRecord).where(RunRecord.id.in_(ids))):
+        session.execute(statement.execution_options(synchronize_session=False))
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove ``path`` without following a symlink out of it (a link itself is unlinked); then an
+    emptied ``datasets`` directory and run directory above a removed dataset."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path)  # fd-based on Linux: never follows a link inside
+    except FileNotFoundError:
+        pass
+    if path.parent.name == "datasets":
+        for directory in (path.parent, path.parent.parent):
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+
+
+def collect_garbage(store: Store, runs_dir: Path | None, *, dry_run: bool = False) -> Removal:
+    """``hetflow gc``: remove ended runs that did not finish, except each pipeline's latest run,
+    and directories under ``runs_dir`` that no record names.
+
+    Kept: every DONE run, every running run, the latest run of each pipeline whatever its state
+    (the one to resume), and every dataset a kept run uses.
+    """
+    store.reconcile_dead_runs()
+    with store.session() as session:
+        runs = list(session.execute(select(RunRecord.id, RunRecord.pipeline, RunRecord.state)
+                                    .order_by(RunRecord.created)))
+    latest = {pipeline: run_id for run_id, pipeline, _ in runs}
+    doomed = [run_id for run_id, pipeline, state in runs if state in RESUMABLE and latest[pipeline] != run_id]
+    result = remove_runs(store, doomed, dry_run=dry_run) if doomed else Removal()
+    if runs_dir is None or not runs_dir.is_dir():
+        return result
+    gone = set(doomed) if dry_run else set()
+    with store.session() as session:
+        known = {d for i, d in session.execute(select(RunRecord.id, RunRecord.run_dir)) if i not in gone}
+        used = {p for i, p in session.execute(select(DatasetRecord.run_id, DatasetRecord.path)) if i not in gone}
+    now = time.time()
+    for child in sorted(runs_dir.iterdir()):
+        name = str(child)
+        if name in known or name in result.paths or any(_inside(p, name) for p in used):
+            continue
+        try:
+            if now - child.lstat().st_mtime < ORPHAN_GRACE:
+                continue
+        except OSError:
+            continue
+        result.paths.append(name)
+        if not dry_run:
+            _remove_tree(child)
+    return result

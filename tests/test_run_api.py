@@ -1,0 +1,135 @@
+"""The run API as a script sees it: ``pipe.run()`` raises ``hf.RunFailed``, ``check=False`` returns
+the status, a failed ``python script.py`` exits non-zero with one line, and the README's tour runs
+as printed, guarded or not (real subprocesses, real mpiexec, real SQLite)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import hetflow as hf
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_1 = hf.PilotDescription(name="one", cores_per_node=1, gpus_per_node=0, memory_per_node=2**33)
+
+FAILING = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("failing")
+
+@pipe.stage(outputs=["t"])
+def make(ctx):
+    return {"t": pa.table({"x": [1, 2]})}
+
+@pipe.stage(inputs=["t"], outputs=["u"])
+def boom(ctx, t):
+    raise ValueError("the detector file is empty")
+
+@pipe.stage(inputs=["u"], outputs=["v"])
+def after(ctx, u):
+    return {"v": u}
+'''
+
+
+def _make(ctx: hf.StageContext) -> dict[str, pa.Table]:
+    return {"t": pa.table({"x": [1, 2]})}
+
+
+def _boom(ctx: hf.StageContext, t: pa.Table) -> dict[str, pa.Table]:
+    raise ValueError("the detector file is empty")
+
+
+def test_run_raises_run_failed_carrying_the_status_and_check_false_returns_it(tmp_path: Path) -> None:
+    pipe = hf.Pipeline("failing", pilot=LOCAL_1, workdir=tmp_path / "w")
+    pipe.stage(outputs=["t"])(_make)
+    pipe.stage(inputs=["t"], outputs=["u"])(_boom)
+    with pytest.raises(hf.RunFailed) as caught:
+        pipe.run(progress=False)
+    status = caught.value.status
+    assert isinstance(status, hf.RunStatus) and status.state == "FAILED"
+    assert status.stage("_boom").state == "FAILED" and status.stage("_make").state == "DONE"
+    message = str(caught.value)
+    assert status.id in message and "_boom FAILED" in message and "the detector file is empty" in message
+    assert "\n" not in message
+    # started from Python code (no script of its own): the resume is pipe.run(run_id=...)
+    assert f"pipe.run(run_id={status.id!r})" in message
+    assert isinstance(caught.value, hf.TaskFailed)  # what `except hf.TaskFailed` caught before still catches it
+    again = pipe.run(progress=False, check=False, run_id=status.id)
+    assert isinstance(again, hf.RunStatus) and again.id == status.id and again.state == "FAILED"
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_failed_script_exits_1_with_one_line_naming_run_stage_and_resume(tmp_path: Path, guarded: bool) -> None:
+    body = FAILING + ('\nif __name__ == "__main__":\n    pipe.run()\n    print("after run")\n' if guarded
+                      else '\npipe.run()\nprint("after run")\n')
+    (tmp_path / "flow.py").write_text(body)
+    done = subprocess.run([sys.executable, "flow.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "after run" not in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    run_id = re.search(r"run (failing-\S+) ended FAILED", lines[0])
+    assert run_id is not None, lines[0]
+    assert "boom FAILED (rank 0 raised ValueError: the detector file is empty)" in lines[0]
+    assert "skipped: after" in lines[0]
+    assert lines[0].endswith(f"resume it with: hetflow resume {run_id.group(1)}")
+    # and the command it names works: the script is fixed, the resume finishes the run
+    (tmp_path / "flow.py").write_text(body.replace('raise ValueError("the detector file is empty")',
+                                                   'return {"u": t}'))
+    resumed = subprocess.run([sys.executable, "-m", "hetflow.cli", "resume", run_id.group(1), "--no-progress"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"run {run_id.group(1)}: DONE" in resumed.stdout
+
+
+def test_other_errors_in_a_script_keep_their_traceback(tmp_path: Path) -> None:
+    """Only a run's outcome is shortened: a bug in the script itself still shows where it is."""
+    (tmp_path / "flow.py").write_text("import hetflow as hf\n1 / 0\n")
+    done = subprocess.run([sys.executable, "flow.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" in done.stderr and "ZeroDivisionError" in done.stderr
+
+
+def test_hetflow_run_keeps_exit_code_1_and_prints_the_summary_for_a_failed_script(tmp_path: Path) -> None:
+    (tmp_path / "flow.py").write_text(FAILING)
+    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "run", "flow.py", "--no-progress"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert re.search(r"boom +FAILED +attempts=1 +rank 0 raised ValueError", done.stdout), done.stdout
+    assert "resume it with: hetflow resume failing-" in done.stdout
+
+
+def _tour_source() -> str:
+    """The README tour's code block, with the placeholders it shows (if still there) made real."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## A tour"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block is not None, "README.md: no python block under '## A tour'"
+    code = block.group(1)
+    if "table_for_this_rank" in code:
+        code = "import pyarrow as pa\n" + code.replace("table_for_this_rank", 'pa.table({"rank": [ctx.rank]})')
+    return re.sub(r"^(\s+)\.\.\.\s*$", r'\1return {"summary": events}', code, flags=re.M)
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_the_readme_tour_runs_as_printed(tmp_path: Path, guarded: bool) -> None:
+    code = _tour_source()
+    if guarded:
+        code = code.replace("run = pipe.run(", 'if __name__ == "__main__":\n    run = pipe.run(')
+        assert 'if __name__ == "__main__":' in code
+    (tmp_path / "tour.py").write_text(code + "\nprint('tour state', run.state)\n" if not guarded else
+                                      code + "\n    print('tour state', run.state)\n")
+    done = subprocess.run([sys.executable, "tour.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "tour state DONE" in done.stdout
+    runs = subprocess.run([sys.executable, "-m", "hetflow.cli", "runs", "--json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert [r["state"] for r in json.loads(runs.stdout)] == ["DONE"]
