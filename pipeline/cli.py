@@ -240,7 +240,7 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
 
             print(f"  {resume_hint(status.id, script=False)} (after fixing the cause; finished stages are not run again)")
         else:
-            print(f"  resume with: {resume_command(status.id, args)}  (after fixing the cause; finished stages "
+            print(f"  resume it with: {resume_command(status.id, args)}  (after fixing the cause; finished stages "
                   f"are not run again)")
     print(f"  output of every rank: {resume_command(status.id, args, 'logs')}")
 

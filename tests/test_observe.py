@@ -89,7 +89,7 @@ def test_logs_label_each_rank_and_keep_the_launcher_banner_apart(tmp_path: Path)
     assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0 and "ranks with output: [0, 1]" in wrong.stderr
     assert "Traceback" not in wrong.stderr
     # the summary names the logs, the durations and the exact resume command
-    assert "resume with: hetflow resume " + rid + " --workdir w" in done.stdout
+    assert "resume it with: hetflow resume " + rid + " --workdir w" in done.stdout
     assert f"logs: {tmp_path}/w/runs/{rid}/stages/talk/attempt-1" in done.stdout
     # status shows where the logs are, in text and JSON
     status = hetflow("status", rid, "--workdir", "w", "--json", cwd=tmp_path)
@@ -189,7 +189,7 @@ def test_ctrl_c_prints_the_summary_with_the_exact_resume_command(tmp_path: Path)
     assert proc.returncode == 130, out + err
     rid = run_id(tmp_path)
     assert f"run {rid}: INTERRUPTED" in out
-    assert f"resume with: hetflow resume {rid} --workdir w" in out
+    assert f"resume it with: hetflow resume {rid} --workdir w" in out
     assert f"logs: {tmp_path}/w/runs/{rid}/stages/talk/attempt-1" in out
 
 
