@@ -179,10 +179,16 @@ def _start_held_run(cwd: Path) -> tuple[subprocess.Popen[str], dict]:
 
 
 def _ranks_of(run_dir: str) -> list[psutil.Process]:
+    """The live rank processes of the run, by the pid files each rank writes in its attempt directory
+    (a 1-rank stage forked by the fork server does not carry the spec path in its command line)."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(run_dir in part for part in proc.info["cmdline"] or []):
-            found.append(proc)
+    for pid_file in Path(run_dir).glob("stages/*/attempt-*/rank-*.pid"):
+        try:
+            proc = psutil.Process(int(pid_file.read_text()))
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (ValueError, OSError, psutil.NoSuchProcess):
+            continue
     return found
 
 
