@@ -10,8 +10,10 @@ on torch's global random state.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
@@ -188,7 +190,7 @@ class ArrowLoader:
         """The CUDA path: gather into a ring of pinned buffers, copy on a side stream, ``prefetch`` ahead."""
         import torch
 
-        stream = torch.cuda.Stream(device=self.device)
+        stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))  # e.g. the normalisation vectors' upload
         capacity = max((len(r) for r in rows_list), default=0)
         label = self.label_column.tensor if self.label_column is not None else None
@@ -208,7 +210,7 @@ class ArrowLoader:
             with torch.cuda.stream(stream):
                 x = self._normalized(x_host.to(self.device, non_blocking=True))
                 y = None if y_host is None else y_host.to(self.device, non_blocking=True)
-                ready = torch.cuda.Event()
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record(stream)
             slot.copied = ready
             return _InFlight(x, y, ready)
@@ -251,33 +253,66 @@ class _InFlight:
     ready: Any
 
 
-def gather_rows(columns: Sequence[ConvertedColumn], rows: np.ndarray, out: "torch.Tensor") -> "torch.Tensor":
+def gather_rows(columns: Sequence[ConvertedColumn], rows: np.ndarray, out: "torch.Tensor", *,
+                threads: int | None = None) -> "torch.Tensor":
     """Write ``rows`` of ``columns`` side by side into ``out[:len(rows)]`` and return that view.
 
     The rows go from the column tensors (views of the Arrow buffers) straight
-    into ``out`` — a pinned staging buffer on the CUDA path — with no
-    intermediate copy when there is one column of ``out``'s dtype; otherwise
-    column by column (casting as it copies).
+    into ``out`` — a pinned staging buffer on the CUDA path.  One column of
+    ``out``'s dtype is gathered in a single ``index_select`` into ``out``;
+    several columns are gathered column by column (casting as they copy), on
+    up to ``threads`` threads (default: torch's intra-op thread count, which
+    hetflow sets to the rank's cores): a shuffled batch of a columnar table
+    costs one random memory access per value, and those overlap across
+    threads.  Consecutive rows (an unshuffled loader) are sliced, not gathered.
     """
     import torch
 
     n = len(rows)
     if out.dim() != 2 or out.shape[0] < n:
         raise ValueError(f"out must be a (rows >= {n}, width) tensor, got shape {tuple(out.shape)}")
-    idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    widths = [1 if c.tensor.dim() == 1 else int(c.tensor.shape[1]) for c in columns]
+    if sum(widths) != out.shape[1]:
+        raise ValueError(f"the columns have {sum(widths)} feature values per row but out has width {out.shape[1]}")
     dest = out[:n]
-    if len(columns) == 1 and columns[0].tensor.dtype == out.dtype:
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    first = int(rows[0]) if n else 0
+    consecutive = n > 0 and int(rows[-1]) - first == n - 1 and bool(np.all(np.diff(rows) == 1))
+    idx = torch.from_numpy(rows)
+
+    def take(col: ConvertedColumn) -> "torch.Tensor":
+        part: torch.Tensor = col.tensor[first:first + n] if consecutive else col.tensor.index_select(0, idx)
+        return part
+
+    if len(columns) == 1 and columns[0].tensor.dtype == out.dtype and not consecutive:
         src = columns[0].tensor
         torch.index_select(src, 0, idx, out=dest.view(n) if src.dim() == 1 else dest)
         return dest
-    offset = 0
-    for col in columns:
-        width = 1 if col.tensor.dim() == 1 else int(col.tensor.shape[1])
-        dest[:, offset:offset + width].copy_(col.tensor.index_select(0, idx).reshape(n, width))
-        offset += width
-    if offset != out.shape[1]:
-        raise ValueError(f"the columns have {offset} feature values per row but out has width {out.shape[1]}")
+    offsets = np.concatenate([[0], np.cumsum(widths)]).tolist()
+
+    inference = torch.is_inference_mode_enabled()  # thread-local: the gather threads must match the caller
+
+    def one(i: int) -> None:
+        with torch.inference_mode(inference):
+            dest[:, offsets[i]:offsets[i + 1]].copy_(take(columns[i]).reshape(n, widths[i]))
+
+    workers = min(len(columns), threads if threads is not None else torch.get_num_threads())
+    if workers > 1 and n * len(columns) >= _PARALLEL_VALUES:
+        list(_pool(workers).map(one, range(len(columns))))  # torch releases the GIL in both copies
+    else:
+        for i in range(len(columns)):
+            one(i)
     return dest
+
+
+_PARALLEL_VALUES = 16384
+"""Below this many values a batch is gathered on the calling thread (a pool round trip costs more)."""
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A shared pool of ``workers`` gather threads (idle threads cost nothing; they end with the process)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hetflow-gather")
 
 
 def gather_label(src: "torch.Tensor", rows: np.ndarray, out: "torch.Tensor") -> "torch.Tensor":

@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hetflow.ml import ArrowLoader, predict  # noqa: E402
-from hetflow.ml.models import MLP  # noqa: E402
+from hetflow.ml import ArrowLoader, predict
+from hetflow.ml.models import MLP
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -40,7 +40,7 @@ def _pairs(loader: ArrowLoader, epoch: int, slow_step: bool = False) -> list[tup
 def test_cuda_batches_equal_the_cpu_batches(prefetch: int, features: list[str]) -> None:
     table = _table()
     norm = {"a": (0.5, 2.0), "v": (-1.0, 3.0)}
-    kwargs = dict(batch_size=512, seed=4, normalization={k: v for k, v in norm.items() if k in features})
+    kwargs = {"batch_size": 512, "seed": 4, "normalization": {k: v for k, v in norm.items() if k in features}}
     cpu = ArrowLoader(table, features, "y", **kwargs)  # type: ignore[arg-type]
     gpu = ArrowLoader(table, features, "y", device="cuda", prefetch=prefetch, **kwargs)  # type: ignore[arg-type]
     assert gpu.pin_memory and gpu.prefetch == prefetch

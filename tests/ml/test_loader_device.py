@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 import pytest
+from pyarrow import ipc
 
 torch = pytest.importorskip("torch")
 
-from hetflow.ml import ArrowLoader, arrow_data_address  # noqa: E402
-from hetflow.ml.loader import gather_label, gather_rows  # noqa: E402
+from hetflow.ml import ArrowLoader, arrow_data_address
+from hetflow.ml.loader import _PARALLEL_VALUES, gather_label, gather_rows
 
 
 def _mapped(tmp_path: Path, table: pa.Table) -> pa.Table:
@@ -95,3 +95,19 @@ def test_bad_device_options_are_rejected() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prefetch must be an integer >= 0"):
             ArrowLoader(table, ["a"], "y", batch_size=4, prefetch=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("rows", [np.arange(40, 6040), np.random.default_rng(1).permutation(20000)[:6000]],
+                         ids=["consecutive", "shuffled"])
+def test_parallel_and_serial_gathers_give_the_same_batch(rows: np.ndarray) -> None:
+    table = _table(20000)
+    loader = ArrowLoader(table, ["a", "b", "v"], "y", batch_size=8)
+    assert len(rows) * len(loader.columns) >= _PARALLEL_VALUES  # above the parallel threshold
+    serial = gather_rows(loader.columns, rows, torch.empty((len(rows), 5)), threads=1)
+    parallel = gather_rows(loader.columns, rows, torch.empty((len(rows), 5)), threads=3)
+    want = np.column_stack([np.asarray(table.column("a"))[rows], np.asarray(table.column("b"))[rows],
+                            np.stack(table.column("v").to_numpy(zero_copy_only=False))[rows]]).astype(np.float32)
+    assert np.array_equal(serial.numpy(), want) and np.array_equal(parallel.numpy(), want)
+    with torch.inference_mode():  # as in predict: the gather threads write an inference tensor
+        inferred = gather_rows(loader.columns, rows, torch.empty((len(rows), 5)), threads=3)
+    assert np.array_equal(inferred.numpy(), want)
