@@ -31,7 +31,9 @@ hetflow ≥ 0.9× the baseline in training, copy rate ≥ 0.8× the pinned limit
 
 Each measurement is repeated ``repeats`` times, alternating hetflow and the
 baseline; the printed figures are medians with the min–max spread.
-``--quick`` is the CI-sized run (a few thousand rows, one repeat).
+``--quick`` is the CI-sized run (a few thousand rows, one repeat).  ``--threads``
+sets the CPU threads of both sides (on a machine shared with other work,
+several OpenMP threads each can be far slower than one).
 """
 
 from __future__ import annotations
@@ -89,13 +91,13 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _context(workdir: Path, device: str) -> Any:
+def _context(workdir: Path, device: str, threads: int) -> Any:
     from hetflow.tasks.context import StageContext
     from mpi4py import MPI
 
     return StageContext(comm=MPI.COMM_SELF, stage="bench", run_id="bench", attempt=1, params={},
                         workdir=workdir, checkpoint_dir=workdir / "checkpoints",
-                        cores=tuple(sorted(os.sched_getaffinity(0))), gpus=(0,) if device == "cuda" else ())
+                        cores=tuple(sorted(os.sched_getaffinity(0)))[:threads], gpus=(0,) if device == "cuda" else ())
 
 
 def _model(features: int, hidden: tuple[int, ...], seed: int) -> Any:
@@ -116,7 +118,7 @@ def train_hetflow(table: pa.Table, args: argparse.Namespace, workdir: Path) -> l
     import torch
     from hetflow import ml
 
-    ctx = _context(workdir, args.device)
+    ctx = _context(workdir, args.device, args.threads)
     names = feature_names(args.features)
     result = ml.fit(ctx, table, model=_model(args.features, args.hidden, 0), features=names, label="y",
                     loss=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
@@ -140,7 +142,7 @@ def train_baseline(table: pa.Table, args: argparse.Namespace, *, per_row: bool =
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(args.threads)
     x, y = _baseline_tensors(table, args)
     stats = _stats(table, feature_names(args.features))
     mean = torch.tensor([m for m, _ in stats.values()], device=device)
@@ -176,7 +178,7 @@ def train_baseline(table: pa.Table, args: argparse.Namespace, *, per_row: bool =
 def infer_hetflow(table: pa.Table, args: argparse.Namespace, workdir: Path) -> float:
     from hetflow import ml
 
-    ctx = _context(workdir, args.device)
+    ctx = _context(workdir, args.device, args.threads)
     model = _model(args.features, args.hidden, 0)
     names = feature_names(args.features)
     stats = _stats(table, names)
@@ -194,6 +196,7 @@ def infer_baseline(table: pa.Table, args: argparse.Namespace) -> float:
     import torch
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    torch.set_num_threads(args.threads)
     x, _ = _baseline_tensors(table, args)
     if device.type == "cuda":
         x = x.pin_memory()
@@ -323,7 +326,8 @@ def report(data: dict[str, Any]) -> str:
     a = data["args"]
     device = f"{a['device']} ({data['gpu']})" if data["gpu"] else a["device"]
     title = (f"hetflow.ml benchmark on {device}, {data['cpus']} CPUs, torch {data['torch']}: {a['rows']:,} rows x "
-             f"{a['features']} features, batch {a['batch_size']}, MLP {a['hidden']}, {a['repeats']} repeat(s) alternated")
+             f"{a['features']} features, batch {a['batch_size']}, MLP {a['hidden']}, {a['threads']} thread(s), "
+             f"{a['repeats']} repeat(s) alternated")
     lines = [title,
              f"{'':<28}{'median':>14}{'min':>14}{'max':>14}"]
     for key, label, unit in (("train_hetflow", "train hf.ml.fit", "samples/s"),
@@ -353,6 +357,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("rows", "features", "batch_size", "epochs", "repeats"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--infer-batch-size", type=int, default=None, help="default: 4 x batch size")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="CPU threads for both sides (torch intra-op, hetflow's rank cores); default: all")
     parser.add_argument("--copy-batch-size", type=int, default=65536, help="rows per batch in the copy-rate test")
     parser.add_argument("--no-per-row", dest="per_row", action="store_false",
                         help="skip the per-row DataLoader epoch")
@@ -365,7 +371,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.hidden = tuple(args.hidden)
     if args.infer_batch_size is None:
         args.infer_batch_size = 4 * args.batch_size
-    for key in ("rows", "features", "batch_size", "epochs", "repeats", "infer_batch_size", "copy_batch_size"):
+    for key in ("rows", "features", "batch_size", "epochs", "repeats", "infer_batch_size", "copy_batch_size",
+                "threads"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     return args

@@ -288,17 +288,23 @@ def gather_rows(columns: Sequence[ConvertedColumn], rows: np.ndarray, out: "torc
         src = columns[0].tensor
         torch.index_select(src, 0, idx, out=dest.view(n) if src.dim() == 1 else dest)
         return dest
+    if consecutive and all(c.tensor.dim() == 1 and c.tensor.dtype == out.dtype for c in columns):
+        torch.stack([c.tensor[first:first + n] for c in columns], dim=1, out=dest)  # one strided copy
+        return dest
     offsets = np.concatenate([[0], np.cumsum(widths)]).tolist()
 
-    inference = torch.is_inference_mode_enabled()  # thread-local: the gather threads must match the caller
-
     def one(i: int) -> None:
-        with torch.inference_mode(inference):
-            dest[:, offsets[i]:offsets[i + 1]].copy_(take(columns[i]).reshape(n, widths[i]))
+        dest[:, offsets[i]:offsets[i + 1]].copy_(take(columns[i]).reshape(n, widths[i]))
 
     workers = min(len(columns), threads if threads is not None else torch.get_num_threads())
     if workers > 1 and n * len(columns) >= _PARALLEL_VALUES:
-        list(_pool(workers).map(one, range(len(columns))))  # torch releases the GIL in both copies
+        inference = torch.is_inference_mode_enabled()  # thread-local: the gather threads must match the caller
+
+        def in_thread(i: int) -> None:
+            with torch.inference_mode(inference):
+                one(i)
+
+        list(_pool(workers).map(in_thread, range(len(columns))))  # torch releases the GIL in both copies
     else:
         for i in range(len(columns)):
             one(i)

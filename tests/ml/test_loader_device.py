@@ -111,3 +111,13 @@ def test_parallel_and_serial_gathers_give_the_same_batch(rows: np.ndarray) -> No
     with torch.inference_mode():  # as in predict: the gather threads write an inference tensor
         inferred = gather_rows(loader.columns, rows, torch.empty((len(rows), 5)), threads=3)
     assert np.array_equal(inferred.numpy(), want)
+
+
+def test_consecutive_rows_of_same_typed_columns_are_stacked_into_the_buffer() -> None:
+    table = pa.table({"a": np.arange(100, dtype=np.float32), "c": -np.arange(100, dtype=np.float32)})
+    loader = ArrowLoader(table, ["a", "c"], None, batch_size=8, shuffle=False)
+    out = torch.full((12, 2), 7.0)
+    got = gather_rows(loader.columns, np.arange(30, 40), out)
+    assert got.data_ptr() == out.data_ptr()
+    assert got.tolist() == [[float(i), -float(i)] for i in range(30, 40)] and out[10:].eq(7.0).all()
+    assert [x[:, 0].tolist() for x in loader][3] == [float(i) for i in range(24, 32)]
