@@ -1,7 +1,7 @@
 """Training and inference throughput of hetflow.ml against plain PyTorch over the same data.
 
     python benchmarks/ml.py [--device cpu|cuda] [--quick] [--rows N] [--features F] [--batch-size B]
-                            [--epochs E] [--repeats R] [--out FILE.json]
+                            [--epochs E] [--repeats R] [--hidden W,W] [--threads T] [--out FILE.json]
 
 The data: ``rows`` × ``features`` float32 columns plus a float32 label,
 written as an Arrow IPC file and memory-mapped, as a stage's input arrives.
@@ -356,6 +356,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="CI-sized run (seconds)")
     for name in ("rows", "features", "batch_size", "epochs", "repeats"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    parser.add_argument("--hidden", type=lambda v: tuple(int(h) for h in v.split(",")), default=None,
+                        help="hidden layer widths of the MLP, e.g. 512,512")
     parser.add_argument("--infer-batch-size", type=int, default=None, help="default: 4 x batch size")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="CPU threads for both sides (torch intra-op, hetflow's rank cores); default: all")

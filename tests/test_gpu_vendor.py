@@ -78,16 +78,17 @@ def _tool(bin_dir: Path, name: str, body: str) -> None:
 
 
 def _printing(bin_dir: Path, name: str, output: str) -> None:
-    (bin_dir / f"{name}.out").write_text(output)
-    _tool(bin_dir, name, f'cat "{bin_dir / (name + ".out")}"\n')
+    assert "'" not in output
+    _tool(bin_dir, name, f"printf '%s' '{output}'\n")  # a shell builtin: PATH holds nothing else
 
 
 @pytest.fixture
 def fake_tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty directory as the only place vendor tools are found, and no visible-devices variables set."""
+    """An empty directory as the only place vendor tools are found (so a real nvidia-smi on a GPU machine is
+    not), and no visible-devices variables set."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("PATH", str(bin_dir))
     for name in ALL_VISIBLE_DEVICES:
         monkeypatch.delenv(name, raising=False)
     return bin_dir
@@ -137,7 +138,7 @@ def test_detects_amd_gpus_from_rocm_smi_when_amd_smi_is_absent(fake_tools: Path)
 
 def test_failing_or_hanging_tools_count_as_no_gpus(fake_tools: Path) -> None:
     _tool(fake_tools, "nvidia-smi", "echo 'NVIDIA-SMI has failed because it could not communicate' >&2\nexit 9\n")
-    _tool(fake_tools, "amd-smi", "sleep 30\n")
+    _tool(fake_tools, "amd-smi", "exec /bin/sleep 30\n")
     _printing(fake_tools, "rocm-smi", ROCM_SMI_SHOWID)
     assert detect_gpus(timeout=1.0) == DetectedGpus("amd", 3)  # nvidia-smi failed, amd-smi timed out
     (fake_tools / "rocm-smi").unlink()
