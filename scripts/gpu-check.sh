@@ -6,7 +6,9 @@
 #   scripts/gpu-check.sh             # on the GPU machine, with .whl carried: a venv over the machine's
 #                                    # PyTorch/CUDA, hetflow installed --no-deps from .whl, then the checks
 #   scripts/gpu-check.sh --dry-run   # on a machine without a GPU: the same steps with this checkout's
-#                                    # .venv, on CPU, so everything up to the CUDA calls is known to work
+#                                    # .venv, on CPU, so everything up to the CUDA calls is known to work;
+#                                    # with IMAGE_PY=.venv/bin/python (and wheels prepared with
+#                                    # DEVICE_PYTHON=3.11) it also rehearses the device's install
 #
 # The checks: the CUDA tests of the loader and the vendor tests (pytest), benchmarks/ml.py on the
 # device (training and inference against plain PyTorch, copy rate against the pinned limit), and
@@ -18,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
 WHEELS=${WHEELS:-.whl}  # relative: inside the checkout, so the device tool can carry it
-DEVICE_PYTHON=3.12
+DEVICE_PYTHON=${DEVICE_PYTHON:-3.12}  # the GPU machine's python3 (its image: /opt/torch/.venv, 3.12)
 # What the GPU machine's image lacks of hetflow's dependencies (docs/gpu.md); one version of each.
 DEPS=("mpi4py==4.1.2" "mpich==5.0.2" "sqlalchemy==2.1.9")
 
@@ -64,17 +66,34 @@ step() {  # step NAME LOGFILE COMMAND...: run it, keep its output, remember a fa
 }
 : >"$OUT/summary.txt"
 
-if [ "$DEVICE" = cuda ]; then
+# On the GPU machine (and in a dry run given IMAGE_PY): hetflow and the carried wheels go into a
+# fresh venv, never into the image.  The image's python3 is itself a venv, whose packages a nested
+# `venv --system-site-packages` would not see: the new venv adds the image's site-packages after
+# its own (a .pth), and the wheels are installed into the new venv, so that the mpich wheel's
+# mpiexec and libmpi land where hetflow and mpi4py look (beside the venv's python, its lib/).
+IMAGE_PY=${IMAGE_PY:-$([ "$DEVICE" = cuda ] && echo python3)}
+if [ -n "$IMAGE_PY" ]; then
     if ! ls "$WHEELS"/hetflow-*.whl >/dev/null 2>&1; then
         echo "no $WHEELS/hetflow-*.whl: run scripts/gpu-check.sh --prepare first and carry $WHEELS" | tee "$OUT/summary.txt" >&2
         exit 2
     fi
-    # a venv over the image's packages (torch with CUDA, pyarrow, numpy, pytest...); the carried
-    # wheels (hetflow, mpi4py with its MPICH, SQLAlchemy) go into it without touching the image
-    python3 -m venv --system-site-packages "$WORK/venv" || exit 1
+    install() {
+        local site
+        site=$("$IMAGE_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
+        "$IMAGE_PY" -m venv --without-pip "$WORK/venv" || return 1
+        "$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' >"$WORK/purelib" || return 1
+        echo "import site; site.addsitedir('$site')" >"$(cat "$WORK/purelib")/zz-image-site-packages.pth"
+        # the venv's own python runs the image's pip: it installs into the venv; --ignore-installed so
+        # that a package the image also has (mpi4py) is installed here and nothing there is uninstalled
+        "$WORK/venv/bin/python" -m pip install --ignore-installed --no-index --no-deps --no-compile \
+            --no-cache-dir "$WHEELS"/*.whl || return 1
+        ls "$WORK/venv/bin"
+        "$WORK/venv/bin/python" -c 'import hetflow, mpi4py, sqlalchemy, torch
+from mpi4py import MPI
+print("hetflow from", hetflow.__file__, "| mpi4py from", mpi4py.__file__, "|", MPI.Get_library_version().splitlines()[0])'
+    }
+    step "venv over $IMAGE_PY with the carried wheels" "$OUT/env.txt" install || exit 1
     PY=$WORK/venv/bin/python
-    step "install hetflow and the missing wheels" "$OUT/env.txt" \
-        "$PY" -m pip install --no-index --no-deps --no-compile --no-cache-dir "$WHEELS"/*.whl || exit 1
 else
     PY=$PWD/.venv/bin/python
 fi
@@ -95,19 +114,22 @@ print("hetflow detects", detect_gpus())
 EOF
 } >>"$OUT/env.txt" 2>&1
 
-step "CUDA loader tests and GPU-vendor tests" "$OUT/tests.txt" \
+STEPS=${STEPS:-tests bench pipeline}  # a subset makes a shorter run
+wants() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+wants tests && step "CUDA loader tests and GPU-vendor tests" "$OUT/tests.txt" \
     "$PY" -m pytest -q -p no:cacheprovider tests/ml/test_loader_cuda.py tests/test_gpu_vendor.py \
     tests/ml/test_loader_device.py -rs
 
 if [ "$DEVICE" = cuda ]; then
-    step "benchmarks/ml.py on the GPU" "$OUT/bench-ml.txt" \
+    wants bench && step "benchmarks/ml.py on the GPU" "$OUT/bench-ml.txt" \
         "$PY" benchmarks/ml.py --device cuda --out "$OUT/bench-ml.json"
-    step "photo-z train and predict on the GPU through hetflow" "$OUT/pipeline.txt" \
+    wants pipeline && step "photo-z train and predict on the GPU through hetflow" "$OUT/pipeline.txt" \
         "$PY" scripts/gpu_check_pipeline.py --device cuda --workdir "$WORK/photoz" --out "$OUT/pipeline.json"
 else
-    step "benchmarks/ml.py (dry run: --quick on CPU)" "$OUT/bench-ml.txt" \
+    wants bench && step "benchmarks/ml.py (dry run: --quick on CPU)" "$OUT/bench-ml.txt" \
         "$PY" benchmarks/ml.py --device cpu --quick --out "$OUT/bench-ml.json"
-    step "photo-z pipeline (dry run: CPU, a declared GPU)" "$OUT/pipeline.txt" \
+    wants pipeline && step "photo-z pipeline (dry run: CPU, a declared GPU)" "$OUT/pipeline.txt" \
         "$PY" scripts/gpu_check_pipeline.py --device cpu --rows 20000 --epochs 4 --workdir "$WORK/photoz" \
         --out "$OUT/pipeline.json"
 fi
