@@ -273,3 +273,15 @@ def test_local_ranks_on_nvidia_see_cuda_and_no_stale_rocm(tmp_path: Path, monkey
     assert {(r["rocr"], r["hip"]) for r in rows} == {("<unset>", "<unset>")}
     assert os.environ["ROCR_VISIBLE_DEVICES"] == "0"  # the orchestrator's own environment is untouched
 
+
+
+
+def test_pilot_show_and_check_name_the_vendor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hetflow.cli import main
+
+    assert main(["pilot", "show", "ornl-frontier"]) == 0
+    assert "gpu_vendor: amd" in capsys.readouterr().out.splitlines()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("extends: ornl-frontier\naccount: abc123\n")
+    assert main(["pilot", "check", str(mine)]) == 0
+    assert "x 8 GPUs (amd))" in capsys.readouterr().out
