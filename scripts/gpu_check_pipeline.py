@@ -33,8 +33,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import hetflow as hf
 
@@ -102,7 +103,7 @@ def evaluate(ctx, feature_stats, predictions, test_set):
 
 def train(ctx, feature_stats, train_set, valid_set):
     """photoz's train on this rank's device, after a process-group check over the task's communicator."""
-    import hetflow.ml as ml
+    from hetflow import ml
 
     facts = _gpu_facts(ctx)
     with ml.distributed(ctx) as env:  # NCCL on a GPU rank, from ctx.comm: the rendezvous hetflow uses

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_quick_benchmark_reports_training_and_inference_ratios(tmp_path: Path) -> None:
     out = tmp_path / "ml.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ml.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=540, cwd=tmp_path)
+                          check=False, capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["args"]["device"] == "cpu" and data["args"]["rows"] == 4096
@@ -32,5 +32,5 @@ def test_quick_benchmark_reports_training_and_inference_ratios(tmp_path: Path) -
 
 def test_bad_arguments_are_one_clear_line() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ml.py"), "--rows", "0"],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--rows must be >= 1, got 0" in proc.stderr
