@@ -70,12 +70,12 @@ def predict(ctx: Any, table: pa.Table | None, model: Any, *, key: str, features:
     net = net.to(device).eval()
     loader = ArrowLoader(table, list(features), None, batch_size=batch_size, shuffle=False, fill=fill,
                          normalization=dict(normalization or {}) or None, device=device)
-    outputs: list[np.ndarray] = []
+    outputs: list[torch.Tensor] = []
     with torch.inference_mode():
         for x in loader:
-            outputs.append(net(x).float().cpu().numpy())
+            outputs.append(net(x).float())  # stays on the device: one copy back at the end, no sync per batch
     if outputs:
-        pred = np.concatenate(outputs)
+        pred = torch.cat(outputs).cpu().numpy()
     else:
         with torch.inference_mode():  # learn the output width from an empty batch
             pred = net(torch.zeros((0, loader.features_of(np.zeros(0, np.int64)).shape[1]),

@@ -10,8 +10,12 @@ on torch's global random state.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +40,11 @@ class ArrowLoader:
     rank takes the same number of steps).  Features become one
     ``(batch, width)`` tensor of ``dtype``; a string ``label`` becomes a
     ``(batch,)`` tensor.
+
+    On a CUDA ``device``, ``prefetch`` (default 2; 0 turns staging ahead
+    off) batches are gathered into pinned memory and copied ahead of the
+    one in use (module docstring); ``pin_memory`` (default: on for CUDA)
+    may only be asked for with a CUDA device.
     """
 
     def __init__(self, table: pa.Table, features: Sequence[str], label: str | None = None, *,
@@ -43,7 +52,8 @@ class ArrowLoader:
                  shuffle: bool = True, seed: int = 0, rank: int = 0, drop_last: bool = False,
                  fill: Fill = None, normalization: Normalization | None = None,
                  dtype: "torch.dtype | None" = None, label_dtype: "torch.dtype | None" = None,
-                 device: "str | torch.device" = "cpu") -> None:
+                 device: "str | torch.device" = "cpu", prefetch: int = 2,
+                 pin_memory: bool | None = None) -> None:
         import torch
 
         if (batch_size is None) == (num_batches is None):
@@ -65,6 +75,13 @@ class ArrowLoader:
         self.dtype = dtype if dtype is not None else torch.float32
         self.label_dtype = label_dtype if label_dtype is not None else self.dtype
         self.device = torch.device(device)
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        cuda = self.device.type == "cuda"
+        if pin_memory and not cuda:
+            raise ValueError(f"pin_memory=True needs a CUDA device, got device {str(self.device)!r}")
+        self.prefetch = prefetch if cuda else 0
+        self.pin_memory = cuda if pin_memory is None else bool(pin_memory)
         self.num_rows = table.num_rows
         self.epoch = 0
         self.columns: list[ConvertedColumn] = table_to_tensors(table, self.features, fill=fill)
@@ -131,17 +148,22 @@ class ArrowLoader:
         full, rest = divmod(self.num_rows, self.batch_size)
         return int(full) + (1 if rest and not self.drop_last else 0)
 
-    def features_of(self, rows: np.ndarray) -> "torch.Tensor":
-        """The (normalised) feature matrix of the given rows."""
-        import torch
+    @property
+    def width(self) -> int:
+        """Number of feature values per row (a fixed-size list column counts its size)."""
+        return sum(1 if c.tensor.dim() == 1 else int(c.tensor.shape[1]) for c in self.columns)
 
-        idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-        parts = [c.tensor.index_select(0, idx).reshape(len(rows), 1 if c.tensor.dim() == 1 else c.tensor.shape[1])
-                 for c in self.columns]
-        x = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(self.device, self.dtype)
+    def _normalized(self, x: "torch.Tensor") -> "torch.Tensor":
         if self._mean is not None and self._std is not None:
             x = (x - self._mean) / self._std
         return x
+
+    def features_of(self, rows: np.ndarray) -> "torch.Tensor":
+        """The (normalised) feature matrix of the given rows, on this loader's device (not staged)."""
+        import torch
+
+        x = gather_rows(self.columns, rows, torch.empty((len(rows), self.width), dtype=self.dtype))
+        return self._normalized(x.to(self.device))
 
     def label_of(self, rows: np.ndarray) -> "torch.Tensor":
         """The label values of ``rows`` (row indices of this rank's partition) as a tensor on the loader's device."""
@@ -149,16 +171,166 @@ class ArrowLoader:
 
         if self.label_column is None:
             raise ValueError("this loader has no label column")
-        idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-        y: torch.Tensor = self.label_column.tensor.index_select(0, idx).to(self.device, self.label_dtype)
-        return y
+        src = self.label_column.tensor
+        y = gather_label(src, rows, torch.empty((len(rows), *src.shape[1:]), dtype=self.label_dtype))
+        return y.to(self.device)
 
     def batches(self, epoch: int, start: int = 0
                 ) -> Iterator["tuple[torch.Tensor, torch.Tensor] | torch.Tensor"]:
         """Batches of ``epoch`` from batch number ``start`` on (to resume inside an epoch)."""
-        for rows in self.batch_indices(epoch)[start:]:
+        rows_list = self.batch_indices(epoch)[start:]
+        if self.device.type == "cuda" and self.pin_memory:
+            yield from self._staged(rows_list)
+            return
+        for rows in rows_list:
             x = self.features_of(rows)
             yield (x, self.label_of(rows)) if self.label_column is not None else x
 
+    def _staged(self, rows_list: list[np.ndarray]
+                ) -> Iterator["tuple[torch.Tensor, torch.Tensor] | torch.Tensor"]:
+        """The CUDA path: gather into a ring of pinned buffers, copy on a side stream, ``prefetch`` ahead."""
+        import torch
+
+        stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # e.g. the normalisation vectors' upload
+        capacity = max((len(r) for r in rows_list), default=0)
+        label = self.label_column.tensor if self.label_column is not None else None
+        ring = [_PinnedSlot(
+            x=torch.empty((capacity, self.width), dtype=self.dtype, pin_memory=True),
+            y=None if label is None else torch.empty((capacity, *label.shape[1:]), dtype=self.label_dtype,
+                                                     pin_memory=True))
+            for _ in range(self.prefetch + 1)]
+        staged: deque[_InFlight] = deque()
+
+        def stage(number: int, rows: np.ndarray) -> _InFlight:
+            slot = ring[number % len(ring)]
+            if slot.copied is not None:
+                slot.copied.synchronize()  # the copy that last read this buffer has finished
+            x_host = gather_rows(self.columns, rows, slot.x)
+            y_host = None if label is None or slot.y is None else gather_label(label, rows, slot.y)
+            with torch.cuda.stream(stream):
+                x = self._normalized(x_host.to(self.device, non_blocking=True))
+                y = None if y_host is None else y_host.to(self.device, non_blocking=True)
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record(stream)
+            slot.copied = ready
+            return _InFlight(x, y, ready)
+
+        def hand_over(batch: _InFlight) -> "tuple[torch.Tensor, torch.Tensor] | torch.Tensor":
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(batch.ready)
+            batch.x.record_stream(current)  # keep the side stream's allocator off it until the step is done
+            if batch.y is None:
+                return batch.x
+            batch.y.record_stream(current)
+            return batch.x, batch.y
+
+        for number, rows in enumerate(rows_list):
+            staged.append(stage(number, rows))
+            if len(staged) > self.prefetch:
+                yield hand_over(staged.popleft())
+        while staged:
+            yield hand_over(staged.popleft())
+
     def __iter__(self) -> Iterator["tuple[torch.Tensor, torch.Tensor] | torch.Tensor"]:
         return self.batches(self.epoch)
+
+
+@dataclass
+class _PinnedSlot:
+    """One pinned staging buffer of the ring and the event after the last copy that read it."""
+
+    x: "torch.Tensor"
+    y: "torch.Tensor | None"
+    copied: Any = None
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A batch whose host-to-device copy was issued on the side stream; ``ready`` fires when it is done."""
+
+    x: "torch.Tensor"
+    y: "torch.Tensor | None"
+    ready: Any
+
+
+def gather_rows(columns: Sequence[ConvertedColumn], rows: np.ndarray, out: "torch.Tensor", *,
+                threads: int | None = None) -> "torch.Tensor":
+    """Write ``rows`` of ``columns`` side by side into ``out[:len(rows)]`` and return that view.
+
+    The rows go from the column tensors (views of the Arrow buffers) straight
+    into ``out`` — a pinned staging buffer on the CUDA path.  One column of
+    ``out``'s dtype is gathered in a single ``index_select`` into ``out``;
+    several columns are gathered column by column (casting as they copy), on
+    up to ``threads`` threads (default: torch's intra-op thread count, which
+    hetflow sets to the rank's cores): a shuffled batch of a columnar table
+    costs one random memory access per value, and those overlap across
+    threads.  Consecutive rows (an unshuffled loader) are sliced, not gathered.
+    """
+    import torch
+
+    n = len(rows)
+    if out.dim() != 2 or out.shape[0] < n:
+        raise ValueError(f"out must be a (rows >= {n}, width) tensor, got shape {tuple(out.shape)}")
+    widths = [1 if c.tensor.dim() == 1 else int(c.tensor.shape[1]) for c in columns]
+    if sum(widths) != out.shape[1]:
+        raise ValueError(f"the columns have {sum(widths)} feature values per row but out has width {out.shape[1]}")
+    dest = out[:n]
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    first = int(rows[0]) if n else 0
+    consecutive = n > 0 and int(rows[-1]) - first == n - 1 and bool(np.all(np.diff(rows) == 1))
+    idx = torch.from_numpy(rows)
+
+    def take(col: ConvertedColumn) -> "torch.Tensor":
+        part: torch.Tensor = col.tensor[first:first + n] if consecutive else col.tensor.index_select(0, idx)
+        return part
+
+    if len(columns) == 1 and columns[0].tensor.dtype == out.dtype and not consecutive:
+        src = columns[0].tensor
+        torch.index_select(src, 0, idx, out=dest.view(n) if src.dim() == 1 else dest)
+        return dest
+    if consecutive and all(c.tensor.dim() == 1 and c.tensor.dtype == out.dtype for c in columns):
+        torch.stack([c.tensor[first:first + n] for c in columns], dim=1, out=dest)  # one strided copy
+        return dest
+    offsets = np.concatenate([[0], np.cumsum(widths)]).tolist()
+
+    def one(i: int) -> None:
+        dest[:, offsets[i]:offsets[i + 1]].copy_(take(columns[i]).reshape(n, widths[i]))
+
+    workers = min(len(columns), threads if threads is not None else torch.get_num_threads())
+    if workers > 1 and n * len(columns) >= _PARALLEL_VALUES:
+        inference = torch.is_inference_mode_enabled()  # thread-local: the gather threads must match the caller
+
+        def in_thread(i: int) -> None:
+            with torch.inference_mode(inference):
+                one(i)
+
+        list(_pool(workers).map(in_thread, range(len(columns))))  # torch releases the GIL in both copies
+    else:
+        for i in range(len(columns)):
+            one(i)
+    return dest
+
+
+_PARALLEL_VALUES = 16384
+"""Below this many values a batch is gathered on the calling thread (a pool round trip costs more)."""
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A shared pool of ``workers`` gather threads (idle threads cost nothing; they end with the process)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hetflow-gather")
+
+
+def gather_label(src: "torch.Tensor", rows: np.ndarray, out: "torch.Tensor") -> "torch.Tensor":
+    """Write ``rows`` of the label tensor ``src`` into ``out[:len(rows)]`` (casting to ``out``'s dtype)."""
+    import torch
+
+    n = len(rows)
+    idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    dest = out[:n]
+    if src.dtype == out.dtype:
+        torch.index_select(src, 0, idx, out=dest)
+    else:
+        dest.copy_(src.index_select(0, idx))
+    return dest

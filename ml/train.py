@@ -178,6 +178,13 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
             partial = [float(v) for v in state["partial"][rank]] if len(state["partial"]) == size else partial
             ctx.log.info("resuming from %s at epoch %d step %d", found, start_epoch, start_step)
 
+        # the epoch's loss sum stays on the device (no host sync per step, so batch copies overlap steps)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+
+        def collect_loss() -> None:
+            partial[0] += float(loss_sum)  # waits for the device
+            loss_sum.zero_()
+
         def checkpoint(epoch: int, step_in_epoch: int) -> None:
             rngs = comm.gather(rng_state(), root=0)
             partials = comm.gather(list(partial), root=0)
@@ -196,6 +203,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
             first = start_step if epoch == start_epoch else 0
             if first == 0:
                 partial = [0.0, 0.0, 0.0]
+            loss_sum.zero_()
             t0 = time.perf_counter()
             for s, (x, y) in enumerate(loader.batches(epoch, start=first), start=first):
                 opt.zero_grad(set_to_none=True)
@@ -204,7 +212,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
                 if n:
                     local = loss(pred, y)
                     scaled = local * (n * size / float(global_per_step[s]))
-                    partial[0] += float(local.detach()) * n
+                    loss_sum.add_(local.detach().double(), alpha=n)
                 else:  # keeps this rank in DDP's gradient all-reduce with a zero contribution
                     scaled = pred.sum() * 0.0
                 scaled.backward()
@@ -212,16 +220,18 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
                 partial[1] += n
                 global_step += 1
                 if checkpoint_every is not None and global_step % checkpoint_every == 0 and s + 1 < steps:
+                    collect_loss()
                     partial[2] += time.perf_counter() - t0
                     t0 = time.perf_counter()
                     checkpoint(epoch, s + 1)
+            collect_loss()
             partial[2] += time.perf_counter() - t0
-            loss_sum, rows, seconds = env.all_reduce(partial[:2], "sum") + env.all_reduce(partial[2:], "max")
+            loss_total, rows, seconds = env.all_reduce(partial[:2], "sum") + env.all_reduce(partial[2:], "max")
             if sched is not None:
                 sched.step()
             ddp.eval()
             record: dict[str, float] = {
-                "epoch": float(epoch), "step": float(global_step), "train_loss": loss_sum / max(rows, 1),
+                "epoch": float(epoch), "step": float(global_step), "train_loss": loss_total / max(rows, 1),
                 **_weighted_eval(env, ddp.module, val_loader, fns),
                 "samples": rows, "seconds": seconds, "samples_per_s": rows / seconds if seconds > 0 else 0.0,
                 "lr": float(opt.param_groups[0]["lr"]),

@@ -531,6 +531,7 @@ class Orchestrator:
             nodes=tuple(nodes), verify=self.verify,  # type: ignore[arg-type]
             schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
+            gpu_vendor=self.pilot.vendor,
         ).write(files.spec)
         return files
 

@@ -67,8 +67,9 @@ class StageContext:
 
     ``comm`` is a private mpi4py communicator of exactly ``size`` ranks (never
     ``COMM_WORLD`` of a shared pool).  ``cores`` and ``gpus`` are what the pilot
-    gave this rank; ``CUDA_VISIBLE_DEVICES`` is already set from ``gpus``, so
-    inside the process the visible devices are numbered ``0..len(gpus)-1``.
+    gave this rank; its vendor's visible-devices variables are already set
+    from ``gpus`` (:mod:`hetflow.tasks.gpu`), so inside the process the
+    visible devices are numbered ``0..len(gpus)-1``.
     ``workdir`` is private to this attempt; ``checkpoint_dir`` is stable across
     attempts of the same stage in the same run (so a retry can resume).
     ``files`` are the stage's declared files, resolved and absolute.

@@ -20,8 +20,6 @@ import dataclasses
 import math
 import os
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any, Literal, Mapping, get_args
 import yaml
 
 from .errors import ConfigError
+from .gpu import GPU_VENDORS, GpuVendor, detect_gpus
 from .sizes import parse_bytes
 from .slurm_allocation import current_allocation
 
@@ -57,6 +56,9 @@ class PilotDescription:
     ``reserved_cores`` are core ids never given to tasks (e.g. Frontier's
     low-noise cores).  ``gpu_cores`` lists, per GPU id, the core ids closest
     to it; the scheduler binds GPU ranks to those cores when it can.
+    ``gpu_vendor`` (``nvidia``/``amd``) says which variables give a rank its
+    GPUs (:mod:`hetflow.tasks.gpu`); left out, :meth:`resolve` detects it,
+    and a pilot with GPUs of no detectable vendor is taken as ``nvidia``.
     ``walltime`` and ``drain`` are seconds; no task starts inside the last
     ``drain`` seconds.  ``options`` holds backend-specific settings.
     """
@@ -66,6 +68,7 @@ class PilotDescription:
     nodes: int = 1
     cores_per_node: int | None = None
     gpus_per_node: int | None = None
+    gpu_vendor: GpuVendor | None = None
     memory_per_node: int | None = None
     reserved_cores: tuple[int, ...] = ()
     gpu_cores: tuple[tuple[int, ...], ...] = ()
@@ -87,6 +90,8 @@ class PilotDescription:
             raise bad("backend", self.backend, f"one of {list(BACKENDS)}")
         if self.launcher not in LAUNCHERS:
             raise bad("launcher", self.launcher, f"one of {list(LAUNCHERS)}")
+        if self.gpu_vendor is not None and self.gpu_vendor not in GPU_VENDORS:
+            raise bad("gpu_vendor", self.gpu_vendor, f"one of {list(GPU_VENDORS)}, or left out to detect it")
         if not _in_range(self.nodes, "nodes"):
             raise bad("nodes", self.nodes, _allowed("nodes"))
         for key in ("cores_per_node", "gpus_per_node", "memory_per_node"):
@@ -121,23 +126,38 @@ class PilotDescription:
 
     # ------------------------------------------------------------------ shape
     def resolve(self) -> "PilotDescription":
-        """Fill detected values (cores, GPUs, memory of this machine) for a local pilot,
+        """Fill detected values (cores, GPUs and their vendor, memory of this machine) for a local pilot,
         or the allocation's shape for a ``slurm`` pilot (:func:`_from_allocation`)."""
         if self.backend == "slurm":
             # once shaped (or given a shape, e.g. by --backend slurm), a slurm pilot stays as it is
+            shaped = self
             if self.cores_per_node is None or self.gpus_per_node is None:
-                return _from_allocation(self)
-            return self
+                shaped = _from_allocation(self)
+            return shaped._with_vendor()
         if self.cores_per_node is not None and self.gpus_per_node is not None and self.memory_per_node is not None:
-            return self
+            return self._with_vendor()
         changes: dict[str, Any] = {}
         if self.cores_per_node is None:
             changes["cores_per_node"] = len(os.sched_getaffinity(0))
         if self.gpus_per_node is None:
-            changes["gpus_per_node"] = len(detect_gpus())
+            found = detect_gpus()
+            changes["gpus_per_node"] = found.count
+            if self.gpu_vendor is None and found.vendor is not None:
+                changes["gpu_vendor"] = found.vendor
         if self.memory_per_node is None:
             changes["memory_per_node"] = _detect_memory()
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)._with_vendor()
+
+    def _with_vendor(self) -> PilotDescription:
+        """This pilot with ``gpu_vendor`` set when it has GPUs: as declared, else detected, else ``nvidia``."""
+        if self.gpu_vendor is not None or not self.gpus_per_node:
+            return self
+        return dataclasses.replace(self, gpu_vendor=detect_gpus().vendor or "nvidia")
+
+    @property
+    def vendor(self) -> GpuVendor:
+        """The vendor whose variables a rank gets: ``gpu_vendor``, or ``nvidia`` when none is set (no GPUs)."""
+        return self.gpu_vendor or "nvidia"
 
     def usable_cores(self) -> tuple[int, ...]:
         """Core ids (per node) that tasks may use, in order."""
@@ -150,7 +170,8 @@ class PilotDescription:
         """A one-line description used in error messages."""
         cores = "?" if self.cores_per_node is None else len(self.usable_cores())
         gpus = "?" if self.gpus_per_node is None else self.gpus_per_node
-        return f"pilot {self.name!r}: {self.nodes} node(s) x {cores} usable cores x {gpus} GPUs"
+        vendor = f" ({self.gpu_vendor})" if self.gpu_vendor else ""
+        return f"pilot {self.name!r}: {self.nodes} node(s) x {cores} usable cores x {gpus} GPUs{vendor}"
 
     def to_mapping(self) -> dict[str, Any]:
         """The description as plain values, the keys of a pilot config file (what ``hetflow pilot show`` prints)."""
@@ -250,22 +271,6 @@ def parse_duration(value: Any) -> float:
     if abs(number) > YEAR:  # before float(), which overflows on huge integers
         raise ConfigError(f"bad duration {value!r} (expected at most {YEAR} s, a year)")
     return float(number)
-
-
-def detect_gpus() -> tuple[int, ...]:
-    """GPU ids visible here: ``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi -L``, else none."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
-        return tuple(range(len(ids)))
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return ()
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ()
-    return tuple(range(sum(1 for line in out.splitlines() if line.startswith("GPU "))))
 
 
 def _detect_memory() -> int:

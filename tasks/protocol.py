@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from .errors import ProtocolError
+from .gpu import GPU_VENDORS, GpuVendor
 from .scheduler_types import RankSlot
 
 if TYPE_CHECKING:
@@ -168,7 +169,8 @@ class WorkerSpec:
     ``outputs`` map each output to the directory its partitions go to;
     ``slots[r]`` is rank r's place, ``slots[r].node`` an index into ``nodes``;
     ``schemas`` hold the declared schemas as text; ``files`` the declared input
-    files as absolute paths.
+    files as absolute paths; ``gpu_vendor`` says which variables give a rank
+    its GPUs (:func:`hetflow.tasks.gpu.visible_devices_env`).
     """
 
     run_id: str
@@ -186,8 +188,11 @@ class WorkerSpec:
     verify: Literal["checksum", "size", "none"] = "checksum"
     schemas: Mapping[str, str] = field(default_factory=dict)
     files: tuple[str, ...] = ()
+    gpu_vendor: GpuVendor = "nvidia"
 
     def __post_init__(self) -> None:
+        if self.gpu_vendor not in GPU_VENDORS:
+            raise ProtocolError(f"stage {self.stage!r}: gpu_vendor={self.gpu_vendor!r} (allowed: {list(GPU_VENDORS)})")
         if self.verify not in VERIFY:
             raise ProtocolError(f"stage {self.stage!r}: verify={self.verify!r} (allowed: {list(VERIFY)})")
         for slot in self.slots:
@@ -205,7 +210,8 @@ class WorkerSpec:
                 "slots": [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus)} for s in self.slots],
                 "nodes": list(self.nodes), "inputs": [[name, path] for name, path in self.inputs],
                 "outputs": dict(self.outputs), "sys_path": list(self.sys_path), "params": dict(self.params),
-                "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files)}
+                "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files),
+                "gpu_vendor": self.gpu_vendor}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -228,7 +234,8 @@ class WorkerSpec:
                       "sys_path": top.items("sys_path", str, "strings", ()),
                       "params": dict(top.get("params", (dict,), "an object", {})),
                       "verify": top.text("verify", "checksum"), "schemas": top.text_map("schemas", {}),
-                      "files": top.items("files", str, "strings", ())}
+                      "files": top.items("files", str, "strings", ()),
+                      "gpu_vendor": top.text("gpu_vendor", "nvidia")}
         return _construct(cls, where, fields)
 
     def write(self, path: Path) -> None:
@@ -262,7 +269,8 @@ class RankResult:
     """What one rank reports (``rank-<r>.json``), written once, whatever happened.
 
     ``outputs[name]`` is ``None`` where the rank returned no table.  ``cpus``,
-    ``cores``, ``gpus`` and ``cuda_visible_devices`` are ``None`` when the rank
+    ``cores``, ``gpus`` and ``visible_devices`` (the GPU-choosing variables the
+    rank set, e.g. ``{"CUDA_VISIBLE_DEVICES": "0"}``) are ``None`` when the rank
     failed before pinning itself.  ``params_read`` lists the parameters the
     stage read (``None``: all of them, or not tracked).  ``raptor`` says which
     Raptor worker ran the rank (``None`` outside Raptor).
@@ -280,7 +288,7 @@ class RankResult:
     cpus: tuple[int, ...] | None = None
     cores: tuple[int, ...] | None = None
     gpus: tuple[int, ...] | None = None
-    cuda_visible_devices: str | None = None
+    visible_devices: Mapping[str, str] | None = None
     params_read: list[str] | None = None
     raptor: Mapping[str, Any] | None = None
 
@@ -304,7 +312,7 @@ class RankResult:
                 value = dataclasses.asdict(value)
             elif isinstance(value, tuple):
                 value = list(value)
-            elif f.name == "raptor":
+            elif f.name in ("raptor", "visible_devices"):
                 value = dict(value)
             data[f.name] = value
         return data
@@ -325,13 +333,15 @@ class RankResult:
             error = RankError(err.text("type"), err.text("message"), err.text("traceback"))
         params_read = top.items("params_read", str, "strings", None)
         raptor = top.get("raptor", (dict, type(None)), "an object", None)
+        visible = top.text_map("visible_devices") if top.get("visible_devices", (dict, type(None)), "an object",
+                                                              None) is not None else None
         ended = top.get("ended", (int, float, type(None)), "a number", None)
         fields = {"rank": top.integer("rank"), "size": top.integer("size"), "pid": top.integer("pid"),
                       "host": top.text("host"), "started": float(top.get("started", (int, float), "a number")),
                       "status": top.text("status", "running"), "ended": None if ended is None else float(ended),
                       "outputs": outputs, "error": error, "cpus": top.items("cpus", int, "integers", None),
                       "cores": top.items("cores", int, "integers", None), "gpus": top.items("gpus", int, "integers", None),
-                      "cuda_visible_devices": top.get("cuda_visible_devices", (str, type(None)), "a string", None),
+                      "visible_devices": visible,
                       "params_read": None if params_read is None else list(params_read),
                       "raptor": None if raptor is None else dict(raptor)}
         return _construct(cls, where, fields)

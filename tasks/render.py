@@ -67,6 +67,17 @@ def render(pilot: PilotDescription, backend: RenderBackend) -> str:
     return re.sub(r" at 0x[0-9a-f]+>", ">", text)
 
 
+def _gpu_line(pilot: PilotDescription) -> str:
+    """What a GPU rank of ``pilot`` is told, e.g. ``# GPUs: 8 per node, amd: ROCR_VISIBLE_DEVICES=...``."""
+    from .gpu import visible_devices_env
+
+    if not pilot.gpus_per_node:
+        return "# GPUs: none"
+    example = ", ".join(f"{k}={v}" for k, v in visible_devices_env(pilot.vendor, [pilot.gpus_per_node - 1]).items())
+    return (f"# GPUs: {pilot.gpus_per_node} per node, vendor {pilot.vendor} "
+            f"(a rank on GPU {pilot.gpus_per_node - 1} gets {example})")
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, default=str)
 
@@ -75,7 +86,7 @@ def _render_radical(pilot: PilotDescription) -> str:
     from .backends import radical
 
     radical.rp_options(pilot)
-    out = [f"# hetflow pilot {pilot.name!r} on RADICAL-Pilot (nothing was submitted)", ""]
+    out = [f"# hetflow pilot {pilot.name!r} on RADICAL-Pilot (nothing was submitted)", _gpu_line(pilot), ""]
     override = radical.resource_config(pilot, RUN_DIR)
     if override is None:
         out.append(f"# resource config: RP's shipped {radical.rp_resource(pilot)!r}, unchanged")
@@ -124,7 +135,7 @@ def _render_parsl(pilot: PilotDescription) -> str:
     scheduler = parsl_backend.scheduler_of(pilot)
     config = parsl_backend.parsl_config(pilot, RUN_DIR)
     executor = config.executors[0]
-    out = [f"# hetflow pilot {pilot.name!r} on Parsl, {scheduler} scheduler (nothing was submitted)", "",
+    out = [f"# hetflow pilot {pilot.name!r} on Parsl, {scheduler} scheduler (nothing was submitted)", _gpu_line(pilot), "",
            "# parsl.config.Config", repr(config), ""]
     if scheduler == "local":
         hosts = parsl_backend.nodefile_hosts(pilot)

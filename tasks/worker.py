@@ -7,7 +7,7 @@ exactly the stage's ranks; or, with ``HETFLOW_COMM=tcp``, the TCP
 communicator of :mod:`hetflow.operators.tcpcomm` for ranks that a backend
 started one by one without MPI, its rank, size, rendezvous file and secret
 file given by the ``HETFLOW_COMM_*`` variables), pins itself to the cores of its slot, sets
-``CUDA_VISIBLE_DEVICES`` from its GPUs, opens the inputs zero-copy, imports and
+its vendor's visible-devices variables from its GPUs (:mod:`hetflow.tasks.gpu`), opens the inputs zero-copy, imports and
 calls the stage function, writes its partition of every output atomically and
 a ``rank-<r>.json`` result.  The orchestrator commits the manifests after every
 rank has succeeded.  A rank that fails writes its traceback and aborts the
@@ -34,6 +34,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
 from .protocol import WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec
 
 COMM_ENV = "HETFLOW_COMM"
@@ -41,9 +42,9 @@ COMM_ENV = "HETFLOW_COMM"
 COMMUNICATORS = ("mpi", "tcp")
 
 
-def _pin(cores: list[int], gpus: list[int], log: logging.Logger) -> list[int]:
+def _pin(cores: list[int], gpus: list[int], vendor: GpuVendor, log: logging.Logger) -> list[int]:
     """Bind this process to its cores and GPUs; returns the CPUs actually used."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    apply_visible_devices(os.environ, vendor, gpus)
     threads = str(max(1, len(cores)))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS"):
         os.environ[var] = threads
@@ -238,12 +239,12 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
             raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec.slots)} slots")
         slot = spec.slots[rank]
         if fold_cores or set(slot.cores) <= os.sched_getaffinity(0):
-            cpus = _pin(list(slot.cores), list(slot.gpus), log)
+            cpus = _pin(list(slot.cores), list(slot.gpus), spec.gpu_vendor, log)
         else:
             log.info("pilot core ids %s are not all on this machine; rank left unpinned", list(slot.cores))
-            cpus = _pin([], list(slot.gpus), log)
+            cpus = _pin([], list(slot.gpus), spec.gpu_vendor, log)
         placed = {"cpus": tuple(cpus), "cores": slot.cores, "gpus": slot.gpus,
-                  "cuda_visible_devices": os.environ["CUDA_VISIBLE_DEVICES"]}
+                  "visible_devices": {name: os.environ[name] for name in VISIBLE_DEVICES[spec.gpu_vendor]}}
         import pyarrow as pa
 
         pa.set_cpu_count(max(1, len(cpus)))

@@ -32,6 +32,8 @@ def describe_rank(ctx, numbers):
         "first": [int(numbers["x"][0].as_py()) if numbers.num_rows else -1],
         "affinity": [sorted(os.sched_getaffinity(0))],
         "cuda": [os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")],
+        "rocr": [os.environ.get("ROCR_VISIBLE_DEVICES", "<unset>")],
+        "hip": [os.environ.get("HIP_VISIBLE_DEVICES", "<unset>")],
         "pid": [os.getpid()],
     })}
 

@@ -8,7 +8,9 @@ the thread method (pyproject) ends a hang.  Only rank 0 prints.
 Under CI (``CI=true``, as ``.ci/run`` is run) a test that skips because a
 component is missing (Chromium, root for tmpfs, torch, the CLI) fails instead:
 CI installs everything, so such a skip means an install step went missing.
-Only skips that depend on the MPI size ("needs two ranks") stay skips.
+Only skips that depend on the MPI size ("needs two ranks") or on a GPU ("needs a
+CUDA device": CI machines have none; ``scripts/gpu-check.sh`` runs those tests on one)
+stay skips.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _fail_missing_component(report: pytest.TestReport | pytest.CollectReport) ->
     if not (UNDER_CI and report.skipped) or getattr(report, "wasxfail", None) is not None:
         return
     reason = _skip_reason(report)
-    if reason.startswith("Skipped: needs") and "rank" in reason:
+    if reason.startswith("Skipped: needs") and ("rank" in reason or reason == "Skipped: needs a CUDA device"):
         return
     report.outcome = "failed"
     report.longrepr = f"skipped under CI, where every component must be installed: {reason}"

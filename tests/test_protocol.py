@@ -42,7 +42,7 @@ def _spec(tmp_path: Path, **changes: object) -> WorkerSpec:
 def _ok(rank: int, size: int = 2, pid: int = 1000) -> RankResult:
     return RankResult(rank=rank, size=size, pid=pid + rank, host="node0", started=10.0, status="ok", ended=11.0,
                       outputs={"sorted": RankOutput({"file": f"part-{rank}.arrow", "rows": 5}, "c2NoZW1h")},
-                      cpus=(rank,), cores=(rank,), gpus=(), cuda_visible_devices="")
+                      cpus=(rank,), cores=(rank,), gpus=(), visible_devices={"CUDA_VISIBLE_DEVICES": ""})
 
 
 def _outcome(returncode: int | None = 0, **kwargs: object) -> TaskOutcome:

@@ -29,7 +29,7 @@ class LaunchSpec:
     ``argv`` is the per-rank command (the worker entry point); the backend
     wraps it in its launcher (mpiexec, srun, an RP task, a Parsl app...).
     ``env`` is added to each rank's environment; per-rank values such as
-    ``CUDA_VISIBLE_DEVICES`` are derived by the worker from ``slots``.
+    the visible-devices variables are derived by the worker from ``slots``.
     """
 
     task_id: str

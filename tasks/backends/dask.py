@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError, UnsatisfiableRequest
+from ..gpu import GpuVendor, visible_devices_env
 from ..scheduler import RankSlot
 from .base import Backend, LaunchSpec, TaskOutcome
 from .ranks import (RankRun, options_for, outcome_fields, private_dir, run_rank, run_ranks, safe_name,
@@ -125,6 +126,17 @@ def combine_ranks(task_id: str, results: list[Mapping[str, Any] | BaseException]
     return TaskOutcome(task_id, code, timed_out=timed_out, cancelled=cancelled, signal=signal_,
                        started=min(started) if started else None, ended=max(ended) if ended else None,
                        detail=detail)
+
+
+def tcp_rank_env(base: Mapping[str, str], rank: int, size: int, comm_dir: Path, host: str, vendor: GpuVendor,
+                 gpus: tuple[int, ...]) -> dict[str, str]:
+    """The environment of one rank started alone by a Dask task: its TCP communicator and its GPUs."""
+    env = dict(base)
+    env.update({"HETFLOW_COMM": "tcp", "HETFLOW_COMM_RANK": str(rank), "HETFLOW_COMM_SIZE": str(size),
+                "HETFLOW_COMM_RENDEZVOUS": str(comm_dir / "address"),
+                "HETFLOW_COMM_SECRET_FILE": str(comm_dir / "secret"), "HETFLOW_COMM_HOST": host})
+    env.update(visible_devices_env(vendor, gpus))
+    return env
 
 
 class DaskBackend(Backend):
@@ -313,13 +325,8 @@ class DaskBackend(Backend):
         tcpcomm.write_secret(comm_dir / "secret")
         remotes = []
         for rank, slot in enumerate(run.slots):
-            env = dict(run.env)
-            env.update({"HETFLOW_COMM": "tcp", "HETFLOW_COMM_RANK": str(rank),
-                        "HETFLOW_COMM_SIZE": str(len(run.slots)),
-                        "HETFLOW_COMM_RENDEZVOUS": str(comm_dir / "address"),
-                        "HETFLOW_COMM_SECRET_FILE": str(comm_dir / "secret"),
-                        "HETFLOW_COMM_HOST": self._hosts[slot.node],
-                        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in slot.gpus)})
+            env = tcp_rank_env(run.env, rank, len(run.slots), comm_dir, self._hosts[slot.node], self.pilot.vendor,
+                               slot.gpus)
             one = dataclasses.replace(run, env=env, abort_file=str(comm_dir / "abort"))
             remotes.append(self._client.submit(run_rank, one,
                                                **self._submit_kwargs(run, slot.node, [slot], f"-r{rank}")))

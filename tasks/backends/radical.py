@@ -1,7 +1,7 @@
 """The RADICAL-Pilot backend: one RP pilot holds the allocation; stages are RP tasks.
 
 Each stage becomes an RP task with ``ranks``, ``cores_per_rank``,
-``gpus_per_rank`` and ``gpu_type``.  hetflow's own scheduler has already
+``gpus_per_rank`` and ``gpu_type`` (from the pilot's ``gpu_vendor``).  hetflow's own scheduler has already
 chosen the slots, so by default the task carries them as RP ``slots`` (RP's
 agent honours pre-placed tasks and skips its own scheduler); with
 ``options.placement: rp`` RP's scheduler places the task instead (hetflow still
@@ -25,8 +25,7 @@ What this module handles for users (seen with radical.pilot 1.103):
 RP's pilot launcher (psij) keeps small launch scripts under ``~/.psij/work``;
 that directory is psij's and is not configurable from here.
 
-Options (``pilot.options.radical``): ``placement`` (``hetflow``/``rp``), ``gpu_type``
-(``CUDA``/``ROCm``; default CUDA), ``start_timeout`` (seconds to wait for the
+Options (``pilot.options.radical``): ``placement`` (``hetflow``/``rp``), ``start_timeout`` (seconds to wait for the
 pilot; default 600), ``resource_config`` (a mapping merged into the RP
 resource config, written to the run directory), ``project`` (RP project
 override, default ``account``), ``worker_init`` (shell lines run before the
@@ -81,6 +80,11 @@ GENERIC_RESOURCES = {
 }
 
 
+def rp_gpu_type(pilot: PilotDescription) -> str:
+    """RP's ``gpu_type`` for the pilot's GPU vendor (RP then sets the matching visible-devices variables)."""
+    return "ROCm" if pilot.vendor == "amd" else "CUDA"
+
+
 def rp_options(pilot: PilotDescription) -> Mapping[str, Any]:
     """``pilot.options.radical``, checked."""
     options = options_for(pilot, "radical", OPTIONS)
@@ -88,10 +92,9 @@ def rp_options(pilot: PilotDescription) -> Mapping[str, Any]:
     if placement not in ("hetflow", "rp"):
         raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.radical.placement': {placement!r} "
                           f"(expected 'hetflow' or 'rp')")
-    gpu_type = options.get("gpu_type", "CUDA")
-    if gpu_type not in ("CUDA", "ROCm"):
-        raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.radical.gpu_type': {gpu_type!r} "
-                          f"(expected 'CUDA' or 'ROCm')")
+    if "gpu_type" in options:
+        raise ConfigError(f"pilot {pilot.name!r}: 'options.radical.gpu_type' is set by the pilot's gpu_vendor "
+                          f"(nvidia: CUDA, amd: ROCm); remove it and set gpu_vendor instead")
     if options.get("raptor", False) not in (True, False):
         raise ConfigError(f"pilot {pilot.name!r}: bad value for 'options.radical.raptor': {options['raptor']!r} "
                           f"(expected true or false)")
@@ -245,7 +248,7 @@ def task_description(spec: LaunchSpec, pilot: PilotDescription, hosts: list[str]
         "pre_exec": [f"cd {shlex.quote(str(spec.cwd))}"],
     }
     if gpus:
-        description["gpu_type"] = rp_options(pilot).get("gpu_type", "CUDA")
+        description["gpu_type"] = rp_gpu_type(pilot)
     if spec.stdout is not None:
         description["stdout"] = str(spec.stdout)
     if spec.stderr is not None:
