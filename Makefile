@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/operators.py
 	$(BIN)/python benchmarks/scheduler.py
 	$(BIN)/python benchmarks/backends.py --tasks 20
+	$(BIN)/python benchmarks/ml.py
 
 clean:
 	rm -rf .hetflow build dist *.egg-info

@@ -99,7 +99,7 @@ def test_a_run_whose_launch_fails_ends_with_the_stage_failed(tmp_path: Path) -> 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hb, "get_backend", lambda name: NoDevice)  # looked up when the run starts
         run = pipe.run(pilot=hf.PilotDescription(name="one", backend="local", cores_per_node=2, gpus_per_node=0,
-                                                 memory_per_node=2**33))
+                                                 memory_per_node=2**33), check=False)
     stages = {s.name: s for s in run.stages}
     assert run.state == "FAILED" and stages["first"].state == "DONE", stages
     assert stages["second"].state == "FAILED", stages
