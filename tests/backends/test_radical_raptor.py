@@ -25,7 +25,7 @@ import pytest
 import conformance_stages as S
 from _procs import alive as _alive
 import hetflow as hf
-import hetflow.pipeline as hp
+import hetflow.tasks.backends as hb
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.backends.radical import RadicalBackend
 
@@ -130,7 +130,7 @@ def _run(pipe: hf.Pipeline, backend: str, engine: RadicalBackend | None, workdir
     assert engine is not None
     Shared.engine = engine
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hp, "get_backend", lambda name: Shared)
+        patch.setattr(hb, "get_backend", lambda name: Shared)  # looked up when the run starts
         return pipe.run(pilot=_pilot("radical"), workdir=workdir, check=False)
 
 
