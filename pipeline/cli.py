@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(nodes, walltime, queue, account of the job)")
     submit.add_argument("--param", action="append", default=[], type=_raw_param, metavar="KEY=VALUE",
                         help="a parameter passed to every stage's ctx.params (repeatable)")
+    submit.add_argument("--chain", type=int, default=0, metavar="N",
+                        help="when the walltime drain stops the run, the job submits a successor that resumes it "
+                             "(afterany dependency), up to N further jobs")
     _store_args(submit)
 
     resume = sub.add_parser("resume", help="resume a failed or interrupted run")
@@ -263,7 +266,8 @@ def _pilot(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from .submit import submit
 
-    done = submit(args.script, pilot=args.pilot, params=args.param, workdir=_workdir(args), db=args.db)
+    done = submit(args.script, pilot=args.pilot, params=args.param, workdir=_workdir(args), db=args.db,
+                  chain=args.chain)
     print(f"submitted batch job {done.job_id}: run {done.run_id}")
     print(f"  batch script {done.script}; log {str(done.log).replace('%j', done.job_id)}")
     where = f" --workdir {_workdir(args).resolve()}" + (" --db URL" if args.db else "")

@@ -60,26 +60,39 @@ def directives(pilot: PilotDescription, *, job_name: str, output: Path) -> list[
     return [f"#SBATCH {line}" for line in lines]
 
 
+def _line(argv: Sequence[str]) -> str:
+    return " ".join(shlex.quote(part) for part in argv)
+
+
 def batch_script(pilot: PilotDescription, command: Sequence[str], *, job_name: str, output: Path,
-                 chdir: Path) -> str:
-    """A bash batch script that runs ``command`` (one argv, quoted) in ``chdir`` inside the job."""
+                 chdir: Path, successor: Sequence[str] = (), chain: int = 0) -> str:
+    """A bash batch script that runs ``command`` (one argv, quoted) in ``chdir`` inside the job.
+
+    With ``chain`` > 0, ``successor`` runs after ``command`` with the number of further jobs still
+    allowed as its last argument: the script's first argument, ``chain`` when it has none (the job
+    ``hetflow submit`` made).  The job's exit status is ``command``'s.
+    """
     body = [
         "#!/bin/bash",
         f"# hetflow pilot {pilot.name!r}: written by hetflow submit",
         *directives(pilot, job_name=job_name, output=output),
         "set -u",
         f"cd {shlex.quote(str(chdir))}",
-        "exec " + " ".join(shlex.quote(part) for part in command),
     ]
+    if chain > 0 and successor:
+        body += [f"chain_left=${{1:-{int(chain)}}}", _line(command), "status=$?",
+                 _line(successor) + ' "$chain_left"', "exit $status"]
+    else:
+        body.append("exec " + _line(command))
     return "\n".join(body) + "\n"
 
 
-def sbatch_argv(script: Path, *, dependency: str | None = None) -> list[str]:
-    """``sbatch --parsable`` of ``script`` (``dependency`` as Slurm writes it, e.g. ``afterany:42``)."""
+def sbatch_argv(script: Path, *, dependency: str | None = None, args: Sequence[str] = ()) -> list[str]:
+    """``sbatch --parsable`` of ``script`` with ``args`` (``dependency`` as Slurm writes it: ``afterany:42``)."""
     argv = ["sbatch", "--parsable"]
     if dependency is not None:
         argv.append(f"--dependency={dependency}")
-    return [*argv, str(script)]
+    return [*argv, str(script), *args]
 
 
 def parse_job_id(reply: str) -> str:

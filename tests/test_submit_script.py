@@ -107,3 +107,38 @@ def test_run_id_starts_a_new_run_under_it_then_resumes_it(tmp_path: Path) -> Non
     assert prefix.stdout.startswith("run chosen: DONE"), prefix
     bad = run("--run-id", "../x")
     assert bad.returncode == 2 and bad.stderr.startswith("hetflow: error: bad run id '../x'"), bad.stderr
+
+
+def test_a_chained_script_runs_the_successor_with_the_jobs_left_and_keeps_the_pipelines_status(
+        tmp_path: Path) -> None:
+    pipeline_exit = tmp_path / "exit.sh"
+    pipeline_exit.write_text("exit 3\n")
+    record = tmp_path / "successor-args"
+    successor = ["bash", "-c", f'echo "$@" > {shlex.quote(str(record))}', "successor", "r 1"]
+    text = batch_script(_pilot(), ["bash", str(pipeline_exit)], job_name="j", output=tmp_path / "o",
+                        chdir=tmp_path, successor=successor, chain=2)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    first = subprocess.run(["bash", str(script)], check=False)  # the job hetflow submit made: no argument
+    assert first.returncode == 3 and record.read_text() == "r 1 2\n"
+    later = subprocess.run(["bash", str(script), "0"], check=False)  # a successor's: its argument
+    assert later.returncode == 3 and record.read_text() == "r 1 0\n"
+    assert "exec " in batch_script(_pilot(), ["x"], job_name="j", output=tmp_path / "o", chdir=tmp_path,
+                                   successor=successor, chain=0)
+
+
+def test_successor_is_submitted_only_for_a_run_the_walltime_stopped(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from hetflow.store import RunRecord, Store
+
+    store = Store.for_workdir(tmp_path)
+    with store.session() as session:
+        for run_id, state in (("r-done", "DONE"), ("r-stopped", "STOPPED")):
+            session.add(RunRecord(id=run_id, pipeline="p", created=0.0, run_dir=str(tmp_path), state=state,
+                                  hetflow_version="0"))
+    store.close()
+    assert submit_module.submit_successor("r-done", tmp_path / "x.sbatch", 3, workdir=tmp_path, db=None) is None
+    assert submit_module.submit_successor("r", tmp_path / "x.sbatch", 3, workdir=tmp_path, db=None) is None
+    # STOPPED, but the chain is used up: no job, and the way to resume by hand
+    assert submit_module.submit_successor("r-stopped", tmp_path / "x.sbatch", 0, workdir=tmp_path, db=None) is None
+    assert f"resume it with: sbatch {tmp_path / 'x.sbatch'}" in capsys.readouterr().out

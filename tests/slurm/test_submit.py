@@ -17,6 +17,7 @@ from test_lab_cluster import _leftovers, _no_jobs_left, _run
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 DEMO = ROOT / "examples" / "demo" / "pipeline.py"
 HETFLOW = str(Path(sys.executable).parent / "hetflow")
 
@@ -84,3 +85,33 @@ def test_submit_refused_by_slurm_is_one_line_and_exit_2(slurm_env: dict[str, str
     assert "More processors requested than permitted" in done.stderr, done.stderr  # Slurm's own reason
     assert done.stdout == ""
     assert list((tmp_path / "w" / "submit").iterdir()) == []  # no batch script of a job that does not exist
+
+
+@pytest.mark.timeout(600)
+def test_chain_resumes_a_run_the_walltime_stopped_in_a_second_job(slurm_env: dict[str, str],
+                                                                  tmp_path: Path) -> None:
+    workdir, marks = tmp_path / "shared", tmp_path / "marks.txt"
+    config = tmp_path / "minute.yaml"
+    config.write_text("name: minute\nbackend: slurm\nnodes: 1\nwalltime: '00:01:00'\ndrain: 10\n")
+    out = _run([HETFLOW, "submit", str(HERE / "chain_pipeline.py"), "--pilot", str(config), "--chain", "1",
+                "--param", f"marks={marks}", "--workdir", str(workdir)], slurm_env, timeout=60).stdout
+    run_id = out.splitlines()[0].split()[5]
+    deadline, state = time.monotonic() + 400, None
+    while time.monotonic() < deadline:
+        queued = _run(["squeue", "-h", "-n", f"hetflow-{run_id}", "-o", "%i %T"], slurm_env).stdout.strip()
+        status = subprocess.run([HETFLOW, "status", run_id, "--json", "--workdir", str(workdir)], env=slurm_env,
+                                check=False, capture_output=True, text=True)
+        state = json.loads(status.stdout)["state"] if status.returncode in (0, 1) else None
+        if not queued and state not in (None, "RUNNING"):
+            break
+        time.sleep(1)
+    logs = sorted((workdir / "submit").glob(f"{run_id}-*.out"))
+    text = "\n".join(f"{log.name}:\n{log.read_text()}" for log in logs)
+    assert state == "DONE", text
+    assert len(logs) == 2, text  # two allocations, the second submitted by the first
+    assert "STOPPED by the walltime: submitted job" in logs[0].read_text() + logs[1].read_text(), text
+    done = [line.split() for line in marks.read_text().splitlines()]
+    assert [stage for stage, _ in done] == ["first", "second", "third", "fourth"], done  # none done twice
+    assert len({job for _, job in done}) == 2, done  # the run went on in the successor job
+    _no_jobs_left(slurm_env)
+    assert _leftovers(str(tmp_path)) == []
