@@ -49,6 +49,11 @@ PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable). The value 
               "bool, null None, anything else stays text (no, 1.2.3, 007 are text)")
 
 
+def _raw_param(text: str) -> str:
+    _param(text)  # checked here, parsed by the job's hetflow run
+    return text
+
+
 def _store_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", help="work directory (default $HETFLOW_WORKDIR or ./.hetflow)")
     parser.add_argument("--db", help="SQLAlchemy URL of the state store (default: SQLite in the work directory)")
@@ -71,7 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run STAGE again whatever the cache says, and every stage downstream of it "
                           "(repeatable; 'all' for every stage)")
     run.add_argument("--no-progress", action="store_true", help="no live progress display")
+    run.add_argument("--run-id", help="the run's id: a new run gets it, an existing run of that id is resumed "
+                                      "(hetflow submit chooses it)")
     _store_args(run)
+
+    submit = sub.add_parser("submit", help="write a Slurm batch script that runs a pipeline script, and sbatch it")
+    submit.add_argument("script", help="path to a Python file that declares a hetflow.Pipeline")
+    submit.add_argument("--pilot", required=True, help="a shipped pilot config name or a path to a .yaml config "
+                                                       "(nodes, walltime, queue, account of the job)")
+    submit.add_argument("--param", action="append", default=[], type=_raw_param, metavar="KEY=VALUE",
+                        help="a parameter passed to every stage's ctx.params (repeatable)")
+    submit.add_argument("--chain", type=int, default=0, metavar="N",
+                        help="when the walltime drain stops the run, the job submits a successor that resumes it "
+                             "(afterany dependency), up to N further jobs")
+    _store_args(submit)
 
     resume = sub.add_parser("resume", help="resume a failed or interrupted run")
     resume.add_argument("run", help="run id (or a unique prefix)")
@@ -475,6 +493,18 @@ def _need(module: str, extra: str, what: str) -> None:
                                 f"pip install 'hetflow[{extra}]'") from None
 
 
+def _submit(args: argparse.Namespace) -> int:
+    from .submit import submit
+
+    done = submit(args.script, pilot=args.pilot, params=args.param, workdir=_workdir(args), db=args.db,
+                  chain=args.chain)
+    print(f"submitted batch job {done.job_id}: run {done.run_id}")
+    print(f"  batch script {done.script}; log {str(done.log).replace('%j', done.job_id)}")
+    where = f" --workdir {_workdir(args).resolve()}" + (" --db URL" if args.db else "")
+    print(f"  follow it with: hetflow status {done.run_id}{where}")
+    return EXIT_OK
+
+
 def _report(args: argparse.Namespace) -> int:
     from .report import write_report
 
@@ -513,10 +543,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "run":
+            if args.run_id is not None:
+                from .submit import check_run_id
+
+                check_run_id(args.run_id)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, param_text=dict(args.param), db=args.db,
                                  backend=args.backend, progress=False if args.no_progress else None,
-                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
+                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0, run_id=args.run_id,
+                                 new_run_ok=args.run_id is not None)
             return _run_script(args.script, options, args)
+        if args.command == "submit":
+            return _submit(args)
         if args.command == "resume":
             store = _open_store(args)
             record = store.resolve_run(args.run)

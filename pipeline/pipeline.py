@@ -42,6 +42,9 @@ class RunOptions:
     db: str | None = None
     backend: str | None = None
     run_id: str | None = None
+    new_run_ok: bool = False
+    """With ``run_id``: a run of that id that does not exist yet is started under it
+    (``hetflow run --run-id``, which ``hetflow submit`` writes into the batch script)."""
     progress: bool | None = None
     script: str | None = None
     rerun: Sequence[str] = ()
@@ -242,8 +245,19 @@ class Pipeline:
                                 f"{exc.strerror or exc}") from None
         store = Store.for_workdir(root, options.db or db or self.db)
         resume_id = options.run_id or run_id
+        if options.new_run_ok and made:
+            raise PipelineError(f"pipeline {self.name!r}: --run-id {options.run_id} names one run, but the script "
+                                "runs a second pipeline")
         if resume_id is not None:
-            the_id = store.resolve_run(resume_id).id
+            if options.new_run_ok:  # --run-id: this exact run, resumed, or a new run under that id
+                record = store.find_run(resume_id)
+                if record is not None and record.id != resume_id:
+                    record = None  # find_run matches a prefix; --run-id names one run exactly
+                the_id = record.id if record is not None else resume_id
+                if record is None:
+                    resume_id = None  # a new run under the id chosen for it (hetflow submit)
+            else:
+                the_id = store.resolve_run(resume_id).id
         else:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         from .params import from_command_line

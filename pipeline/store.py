@@ -1,6 +1,7 @@
 """The state store: runs, stages, tasks, attempts, datasets, partitions, events.
 
-SQLAlchemy 2 models on SQLite (WAL, in the work directory) by default or any
+SQLAlchemy 2 models on SQLite (WAL on a local disk, a rollback journal on a shared one: see
+:mod:`hetflow.filesystem`; in the work directory) by default or any
 SQLAlchemy URL.  The orchestrator is the single writer; ``status``, resume,
 reports and provenance read it.  Every state change is also an :class:`Event`
 with a timestamp.
@@ -35,6 +36,7 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLA
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from .errors import MissingExtraError, RunLocked, StoreUnreadable, UnknownRun
+from .filesystem import JournalMode, journal_mode_for
 
 log = logging.getLogger(__name__)
 
@@ -316,13 +318,18 @@ def _locked_message(run_id: str, owner: str, lease_until: float | None) -> str:
     return f"run {run_id} is held by orchestrator {holder.name}{since}; {todo}"
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL waits for other openers too
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.close()
+def _sqlite_pragmas(mode: JournalMode) -> Callable[[Any, Any], None]:
+    """The connect hook for a SQLite store in ``mode`` (see :mod:`hetflow.filesystem`)."""
+    def apply(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA busy_timeout=30000")  # first: switching the journal waits for other openers too
+        cursor.execute(f"PRAGMA journal_mode={mode}")
+        # WAL is durable enough with NORMAL; a rollback journal needs FULL to survive a crash
+        cursor.execute(f"PRAGMA synchronous={'NORMAL' if mode == 'WAL' else 'FULL'}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    return apply
 
 
 def _add_new_columns(connection: Any) -> None:
@@ -394,8 +401,15 @@ class Store:
                                     f"({exc}){extra}") from None
         except ArgumentError as exc:
             raise StoreUnreadable(f"bad state store URL {url!r}: {exc}") from None
+        self.journal_mode: JournalMode | None = None
+        """SQLite only: WAL on a local file system, DELETE on a shared one (:mod:`hetflow.filesystem`)."""
         if self.engine.dialect.name == "sqlite" and not self.read_only:
-            event.listen(self.engine, "connect", _sqlite_pragmas)
+            self.journal_mode, fstype = journal_mode_for(str(path)) if path is not None else ("WAL", None)
+            if self.journal_mode != "WAL":
+                log.warning("state store %s is on %s, a shared file system: SQLite runs without WAL there "
+                            "(slower, one writer at a time); for runs across hosts use --db "
+                            "postgresql+psycopg://USER@HOST/DB", path, fstype)
+            event.listen(self.engine, "connect", _sqlite_pragmas(self.journal_mode))
         if not self.read_only:
             try:
                 self._create_schema(path)

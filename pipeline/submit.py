@@ -1,0 +1,184 @@
+"""``hetflow submit``: write a pipeline's Slurm batch script and ``sbatch`` it.
+
+The run id is chosen here, before the job exists, so the submitter can print
+it and ``hetflow status RUN`` finds the run from the submitting host; the job
+runs ``hetflow run SCRIPT --run-id ID --backend slurm`` with the same work
+directory and state store (which must therefore be on a file system both
+hosts see).  ``--run-id`` starts the run under that id, or resumes it if it
+exists, so a requeued job continues rather than starts over.  The batch
+script lives beside the job's log in ``WORKDIR/submit/``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetflow.tasks.batch import batch_script, parse_job_id, sbatch_argv
+from hetflow.tasks.errors import HetflowError
+from hetflow.tasks.pilot import load_pilot
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class SubmitError(HetflowError):
+    """The job could not be submitted (no ``sbatch``, or Slurm refused it)."""
+
+
+class SubmitRefused(SubmitError):
+    """``sbatch`` ran and refused the job."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    run_id: str
+    script: Path
+    """The batch script that was submitted."""
+    log: Path
+    """Where the job's stdout and stderr go (``%j`` is the job id)."""
+
+
+def new_run_id(script: Path) -> str:
+    """A fresh run id named after the script (the pipeline's name is only known once it runs)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", script.stem).lstrip("._-") or "run"
+    return f"{stem[:64]}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.fullmatch(run_id):
+        raise HetflowError(f"bad run id {run_id!r} (expected letters, digits and ._- , at most 128, "
+                           "not starting with ._-)")
+    return run_id
+
+
+def job_command(script: Path, *, pilot: str, run_id: str, workdir: Path, db: str | None,
+                params: Sequence[str]) -> list[str]:
+    """The ``hetflow run`` argv the job executes (this Python, so the same installation runs it)."""
+    argv = [sys.executable, "-m", "hetflow.cli", "run", str(script), "--pilot", pilot, "--backend", "slurm",
+            "--run-id", run_id, "--workdir", str(workdir), "--no-progress"]
+    if db is not None:
+        argv += ["--db", db]
+    for param in params:  # KEY=VALUE as the user typed it: the job parses it as hetflow run does
+        argv += ["--param", param]
+    return argv
+
+
+def successor_command(run_id: str, batch: Path, *, workdir: Path, db: str | None) -> list[str]:
+    """What a chained job runs after the pipeline: :func:`submit_successor` (the jobs left follow)."""
+    argv = [sys.executable, "-m", "hetflow.submit", "successor", run_id, str(batch), "--workdir", str(workdir)]
+    return argv + (["--db", db] if db is not None else [])
+
+
+def _sbatch(argv: list[str], batch: Path) -> str:
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise SubmitError("sbatch not found on PATH: hetflow submit needs a Slurm client (or run the pipeline "
+                          "with hetflow run inside salloc)")
+    argv[0] = sbatch
+    try:
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:  # after a timeout the job may exist: keep its script
+        raise SubmitError(f"sbatch could not be run: {exc}") from None
+    if done.returncode != 0:
+        why = " | ".join(line.strip() for line in done.stderr.splitlines() if line.strip()) or "no message"
+        raise SubmitRefused(f"sbatch refused {batch} (exit {done.returncode}): {why}")
+    return parse_job_id(done.stdout)
+
+
+def submit_successor(run_id: str, batch: Path, left: int, *, workdir: Path, db: str | None) -> str | None:
+    """In a chained job, after its pipeline: if the walltime STOPPED run ``run_id`` and ``left`` further
+    jobs are allowed, submit ``batch`` again to start once this job ends (``afterany``), with one fewer;
+    returns the new job's id, or None when the run needs no successor or none is allowed."""
+    from .store import Store
+
+    store = Store.for_workdir(workdir, db)
+    try:
+        record = store.find_run(run_id)
+        state = record.state if record is not None and record.id == run_id else None
+    finally:
+        store.close()
+    if state != "STOPPED":
+        print(f"hetflow: run {run_id} is {state or 'not recorded'}: no successor job")
+        return None
+    if left <= 0:
+        print(f"hetflow: run {run_id} STOPPED by the walltime and its chain is used up; resume it with: "
+              f"sbatch {batch}")
+        return None
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        raise SubmitError("no SLURM_JOB_ID: a successor job is submitted from inside the chained job")
+    job_id = _sbatch(sbatch_argv(batch, dependency=f"afterany:{job}", args=[str(left - 1)]), batch)
+    print(f"hetflow: run {run_id} STOPPED by the walltime: submitted job {job_id} to resume it after job {job} "
+          f"({left - 1} more allowed)")
+    return job_id
+
+
+def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db: str | None,
+           chain: int = 0) -> Submitted:
+    """Write the batch script for ``script`` on ``pilot`` and submit it; raises :class:`SubmitError`.
+
+    ``chain``: how many more jobs may follow, each submitted by its predecessor when the
+    walltime drain stopped the run (:func:`submit_successor`).
+    """
+    path = Path(script)
+    if not path.is_file():
+        raise HetflowError(f"pipeline script {script!r} does not exist")
+    description = load_pilot(pilot)  # a bad config fails here, not in the queue
+    pilot_arg = str(Path(pilot).resolve()) if Path(pilot).is_file() else pilot
+    if shutil.which("sbatch") is None:
+        raise SubmitError("sbatch not found on PATH: hetflow submit needs a Slurm client (or run the pipeline "
+                          "with hetflow run inside salloc)")
+    if chain < 0:
+        raise HetflowError(f"--chain {chain}: expected the number of further jobs allowed, 0 or more")
+    workdir = workdir.resolve()
+    run_id = new_run_id(path)
+    folder = workdir / "submit"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log = folder / f"{run_id}-%j.out"
+    command = job_command(path.resolve(), pilot=pilot_arg, run_id=run_id, workdir=workdir, db=db, params=params)
+    batch = folder / f"{run_id}.sbatch"
+    text = batch_script(description, command, job_name=f"hetflow-{run_id}"[:128], output=log, chdir=Path.cwd(),
+                        successor=successor_command(run_id, batch, workdir=workdir, db=db), chain=chain)
+    fd = os.open(batch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # may carry a --db URL with a password
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    try:
+        job_id = _sbatch(sbatch_argv(batch), batch)
+    except SubmitRefused:
+        batch.unlink()  # no script lies beside the logs for a job that does not exist
+        raise
+    return Submitted(job_id=job_id, run_id=run_id, script=batch, log=log)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hetflow.submit successor RUN BATCH LEFT``: the last line of a chained batch script."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m hetflow.submit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    successor = sub.add_parser("successor")
+    successor.add_argument("run")
+    successor.add_argument("batch", type=Path)
+    successor.add_argument("--workdir", type=Path, required=True)
+    successor.add_argument("--db")
+    successor.add_argument("left", type=int)
+    args = parser.parse_args(argv)
+    try:
+        submit_successor(args.run, args.batch, args.left, workdir=args.workdir, db=args.db)
+    except HetflowError as exc:
+        print(f"hetflow: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

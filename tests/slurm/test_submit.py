@@ -1,0 +1,117 @@
+"""``hetflow submit`` on the Slurm lab cluster: a real sbatch job runs the demo pipeline on backend slurm."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hetflow as hf
+import pyarrow as pa
+import pytest
+from test_lab_cluster import _leftovers, _no_jobs_left, _run
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+DEMO = ROOT / "examples" / "demo" / "pipeline.py"
+HETFLOW = str(Path(sys.executable).parent / "hetflow")
+
+
+def _hashes(workdir: Path, run_id: str, env: dict[str, str]) -> dict[str, str]:
+    rows = json.loads(_run([HETFLOW, "datasets", run_id, "--json", "--workdir", str(workdir)], env).stdout)
+    out = {}
+    for row in rows:
+        sink = pa.BufferOutputStream()
+        table = hf.open_dataset(row["path"]).to_table().combine_chunks()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        out[row["name"]] = hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()
+    return out
+
+
+def _pilot(tmp_path: Path, nodes: int) -> Path:
+    config = tmp_path / f"lab-{nodes}.yaml"
+    config.write_text(f"name: lab\nbackend: slurm\nnodes: {nodes}\nwalltime: '00:05:00'\n")
+    return config
+
+
+@pytest.mark.timeout(600)
+def test_submit_runs_the_demo_to_done_and_status_follows_it(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    workdir = tmp_path / "shared"
+    out = _run([HETFLOW, "submit", str(DEMO), "--pilot", str(_pilot(tmp_path, 2)), "--param", "events_per_rank=5000",
+                "--workdir", str(workdir)], slurm_env, timeout=60).stdout
+    first = out.splitlines()[0].split()
+    assert first[:3] == ["submitted", "batch", "job"] and first[4] == "run", out
+    job_id, run_id = first[3].rstrip(":"), first[5]
+    seen: set[str] = set()
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:  # sbatch --wait returns late: poll the queue and the store
+        queued = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], slurm_env).stdout.strip()
+        status = subprocess.run([HETFLOW, "status", run_id, "--json", "--workdir", str(workdir)], env=slurm_env, check=False,
+                                capture_output=True, text=True)
+        state = json.loads(status.stdout)["state"] if status.returncode in (0, 1) else None  # 2: not started yet
+        if state is not None:
+            seen.add(state)
+        if not queued and state not in (None, "RUNNING"):
+            break
+        time.sleep(1)
+    final = json.loads(_run([HETFLOW, "status", run_id, "--json", "--workdir", str(workdir)], slurm_env).stdout)
+    log = next((workdir / "submit").glob(f"{run_id}-{job_id}.out")).read_text()
+    assert final["state"] == "DONE", (final, log)
+    assert "RUNNING" in seen, seen  # status answered from this host while the job ran
+    nodes = {slot["node"] for stage in final["stages"] for slot in stage["slots"]}
+    assert nodes <= {"n1", "n2"} and nodes, final
+    local = tmp_path / "local"
+    _run([HETFLOW, "run", str(DEMO), "--param", "events_per_rank=5000", "--no-progress", "--workdir", str(local)],
+         slurm_env, timeout=300)
+    local_id = json.loads(_run([HETFLOW, "status", "--json", "--workdir", str(local)], slurm_env).stdout)["id"]
+    submitted = _hashes(workdir, run_id, slurm_env)
+    assert set(submitted) == {"events", "per_detector", "energy_quantiles"}
+    assert submitted == _hashes(local, local_id, slurm_env)
+    _no_jobs_left(slurm_env)
+    assert _leftovers(str(tmp_path)) == []
+
+
+def test_submit_refused_by_slurm_is_one_line_and_exit_2(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    done = subprocess.run([HETFLOW, "submit", str(DEMO), "--pilot", str(_pilot(tmp_path, 7)),
+                           "--workdir", str(tmp_path / "w")], env=slurm_env, check=False, capture_output=True, text=True)
+    assert done.returncode == 2, done
+    assert done.stderr.startswith("hetflow: error: sbatch refused ") and done.stderr.count("\n") == 1, done.stderr
+    assert "More processors requested than permitted" in done.stderr, done.stderr  # Slurm's own reason
+    assert done.stdout == ""
+    assert list((tmp_path / "w" / "submit").iterdir()) == []  # no batch script of a job that does not exist
+
+
+@pytest.mark.timeout(600)
+def test_chain_resumes_a_run_the_walltime_stopped_in_a_second_job(slurm_env: dict[str, str],
+                                                                  tmp_path: Path) -> None:
+    workdir, marks = tmp_path / "shared", tmp_path / "marks.txt"
+    config = tmp_path / "minute.yaml"
+    config.write_text("name: minute\nbackend: slurm\nnodes: 1\nwalltime: '00:01:00'\ndrain: 10\n")
+    out = _run([HETFLOW, "submit", str(HERE / "chain_pipeline.py"), "--pilot", str(config), "--chain", "1",
+                "--param", f"marks={marks}", "--workdir", str(workdir)], slurm_env, timeout=60).stdout
+    run_id = out.splitlines()[0].split()[5]
+    deadline, state = time.monotonic() + 400, None
+    while time.monotonic() < deadline:
+        queued = _run(["squeue", "-h", "-n", f"hetflow-{run_id}", "-o", "%i %T"], slurm_env).stdout.strip()
+        status = subprocess.run([HETFLOW, "status", run_id, "--json", "--workdir", str(workdir)], env=slurm_env,
+                                check=False, capture_output=True, text=True)
+        state = json.loads(status.stdout)["state"] if status.returncode in (0, 1) else None
+        if not queued and state not in (None, "RUNNING"):
+            break
+        time.sleep(1)
+    logs = sorted((workdir / "submit").glob(f"{run_id}-*.out"))
+    text = "\n".join(f"{log.name}:\n{log.read_text()}" for log in logs)
+    assert state == "DONE", text
+    assert len(logs) == 2, text  # two allocations, the second submitted by the first
+    assert "STOPPED by the walltime: submitted job" in logs[0].read_text() + logs[1].read_text(), text
+    done = [line.split() for line in marks.read_text().splitlines()]
+    assert [stage for stage, _ in done] == ["first", "second", "third", "fourth"], done  # none done twice
+    assert len({job for _, job in done}) == 2, done  # the run went on in the successor job
+    _no_jobs_left(slurm_env)
+    assert _leftovers(str(tmp_path)) == []
