@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..launchers.mpiexec import launcher_for
-from ..paths import private_dir
 from ..scheduler import RankSlot
 
 if TYPE_CHECKING:
