@@ -605,6 +605,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hetflow: interrupted; running tasks were stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `hetflow runs | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return EXIT_OK
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
 

@@ -132,3 +132,24 @@ def test_param_values_typed_by_the_declared_default_else_numbers_and_json_litera
                              "(default 10); got 'ten'")
     helped = " ".join(hetflow_cmd("run", "--help", cwd=tmp_path).stdout.split())
     assert "declares for KEY" in helped and "stays text" in helped
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
+    """`hetflow pilots | head -1`: the closed pipe ends the command quietly, with exit 0."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    try:
+        done = subprocess.run([*HETFLOW, "pilots"], cwd=tmp_path, stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_render_for_every_installed_engine(tmp_path: Path) -> None:
+    """Each backend's render imports its backend module: an import broken there shows here."""
+    for backend in ("radical", "parsl"):
+        done = hetflow_cmd("pilot", "render", "ornl-frontier", "--backend", backend, cwd=tmp_path)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (backend, done.stderr)

@@ -65,7 +65,8 @@ from ..errors import ConfigError, UnsatisfiableRequest
 from ..gpu import GpuVendor, visible_devices_env
 from ..scheduler import RankSlot
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import (RankRun, options_for, outcome_fields, private_dir, run_rank, run_ranks, safe_name,
+from ..paths import private_dir
+from .ranks import (RankRun, options_for, outcome_fields, run_rank, run_ranks, safe_name,
                     stop_and_wait)
 
 log = logging.getLogger(__name__)

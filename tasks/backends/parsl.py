@@ -44,7 +44,8 @@ from typing import Any, Mapping
 from ..errors import ConfigError
 from ..pilot import PilotDescription
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import RankRun, options_for, outcome_fields, private_dir, run_ranks, safe_name, stop_and_wait
+from ..paths import private_dir
+from .ranks import RankRun, options_for, outcome_fields, run_ranks, safe_name, stop_and_wait
 
 log = logging.getLogger(__name__)
 

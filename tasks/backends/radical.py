@@ -61,7 +61,8 @@ from ..errors import ConfigError, ProtocolError
 from ..pilot import PilotDescription
 from ..protocol import AttemptFiles, RankResult
 from .base import Backend, LaunchSpec, TaskOutcome
-from .ranks import options_for, private_dir, safe_name
+from ..paths import private_dir
+from .ranks import options_for, safe_name
 
 if TYPE_CHECKING:
     from .raptor import Pool
