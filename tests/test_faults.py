@@ -17,11 +17,11 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pyarrow as pa
 import pytest
 
 import _fault_stages as F
+from _procs import alive as _alive
 import hetflow as hf
 from hetflow.operators.dataset import MANIFEST, DatasetNotFound, open_dataset
 
@@ -54,10 +54,6 @@ def _kill_rank_when(marker: str, workdir: Path, rank: int, sig: int = signal.SIG
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     return thread
-
-
-def _alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 def _attempt_pids(run: hf.RunStatus, stage: str, attempt: int = 1) -> list[int]:

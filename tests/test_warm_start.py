@@ -15,6 +15,7 @@ from pathlib import Path
 
 import _fault_stages as F
 import _warm_stages as W
+from _procs import alive as _alive
 import hetflow as hf
 import psutil
 import pytest
@@ -25,17 +26,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 PILOT = hf.PilotDescription(name="two-cores", cores_per_node=2, gpus_per_node=0, memory_per_node=2**34)
 COLD = hf.PilotDescription(name="two-cores-cold", cores_per_node=2, gpus_per_node=0, memory_per_node=2**34,
                            options={"local": {"warm_start": False}})
-
-
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return alive
 
 
 def _servers(run_dir: Path) -> list[int]:
