@@ -56,6 +56,10 @@ def _example_spec(pilot: PilotDescription) -> Any:
 def render(pilot: PilotDescription, backend: RenderBackend) -> str:
     """What the ``backend`` would submit for ``pilot``, as text (the same text for the same config)."""
     pilot = pilot.resolve()  # only a local pilot has anything to detect
+    if backend in ("radical", "parsl"):
+        from .backends import require
+
+        require(backend)  # a missing engine is a one-line MissingExtraError naming the extra
     if backend == "radical":
         text = _render_radical(pilot)
     elif backend == "parsl":

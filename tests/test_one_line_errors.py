@@ -153,3 +153,12 @@ def test_render_for_every_installed_engine(tmp_path: Path) -> None:
     for backend in ("radical", "parsl"):
         done = hetflow_cmd("pilot", "render", "ornl-frontier", "--backend", backend, cwd=tmp_path)
         assert done.returncode == 0 and "Traceback" not in done.stderr, (backend, done.stderr)
+
+
+def test_render_for_an_engine_that_is_not_installed_names_the_extra(tmp_path: Path) -> None:
+    for backend, module in (("parsl", "parsl"), ("radical", "radical.pilot")):
+        done = without(module, f"from hetflow.cli import main; sys.exit(main(['pilot', 'render', 'ornl-frontier', "
+                               f"'--backend', {backend!r}]))", tmp_path)
+        assert done.returncode == 2, (backend, done.stderr)
+        line = one_line(done)
+        assert f"backend {backend!r} needs" in line and f"hetflow[{backend}]" in line, line
