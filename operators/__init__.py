@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         UnsupportedAggregationError,
         UnsupportedTypeError,
     )
-    from .io import read_csv, read_ipc, read_parquet
+    from .readers import read_csv, read_ipc, read_parquet
     from .scan import Scan, scan_ipc
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
     "scan_ipc",
 ]
 
-_LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io",
+_LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "readers", "read_csv": "readers", "read_ipc": "readers",
          "Scan": "scan", "scan_ipc": "scan", **{name: "errors" for name in __all__ if name.endswith("Error")}}
 
 

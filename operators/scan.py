@@ -16,17 +16,18 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
-from . import spill
+from .communicator import Communicator
+from . import dataset as ds
+from . import outofcore, spill
+from .communicator import Communicator
+from .dtable import DTable
 from .errors import ColumnNotFoundError, InputError, SchemaMismatchError
-
-if TYPE_CHECKING:
-    from .dtable import DTable
-    from .outofcore import ScanGroupBy
-    from .typing import Keys, SortKey
+from .io import _assign, _expand
+from .typing import Aggregation, JoinHow, Keys, NullPlacement, SortKey
 
 #: rows per slice the input is cut into before it is shared out (a chunk is one or more slices)
 SLICE_ROWS = 1 << 16
@@ -43,9 +44,6 @@ class Slice:
 
 
 def _files(paths: Any) -> list[str]:
-    from . import dataset as ds
-    from .io import _expand
-
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     out: list[str] = []
     for item in items:
@@ -95,7 +93,7 @@ def read_chunk(chunk: Sequence[Slice], schema: pa.Schema, columns: Sequence[str]
 class Scan:
     """This rank's share (``slices``) of a table stored as Arrow IPC files; collective methods."""
 
-    def __init__(self, comm: Any, schema: pa.Schema, slices: list[Slice], *, row_bytes: float,
+    def __init__(self, comm: Communicator, schema: pa.Schema, slices: list[Slice], *, row_bytes: float,
                  total_rows: int, stats: dict[str, Any] | None = None, columns: Sequence[str] | None = None) -> None:
         self.comm = comm
         self.file_schema = schema
@@ -135,8 +133,6 @@ class Scan:
 
     def to_dtable(self) -> DTable:
         """This rank's share read into memory, as an in-memory distributed table."""
-        from .dtable import DTable
-
         return DTable(self.comm, self.read(self.slices), _checked=True)
 
     def __repr__(self) -> str:
@@ -144,7 +140,7 @@ class Scan:
                 f"schema={self.schema.names})")
 
     # the out-of-core operators (``outofcore``), pyarrow/polars names as on ``DTable``
-    def join(self, right: Scan, keys: Keys, *, right_keys: Keys | None = None, how: str = "inner",
+    def join(self, right: Scan, keys: Keys, *, right_keys: Keys | None = None, how: JoinHow = "inner",
              suffix: str = "_right", output: str | os.PathLike[str], memory_budget: int,
              spill_dir: str | os.PathLike[str] | None = None) -> Scan:
         """Join with ``right`` out of core (grace hash buckets spilled under ``spill_dir``) into the dataset ``output``.
@@ -152,30 +148,53 @@ class Scan:
         ``how`` and ``suffix`` as :meth:`DTable.join`; ``memory_budget`` bounds each rank's working memory
         (bytes above the process's baseline).  Returns a :class:`Scan` of the written dataset.
         """
-        from .outofcore import join
+        stats = outofcore.join(self, right, keys, right_keys=right_keys, how=how, suffix=suffix, output=output,
+                               memory_budget=memory_budget, spill_dir=spill_dir)
+        return _written(self.comm, output, stats)
 
-        return join(self, right, keys, right_keys=right_keys, how=how, suffix=suffix, output=output,
-                    memory_budget=memory_budget, spill_dir=spill_dir)
-
-    def sort_by(self, sorting: SortKey | Sequence[SortKey], *, nulls: str = "at_end",
+    def sort_by(self, sorting: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end",
                 output: str | os.PathLike[str], memory_budget: int,
                 spill_dir: str | os.PathLike[str] | None = None) -> Scan:
         """Sort out of core (sorted runs spilled under ``spill_dir``, then a k-way merge) into the dataset ``output``.
 
         Its partitions in rank order are the sorted table.  Returns a :class:`Scan` of it.
         """
-        from .outofcore import sort_by
-
-        return sort_by(self, sorting, nulls=nulls, output=output, memory_budget=memory_budget, spill_dir=spill_dir)
+        stats = outofcore.sort_by(self, sorting, nulls=nulls, output=output, memory_budget=memory_budget,
+                                  spill_dir=spill_dir)
+        return _written(self.comm, output, stats)
 
     def group_by(self, keys: Keys) -> ScanGroupBy:
         """Group by ``keys``; ``.aggregate([(column, agg), ...], output=..., memory_budget=...)`` runs it out of core.
 
         Output columns are named ``<column>_<agg>`` as for :meth:`DTable.group_by`.
         """
-        from .outofcore import ScanGroupBy
-
         return ScanGroupBy(self, [keys] if isinstance(keys, str) else list(keys))
+
+
+class ScanGroupBy:
+    """``Scan.group_by(keys)``; call :meth:`aggregate` on it."""
+
+    def __init__(self, scan: Scan, keys: list[str]) -> None:
+        for k in keys:
+            if k not in scan.schema.names:
+                raise ColumnNotFoundError(k, scan.schema.names, where="group_by")
+        self._scan = scan
+        self._keys = keys
+
+    def aggregate(self, aggs: Sequence[Aggregation], *, output: str | os.PathLike[str], memory_budget: int,
+                  spill_dir: str | os.PathLike[str] | None = None) -> Scan:
+        """Grouped aggregates out of core (grace hash buckets spilled under ``spill_dir``) into the dataset
+        ``output``; columns as :meth:`DTable.group_by`.  Returns a :class:`Scan` of it."""
+        stats = outofcore.group_aggregate(self._scan, self._keys, list(aggs), output=output,
+                                          memory_budget=memory_budget, spill_dir=spill_dir)
+        return _written(self._scan.comm, output, stats)
+
+
+def _written(comm: Communicator, output: str | os.PathLike[str], stats: dict[str, Any]) -> Scan:
+    """A ``Scan`` of the dataset an out-of-core operator wrote, with what it did."""
+    out = scan_ipc(comm, output)
+    out.stats.update(stats)
+    return out
 
 
 #: record batches whose row counts are read through one memory map (each read maps the pages around the
@@ -196,11 +215,9 @@ def batch_lengths(path: str) -> tuple[pa.Schema, list[int]]:
     return schema, lengths
 
 
-def scan_ipc(comm: Any, paths: Any, *, columns: Sequence[str] | None = None) -> Scan:
+def scan_ipc(comm: Communicator, paths: Any, *, columns: Sequence[str] | None = None) -> Scan:
     """Arrow IPC files (a path, directory, glob, list, or a hetflow dataset directory) as a ``Scan``:
     footers are read, rows are not (collective: every rank lists the same files)."""
-    from .io import _assign
-
     files = _files(paths)
     schema: pa.Schema | None = None
     slices: list[Slice] = []

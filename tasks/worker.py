@@ -6,7 +6,7 @@ Each rank: joins its private communicator (a fresh ``mpiexec`` world, so
 exactly the stage's ranks; or, with ``HETFLOW_COMM=tcp``, the TCP
 communicator of :mod:`hetflow.operators.tcpcomm` for ranks that a backend
 started one by one without MPI, its rank, size, rendezvous file and secret
-file given by the ``HETFLOW_COMM_*`` variables), pins itself to the cores of its slot, sets
+file given by the ``HETFLOW_COMM_*`` variables, :mod:`hetflow.tasks.tcpenv`), pins itself to the cores of its slot, sets
 its vendor's visible-devices variables from its GPUs (:mod:`hetflow.tasks.gpu`), opens the inputs zero-copy, imports and
 calls the stage function, writes its partition of every output atomically and
 a ``rank-<r>.json`` result.  The orchestrator commits the manifests after every
@@ -330,9 +330,9 @@ def run(spec_path: str) -> int:
         rank, size = int(os.environ["HETFLOW_COMM_RANK"]), int(os.environ["HETFLOW_COMM_SIZE"])
 
         def get_comm() -> Any:
-            from hetflow.operators import tcpcomm
+            from .tcpenv import connect_from_env
 
-            world.append(tcpcomm.connect_from_env())
+            world.append(connect_from_env())
             return world[0].Dup()
     else:
         from mpi4py import MPI
