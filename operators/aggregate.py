@@ -13,8 +13,8 @@ Group-by has two algorithms (Cylon / Dask ``split_out`` style):
   rank); only for one integer-like key without nulls on any rank.  It needs no
   hash of the key: the splitters cost one comparison per row, and the group
   count is estimated from every 8th key (``SAMPLE_STRIDE``) instead of a
-  HyperLogLog sketch of every key's hash, about five times cheaper
-  (docs/benchmarks.md, "Group-by estimate and splitters").
+  HyperLogLog sketch of every key's hash, which is cheaper (figures:
+  docs/benchmarks.md, "Group-by estimate and splitters").
 
 ``auto`` estimates the number of groups per row and takes combine-shuffle-reduce
 when it is at most ``COMBINE_MAX_GROUP_RATIO``, else range-shuffle-compute when
@@ -38,7 +38,7 @@ from . import comm as tc
 from . import arrowtypes, kernels, partition, sorting
 from .costmodel import Plan, hockney
 from .errors import AggregateOverflowError, InvalidOptionError, UnsupportedAggregationError
-from .typing import DECOMPOSABLE_AGGS
+from .typing import DECOMPOSABLE_AGGS, GroupByAlgorithm
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _groups_from_sample(values: np.ndarray) -> int:
 
 
 def group_aggregate(comm: Communicator, table: pa.Table, keys: list[str], aggs: list[tuple[str, str]],
-                    algorithm: str) -> tuple[pa.Table, Plan]:
+                    algorithm: GroupByAlgorithm) -> tuple[pa.Table, Plan]:
     """One row per distinct key of the distributed table whose partition here is ``table`` (collective);
     the result partition (in the input's types) and the plan chosen.  Columns are checked by the caller."""
     schema = kernels.aggregate_schema(table.schema, keys, aggs)  # validates names and types
@@ -116,7 +116,7 @@ def group_aggregate(comm: Communicator, table: pa.Table, keys: list[str], aggs: 
 
 
 def _group_aggregate(comm: Communicator, table: pa.Table, keys: list[str], aggs: list[tuple[str, str]],
-                     algorithm: str, schema: pa.Schema) -> tuple[pa.Table, Plan]:
+                     algorithm: GroupByAlgorithm, schema: pa.Schema) -> tuple[pa.Table, Plan]:
     table = partition.canonical_floats(table, keys)  # -0.0 and 0.0 (and all NaNs) are one group
     p = comm.Get_size()
     needed = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))

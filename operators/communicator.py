@@ -19,42 +19,59 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 class Communicator(Protocol):
     """A group of ranks: object collectives (pickled small metadata) and buffer collectives (bytes)."""
 
-    def Get_rank(self) -> int: ...
+    def Get_rank(self) -> int:
+        """This process's rank (0 .. size - 1)."""
 
-    def Get_size(self) -> int: ...
+    def Get_size(self) -> int:
+        """The number of ranks."""
 
-    def Barrier(self) -> None: ...
+    def Barrier(self) -> None:
+        """Wait until every rank has called it."""
 
     # object collectives and point-to-point (small metadata: counts, schemas, errors)
-    def allgather(self, sendobj: Any, /) -> list[Any]: ...
+    def allgather(self, sendobj: Any, /) -> list[Any]:
+        """Every rank's object, in rank order, on every rank."""
 
-    def allreduce(self, sendobj: Any, /) -> Any: ...
+    def allreduce(self, sendobj: Any, /) -> Any:
+        """The sum of every rank's object, on every rank."""
 
-    def bcast(self, obj: Any, root: int = 0) -> Any: ...
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """``root``'s object on every rank."""
 
-    def gather(self, sendobj: Any, root: int = 0) -> list[Any] | None: ...
+    def gather(self, sendobj: Any, root: int = 0) -> list[Any] | None:
+        """Every rank's object on ``root`` (rank order), ``None`` elsewhere."""
 
-    def send(self, obj: Any, dest: int, tag: int = 0) -> None: ...
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """Send an object to rank ``dest``."""
 
-    def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any: ...
+    def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any:
+        """Receive an object from rank ``source``."""
 
     # buffer collectives and point-to-point (table bytes)
-    def Alltoall(self, sendbuf: Any, recvbuf: Any, /) -> None: ...
+    def Alltoall(self, sendbuf: Any, recvbuf: Any, /) -> None:
+        """Block ``j`` of ``sendbuf`` to rank ``j``, equal blocks."""
 
-    def Alltoallv(self, sendbuf: Any, recvbuf: Any, /) -> None: ...
+    def Alltoallv(self, sendbuf: Any, recvbuf: Any, /) -> None:
+        """Block ``j`` of ``sendbuf`` to rank ``j``, counts and displacements per rank."""
 
-    def Allgatherv(self, sendbuf: Any, recvbuf: Any, /) -> None: ...
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any, /) -> None:
+        """Every rank's buffer, concatenated in rank order, on every rank."""
 
-    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None: ...
+    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        """Every rank's buffer, concatenated in rank order, on ``root``."""
 
-    def Bcast(self, buf: Any, root: int = 0) -> None: ...
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        """``root``'s buffer into ``buf`` on every rank."""
 
-    def Send(self, buf: Any, dest: int, tag: int = 0) -> None: ...
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Send a buffer to rank ``dest``."""
 
-    def Recv(self, buf: Any, source: int = 0, tag: int = 0) -> None: ...
+    def Recv(self, buf: Any, source: int = 0, tag: int = 0) -> None:
+        """Receive a buffer from rank ``source``."""
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None, source: int = 0,
-                 recvtag: int = 0) -> None: ...
+                 recvtag: int = 0) -> None:
+        """Send to ``dest`` and receive from ``source`` at once (no deadlock in pairwise exchanges)."""
 
 
 if TYPE_CHECKING:  # mypy checks here that both implementations satisfy the protocol

@@ -23,8 +23,8 @@ from .communicator import Communicator
 from .costmodel import Plan, hockney
 from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
 from .options import check_orderable, join_key_type, key_list, sort_keys
-from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS,
-                     NULL_PLACEMENTS, ROLLING_AGG_NAMES, SORT_ORDERS, Aggregation, Keys, SortKey)
+from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS, NULL_PLACEMENTS, ROLLING_AGG_NAMES, Aggregation,
+                     GroupByAlgorithm, JoinAlgorithm, JoinHow, Keys, NullPlacement, SortKey)
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +231,8 @@ class DTable:
         return self.repartition(n=self._comm.Get_size())
 
     # ------------------------------------------------------------------ join
-    def join(self, right: "DTable", keys: Keys, *, right_keys: Keys | None = None, how: str = "inner",
-             suffix: str = "_right", algorithm: str = "auto") -> "DTable":
+    def join(self, right: "DTable", keys: Keys, *, right_keys: Keys | None = None, how: JoinHow = "inner",
+             suffix: str = "_right", algorithm: JoinAlgorithm = "auto") -> "DTable":
         """SQL join of this table (left) with ``right`` on equal keys; null keys never match.
 
         Output columns: every left column (the key columns keep the left names; for ``right`` and
@@ -324,7 +324,7 @@ class DTable:
         return self._derive(arrowtypes.restore(out, target), Plan("join", name, costs[choice], costs, detail))
 
     # ------------------------------------------------------------------ sort / rolling
-    def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "at_end") -> "DTable":
+    def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end") -> "DTable":
         """Sort globally across ranks (rank 0 holds the first rows); stable.
 
         :param sorting_: a column name, ``(name, "ascending" | "descending")``, or a list of them.
@@ -478,7 +478,7 @@ class GroupBy:
         self._table = table
         self._keys = keys
 
-    def aggregate(self, aggs: Sequence[Aggregation], *, algorithm: str = "auto") -> DTable:
+    def aggregate(self, aggs: Sequence[Aggregation], *, algorithm: GroupByAlgorithm = "auto") -> DTable:
         """One row per distinct key value (nulls form one group) with one column per aggregation.
 
         Output columns: the keys, then ``<column>_<agg>`` for each ``(column, agg)`` in order —

@@ -22,10 +22,11 @@ import pyarrow as pa
 
 from .communicator import Communicator
 from .errors import InputError, InvalidOptionError, SchemaMismatchError
+from .typing import WriteFormat
 
 Paths = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
 
-_EXT = {"parquet": "parquet", "ipc": "arrow", "csv": "csv"}
+_EXT = {"parquet": "parquet", "ipc": "arrow"}
 
 
 def _expand(paths: Paths, fmt: str) -> list[str]:
@@ -143,7 +144,8 @@ def csv_partition(comm: Communicator, paths: Paths, *, schema: pa.Schema | None 
     return _finish(comm, table, schema, "read_csv")
 
 
-def write_partitions(comm: Communicator, table: pa.Table, directory: str | os.PathLike[str], fmt: str) -> list[str]:
+def write_partitions(comm: Communicator, table: pa.Table, directory: str | os.PathLike[str],
+                     fmt: WriteFormat) -> list[str]:
     """Write this rank's partition as ``part-<rank>.<ext>``; returns every rank's file (rank order)."""
     if fmt not in _EXT:
         raise InvalidOptionError("format", fmt, list(_EXT))

@@ -68,7 +68,8 @@ log = logging.getLogger(__name__)
 
 #: share of the budget read (and shuffled) per round
 CHUNK_FRACTION = 1 / 16
-#: share of the budget one join bucket (both sides) may hold: DuckDB takes about 3.5x the bucket on top
+#: share of the budget one join bucket (both sides) may hold: DuckDB's join takes a multiple of the bucket
+#: on top (docs/benchmarks.md, "Out-of-core operators")
 JOIN_BUCKET_FRACTION = 1 / 12
 #: share of the budget one group-by bucket may hold
 GROUP_BUCKET_FRACTION = 1 / 8
