@@ -1,6 +1,6 @@
 """Out-of-core join, sort and group-by under a per-rank memory budget (layer 3).
 
-Input is a ``Scan`` (Arrow IPC files read a chunk at a time); output is
+Input is a ``shares.Share`` (Arrow IPC files read a chunk at a time); output is
 written a batch at a time, so neither side has to fit in memory: a hetflow
 dataset (one partition per rank, manifest last; ``Scan``'s methods return a
 ``Scan`` of it) or, with ``local=True``, only this rank's partition file in a
@@ -41,7 +41,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -59,10 +59,8 @@ from .errors import (
     UnsupportedAggregationError,
 )
 from .options import check_orderable, join_key_type, key_list, sort_keys
+from .shares import Share, Slice
 from .typing import JOIN_HOWS, NULL_PLACEMENTS, JoinHow, Keys, NullPlacement, SortKey
-
-if TYPE_CHECKING:
-    from .scan import Scan, Slice
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +98,7 @@ def bucket_count(bytes_per_rank: float, bucket_bytes: float) -> int:
     return max(1, math.ceil(bytes_per_rank / max(1.0, bucket_bytes)))
 
 
-def _chunk_rows(scan: Scan, budget: int) -> int:
+def _chunk_rows(scan: Share, budget: int) -> int:
     return max(1024, int(budget * CHUNK_FRACTION / scan.row_bytes))
 
 
@@ -119,7 +117,7 @@ def _duckdb_flush_threshold(nbytes: int) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- grace hash partitioning
-def _partition(scan: Scan, keys: Sequence[str], buckets: int, directory: Path, name: str, budget: int,
+def _partition(scan: Share, keys: Sequence[str], buckets: int, directory: Path, name: str, budget: int,
                prepare: Callable[[pa.Table], pa.Table]) -> spill.Buckets:
     """Hash-shuffle ``scan`` a chunk at a time and append every row to its bucket's spill file (collective)."""
     comm = scan.comm
@@ -193,7 +191,7 @@ def _batches(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.RecordBatch]:
 
 
 # --------------------------------------------------------------------------- join
-def join(left: Scan, right: Scan, keys: Keys, *, right_keys: Keys | None = None, how: JoinHow = "inner",
+def join(left: Share, right: Share, keys: Keys, *, right_keys: Keys | None = None, how: JoinHow = "inner",
          suffix: str = "_right", output: str | os.PathLike[str], memory_budget: int,
          spill_dir: str | os.PathLike[str] | None = None, local: bool = False) -> dict[str, Any]:
     """``left`` joined with ``right`` (grace hash join), written to ``output`` (see ``_write_output``)."""
@@ -237,7 +235,7 @@ def join(left: Scan, right: Scan, keys: Keys, *, right_keys: Keys | None = None,
 
 
 # --------------------------------------------------------------------------- group-by
-def group_aggregate(scan: Scan, keys: list[str], aggs: list[tuple[str, str]], *, output: str | os.PathLike[str],
+def group_aggregate(scan: Share, keys: list[str], aggs: list[tuple[str, str]], *, output: str | os.PathLike[str],
                     memory_budget: int, spill_dir: str | os.PathLike[str] | None = None,
                     local: bool = False) -> dict[str, Any]:
     """Grouped aggregates by grace hash partitioning, written to ``output`` (see ``_write_output``)."""
@@ -284,7 +282,7 @@ def group_aggregate(scan: Scan, keys: list[str], aggs: list[tuple[str, str]], *,
 
 
 # --------------------------------------------------------------------------- sort
-def _splitters(scan: Scan, chunks: list[list[Slice]], by: list[tuple[str, str]], nulls: str,
+def _splitters(scan: Share, chunks: list[list[Slice]], by: list[tuple[str, str]], nulls: str,
                prepare: Callable[[pa.Table], pa.Table]) -> list[list[Any]]:
     """``P - 1`` splitter keys from evenly spaced samples of every chunk's key columns (collective)."""
     comm = scan.comm
@@ -388,7 +386,7 @@ def _merge(runs: list[Iterator[pa.Table]], by: list[tuple[str, str]], nulls: str
         spill.release()
 
 
-def sort_by(scan: Scan, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end",
+def sort_by(scan: Share, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end",
             output: str | os.PathLike[str], memory_budget: int,
             spill_dir: str | os.PathLike[str] | None = None, local: bool = False) -> dict[str, Any]:
     """``scan`` sorted (sample sort, then an external merge sort per rank), written to ``output`` (see

@@ -13,8 +13,6 @@ import functools
 import re
 from pathlib import Path
 
-
-
 OPERATORS = Path(__file__).resolve().parents[2] / "operators"
 
 
