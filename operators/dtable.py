@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import aggregate, arrowtypes, hashjoin, io, kernels, memory, partition, sorting
+from . import aggregate, arrowtypes, hashjoin, io, kernels, memory, partition, sorting, spilling
 from . import comm as tc
 from .communicator import Communicator
 from .costmodel import Plan, hockney
@@ -274,6 +274,8 @@ class DTable:
             for a, b in zip(lk, rk):
                 check_orderable(self.schema.field(a), "join algorithm 'sort'")
                 check_orderable(right.schema.field(b), "join algorithm 'sort'")
+        if algorithm == "auto" and spilling.needed(self._comm, self._table.nbytes + right._table.nbytes):
+            return self._derive(*spilling.join(self._comm, self._table, right._table, lk, rk, how, suffix))
         p = self._comm.Get_size()
         target = kernels.join_schema(self.schema, right.schema, rk, how, suffix)[0]
         lt, rt = arrowtypes.to_kernel(self._table), arrowtypes.to_kernel(right._table)
@@ -338,6 +340,8 @@ class DTable:
         self._check_columns([c for c, _ in by], "sort_by")
         for c, _ in by:
             check_orderable(self.schema.field(c), "sort_by")
+        if spilling.needed(self._comm, self._table.nbytes):
+            return self._derive(*spilling.sort_by(self._comm, self._table, by, nulls))
         p = self._comm.Get_size()
         out = arrowtypes.restore(sorting.sample_sort(self._comm, arrowtypes.to_kernel(self._table), by, nulls), self.schema)
         est = hockney(self._comm).shuffle(p, self._bytes()[1]) + hockney(self._comm).allgather(p, 64.0 * sorting.SAMPLES_PER_RANK * p)
@@ -501,5 +505,8 @@ class GroupBy:
             raise InvalidOptionError("group_by algorithm", algorithm, GROUPBY_ALGORITHMS)
         dt = self._table
         dt._check_columns([c for c, _ in aggs], "aggregate")
+        work = dt.to_arrow().select(list(dict.fromkeys(self._keys + [c for c, _ in aggs])))
+        if algorithm == "auto" and spilling.needed(dt.comm, work.nbytes):
+            return dt._derive(*spilling.group_aggregate(dt.comm, work, self._keys, list(aggs)))
         out, plan = aggregate.group_aggregate(dt.comm, dt.to_arrow(), self._keys, list(aggs), algorithm)
         return dt._derive(out, plan)
