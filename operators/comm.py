@@ -17,14 +17,14 @@ communicator are used, so any object with that mpi4py subset works.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
-from mpi4py import MPI
 import pyarrow as pa
+from mpi4py import MPI
 
-from .communicator import Communicator
 from . import memory
+from .communicator import Communicator
 from .errors import SchemaMismatchError
 
 log = logging.getLogger(__name__)

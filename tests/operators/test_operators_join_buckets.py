@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import _opdata as D
 import numpy as np
 import pyarrow as pa
 import pytest
-
-import _opdata as D
 from test_operators_join import HOWS, reference_join
 
 NO_BUCKETS = 10**12
@@ -39,8 +38,7 @@ def raw_table(seed: int, rank: int, size: int, layout: str, n: int, stream: int)
 
 def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Table, keys: list[str], how: str,
         ctx: str) -> None:
-    from hetflow.operators import DTable
-    from hetflow.operators import settings
+    from hetflow.operators import DTable, settings
 
     lt, rt = DTable(comm, left), DTable(comm, right)
     with settings.override(join_bucket_rows=3):
@@ -116,9 +114,7 @@ def test_bucket_ids_keep_rank_placement(monkeypatch: pytest.MonkeyPatch, kind: s
 
 
 def test_bucket_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hetflow.operators import hashjoin
-
-    from hetflow.operators import settings
+    from hetflow.operators import hashjoin, settings
 
     monkeypatch.setattr(settings, "_current", settings.Settings())
     assert hashjoin.bucket_count(0) == 1

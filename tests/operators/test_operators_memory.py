@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-
 from hetflow.operators import intkeys, kernels, memory
 
 
