@@ -35,6 +35,7 @@ from . import dataset as ds
 from . import outofcore, settings, spill
 from .communicator import Communicator
 from .costmodel import Plan
+from .errors import UnsupportedAggregationError
 from .shares import SLICE_ROWS, Share, batch_lengths, slices_of
 from .typing import JoinHow, NullPlacement, SortOrder
 
@@ -115,6 +116,12 @@ def group_aggregate(comm: Communicator, table: pa.Table, keys: Sequence[str],
     key and aggregated columns."""
     budget = settings.current().memory_budget
     assert budget is not None
+    for col, agg in aggs:  # every rank raises: they all took this path
+        if agg in outofcore.ORDER_DEPENDENT:
+            raise UnsupportedAggregationError(
+                f"group_by {list(keys)}: aggregation {agg!r} of {col!r} depends on row order, which the out-of-core "
+                f"group-by does not keep, and the input is over the memory budget of {budget} B per rank "
+                "(raise the stage's memory_per_rank, or pass algorithm='shuffle' to aggregate in memory)")
     needed_columns = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))
     work = table.select(needed_columns)
     with spill.SpillDir(settings.current().spill_dir) as directory:
