@@ -41,8 +41,8 @@ class DTable:
     lists the algorithm each one chose.  Inside a stage, ``ctx.dtable(table)``
     builds one over the stage's communicator.
 
-    :param comm: an mpi4py communicator (or one with the same methods); never
-        assumed to be ``COMM_WORLD``.
+    :param comm: an mpi4py communicator, or anything that satisfies
+        :class:`~hetflow.operators.Communicator`; never assumed to be ``COMM_WORLD``.
     :param table: this rank's partition (a ``pyarrow.Table`` or ``RecordBatch``).
     :raises SchemaMismatchError: the ranks' partitions do not have one schema.
     """
@@ -247,7 +247,8 @@ class DTable:
         :param how: ``inner``, ``left``, ``right``, ``full``, ``semi`` or ``anti``.
         :param suffix: appended to a right column whose name a left column already has.
         :param algorithm: ``auto`` (cheapest by the Hockney cost model: hash-shuffle both sides or
-            broadcast the smaller one), ``hash``, ``broadcast`` or ``sort`` (range-partition both sides).
+            broadcast the smaller one; out of core when the inputs are over ``settings.memory_budget``,
+            see ``spilling``), ``hash``, ``broadcast`` or ``sort`` (range-partition both sides).
         :returns: the joined table, distributed over the same ranks.
         :raises ColumnNotFoundError: a key column that one side does not have.
         :raises KeyTypeMismatchError: a left and right key of different types.
@@ -327,7 +328,8 @@ class DTable:
 
     # ------------------------------------------------------------------ sort / rolling
     def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end") -> "DTable":
-        """Sort globally across ranks (rank 0 holds the first rows); stable.
+        """Sort globally across ranks (rank 0 holds the first rows); stable, except out of core (inputs
+        over ``settings.memory_budget``, see ``spilling``), where ties keep no particular order.
 
         :param sorting_: a column name, ``(name, "ascending" | "descending")``, or a list of them.
         :param nulls: ``at_end`` or ``at_start``.
@@ -495,7 +497,8 @@ class GroupBy:
         :param aggs: ``[(column, agg), ...]``; ``agg`` is one of ``count``, ``count_distinct``, ``sum``,
             ``mean``, ``min``, ``max``, ``stddev``, ``variance``, ``first``, ``last``, ``list``.
         :param algorithm: ``auto`` (combine-shuffle-reduce when few groups are estimated, else a
-            range or hash shuffle), ``combine``, ``shuffle`` or ``range`` (one integer key without nulls).
+            range or hash shuffle; out of core when the inputs are over ``settings.memory_budget``,
+            see ``spilling``), ``combine``, ``shuffle`` or ``range`` (one integer key without nulls).
         :raises UnsupportedAggregationError: an unknown aggregation, one not defined for the column's
             type, or ``combine`` with a non-decomposable one (``count_distinct``, ``first``, ``last``, ``list``).
         :raises AggregateOverflowError: an integer sum outside int64/uint64 (raised on every rank).
