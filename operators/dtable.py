@@ -115,7 +115,7 @@ class DTable:
         if plan is not None and self._comm.Get_size() > 1 and not plan.model:
             plan = replace(plan, model=hockney(self._comm).describe())
         plans = self._plans + ((plan,) if plan is not None else ())
-        memory.trim()  # an operator is done: keep only CACHE_FREE_BYTES of its free scratch buffers
+        memory.trim()  # an operator is done: keep only settings.scratch_cache_bytes of its free scratch buffers
         return DTable(self._comm, table, _plans=plans, _checked=True)
 
     def _check_columns(self, names: Iterable[str], where: str = "table") -> None:
