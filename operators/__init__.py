@@ -4,6 +4,8 @@ A standalone library: it imports nothing else of hetflow.  Layers: local
 kernels on ``pa.Table`` (``kernels``), table collectives on an explicit
 communicator (``comm``, ``partition``), distributed operators that choose an
 algorithm with a measured Hockney model (``DTable``, ``costmodel``).
+Settings the caller chooses (memory budget, spill directory, kernel threads)
+are in ``settings``; the communicator is anything that satisfies ``Communicator``.
 
 Heavy modules load on first use, so ``import hetflow.operators`` stays cheap.
 """
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
+    from .communicator import Communicator
     from .dtable import DTable, GroupBy
     from .errors import (
         AggregateOverflowError,
@@ -28,12 +31,13 @@ if TYPE_CHECKING:
         UnsupportedAggregationError,
         UnsupportedTypeError,
     )
-    from .io import read_csv, read_ipc, read_parquet
+    from .readers import read_csv, read_ipc, read_parquet
     from .scan import Scan, scan_ipc
 
 __all__ = [
     "AggregateOverflowError",
     "ColumnNotFoundError",
+    "Communicator",
     "DTable",
     "GroupBy",
     "InputError",
@@ -50,7 +54,7 @@ __all__ = [
     "scan_ipc",
 ]
 
-_LAZY = {"DTable": "dtable", "GroupBy": "dtable", "read_parquet": "io", "read_csv": "io", "read_ipc": "io",
+_LAZY = {"Communicator": "communicator", "DTable": "dtable", "GroupBy": "dtable", "read_parquet": "readers", "read_csv": "readers", "read_ipc": "readers",
          "Scan": "scan", "scan_ipc": "scan", **{name: "errors" for name in __all__ if name.endswith("Error")}}
 
 

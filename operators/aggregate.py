@@ -13,8 +13,8 @@ Group-by has two algorithms (Cylon / Dask ``split_out`` style):
   rank); only for one integer-like key without nulls on any rank.  It needs no
   hash of the key: the splitters cost one comparison per row, and the group
   count is estimated from every 8th key (``SAMPLE_STRIDE``) instead of a
-  HyperLogLog sketch of every key's hash, about five times cheaper
-  (docs/benchmarks.md, "Group-by estimate and splitters").
+  HyperLogLog sketch of every key's hash, which is cheaper (figures:
+  docs/benchmarks.md, "Group-by estimate and splitters").
 
 ``auto`` estimates the number of groups per row and takes combine-shuffle-reduce
 when it is at most ``COMBINE_MAX_GROUP_RATIO``, else range-shuffle-compute when
@@ -26,20 +26,19 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .communicator import Communicator
 from . import comm as tc
 from . import arrowtypes, kernels, partition, sorting
 from .costmodel import Plan, hockney
 from .errors import AggregateOverflowError, InvalidOptionError, UnsupportedAggregationError
-from .typing import DECOMPOSABLE_AGGS
-
-if TYPE_CHECKING:
-    from .dtable import DTable
+from .typing import DECOMPOSABLE_AGGS, GroupByAlgorithm
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ def _estimate_groups(hashes: np.ndarray) -> int:
     return int(pl.Series(hashes).approx_n_unique())
 
 
-def _range_key(comm: Any, table: pa.Table, keys: Sequence[str]) -> np.ndarray | None:
+def _range_key(comm: Communicator, table: pa.Table, keys: Sequence[str]) -> np.ndarray | None:
     """The integer values of the one integer-like key when no rank's key has a null, else ``None`` (collective)."""
     values = None
     if len(keys) == 1 and table.column(keys[0]).null_count == 0:
@@ -106,18 +105,19 @@ def _groups_from_sample(values: np.ndarray) -> int:
     return min(n, int(round(hi)))
 
 
-def group_aggregate(dt: "DTable", keys: list[str], aggs: list[tuple[str, str]], algorithm: str) -> "DTable":
-    dt._check_columns([c for c, _ in aggs], "aggregate")
-    schema = kernels.aggregate_schema(dt.schema, keys, aggs)  # validates names and types
+def group_aggregate(comm: Communicator, table: pa.Table, keys: list[str], aggs: list[tuple[str, str]],
+                    algorithm: GroupByAlgorithm) -> tuple[pa.Table, Plan]:
+    """One row per distinct key of the distributed table whose partition here is ``table`` (collective);
+    the result partition (in the input's types) and the plan chosen.  Columns are checked by the caller."""
+    schema = kernels.aggregate_schema(table.schema, keys, aggs)  # validates names and types
     needed = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))
-    out, plan = _group_aggregate(dt, arrowtypes.to_kernel(dt.to_arrow().select(needed)), keys, aggs, algorithm, schema)
-    return dt._derive(arrowtypes.restore(out, schema), plan)
+    out, plan = _group_aggregate(comm, arrowtypes.to_kernel(table.select(needed)), keys, aggs, algorithm, schema)
+    return arrowtypes.restore(out, schema), plan
 
 
-def _group_aggregate(dt: "DTable", table: pa.Table, keys: list[str], aggs: list[tuple[str, str]], algorithm: str,
-                     schema: pa.Schema) -> tuple[pa.Table, Plan]:
+def _group_aggregate(comm: Communicator, table: pa.Table, keys: list[str], aggs: list[tuple[str, str]],
+                     algorithm: GroupByAlgorithm, schema: pa.Schema) -> tuple[pa.Table, Plan]:
     table = partition.canonical_floats(table, keys)  # -0.0 and 0.0 (and all NaNs) are one group
-    comm = dt.comm
     p = comm.Get_size()
     needed = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))
     if p == 1:
@@ -176,12 +176,11 @@ def _group_aggregate(dt: "DTable", table: pa.Table, keys: list[str], aggs: list[
     return out, Plan("group_by", name, costs[choice], costs, detail)
 
 
-def column_aggregates(dt: "DTable", aggs: list[tuple[str, str]]) -> dict[str, Any]:
-    """Replicated whole-table aggregates as Python values keyed ``<col>_<agg>``."""
-    dt._check_columns([c for c, _ in aggs], "aggregate")
-    schema = kernels.aggregate_schema(dt.schema, [], aggs)
-    table = arrowtypes.to_kernel(dt.to_arrow().select(list(dict.fromkeys(c for c, _ in aggs))))
-    comm = dt.comm
+def column_aggregates(comm: Communicator, table: pa.Table, aggs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Replicated whole-table aggregates as Python values keyed ``<col>_<agg>`` (collective; columns are
+    checked by the caller)."""
+    schema = kernels.aggregate_schema(table.schema, [], aggs)
+    table = arrowtypes.to_kernel(table.select(list(dict.fromkeys(c for c, _ in aggs))))
     out: dict[str, Any] = {}
     dec = [a for a in aggs if _decomposable(table.schema, [a])]
     root = comm.Get_rank() == 0  # results are computed on rank 0 and broadcast: bit-identical replicas
@@ -226,7 +225,7 @@ def column_aggregates(dt: "DTable", aggs: list[tuple[str, str]]) -> dict[str, An
     return final  # type: ignore[no-any-return]
 
 
-def _collectively(comm: Any, kernel: Any) -> pa.Table:
+def _collectively(comm: Communicator, kernel: Callable[[], pa.Table]) -> pa.Table:
     """``kernel()`` on every rank; an ``AggregateOverflowError`` on one rank is raised on all of them
     (the others would otherwise wait in the next collective)."""
     out, error = None, None

@@ -17,13 +17,14 @@ communicator are used, so any object with that mpi4py subset works.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
-from mpi4py import MPI
 import pyarrow as pa
+from mpi4py import MPI
 
 from . import memory
+from .communicator import Communicator
 from .errors import SchemaMismatchError
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def _displs(sizes: np.ndarray) -> np.ndarray:
     return d
 
 
-def alltoall_tables(comm: Any, parts: Sequence[pa.Table]) -> list[pa.Table]:
+def alltoall_tables(comm: Communicator, parts: Sequence[pa.Table]) -> list[pa.Table]:
     """Shuffle: ``parts[j]`` goes to rank ``j``; returns what every rank sent here, by source rank.
 
     When ``parts`` is a list it is consumed: the entries sent away are replaced by
@@ -106,7 +107,7 @@ def alltoall_tables(comm: Any, parts: Sequence[pa.Table]) -> list[pa.Table]:
     return [t if t is not None else own.slice(0, 0) for t in received]
 
 
-def _pairwise_exchange(comm: Any, sendbuf: np.ndarray, ss: np.ndarray, sd: np.ndarray,
+def _pairwise_exchange(comm: Communicator, sendbuf: np.ndarray, ss: np.ndarray, sd: np.ndarray,
                        recvbuf: np.ndarray, rs: np.ndarray, rd: np.ndarray) -> None:
     """Large messages: pairwise Sendrecv rounds in chunks below the C-int count limit."""
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -163,7 +164,7 @@ def raw_columns(table: pa.Table) -> list[tuple[np.ndarray, int]] | None:
     return out
 
 
-def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence[np.ndarray] | None = None, *,
+def shuffle(comm: Communicator, table: pa.Table, ids: np.ndarray | None, groups: Sequence[np.ndarray] | None = None, *,
             columns: list[tuple[np.ndarray, int]] | None | bool = True) -> pa.Table:
     """Send row ``i`` of ``table`` to rank ``ids[i]``; returns the rows every rank sent here,
     in source-rank order, row order kept within a source.
@@ -223,7 +224,7 @@ def shuffle(comm: Any, table: pa.Table, ids: np.ndarray | None, groups: Sequence
     return pa.Table.from_arrays(arrays, schema=table.schema)
 
 
-def _exchange(comm: Any, sendbuf: np.ndarray, sendsizes: np.ndarray, recvbuf: np.ndarray, recvsizes: np.ndarray,
+def _exchange(comm: Communicator, sendbuf: np.ndarray, sendsizes: np.ndarray, recvbuf: np.ndarray, recvsizes: np.ndarray,
               rdispl: np.ndarray | None = None, sdispl: np.ndarray | None = None) -> None:
     sdispl = _displs(sendsizes) if sdispl is None else sdispl
     rdispl = _displs(recvsizes) if rdispl is None else rdispl
@@ -233,7 +234,7 @@ def _exchange(comm: Any, sendbuf: np.ndarray, sendsizes: np.ndarray, recvbuf: np
         _pairwise_exchange(comm, sendbuf, sendsizes, sdispl, recvbuf, recvsizes, rdispl)
 
 
-def allgather_table(comm: Any, table: pa.Table) -> list[pa.Table]:
+def allgather_table(comm: Communicator, table: pa.Table) -> list[pa.Table]:
     """Every rank's table, on every rank, in rank order."""
     if comm.Get_size() == 1:
         return [table]
@@ -250,7 +251,7 @@ def allgather_table(comm: Any, table: pa.Table) -> list[pa.Table]:
     return [t if t is not None else table.slice(0, 0) for t in out]
 
 
-def gather_table(comm: Any, table: pa.Table, root: int = 0) -> list[pa.Table] | None:
+def gather_table(comm: Communicator, table: pa.Table, root: int = 0) -> list[pa.Table] | None:
     """Every rank's table on ``root`` (rank order), ``None`` elsewhere."""
     if comm.Get_size() == 1:
         return [table]
@@ -274,7 +275,7 @@ def gather_table(comm: Any, table: pa.Table, root: int = 0) -> list[pa.Table] | 
     return [t if t is not None else table.slice(0, 0) for t in out]
 
 
-def bcast_table(comm: Any, table: pa.Table | None, root: int = 0) -> pa.Table:
+def bcast_table(comm: Communicator, table: pa.Table | None, root: int = 0) -> pa.Table:
     """``root``'s table on every rank."""
     if comm.Get_size() == 1:
         assert table is not None
@@ -294,7 +295,7 @@ def bcast_table(comm: Any, table: pa.Table | None, root: int = 0) -> pa.Table:
     return _read_from(buf, 0, buf.size)
 
 
-def scatter_tables(comm: Any, parts: Sequence[pa.Table] | None, root: int = 0) -> pa.Table:
+def scatter_tables(comm: Communicator, parts: Sequence[pa.Table] | None, root: int = 0) -> pa.Table:
     """``parts[j]`` (given on ``root``) becomes rank ``j``'s table."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if rank == root:
@@ -307,7 +308,7 @@ def scatter_tables(comm: Any, parts: Sequence[pa.Table] | None, root: int = 0) -
     return recv_table(comm, root, tag=79)
 
 
-def send_table(comm: Any, table: pa.Table, dest: int, tag: int = 80) -> None:
+def send_table(comm: Communicator, table: pa.Table, dest: int, tag: int = 80) -> None:
     buf, sizes = serialize([table])
     comm.send(int(sizes[0]), dest=dest, tag=tag)
     for start in range(0, max(buf.size, 1), _MAX_CHUNK):
@@ -315,7 +316,7 @@ def send_table(comm: Any, table: pa.Table, dest: int, tag: int = 80) -> None:
         comm.Send([chunk, chunk.size, MPI.BYTE], dest=dest, tag=tag)
 
 
-def recv_table(comm: Any, source: int, tag: int = 80) -> pa.Table:
+def recv_table(comm: Communicator, source: int, tag: int = 80) -> pa.Table:
     n = comm.recv(source=source, tag=tag)
     buf = np.empty(n, dtype=np.uint8)
     for start in range(0, max(n, 1), _MAX_CHUNK):
@@ -324,17 +325,17 @@ def recv_table(comm: Any, source: int, tag: int = 80) -> pa.Table:
     return _read_from(buf, 0, n)
 
 
-def allreduce_sum(comm: Any, value: int) -> int:
+def allreduce_sum(comm: Communicator, value: int) -> int:
     return int(comm.allreduce(int(value)))
 
 
-def exscan_sum(comm: Any, value: int) -> int:
+def exscan_sum(comm: Communicator, value: int) -> int:
     """Sum of ``value`` over the ranks before this one (0 on rank 0)."""
     counts = comm.allgather(int(value))
     return int(sum(counts[: comm.Get_rank()]))
 
 
-def check_same_schema(comm: Any, schema: pa.Schema, *, what: str = "table") -> None:
+def check_same_schema(comm: Communicator, schema: pa.Schema, *, what: str = "table") -> None:
     """Raise ``SchemaMismatchError`` (on every rank) unless all ranks hold the same schema."""
     if comm.Get_size() == 1:
         return

@@ -21,6 +21,8 @@ from typing import Any, Mapping
 import numpy as np
 from mpi4py import MPI
 
+from .communicator import Communicator
+
 log = logging.getLogger(__name__)
 
 _memo: dict[str, "Hockney"] = {}
@@ -84,7 +86,7 @@ def cache_path() -> Path:
     return Path(base) / "hetflow" / "hockney.json"
 
 
-def _key(comm: Any) -> str:
+def _key(comm: Communicator) -> str:
     """Cache key of the measured α, β: the hosts, the rank count and the transport.
 
     MPI and the TCP communicator have very different α and β on the same hosts
@@ -117,7 +119,7 @@ def _store(path: Path, key: str, value: Hockney) -> None:
         log.warning("could not cache Hockney parameters in %s: %s", path, exc)
 
 
-def _pingpong(comm: Any, nbytes: int, reps: int) -> float:
+def _pingpong(comm: Communicator, nbytes: int, reps: int) -> float:
     """Half round-trip time between ranks 0 and 1 (others idle)."""
     rank = comm.Get_rank()
     buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
@@ -134,7 +136,7 @@ def _pingpong(comm: Any, nbytes: int, reps: int) -> float:
     return best
 
 
-def measure(comm: Any) -> Hockney:
+def measure(comm: Communicator) -> Hockney:
     """Ping-pong between ranks 0 and 1: α from 8-byte messages, β from the slope up to 8 MiB."""
     small, large = 8, 8 << 20
     t_small = _pingpong(comm, small, 50)
@@ -146,7 +148,7 @@ def measure(comm: Any) -> Hockney:
     return comm.bcast(result, root=0)  # type: ignore[no-any-return]
 
 
-def hockney(comm: Any) -> Hockney:
+def hockney(comm: Communicator) -> Hockney:
     """α, β for this communicator's layout (collective; cached on disk and in memory)."""
     if comm.Get_size() == 1:
         return Hockney(0.0, 0.0, source="single rank")

@@ -17,32 +17,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from . import aggregate, arrowtypes, hashjoin, io, kernels, memory, partition, sorting, spilling
 from . import comm as tc
-from . import arrowtypes, hashjoin, kernels, memory, partition, sorting
+from .communicator import Communicator
 from .costmodel import Plan, hockney
-from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError, UnsupportedTypeError
-from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS,
-                     NULL_PLACEMENTS, ROLLING_AGG_NAMES, SORT_ORDERS, Aggregation, Keys, SortKey)
+from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
+from .options import check_orderable, join_key_type, key_list, sort_keys
+from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS, NULL_PLACEMENTS, ROLLING_AGG_NAMES, Aggregation,
+                     GroupByAlgorithm, JoinAlgorithm, JoinHow, Keys, NullPlacement, SortKey)
 
 log = logging.getLogger(__name__)
 
 ColumnValue = Union[pc.Expression, pa.Array, pa.ChunkedArray, Callable[[pa.Table], Any]]
 #: group-by switches to combine-shuffle-reduce when estimated groups / rows is at most this
 COMBINE_MAX_GROUP_RATIO = 0.5
-
-
-def _keys(keys: Keys) -> list[str]:
-    return [keys] if isinstance(keys, str) else list(keys)
-
-
-def _norm_type(t: pa.DataType) -> pa.DataType:
-    """The key type two join sides must agree on: views, large and dictionary-encoded layouts count as one."""
-    t = arrowtypes.plain_type(t)
-    if pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return pa.string()
-    if pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
-        return pa.binary()
-    return t
 
 
 class DTable:
@@ -53,13 +41,13 @@ class DTable:
     lists the algorithm each one chose.  Inside a stage, ``ctx.dtable(table)``
     builds one over the stage's communicator.
 
-    :param comm: an mpi4py communicator (or one with the same methods); never
-        assumed to be ``COMM_WORLD``.
+    :param comm: an mpi4py communicator, or anything that satisfies
+        :class:`~hetflow.operators.Communicator`; never assumed to be ``COMM_WORLD``.
     :param table: this rank's partition (a ``pyarrow.Table`` or ``RecordBatch``).
     :raises SchemaMismatchError: the ranks' partitions do not have one schema.
     """
 
-    def __init__(self, comm: Any, table: pa.Table | pa.RecordBatch, *, _plans: tuple[Plan, ...] = (), _checked: bool = False) -> None:
+    def __init__(self, comm: Communicator, table: pa.Table | pa.RecordBatch, *, _plans: tuple[Plan, ...] = (), _checked: bool = False) -> None:
         if isinstance(table, pa.RecordBatch):
             table = pa.Table.from_batches([table])
         if not isinstance(table, pa.Table):
@@ -73,7 +61,7 @@ class DTable:
 
     # ------------------------------------------------------------------ basics
     @property
-    def comm(self) -> Any:
+    def comm(self) -> Communicator:
         """The communicator that links the partitions."""
         return self._comm
 
@@ -127,7 +115,7 @@ class DTable:
         if plan is not None and self._comm.Get_size() > 1 and not plan.model:
             plan = replace(plan, model=hockney(self._comm).describe())
         plans = self._plans + ((plan,) if plan is not None else ())
-        memory.trim()  # an operator is done: keep only CACHE_FREE_BYTES of its free scratch buffers
+        memory.trim()  # an operator is done: keep only settings.scratch_cache_bytes of its free scratch buffers
         return DTable(self._comm, table, _plans=plans, _checked=True)
 
     def _check_columns(self, names: Iterable[str], where: str = "table") -> None:
@@ -153,7 +141,7 @@ class DTable:
 
         :raises ColumnNotFoundError: a name the table does not have (the message lists the columns).
         """
-        cols = _keys(columns)
+        cols = key_list(columns)
         self._check_columns(cols, "select")
         return self._derive(self._table.select(cols))
 
@@ -223,7 +211,7 @@ class DTable:
         if (by is None) == (n is None):
             raise InvalidOptionError("repartition arguments", {"by": by, "n": n}, ["by=keys", "n=int"])
         if by is not None:
-            keys = _keys(by)
+            keys = key_list(by)
             self._check_columns(keys, "repartition")
             est = hockney(self._comm).shuffle(p, self._bytes()[1])
             return self._derive(self._shuffle(self._table, keys), Plan("repartition", f"hash by {keys}", est))
@@ -243,8 +231,8 @@ class DTable:
         return self.repartition(n=self._comm.Get_size())
 
     # ------------------------------------------------------------------ join
-    def join(self, right: "DTable", keys: Keys, *, right_keys: Keys | None = None, how: str = "inner",
-             suffix: str = "_right", algorithm: str = "auto") -> "DTable":
+    def join(self, right: "DTable", keys: Keys, *, right_keys: Keys | None = None, how: JoinHow = "inner",
+             suffix: str = "_right", algorithm: JoinAlgorithm = "auto") -> "DTable":
         """SQL join of this table (left) with ``right`` on equal keys; null keys never match.
 
         Output columns: every left column (the key columns keep the left names; for ``right`` and
@@ -259,7 +247,8 @@ class DTable:
         :param how: ``inner``, ``left``, ``right``, ``full``, ``semi`` or ``anti``.
         :param suffix: appended to a right column whose name a left column already has.
         :param algorithm: ``auto`` (cheapest by the Hockney cost model: hash-shuffle both sides or
-            broadcast the smaller one), ``hash``, ``broadcast`` or ``sort`` (range-partition both sides).
+            broadcast the smaller one; out of core when the inputs are over ``settings.memory_budget``,
+            see ``spilling``), ``hash``, ``broadcast`` or ``sort`` (range-partition both sides).
         :returns: the joined table, distributed over the same ranks.
         :raises ColumnNotFoundError: a key column that one side does not have.
         :raises KeyTypeMismatchError: a left and right key of different types.
@@ -272,20 +261,22 @@ class DTable:
             raise InvalidOptionError("join algorithm", algorithm, JOIN_ALGORITHMS)
         if not isinstance(right, DTable):
             raise TypeError(f"join needs a DTable on the right, got {type(right).__name__}")
-        lk = _keys(keys)
-        rk = _keys(right_keys) if right_keys is not None else list(lk)
+        lk = key_list(keys)
+        rk = key_list(right_keys) if right_keys is not None else list(lk)
         if len(lk) != len(rk):
             raise InvalidOptionError("right_keys", rk, [f"{len(lk)} key(s) like {lk}"])
         self._check_columns(lk, "join left side")
         right._check_columns(rk, "join right side")
         for a, b in zip(lk, rk):
             ta, tb = self.schema.field(a).type, right.schema.field(b).type
-            if _norm_type(ta) != _norm_type(tb):
+            if join_key_type(ta) != join_key_type(tb):
                 raise KeyTypeMismatchError(f"join key type mismatch: left {a!r} is {ta}, right {b!r} is {tb}")
         if algorithm == "sort":
             for a, b in zip(lk, rk):
-                _check_orderable(self.schema.field(a), "join algorithm 'sort'")
-                _check_orderable(right.schema.field(b), "join algorithm 'sort'")
+                check_orderable(self.schema.field(a), "join algorithm 'sort'")
+                check_orderable(right.schema.field(b), "join algorithm 'sort'")
+        if algorithm == "auto" and spilling.needed(self._comm, self._table.nbytes + right._table.nbytes):
+            return self._derive(*spilling.join(self._comm, self._table, right._table, lk, rk, how, suffix))
         p = self._comm.Get_size()
         target = kernels.join_schema(self.schema, right.schema, rk, how, suffix)[0]
         lt, rt = arrowtypes.to_kernel(self._table), arrowtypes.to_kernel(right._table)
@@ -336,20 +327,23 @@ class DTable:
         return self._derive(arrowtypes.restore(out, target), Plan("join", name, costs[choice], costs, detail))
 
     # ------------------------------------------------------------------ sort / rolling
-    def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "at_end") -> "DTable":
-        """Sort globally across ranks (rank 0 holds the first rows); stable.
+    def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end") -> "DTable":
+        """Sort globally across ranks (rank 0 holds the first rows); stable, except out of core (inputs
+        over ``settings.memory_budget``, see ``spilling``), where ties keep no particular order.
 
         :param sorting_: a column name, ``(name, "ascending" | "descending")``, or a list of them.
         :param nulls: ``at_end`` or ``at_start``.
         :returns: the sorted table; partitions are balanced by sample sort, not equal in size.
         :raises UnsupportedTypeError: a list, struct, map or interval sort key.
         """
-        by = _sort_keys(sorting_)
+        by = sort_keys(sorting_)
         if nulls not in NULL_PLACEMENTS:
             raise InvalidOptionError("nulls", nulls, NULL_PLACEMENTS)
         self._check_columns([c for c, _ in by], "sort_by")
         for c, _ in by:
-            _check_orderable(self.schema.field(c), "sort_by")
+            check_orderable(self.schema.field(c), "sort_by")
+        if spilling.needed(self._comm, self._table.nbytes):
+            return self._derive(*spilling.sort_by(self._comm, self._table, by, nulls))
         p = self._comm.Get_size()
         out = arrowtypes.restore(sorting.sample_sort(self._comm, arrowtypes.to_kernel(self._table), by, nulls), self.schema)
         est = hockney(self._comm).shuffle(p, self._bytes()[1]) + hockney(self._comm).allgather(p, 64.0 * sorting.SAMPLES_PER_RANK * p)
@@ -396,7 +390,7 @@ class DTable:
 
         :raises ColumnNotFoundError: a key the table does not have.
         """
-        return GroupBy(self, _keys(keys))
+        return GroupBy(self, key_list(keys))
 
     def aggregate(self, aggs: Sequence[Aggregation]) -> dict[str, Any]:
         """Whole-table aggregates, replicated on every rank as Python values.
@@ -407,13 +401,12 @@ class DTable:
         :raises UnsupportedAggregationError: an unknown aggregation, or one not defined for the column's type.
         :raises AggregateOverflowError: an integer sum outside int64/uint64 (raised on every rank).
         """
-        from .aggregate import column_aggregates
-
-        return column_aggregates(self, list(aggs))
+        self._check_columns([c for c, _ in aggs], "aggregate")
+        return aggregate.column_aggregates(self._comm, self._table, list(aggs))
 
     def unique(self, keys: Keys | None = None) -> "DTable":
         """Distinct rows, or the first row (global order) of every distinct ``keys`` value."""
-        ks = self.column_names if keys is None else _keys(keys)
+        ks = self.column_names if keys is None else key_list(keys)
         self._check_columns(ks, "unique")
         p = self._comm.Get_size()
         shuffled = self._shuffle(arrowtypes.to_kernel(self._table), ks)
@@ -465,37 +458,12 @@ class DTable:
 
         :returns: every rank's file path, in rank order, on every rank.
         """
-        from .io import write_partitions
-
-        return write_partitions(self._comm, self._table, directory, "parquet")
+        return io.write_partitions(self._comm, self._table, directory, "parquet")
 
     def write_ipc(self, directory: str) -> list[str]:
         """Like :meth:`write_parquet`, as Arrow IPC files ``part-<rank>.arrow`` (readable zero-copy
         with :func:`~hetflow.operators.read_ipc`)."""
-        from .io import write_partitions
-
-        return write_partitions(self._comm, self._table, directory, "ipc")
-
-
-def _check_orderable(field: pa.Field, what: str) -> None:
-    """Sort keys: scalars only (intervals have no order; lists, structs and maps are not range-partitioned)."""
-    t = arrowtypes.plain_type(field.type)
-    if t.num_fields or pa.types.is_interval(t):
-        raise UnsupportedTypeError(f"{what}: column {field.name!r} of type {field.type} cannot be a sort key "
-                                   "(numbers, strings, binaries, temporal types and decimals can)")
-
-
-def _sort_keys(sorting_: SortKey | Sequence[SortKey]) -> list[tuple[str, str]]:
-    items: Sequence[SortKey] = [sorting_] if isinstance(sorting_, (str, tuple)) else sorting_
-    out = []
-    for item in items:
-        col, order = (item, "ascending") if isinstance(item, str) else item
-        if order not in SORT_ORDERS:
-            raise InvalidOptionError(f"sort order of {col!r}", order, SORT_ORDERS)
-        out.append((col, order))
-    if not out:
-        raise InvalidOptionError("sort keys", sorting_, ["at least one column"])
-    return out
+        return io.write_partitions(self._comm, self._table, directory, "ipc")
 
 
 def _evaluate(table: pa.Table, expr: pc.Expression) -> pa.ChunkedArray:
@@ -516,7 +484,7 @@ class GroupBy:
         self._table = table
         self._keys = keys
 
-    def aggregate(self, aggs: Sequence[Aggregation], *, algorithm: str = "auto") -> DTable:
+    def aggregate(self, aggs: Sequence[Aggregation], *, algorithm: GroupByAlgorithm = "auto") -> DTable:
         """One row per distinct key value (nulls form one group) with one column per aggregation.
 
         Output columns: the keys, then ``<column>_<agg>`` for each ``(column, agg)`` in order —
@@ -529,14 +497,19 @@ class GroupBy:
         :param aggs: ``[(column, agg), ...]``; ``agg`` is one of ``count``, ``count_distinct``, ``sum``,
             ``mean``, ``min``, ``max``, ``stddev``, ``variance``, ``first``, ``last``, ``list``.
         :param algorithm: ``auto`` (combine-shuffle-reduce when few groups are estimated, else a
-            range or hash shuffle), ``combine``, ``shuffle`` or ``range`` (one integer key without nulls).
+            range or hash shuffle; out of core when the inputs are over ``settings.memory_budget``,
+            see ``spilling``), ``combine``, ``shuffle`` or ``range`` (one integer key without nulls).
         :raises UnsupportedAggregationError: an unknown aggregation, one not defined for the column's
             type, or ``combine`` with a non-decomposable one (``count_distinct``, ``first``, ``last``, ``list``).
         :raises AggregateOverflowError: an integer sum outside int64/uint64 (raised on every rank).
         :raises InvalidOptionError: an unknown ``algorithm``, or ``range`` for keys it cannot take.
         """
-        from .aggregate import group_aggregate
-
         if algorithm not in GROUPBY_ALGORITHMS:
             raise InvalidOptionError("group_by algorithm", algorithm, GROUPBY_ALGORITHMS)
-        return group_aggregate(self._table, self._keys, list(aggs), algorithm)
+        dt = self._table
+        dt._check_columns([c for c, _ in aggs], "aggregate")
+        work = dt.to_arrow().select(list(dict.fromkeys(self._keys + [c for c, _ in aggs])))
+        if algorithm == "auto" and spilling.needed(dt.comm, work.nbytes):
+            return dt._derive(*spilling.group_aggregate(dt.comm, work, self._keys, list(aggs)))
+        out, plan = aggregate.group_aggregate(dt.comm, dt.to_arrow(), self._keys, list(aggs), algorithm)
+        return dt._derive(out, plan)

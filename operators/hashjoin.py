@@ -22,7 +22,7 @@ filtered copy).
 
 Decisions, from the measurements in docs/benchmarks.md ("Bucketed hash join"):
 copying each column once into partition order beats gathering through index
-arrays; one bucket per exchange (``EXCHANGE_BUCKETS = 1``) keeps peak memory
+arrays; one bucket per exchange (``settings.join_exchange_buckets = 1``) keeps peak memory
 down at no clear cost in time; the bucket count barely matters; DuckDB stays the
 per-bucket kernel (faster than polars and a numpy sort-merge).
 """
@@ -31,27 +31,24 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .communicator import Communicator
 from . import comm as tc
-from . import arrowtypes, kernels, partition
+from . import arrowtypes, kernels, partition, settings
 
 log = logging.getLogger(__name__)
 
 #: rows per bucket (of the larger side, per rank) the bucket count aims at;
-#: ``HETFLOW_JOIN_BUCKET_ROWS`` overrides it (a huge value turns bucketing off)
+#: ``settings.current().join_bucket_rows`` overrides it (a huge value turns bucketing off)
 BUCKET_ROWS = 1 << 20
 #: upper bound on buckets per rank (ids stay small integers)
 MAX_BUCKETS = 64
 _BLOCK = 1 << 20
-#: buckets moved per exchange of the permuted columns (``HETFLOW_JOIN_EXCHANGE_BUCKETS``): 1 keeps one
-#: bucket's received rows at a time, ``MAX_BUCKETS`` exchanges everything at once
-EXCHANGE_BUCKETS = int(os.environ.get("HETFLOW_JOIN_EXCHANGE_BUCKETS", "1"))
 #: rows per block of the permuting counting sort (a block of a column stays in cache)
 _PERMUTE_BLOCK = 1 << 16
 
@@ -59,13 +56,13 @@ _PERMUTE_BLOCK = 1 << 16
 def bucket_count(rows_per_rank: int, *, shuffled: bool = True) -> int:
     """Buckets for a join whose larger side has ``rows_per_rank`` rows per rank (same value on every rank).
 
-    A join that needs no shuffle (one rank) is bucketed only when ``HETFLOW_JOIN_BUCKET_ROWS``
+    A join that needs no shuffle (one rank) is bucketed only when ``settings.current().join_bucket_rows``
     is set: there each bucket costs a ``take`` the plain join does not need (slower, for less
     peak memory: docs/benchmarks.md, "Bucketed hash join")."""
-    env = os.environ.get("HETFLOW_JOIN_BUCKET_ROWS")
-    if not env and not shuffled:
+    chosen = settings.current().join_bucket_rows
+    if chosen is None and not shuffled:
         return 1
-    target = max(1, int(env)) if env else BUCKET_ROWS
+    target = chosen if chosen is not None else BUCKET_ROWS
     return max(1, min(MAX_BUCKETS, math.ceil(rows_per_rank / target)))
 
 
@@ -125,7 +122,7 @@ def _valid_keys(table: pa.Table, keys: Sequence[str]) -> np.ndarray | None:
     return valid
 
 
-def _bucket(comm: Any, table: pa.Table, groups: list[np.ndarray], columns: Any, bucket: int, buckets: int) -> pa.Table:
+def _bucket(comm: Communicator, table: pa.Table, groups: list[np.ndarray], columns: Any, bucket: int, buckets: int) -> pa.Table:
     """This rank's rows of ``bucket`` (after the shuffle when there are several ranks)."""
     p = comm.Get_size()
     if p == 1:
@@ -181,7 +178,7 @@ def permuted_columns(table: pa.Table, keys: Sequence[str], ranks: int, buckets: 
     return columns, bounds
 
 
-def _permute(comm: Any, table: pa.Table, keys: Sequence[str], buckets: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray] | None:
+def _permute(comm: Communicator, table: pa.Table, keys: Sequence[str], buckets: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray] | None:
     """Fixed-width null-free tables (on every rank): each column copied once into partition order
     (``permuted_columns``), so every (rank, bucket) run is a contiguous slice: sends need no gather
     and this rank's own rows no copy.  Returns ``(columns, sent, got)`` with ``sent[r, b]`` rows of
@@ -201,7 +198,7 @@ def _permute(comm: Any, table: pa.Table, keys: Sequence[str], buckets: int) -> t
     return columns, sent, got
 
 
-def _exchange_buckets(comm: Any, schema: pa.Schema, columns: list[np.ndarray], sent: np.ndarray,
+def _exchange_buckets(comm: Communicator, schema: pa.Schema, columns: list[np.ndarray], sent: np.ndarray,
                       got: np.ndarray, first: int, stop: int) -> list[pa.Table]:
     """This rank's rows of buckets ``first..stop-1`` from the permuted ``columns`` (``_permute``): one
     ``Alltoallv`` per column straight from the contiguous runs (a destination's buckets are adjacent),
@@ -241,7 +238,7 @@ def _exchange_buckets(comm: Any, schema: pa.Schema, columns: list[np.ndarray], s
             for cols in chunks]
 
 
-def hash_join(comm: Any, left: pa.Table, right: pa.Table, keys: Sequence[str], right_keys: Sequence[str],
+def hash_join(comm: Communicator, left: pa.Table, right: pa.Table, keys: Sequence[str], right_keys: Sequence[str],
               how: str, suffix: str, buckets: int) -> pa.Table:
     """Hash-shuffle join of this rank's partitions, ``buckets`` buckets at a time (collective).
 
@@ -257,7 +254,8 @@ def hash_join(comm: Any, left: pa.Table, right: pa.Table, keys: Sequence[str], r
         lp = _permute(comm, left, keys, buckets)
         rp = _permute(comm, right, right_keys, buckets) if lp is not None else None
         if lp is not None and rp is not None:
-            step = max(1, min(buckets, EXCHANGE_BUCKETS))
+            # buckets per exchange: 1 keeps one bucket's received rows at a time, MAX_BUCKETS moves all at once
+            step = max(1, min(buckets, settings.current().join_exchange_buckets))
             for first in range(0, buckets, step):
                 stop = min(buckets, first + step)
                 lts = _exchange_buckets(comm, left.schema, *lp, first, stop)

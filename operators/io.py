@@ -1,11 +1,13 @@
-"""Partitioned input and output: Parquet, CSV and Arrow IPC.
+"""Partitioned input and output: Parquet, CSV and Arrow IPC (layer 2: functions of ``(comm, ...)``).
 
 Reading: every rank lists the same sorted files, cuts them into units (Parquet
 row groups, IPC record batches, whole CSV files), takes a contiguous run of
-units holding about its share of the rows (bytes for CSV), reads only those
-and then rebalances so every rank holds an equal, order-preserving share.
-Writing: each rank writes ``part-<rank>.<ext>`` atomically (temp file + rename)
-into a 0700 directory.
+units holding about its share of the rows (bytes for CSV), reads only those,
+and the ranks agree on one schema; the ``*_partition`` functions return that
+partition as a ``pa.Table``.  ``DTable``'s readers (``hetflow.operators.read_parquet``
+& co., in ``readers``) then rebalance it so every rank holds an equal,
+order-preserving share.  Writing: each rank writes ``part-<rank>.<ext>``
+atomically (temp file + rename) into a 0700 directory.
 """
 
 from __future__ import annotations
@@ -13,19 +15,18 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
 
+from .communicator import Communicator
 from .errors import InputError, InvalidOptionError, SchemaMismatchError
-
-if TYPE_CHECKING:
-    from .dtable import DTable
+from .typing import WriteFormat
 
 Paths = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
 
-_EXT = {"parquet": "parquet", "ipc": "arrow", "csv": "csv"}
+_EXT = {"parquet": "parquet", "ipc": "arrow"}
 
 
 def _expand(paths: Paths, fmt: str) -> list[str]:
@@ -59,10 +60,8 @@ def _assign(weights: Sequence[int], rank: int, size: int) -> list[int]:
     return [int(i) for i in np.flatnonzero(owner == rank)]
 
 
-def _finish(comm: Any, table: pa.Table | None, schema: pa.Schema | None, what: str, *, fallback: pa.Schema | None = None) -> "DTable":
-    """Agree on one schema (given, else unified from what the ranks read), then rebalance."""
-    from .dtable import DTable
-
+def _finish(comm: Communicator, table: pa.Table | None, schema: pa.Schema | None, what: str, *, fallback: pa.Schema | None = None) -> pa.Table:
+    """This rank's ``table`` in the one schema the ranks agree on (given, else unified from what they read)."""
     schemas = comm.allgather(None if table is None else table.schema.remove_metadata().serialize().to_pybytes())
     known = [pa.ipc.read_schema(pa.py_buffer(s)) for s in schemas if s is not None]
     if schema is None:
@@ -81,22 +80,12 @@ def _finish(comm: Any, table: pa.Table | None, schema: pa.Schema | None, what: s
             table = table.select(schema.names).cast(schema)
         except (pa.ArrowInvalid, KeyError) as exc:
             raise SchemaMismatchError(f"{what}: partition schema {table.schema} does not match {schema}: {exc}") from exc
-    return DTable(comm, table, _checked=True).rebalance()
+    return table
 
 
-def read_parquet(comm: Any, paths: Paths, *, columns: Sequence[str] | None = None) -> "DTable":
-    """Parquet files as one distributed table, balanced over the ranks of ``comm`` (collective).
-
-    Each rank reads only the row groups of its share (footers first), then rows are rebalanced
-    so every rank holds an equal, order-preserving share (file order, then row order).
-
-    :param comm: the communicator (in a stage: ``ctx.comm``).
-    :param paths: a file, a directory (its ``*.parquet``/``*.pq`` files, sorted), a glob, or a list of them.
-    :param columns: read only these columns.
-    :returns: a :class:`~hetflow.operators.DTable`.
-    :raises InputError: no file matches, or a listed file does not exist.
-    :raises SchemaMismatchError: the files' schemas cannot be unified.
-    """
+def parquet_partition(comm: Communicator, paths: Paths, *, columns: Sequence[str] | None = None) -> pa.Table:
+    """This rank's row groups of the Parquet files ``paths`` (footers first), in the schema every rank
+    agrees on (collective).  Arguments and errors as :func:`hetflow.operators.read_parquet`."""
     import pyarrow.parquet as pq
 
     files = _expand(paths, "parquet")
@@ -119,14 +108,9 @@ def read_parquet(comm: Any, paths: Paths, *, columns: Sequence[str] | None = Non
     return _finish(comm, table, None, "read_parquet", fallback=schema)
 
 
-def read_ipc(comm: Any, paths: Paths, *, columns: Sequence[str] | None = None) -> "DTable":
-    """Arrow IPC files (memory-mapped, zero-copy) as one distributed table balanced over the ranks.
-
-    :param paths: a file, a directory (its ``*.arrow``/``*.ipc``/``*.feather`` files), a glob, or a list.
-    :param columns: keep only these columns.
-    :returns: a :class:`~hetflow.operators.DTable`.
-    :raises InputError: no file matches, or a listed file does not exist.
-    """
+def ipc_partition(comm: Communicator, paths: Paths, *, columns: Sequence[str] | None = None) -> pa.Table:
+    """This rank's record batches of the Arrow IPC files ``paths``, memory-mapped (zero-copy), in the
+    schema every rank agrees on (collective).  Arguments and errors as :func:`hetflow.operators.read_ipc`."""
     files = _expand(paths, "ipc")
     readers = [pa.ipc.open_file(pa.memory_map(f, "r")) for f in files]
     units = [(i, b, r.get_batch(b).num_rows) for i, r in enumerate(readers) for b in range(r.num_record_batches)]
@@ -140,20 +124,10 @@ def read_ipc(comm: Any, paths: Paths, *, columns: Sequence[str] | None = None) -
     return _finish(comm, table, None, "read_ipc", fallback=schema)
 
 
-def read_csv(comm: Any, paths: Paths, *, schema: pa.Schema | None = None, **read_options: Any) -> "DTable":
-    """CSV files as one distributed table: whole files split over the ranks by size, then rebalanced by rows.
-
-    With ``schema`` every file is read with those column types; otherwise the
-    inferred types of all files are unified (int + double -> double).  An empty
-    field is null.
-
-    :param paths: a file, a directory (its ``*.csv``/``*.csv.gz`` files), a glob, or a list.
-    :param schema: the column types to read with (``pyarrow.csv.ConvertOptions(column_types=...)``).
-    :param read_options: passed to ``pyarrow.csv.read_csv`` (``read_options=``, ``parse_options=``).
-    :returns: a :class:`~hetflow.operators.DTable`.
-    :raises InputError: no file matches, or a listed file does not exist.
-    :raises SchemaMismatchError: the files' inferred types cannot be unified.
-    """
+def csv_partition(comm: Communicator, paths: Paths, *, schema: pa.Schema | None = None,
+                  **read_options: Any) -> pa.Table:
+    """This rank's whole CSV files of ``paths`` (split over the ranks by size), in the schema every rank
+    agrees on (collective).  Arguments and errors as :func:`hetflow.operators.read_csv`."""
     import pyarrow.csv as pcsv
 
     files = _expand(paths, "csv")
@@ -170,7 +144,8 @@ def read_csv(comm: Any, paths: Paths, *, schema: pa.Schema | None = None, **read
     return _finish(comm, table, schema, "read_csv")
 
 
-def write_partitions(comm: Any, table: pa.Table, directory: str | os.PathLike[str], fmt: str) -> list[str]:
+def write_partitions(comm: Communicator, table: pa.Table, directory: str | os.PathLike[str],
+                     fmt: WriteFormat) -> list[str]:
     """Write this rank's partition as ``part-<rank>.<ext>``; returns every rank's file (rank order)."""
     if fmt not in _EXT:
         raise InvalidOptionError("format", fmt, list(_EXT))

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from . import intkeys
 from .partition import canonical_floats
-from . import arrowtypes
+from . import arrowtypes, settings
 from .errors import AggregateOverflowError, UnsupportedAggregationError
 from .typing import AGG_NAMES
 
@@ -42,10 +42,11 @@ _local = threading.local()
 
 
 def threads() -> int:
-    """Kernel threads per rank: ``HETFLOW_OPERATOR_THREADS`` or the cores shared by this node's ranks."""
-    env = os.environ.get("HETFLOW_OPERATOR_THREADS")
-    if env:
-        return max(1, int(env))
+    """Kernel threads per rank: ``settings.current().threads``, else the cores this rank may use divided
+    among the node's ranks (the launcher's local-size variable)."""
+    chosen = settings.current().threads
+    if chosen is not None:
+        return chosen
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux

@@ -12,29 +12,16 @@ buffer alive (``ndarray.base``).
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from . import settings
+
 #: arrays smaller than this come from numpy (its small-array cache is as good)
 POOL_MIN_BYTES = 1 << 20
-#: free cached bytes kept after an operator (``trim``); ``HETFLOW_SCRATCH_CACHE_BYTES`` sets it (more
-#: speed for repeated operators, at the price of that much resident memory between them)
-def _cache_free_bytes() -> int:
-    text = os.environ.get("HETFLOW_SCRATCH_CACHE_BYTES", "0")
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"HETFLOW_SCRATCH_CACHE_BYTES={text!r}: expected a whole number of bytes (0 or more)")
-    return value
-
-
-CACHE_FREE_BYTES = _cache_free_bytes()
 _cache: list[pa.Buffer] = []
 
 
@@ -70,13 +57,13 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
 def _take(nbytes: int) -> pa.Buffer:
     """A buffer of at least ``nbytes`` (at most 1/8 more) that nothing else references.
 
-    Allocators give large blocks back to the kernel (numpy at once, mimalloc after 10 ms), and
-    faulting them in again costs more than using them (docs/benchmarks.md, "Scratch memory").  So the buffers handed out are kept, and one whose arrays have all died (only this
+    Allocators give large blocks back to the kernel (numpy at once, mimalloc soon after), and
+    faulting them in again costs more than using them (docs/benchmarks.md, "Scratch memory").  So the
+    buffers handed out are kept, and one whose arrays have all died (only this
     cache refers to it) is handed out again.  On a miss the free ones are dropped first, so an
     operator's peak memory is what it would be without the cache; ``trim`` (called when an operator
-    returns) keeps ``CACHE_FREE_BYTES`` of free ones for the next operator (default none: kept
-    buffers count as resident memory, 20M-row group-by at 2 ranks: peak growth 3.2x the input
-    partition with 1 GiB kept, 2.5x with none)."""
+    returns) keeps ``settings.current().scratch_cache_bytes`` of free ones for the next operator
+    (default none: kept buffers count as resident memory; docs/benchmarks.md, "Scratch memory")."""
     best = None
     free = _unused()
     for buf, unused in zip(_cache, free):
@@ -92,8 +79,9 @@ def _take(nbytes: int) -> pa.Buffer:
 
 
 def trim(keep_bytes: int | None = None) -> None:
-    """Drop free cached buffers beyond ``keep_bytes`` (default ``CACHE_FREE_BYTES``), largest first."""
-    limit = CACHE_FREE_BYTES if keep_bytes is None else keep_bytes
+    """Drop free cached buffers beyond ``keep_bytes`` (default ``settings.current().scratch_cache_bytes``),
+    largest first."""
+    limit = settings.current().scratch_cache_bytes if keep_bytes is None else keep_bytes
     unused = _unused()
     keep = [buf for buf, u in zip(_cache, unused) if not u]
     free = [buf for buf, u in zip(_cache, unused) if u]

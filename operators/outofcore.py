@@ -1,9 +1,12 @@
 """Out-of-core join, sort and group-by under a per-rank memory budget (layer 3).
 
-Input is a ``Scan`` (Arrow IPC files read a chunk at a time); output is a
-hetflow dataset written a batch at a time (one partition per rank, manifest
-last) and returned as a ``Scan`` of it, so neither side has to fit in memory.
-Every function is collective.
+Input is a ``shares.Share`` (Arrow IPC files read a chunk at a time); output is
+written a batch at a time, so neither side has to fit in memory: a hetflow
+dataset (one partition per rank, manifest last; ``Scan``'s methods return a
+``Scan`` of it) or, with ``local=True``, only this rank's partition file in a
+directory private to the rank (the node-local spill directory of a ``DTable``
+operator over its budget, see ``spilling``).  Every function is collective and
+returns what it did (buckets, runs, bytes spilled, the spill directory).
 
 * **join, group-by: grace hash.**  Each chunk is hashed on its keys into
   ``ranks x B`` partitions (the multiply-shift ``ids_from_hash(h, P * B)``,
@@ -47,6 +50,7 @@ import pyarrow.compute as pc
 from . import arrowtypes, kernels, partition, sorting, spill
 from . import comm as tc
 from . import dataset as ds
+from .communicator import Communicator
 from .errors import (
     ColumnNotFoundError,
     InvalidOptionError,
@@ -54,14 +58,16 @@ from .errors import (
     OperatorError,
     UnsupportedAggregationError,
 )
-from .scan import Scan, Slice, scan_ipc
-from .typing import JOIN_HOWS, NULL_PLACEMENTS, Aggregation, Keys, SortKey
+from .options import check_orderable, join_key_type, key_list, sort_keys
+from .shares import Share, Slice
+from .typing import JOIN_HOWS, NULL_PLACEMENTS, JoinHow, Keys, NullPlacement, SortKey
 
 log = logging.getLogger(__name__)
 
 #: share of the budget read (and shuffled) per round
 CHUNK_FRACTION = 1 / 16
-#: share of the budget one join bucket (both sides) may hold: DuckDB takes about 3.5x the bucket on top
+#: share of the budget one join bucket (both sides) may hold: DuckDB's join takes a multiple of the bucket
+#: on top (docs/benchmarks.md, "Out-of-core operators")
 JOIN_BUCKET_FRACTION = 1 / 12
 #: share of the budget one group-by bucket may hold
 GROUP_BUCKET_FRACTION = 1 / 8
@@ -83,7 +89,7 @@ def _budget(memory_budget: int) -> int:
     return memory_budget
 
 
-def _max(comm: Any, value: int) -> int:
+def _max(comm: Communicator, value: int) -> int:
     return int(max(comm.allgather(int(value))))
 
 
@@ -92,7 +98,7 @@ def bucket_count(bytes_per_rank: float, bucket_bytes: float) -> int:
     return max(1, math.ceil(bytes_per_rank / max(1.0, bucket_bytes)))
 
 
-def _chunk_rows(scan: Scan, budget: int) -> int:
+def _chunk_rows(scan: Share, budget: int) -> int:
     return max(1024, int(budget * CHUNK_FRACTION / scan.row_bytes))
 
 
@@ -111,7 +117,7 @@ def _duckdb_flush_threshold(nbytes: int) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- grace hash partitioning
-def _partition(scan: Scan, keys: Sequence[str], buckets: int, directory: Path, name: str, budget: int,
+def _partition(scan: Share, keys: Sequence[str], buckets: int, directory: Path, name: str, budget: int,
                prepare: Callable[[pa.Table], pa.Table]) -> spill.Buckets:
     """Hash-shuffle ``scan`` a chunk at a time and append every row to its bucket's spill file (collective)."""
     comm = scan.comm
@@ -138,13 +144,14 @@ def _partition(scan: Scan, keys: Sequence[str], buckets: int, directory: Path, n
 
 
 # --------------------------------------------------------------------------- output
-def _write_output(comm: Any, output: str | os.PathLike[str], schema: pa.Schema, batches: Iterator[pa.RecordBatch],
-                  what: str, stats: dict[str, Any]) -> Scan:
-    """Stream this rank's ``batches`` into partition ``rank`` of the dataset ``output``, commit it (manifest
-    last, on rank 0) and return a ``Scan`` of it.  An error on any rank is raised on every rank."""
+def _write_output(comm: Communicator, output: str | os.PathLike[str], schema: pa.Schema,
+                  batches: Iterator[pa.RecordBatch], what: str, stats: dict[str, Any], local: bool) -> dict[str, Any]:
+    """Stream this rank's ``batches`` into partition ``rank`` of ``output`` and return ``stats``.  A dataset
+    (``local`` false) is committed by rank 0, manifest last; with ``local`` the directory is this rank's
+    own and only the partition file is written.  An error on any rank is raised on every rank."""
     rank = comm.Get_rank()
     target = Path(output)
-    if rank == 0:
+    if rank == 0 and not local:
         ds.uncommit(target)  # an earlier result stops existing before its files are replaced
         target.mkdir(mode=0o700, parents=True, exist_ok=True)
     comm.Barrier()
@@ -159,14 +166,13 @@ def _write_output(comm: Any, output: str | os.PathLike[str], schema: pa.Schema, 
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if bad:
         raise SpillError(f"{what}: rank {bad[0][0]} failed: {bad[0][1]}")
-    infos = comm.gather(info, root=0)
-    if rank == 0:
-        assert infos is not None
-        ds.commit(target, target.name, schema, [i for i in infos if i is not None], producer={"operator": what})
-    comm.Barrier()
-    out = scan_ipc(comm, target)
-    out.stats.update(stats)
-    return out
+    if not local:
+        infos = comm.gather(info, root=0)
+        if rank == 0:
+            assert infos is not None
+            ds.commit(target, target.name, schema, [i for i in infos if i is not None], producer={"operator": what})
+        comm.Barrier()
+    return stats
 
 
 def _batches(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.RecordBatch]:
@@ -185,17 +191,15 @@ def _batches(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.RecordBatch]:
 
 
 # --------------------------------------------------------------------------- join
-def join(left: Scan, right: Scan, keys: Keys, *, right_keys: Keys | None = None, how: str = "inner",
+def join(left: Share, right: Share, keys: Keys, *, right_keys: Keys | None = None, how: JoinHow = "inner",
          suffix: str = "_right", output: str | os.PathLike[str], memory_budget: int,
-         spill_dir: str | os.PathLike[str] | None = None) -> Scan:
-    """``left`` joined with ``right`` (grace hash join), written to the dataset ``output``."""
-    from .dtable import _norm_type
-
+         spill_dir: str | os.PathLike[str] | None = None, local: bool = False) -> dict[str, Any]:
+    """``left`` joined with ``right`` (grace hash join), written to ``output`` (see ``_write_output``)."""
     if how not in JOIN_HOWS:
         raise InvalidOptionError("join how", how, JOIN_HOWS)
     budget = _budget(memory_budget)
-    lk = [keys] if isinstance(keys, str) else list(keys)
-    rk = lk if right_keys is None else ([right_keys] if isinstance(right_keys, str) else list(right_keys))
+    lk = key_list(keys)
+    rk = lk if right_keys is None else key_list(right_keys)
     if len(lk) != len(rk):
         raise InvalidOptionError("right_keys", rk, [f"{len(lk)} key(s) like {lk}"])
     for names, scan, side in ((lk, left, "join left side"), (rk, right, "join right side")):
@@ -204,7 +208,7 @@ def join(left: Scan, right: Scan, keys: Keys, *, right_keys: Keys | None = None,
                 raise ColumnNotFoundError(n, scan.schema.names, where=side)
     for a, b in zip(lk, rk):
         ta, tb = left.schema.field(a).type, right.schema.field(b).type
-        if _norm_type(ta) != _norm_type(tb):
+        if join_key_type(ta) != join_key_type(tb):
             raise KeyTypeMismatchError(f"join key type mismatch: left {a!r} is {ta}, right {b!r} is {tb}")
     comm = left.comm
     target = kernels.join_schema(left.schema, right.schema, rk, how, suffix)[0]
@@ -226,31 +230,19 @@ def join(left: Scan, right: Scan, keys: Keys, *, right_keys: Keys | None = None,
                     del joined
                 spill.release()
 
-        stats = {"operator": "join", "buckets": buckets, "spilled_bytes": spilled}
-        return _write_output(comm, output, target, _batches(produce(), out_rows), f"join {how} on {lk}", stats)
+        stats = {"operator": "join", "buckets": buckets, "spilled_bytes": spilled, "spill_dir": str(directory)}
+        return _write_output(comm, output, target, _batches(produce(), out_rows), f"join {how} on {lk}", stats, local)
 
 
 # --------------------------------------------------------------------------- group-by
-class ScanGroupBy:
-    """``Scan.group_by(keys)``; call ``aggregate([(column, agg), ...], output=..., memory_budget=...)``."""
-
-    def __init__(self, scan: Scan, keys: list[str]) -> None:
-        for k in keys:
-            if k not in scan.schema.names:
-                raise ColumnNotFoundError(k, scan.schema.names, where="group_by")
-        self._scan = scan
-        self._keys = keys
-
-    def aggregate(self, aggs: Sequence[Aggregation], *, output: str | os.PathLike[str], memory_budget: int,
-                  spill_dir: str | os.PathLike[str] | None = None) -> Scan:
-        return group_aggregate(self._scan, self._keys, list(aggs), output=output, memory_budget=memory_budget,
-                               spill_dir=spill_dir)
-
-
-def group_aggregate(scan: Scan, keys: list[str], aggs: list[tuple[str, str]], *, output: str | os.PathLike[str],
-                    memory_budget: int, spill_dir: str | os.PathLike[str] | None = None) -> Scan:
-    """Grouped aggregates by grace hash partitioning, written to the dataset ``output``."""
+def group_aggregate(scan: Share, keys: list[str], aggs: list[tuple[str, str]], *, output: str | os.PathLike[str],
+                    memory_budget: int, spill_dir: str | os.PathLike[str] | None = None,
+                    local: bool = False) -> dict[str, Any]:
+    """Grouped aggregates by grace hash partitioning, written to ``output`` (see ``_write_output``)."""
     budget = _budget(memory_budget)
+    for k in keys:
+        if k not in scan.schema.names:
+            raise ColumnNotFoundError(k, scan.schema.names, where="group_by")
     for col, agg in aggs:
         if col not in scan.schema.names:
             raise ColumnNotFoundError(col, scan.schema.names, where="aggregate")
@@ -284,12 +276,13 @@ def group_aggregate(scan: Scan, keys: list[str], aggs: list[tuple[str, str]], *,
                     del res
                 spill.release()
 
-        stats = {"operator": "group_by", "buckets": buckets, "spilled_bytes": sum(parts.bytes)}
-        return _write_output(comm, output, target, _batches(produce(), out_rows), f"group_by {keys}", stats)
+        stats = {"operator": "group_by", "buckets": buckets, "spilled_bytes": sum(parts.bytes),
+                 "spill_dir": str(directory)}
+        return _write_output(comm, output, target, _batches(produce(), out_rows), f"group_by {keys}", stats, local)
 
 
 # --------------------------------------------------------------------------- sort
-def _splitters(scan: Scan, chunks: list[list[Slice]], by: list[tuple[str, str]], nulls: str,
+def _splitters(scan: Share, chunks: list[list[Slice]], by: list[tuple[str, str]], nulls: str,
                prepare: Callable[[pa.Table], pa.Table]) -> list[list[Any]]:
     """``P - 1`` splitter keys from evenly spaced samples of every chunk's key columns (collective)."""
     comm = scan.comm
@@ -393,21 +386,19 @@ def _merge(runs: list[Iterator[pa.Table]], by: list[tuple[str, str]], nulls: str
         spill.release()
 
 
-def sort_by(scan: Scan, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "at_end",
+def sort_by(scan: Share, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end",
             output: str | os.PathLike[str], memory_budget: int,
-            spill_dir: str | os.PathLike[str] | None = None) -> Scan:
-    """``scan`` sorted (sample sort, then an external merge sort per rank), written to the dataset ``output``;
-    partition ``r`` holds rank ``r``'s range, so the dataset's partitions in order are the sorted table."""
-    from .dtable import _check_orderable, _sort_keys
-
+            spill_dir: str | os.PathLike[str] | None = None, local: bool = False) -> dict[str, Any]:
+    """``scan`` sorted (sample sort, then an external merge sort per rank), written to ``output`` (see
+    ``_write_output``); partition ``r`` holds rank ``r``'s range, so the partitions in order are the sorted table."""
     if nulls not in NULL_PLACEMENTS:
         raise InvalidOptionError("nulls", nulls, NULL_PLACEMENTS)
     budget = _budget(memory_budget)
-    by = _sort_keys(sorting_)
+    by: list[tuple[str, str]] = list(sort_keys(sorting_))
     for col, _ in by:
         if col not in scan.schema.names:
             raise ColumnNotFoundError(col, scan.schema.names, where="sort_by")
-        _check_orderable(scan.schema.field(col), "sort_by")
+        check_orderable(scan.schema.field(col), "sort_by")
     comm = scan.comm
     p, rank = comm.Get_size(), comm.Get_rank()
     target = scan.schema
@@ -462,5 +453,5 @@ def sort_by(scan: Scan, sorting_: SortKey | Sequence[SortKey], *, nulls: str = "
             for piece in _merge([spill.read_run(r) for r in runs], by, nulls):
                 yield arrowtypes.restore(piece, target)
 
-        stats = {"operator": "sort", "runs": len(runs), "spilled_bytes": spilled}
-        return _write_output(comm, output, target, _batches(produce(), out_rows), f"sort_by {by}", stats)
+        stats = {"operator": "sort", "runs": len(runs), "spilled_bytes": spilled, "spill_dir": str(directory)}
+        return _write_output(comm, output, target, _batches(produce(), out_rows), f"sort_by {by}", stats, local)

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from .communicator import Communicator
 from . import comm as tc
 from . import arrowtypes, kernels, memory
 
@@ -85,7 +86,7 @@ def lower_bound(sorted_table: pa.Table, by: Sequence[tuple[str, str]], nulls: st
     return lo
 
 
-def splitters(comm: Any, sorted_table: pa.Table, by: Sequence[tuple[str, str]], nulls: str,
+def splitters(comm: Communicator, sorted_table: pa.Table, by: Sequence[tuple[str, str]], nulls: str,
               positions: np.ndarray, n_parts: int) -> list[tuple[list[Any], tuple[int, int]]]:
     """``n_parts - 1`` splitters (key values, (rank, position)) from regular samples of every rank."""
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -125,7 +126,7 @@ def _numeric_key(table: pa.Table, name: str) -> np.ndarray | None:
     return np.asarray(arr.to_numpy(zero_copy_only=False))
 
 
-def range_ids(comm: Any, keys: np.ndarray, *, split_ties: bool) -> np.ndarray:
+def range_ids(comm: Communicator, keys: np.ndarray, *, split_ties: bool) -> np.ndarray:
     """Destination rank of every row by ranges of integer ``keys`` (collective): ``p - 1`` splitters at
     regular positions of a regular sample of every rank.  With ``split_ties`` the rows equal to a
     splitter are split by (rank, position), so even a table of one key value ends up balanced (the
@@ -182,7 +183,7 @@ def _positions_equal(keys: np.ndarray, value: Any) -> np.ndarray:
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
-def _partition_first_sort(comm: Any, table: pa.Table, name: str, keys: np.ndarray) -> pa.Table:
+def _partition_first_sort(comm: Communicator, table: pa.Table, name: str, keys: np.ndarray) -> pa.Table:
     """Single ascending integer-like key without nulls: range-partition the unsorted rows with
     sampled splitters (ties split by (rank, position)), exchange, then sort once."""
     ids = range_ids(comm, keys, split_ties=True)
@@ -191,7 +192,7 @@ def _partition_first_sort(comm: Any, table: pa.Table, name: str, keys: np.ndarra
     return kernels.sort(received, [(name, "ascending")], "at_end", consume=True)  # the shuffle's own buffers
 
 
-def sample_sort(comm: Any, table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> pa.Table:
+def sample_sort(comm: Communicator, table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> pa.Table:
     """This rank's slice of the globally sorted table (stable across ranks)."""
     p, rank = comm.Get_size(), comm.Get_rank()
     if p > 1 and len(by) == 1 and by[0][1] == "ascending":
@@ -221,7 +222,7 @@ def sample_sort(comm: Any, table: pa.Table, by: Sequence[tuple[str, str]], nulls
     return merged if nonempty <= 1 else kernels.sort(merged, by, nulls)
 
 
-def range_partition(comm: Any, tables: Sequence[pa.Table], keysets: Sequence[Sequence[str]]) -> list[pa.Table]:
+def range_partition(comm: Communicator, tables: Sequence[pa.Table], keysets: Sequence[Sequence[str]]) -> list[pa.Table]:
     """Co-partition several tables by ranges of their (ascending) keys; equal keys go to one rank.
 
     Returns this rank's locally sorted share of each table (the sort-merge join's input).

@@ -31,11 +31,9 @@ default ``on_failure="exit"``, like an MPI job).  With ``on_failure="raise"``
 pending and later calls raise :class:`PeerLost` instead.  A wait longer than
 ``timeout`` raises :class:`CommTimeout` naming the rank that did not answer.
 
-Environment (read by :func:`connect_from_env`): ``HETFLOW_COMM_RANK``,
-``HETFLOW_COMM_SIZE``, ``HETFLOW_COMM_RENDEZVOUS`` (rendezvous file path),
-``HETFLOW_COMM_SECRET_FILE``, ``HETFLOW_COMM_HOST`` (address to listen on,
-default ``127.0.0.1``), ``HETFLOW_COMM_TIMEOUT`` (seconds, default 3600) and
-``HETFLOW_COMM_CONNECT_TIMEOUT`` (default 120).
+Configuration: :func:`connect` takes everything as arguments; this module reads
+no environment (a pipeline's worker reads the variables its backend set, in
+``hetflow.tasks.tcpenv``).
 """
 
 from __future__ import annotations
@@ -792,17 +790,3 @@ def _accept(mesh: _Mesh, listener: socket.socket, secret: bytes, expected: set[i
         if "port" in hello:
             addresses[other] = (str(hello["host"]), int(hello["port"]))
 
-
-def connect_from_env(on_failure: OnFailure = "exit") -> TcpComm:
-    """:func:`connect` with the ``HETFLOW_COMM_*`` variables a backend set for this rank."""
-    env = os.environ
-    try:
-        rank, size = int(env["HETFLOW_COMM_RANK"]), int(env["HETFLOW_COMM_SIZE"])
-        rendezvous, secret_file = env["HETFLOW_COMM_RENDEZVOUS"], env["HETFLOW_COMM_SECRET_FILE"]
-    except KeyError as exc:
-        raise ValueError(f"the TCP communicator needs the environment variable {exc.args[0]} "
-                         "(HETFLOW_COMM_RANK, _SIZE, _RENDEZVOUS, _SECRET_FILE)") from None
-    timeout = float(env.get("HETFLOW_COMM_TIMEOUT", "3600"))
-    return connect(rank, size, rendezvous=rendezvous, secret=read_secret(secret_file),
-                   host=env.get("HETFLOW_COMM_HOST", "127.0.0.1"), timeout=timeout if timeout > 0 else None,
-                   connect_timeout=float(env.get("HETFLOW_COMM_CONNECT_TIMEOUT", "120")), on_failure=on_failure)

@@ -13,6 +13,7 @@ AggName = Literal[
     "count", "count_distinct", "sum", "mean", "min", "max",
     "stddev", "variance", "first", "last", "list",
 ]
+WriteFormat = Literal["parquet", "ipc"]
 RollingAggName = Literal["count", "sum", "mean", "min", "max", "stddev", "variance"]
 
 #: ``"k"``, or ``("k", "descending")``
@@ -27,5 +28,6 @@ SORT_ORDERS: tuple[str, ...] = get_args(SortOrder)
 NULL_PLACEMENTS: tuple[str, ...] = get_args(NullPlacement)
 AGG_NAMES: tuple[str, ...] = get_args(AggName)
 ROLLING_AGG_NAMES: tuple[str, ...] = get_args(RollingAggName)
+WRITE_FORMATS: tuple[str, ...] = get_args(WriteFormat)
 #: aggregations that have a partial/combine form (combine-shuffle-reduce)
 DECOMPOSABLE_AGGS: frozenset[str] = frozenset({"count", "sum", "mean", "min", "max", "stddev", "variance"})

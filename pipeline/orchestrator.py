@@ -531,7 +531,8 @@ class Orchestrator:
             nodes=tuple(nodes), verify=self.verify,  # type: ignore[arg-type]
             schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
-            gpu_vendor=self.pilot.vendor,
+            gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
+            node_local_dir=self.pilot.node_local_dir,
         ).write(files.spec)
         return files
 

@@ -170,7 +170,10 @@ class WorkerSpec:
     ``slots[r]`` is rank r's place, ``slots[r].node`` an index into ``nodes``;
     ``schemas`` hold the declared schemas as text; ``files`` the declared input
     files as absolute paths; ``gpu_vendor`` says which variables give a rank
-    its GPUs (:func:`hetflow.tasks.gpu.visible_devices_env`).
+    its GPUs (:func:`hetflow.tasks.gpu.visible_devices_env`).  ``memory_per_rank``
+    (the stage's, bytes) and ``node_local_dir`` (the pilot's, as its config writes
+    it: ``$VAR`` is expanded on the node) become the operators' memory budget and
+    spill directory (:mod:`hetflow.operators.settings`).
     """
 
     run_id: str
@@ -189,8 +192,15 @@ class WorkerSpec:
     schemas: Mapping[str, str] = field(default_factory=dict)
     files: tuple[str, ...] = ()
     gpu_vendor: GpuVendor = "nvidia"
+    memory_per_rank: int | None = None
+    node_local_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
+                                                 or not isinstance(self.memory_per_rank, int)
+                                                 or self.memory_per_rank < 0):
+            raise ProtocolError(f"stage {self.stage!r}: memory_per_rank={self.memory_per_rank!r} "
+                                "(expected a number of bytes >= 0, or null)")
         if self.gpu_vendor not in GPU_VENDORS:
             raise ProtocolError(f"stage {self.stage!r}: gpu_vendor={self.gpu_vendor!r} (allowed: {list(GPU_VENDORS)})")
         if self.verify not in VERIFY:
@@ -211,7 +221,8 @@ class WorkerSpec:
                 "nodes": list(self.nodes), "inputs": [[name, path] for name, path in self.inputs],
                 "outputs": dict(self.outputs), "sys_path": list(self.sys_path), "params": dict(self.params),
                 "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files),
-                "gpu_vendor": self.gpu_vendor}
+                "gpu_vendor": self.gpu_vendor, "memory_per_rank": self.memory_per_rank,
+                "node_local_dir": self.node_local_dir}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -235,7 +246,9 @@ class WorkerSpec:
                       "params": dict(top.get("params", (dict,), "an object", {})),
                       "verify": top.text("verify", "checksum"), "schemas": top.text_map("schemas", {}),
                       "files": top.items("files", str, "strings", ()),
-                      "gpu_vendor": top.text("gpu_vendor", "nvidia")}
+                      "gpu_vendor": top.text("gpu_vendor", "nvidia"),
+                      "memory_per_rank": top.get("memory_per_rank", (int, type(None)), "an integer or null", None),
+                      "node_local_dir": top.get("node_local_dir", (str, type(None)), "a string or null", None)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path) -> None:

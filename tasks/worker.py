@@ -6,7 +6,7 @@ Each rank: joins its private communicator (a fresh ``mpiexec`` world, so
 exactly the stage's ranks; or, with ``HETFLOW_COMM=tcp``, the TCP
 communicator of :mod:`hetflow.operators.tcpcomm` for ranks that a backend
 started one by one without MPI, its rank, size, rendezvous file and secret
-file given by the ``HETFLOW_COMM_*`` variables), pins itself to the cores of its slot, sets
+file given by the ``HETFLOW_COMM_*`` variables, :mod:`hetflow.tasks.tcpenv`), pins itself to the cores of its slot, sets
 its vendor's visible-devices variables from its GPUs (:mod:`hetflow.tasks.gpu`), opens the inputs zero-copy, imports and
 calls the stage function, writes its partition of every output atomically and
 a ``rank-<r>.json`` result.  The orchestrator commits the manifests after every
@@ -22,6 +22,7 @@ unpickles anything.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -193,6 +194,21 @@ def _agree_on_schemas(comm: Any, stage: str, tables: Mapping[str, Any]) -> None:
                                 f"{schema_from_text(other)}\nbut rank {first_rank} returned\n{schema_from_text(first)}")
 
 
+def operator_settings(spec: WorkerSpec) -> contextlib.AbstractContextManager[Any]:
+    """The operators' settings while the stage function runs (:mod:`hetflow.operators.settings`): its
+    ``memory_per_rank`` is their memory budget (0 or none: no budget), the pilot's ``node_local_dir``
+    (``$VAR`` and ``~`` expanded here, on the node) their spill directory.  Restored afterwards, for
+    workers that run several stages."""
+    from hetflow.operators import settings
+
+    spill_dir = None
+    if spec.node_local_dir:
+        spill_dir = os.path.expanduser(os.path.expandvars(spec.node_local_dir))
+    chosen: contextlib.AbstractContextManager[Any] = settings.override(memory_budget=spec.memory_per_rank or None,
+                                                                       spill_dir=spill_dir)
+    return chosen
+
+
 def _communicator_kind() -> str:
     kind = os.environ.get(COMM_ENV, "mpi")
     if kind not in COMMUNICATORS:
@@ -260,7 +276,8 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
                            checkpoint_dir=spec.checkpoint_dir, cores=slot.cores,
                            gpus=slot.gpus, node=spec.nodes[slot.node], log=log,
                            files=tuple(Path(f) for f in spec.files))
-        tables = _check_result(stage, func(ctx, *inputs), list(spec.outputs))
+        with operator_settings(spec):
+            tables = _check_result(stage, func(ctx, *inputs), list(spec.outputs))
         for name, value in tables.items():
             if value is not None and name in declared:
                 check_schema(stage, "output", name, value.schema, declared[name])
@@ -330,9 +347,9 @@ def run(spec_path: str) -> int:
         rank, size = int(os.environ["HETFLOW_COMM_RANK"]), int(os.environ["HETFLOW_COMM_SIZE"])
 
         def get_comm() -> Any:
-            from hetflow.operators import tcpcomm
+            from .tcpenv import connect_from_env
 
-            world.append(tcpcomm.connect_from_env())
+            world.append(connect_from_env())
             return world[0].Dup()
     else:
         from mpi4py import MPI

@@ -34,7 +34,8 @@ def _spec(tmp_path: Path, **changes: object) -> WorkerSpec:
         "inputs": (("events", str(tmp_path / "datasets" / "events")),),
         "outputs": {"sorted": str(tmp_path / "datasets" / "sorted")}, "sys_path": (str(tmp_path),),
         "params": {"n": 3, "label": "x", "nested": {"a": [1, 2]}}, "verify": "size",
-        "schemas": {"sorted": "c2NoZW1h"}, "files": (str(tmp_path / "calibration.csv"),)}
+        "schemas": {"sorted": "c2NoZW1h"}, "files": (str(tmp_path / "calibration.csv"),),
+        "memory_per_rank": 4 << 30, "node_local_dir": "/mnt/bb/$USER"}
     fields.update(changes)
     return WorkerSpec(**fields)  # type: ignore[arg-type]
 
@@ -64,11 +65,12 @@ def test_spec_round_trip_through_its_file(tmp_path: Path) -> None:
 
 def test_spec_written_before_files_existed_reads_with_defaults(tmp_path: Path) -> None:
     data = _spec(tmp_path).to_json()
-    for key in ("files", "sys_path", "schemas", "verify", "params"):
+    for key in ("files", "sys_path", "schemas", "verify", "params", "memory_per_rank", "node_local_dir"):
         del data[key]
     (tmp_path / "spec.json").write_text(json.dumps(data))
     spec = WorkerSpec.read(tmp_path / "spec.json")
     assert spec.files == () and spec.sys_path == () and spec.verify == "checksum" and spec.params == {}
+    assert spec.memory_per_rank is None and spec.node_local_dir is None
 
 
 @pytest.mark.parametrize("change, field", [
@@ -82,6 +84,9 @@ def test_spec_written_before_files_existed_reads_with_defaults(tmp_path: Path) -
     (lambda d: d.update(verify="maybe"), "verify='maybe'"),
     (lambda d: d.update(files=["relative.csv"]), "'relative.csv'"),
     (lambda d: d["slots"][0].update(node=5), "slot node 5"),
+    (lambda d: d.update(memory_per_rank="4GB"), "'memory_per_rank'"),
+    (lambda d: d.update(memory_per_rank=-1), "memory_per_rank=-1"),
+    (lambda d: d.update(node_local_dir=7), "'node_local_dir'"),
 ])
 def test_bad_spec_file_names_the_file_and_the_field(tmp_path: Path, change: object, field: str) -> None:
     data = _spec(tmp_path).to_json()
@@ -250,3 +255,18 @@ def test_the_launchers_account_follows_a_rank_without_a_result(tmp_path: Path) -
     assert failure is not None
     assert failure.message == ("rank(s) [0, 1] of stage 'generate' ended without a result (exit code 15; srun exited "
                                "with 15: srun: error: n1: tasks 0-1: Exited with exit code 15)")
+
+
+def test_the_stage_memory_and_node_local_dir_become_the_operator_settings(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only while the stage function runs; ``$VAR`` is expanded on the node."""
+    from hetflow.operators import settings
+    from hetflow.tasks.worker import operator_settings
+
+    monkeypatch.setenv("USER", "ada")
+    before = settings.current()
+    with operator_settings(_spec(tmp_path)):
+        assert settings.current().memory_budget == 4 << 30 and settings.current().spill_dir == "/mnt/bb/ada"
+    assert settings.current() == before
+    with operator_settings(_spec(tmp_path, memory_per_rank=0, node_local_dir=None)):
+        assert settings.current().memory_budget is None and settings.current().spill_dir is None

@@ -137,7 +137,7 @@ rank = int(os.environ["HETFLOW_COMM_RANK"])
 open(os.path.join(sys.argv[1], f"pid-{rank}"), "w").write(str(os.getpid()))
 if sys.argv[2] == "die" and rank == 1:
     sys.exit(5)  # before the rendezvous: rank 0 would wait for it until the connect timeout
-from hetflow.operators.tcpcomm import connect_from_env
+from hetflow.tasks.tcpenv import connect_from_env
 comm = connect_from_env()
 total = comm.allreduce(rank + 1)
 json.dump({"rank": rank, "size": comm.Get_size(), "total": total, "host": os.environ["HETFLOW_COMM_HOST"],

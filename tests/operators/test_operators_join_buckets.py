@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import _opdata as D
 import numpy as np
 import pyarrow as pa
 import pytest
-
-import _opdata as D
 from test_operators_join import HOWS, reference_join
 
-NO_BUCKETS = str(10**12)
+NO_BUCKETS = 10**12
 
 
 def duck_join(left: pa.Table, right: pa.Table, keys: list[str], how: str, suffix: str) -> pa.Table:
@@ -39,12 +38,13 @@ def raw_table(seed: int, rank: int, size: int, layout: str, n: int, stream: int)
 
 def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Table, keys: list[str], how: str,
         ctx: str) -> None:
-    from hetflow.operators import DTable
+    from hetflow.operators import DTable, settings
+
     lt, rt = DTable(comm, left), DTable(comm, right)
-    monkeypatch.setenv("HETFLOW_JOIN_BUCKET_ROWS", "3")
-    bucketed = lt.join(rt, keys, how=how, algorithm="hash")
-    monkeypatch.setenv("HETFLOW_JOIN_BUCKET_ROWS", NO_BUCKETS)
-    plain = lt.join(rt, keys, how=how, algorithm="hash")
+    with settings.override(join_bucket_rows=3):
+        bucketed = lt.join(rt, keys, how=how, algorithm="hash")
+    with settings.override(join_bucket_rows=NO_BUCKETS):
+        plain = lt.join(rt, keys, how=how, algorithm="hash")
     rows = max(lt.num_rows, rt.num_rows)
     got, base = bucketed.gather(), plain.gather()
     all_left, all_right = lt.gather(), rt.gather()
@@ -64,14 +64,14 @@ def run(comm: Any, monkeypatch: pytest.MonkeyPatch, left: pa.Table, right: pa.Ta
 @pytest.mark.parametrize("how", HOWS)
 def test_bucketed_join_raw_columns(comm: Any, monkeypatch: pytest.MonkeyPatch, how: str, layout: str, exchange: int) -> None:
     """Raw columns take the permuted path; ``exchange`` buckets move per exchange (one, some, all)."""
-    from hetflow.operators import hashjoin
+    from hetflow.operators import settings
 
-    monkeypatch.setattr(hashjoin, "EXCHANGE_BUCKETS", exchange)
     rank, size = comm.Get_rank(), comm.Get_size()
     seed = 4000 + HOWS.index(how) * 10 + D.LAYOUTS.index(layout)
     left = raw_table(seed, rank, size, layout, 60, 1)
     right = raw_table(seed, rank, size, "skew" if layout == "balanced" else layout, 45, 2)
-    run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size} exchange={exchange}")
+    with settings.override(join_exchange_buckets=exchange):
+        run(comm, monkeypatch, left, right, ["k"], how, f"seed={seed} layout={layout} how={how} ranks={size} exchange={exchange}")
 
 
 @pytest.mark.mpi
@@ -114,15 +114,15 @@ def test_bucket_ids_keep_rank_placement(monkeypatch: pytest.MonkeyPatch, kind: s
 
 
 def test_bucket_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hetflow.operators import hashjoin
+    from hetflow.operators import hashjoin, settings
 
-    monkeypatch.delenv("HETFLOW_JOIN_BUCKET_ROWS", raising=False)
+    monkeypatch.setattr(settings, "_current", settings.Settings())
     assert hashjoin.bucket_count(0) == 1
     assert hashjoin.bucket_count(hashjoin.BUCKET_ROWS) == 1
     assert hashjoin.bucket_count(hashjoin.BUCKET_ROWS + 1) == 2
     assert hashjoin.bucket_count(10**12) == hashjoin.MAX_BUCKETS
     assert hashjoin.bucket_count(10**12, shuffled=False) == 1
-    monkeypatch.setenv("HETFLOW_JOIN_BUCKET_ROWS", "10")
+    settings.configure(join_bucket_rows=10)
     assert hashjoin.bucket_count(31, shuffled=False) == hashjoin.bucket_count(31) == 4
 
 
