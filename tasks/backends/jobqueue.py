@@ -75,7 +75,8 @@ def slurm_cluster_kwargs(pilot: PilotDescription, run_dir: Path, options: Mappin
         "python": sys.executable,
         # one shell word: dask-jobqueue joins these into the job script unquoted
         "worker_extra_args": ["--resources", f"cores={cores},gpus={pilot.gpus_per_node or 0}"],
-        "scheduler_options": {"dashboard": False},
+        # no dashboard; the HTTP server the scheduler always starts on a free loopback port, not :8787
+        "scheduler_options": {"dashboard": False, "dashboard_address": "127.0.0.1:0"},
     }
 
 

@@ -9,7 +9,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-
 from hetflow.tasks.backends.dask import check_options
 from hetflow.tasks.backends.jobqueue import slurm_cluster_kwargs
 from hetflow.tasks.backends.ranks import RankRun, launch_argv

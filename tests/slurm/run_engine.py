@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-import conformance as C  # noqa: E402
-
-import hetflow as hf  # noqa: E402
-from hetflow.tasks.protocol import AttemptFiles  # noqa: E402
+import conformance as C
+import hetflow as hf
+from hetflow.tasks.protocol import AttemptFiles
 
 
 def main(pilot_spec: str, workdir: Path) -> None:
