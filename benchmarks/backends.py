@@ -18,6 +18,23 @@ the Raptor master and worker, the latency is the stage as a Raptor function
 task, and the overhead is over the same stage run directly with ``mpiexec``
 here.  The row also times the same stage as a normal RP task on the same pilot
 (Raptor switched off for those launches), which is what Raptor saves.
+
+Lab-cluster mode, against the Slurm lab cluster (scripts/slurm-cluster.sh; its
+SLURM_CONF in the environment)::
+
+    eval "$(scripts/slurm-cluster.sh env)"
+    python benchmarks/backends.py --lab [--backends slurm,radical,parsl,dask] [--tasks 10] [--rounds 3]
+
+Every backend gets a two-node pilot of the lab's whole nodes and the same tasks
+(one-rank ``python -c pass`` on alternate nodes, one after another, then all at
+once).  Start-up is from asking for the allocation to the backend started:
+``salloc`` to ``SlurmBackend.start()`` returning inside it for ``slurm``; the
+engine's own batch job (Parsl's block, dask-jobqueue's worker jobs, RP's pilot)
+until its workers or agent are up for the others.  A task's overhead is its
+latency over the same one-rank command as a bare ``srun`` job step in an
+allocation.  Rounds alternate the order of the backends; the table gives the
+median of the rounds and their range.  The lab's nodes share this machine's
+cores, so this measures overhead, not compute.
 """
 
 from __future__ import annotations
@@ -165,12 +182,157 @@ def measure(name: str, tasks: int, root: Path) -> dict[str, Any]:
             "burst_tasks_per_s": tasks / burst, "shutdown_s": shutdown, "tasks": tasks}
 
 
+LAB_BACKENDS = ("slurm", "radical", "parsl", "dask")
+
+
+def lab_pilot(name: str) -> PilotDescription:
+    """The two-node pilot of ``name`` on the lab cluster (whole nodes of this machine's CPU count)."""
+    common: dict[str, Any] = {"name": f"lab-{name}", "nodes": 2, "cores_per_node": os.cpu_count() or 1,
+                              "gpus_per_node": 0, "memory_per_node": 2**30, "walltime": 1200.0}
+    if name == "slurm":
+        return PilotDescription(name="lab-slurm", backend="slurm").resolve()
+    if name == "parsl":
+        return PilotDescription(backend="parsl", launcher="srun", options={"parsl": {"scheduler": "slurm"}},
+                                **common)
+    if name == "dask":
+        return PilotDescription(backend="dask", options={"dask": {"jobqueue": "slurm"}}, **common)
+    if name == "radical":
+        return PilotDescription(backend="radical", launcher="srun", resource="hetflow.slurm", **common)
+    raise SystemExit(f"--lab: unknown backend {name!r} (expected some of {list(LAB_BACKENDS)})")
+
+
+def lab_specs(run_dir: Path, prefix: str, tasks: int) -> list[LaunchSpec]:
+    """One-rank no-op tasks, alternating between the pilot's two nodes."""
+    return [LaunchSpec(task_id=f"{prefix}-{i}", argv=COMMAND, slots=(RankSlot(i % 2, (0,)),), cwd=run_dir)
+            for i in range(tasks)]
+
+
+def measure_lab(name: str, tasks: int, root: Path, asked: float | None = None) -> dict[str, Any]:
+    """Start ``name``'s backend on the lab cluster, time the tasks, shut it down.
+
+    ``asked``: the wall-clock time the allocation was asked for (``slurm``: before ``salloc``); the
+    others ask for theirs in ``start()``.
+    """
+    pilot = lab_pilot(name)
+    run_dir = root / name
+    run_dir.mkdir(mode=0o700)
+    started = time.perf_counter()
+    wall = time.time()
+    backend = get_backend(name)(pilot, run_dir)
+    backend.start()
+    startup = time.perf_counter() - started + (wall - asked if asked is not None else 0.0)
+    try:
+        latencies = _sequential(backend, lab_specs(run_dir, "seq", tasks))
+        t0 = time.perf_counter()
+        outcomes = [f.result(timeout=600) for f in [backend.launch(s) for s in lab_specs(run_dir, "par", tasks)]]
+        burst = time.perf_counter() - t0
+        if not all(o.ok for o in outcomes):
+            raise RuntimeError(f"{name}: a burst task failed: {[o for o in outcomes if not o.ok][:1]}")
+    finally:
+        t0 = time.perf_counter()
+        backend.shutdown()
+        shutdown = time.perf_counter() - t0
+    return {"backend": name, "startup_s": startup, "task_latency_median_s": statistics.median(latencies),
+            "burst_tasks_per_s": tasks / burst, "shutdown_s": shutdown, "tasks": tasks}
+
+
+def bare_srun(tasks: int) -> list[float]:
+    """Seconds for the no-op command as a bare one-rank ``srun`` job step (inside an allocation)."""
+    from hetflow.tasks.launchers.srun import SrunStep, step_env
+    from hetflow.tasks.slurm_allocation import current_allocation
+
+    nodes = list(current_allocation().nodes)
+    argv = SrunStep(find_executable("srun")).argv(COMMAND, [RankSlot(0, (0,))], nodes)
+    env = step_env(os.environ, {})
+    times = []
+    for _ in range(tasks):
+        started = time.perf_counter()
+        subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def lab_slurm_round(tasks: int, root: Path) -> dict[str, Any]:
+    """The ``slurm`` row: this script again inside ``salloc -N2 --exclusive``, which prints its result."""
+    out = root / "slurm.json"
+    asked = time.time()
+    subprocess.run(["salloc", "-N2", "--exclusive", "--time=20", "--job-name=hetflow-bench", sys.executable,
+                    str(Path(__file__).resolve()), "--lab-inside", str(out), "--tasks", str(tasks),
+                    "--asked", repr(asked)], check=True, stdin=subprocess.DEVNULL)
+    return dict(json.loads(out.read_text()))
+
+
+def lab_inside(out: Path, tasks: int, asked: float) -> int:
+    """Inside the ``slurm`` row's allocation: the backend's figures and the bare ``srun`` floor."""
+    with tempfile.TemporaryDirectory(prefix="hetflow-bench-", dir=out.parent) as tmp:
+        result = measure_lab("slurm", tasks, Path(tmp), asked)
+    result["bare_srun_median_s"] = statistics.median(bare_srun(tasks))
+    out.write_text(json.dumps(result))
+    return 0
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def lab_main(names: list[str], tasks: int, rounds: int, out: Path) -> int:
+    """Every round: each backend once (the order reversed every other round); then the table."""
+    if not os.environ.get("SLURM_CONF"):
+        raise SystemExit("--lab needs the lab cluster's SLURM_CONF: eval \"$(scripts/slurm-cluster.sh env)\"")
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    floors: list[float] = []
+    for round_ in range(rounds):
+        order = names if round_ % 2 == 0 else list(reversed(names))
+        for name in order:
+            print(f"round {round_ + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True)
+            # the work directory must be on a file system every node sees: here, this machine's /tmp
+            with tempfile.TemporaryDirectory(prefix="hetflow-bench-lab-") as tmp:
+                result = lab_slurm_round(tasks, Path(tmp)) if name == "slurm" else measure_lab(name, tasks, Path(tmp))
+            if "bare_srun_median_s" in result:
+                floors.append(result["bare_srun_median_s"])
+            rows[name].append(result)
+    floor = statistics.median(floors) if floors else 0.0
+    load = os.getloadavg()
+    report = {"machine": {"cpus": os.cpu_count(), "loadavg_1_5_15": load, "python": sys.version.split()[0]},
+              "mode": "lab", "rounds": rounds, "bare_srun_median_s": floor, "results": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    header = (f"{'backend':<8} {'start-up s':>18} {'task median ms':>20} {'overhead ms':>12} "
+              f"{'burst tasks/s':>18} {'shutdown s':>18}")
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        runs = rows[name]
+        latency = [r["task_latency_median_s"] * 1e3 for r in runs]
+        print(f"{name:<8} {spread([r['startup_s'] for r in runs]):>18} "
+              f"{statistics.median(latency):>8.0f} ({min(latency):.0f}-{max(latency):.0f}) "
+              f"{statistics.median(latency) - floor * 1e3:>12.0f} "
+              f"{spread([r['burst_tasks_per_s'] for r in runs]):>18} {spread([r['shutdown_s'] for r in runs]):>18}")
+    print(f"(bare one-rank srun step of python -c pass: {floor * 1e3:.0f} ms; {tasks} tasks each, {rounds} rounds: "
+          f"median (range); load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} CPUs "
+          f"shared by the lab's nodes; JSON: {out})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default=f"local,dask,parsl,radical,{RAPTOR}")
-    parser.add_argument("--tasks", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/backends.json"))
+    parser.add_argument("--backends", default=None)
+    parser.add_argument("--tasks", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--lab", action="store_true", help="on the Slurm lab cluster (module docstring)")
+    parser.add_argument("--rounds", type=int, default=3, help="--lab: rounds, alternating the order")
+    parser.add_argument("--lab-inside", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--asked", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.lab_inside is not None:
+        return lab_inside(args.lab_inside, args.tasks or 10, args.asked)
+    if args.lab:
+        names = [n.strip() for n in (args.backends or ",".join(LAB_BACKENDS)).split(",") if n.strip()]
+        return lab_main(names, args.tasks or 10, args.rounds,
+                        args.out or Path("benchmarks/results/backends-lab.json"))
+    args.backends = args.backends or f"local,dask,parsl,radical,{RAPTOR}"
+    args.tasks = args.tasks or 20
+    args.out = args.out or Path("benchmarks/results/backends.json")
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
     floor = statistics.median(direct_latency(args.tasks))
     results = []

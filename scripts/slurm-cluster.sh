@@ -12,12 +12,32 @@
 # its state directory, $HETFLOW_SLURM_LAB (default /tmp/hetflow-slurm-lab); the one change outside it
 # is a marked line `127.0.0.1 n1 n2 n3` in /etc/hosts (MPICH's Hydra hangs without name resolution),
 # removed again by `stop`.  Clients find the cluster through SLURM_CONF=$STATE/slurm.conf.
+#
+# A second, independent instance runs beside the default one when these differ from the defaults:
+#   HETFLOW_SLURM_LAB         state directory                           (default /tmp/hetflow-slurm-lab)
+#   HETFLOW_SLURM_PORT        slurmctld's port                          (default 16817)
+#   HETFLOW_SLURM_NODES       node names, space-separated               (default "n1 n2 n3")
+#   HETFLOW_SLURM_NODE_PORT   the first node's slurmd port, +1 per node (default 17001)
+#   HETFLOW_SLURM_FIRST_JOB   FirstJobId, so that job ids (and what is named after them) never collide
+#                             (default: Slurm's own)
+# e.g. HETFLOW_SLURM_LAB=/tmp/hetflow-slurm-engines HETFLOW_SLURM_PORT=16917 HETFLOW_SLURM_NODES="e1 e2 e3" \
+#      HETFLOW_SLURM_NODE_PORT=17101 HETFLOW_SLURM_FIRST_JOB=100000 scripts/slurm-cluster.sh start
+# Each instance marks its /etc/hosts line with its state directory (the default instance keeps the
+# mark it always had); `stop` removes only the line that ends with its own mark.
 set -eu
 
-STATE=${HETFLOW_SLURM_LAB:-/tmp/hetflow-slurm-lab}
-NODES="n1 n2 n3"
+DEFAULT_STATE=/tmp/hetflow-slurm-lab
+STATE=${HETFLOW_SLURM_LAB:-$DEFAULT_STATE}
+NODES=${HETFLOW_SLURM_NODES:-n1 n2 n3}
 CTLD_PORT=${HETFLOW_SLURM_PORT:-16817}
-HOSTS_MARK="# hetflow slurm lab cluster"
+NODE_PORT=${HETFLOW_SLURM_NODE_PORT:-17001}
+FIRST_JOB=${HETFLOW_SLURM_FIRST_JOB:-}
+if [ "$STATE" = "$DEFAULT_STATE" ]; then
+    HOSTS_MARK="# hetflow slurm lab cluster"
+else
+    # never containing the default mark: an older script's `stop` drops every line that contains it
+    HOSTS_MARK="# hetflow slurm lab instance $STATE"
+fi
 export SLURM_CONF="$STATE/etc/slurm.conf"
 
 say() { printf 'slurm-cluster: %s\n' "$*" >&2; }
@@ -53,6 +73,44 @@ nodes_answer() {
     done
 }
 
+check_settings() {
+    [ -n "$(echo $NODES)" ] || die "HETFLOW_SLURM_NODES is empty (expected node names, e.g. \"e1 e2 e3\")"
+    for n in $NODES; do
+        case $n in
+            [a-z]*) ;;
+            *) die "HETFLOW_SLURM_NODES: node name '$n' must start with a lower-case letter" ;;
+        esac
+        case $n in
+            *[!a-z0-9-]*) die "HETFLOW_SLURM_NODES: node name '$n' may hold only a-z, 0-9 and '-'" ;;
+        esac
+    done
+    for setting in "HETFLOW_SLURM_PORT=$CTLD_PORT" "HETFLOW_SLURM_NODE_PORT=$NODE_PORT" \
+                   "HETFLOW_SLURM_FIRST_JOB=${FIRST_JOB:-1}"; do
+        case ${setting#*=} in
+            ''|*[!0-9]*) die "$setting: expected a positive integer" ;;
+        esac
+    done
+    case $STATE in
+        /*) ;;
+        *) die "HETFLOW_SLURM_LAB=$STATE: expected an absolute path" ;;
+    esac
+    case $STATE in
+        *[!A-Za-z0-9/._-]*) die "HETFLOW_SLURM_LAB=$STATE: expected only letters, digits and / . _ -" ;;
+    esac
+}
+
+# the node names as one Slurm list: n1,n2,n3
+node_list() { echo $NODES | tr ' ' ','; }
+
+# one NodeName line per node, each with its own slurmd port
+node_lines() {
+    port=$NODE_PORT
+    for n in $NODES; do
+        echo "NodeName=$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$port CPUs=$cpus State=UNKNOWN"
+        port=$((port + 1))
+    done
+}
+
 check_tools() {
     [ "$(id -u)" = 0 ] || die "must run as root (the Slurm daemons run as root, munged as the munge user)"
     for tool in munged slurmctld slurmd sinfo srun unshare runuser; do
@@ -67,7 +125,7 @@ write_config() {
     cpus=$(nproc)
     mkdir -p "$STATE/etc" "$STATE/run" "$STATE/log" "$STATE/spool" "$STATE/ctld" "$STATE/munge"
     cat > "$STATE/etc/slurm.conf" <<EOF
-# written by scripts/slurm-cluster.sh: the hetflow lab cluster (three nodes on one host)
+# written by scripts/slurm-cluster.sh: the hetflow lab cluster (nodes $(node_list) on one host)
 ClusterName=hetflowlab
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
@@ -99,8 +157,9 @@ AccountingStorageType=accounting_storage/none
 InactiveLimit=0
 KillWait=5
 MinJobAge=60
-NodeName=n[1-3] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-17003] CPUs=$cpus State=UNKNOWN
-PartitionName=lab Nodes=n[1-3] Default=YES MaxTime=INFINITE State=UP
+$(if [ -n "$FIRST_JOB" ]; then echo "FirstJobId=$FIRST_JOB"; fi)
+$(node_lines)
+PartitionName=lab Nodes=$(node_list) Default=YES MaxTime=INFINITE State=UP
 EOF
     cat > "$STATE/etc/cgroup.conf" <<EOF
 # written by scripts/slurm-cluster.sh; the lab cluster tracks processes with proctrack/linuxproc
@@ -118,15 +177,20 @@ EOF
     chmod 0400 "$STATE/munge/munge.key"
 }
 
+# whether /etc/hosts has a line that ends with this instance's mark (another instance's never does)
+has_hosts_line() {
+    awk -v m="$HOSTS_MARK" 'substr($0, length($0) - length(m) + 1) == m { f = 1 } END { exit !f }' /etc/hosts
+}
+
 add_hosts() {
-    grep -q "$HOSTS_MARK" /etc/hosts && return 0
+    has_hosts_line && return 0
     # rewritten in place (not renamed over): /etc/hosts may be a bind mount
     printf '127.0.0.1 %s %s\n' "$NODES" "$HOSTS_MARK" >> /etc/hosts
 }
 
 remove_hosts() {
-    grep -q "$HOSTS_MARK" /etc/hosts || return 0
-    kept=$(grep -v "$HOSTS_MARK" /etc/hosts)
+    has_hosts_line || return 0
+    kept=$(awk -v m="$HOSTS_MARK" 'substr($0, length($0) - length(m) + 1) != m' /etc/hosts)
     printf '%s\n' "$kept" > /etc/hosts
 }
 
@@ -141,6 +205,7 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
 }
 
 start() {
+    check_settings
     check_tools
     if all_running && nodes_answer; then
         say "already running ($STATE)"
@@ -156,7 +221,7 @@ start() {
     wait_for 10 munged test -S "$STATE/munge/munge.socket" || die "munged did not start; see $STATE/munge/munged.log"
     slurmctld -i -f "$SLURM_CONF"
     for n in $NODES; do
-        # own UTS namespace: hostname n1..n3 for every process of the node (srun hostname, MPI)
+        # own UTS namespace: the node's name is the hostname of every process on it (srun hostname, MPI)
         unshare --uts sh -c 'hostname "$1" && exec slurmd -f "$2" -N "$1"' sh "$n" "$SLURM_CONF"
     done
     if ! wait_for 60 nodes nodes_answer; then
@@ -164,7 +229,7 @@ start() {
         die "the nodes did not come up; see $STATE/log/"
     fi
     # a node that was DOWN in a saved state comes back with ReturnToService=2; make sure
-    scontrol update NodeName=n[1-3] State=RESUME >/dev/null 2>&1 || true
+    scontrol update NodeName="$(node_list)" State=RESUME >/dev/null 2>&1 || true
     say "running: $(sinfo -h -o '%D nodes %t' | tr '\n' ' ')($STATE)"
     echo "export SLURM_CONF=$SLURM_CONF"
 }
@@ -194,6 +259,7 @@ stop_daemons() {
 
 stop() {
     [ "$(id -u)" = 0 ] || die "must run as root"
+    check_settings
     stop_daemons
     remove_hosts
     say "stopped"

@@ -36,9 +36,14 @@ its timeout (``HETFLOW_COMM_CONNECT_TIMEOUT``, 120 s) names the missing ones.
 
 Options (``pilot.options.dask``):
 
-* ``address``: scheduler address of an existing cluster.  Without it the
-  backend starts a scheduler and one worker process per pilot node on this
-  host (no dashboard, loopback only) and stops them on :meth:`shutdown`.
+* ``address``: scheduler address of an existing cluster.  Without it (and
+  without ``jobqueue``) the backend starts a scheduler and one worker process
+  per pilot node on this host (no dashboard, loopback only) and stops them on
+  :meth:`shutdown`.
+* ``jobqueue``: ``slurm``: the workers are batch jobs of dask-jobqueue's
+  ``SLURMCluster``, one per pilot node (:mod:`hetflow.tasks.backends.jobqueue`,
+  which also reads ``worker_init``, ``scheduler_options`` and ``start_timeout``).
+  Nodes are then told apart by the workers' hostnames, which are the node names.
 * ``communicator``: ``auto`` | ``mpi`` | ``tcp`` (above).
 """
 
@@ -53,6 +58,7 @@ import signal
 import subprocess
 import sys
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -71,17 +77,30 @@ from .ranks import (RankRun, options_for, outcome_fields, run_rank, run_ranks, s
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("address", "communicator")
+OPTIONS = ("address", "communicator", "jobqueue", "worker_init", "scheduler_options", "start_timeout")
 COMMUNICATORS = ("auto", "mpi", "tcp")
 
 
 def check_options(pilot: Any) -> Mapping[str, Any]:
-    """``pilot.options.dask`` with its keys and its ``communicator`` checked (:class:`ConfigError`)."""
+    """``pilot.options.dask`` with its keys, ``communicator`` and ``jobqueue`` checked (:class:`ConfigError`)."""
+    from .jobqueue import JOBQUEUES
+
     options = options_for(pilot, "dask", OPTIONS)
     communicator = options.get("communicator", "auto")
     if communicator not in COMMUNICATORS:
         raise ConfigError(f"pilot {pilot.name!r}: options.dask.communicator is {communicator!r} "
                           f"(allowed: {list(COMMUNICATORS)})")
+    jobqueue = options.get("jobqueue")
+    if jobqueue is not None and jobqueue not in JOBQUEUES:
+        raise ConfigError(f"pilot {pilot.name!r}: options.dask.jobqueue is {jobqueue!r} "
+                          f"(allowed: {list(JOBQUEUES)}, or left out)")
+    if jobqueue is not None and options.get("address"):
+        raise ConfigError(f"pilot {pilot.name!r}: options.dask.address and options.dask.jobqueue exclude each "
+                          "other (address: an existing cluster; jobqueue: one the backend submits)")
+    batch_only = sorted(k for k in ("worker_init", "scheduler_options") if k in options)
+    if jobqueue is None and batch_only:
+        raise ConfigError(f"pilot {pilot.name!r}: options.dask.{batch_only[0]} needs options.dask.jobqueue "
+                          f"(allowed: {list(JOBQUEUES)})")
     return options
 
 
@@ -152,6 +171,8 @@ class DaskBackend(Backend):
         self._procs: list[subprocess.Popen[bytes]] = []
         self._workers: list[str] = []
         self._hosts: list[str] = []
+        self._names: list[str] = []  # node names: the hosts, or the workers' hostnames on a jobqueue cluster
+        self._cluster: Any = None  # the dask-jobqueue cluster, when options.dask.jobqueue
         self._resources = False
         self._lock = threading.Lock()
         self._running: dict[str, _Launch] = {}
@@ -166,18 +187,57 @@ class DaskBackend(Backend):
         private_dir(self._cancel_dir)
         private_dir(self._comm_root)
         address = self.options.get("address")
-        if not address:
+        jobqueue = self.options.get("jobqueue")
+        timeout = 120.0
+        if jobqueue:
+            from .jobqueue import start_cluster
+
+            atexit.register(self._close_cluster)
+            self._cluster = start_cluster(str(jobqueue), self.pilot, self.run_dir, self.options)
+            address = self._cluster.scheduler_address
+            timeout = float(self.options.get("start_timeout", 600))
+        elif not address:
             address = self._start_local_cluster()
-        self._client = Client(address, set_as_default=False, timeout=60)  # type: ignore[no-untyped-call]
-        self._client.wait_for_workers(self.pilot.nodes, timeout=120)
-        info = self._client.scheduler_info(n_workers=-1)["workers"]
-        self._workers = sorted(info, key=lambda w: (str(info[w].get("name")), w))[: self.pilot.nodes]
-        if len(self._workers) < self.pilot.nodes:
-            raise ConfigError(f"{self.pilot.shape()} needs {self.pilot.nodes} Dask workers, "
-                              f"the cluster at {address} has {len(info)}")
-        self._hosts = [info[w].get("host", "localhost") for w in self._workers]
-        self._resources = all("cores" in (info[w].get("resources") or {}) for w in self._workers)
-        log.info("dask backend on %d worker(s): %s", len(self._workers), self._workers)
+        try:
+            self._client = Client(address, set_as_default=False, timeout=60)  # type: ignore[no-untyped-call]
+            self._wait_for_workers(str(address), timeout)
+            info = self._client.scheduler_info(n_workers=-1)["workers"]
+            self._workers = sorted(info, key=lambda w: (str(info[w].get("name")), w))[: self.pilot.nodes]
+            if len(self._workers) < self.pilot.nodes:
+                raise ConfigError(f"{self.pilot.shape()} needs {self.pilot.nodes} Dask workers, "
+                                  f"the cluster at {address} has {len(info)}")
+            self._hosts = [info[w].get("host", "localhost") for w in self._workers]
+            self._names = list(self._hosts)
+            if jobqueue:
+                # one job per node: the workers share an address on a one-host lab cluster, never a hostname
+                hostnames = self._client.run(socket.gethostname, workers=self._workers)
+                self._names = [str(hostnames[w]) for w in self._workers]
+            self._resources = all("cores" in (info[w].get("resources") or {}) for w in self._workers)
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("dask backend on %d worker(s): %s (nodes %s)", len(self._workers), self._workers, self._names)
+
+    def _wait_for_workers(self, address: str, timeout: float) -> None:
+        """Until the pilot's workers connected; on a jobqueue cluster, fail as soon as a job ended without one."""
+        from .jobqueue import ended_jobs, job_error
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._client.wait_for_workers(self.pilot.nodes, timeout=min(2.0, timeout))
+                return
+            except TimeoutError:
+                pass
+            ended = ended_jobs(self._cluster) if self._cluster is not None else []
+            if ended:
+                logs = self.run_dir / "dask" / "logs"
+                raise ConfigError(f"{self.pilot.shape()}: dask-jobqueue job {ended[0]} ended before its Dask "
+                                  f"worker connected: {job_error(logs, ended[0])}")
+            if time.monotonic() > deadline:
+                where = f"; see the job logs in {self.run_dir / 'dask' / 'logs'}" if self._cluster is not None else ""
+                raise ConfigError(f"{self.pilot.shape()}: {self.pilot.nodes} Dask worker(s) did not connect to "
+                                  f"{address} within {timeout:g} s{where}")
 
     def _start_local_cluster(self) -> str:
         """A scheduler and one worker per pilot node, as separate processes on this host.
@@ -244,7 +304,7 @@ class DaskBackend(Backend):
         return [proc.pid for proc in self._procs]
 
     def node_names(self) -> list[str]:
-        return list(self._hosts) if self._hosts else super().node_names()
+        return list(self._names) if self._names else super().node_names()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -266,12 +326,22 @@ class DaskBackend(Backend):
             else:
                 self._client.close()
             self._client = None
+        self._close_cluster()
         self._stop_local_cluster()
+
+    def _close_cluster(self) -> None:
+        """Close the dask-jobqueue cluster, which cancels its batch jobs (also at interpreter exit)."""
+        cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            try:
+                cluster.close()
+            except Exception:  # shutting down: say it; the jobs end at their walltime
+                log.exception("closing the dask-jobqueue cluster failed; its jobs may still be queued")
 
     # ------------------------------------------------------------------- tasks
     def uses_tcp(self, slots: "tuple[RankSlot, ...]") -> bool:
         """Whether a task on ``slots`` gets the TCP communicator (else one ``mpiexec``)."""
-        return choose_communicator(self.communicator, [self._hosts[slot.node] for slot in slots]) == "tcp"
+        return choose_communicator(self.communicator, [self._names[slot.node] for slot in slots]) == "tcp"
 
     def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
         if self._client is None:
@@ -307,10 +377,10 @@ class DaskBackend(Backend):
     def _submit_mpi(self, run: RankRun) -> Any:
         """All ranks with one ``mpiexec`` from the worker of the first node (they share its host)."""
         nodes = sorted({slot.node for slot in run.slots})
-        if len({self._hosts[n] for n in nodes}) > 1:
+        if len({self._names[n] for n in nodes}) > 1:
             raise UnsatisfiableRequest(
                 f"task {run.task_id!r}: its {len(run.slots)} ranks span Dask workers on hosts "
-                f"{sorted({self._hosts[n] for n in nodes})}, which one mpiexec cannot reach; "
+                f"{sorted({self._names[n] for n in nodes})}, which one mpiexec cannot reach; "
                 "set options.dask.communicator to 'auto' or 'tcp'")
         # Every slot of the task is on one host: show the launcher a single local node.
         local_run = dataclasses.replace(run, slots=tuple(dataclasses.replace(s, node=0) for s in run.slots))

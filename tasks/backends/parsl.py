@@ -15,6 +15,14 @@ What this module handles for users:
   hetflow scheduler may place;
 * Parsl's workers are found by command name: the venv's ``bin`` is put first
   on ``PATH`` of this process before the executor starts;
+* with a batch scheduler (``slurm``: Parsl's ``SlurmProvider``) the block is one
+  job of ``nodes`` whole nodes; Parsl gives an MPI task whole nodes of it, and
+  the ranks start as one job step (``srun``, as the ``slurm`` backend starts
+  them, :func:`~hetflow.tasks.backends.ranks.launch_argv`), so at most ``nodes``
+  tasks run at once;
+* :meth:`ParslBackend.start` returns once the worker pool has connected (the
+  block's job started), so start-up is paid there and a job that never starts
+  is an error after ``start_timeout`` rather than a run waiting forever;
 * an unclean exit leaves Parsl's interchange and worker pool running: the
   backend records every process Parsl starts and kills what
   ``DataFlowKernel.cleanup()`` left (also at interpreter exit).
@@ -23,7 +31,8 @@ Options (``pilot.options.parsl``): ``scheduler`` (``local``/``slurm``/``lsf``/``
 default from the launcher: ``srun`` → slurm, ``jsrun`` → lsf, else local),
 ``worker_init`` (shell lines run before the worker pool, e.g. ``module load``),
 ``scheduler_options`` (extra ``#SBATCH``/``#BSUB``/``#PBS`` lines),
-``start_timeout`` (seconds a local worker pool may take to connect; default 120).
+``start_timeout`` (seconds the worker pool may take to connect: default 120 for
+a local pool, 600 for a batch job, which may wait in the queue).
 """
 
 from __future__ import annotations
@@ -174,8 +183,8 @@ class ParslBackend(Backend):
         self._dfk = DataFlowKernel(parsl_config(self.pilot, self.run_dir))
         self._app = python_app(_run_in_parsl, data_flow_kernel=self._dfk, executors=[LABEL])
         self._remember_children()
-        if self.scheduler == "local":
-            self._wait_for_pool(float(options_for(self.pilot, "parsl", OPTIONS).get("start_timeout", 120)))
+        default = 120 if self.scheduler == "local" else 600
+        self._wait_for_pool(float(options_for(self.pilot, "parsl", OPTIONS).get("start_timeout", default)))
 
     def _wait_for_pool(self, timeout: float) -> None:
         """Block until the worker pool has registered, so start-up cost is paid in :meth:`start`."""
@@ -184,7 +193,8 @@ class ParslBackend(Backend):
         while not executor.connected_managers():
             if time.monotonic() > deadline:
                 self.shutdown()
-                raise RuntimeError(f"Parsl's worker pool did not connect within {timeout} s; "
+                queued = "" if self.scheduler == "local" else f" (its {self.scheduler} job did not start or failed)"
+                raise RuntimeError(f"Parsl's worker pool did not connect within {timeout:g} s{queued}; "
                                    f"see {self._base / 'runinfo'} and {self._base / 'logs'}")
             time.sleep(0.1)
         self._remember_children()

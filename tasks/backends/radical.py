@@ -31,7 +31,14 @@ resource config, written to the run directory), ``project`` (RP project
 override, default ``account``), ``worker_init`` (shell lines run before the
 agent on a ``hetflow.slurm``/``hetflow.pbs``/``hetflow.lsf`` resource, e.g.
 ``module load``).  Those three resources are generic clusters that RP ships no
-config for: hetflow writes their RP resource config from the pilot.
+config for: hetflow writes their RP resource config from the pilot.  RP submits
+their pilot job with a clean environment (``--export=NONE`` on Slurm), so the
+config puts this Python's ``bin`` first on the agent's ``PATH`` (the same
+installation must be visible on the compute nodes, as for ``hetflow submit``)
+before the ``worker_init`` lines; the pilot sandbox is the pilot's ``data_dir``,
+else the run directory (which the ranks write datasets to, so the compute nodes
+see it).  Tasks on ``hetflow.slurm`` get the job-step environment defaults of
+the ``slurm`` backend (:data:`~hetflow.tasks.launchers.srun.STEP_ENV_DEFAULTS`).
 ``raptor`` (``true``/``false``, default false): run eligible stages as function
 tasks in RP Raptor MPI workers that stay up for the whole pilot (one master and
 one MPI worker per node, one worker rank per usable core; each stage gets a
@@ -58,6 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import ConfigError, ProtocolError
+from ..launchers.srun import STEP_ENV_DEFAULTS
 from ..pilot import PilotDescription
 from ..protocol import AttemptFiles, RankResult
 from .base import Backend, LaunchSpec, TaskOutcome
@@ -155,13 +163,14 @@ def resource_config(pilot: PilotDescription, run_dir: Path) -> dict[str, Any] | 
     site, _, host = str(pilot.resource).partition(".")
     if pilot.resource in GENERIC_RESOURCES:
         manager, endpoint, method = GENERIC_RESOURCES[str(pilot.resource)]
-        worker_init = [line for line in str(rp_options(pilot).get("worker_init", "")).splitlines() if line.strip()]
+        worker_init = [f"export PATH={venv_bin}:$PATH"]
+        worker_init += [line for line in str(rp_options(pilot).get("worker_init", "")).splitlines() if line.strip()]
         generic: dict[str, Any] = {
             "description": f"hetflow: a generic {manager} cluster described by pilot {pilot.name!r}",
             "default_schema": "batch",
             "schemas": {"batch": {"job_manager_endpoint": endpoint, "filesystem_endpoint": "file://localhost/"}},
             "default_queue": pilot.queue or "",
-            "default_remote_workdir": pilot.data_dir or "$HOME",
+            "default_remote_workdir": pilot.data_dir or str(run_dir / "radical"),
             "resource_manager": manager,
             "agent_config": "default",
             "agent_scheduler": "CONTINUOUS",
@@ -250,6 +259,10 @@ def task_description(spec: LaunchSpec, pilot: PilotDescription, hosts: list[str]
     }
     if gpus:
         description["gpu_type"] = rp_gpu_type(pilot)
+    if pilot.resource in GENERIC_RESOURCES and GENERIC_RESOURCES[str(pilot.resource)][2] == "SRUN":
+        for key, value in STEP_ENV_DEFAULTS.items():
+            if key not in os.environ:
+                description["environment"].setdefault(key, value)
     if spec.stdout is not None:
         description["stdout"] = str(spec.stdout)
     if spec.stderr is not None:

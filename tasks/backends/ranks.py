@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..launchers.mpiexec import launcher_for
+from ..launchers.srun import SrunStep, step_env
 from ..scheduler import RankSlot
 
 if TYPE_CHECKING:
@@ -82,8 +83,15 @@ def find_executable(name: str) -> str:
 
 
 def launch_argv(run: RankRun, hosts: Sequence[str]) -> list[str]:
-    """The launcher argv for ``run`` with ``hosts[slot.node]`` naming each node."""
+    """The launcher argv for ``run`` with ``hosts[slot.node]`` naming each node.
+
+    ``srun`` runs inside the engine's batch job (Parsl's block, RP's pilot job): there the task is
+    one job step exactly like the ``slurm`` backend's (:class:`SrunStep`: the slots' ranks per node,
+    ``--exact``, PMI-2, ``--kill-on-bad-exit``), named as that backend names its steps.
+    """
     executable = run.launcher_executable or find_executable(run.launcher)
+    if run.launcher == "srun":
+        return SrunStep(executable, job_name=f"hetflow-{safe_name(run.task_id)}").argv(run.command, run.slots, hosts)
     return launcher_for(run.launcher, executable).argv(run.command, run.slots, hosts)
 
 
@@ -108,7 +116,7 @@ def run_ranks(run: RankRun, hosts: Sequence[str] | None = None) -> dict[str, Any
     """
     if hosts is None:
         hosts = ["localhost"] * (max((s.node for s in run.slots), default=0) + 1)
-    return run_argv(run, launch_argv(run, hosts))
+    return run_argv(run, launch_argv(run, hosts), srun_step=run.launcher == "srun")
 
 
 def run_rank(run: RankRun) -> dict[str, Any]:
@@ -119,10 +127,17 @@ def run_rank(run: RankRun) -> dict[str, Any]:
     return result
 
 
-def run_argv(run: RankRun, argv: list[str]) -> dict[str, Any]:
-    """Run ``argv`` in a new session until it ends, times out, or is cancelled (or aborted)."""
-    env = dict(os.environ)
-    env.update(run.env)
+def run_argv(run: RankRun, argv: list[str], *, srun_step: bool = False) -> dict[str, Any]:
+    """Run ``argv`` in a new session until it ends, times out, or is cancelled (or aborted).
+
+    ``srun_step``: ``argv`` is a job step's ``srun``, which gets :func:`step_env` (the batch
+    script's layout options dropped, MPICH's netmod for Slurm's PMI).
+    """
+    if srun_step:
+        env = step_env(os.environ, run.env)
+    else:
+        env = dict(os.environ)
+        env.update(run.env)
     # The venv's bin first, so the launcher finds the same Python and MPI.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     cancel_file = Path(run.cancel_file)

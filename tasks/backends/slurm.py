@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ..errors import ConfigError, HetflowError
-from ..launchers.srun import SrunStep, failure_report
+from ..launchers.srun import SrunStep, failure_report, step_env
 from ..protocol import tail
 from ..slurm_allocation import Allocation, current_allocation
 from .base import Backend, LaunchSpec, TaskOutcome
@@ -39,17 +39,6 @@ KILL_GRACE = 5.0
 
 POLL = 0.2
 """Seconds between checks of a running step's deadline and cancellation."""
-
-STEP_ENV_DEFAULTS = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
-"""Set in every step unless the user set them.  The PyPI MPICH's default netmod (UCX) publishes a
-business card of several KB through Slurm's PMI-1 service in ~1 KB segments; a segment whose hex
-does not compress makes a ``put`` line longer than the 1024 bytes slurmstepd reads, the line is cut,
-and MPI_Init fails on every rank (exit code 15, ``mpi/pmi2: invalid client request`` in slurmd's
-log) -- now and then, depending on the bytes.  OFI's address is a few bytes: one short ``put``."""
-
-SRUN_INPUTS_DROPPED = ("SLURM_HOSTFILE", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET",
-                       "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU", "SLURM_DISTRIBUTION")
-"""srun options the allocation's environment may carry that would change the step's layout."""
 
 
 class SlurmBackend(Backend):
@@ -120,10 +109,7 @@ class SlurmBackend(Backend):
         future.set_result(outcome)
 
     def _step(self, spec: LaunchSpec, argv: list[str], started: float) -> TaskOutcome:
-        env = {k: v for k, v in os.environ.items() if k not in SRUN_INPUTS_DROPPED}
-        env.update(spec.env)
-        for key, value in STEP_ENV_DEFAULTS.items():
-            env.setdefault(key, value)
+        env = step_env(os.environ, spec.env)
         out = _log(spec.stdout)
         err = _log(spec.stderr)
         try:

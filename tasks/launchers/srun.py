@@ -16,7 +16,7 @@ for MPICH) makes the step's ranks one MPI world.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..scheduler import RankSlot
 from .base import Launcher
@@ -49,6 +49,33 @@ class SrunStep(Launcher):
         if self.job_name:
             argv.append(f"--job-name={self.job_name}")
         return argv + list(command)
+
+
+STEP_ENV_DEFAULTS = {"MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS": "1",
+                     "MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS": "1"}
+"""Set in every step unless the user set them.  The PyPI MPICH's default netmod (UCX) publishes a
+business card of several KB through Slurm's PMI-1 service in ~1 KB segments; a segment whose hex
+does not compress makes a ``put`` line longer than the 1024 bytes slurmstepd reads, the line is cut,
+and MPI_Init fails on every rank (exit code 15, ``mpi/pmi2: invalid client request`` in slurmd's
+log) -- now and then, depending on the bytes.  OFI's address is a few bytes: one short ``put``.
+OFI's tcp provider moves a message only while its sender is inside an MPI call unless asked for
+automatic progress: a rank that sends (a bcast's root) and then blocks outside MPI (in torch's
+Gloo store or all-reduce) would keep the other ranks waiting for that message forever."""
+
+SRUN_INPUTS_DROPPED = ("SLURM_HOSTFILE", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET",
+                       "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU", "SLURM_DISTRIBUTION")
+"""srun options the allocation's environment may carry that would change the step's layout (a batch
+script's ``#SBATCH --ntasks-per-node=1``, as Parsl and RP write them, would otherwise cap every step)."""
+
+
+def step_env(environ: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a step's ``srun``: ``environ`` without :data:`SRUN_INPUTS_DROPPED`, plus
+    ``extra``, plus :data:`STEP_ENV_DEFAULTS` where neither set them."""
+    env = {k: v for k, v in environ.items() if k not in SRUN_INPUTS_DROPPED}
+    env.update(extra)
+    for key, value in STEP_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+    return env
 
 
 STEP_ERROR = re.compile(r"^(srun: (error|fatal):|slurmstepd(-[\w.-]+)?: error:|Abort\(|Fatal error in )")

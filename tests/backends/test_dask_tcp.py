@@ -30,7 +30,8 @@ import hetflow as hf
 from hetflow.tasks.backends import get_backend
 from hetflow.tasks.backends.base import LaunchSpec
 from hetflow.tasks.scheduler import RankSlot
-from test_conformance import _leftovers, _table_hash
+from conformance import leftovers as _leftovers
+from conformance import table_hash as _table_hash
 
 DATASETS = ["rows", "sorted", "joined", "model", "metrics"]
 

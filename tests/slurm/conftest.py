@@ -4,6 +4,11 @@ A session fixture starts it (root and the packages of scripts/system-deps.sh
 needed; without them the tests skip, which under CI is a failure: see
 tests/conftest.py) and stops it at the end if this session started it; a
 cluster that was already running is left running.
+
+The script's instance variables (``HETFLOW_SLURM_LAB``, ``HETFLOW_SLURM_PORT``,
+``HETFLOW_SLURM_NODES``, ``HETFLOW_SLURM_NODE_PORT``, ``HETFLOW_SLURM_FIRST_JOB``)
+select the instance: the script reads them from this process's environment,
+and :func:`slurm_nodes` gives the tests its node names.
 """
 
 from __future__ import annotations
@@ -19,11 +24,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm-cluster.sh"
 PROGRAMS = ("slurmctld", "slurmd", "munged", "srun", "salloc", "sinfo")
+DEFAULT_NODES = "n1 n2 n3"
 
 
 def _missing() -> list[str]:
     path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
     return [p for p in PROGRAMS if shutil.which(p, path=path) is None]
+
+
+@pytest.fixture(scope="session")
+def slurm_nodes() -> list[str]:
+    """The lab cluster's node names, as scripts/slurm-cluster.sh reads them (``HETFLOW_SLURM_NODES``)."""
+    return os.environ.get("HETFLOW_SLURM_NODES", DEFAULT_NODES).split()
 
 
 @pytest.fixture(scope="session")
