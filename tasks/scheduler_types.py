@@ -1,7 +1,7 @@
 """The scheduler's contract and the records its parts share.
 
 Events go in (:class:`TaskSubmitted`, :class:`TasksSubmitted`,
-:class:`TaskFinished`, :class:`TaskCancelled`, :class:`Tick`), instructions
+:class:`TaskFinished`, :class:`TaskCancelled`, :class:`NodeLost`, :class:`Tick`), instructions
 come out (:class:`StartTask` with one :class:`RankSlot` per rank,
 :class:`RejectTask`), and :func:`check_request` rejects a request that can
 never fit a pilot.  :class:`TaskRecord` is what the scheduler, its placement
@@ -66,7 +66,21 @@ class Tick:
     time: float = 0.0
 
 
-Event = Union[TaskSubmitted, TasksSubmitted, TaskFinished, TaskCancelled, Tick]
+@dataclass(frozen=True)
+class NodeLost:
+    """Node ``node`` (an index, like :attr:`RankSlot.node`) is gone: nothing is placed on it again.
+
+    Tasks running there still end with their own :class:`TaskFinished`; queued tasks that can no
+    longer fit on the nodes left are rejected, ``reason`` (e.g. ``"node n2 was lost: ..."``) in
+    their reason.
+    """
+
+    node: int
+    time: float = 0.0
+    reason: str = ""
+
+
+Event = Union[TaskSubmitted, TasksSubmitted, TaskFinished, TaskCancelled, NodeLost, Tick]
 
 
 @dataclass(frozen=True)
