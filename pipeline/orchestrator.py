@@ -37,6 +37,7 @@ from hetflow.tasks.protocol import (
     reap_orphans,
 )
 from hetflow.tasks.scheduler import (
+    NodeLost,
     RejectTask,
     Scheduler,
     StartTask,
@@ -441,15 +442,19 @@ class Orchestrator:
         session.add(copy)
 
     def _preferred_nodes(self, stage: str) -> frozenset[int]:
-        names = [] if self.pilot.nodes == 1 else [f"node{i}" for i in range(self.pilot.nodes)]
-        nodes: set[int] = set()
+        """The pilot's node indices holding ``stage``'s input partitions: the names the partitions
+        recorded (the pilot's own, :meth:`Backend.node_names`) looked up in the same list."""
+        names = self.backend.node_names() if self.backend is not None else []
+        if len(set(names)) < 2:
+            return frozenset()  # one node (or one host): nothing to choose between
+        held: set[str] = set()
         for dataset in self.stages[stage].inputs:
             try:
                 manifest = ds.read_manifest(self.dataset_paths[dataset])
             except ds.DatasetError:
                 continue
-            nodes.update(names.index(p.node) for p in manifest.partitions if p.node in names)
-        return frozenset(nodes)
+            held.update(p.node for p in manifest.partitions)
+        return node_indices(names, held)
 
     # ----------------------------------------------------------------- tasks
     def _record_task(self, enqueue: Enqueue) -> None:
@@ -541,6 +546,8 @@ class Orchestrator:
         text = str(live.task)
         if self.live.pop(text, None) is None:
             return  # already recorded as cancelled by stop()
+        if outcome.lost_nodes:  # before the retry is queued: it must not go back there
+            self._lose_nodes(outcome.lost_nodes)
         spec = self.stages[live.stage]
         ranks = AttemptFiles(live.attempt_dir).read_results(len(live.slots))
         failure = self._failure(spec, live, outcome, ranks)
@@ -557,6 +564,20 @@ class Orchestrator:
                                 None if failure is None else failure.message))
         if self.scheduler is not None:  # after the stage's end is recorded: its slots go to the next
             self._apply(self.scheduler.handle_event(TaskFinished(text, time.time())))
+
+    def _lose_nodes(self, lost: Mapping[str, str]) -> None:
+        """Nodes the backend found lost: recorded once each, and out of the scheduler's placement."""
+        if self.scheduler is None or self.backend is None:
+            return
+        names = self.backend.node_names()
+        for node in sorted(node_indices(names, frozenset(lost))):
+            if node in self.scheduler.lost:
+                continue
+            reason = lost[names[node]]
+            log.error("run %s: %s; no more tasks are placed there", self.run_id, reason)
+            with self.store.session() as session:
+                self.store.event(session, self.run_id, "node", names[node], "LOST", index=node, reason=reason)
+            self._apply(self.scheduler.handle_event(NodeLost(node, time.time(), reason)))
 
     def _failure(self, spec: StageSpec, live: _Live, outcome: TaskOutcome,
                  ranks: list[RankResult | None]) -> Failure | None:
@@ -648,6 +669,12 @@ class Orchestrator:
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
+
+
+def node_indices(names: Sequence[str], wanted: set[str] | frozenset[str]) -> frozenset[int]:
+    """Indices into ``names`` (the pilot's nodes) of the names in ``wanted``; a name the pilot gives
+    several nodes (pilot nodes on one host) maps to all of them, an unknown one to none."""
+    return frozenset(i for i, name in enumerate(names) if name in wanted)
 
 
 def _disk_full(path: Path) -> bool:

@@ -271,7 +271,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
                 outputs[name] = None
                 continue
             info = ds.write_partition(spec.outputs[name], rank, value if isinstance(value, pa.Table) else iter(value),
-                                      schema=value.schema, rank=rank)
+                                      schema=value.schema, rank=rank, node=ctx.node)
             outputs[name] = RankOutput(partition=info.to_json(), schema=ds.schema_to_text(value.schema))
         result = dataclasses.replace(result, status="ok")
         params_read = ctx.params_read
