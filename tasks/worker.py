@@ -34,6 +34,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from . import shm
 from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
 from .protocol import WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec
 
@@ -235,6 +236,8 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
     outputs: dict[str, RankOutput | None] = {}
     try:
         comm = get_comm()
+        if size > 1:  # MPICH maps its shared memory in MPI_Init; the witness removes it if this rank dies
+            shm.record(files.shm_segments(os.getpid()))
         if size != len(spec.slots):
             raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec.slots)} slots")
         slot = spec.slots[rank]
