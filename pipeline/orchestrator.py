@@ -295,8 +295,11 @@ class Orchestrator:
         except Exception as exc:  # noqa: BLE001 - already failing; say what could not be recorded
             log.error("run %s: could not record its end (%s)", self.run_id, where(exc))
 
-    def _feed(self, event: Event) -> None:
-        """Hand ``event`` to the plan and carry out its instructions (and what they lead to)."""
+    def _feed(self, event: Event, finished: str | None = None) -> None:
+        """Hand ``event`` to the plan and carry out its instructions (and what they lead to).
+
+        ``finished``: the task whose end ``event`` reports; the scheduler releases it in the same
+        step that submits what its end made ready, so those tasks can go where its outputs are."""
         events: deque[Event] = deque([event])
         batch: list[Enqueue] = []
         while events:
@@ -314,13 +317,14 @@ class Orchestrator:
                     self._withdraw(instruction.stage)
                 elif isinstance(instruction, RunEnded):
                     self.final = instruction.state
-        if batch and self.scheduler is not None:
+        if (batch or finished) and self.scheduler is not None:
             # one scheduler event for all of them: it orders them by priority before placing any
             now = time.time()
             tasks = tuple(TaskSubmitted(str(e.task), self.stages[e.task.stage].request, now,
                                         self.priority[e.task.stage], self._preferred_nodes(e.task.stage),
                                         self.branch[e.task.stage]) for e in batch)
-            self._apply(self.scheduler.handle_event(TasksSubmitted(tasks, now)))
+            released = () if finished is None else (finished,)
+            self._apply(self.scheduler.handle_event(TasksSubmitted(tasks, now, released)))
 
     def _withdraw(self, stage: str) -> None:
         for name in self.stages[stage].outputs:
@@ -560,10 +564,9 @@ class Orchestrator:
         self._record_attempt(live, outcome, failure, committed, ranks)
         if failure is not None and failure.state not in ("WALLTIME", "TIMED_OUT", "CANCELLED"):
             log.warning("stage %s attempt %d failed (%s)", spec.name, live.task.attempt, failure.message)
+        # its slots are released once its end is recorded, together with what that end made ready
         self._feed(AttemptEnded(live.task, "DONE" if failure is None else failure.state,
-                                None if failure is None else failure.message))
-        if self.scheduler is not None:  # after the stage's end is recorded: its slots go to the next
-            self._apply(self.scheduler.handle_event(TaskFinished(text, time.time())))
+                                None if failure is None else failure.message), finished=text)
 
     def _lose_nodes(self, lost: Mapping[str, str]) -> None:
         """Nodes the backend found lost: recorded once each, and out of the scheduler's placement."""

@@ -7,7 +7,8 @@ from a simulated clock).
 
 Contract (kept stable for the orchestrator and the simulator):
 
-* events: :class:`TaskSubmitted` (or several at once: :class:`TasksSubmitted`),
+* events: :class:`TaskSubmitted` (or several at once: :class:`TasksSubmitted`,
+  which may also release the tasks whose end made them ready),
   :class:`TaskFinished`, :class:`TaskCancelled`, :class:`NodeLost`,
   :class:`Tick` — each carries ``time`` (seconds, any epoch, non-decreasing);
 * instructions: :class:`StartTask` (with one :class:`RankSlot` per rank) and
@@ -195,6 +196,8 @@ class Scheduler:
                 self._try_newcomer(self._tasks[event.task_id], out)
                 return out
         elif isinstance(event, TasksSubmitted):
+            for tid in event.finished:
+                self._release(tid)
             for submitted in event.tasks:
                 self._submit(submitted, out)
             for queue in self._queues.values():

@@ -43,10 +43,13 @@ class TaskSubmitted:
 @dataclass(frozen=True)
 class TasksSubmitted:
     """Several tasks ready at once: one scheduling pass considers them all in priority order
-    (submitting them one by one would place each as it arrives)."""
+    (submitting them one by one would place each as it arrives).  ``finished`` are tasks that
+    ended and made them ready: released first, so the new tasks can use their nodes (their
+    inputs' nodes, for locality) in the same pass."""
 
     tasks: tuple[TaskSubmitted, ...]
     time: float = 0.0
+    finished: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

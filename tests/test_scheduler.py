@@ -225,6 +225,15 @@ def test_locality_prefers_nodes_holding_inputs_but_never_waits_for_them() -> Non
     assert 3 in {slot.node for slot in out["mpi"].slots}
 
 
+def test_a_consumer_submitted_with_its_finished_producer_can_take_the_producers_node() -> None:
+    s = Scheduler(pilot(nodes=2, cores=4))
+    prod = started(submit(s, "prod", cores_per_rank=4))["prod"]
+    node = prod.slots[0].node
+    consumer = TaskSubmitted("cons", ResourceRequest(cores_per_rank=4), preferred_nodes=frozenset({node}))
+    out = started(s.handle_event(TasksSubmitted((consumer,), finished=("prod",))))
+    assert {slot.node for slot in out["cons"].slots} == {node} and "prod" not in s.running
+
+
 def test_a_lost_node_is_never_placed_on_again_and_what_no_longer_fits_is_rejected() -> None:
     s = Scheduler(pilot(nodes=3, cores=4))
     first = started(submit(s, "on-1", ranks=2, cores_per_rank=1, ranks_per_node=1, preferred=frozenset({1})))

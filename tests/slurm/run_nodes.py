@@ -3,8 +3,9 @@
     salloc -N3 --exclusive python run_nodes.py locality WORKDIR
     salloc -N3 --exclusive --no-kill python run_nodes.py node-loss WORKDIR READY_DIR
 
-``locality``: ``hold`` takes a whole node (n1) while ``produce`` (one rank) runs beside it (n2);
-``consume`` reads ``produce``'s output, and with locality runs where that output is.
+``locality``: ``hold_node`` takes a whole node (n1) while ``produce`` (one rank, one core) runs
+beside it (n2); ``consume`` (a whole node) reads ``produce``'s output, and with locality runs where
+that output is.
 ``node-loss``: ``victim`` (two ranks, one per node, one retry) waits on its first attempt until the
 test takes one of its nodes away; its retry must run on the nodes left.
 """
@@ -57,7 +58,7 @@ def main(kind: str, workdir: Path, ready: Path | None) -> None:
         # the longer estimate puts hold_node first (on n1), then produce goes beside it (n2)
         pipe.stage(ranks=1, cores_per_rank=2, duration=10, params={"hold_seconds": 1.0})(S.hold_node)
         pipe.stage(ranks=1, outputs=["made"])(S.produce)
-        pipe.stage(ranks=1, inputs=["made"], outputs=["used"])(S.consume)
+        pipe.stage(ranks=1, cores_per_rank=2, inputs=["made"], outputs=["used"])(S.consume)
     else:
         pipe.stage(ranks=2, ranks_per_node=1, retries=1, params={"ready_dir": str(ready)})(S.wait_for_node_loss)
     run = pipe.run(pilot=pilot, check=False)

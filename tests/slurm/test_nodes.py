@@ -30,8 +30,9 @@ def _run_nodes(argv: list[str], env: dict[str, str], timeout: float = 180) -> di
 
 @pytest.mark.timeout(300)
 def test_a_consumer_runs_on_the_node_holding_its_input(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    # hold_node fills n1 while produce runs beside it on n2; when consume is ready, n1 and n3 are as
-    # free as n2 (placement alone would not choose n2): only the partition's node name sends it there
+    # hold_node fills n1 while produce runs beside it on n2; consume needs a whole node, and when it
+    # is ready n3 is as free as n2 (placement alone takes n3, and n2 only once produce has let go of
+    # it): only the partition's node name, with produce released as consume is placed, sends it to n2
     record = _run_nodes(["salloc", "-N3", "--exclusive", "--time=5", "--job-name=hetflow-locality",
                          sys.executable, str(HERE / "run_nodes.py"), "locality", str(tmp_path)], slurm_env)
     assert record["state"] == "DONE", record
