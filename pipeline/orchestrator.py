@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
-from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
+from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome, node_indices
 from hetflow.tasks.paths import UnsafePath, private_dir
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.protocol import (
@@ -458,7 +458,8 @@ class Orchestrator:
             except ds.DatasetError:
                 continue
             held.update(p.node for p in manifest.partitions)
-        return node_indices(names, held)
+        found: frozenset[int] = node_indices(names, held)
+        return found
 
     # ----------------------------------------------------------------- tasks
     def _record_task(self, enqueue: Enqueue) -> None:
@@ -672,12 +673,6 @@ class Orchestrator:
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
-
-
-def node_indices(names: Sequence[str], wanted: set[str] | frozenset[str]) -> frozenset[int]:
-    """Indices into ``names`` (the pilot's nodes) of the names in ``wanted``; a name the pilot gives
-    several nodes (pilot nodes on one host) maps to all of them, an unknown one to none."""
-    return frozenset(i for i, name in enumerate(names) if name in wanted)
 
 
 def _disk_full(path: Path) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
+from collections.abc import Sequence, Set
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,3 +150,9 @@ def placeholder_names(nodes: int, local: bool = True) -> list[str]:
     """Node names for a pilot whose hosts are not known: ``localhost`` for one local node, else
     ``node0``, ``node1``, ... (by index)."""
     return ["localhost"] if nodes == 1 and local else [f"node{i}" for i in range(nodes)]
+
+
+def node_indices(names: Sequence[str], wanted: Set[str]) -> frozenset[int]:
+    """Indices into ``names`` (a pilot's :meth:`Backend.node_names`) of the names in ``wanted``; a name
+    the pilot gives several nodes (pilot nodes on one host) maps to all of them, an unknown one to none."""
+    return frozenset(i for i, name in enumerate(names) if name in wanted)

@@ -134,7 +134,7 @@ def test_lost_nodes_are_read_from_sinfo_states() -> None:
 
 
 def test_partition_node_names_map_to_pilot_indices_through_one_list() -> None:
-    from hetflow.orchestrator import node_indices
+    from hetflow.tasks.backends.base import node_indices
 
     assert node_indices(["n1", "n2", "n3"], {"n2"}) == {1}
     assert node_indices(["n1", "n2", "n3"], {"elsewhere", "n3", "n1"}) == {0, 2}  # another allocation's host
