@@ -339,12 +339,14 @@ def _full_paths(function: Any) -> Any:
 
 def write_partition(directory: "str | os.PathLike[str]", index: int,
                     data: "pa.Table | Iterable[pa.RecordBatch]", *, schema: pa.Schema | None = None,
-                    rank: int = 0) -> PartitionInfo:
+                    rank: int = 0, node: str | None = None) -> PartitionInfo:
     """Write one partition atomically (temp file, fsync, rename); return what the manifest records.
 
     ``data`` is a table or an iterable of record batches (streamed, so a rank
     never needs its whole output in memory); ``schema`` is required for an
-    iterable.
+    iterable.  ``node`` is the name recorded for the node holding the file:
+    a pilot passes its own name for the node (the one its placement uses);
+    left out, this host's name.
     """
     directory = Path(directory)
     name = partition_name(index)
@@ -384,7 +386,7 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     finally:
         os.close(dfd)
     return PartitionInfo(file=name, rows=rows, bytes=sink.size, checksum=f"crc32:{sink.crc:08x}",
-                         node=socket.gethostname(), rank=rank)
+                         node=socket.gethostname() if node is None else node, rank=rank)
 
 
 def _is_part(name: str) -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
-from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
+from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome, node_indices
 from hetflow.tasks.paths import UnsafePath, private_dir
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.protocol import (
@@ -37,6 +37,7 @@ from hetflow.tasks.protocol import (
     reap_orphans,
 )
 from hetflow.tasks.scheduler import (
+    NodeLost,
     RejectTask,
     Scheduler,
     StartTask,
@@ -294,8 +295,11 @@ class Orchestrator:
         except Exception as exc:  # noqa: BLE001 - already failing; say what could not be recorded
             log.error("run %s: could not record its end (%s)", self.run_id, where(exc))
 
-    def _feed(self, event: Event) -> None:
-        """Hand ``event`` to the plan and carry out its instructions (and what they lead to)."""
+    def _feed(self, event: Event, finished: str | None = None) -> None:
+        """Hand ``event`` to the plan and carry out its instructions (and what they lead to).
+
+        ``finished``: the task whose end ``event`` reports; the scheduler releases it in the same
+        step that submits what its end made ready, so those tasks can go where its outputs are."""
         events: deque[Event] = deque([event])
         batch: list[Enqueue] = []
         while events:
@@ -313,13 +317,14 @@ class Orchestrator:
                     self._withdraw(instruction.stage)
                 elif isinstance(instruction, RunEnded):
                     self.final = instruction.state
-        if batch and self.scheduler is not None:
+        if (batch or finished) and self.scheduler is not None:
             # one scheduler event for all of them: it orders them by priority before placing any
             now = time.time()
             tasks = tuple(TaskSubmitted(str(e.task), self.stages[e.task.stage].request, now,
                                         self.priority[e.task.stage], self._preferred_nodes(e.task.stage),
                                         self.branch[e.task.stage]) for e in batch)
-            self._apply(self.scheduler.handle_event(TasksSubmitted(tasks, now)))
+            released = () if finished is None else (finished,)
+            self._apply(self.scheduler.handle_event(TasksSubmitted(tasks, now, released)))
 
     def _withdraw(self, stage: str) -> None:
         for name in self.stages[stage].outputs:
@@ -441,15 +446,20 @@ class Orchestrator:
         session.add(copy)
 
     def _preferred_nodes(self, stage: str) -> frozenset[int]:
-        names = [] if self.pilot.nodes == 1 else [f"node{i}" for i in range(self.pilot.nodes)]
-        nodes: set[int] = set()
+        """The pilot's node indices holding ``stage``'s input partitions: the names the partitions
+        recorded (the pilot's own, :meth:`Backend.node_names`) looked up in the same list."""
+        names = self.backend.node_names() if self.backend is not None else []
+        if len(set(names)) < 2:
+            return frozenset()  # one node (or one host): nothing to choose between
+        held: set[str] = set()
         for dataset in self.stages[stage].inputs:
             try:
                 manifest = ds.read_manifest(self.dataset_paths[dataset])
             except ds.DatasetError:
                 continue
-            nodes.update(names.index(p.node) for p in manifest.partitions if p.node in names)
-        return frozenset(nodes)
+            held.update(p.node for p in manifest.partitions)
+        found: frozenset[int] = node_indices(names, held)
+        return found
 
     # ----------------------------------------------------------------- tasks
     def _record_task(self, enqueue: Enqueue) -> None:
@@ -542,6 +552,8 @@ class Orchestrator:
         text = str(live.task)
         if self.live.pop(text, None) is None:
             return  # already recorded as cancelled by stop()
+        if outcome.lost_nodes:  # before the retry is queued: it must not go back there
+            self._lose_nodes(outcome.lost_nodes)
         spec = self.stages[live.stage]
         ranks = AttemptFiles(live.attempt_dir).read_results(len(live.slots))
         failure = self._failure(spec, live, outcome, ranks)
@@ -554,10 +566,23 @@ class Orchestrator:
         self._record_attempt(live, outcome, failure, committed, ranks)
         if failure is not None and failure.state not in ("WALLTIME", "TIMED_OUT", "CANCELLED"):
             log.warning("stage %s attempt %d failed (%s)", spec.name, live.task.attempt, failure.message)
+        # its slots are released once its end is recorded, together with what that end made ready
         self._feed(AttemptEnded(live.task, "DONE" if failure is None else failure.state,
-                                None if failure is None else failure.message))
-        if self.scheduler is not None:  # after the stage's end is recorded: its slots go to the next
-            self._apply(self.scheduler.handle_event(TaskFinished(text, time.time())))
+                                None if failure is None else failure.message), finished=text)
+
+    def _lose_nodes(self, lost: Mapping[str, str]) -> None:
+        """Nodes the backend found lost: recorded once each, and out of the scheduler's placement."""
+        if self.scheduler is None or self.backend is None:
+            return
+        names = self.backend.node_names()
+        for node in sorted(node_indices(names, frozenset(lost))):
+            if node in self.scheduler.lost:
+                continue
+            reason = lost[names[node]]
+            log.error("run %s: %s; no more tasks are placed there", self.run_id, reason)
+            with self.store.session() as session:
+                self.store.event(session, self.run_id, "node", names[node], "LOST", index=node, reason=reason)
+            self._apply(self.scheduler.handle_event(NodeLost(node, time.time(), reason)))
 
     def _failure(self, spec: StageSpec, live: _Live, outcome: TaskOutcome,
                  ranks: list[RankResult | None]) -> Failure | None:

@@ -5,7 +5,9 @@ value that reaches the script is quoted with :func:`shlex.quote` (``#SBATCH``
 lines carry only values hetflow formats or checks itself), and ``sbatch``
 is called with an argv list, so nothing a user typed is read by a shell as
 code.  The job asks for the pilot's nodes whole (``--exclusive``): the
-``slurm`` backend then takes cores and GPUs per node from the allocation.
+``slurm`` backend then takes cores and GPUs per node from the allocation.  It
+also asks to outlive a failed node (``--no-kill``): Slurm then ends only the
+steps on that node, and the pilot goes on without it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _directive_value(pilot: PilotDescription, key: str, value: str) -> str:
 def directives(pilot: PilotDescription, *, job_name: str, output: Path) -> list[str]:
     """The ``#SBATCH`` lines for ``pilot``: nodes, time, partition, account, GPUs, name and log file."""
     lines = [f"--job-name={_directive_value(pilot, 'job name', job_name)}", f"--nodes={pilot.nodes}",
-             "--exclusive"]
+             "--exclusive", "--no-kill"]
     if pilot.walltime is not None:
         lines.append(f"--time={slurm_time(pilot.walltime)}")
     if pilot.queue is not None:

@@ -7,9 +7,10 @@ level a bitmask of the non-empty core levels lets a best-fit search jump to the
 smallest bucket that fits with a shift and a lowest-set-bit, so finding a node
 costs ``O(gpus_per_node)`` big-int operations whatever the node count.
 
-There are two *pools*: ``OPEN`` and ``RESERVED``.  Nodes held for the
-scheduler's reservation (EASY backfill) sit in ``RESERVED``; searches say which
-pools they may use.
+There are three *pools*: ``OPEN``, ``RESERVED`` and ``LOST``.  Nodes held for
+the scheduler's reservation (EASY backfill) sit in ``RESERVED``; searches say
+which pools they may use, and none uses ``LOST``: a node lost by the pilot
+(:meth:`NodeIndex.lose`) stays there, and its free capacity no longer counts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Iterator
 
 OPEN = 0
 RESERVED = 1
+LOST = 2
 INF = float("inf")
 TAKE_MEMO = 1 << 16  # remembered (free masks, request) -> choice entries before the memo restarts
 
@@ -73,8 +75,8 @@ class NodeIndex:
         width = self.max_cores + 1
         self._width = width
         self._buckets: list[list[dict[int, None]]] = [
-            [dict() for _ in range((gpus + 1) * width)] for _ in (OPEN, RESERVED)]
-        self._levels: list[list[int]] = [[0] * (gpus + 1) for _ in (OPEN, RESERVED)]
+            [dict() for _ in range((gpus + 1) * width)] for _ in (OPEN, RESERVED, LOST)]
+        self._levels: list[list[int]] = [[0] * (gpus + 1) for _ in (OPEN, RESERVED, LOST)]
         full = self._buckets[OPEN][gpus * width + self.max_cores]
         for node in range(nodes):
             full[node] = None
@@ -119,20 +121,33 @@ class NodeIndex:
         fg += gpus
         self.fc[node] = fc
         self.fg[node] = fg
-        self.free_cores_total += cores
-        self.free_gpus_total += gpus
+        if pool != LOST:
+            self.free_cores_total += cores
+            self.free_gpus_total += gpus
         bucket = buckets[fg * width + fc]
         if not bucket:
             levels[fg] |= 1 << fc
         bucket[node] = None
 
     def set_pool(self, node: int, pool: int) -> None:
-        if self.pool[node] != pool:
+        """Move ``node`` to ``pool`` (``OPEN`` or ``RESERVED``); a lost node stays lost."""
+        if self.pool[node] != pool and self.pool[node] != LOST:
             if pool == OPEN and node not in self.grown:
                 self.grown[node] = (self.fc[node], self.fg[node], self.pool[node])
             self._unfile(node)
             self.pool[node] = pool
             self._file(node)
+
+    def lose(self, node: int) -> None:
+        """Take ``node`` out of every search for good: what it has free, and gets back, counts nothing."""
+        if self.pool[node] == LOST:
+            return
+        self.grown.pop(node, None)
+        self._unfile(node)
+        self.pool[node] = LOST
+        self._file(node)
+        self.free_cores_total -= self.fc[node]
+        self.free_gpus_total -= self.fg[node]
 
     def near_of(self, gpu_mask: int) -> int:
         if self._near_of is not None:
@@ -377,7 +392,7 @@ class NodeIndex:
 
     def give(self, node: int, cores: int, gpus: int, core_count: int, gpu_count: int, memory: int) -> None:
         """Return cores and GPUs (bitmasks, with their counts) and memory to ``node``."""
-        if node not in self.grown:
+        if node not in self.grown and self.pool[node] != LOST:
             self.grown[node] = (self.fc[node], self.fg[node], self.pool[node])
         self.cmask[node] |= cores
         self.gmask[node] |= gpus

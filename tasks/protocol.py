@@ -437,6 +437,10 @@ class AttemptFiles:
     def ended(self, pid: int) -> Path:
         return self.directory / f"{self.ENDED_PREFIX}{pid}.json"
 
+    def shm_segments(self, pid: int) -> Path:
+        """The MPICH shared-memory segments rank process ``pid`` mapped (:mod:`hetflow.tasks.shm`)."""
+        return self.directory / f"shm-{pid}.txt"
+
     def rank_files(self) -> list[Path]:
         """Every ``rank-<r>.json`` and ``rank-<r>.pid`` present (what a rerun in the same directory clears)."""
         return sorted(self.directory.glob("rank-*.json")) + sorted(self.directory.glob("rank-*.pid"))

@@ -88,6 +88,7 @@ def _json(value: Any) -> str:
 
 def _render_radical(pilot: PilotDescription) -> str:
     from .backends import radical
+    from .backends.base import placeholder_names
 
     radical.rp_options(pilot)
     out = [f"# hetflow pilot {pilot.name!r} on RADICAL-Pilot (nothing was submitted)", _gpu_line(pilot), ""]
@@ -101,8 +102,7 @@ def _render_radical(pilot: PilotDescription) -> str:
             out.append(_json(hosts))
     out += ["", "# radical.pilot.PilotDescription", _json(radical.pilot_description(pilot, RUN_DIR)), ""]
     spec = _example_spec(pilot)
-    hosts = [f"node{i}" for i in range(pilot.nodes)] if pilot.nodes > 1 or not radical.is_local(pilot) \
-        else ["localhost"]
+    hosts = placeholder_names(pilot.nodes, local=radical.is_local(pilot))
     uid = "example.000001"
     description = radical.task_description(spec, pilot, hosts, uid, RUN_DIR / "radical" / "tasks" / uid)
     out += [f"# radical.pilot.TaskDescription of an example stage ({spec.ranks} ranks on node 0; "

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator
 
-from .node_index import INF, OPEN, NodeIndex
+from .node_index import INF, LOST, OPEN, NodeIndex
 from .scheduler_types import TaskRecord
 
 
@@ -156,6 +156,8 @@ def earliest_start(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict
     least = index.least(cores, gpus, per_node)
 
     def fit(node: int) -> int:
+        if index.pool[node] == LOST:
+            return 0
         add = extra.get(node, (0, 0, 0))
         mem = None if index.mem is None else index.mem[node] + add[2]
         return index.span_fit(index.fc[node] + add[0], index.fg[node] + add[1], mem,
@@ -239,6 +241,8 @@ def _walk_single(task: TaskRecord, index: NodeIndex, ends: Ends, running: dict[s
                 continue
             if mem is not None and mem[node] + add_m.get(node, 0) < need_m:
                 continue
+            if index.pool[node] == LOST:
+                continue
             return ending.end, [node]
     return None
 
@@ -253,7 +257,7 @@ def _emptied_first(task: TaskRecord, index: NodeIndex, ends: Ends, now: float) -
     seen: set[int] = set()  # the heap may repeat entries
     left = ranks
     for end, node in ends.free_times():
-        if node in seen:
+        if node in seen or index.pool[node] == LOST:
             continue
         seen.add(node)
         chosen.append(node)

@@ -7,9 +7,10 @@ from a simulated clock).
 
 Contract (kept stable for the orchestrator and the simulator):
 
-* events: :class:`TaskSubmitted` (or several at once: :class:`TasksSubmitted`),
-  :class:`TaskFinished`, :class:`TaskCancelled`, :class:`Tick` — each carries
-  ``time`` (seconds, any epoch, non-decreasing);
+* events: :class:`TaskSubmitted` (or several at once: :class:`TasksSubmitted`,
+  which may also release the tasks whose end made them ready),
+  :class:`TaskFinished`, :class:`TaskCancelled`, :class:`NodeLost`,
+  :class:`Tick` — each carries ``time`` (seconds, any epoch, non-decreasing);
 * instructions: :class:`StartTask` (with one :class:`RankSlot` per rank) and
   :class:`RejectTask` (with a reason naming the request and the pilot shape);
 * :func:`check_request` raises :class:`UnsatisfiableRequest` for a request that
@@ -34,7 +35,10 @@ Policy, in order:
    task spanning nodes waits for room rather than being scattered a rank or
    two per node over a fragmented pilot; nodes in ``preferred_nodes`` (where
    inputs are) win among those that fit, but are never waited for.
-5. *Walltime*: with ``pilot.walltime`` set, a task whose estimate cannot end
+5. *Lost nodes*: after :class:`NodeLost` nothing is placed on that node again
+   (it leaves any reservation), and a queued or later task that cannot fit on
+   the nodes left is rejected with a reason naming the lost node(s).
+6. *Walltime*: with ``pilot.walltime`` set, a task whose estimate cannot end
    before ``start_time + walltime``, or that would start inside the final
    ``drain`` seconds, is rejected with a reason (:class:`RejectTask` ``cause``).
 
@@ -55,22 +59,24 @@ free-capacity index in :mod:`~hetflow.tasks.node_index`.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import logging
 from dataclasses import dataclass, field
 
+from .description import ResourceRequest
 from .errors import UnsatisfiableRequest
 from .node_index import INF, OPEN, RESERVED, NodeIndex
 from .pilot import PilotDescription
 from .placement import Placer
 from .reservation import Ends, Reservation, earliest_start
 from .scheduler_memo import PassMemo
-from .scheduler_types import (NO_CAP, Event, Instruction, RankSlot, RejectCause, RejectTask, Shape, StartTask,
-                              TaskCancelled, TaskFinished, TaskRecord, TasksSubmitted, TaskSubmitted, Tick,
-                              check_request)
+from .scheduler_types import (NO_CAP, Event, Instruction, NodeLost, RankSlot, RejectCause, RejectTask, Shape,
+                              StartTask, TaskCancelled, TaskFinished, TaskRecord, TasksSubmitted, TaskSubmitted,
+                              Tick, check_request)
 
-__all__ = ["Event", "Instruction", "RankSlot", "RejectCause", "RejectTask", "Reservation", "Scheduler", "StartTask",
-           "TaskCancelled", "TaskFinished", "TasksSubmitted", "TaskSubmitted", "Tick", "check_request"]
+__all__ = ["Event", "Instruction", "NodeLost", "RankSlot", "RejectCause", "RejectTask", "Reservation", "Scheduler",
+           "StartTask", "TaskCancelled", "TaskFinished", "TasksSubmitted", "TaskSubmitted", "Tick", "check_request"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +165,8 @@ class Scheduler:
         self._group_queued: dict[str, int] = {}
         self._seq = 0
         self._fits: dict[tuple[object, ...], str | None] = {}  # request shape -> why it can never fit
+        self._lost: dict[int, str] = {}  # lost node -> why (NodeLost.reason)
+        self._left = self.pilot  # the pilot's shape with its lost nodes gone: what requests are checked against
         self._gpu_tasks = 0  # queued or running tasks that use GPUs (switches the index's core guard)
         self.reservation: Reservation | None = None
         self._dirty = True                  # resources freed / queue heads changed since the last pass
@@ -188,6 +196,8 @@ class Scheduler:
                 self._try_newcomer(self._tasks[event.task_id], out)
                 return out
         elif isinstance(event, TasksSubmitted):
+            for tid in event.finished:
+                self._release(tid)
             for submitted in event.tasks:
                 self._submit(submitted, out)
             for queue in self._queues.values():
@@ -197,6 +207,8 @@ class Scheduler:
             self._release(event.task_id)
         elif isinstance(event, Tick):
             self._dirty = True
+        elif isinstance(event, NodeLost):
+            self._lose(event, out)
         elif isinstance(event, TaskCancelled):
             if self._dequeue(event.task_id) is not None:
                 self._parked_stale = True
@@ -213,12 +225,39 @@ class Scheduler:
     def queued(self) -> list[str]:
         return [tid for _, _, tid in sorted((-t.event.priority, t.seq, tid) for tid, t in self._tasks.items())]
 
+    @property
+    def lost(self) -> dict[int, str]:
+        """The lost nodes and why (:class:`NodeLost`)."""
+        return dict(self._lost)
+
     def utilization(self) -> tuple[float, float]:
-        """Fractions of usable cores and of GPUs held by running tasks now."""
+        """Fractions of usable cores and of GPUs (of the nodes not lost) held by running tasks now."""
         index = self.index
-        cores = 1 - index.free_cores_total / (index.nodes * index.max_cores)
-        gpus = 1 - index.free_gpus_total / (index.nodes * index.max_gpus) if index.max_gpus else 0.0
+        nodes = max(1, index.nodes - len(self._lost))
+        cores = 1 - index.free_cores_total / (nodes * index.max_cores)
+        gpus = 1 - index.free_gpus_total / (nodes * index.max_gpus) if index.max_gpus else 0.0
         return cores, gpus
+
+    # ------------------------------------------------------------ lost nodes
+    def _lose(self, event: NodeLost, out: list[Instruction]) -> None:
+        """Take the node out of placement for good; reject the queued tasks the nodes left cannot hold."""
+        node = event.node
+        if node in self._lost or not 0 <= node < self.index.nodes:
+            return
+        self._lost[node] = event.reason or f"node {node} was lost"
+        if self.reservation is not None and node in self.reservation.nodes:
+            self._clear_reservation()  # recomputed without it by the next pass
+        self.index.lose(node)
+        self._left = dataclasses.replace(self.pilot, nodes=max(1, self.pilot.nodes - len(self._lost)))
+        self._fits.clear()
+        self._memo.reset(self.index.guard)
+        self._dirty = True
+        for tid, task in list(self._tasks.items()):
+            problem = self._problem(task.event.request)
+            if problem is not None:
+                self._dequeue(tid)
+                self._parked_stale = True
+                out.append(RejectTask(tid, f"task {tid!r}: {problem}"))
 
     # ------------------------------------------------------------ submission
     def _submit(self, event: TaskSubmitted, out: list[Instruction]) -> bool:
@@ -227,15 +266,7 @@ class Scheduler:
             out.append(RejectTask(tid, f"task {tid!r} is already queued or running"))
             return False
         request = event.request
-        shape_key = (request.ranks, request.cores_per_rank, request.gpus_per_rank, request.memory_per_rank,
-                     request.ranks_per_node)
-        if shape_key not in self._fits:
-            try:
-                check_request(request, self.pilot, what="request")
-                self._fits[shape_key] = None
-            except UnsatisfiableRequest as exc:
-                self._fits[shape_key] = str(exc)
-        problem = self._fits[shape_key]
+        problem = self._problem(request)
         if problem is not None:
             out.append(RejectTask(tid, f"task {tid!r}: {problem}"))
             return False
@@ -267,6 +298,23 @@ class Scheduler:
         if latest < INF:
             heapq.heappush(self._deadlines, (latest, task.seq, tid))
         return True
+
+    def _problem(self, request: ResourceRequest) -> str | None:
+        """Why ``request`` can never run on the pilot's nodes that are not lost (``None``: it can)."""
+        if len(self._lost) >= self.index.nodes:
+            return f"every node of {self.pilot.shape()} was lost: " + "; ".join(self._lost.values())
+        shape_key = (request.ranks, request.cores_per_rank, request.gpus_per_rank, request.memory_per_rank,
+                     request.ranks_per_node)
+        if shape_key not in self._fits:
+            try:
+                check_request(request, self._left, what="request")
+                self._fits[shape_key] = None
+            except UnsatisfiableRequest as exc:
+                problem = str(exc)
+                if self._lost:
+                    problem += f" ({len(self._lost)} node(s) lost: " + "; ".join(self._lost.values()) + ")"
+                self._fits[shape_key] = problem
+        return self._fits[shape_key]
 
     def _latest_start(self, estimate: float) -> float:
         if self.end_time == INF:

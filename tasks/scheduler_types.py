@@ -1,7 +1,7 @@
 """The scheduler's contract and the records its parts share.
 
 Events go in (:class:`TaskSubmitted`, :class:`TasksSubmitted`,
-:class:`TaskFinished`, :class:`TaskCancelled`, :class:`Tick`), instructions
+:class:`TaskFinished`, :class:`TaskCancelled`, :class:`NodeLost`, :class:`Tick`), instructions
 come out (:class:`StartTask` with one :class:`RankSlot` per rank,
 :class:`RejectTask`), and :func:`check_request` rejects a request that can
 never fit a pilot.  :class:`TaskRecord` is what the scheduler, its placement
@@ -43,10 +43,13 @@ class TaskSubmitted:
 @dataclass(frozen=True)
 class TasksSubmitted:
     """Several tasks ready at once: one scheduling pass considers them all in priority order
-    (submitting them one by one would place each as it arrives)."""
+    (submitting them one by one would place each as it arrives).  ``finished`` are tasks that
+    ended and made them ready: released first, so the new tasks can use their nodes (their
+    inputs' nodes, for locality) in the same pass."""
 
     tasks: tuple[TaskSubmitted, ...]
     time: float = 0.0
+    finished: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,21 @@ class Tick:
     time: float = 0.0
 
 
-Event = Union[TaskSubmitted, TasksSubmitted, TaskFinished, TaskCancelled, Tick]
+@dataclass(frozen=True)
+class NodeLost:
+    """Node ``node`` (an index, like :attr:`RankSlot.node`) is gone: nothing is placed on it again.
+
+    Tasks running there still end with their own :class:`TaskFinished`; queued tasks that can no
+    longer fit on the nodes left are rejected, ``reason`` (e.g. ``"node n2 was lost: ..."``) in
+    their reason.
+    """
+
+    node: int
+    time: float = 0.0
+    reason: str = ""
+
+
+Event = Union[TaskSubmitted, TasksSubmitted, TaskFinished, TaskCancelled, NodeLost, Tick]
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ Read once, from the job's environment (``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``,
 expands the node list, ``scontrol show job -d`` gives the GPUs on each node,
 ``squeue -o %L`` the time left.  A pilot with ``backend: slurm`` takes its shape
 from here (:meth:`PilotDescription.resolve`); the parsers are pure functions.
+:func:`lost_nodes` says which of the job's nodes Slurm has taken away since
+(down, failed, not responding, or gone from the job).
 Outside an allocation, :func:`current_allocation` raises :class:`NoAllocation`,
 whose message says how to get one.
 """
@@ -16,6 +18,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from collections.abc import Sequence
 
 from .errors import ConfigError
 
@@ -115,3 +118,44 @@ def current_allocation() -> Allocation:
     left = parse_time_left(_tool("squeue", "-h", "-j", job_id, "-o", "%L"))
     return Allocation(job_id=job_id, nodes=nodes, cpus_per_node=tuple(counts),
                       gpus_per_node=tuple(gres.get(n, 0) for n in nodes), seconds_left=left)
+
+
+LOST_STATES = ("down", "fail", "failing", "unknown")
+"""Node states (``sinfo %T``, flags stripped) in which no job step runs on a node."""
+
+
+def node_problems(sinfo_text: str) -> dict[str, str]:
+    """The nodes of ``sinfo -h -N -o '%N|%T|%E'`` that no step can use, with Slurm's state and reason.
+
+    A state is lost when its base (``down*`` -> ``down``, ``fail``, ``failing``) is in
+    :data:`LOST_STATES` or it ends in ``*`` (slurmctld gets no answer from the node's slurmd).
+    """
+    found: dict[str, str] = {}
+    for line in sinfo_text.splitlines():
+        name, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        base = state.rstrip("*~#!%$@^-+")
+        if name and (base in LOST_STATES or state.endswith("*")):
+            said = f"Slurm says it is {state}" + (f" ({reason.strip()})" if reason.strip() not in ("", "none") else "")
+            found[name] = said
+    return found
+
+
+def lost_nodes(job_id: str, nodes: Sequence[str]) -> dict[str, str]:
+    """Which of ``nodes`` job ``job_id`` has lost, each with what Slurm says: nodes gone from the job's
+    node list (Slurm removes a failed node from a ``--no-kill`` job) or in a lost state
+    (:func:`node_problems`).  Empty when Slurm cannot be asked (the failure is then the step's own)."""
+    wanted = list(dict.fromkeys(nodes))
+    if not wanted:
+        return {}
+    try:
+        listed = _tool("squeue", "-h", "-j", job_id, "-o", "%N").strip()
+        current = set(_tool("scontrol", "show", "hostnames", listed).split()) if listed else set()
+        found = node_problems(_tool("sinfo", "-h", "-N", "-n", ",".join(wanted), "-o", "%N|%T|%E"))
+    except (ConfigError, OSError, subprocess.SubprocessError):
+        return {}
+    lost = {n: f"node {n} was lost: {found[n]}" for n in wanted if n in found}
+    for name in wanted:
+        if current and name not in current and name not in lost:
+            lost[name] = f"node {name} was lost: Slurm took it out of job {job_id}"
+    return lost

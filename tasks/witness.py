@@ -19,6 +19,9 @@ ranks that ended by themselves, and how (read by
 :meth:`hetflow.tasks.protocol.AttemptFiles.ended_alone`, which also owns the
 file's name).
 
+A rank that ended abnormally never ran ``MPI_Finalize``: the witness removes
+the MPICH shared-memory segments it had recorded (:mod:`hetflow.tasks.shm`).
+
 The witness also ends everything its rank started.  On Linux it is a *child
 subreaper* (``PR_SET_CHILD_SUBREAPER``): a process the rank started and left
 behind, even one that called ``setsid`` and forked twice, becomes the witness's
@@ -44,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from . import shm
 from .protocol import AttemptFiles
 
 KILL_GRACE = 1.0
@@ -81,6 +85,7 @@ def witnessed(attempt_dir: Path, work: Callable[[], int]) -> int:
     status = _wait_for(child)
     if status != 0:
         _record(attempt_dir, child, status)
+        shm.remove_recorded(AttemptFiles(attempt_dir).shm_segments(child))  # it never ran MPI_Finalize
     end_descendants()
     if os.WIFSIGNALED(status):
         _end_by(os.WTERMSIG(status))

@@ -35,6 +35,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from . import shm
 from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
 from .protocol import WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec
 
@@ -251,6 +252,8 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
     outputs: dict[str, RankOutput | None] = {}
     try:
         comm = get_comm()
+        if size > 1:  # MPICH maps its shared memory in MPI_Init; the witness removes it if this rank dies
+            shm.record(files.shm_segments(os.getpid()))
         if size != len(spec.slots):
             raise RuntimeError(f"stage {stage!r} was launched with {size} ranks but placed on {len(spec.slots)} slots")
         slot = spec.slots[rank]
@@ -288,7 +291,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
                 outputs[name] = None
                 continue
             info = ds.write_partition(spec.outputs[name], rank, value if isinstance(value, pa.Table) else iter(value),
-                                      schema=value.schema, rank=rank)
+                                      schema=value.schema, rank=rank, node=ctx.node)
             outputs[name] = RankOutput(partition=info.to_json(), schema=ds.schema_to_text(value.schema))
         result = dataclasses.replace(result, status="ok")
         params_read = ctx.params_read

@@ -48,7 +48,12 @@ def slow_writer(ctx, table):
 
 
 def dies_alone(ctx, table):
-    """Rank 1 ends by itself mid-stage (``how``: SIGKILL, as the OOM killer does, or ``os._exit(3)``)."""
+    """Rank 1 ends by itself mid-stage (``how``: SIGKILL, as the OOM killer does, or ``os._exit(3)``).
+
+    Every rank first notes the MPICH shared-memory files it maps (``shm-seen-<rank>.txt``)."""
+    with open("/proc/self/maps") as maps:
+        seen = sorted({line.split()[-1] for line in maps if "/dev/shm/mpich_" in line and "(deleted)" not in line})
+    (ctx.workdir / f"shm-seen-{ctx.rank}.txt").write_text("".join(f"{p}\n" for p in seen))
     if ctx.rank == 1:
         time.sleep(0.2)
         if ctx.params["how"] == "sigkill":

@@ -106,6 +106,9 @@ def test_the_rank_that_died_is_named_not_one_mpiexec_killed(tmp_path: Path, how:
     assert stage.error.startswith(f"rank 1 of stage 'dies_alone' ended without a result ({error}"), stage.error
     assert stage.ended - stage.started < 20
     assert not _alive(_attempt_pids(run, "dies_alone"))
+    # MPICH's shared memory of the ranks that never finalized is gone with them (its witness removed it)
+    seen = {p for f in Path(stage.log_dir).glob("shm-seen-*.txt") for p in f.read_text().split()}
+    assert seen and not [p for p in seen if Path(p).exists()], seen
 
 
 def test_a_death_the_launcher_misses_still_ends_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,6 +125,10 @@ def test_state_store_records_every_transition(tmp_path: Path) -> None:
     parts = db.execute("SELECT count(*), sum(rows) FROM partitions p JOIN datasets d ON p.dataset_id=d.id "
                        "WHERE d.run_id=? AND d.name='numbers'", (run.id,)).fetchone()
     assert parts == (2, 1000)
+    # one name per node: the store's partitions name the node as the pilot placed the ranks (not gethostname())
+    nodes = {r[0] for r in db.execute("SELECT p.node FROM partitions p JOIN datasets d ON p.dataset_id=d.id "
+                                      "WHERE d.run_id=?", (run.id,))}
+    assert nodes == {s.node for s in run.stage("make_rows").slots} == {"localhost"}
 
 
 def test_rerun_reuses_committed_outputs_and_param_change_reruns(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import UnsatisfiableRequest
 from hetflow.tasks.pilot import PilotDescription, load_pilot
-from hetflow.tasks.scheduler import (RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished,
+from hetflow.tasks.scheduler import (NodeLost, RejectTask, Scheduler, StartTask, TaskCancelled, TaskFinished,
                                      TaskSubmitted, TasksSubmitted, Tick, check_request)
 
 pytestmark = pytest.mark.timeout(60)
@@ -223,6 +223,38 @@ def test_locality_prefers_nodes_holding_inputs_but_never_waits_for_them() -> Non
     # multi-node tasks take the preferred nodes first
     out = started(submit(s, "mpi", ranks=16, cores_per_rank=1, preferred=frozenset({3})))
     assert 3 in {slot.node for slot in out["mpi"].slots}
+
+
+def test_a_consumer_submitted_with_its_finished_producer_can_take_the_producers_node() -> None:
+    s = Scheduler(pilot(nodes=2, cores=4))
+    prod = started(submit(s, "prod", cores_per_rank=4))["prod"]
+    node = prod.slots[0].node
+    consumer = TaskSubmitted("cons", ResourceRequest(cores_per_rank=4), preferred_nodes=frozenset({node}))
+    out = started(s.handle_event(TasksSubmitted((consumer,), finished=("prod",))))
+    assert {slot.node for slot in out["cons"].slots} == {node} and "prod" not in s.running
+
+
+def test_a_lost_node_is_never_placed_on_again_and_what_no_longer_fits_is_rejected() -> None:
+    s = Scheduler(pilot(nodes=3, cores=4))
+    first = started(submit(s, "on-1", ranks=2, cores_per_rank=1, ranks_per_node=1, preferred=frozenset({1})))
+    assert 1 in {slot.node for slot in first["on-1"].slots}
+    submit(s, "wide", ranks=3, cores_per_rank=4, ranks_per_node=1)  # waits: needs every node whole
+    out = s.handle_event(NodeLost(1, reason="node n2 was lost: DOWN"))
+    rejected = [i for i in out if isinstance(i, RejectTask)]
+    assert [r.task_id for r in rejected] == ["wide"] and "node n2 was lost: DOWN" in rejected[0].reason
+    assert "at most 2 fit" in rejected[0].reason
+    s.handle_event(TaskFinished("on-1"))  # its cores on node 1 come back, but not for placement
+    # the preferred node is gone: the retry, and every task after it, runs on the nodes left
+    out = started(submit(s, "retry", ranks=2, cores_per_rank=1, ranks_per_node=1, preferred=frozenset({1})))
+    assert {slot.node for slot in out["retry"].slots} == {0, 2}
+    fill = started(submit(s, "fill", ranks=6, cores_per_rank=1))
+    assert 1 not in {slot.node for slot in fill["fill"].slots} and len(fill["fill"].slots) == 6
+    assert not started(submit(s, "more", cores_per_rank=1))  # node 1's four free cores are not used
+    later = submit(s, "too-wide", ranks=3, cores_per_rank=1, ranks_per_node=1)
+    assert isinstance(later[0], RejectTask) and "1 node(s) lost" in later[0].reason
+    assert s.lost == {1: "node n2 was lost: DOWN"}
+    assert_disjoint(s)
+    assert s.utilization()[0] == 1.0  # of the two nodes left, every core is held
 
 
 def test_walltime_rejects_tasks_that_cannot_finish_and_says_why() -> None:

@@ -40,8 +40,8 @@ def test_script_has_the_pilots_directives_and_one_literal_command(tmp_path: Path
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash"
     assert [line for line in lines if line.startswith("#SBATCH")] == [
-        "#SBATCH --job-name=hetflow-r1", "#SBATCH --nodes=2", "#SBATCH --exclusive", "#SBATCH --time=0-01:30:00",
-        "#SBATCH --partition=batch", "#SBATCH --account=abc123", "#SBATCH --gpus-per-node=4",
+        "#SBATCH --job-name=hetflow-r1", "#SBATCH --nodes=2", "#SBATCH --exclusive", "#SBATCH --no-kill",
+        "#SBATCH --time=0-01:30:00", "#SBATCH --partition=batch", "#SBATCH --account=abc123", "#SBATCH --gpus-per-node=4",
         f"#SBATCH --output={tmp_path}/r1-%j.out"]
     exec_line = next(line for line in lines if line.startswith("exec "))
     assert shlex.split(exec_line)[1:] == nasty  # the shell reads back exactly the argv, nothing runs

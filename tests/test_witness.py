@@ -138,3 +138,25 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_only_mpich_segments_a_rank_recorded_and_this_user_owns_are_removed(tmp_path: Path) -> None:
+    from hetflow.tasks import shm
+
+    maps = ("7f1c2a000000-7f1c2a305000 rw-s 00000000 00:19 4242   /dev/shm/mpich_shm_1058edaa_0\n"
+            "7f1c2a305000-7f1c2a306000 rw-s 00000000 00:19 4243   /dev/shm/mpich_vci_1058edaa_0\n"
+            "7f1c2b000000-7f1c2b001000 rw-s 00000000 00:19 4244   /dev/shm/mpich_shm_2f_1 (deleted)\n"
+            "7f1c2c000000-7f1c2c021000 rw-p 00000000 00:00 0 \n"
+            "7f1c2d000000-7f1c2d001000 rw-s 00000000 00:19 4245   /dev/shm/PostgreSQL.1096881236\n"
+            "7ffd5b3e1000-7ffd5b402000 rw-p 00000000 00:00 0                          [stack]\n")
+    assert shm.mapped_segments(maps) == ["/dev/shm/mpich_shm_1058edaa_0", "/dev/shm/mpich_vci_1058edaa_0"]
+    # removal: real files of this process's own MPI world (a 2-rank mpiexec would make them; here by hand)
+    mine = Path(f"/dev/shm/mpich_shm_{os.getpid():x}_9")
+    mine.write_bytes(b"x")
+    record = tmp_path / "shm-1.txt"
+    record.write_text(f"{mine}\n/dev/shm/PostgreSQL.1\n/tmp/mpich_shm_1_0\n/dev/shm/mpich_shm_{os.getpid():x}_8\n")
+    try:
+        assert shm.remove_recorded(record) == [str(mine)] and not mine.exists()
+    finally:
+        mine.unlink(missing_ok=True)
+    assert shm.remove_recorded(tmp_path / "none.txt") == []

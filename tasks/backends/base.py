@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
+from collections.abc import Sequence, Set
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,9 @@ class TaskOutcome:
     detail: str = ""
     launched: bool = True
     """False when the task never started: the backend refused or failed to launch it (``detail`` says why)."""
+    lost_nodes: Mapping[str, str] = field(default_factory=dict)
+    """Nodes of the task (names from :meth:`Backend.node_names`) that the backend found lost when it
+    ended, each with what it saw; the pilot places nothing on them again."""
 
     @property
     def ok(self) -> bool:
@@ -124,8 +128,15 @@ class Backend(abc.ABC):
         """Stop everything this backend started; leave no process behind."""
 
     def node_names(self) -> list[str]:
-        """Names of the pilot's nodes, indexed like :class:`RankSlot.node`."""
-        return ["localhost"] if self.pilot.nodes == 1 else [f"node{i}" for i in range(self.pilot.nodes)]
+        """Names of the pilot's nodes, indexed like :class:`RankSlot.node`: the one vocabulary of nodes.
+
+        Launchers start rank ``r`` on ``node_names()[slots[r].node]``, the worker records that name as
+        its stage context's ``node`` and on every partition it writes, and the orchestrator maps the
+        names in input manifests back to indices through this same list (locality).  A backend that
+        knows its hosts (the Slurm allocation's hostnames, RP's node list, the Dask workers' hosts)
+        returns those; the default is :func:`placeholder_names`.
+        """
+        return placeholder_names(self.pilot.nodes)
 
     def __enter__(self) -> "Backend":
         self.start()
@@ -133,3 +144,15 @@ class Backend(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def placeholder_names(nodes: int, local: bool = True) -> list[str]:
+    """Node names for a pilot whose hosts are not known: ``localhost`` for one local node, else
+    ``node0``, ``node1``, ... (by index)."""
+    return ["localhost"] if nodes == 1 and local else [f"node{i}" for i in range(nodes)]
+
+
+def node_indices(names: Sequence[str], wanted: Set[str]) -> frozenset[int]:
+    """Indices into ``names`` (a pilot's :meth:`Backend.node_names`) of the names in ``wanted``; a name
+    the pilot gives several nodes (pilot nodes on one host) maps to all of them, an unknown one to none."""
+    return frozenset(i for i, name in enumerate(names) if name in wanted)

@@ -8,6 +8,13 @@ The step's ranks are one MPI world (PMI-2), so a stage across nodes has one
 communicator.  Outside an allocation :meth:`SlurmBackend.start` refuses with a
 message saying how to get one.
 
+A step that fails is checked against Slurm's view of its nodes
+(:func:`~hetflow.tasks.slurm_allocation.lost_nodes`): a node that is down,
+failed, not responding or gone from the job is reported in the outcome's
+``lost_nodes`` and named in its error, and the pilot places nothing there again.
+The job must survive losing a node (``--no-kill``; ``hetflow submit`` asks for
+it), or Slurm ends the whole allocation with it.
+
 ``srun`` runs in its own session; a timeout, cancel or shutdown sends it
 SIGTERM (srun passes it to every rank of the step), then SIGKILL to the
 group; a step that is still listed after that (found by its name,
@@ -28,7 +35,7 @@ from pathlib import Path
 from ..errors import ConfigError, HetflowError
 from ..launchers.srun import SrunStep, failure_report, step_env
 from ..protocol import tail
-from ..slurm_allocation import Allocation, current_allocation
+from ..slurm_allocation import Allocation, current_allocation, lost_nodes
 from .base import Backend, LaunchSpec, TaskOutcome
 from .ranks import safe_name
 
@@ -144,13 +151,20 @@ class SlurmBackend(Backend):
             _end_step(self._allocation.job_id, step_name(spec.task_id))
         code = proc.returncode
         detail = ""
+        lost: dict[str, str] = {}
         if timed_out:
             detail = f"timed out after {spec.timeout}s"
         elif code and not cancelled:
             detail = failure_report(code, None if spec.stderr is None else tail(spec.stderr, 20000))
+            if self._allocation is not None:  # a failed step may mean a lost node: ask Slurm about its nodes
+                names = self.node_names()
+                lost = lost_nodes(self._allocation.job_id, [names[s.node] for s in spec.slots])
+            if lost:
+                log.error("task %s: %s", spec.task_id, "; ".join(lost.values()))
+                detail = "; ".join(lost.values()) + "; " + detail
         return TaskOutcome(task_id=spec.task_id, returncode=code, timed_out=timed_out, cancelled=cancelled,
                            signal=-code if code is not None and code < 0 else None, started=started,
-                           ended=time.time(), detail=detail)
+                           ended=time.time(), detail=detail, lost_nodes=lost)
 
     def cancel(self, task_id: str) -> None:
         with self._lock:

@@ -56,3 +56,40 @@ def sleep_long(ctx):
 
     time.sleep(300)
     return {}
+
+
+def hold_node(ctx):
+    """One rank on every CPU of its node for a moment: a neighbour the locality test places around."""
+    import time
+
+    time.sleep(float(ctx.params.get("hold_seconds", 1.0)))
+    return {}
+
+
+def produce(ctx):
+    """A small table: its partition's recorded node is what the consumer is placed by."""
+    return {"made": pa.table({"x": np.arange(10, dtype=np.int64) + ctx.rank})}
+
+
+def consume(ctx, made):
+    return {"used": made}
+
+
+def wait_for_node_loss(ctx):
+    """The first attempt: say where each rank runs (a file per rank in ``params['ready_dir']``), then
+    wait for the test to take a node away.  A retry returns at once."""
+    import pathlib
+    import socket
+    import time
+
+    if ctx.attempt == 1:
+        ready = pathlib.Path(ctx.params["ready_dir"])
+        (ready / f"rank-{ctx.rank}.tmp").write_text(socket.gethostname())
+        (ready / f"rank-{ctx.rank}.tmp").rename(ready / f"rank-{ctx.rank}")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            # MPI progress: a rank that only sleeps can hold up the other's start (its last
+            # message of MPI_Init may wait in this rank's queue until it calls into MPI)
+            ctx.comm.Iprobe()
+            time.sleep(0.05)
+    return {}

@@ -115,3 +115,27 @@ def test_a_failed_step_reports_srun_and_mpi_error_lines() -> None:
     assert failure_report(1, None) == "srun exited with 1 (no srun error in its log)"
     many = "\n".join(f"srun: error: n{i}: task {i}: Killed" for i in range(9))
     assert failure_report(137, many).count("srun: error:") == 4 and "n8" in failure_report(137, many)
+
+
+def test_lost_nodes_are_read_from_sinfo_states() -> None:
+    """``sinfo -h -N -o '%N|%T|%E'``: down, failed and not-responding nodes are lost; busy or drained ones are not."""
+    from hetflow.tasks.slurm_allocation import node_problems
+
+    text = ("n1|allocated|none\n"
+            "n2|down|hetflow-test-node-loss\n"
+            "n3|idle*|Not responding\n"
+            "n4|mixed|none\n"
+            "n5|drained|maintenance\n"
+            "n6|fail|bad dimm\n")
+    assert node_problems(text) == {"n2": "Slurm says it is down (hetflow-test-node-loss)",
+                                   "n3": "Slurm says it is idle* (Not responding)",
+                                   "n6": "Slurm says it is fail (bad dimm)"}
+    assert node_problems("") == {}
+
+
+def test_partition_node_names_map_to_pilot_indices_through_one_list() -> None:
+    from hetflow.tasks.backends.base import node_indices
+
+    assert node_indices(["n1", "n2", "n3"], {"n2"}) == {1}
+    assert node_indices(["n1", "n2", "n3"], {"elsewhere", "n3", "n1"}) == {0, 2}  # another allocation's host
+    assert node_indices(["127.0.0.1", "127.0.0.1"], {"127.0.0.1"}) == {0, 1}  # pilot nodes on one host
