@@ -93,7 +93,7 @@ def test_chain_resumes_a_run_the_walltime_stopped_in_a_second_job(slurm_env: dic
     workdir, marks = tmp_path / "shared", tmp_path / "marks.txt"
     config = tmp_path / "minute.yaml"
     config.write_text("name: minute\nbackend: slurm\nnodes: 1\nwalltime: '00:01:00'\ndrain: 10\n")
-    out = _run([HETFLOW, "submit", str(HERE / "chain_pipeline.py"), "--pilot", str(config), "--chain", "1",
+    out = _run([HETFLOW, "submit", str(HERE / "chain_pipeline.py"), "--pilot", str(config), "--chain", "2",
                 "--param", f"marks={marks}", "--workdir", str(workdir)], slurm_env, timeout=60).stdout
     run_id = out.splitlines()[0].split()[5]
     deadline, state = time.monotonic() + 400, None
@@ -108,10 +108,13 @@ def test_chain_resumes_a_run_the_walltime_stopped_in_a_second_job(slurm_env: dic
     logs = sorted((workdir / "submit").glob(f"{run_id}-*.out"))
     text = "\n".join(f"{log.name}:\n{log.read_text()}" for log in logs)
     assert state == "DONE", text
-    assert len(logs) == 2, text  # two allocations, the second submitted by the first
-    assert "STOPPED by the walltime: submitted job" in logs[0].read_text() + logs[1].read_text(), text
+    # 60 s of work cannot fit one 60-s allocation: two jobs on a quiet machine (two stages each); a third
+    # is allowed because a loaded machine (CI runs other tests beside this one) can fit only one stage
+    # into an allocation -- what is tested is that each successor resumes the run, never redoing a stage
+    assert len(logs) in (2, 3), text
+    assert all("STOPPED by the walltime: submitted job" in log.read_text() for log in logs[:-1]), text
     done = [line.split() for line in marks.read_text().splitlines()]
     assert [stage for stage, _ in done] == ["first", "second", "third", "fourth"], done  # none done twice
-    assert len({job for _, job in done}) == 2, done  # the run went on in the successor job
+    assert len({job for _, job in done}) == len(logs), done  # the run went on in each successor job
     _no_jobs_left(slurm_env)
     assert _leftovers(str(tmp_path)) == []
