@@ -38,11 +38,11 @@ _memo: dict[str, "Hockney"] = {}
 
 #: local kernel seconds per byte of input on one core (docs/benchmarks.md, "Cost model"):
 #: DuckDB hash join of both sides' bytes
-JOIN_SECONDS_PER_BYTE = 2.3e-9
+JOIN_SECONDS_PER_BYTE = 4.1e-9
 #: sort of a rank's rows (integer key: packed numpy sort and gather; other keys cost more)
-SORT_SECONDS_PER_BYTE = 2.3e-9
+SORT_SECONDS_PER_BYTE = 4.9e-9
 #: group-by aggregate of a rank's key and value bytes (integer key: packed sort and reduceat)
-GROUPBY_SECONDS_PER_BYTE = 2.3e-9
+GROUPBY_SECONDS_PER_BYTE = 5.6e-9
 
 
 @dataclass(frozen=True)
