@@ -202,7 +202,6 @@ def phase_worker(rows: int, repeats: int) -> None:
                     ("group-by", "group-by: local kernel (numpy packed sort + reduceat)", left.nbytes, costmodel.GROUPBY_SECONDS_PER_BYTE)):
                 cpu = min(c for _, c in seen[name])
                 print(f"| {label} | {cpu / nbytes * 1e9:.2f} ns/B | model {const * 1e9:.2f} ns/B |")
-    del seen
     model_worker(comm, left, right, repeats)
 
 
