@@ -25,7 +25,8 @@ also counts the input itself and the interpreter with its libraries (about
 
     .venv/bin/python benchmarks/operators.py                 # the issue's 20M rows per table
     .venv/bin/python benchmarks/operators.py --rows 2000000  # quick check
-    .venv/bin/python benchmarks/operators.py --phases        # where the time goes inside hetflow
+    .venv/bin/python benchmarks/operators.py --phases        # where the time goes inside hetflow, and the
+                                                             # cost model's estimates against it (1/2/3 ranks)
     benchmarks/peers-env.sh && .venv/bin/python benchmarks/operators.py   # with Bodo and Modin-on-MPI
 """
 
@@ -46,22 +47,24 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 OPS = ("join", "sort", "groupby")
 CHUNKS = 2  # tables are made of this many seeded chunks, so 1 and 2 ranks see the same rows
+PHASE_CHUNKS = 6  # ... for ``--phases``, which also runs 3 ranks
 MARK = "BENCH_RESULT "
 
 
-def make_chunk(table_id: int, chunk: int, rows: int) -> Any:
+def make_chunk(table_id: int, chunk: int, rows: int, chunks: int = CHUNKS) -> Any:
     import numpy as np
     import pyarrow as pa
 
-    n = rows // CHUNKS + (1 if chunk < rows % CHUNKS else 0)
-    rng = np.random.default_rng([table_id, chunk, rows])
+    n = rows // chunks + (1 if chunk < rows % chunks else 0)
+    rng = np.random.default_rng([table_id, chunk, rows] if chunks == CHUNKS else [table_id, chunk, rows, chunks])
     return pa.table({"k": rng.integers(0, int(rows * 4.5), n), "v": rng.integers(0, 1 << 40, n)})
 
 
-def make_table(table_id: int, rows: int, chunks: range | list[int] | None = None) -> Any:
+def make_table(table_id: int, rows: int, chunks: range | list[int] | None = None, of: int = CHUNKS) -> Any:
+    """Chunks ``chunks`` (default all) of ``of`` chunks of table ``table_id``."""
     import pyarrow as pa
 
-    return pa.concat_tables([make_chunk(table_id, c, rows) for c in (chunks if chunks is not None else range(CHUNKS))]).combine_chunks()
+    return pa.concat_tables([make_chunk(table_id, c, rows, of) for c in (chunks if chunks is not None else range(of))]).combine_chunks()
 
 
 def peak_rss_bytes() -> int:
@@ -144,8 +147,8 @@ def phase_worker(rows: int, repeats: int) -> None:
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine = [c for c in range(CHUNKS) if c % size == rank]
-    left, right = make_table(1, rows, mine), make_table(2, rows, mine)
+    mine = [c for c in range(PHASE_CHUNKS) if c % size == rank]
+    left, right = make_table(1, rows, mine, PHASE_CHUNKS), make_table(2, rows, mine, PHASE_CHUNKS)
     seen: dict[str, list[tuple[float, float]]] = {}
 
     def step(name: str, fn: Callable[[], Any], barrier: bool = True) -> Any:
@@ -165,6 +168,7 @@ def phase_worker(rows: int, repeats: int) -> None:
         if size == 1:
             step("join: local kernel (DuckDB, not bucketed)", lambda: kernels.join(left, right, ["k"], ["k"], "inner", "_right"))
             step("group-by: local kernel (numpy packed sort + reduceat)", lambda: kernels.group_aggregate(left, ["k"], [("v", "sum")]))
+            step("sort: local kernel (numpy packed sort + take)", lambda: kernels.sort(left, [("k", "ascending")], "at_end"))
         else:
             buckets = hashjoin.bucket_count(-(-rows // size))
             lp = step("join: hash + permute columns by (rank, bucket), left", lambda: hashjoin._permute(comm, left, ["k"], buckets))
@@ -188,6 +192,76 @@ def phase_worker(rows: int, repeats: int) -> None:
         print(f"{size} rank(s), {rows:,} rows per table, median of {repeats}; wall / CPU seconds on rank 0")
         for name, vals in seen.items():
             print(f"| {name} | {statistics.median(w for w, _ in vals):.3f} / {statistics.median(c for _, c in vals):.3f} |")
+        if size == 1:  # what the cost model's kernel rates are calibrated from: the least disturbed CPU time
+            from hetflow.operators import costmodel
+
+            print("\nlocal kernel CPU seconds per input byte (1 rank, fastest of the repeats) against the model's constants:")
+            for label, name, nbytes, const in (
+                    ("join", "join: local kernel (DuckDB, not bucketed)", left.nbytes + right.nbytes, costmodel.JOIN_SECONDS_PER_BYTE),
+                    ("sort", "sort: local kernel (numpy packed sort + take)", left.nbytes, costmodel.SORT_SECONDS_PER_BYTE),
+                    ("group-by", "group-by: local kernel (numpy packed sort + reduceat)", left.nbytes, costmodel.GROUPBY_SECONDS_PER_BYTE)):
+                cpu = min(c for _, c in seen[name])
+                print(f"| {label} | {cpu / nbytes * 1e9:.2f} ns/B | model {const * 1e9:.2f} ns/B |")
+    model_worker(comm, left, right, repeats)
+
+
+def model_worker(comm: Any, left: Any, right: Any, repeats: int) -> None:
+    """The cost model against the measurement: each operator runs through ``DTable`` on a
+    ``MeteredComm``; its plan's estimate is set beside the bytes the exchanges sent (all ranks),
+    the seconds inside the calls that move table data (``DATA_CALLS``: the slowest rank's, waiting
+    for the others included; the count exchanges and object collectives before them take most of
+    the waiting), the rest of the operator's wall time, and the whole (medians of ``repeats``)."""
+    from hetflow.operators import DTable
+    from hetflow.operators.costmodel import hockney
+    from hetflow.operators.metered import MeteredComm
+
+    metered = MeteredComm(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hockney(metered)
+    lt, rt = DTable(metered, left), DTable(metered, right)
+    runs: dict[str, Callable[[], Any]] = {
+        "join": lambda: lt.join(rt, "k"), "sort": lambda: lt.sort_by("k"),
+        "groupby": lambda: lt.group_by("k").aggregate([("v", "sum")])}
+    rows = []
+    for op, run in runs.items():
+        seen = []
+        for _ in range(repeats):
+            comm.Barrier()
+            metered.meter.reset()
+            t0 = time.perf_counter()
+            plan = run().plans[-1]
+            wall = comm.allreduce(time.perf_counter() - t0, op=max_op())
+            sent = comm.allreduce(metered.meter.total_sent)
+            inside = comm.allreduce(sum(metered.meter.seconds.get(c, 0.0) for c in DATA_CALLS), op=max_op())
+            seen.append((plan, sent, inside, wall))
+        plan = seen[-1][0]
+        sent, inside, wall = (statistics.median(x[i] for x in seen) for i in (1, 2, 3))
+        rows.append((op, plan, sent, inside, wall))
+    described = hockney(metered).describe()  # collective
+    if rank == 0:
+        print(f"\ncost model vs measured, {size} rank(s); {described}")
+        print("| op | algorithm | est. exchange MB | sent MB | est/sent | est. exchange s | in data calls s | est/meas "
+              "| est. local s | rest of wall s | est/meas | est. total s | wall s | est/wall |")
+        print("|" + "---|" * 14)
+
+        def ratio(a: float, b: float) -> str:
+            return f"{a / b:.2f}" if b > 0 else ("-" if a == 0 else "inf")
+        for op, plan, sent, inside, wall in rows:
+            c = plan.cost
+            rest = wall - inside
+            print(f"| {op} | {plan.algorithm} | {c.exchange_bytes / 1e6:.1f} | {sent / 1e6:.1f} | {ratio(c.exchange_bytes, sent)} "
+                  f"| {c.exchange_s:.3f} | {inside:.3f} | {ratio(c.exchange_s, inside)} | {c.compute_s:.3f} | {rest:.3f} "
+                  f"| {ratio(c.compute_s, rest)} | {c.seconds:.3f} | {wall:.3f} | {ratio(c.seconds, wall)} |")
+
+
+#: the MeteredComm calls that carry table data (not counts, metadata or the Hockney ping-pong's small messages)
+DATA_CALLS = ("Alltoallv", "Allgatherv", "Gatherv", "Bcast", "Sendrecv")
+
+
+def max_op() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 def run_hetflow(op: str, rows: int, repeats: int, ranks: int) -> dict[str, Any]:
@@ -358,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=20_000_000, help="rows per table (default 20M, the issue's size)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
-    ap.add_argument("--ranks", default="1,2", help="hetflow rank counts")
+    ap.add_argument("--ranks", default=None, help="hetflow rank counts (default 1,2; with --phases 1,2,3)")
     ap.add_argument("--threads", type=int, default=2, help="threads of the single-process engines")
     ap.add_argument("--engines", default="duckdb,polars,pyarrow")
     ap.add_argument("--no-dask", action="store_true")
@@ -381,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     ops = [o for o in args.ops.split(",") if o]
-    ranks = [int(r) for r in args.ranks.split(",") if r]
+    ranks = [int(r) for r in (args.ranks or ("1,2,3" if args.phases else "1,2")).split(",") if r]
     if args.phases:
         mpiexec = str(Path(sys.executable).with_name("mpiexec"))
         env = {**os.environ, "HETFLOW_OPERATOR_THREADS": "1", "POLARS_MAX_THREADS": "1", "OMP_NUM_THREADS": "1"}

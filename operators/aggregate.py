@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 from .communicator import Communicator
 from . import comm as tc
 from . import arrowtypes, kernels, partition, sorting
-from .costmodel import Plan, hockney
+from .costmodel import Plan, group_by_costs, hockney
 from .errors import AggregateOverflowError, InvalidOptionError, UnsupportedAggregationError
 from .typing import DECOMPOSABLE_AGGS, GroupByAlgorithm
 
@@ -63,6 +63,26 @@ def _decomposable(schema: pa.Schema, aggs: Sequence[tuple[str, str]], keys: Sequ
         if agg in ("sum", "mean", "stddev", "variance") and not (pa.types.is_integer(t) or pa.types.is_floating(t)):
             return False
     return True
+
+
+def _partial_state_bytes(table: pa.Table, aggs: Sequence[tuple[str, str]]) -> float:
+    """Bytes of one group's partial states as ``kernels.partial_aggregate`` makes them: count int64,
+    integer sums decimal128, float sums float64, min/max the input's width (variable width: this
+    rank's mean), mean a sum and a count, stddev/variance a count, a mean and a sum of squares."""
+    states: dict[tuple[str, str], float] = {}
+    for col, agg in aggs:
+        t = table.schema.field(col).type
+        sum_width = 16.0 if pa.types.is_integer(t) else 8.0
+        if agg in ("min", "max"):
+            fixed = tc.raw_width(t)
+            states[(col, agg)] = float(fixed) if fixed else table.column(col).nbytes / max(1, table.num_rows)
+        elif agg in ("count", "sum"):
+            states[(col, agg)] = 8.0 if agg == "count" else sum_width
+        elif agg == "mean":
+            states.update({(col, "sum"): sum_width, (col, "count"): 8.0})
+        else:
+            states.update({(col, "count"): 8.0, (col, "mean"): 8.0, (col, "m2"): 8.0})
+    return sum(states.values())
 
 
 def _estimate_groups(hashes: np.ndarray) -> int:
@@ -121,7 +141,8 @@ def _group_aggregate(comm: Communicator, table: pa.Table, keys: list[str], aggs:
     p = comm.Get_size()
     needed = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))
     if p == 1:
-        return kernels.group_aggregate(table, keys, aggs, schema=schema), Plan("group_by", "local aggregate (1 rank)", 0.0)
+        local = group_by_costs(hockney(comm), [table.select(needed).nbytes], None, None)["shuffle"]
+        return kernels.group_aggregate(table, keys, aggs, schema=schema), Plan("group_by", "local aggregate (1 rank)", local)
     decomposable = _decomposable(table.schema, aggs, keys)
     if algorithm == "combine" and not decomposable:
         raise UnsupportedAggregationError(
@@ -138,16 +159,20 @@ def _group_aggregate(comm: Communicator, table: pa.Table, keys: list[str], aggs:
     else:
         hashes = partition.hash_keys(proj, keys)  # once: for the estimate and for the shuffle
         groups_local = _estimate_groups(hashes) if decomposable else proj.num_rows
-    stats = np.array(comm.allgather((proj.num_rows, groups_local, int(proj.nbytes))), dtype=np.float64)
+    key_bytes = sum(proj.column(k).nbytes for k in keys)
+    stats = np.array(comm.allgather((proj.num_rows, groups_local, int(proj.nbytes), int(key_bytes))), dtype=np.float64)
     rows = stats[:, 0].sum()
     ratio = float(stats[:, 1].sum() / rows) if rows else 1.0
     row_bytes = stats[:, 2].sum() / rows if rows else 0.0
-    partial_row_bytes = 8.0 * (len(keys) + 2 * len(aggs))
-    costs = {"shuffle": model.shuffle(p, float(stats[:, 2].max()))}
-    if decomposable:
-        costs["combine"] = model.shuffle(p, float((stats[:, 1] * partial_row_bytes).max()))
-    if rkey is not None:
-        costs["range"] = costs["shuffle"] + model.allgather(p, 16.0 * sorting.SAMPLES_PER_RANK * p)
+    partial = None
+    if decomposable:  # the keys (at their mean width) and the partial states of one group
+        partial_row_bytes = (stats[:, 3].sum() / rows if rows else 0.0) + _partial_state_bytes(proj, aggs)
+        partial = (stats[:, 1] * partial_row_bytes).tolist()
+    samples = None
+    if rkey is not None:  # range_ids' (key, rank-and-position) pairs
+        want = sorting.range_sample_rows(int(rows), p)
+        samples = [(rkey.itemsize + 8.0) * want * n / rows for n in stats[:, 0]]
+    costs = group_by_costs(model, stats[:, 2].tolist(), partial, samples)
     if algorithm == "auto":
         choice = "combine" if decomposable and ratio <= COMBINE_MAX_GROUP_RATIO else "range" if rkey is not None else "shuffle"
     else:
@@ -173,7 +198,7 @@ def _group_aggregate(comm: Communicator, table: pa.Table, keys: list[str], aggs:
         shuffled = tc.shuffle(comm, partial, partition.partition_ids(partial, keys, p))
         out = _collectively(comm, lambda: kernels.combine_aggregate(shuffled, keys, aggs, arrowtypes.plain_schema(schema)))
         name = "combine-shuffle-reduce"
-    return out, Plan("group_by", name, costs[choice], costs, detail)
+    return out, Plan("group_by", name, costs[choice], {k: c.seconds for k, c in costs.items()}, detail)
 
 
 def column_aggregates(comm: Communicator, table: pa.Table, aggs: list[tuple[str, str]]) -> dict[str, Any]:

@@ -1,10 +1,21 @@
-"""Hockney cost model (α + nβ) with α, β measured on this machine and cached.
+"""Cost model: Hockney (α + nβ) for the exchanges, a per-byte rate for the local kernels.
 
 ``hockney(comm)`` is collective: rank 0 looks in the cache
 (``$XDG_CACHE_HOME/hetflow/hockney.json``, keyed by host set and rank count);
 on a miss ranks 0 and 1 run a ping-pong, rank 0 writes the cache (0600, in a
-0700 directory), and the figures are broadcast.  Operators use it to compare
-algorithms and ``DTable.explain()`` prints the estimate.
+0700 directory), and the figures are broadcast.
+
+An operator's estimate is a :class:`Cost`: the bytes the busiest rank moves to
+other ranks, their Hockney time, and the local kernel work as
+``*_SECONDS_PER_BYTE`` times the bytes one rank's kernel sees.  The functions
+below (``shuffle_cost``, ``allgather_cost``, ``join_costs``, ``sort_cost``,
+``group_by_costs``) are pure, so they are tested without MPI; operators use
+them to compare algorithms and record the chosen one's estimate in a
+:class:`Plan` that ``DTable.explain()`` prints.  The kernel rates are one-core
+throughputs on the benchmark workload (two int64 columns), measured by
+``benchmarks/operators.py --phases`` at one rank (docs/benchmarks.md, "Cost
+model"): they rank algorithms and give the scale of a step, not a wall-clock
+promise for other key types.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -26,6 +37,14 @@ from .communicator import Communicator
 log = logging.getLogger(__name__)
 
 _memo: dict[str, "Hockney"] = {}
+
+#: local kernel seconds per byte of input on one core (docs/benchmarks.md, "Cost model"):
+#: DuckDB hash join of both sides' bytes
+JOIN_SECONDS_PER_BYTE = 4.1e-9
+#: sort of a rank's rows (integer key: packed numpy sort and gather; other keys cost more)
+SORT_SECONDS_PER_BYTE = 4.9e-9
+#: group-by aggregate of a rank's key and value bytes (integer key: packed sort and reduceat)
+GROUPBY_SECONDS_PER_BYTE = 5.6e-9
 
 
 @dataclass(frozen=True)
@@ -60,20 +79,105 @@ class Hockney:
 
 
 @dataclass(frozen=True)
+class Cost:
+    """One algorithm's estimate: ``exchange_bytes`` sent from rank to rank (all ranks together; a
+    rank's own share is not counted), ``exchange_s`` their Hockney time (the busiest rank's), and
+    ``compute_s`` the local kernel work of the busiest rank."""
+
+    exchange_bytes: float = 0.0
+    exchange_s: float = 0.0
+    compute_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.exchange_s + self.compute_s
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.exchange_bytes + other.exchange_bytes, self.exchange_s + other.exchange_s,
+                    self.compute_s + other.compute_s)
+
+
+def shuffle_cost(model: Hockney, sizes: Sequence[float]) -> Cost:
+    """All-to-all where rank ``r`` holds ``sizes[r]`` bytes spread evenly over the ranks: the
+    ranks send ``(p - 1) / p`` of their bytes; the busiest rank's share sets the time."""
+    p = len(sizes)
+    if p <= 1:
+        return Cost()
+    return Cost(float(sum(sizes)) * (p - 1) / p, model.shuffle(p, float(max(sizes))))
+
+
+def allgather_cost(model: Hockney, sizes: Sequence[float]) -> Cost:
+    """Every rank receives the other ranks' ``sizes[r]`` bytes: each rank's bytes go to ``p - 1`` others."""
+    p = len(sizes)
+    if p <= 1:
+        return Cost()
+    return Cost(float(sum(sizes)) * (p - 1), model.allgather(p, float(sum(sizes))))
+
+
+def join_costs(model: Hockney, left: Sequence[float], right: Sequence[float], how: str) -> dict[str, Cost]:
+    """The join algorithms open to ``how``, from each rank's left and right input bytes: hash-shuffle
+    both sides, then every rank joins ``1/p`` of all bytes; broadcast one side, then every rank joins
+    all of it with its partition of the other; sort is the hash volume plus the sample allgather."""
+    p = len(left)
+    lt, rt = float(sum(left)), float(sum(right))
+    gamma = JOIN_SECONDS_PER_BYTE
+    costs = {"hash": shuffle_cost(model, [a + b for a, b in zip(left, right)]) + Cost(compute_s=gamma * (lt + rt) / p)}
+    if p > 1 and how in ("inner", "left", "semi", "anti"):
+        costs["broadcast"] = allgather_cost(model, right) + Cost(compute_s=gamma * (max(left) + rt))
+    if p > 1 and how in ("inner", "right"):
+        costs["broadcast_left"] = allgather_cost(model, left) + Cost(compute_s=gamma * (lt + max(right)))
+    if p > 1:
+        costs["sort"] = costs["hash"] + Cost(exchange_s=2 * (p - 1) * model.alpha)
+    return costs
+
+
+def sort_cost(model: Hockney, sizes: Sequence[float], sample_sizes: Sequence[float]) -> Cost:
+    """Sample sort: allgather the samples (``sample_sizes[r]`` bytes from rank ``r``), shuffle the
+    rows to their ranges, sort the rank's share (about its input: the splitters balance rows)."""
+    compute = Cost(compute_s=SORT_SECONDS_PER_BYTE * float(max(sizes)))
+    if len(sizes) <= 1:
+        return compute
+    return allgather_cost(model, sample_sizes) + shuffle_cost(model, sizes) + compute
+
+
+def group_by_costs(model: Hockney, sizes: Sequence[float], partial_sizes: Sequence[float] | None,
+                   sample_sizes: Sequence[float] | None) -> dict[str, Cost]:
+    """Group-by algorithms from each rank's key and value bytes (``sizes``): ``shuffle`` (every row to
+    its key's hash rank, aggregated there); ``range`` (by key ranges, after an allgather of
+    ``sample_sizes``); and, for decomposable aggregations, ``combine`` (aggregate locally into
+    ``partial_sizes`` bytes of partial states, shuffle those and merge them)."""
+    gamma = GROUPBY_SECONDS_PER_BYTE
+    top = float(max(sizes))
+    costs = {"shuffle": shuffle_cost(model, sizes) + Cost(compute_s=gamma * top)}
+    if sample_sizes is not None:
+        costs["range"] = costs["shuffle"] + allgather_cost(model, sample_sizes)
+    if partial_sizes is not None:
+        costs["combine"] = shuffle_cost(model, partial_sizes) + Cost(compute_s=gamma * (top + float(max(partial_sizes))))
+    return costs
+
+
+@dataclass(frozen=True)
 class Plan:
-    """What an operator chose, why, and the model's estimate in seconds (Hockney communication,
-    plus the local work where the alternatives differ in it, e.g. join)."""
+    """What an operator chose, why, and the model's estimate of the chosen algorithm (``cost``) and
+    of the alternatives it weighed (seconds)."""
 
     operation: str
     algorithm: str
-    estimate_s: float
+    cost: Cost = field(default_factory=Cost)
     alternatives: Mapping[str, float] = field(default_factory=dict)
     detail: str = ""
     model: str = ""
 
+    @property
+    def estimate_s(self) -> float:
+        return self.cost.seconds
+
     def __str__(self) -> str:
         alts = ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in self.alternatives.items())
-        text = f"{self.operation}: algorithm={self.algorithm}, estimated {self.estimate_s * 1e3:.2f} ms"
+        c = self.cost
+        text = (f"{self.operation}: algorithm={self.algorithm}, estimated {c.seconds * 1e3:.2f} ms "
+                f"(exchange {c.exchange_bytes / 1e6:.2f} MB in {c.exchange_s * 1e3:.2f} ms, "
+                f"local {c.compute_s * 1e3:.2f} ms)")
         if alts:
             text += f" (alternatives: {alts})"
         if self.detail:

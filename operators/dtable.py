@@ -20,11 +20,11 @@ import pyarrow.compute as pc
 from . import aggregate, arrowtypes, hashjoin, io, kernels, memory, partition, sorting, spilling
 from . import comm as tc
 from .communicator import Communicator
-from .costmodel import Plan, hockney
+from .costmodel import Cost, Plan, hockney, join_costs, shuffle_cost, sort_cost
 from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
 from .options import check_orderable, join_key_type, key_list, sort_keys
-from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS, NULL_PLACEMENTS, ROLLING_AGG_NAMES, Aggregation,
-                     GroupByAlgorithm, JoinAlgorithm, JoinHow, Keys, NullPlacement, SortKey)
+from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS, NULL_PLACEMENTS, ROLLING_AGG_NAMES,
+                     Aggregation, GroupByAlgorithm, JoinAlgorithm, JoinHow, Keys, NullPlacement, SortKey)
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,13 @@ class DTable:
         parts = tc.gather_table(self._comm, self._table, root=root)
         return None if parts is None else pa.concat_tables(parts)
 
+    @property
+    def plans(self) -> tuple[Plan, ...]:
+        """The plans of the distributed operators that produced this table, in order (not collective)."""
+        return self._plans
+
     def explain(self) -> str:
-        """The algorithms chosen to produce this table, with their Hockney estimates (not collective)."""
+        """The algorithms chosen to produce this table, with their estimates (not collective)."""
         p = self._comm.Get_size()
         head = f"DTable[{p} rank(s)] {self.schema.names}"
         if not self._plans:
@@ -129,11 +134,10 @@ class DTable:
             return table
         return tc.shuffle(self._comm, table, partition.partition_ids(table, keys, p))
 
-    def _bytes(self, table: pa.Table | None = None) -> tuple[int, int]:
-        """(global bytes, max bytes on one rank)."""
+    def _sizes(self, table: pa.Table | None = None) -> list[int]:
+        """Every rank's bytes of ``table`` (default: this partition), in rank order (collective)."""
         nb = (self._table if table is None else table).nbytes
-        every = self._comm.allgather(int(nb))
-        return int(sum(every)), int(max(every))
+        return [int(b) for b in self._comm.allgather(int(nb))]
 
     # ------------------------------------------------------------------ embarrassingly parallel
     def select(self, columns: Sequence[str]) -> "DTable":
@@ -213,7 +217,7 @@ class DTable:
         if by is not None:
             keys = key_list(by)
             self._check_columns(keys, "repartition")
-            est = hockney(self._comm).shuffle(p, self._bytes()[1])
+            est = shuffle_cost(hockney(self._comm), self._sizes())
             return self._derive(self._shuffle(self._table, keys), Plan("repartition", f"hash by {keys}", est))
         assert n is not None
         if not 1 <= n <= p:
@@ -223,7 +227,7 @@ class DTable:
         slices = partition.range_slices(counts, self._comm.Get_rank(), targets)
         parts = [self._table.slice(o, ln) for o, ln in slices]
         out = pa.concat_tables(tc.alltoall_tables(self._comm, parts)) if p > 1 else self._table
-        est = hockney(self._comm).shuffle(p, self._bytes()[1])
+        est = shuffle_cost(hockney(self._comm), self._sizes())  # an upper bound: only the imbalance moves
         return self._derive(out, Plan("repartition", f"range over {n} rank(s), order kept", est))
 
     def rebalance(self) -> "DTable":
@@ -283,22 +287,15 @@ class DTable:
         if p == 1:
             buckets = hashjoin.bucket_count(max(lt.num_rows, rt.num_rows), shuffled=False)
             out = arrowtypes.restore(hashjoin.hash_join(self._comm, lt, rt, lk, rk, how, suffix, buckets), target)
-            return self._derive(out, Plan("join", f"local {how} (1 rank)", 0.0,
+            local = join_costs(hockney(self._comm), [lt.nbytes], [rt.nbytes], how)["hash"]
+            return self._derive(out, Plan("join", f"local {how} (1 rank)", local,
                                           detail=f"local kernel DuckDB {how} join in {buckets} hash bucket(s)"))
-        model = hockney(self._comm)
         stats = np.array(self._comm.allgather((int(lt.nbytes), int(rt.nbytes), lt.num_rows, rt.num_rows)), dtype=np.float64)
-        sizes = stats[:, :2]
-        l_total, r_total = sizes[:, 0].sum(), sizes[:, 1].sum()
+        l_total, r_total = stats[:, 0].sum(), stats[:, 1].sum()
         # communication (Hockney) + local join work on the bytes each rank ends up joining
-        gamma = kernels.JOIN_SECONDS_PER_BYTE
-        costs = {"hash": model.shuffle(p, float((sizes[:, 0] + sizes[:, 1]).max())) + gamma * (l_total + r_total) / p}
-        if how in ("inner", "left", "semi", "anti"):
-            costs["broadcast"] = model.allgather(p, r_total) + gamma * (float(sizes[:, 0].max()) + r_total)
-        if how in ("inner", "right"):
-            costs["broadcast_left"] = model.allgather(p, l_total) + gamma * (l_total + float(sizes[:, 1].max()))
-        costs["sort"] = costs["hash"] + 2 * (p - 1) * model.alpha  # same volume plus the sample allgather
+        costs = join_costs(hockney(self._comm), stats[:, 0].tolist(), stats[:, 1].tolist(), how)
         if algorithm == "auto":
-            choice = min(("hash", "broadcast", "broadcast_left"), key=lambda a: costs.get(a, float("inf")))
+            choice = min(("hash", "broadcast", "broadcast_left"), key=lambda a: costs[a].seconds if a in costs else float("inf"))
         elif algorithm == "broadcast":
             if "broadcast" in costs and ("broadcast_left" not in costs or r_total <= l_total):
                 choice = "broadcast"
@@ -324,7 +321,8 @@ class DTable:
         detail = f"left {l_total / 1e6:.1f} MB, right {r_total / 1e6:.1f} MB, local kernel DuckDB {how} join"
         if choice == "hash":
             detail += f", shuffled and joined in {buckets} hash bucket(s) per rank"
-        return self._derive(arrowtypes.restore(out, target), Plan("join", name, costs[choice], costs, detail))
+        return self._derive(arrowtypes.restore(out, target),
+                            Plan("join", name, costs[choice], {k: c.seconds for k, c in costs.items()}, detail))
 
     # ------------------------------------------------------------------ sort / rolling
     def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end") -> "DTable":
@@ -345,11 +343,35 @@ class DTable:
         if spilling.needed(self._comm, self._table.nbytes):
             return self._derive(*spilling.sort_by(self._comm, self._table, by, nulls))
         p = self._comm.Get_size()
-        out = arrowtypes.restore(sorting.sample_sort(self._comm, arrowtypes.to_kernel(self._table), by, nulls), self.schema)
-        est = hockney(self._comm).shuffle(p, self._bytes()[1]) + hockney(self._comm).allgather(p, 64.0 * sorting.SAMPLES_PER_RANK * p)
+        table = arrowtypes.to_kernel(self._table)
+        est = self._sort_estimate(table, by)
+        out = arrowtypes.restore(sorting.sample_sort(self._comm, table, by, nulls), self.schema)
+        del table
         return self._derive(out, Plan("sort_by", "sample sort (regular sampling, PSRS)" if p > 1 else "local sort", est,
                                       detail="local kernel numpy packed sort (one integer-like key without nulls) "
                                              "or polars arg-sort + take"))
+
+    def _sort_estimate(self, table: pa.Table, by: Sequence[tuple[str, str]]) -> Cost:
+        """``sort_cost`` with the samples ``sample_sort`` will gather: for one ascending integer-like
+        key without nulls ``range_ids``' (key, rank-and-position) pairs, else ``SAMPLES_PER_RANK * p``
+        rows of the key columns and two int64 tie breakers."""
+        p = self._comm.Get_size()
+        key_bytes = sum(table.column(c).nbytes for c, _ in by)
+        stats = np.array(self._comm.allgather((int(table.nbytes), table.num_rows, int(key_bytes),
+                                               sum(table.column(c).null_count for c, _ in by))), dtype=np.float64)
+        sizes, rows = stats[:, 0].tolist(), stats[:, 1]
+        total = float(rows.sum())
+        t = table.schema.field(by[0][0]).type
+        integer_key = (len(by) == 1 and by[0][1] == "ascending" and stats[:, 3].sum() == 0
+                       and (pa.types.is_integer(t) or pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t)))
+        if integer_key:
+            width = 8.0 + t.bit_width // 8
+            want = sorting.range_sample_rows(int(total), p)
+        else:
+            width = 16.0 + (float(stats[:, 2].sum()) / total if total else 0.0)
+            want = sorting.SAMPLES_PER_RANK * p
+        samples = [width * (want * n / total if total else 0.0) for n in rows]
+        return sort_cost(hockney(self._comm), sizes, samples)
 
     def rolling(self, order_by: SortKey | Sequence[SortKey], window: int, aggs: Sequence[Aggregation]) -> "DTable":
         """Trailing windows of ``window`` rows over the global order given by ``order_by``.
@@ -381,7 +403,7 @@ class DTable:
                 tc.send_table(self._comm, ext.slice(max(0, ext.num_rows - need)), rank + 1, tag=81)
         out = kernels.rolling(pa.concat_tables([halo, local]), window, aggs, halo.num_rows)
         tc.check_same_schema(self._comm, out.schema, what="rolling result")
-        plan = Plan("rolling", f"halo exchange of {need} row(s) between neighbours", (p - 1) * hockney(self._comm).alpha)
+        plan = Plan("rolling", f"halo exchange of {need} row(s) between neighbours", Cost(exchange_s=(p - 1) * hockney(self._comm).alpha))
         return ordered._derive(out, plan)
 
     # ------------------------------------------------------------------ grouping / distinct / sets
@@ -409,8 +431,10 @@ class DTable:
         ks = self.column_names if keys is None else key_list(keys)
         self._check_columns(ks, "unique")
         p = self._comm.Get_size()
-        shuffled = self._shuffle(arrowtypes.to_kernel(self._table), ks)
-        est = hockney(self._comm).shuffle(p, self._bytes()[1])
+        table = arrowtypes.to_kernel(self._table)
+        est = shuffle_cost(hockney(self._comm), self._sizes(table))
+        shuffled = self._shuffle(table, ks)
+        del table
         return self._derive(arrowtypes.restore(kernels.first_per_key(shuffled, ks), self.schema), Plan("unique", "hash-shuffle + first per key" if p > 1 else "local", est))
 
     def _set_op(self, other: "DTable", op: str) -> "DTable":
@@ -418,9 +442,10 @@ class DTable:
             raise SchemaMismatchError(f"{op}: schemas differ: {tc._short(self.schema)} vs {tc._short(other.schema)}")
         cols = self.column_names
         p = self._comm.Get_size()
-        a = self._shuffle(arrowtypes.to_kernel(self._table), cols)
-        b = self._shuffle(arrowtypes.to_kernel(other._table.cast(self.schema)), cols)
-        est = hockney(self._comm).shuffle(p, self._bytes()[1] + other._bytes()[1])
+        a, b = arrowtypes.to_kernel(self._table), arrowtypes.to_kernel(other._table.cast(self.schema))
+        model = hockney(self._comm)
+        est = shuffle_cost(model, self._sizes(a)) + shuffle_cost(model, self._sizes(b))
+        a, b = self._shuffle(a, cols), self._shuffle(b, cols)
         return self._derive(arrowtypes.restore(kernels.set_operation(a, b, op), self.schema), Plan(op, "hash-shuffle both sides on all columns" if p > 1 else "local", est))
 
     def union(self, other: "DTable", *, distinct: bool = True) -> "DTable":
@@ -432,7 +457,7 @@ class DTable:
         if not distinct:
             if not other.schema.remove_metadata().equals(self.schema.remove_metadata()):
                 raise SchemaMismatchError(f"union: schemas differ: {tc._short(self.schema)} vs {tc._short(other.schema)}")
-            return self._derive(pa.concat_tables([self._table, other._table.cast(self.schema)]), Plan("union", "local concat (UNION ALL)", 0.0))
+            return self._derive(pa.concat_tables([self._table, other._table.cast(self.schema)]), Plan("union", "local concat (UNION ALL)"))
         return self._set_op(other, "union")
 
     def intersect(self, other: "DTable") -> "DTable":

@@ -35,9 +35,6 @@ from .typing import AGG_NAMES
 
 log = logging.getLogger(__name__)
 
-#: local DuckDB hash-join throughput on one core (docs/benchmarks.md, "Local kernels"); the join cost model's compute term
-JOIN_SECONDS_PER_BYTE = 2.3e-9
-
 _local = threading.local()
 
 

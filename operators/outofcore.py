@@ -177,17 +177,27 @@ def _write_output(comm: Communicator, output: str | os.PathLike[str], schema: pa
 
 def _batches(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.RecordBatch]:
     """``tables`` as record batches of about ``rows`` rows: small tables are gathered (few, large
-    batches keep the output's headers few), large ones cut."""
+    batches keep the output's headers few), large ones cut.  A cut batch of a view column still
+    points into the whole table's data buffers, and IPC writes them whole with every batch, so
+    view columns are rebuilt per batch (``_compact``)."""
     held: list[pa.Table] = []
     count = 0
     for table in tables:
         held.append(table)
         count += table.num_rows
         if count >= rows:
-            yield from pa.concat_tables(held).combine_chunks().to_batches(max_chunksize=max(1, rows))
+            yield from map(_compact, pa.concat_tables(held).combine_chunks().to_batches(max_chunksize=max(1, rows)))
             held, count = [], 0
     if count:
-        yield from pa.concat_tables(held).combine_chunks().to_batches(max_chunksize=max(1, rows))
+        yield from map(_compact, pa.concat_tables(held).combine_chunks().to_batches(max_chunksize=max(1, rows)))
+
+
+def _compact(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` with its view columns holding only their own values (through the plain layout)."""
+    if not any(arrowtypes.has_view(f.type) for f in batch.schema):
+        return batch
+    table = pa.Table.from_batches([batch])
+    return arrowtypes.restore(arrowtypes.to_kernel(table), table.schema).combine_chunks().to_batches()[0]
 
 
 # --------------------------------------------------------------------------- join

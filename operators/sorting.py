@@ -126,6 +126,11 @@ def _numeric_key(table: pa.Table, name: str) -> np.ndarray | None:
     return np.asarray(arr.to_numpy(zero_copy_only=False))
 
 
+def range_sample_rows(total: int, p: int) -> int:
+    """Rows that all ranks sample together for the integer-key splitters (``range_ids``)."""
+    return min(total, max(2 * SAMPLES_PER_RANK * p, RANGE_SAMPLES))
+
+
 def range_ids(comm: Communicator, keys: np.ndarray, *, split_ties: bool) -> np.ndarray:
     """Destination rank of every row by ranges of integer ``keys`` (collective): ``p - 1`` splitters at
     regular positions of a regular sample of every rank.  With ``split_ties`` the rows equal to a
@@ -134,7 +139,7 @@ def range_ids(comm: Communicator, keys: np.ndarray, *, split_ties: bool) -> np.n
     p, rank = comm.Get_size(), comm.Get_rank()
     n = keys.size
     total = tc.allreduce_sum(comm, n)
-    want = max(2 * SAMPLES_PER_RANK * p, RANGE_SAMPLES)
+    want = range_sample_rows(total, p)
     k = 0 if total == 0 else min(n, max(1 if n else 0, round(want * n / total)))
     pos = (np.arange(k, dtype=np.int64) * n) // max(k, 1)
     sample = (keys[pos], np.full(k, rank, dtype=np.int64) << np.int64(40) | pos)

@@ -34,7 +34,7 @@ from . import comm as tc
 from . import dataset as ds
 from . import outofcore, settings, spill
 from .communicator import Communicator
-from .costmodel import Plan
+from .costmodel import Cost, Plan
 from .errors import UnsupportedAggregationError
 from .shares import SLICE_ROWS, Share, batch_lengths, slices_of
 from .typing import JoinHow, NullPlacement, SortOrder
@@ -76,7 +76,7 @@ def _plan(operation: str, algorithm: str, stats: dict[str, Any], nbytes: int) ->
     budget = settings.current().memory_budget
     detail = (f"out of core: input {nbytes / 1e6:.1f} MB on this rank x {IN_MEMORY_GROWTH} is over the memory "
               f"budget of {budget} B per rank; spilled {stats['spilled_bytes']} B to {stats['spill_dir']}")
-    return Plan(operation, algorithm, 0.0, detail=detail)
+    return Plan(operation, algorithm, Cost(), detail=detail)
 
 
 def join(comm: Communicator, left: pa.Table, right: pa.Table, keys: Sequence[str], right_keys: Sequence[str],
