@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 CHUNK_FRACTION = 1 / 16
 #: share of the budget one join bucket (both sides) may hold: DuckDB's join takes a multiple of the bucket
 #: on top (docs/benchmarks.md, "Out-of-core operators")
-JOIN_BUCKET_FRACTION = 1 / 12
+JOIN_BUCKET_FRACTION = 1 / 16
 #: share of the budget one group-by bucket may hold
 GROUP_BUCKET_FRACTION = 1 / 8
 #: share of the budget one sorted run holds before it is written (it is sorted in memory once)
