@@ -21,11 +21,13 @@ order, and two groups may run at the same time:
   never overlap;
 * tests/slurm/ is one group, so the lab cluster's session fixture (tests/slurm/conftest.py)
   lives in one worker: started once, stopped at the end only if it was not running.
-  A test marked ``slurm`` elsewhere is a usage error.
+  A test marked ``slurm`` elsewhere is a usage error;
+* the files that start RADICAL-Pilot sessions are one group, so one session at a time
+  (:data:`SHARED_GROUPS`).
 
 xdist's own ``--dist loadgroup`` cannot carry this: it passes the group to the
 scheduler by editing test ids, which pytest 9.2 no longer allows (pytest-xdist#1386),
-so the scheduler here groups by test id.  tests/slurm/ first, then the files holding more
+so the scheduler here groups by test id.  tests/slurm/ first, then the groups holding more
 tests marked ``slow``, are handed out first, so the long ones do not start last.
 
 Each test session (each worker) gets a private ``XDG_RUNTIME_DIR``, so its own core
@@ -126,15 +128,24 @@ def comm():  # type: ignore[no-untyped-def]
 
 # ---------------------------------------------------------------- parallel runs (pytest-xdist)
 MAX_WORKERS = 4
-ONE_GROUP_FOLDERS = ("tests/slurm",)
-"""Folders whose tests are one group, not one group per file."""
+SHARED_GROUPS = {
+    "tests/slurm/": "slurm",
+    # the files that start RADICAL-Pilot sessions: two live at once lost xdist workers
+    "tests/backends/test_conformance.py": "radical",
+    "tests/backends/test_engines.py": "radical",
+    "tests/backends/test_interrupt.py": "radical",
+    "tests/backends/test_radical_raptor.py": "radical",
+}
+"""Test files (or folders, ending in /) that share one group, by the group's name."""
 
 
 def group_of(nodeid: str) -> str:
-    """The group of a test id: its folder if that is in :data:`ONE_GROUP_FOLDERS`, else its file."""
+    """The group of a test id: the one :data:`SHARED_GROUPS` gives its file, else the file."""
     path = nodeid.split("::", 1)[0]
-    folder = path.rpartition("/")[0]
-    return folder if folder in ONE_GROUP_FOLDERS else path
+    for prefix, group in SHARED_GROUPS.items():
+        if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+            return group
+    return path
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads a bare -n as --dist load
@@ -171,7 +182,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Refuse a ``slurm`` test outside its group; in an xdist worker, order the groups
     tests/slurm/ first, then by how many of their tests are marked ``slow``."""
     for item in items:
-        if item.get_closest_marker("slurm") is not None and group_of(item.nodeid) not in ONE_GROUP_FOLDERS:
+        if item.get_closest_marker("slurm") is not None and group_of(item.nodeid) != "slurm":
             raise pytest.UsageError(f"{item.nodeid} is marked slurm but is not in tests/slurm/, whose tests "
                                     "run in one xdist worker that starts the lab cluster once")
     if not hasattr(config, "workerinput"):
@@ -181,6 +192,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         groups.setdefault(group_of(item.nodeid), []).append(item)
 
     def cost(name: str) -> tuple[bool, int]:
-        return name not in ONE_GROUP_FOLDERS, -sum(i.get_closest_marker("slow") is not None for i in groups[name])
+        return name != "slurm", -sum(i.get_closest_marker("slow") is not None for i in groups[name])
 
     items[:] = [item for name in sorted(groups, key=cost) for item in groups[name]]
