@@ -130,7 +130,7 @@ def comm():  # type: ignore[no-untyped-def]
 MAX_WORKERS = 4
 SHARED_GROUPS = {
     "tests/slurm/": "slurm",
-    # the files that start RADICAL-Pilot sessions: two live at once lost xdist workers
+    # the files that start RADICAL-Pilot sessions: one at a time (concurrent ones not shown safe)
     "tests/backends/test_conformance.py": "radical",
     "tests/backends/test_engines.py": "radical",
     "tests/backends/test_interrupt.py": "radical",
