@@ -11,12 +11,37 @@ CI installs everything, so such a skip means an install step went missing.
 Only skips that depend on the MPI size ("needs two ranks") or on a GPU ("needs a
 CUDA device": CI machines have none; ``scripts/gpu-check.sh`` runs those tests on one)
 stay skips.
+
+The serial tests run in parallel under pytest-xdist (``make test-serial``: ``-n auto
+--dist loadfile``; a bare ``-n N`` means the same).  A *group* runs on one worker, in
+order, and two groups may run at the same time:
+
+* each test file is a group, so a module fixture (an RP pilot, a PostgreSQL server, a
+  Dask cluster) starts once, and the two tests that build the wheel in the source tree
+  never overlap;
+* tests/slurm/ is one group, so the lab cluster's session fixture (tests/slurm/conftest.py)
+  lives in one worker: started once, stopped at the end only if it was not running.
+  A test marked ``slurm`` elsewhere is a usage error;
+* the files that start RADICAL-Pilot sessions are one group, so one session at a time
+  (:data:`SHARED_GROUPS`).
+
+xdist's own ``--dist loadgroup`` cannot carry this: it passes the group to the
+scheduler by editing test ids, which pytest 9.2 no longer allows (pytest-xdist#1386),
+so the scheduler here groups by test id.  tests/slurm/ first, then the groups holding more
+tests marked ``slow``, are handed out first, so the long ones do not start last.
+
+Each test session (each worker) gets a private ``XDG_RUNTIME_DIR``, so its own core
+ledger (:mod:`hetflow.tasks.ledger`): a run on one worker would otherwise wait for the
+cores another worker's run holds, and log a warning tests reading stderr do not expect.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from typing import Any
 
 import pytest
 
@@ -30,6 +55,7 @@ def _world_size() -> int:
 
 UNDER_MPIEXEC = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
 UNDER_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+_RUNTIME_DIR = pytest.StashKey[tuple[str | None, str]]()
 
 
 def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
@@ -49,6 +75,9 @@ def _fail_missing_component(report: pytest.TestReport | pytest.CollectReport) ->
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    runtime = tempfile.mkdtemp(prefix="hetflow-tests-xdg-")  # 0700, as the core ledger requires
+    config.stash[_RUNTIME_DIR] = (os.environ.get("XDG_RUNTIME_DIR"), runtime)
+    os.environ["XDG_RUNTIME_DIR"] = runtime
     if UNDER_MPIEXEC:
         from mpi4py import MPI
 
@@ -56,6 +85,15 @@ def pytest_configure(config: pytest.Config) -> None:
             # keep the other ranks quiet; rank 0 reports for everyone
             config.option.verbose = -1
             sys.stdout = open(os.devnull, "w")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    before, runtime = config.stash[_RUNTIME_DIR]
+    if before is None:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+    else:
+        os.environ["XDG_RUNTIME_DIR"] = before
+    shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -86,3 +124,74 @@ def comm():  # type: ignore[no-untyped-def]
     dup = MPI.COMM_WORLD.Dup()
     yield dup
     dup.Free()
+
+
+# ---------------------------------------------------------------- parallel runs (pytest-xdist)
+MAX_WORKERS = 4
+SHARED_GROUPS = {
+    "tests/slurm/": "slurm",
+    # the files that start RADICAL-Pilot sessions: one at a time (concurrent ones not shown safe)
+    "tests/backends/test_conformance.py": "radical",
+    "tests/backends/test_engines.py": "radical",
+    "tests/backends/test_interrupt.py": "radical",
+    "tests/backends/test_radical_raptor.py": "radical",
+}
+"""Test files (or folders, ending in /) that share one group, by the group's name."""
+
+
+def group_of(nodeid: str) -> str:
+    """The group of a test id: the one :data:`SHARED_GROUPS` gives its file, else the file."""
+    path = nodeid.split("::", 1)[0]
+    for prefix, group in SHARED_GROUPS.items():
+        if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+            return group
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads a bare -n as --dist load
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadfile"
+
+
+@pytest.hookimpl(optionalhook=True)  # the hooks of pytest-xdist, absent without it
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two workers per CPU (the serial tests mostly wait for the processes they
+    start), at most :data:`MAX_WORKERS`; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` decides when set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return max(1, min(MAX_WORKERS, 2 * len(os.sched_getaffinity(0))))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``: one work unit per group (:func:`group_of`), in the workers' order."""
+    if config.option.dist != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems chose
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a ``slurm`` test outside its group; in an xdist worker, order the groups
+    tests/slurm/ first, then by how many of their tests are marked ``slow``."""
+    for item in items:
+        if item.get_closest_marker("slurm") is not None and group_of(item.nodeid) != "slurm":
+            raise pytest.UsageError(f"{item.nodeid} is marked slurm but is not in tests/slurm/, whose tests "
+                                    "run in one xdist worker that starts the lab cluster once")
+    if not hasattr(config, "workerinput"):
+        return
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(group_of(item.nodeid), []).append(item)
+
+    def cost(name: str) -> tuple[bool, int]:
+        return name != "slurm", -sum(i.get_closest_marker("slow") is not None for i in groups[name])
+
+    items[:] = [item for name in sorted(groups, key=cost) for item in groups[name]]

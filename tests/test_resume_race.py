@@ -31,7 +31,9 @@ def slow(ctx):
     if len(attempt.read_text()) == 1:
         raise RuntimeError("the first run fails, so there is something to resume")
     (HERE / "pid").write_text(str(os.getpid()))
-    time.sleep(float(os.environ.get("RACE_SLEEP", "8")))
+    deadline = time.monotonic() + 120
+    while not (HERE / "release").exists() and time.monotonic() < deadline:  # alive until the test has looked
+        time.sleep(0.05)
     return {"numbers": pa.table({"x": [1, 2, 3]})}
 '''
 
@@ -59,6 +61,11 @@ def test_concurrent_resumes_one_owner_and_a_late_one_leaves_the_live_rank_alone(
     assert late.returncode == 2 and "held by orchestrator" in late_err, late_err
     assert psutil.pid_exists(rank) and psutil.Process(rank).status() != psutil.STATUS_ZOMBIE, \
         "the refused resume touched the owner's rank"
+    deadline = time.time() + 120
+    while all(p.poll() is None for p in both):  # the refused one ends; the owner's rank waits for release
+        assert time.time() < deadline, "neither concurrent resume was refused"
+        time.sleep(0.1)
+    (tmp_path / "release").touch()
     outcomes = [(p.communicate(timeout=120), p.returncode) for p in both]
     codes = sorted(code for _, code in outcomes)
     assert codes == [0, 2], outcomes  # one finished the run, the other was refused naming the holder
