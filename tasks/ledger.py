@@ -43,6 +43,12 @@ def real_cpus(cores: Iterable[int], available: Sequence[int]) -> list[int]:
 def ledger_dir() -> Path:
     """The per-user directory of the lock files, created 0700; an existing one must be ours and private."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and not os.path.isdir(runtime):
+        # the XDG spec's advice for a runtime directory that is not there (a stale variable from a
+        # session that ended, a removed temporary directory): fall back, and say so
+        log.warning("XDG_RUNTIME_DIR=%s is not a directory; the core ledger uses /tmp/hetflow-%d instead",
+                    runtime, os.getuid())
+        runtime = None
     path = Path(runtime) / "hetflow" if runtime else Path("/tmp") / f"hetflow-{os.getuid()}"
     try:
         os.mkdir(path, 0o700)

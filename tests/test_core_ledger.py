@@ -94,3 +94,16 @@ def test_real_cpus_fold_pilot_core_ids_onto_this_machine() -> None:
     assert real_cpus([1, 0], [0, 1, 2, 3]) == [0, 1]
     assert real_cpus([2, 3], [4, 5]) == [4, 5]
     assert real_cpus([0, 2], [4, 5]) == [4]
+
+
+def test_a_runtime_directory_that_is_gone_falls_back_with_a_warning(tmp_path: Path) -> None:
+    """A stale XDG_RUNTIME_DIR (its session ended, a removed temporary directory) must not fail a run."""
+    script = tmp_path / "tiny.py"
+    script.write_text("import hetflow as hf, pyarrow as pa\npipe = hf.Pipeline('tiny')\n"
+                      "@pipe.stage(outputs=['t'])\ndef make(ctx):\n    return {'t': pa.table({'x': [1]})}\n")
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path / "gone"))
+    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "run", str(script), "--workdir", str(tmp_path / "w"),
+                           "--no-progress"], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert f"XDG_RUNTIME_DIR={tmp_path / 'gone'} is not a directory" in done.stderr
+    assert not (tmp_path / "gone").exists()  # not created on the user's behalf
