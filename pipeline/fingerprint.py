@@ -614,12 +614,14 @@ def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | None
 
 
 def resolve_files(patterns: Sequence[str], base: Path) -> tuple[Path, ...]:
-    """The absolute, sorted, distinct files the declared ``patterns`` name (globs relative to ``base``).
+    """The absolute, distinct files the declared ``patterns`` name (globs relative to ``base``), in the
+    order declared (a glob's matches sorted), so ``files=["obs.csv", "cat.csv"]`` gives ``ctx.files[0]``
+    the observations.
 
     A glob that matches nothing adds nothing; a plain path that is missing or a
     directory raises ``ValueError`` naming the pattern (the caller adds the stage).
     """
-    return tuple(sorted({p.absolute() for _, p in _matches(patterns, base) if p is not None}))
+    return tuple(dict.fromkeys(p.absolute() for _, p in _matches(patterns, base) if p is not None))
 
 
 def file_fingerprint(patterns: Sequence[str], base: Path) -> dict[str, str]:

@@ -138,8 +138,11 @@ def _check_result(stage: str, result: Any, outputs: list[str]) -> dict[str, Any]
         value = result[name]
         if isinstance(value, pa.RecordBatch):
             value = pa.Table.from_batches([value])
+        dtable = sys.modules.get("hetflow.operators.dtable")  # loaded if the stage made one
+        if dtable is not None and isinstance(value, dtable.DTable):
+            value = value.to_arrow()  # this rank's partition, as ctx.dtable(...) took it
         if value is not None and not isinstance(value, (pa.Table, pa.RecordBatchReader)):
-            raise TypeError(f"stage {stage!r}, output {name!r}: expected a pyarrow Table, RecordBatchReader "
+            raise TypeError(f"stage {stage!r}, output {name!r}: expected a pyarrow Table, RecordBatchReader, DTable "
                             f"or None, got {type(value).__name__}")
         checked[name] = value
     return checked
@@ -297,7 +300,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
         params_read = ctx.params_read
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded before the abort
         result = dataclasses.replace(result, status="error", error=RankError(
-            type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc()))
+            type=type(exc).__name__, message=error_message(exc), traceback=traceback.format_exc()))
         log.error("failed: %s: %s", type(exc).__name__, exc)
     finally:
         log.removeHandler(handler)
@@ -305,6 +308,22 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
                                  params_read=None if params_read is None else [str(k) for k in params_read])
     result.write(files.rank_result(rank))
     return result, comm
+
+
+def error_message(exc: BaseException) -> str:
+    """``str(exc)``, and for a relative path that is not there, why: the stage's working directory is
+    its attempt directory, not the directory hetflow was started in."""
+    text = str(exc)
+    if not isinstance(exc, FileNotFoundError):
+        return text
+    name = exc.filename if isinstance(exc.filename, str) else (text if text and not any(c.isspace() for c in text)
+                                                               else None)  # pyarrow gives only the path
+    if name is not None and os.path.isabs(name):
+        return text
+    shown = repr(name) if name else "'data.csv'"
+    return text + (f" (a relative path is looked up in the stage's attempt directory {os.getcwd()}, not where the "
+                   f"run was started: declare the file with files=[{shown}] (relative to the script) and open it "
+                   "from ctx.files, so that a change to it also reruns the stage)")
 
 
 def _start_mpi(mpi: Any) -> None:

@@ -266,6 +266,8 @@ def test_file_fingerprint_globs_relative_and_absolute(tmp_path: Path) -> None:
     assert list(fp) == sorted(["data/none-*.csv", "data/obs-1.csv", "data/obs-2.csv", str(outside)])
     assert fp["data/none-*.csv"] == NO_MATCH and fp["data/obs-1.csv"] != fp["data/obs-2.csv"]
     assert resolve_files(["data/obs-*.csv", "data/obs-1.csv"], tmp_path) == (data / "obs-1.csv", data / "obs-2.csv")
+    # declared order, not sorted: ctx.files[0] is the first file declared
+    assert resolve_files(["data/obs-2.csv", "data/obs-*.csv"], tmp_path) == (data / "obs-2.csv", data / "obs-1.csv")
 
     (data / "obs-1.csv").write_text("changed")
     (data / "none-1.csv").write_text("new")

@@ -140,3 +140,35 @@ def test_the_readme_tour_runs_as_printed(tmp_path: Path, guarded: bool) -> None:
     runs = subprocess.run([sys.executable, "-m", "hetflow.cli", "runs", "--json"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert [r["state"] for r in json.loads(runs.stdout)] == ["DONE"]
+
+
+def _spread(ctx: hf.StageContext) -> dict[str, pa.Table]:
+    return {"t": pa.table({"x": [5, 3, 9, 1][ctx.rank::ctx.size]})}
+
+
+def _sorted(ctx: hf.StageContext, t: pa.Table) -> dict[str, object]:
+    return {"s": ctx.dtable(t).sort_by("x")}  # a DTable, as the operators hand it back
+
+
+def test_a_stage_may_return_the_dtable_its_operators_made(tmp_path: Path) -> None:
+    two = hf.PilotDescription(name="two", cores_per_node=2, gpus_per_node=0, memory_per_node=2**33)
+    pipe = hf.Pipeline("dtables", pilot=two, workdir=tmp_path / "w")
+    pipe.stage(ranks=2, outputs=["t"])(_spread)
+    pipe.stage(ranks=2, inputs=["t"], outputs=["s"])(_sorted)
+    status = pipe.run(progress=False)
+    assert status.dataset("s").to_table().column("x").to_pylist() == [1, 3, 5, 9]
+
+
+def test_a_missing_relative_file_says_where_stages_run_and_how_to_declare_it() -> None:
+    from hetflow.tasks.worker import error_message
+
+    import pyarrow.parquet as pq
+
+    with pytest.raises(FileNotFoundError) as pyarrow_style:  # pyarrow: the path only, no .filename
+        pq.read_table("obs-that-is-not-here.parquet")
+    for exc in (pyarrow_style.value, FileNotFoundError(2, "No such file or directory", "cat.csv")):
+        text = error_message(exc)
+        assert "attempt directory" in text and "files=[" in text and "ctx.files" in text, text
+    assert "files=['cat.csv']" in error_message(FileNotFoundError(2, "No such file or directory", "cat.csv"))
+    absolute = FileNotFoundError(2, "No such file or directory", "/data/cat.csv")
+    assert error_message(absolute) == str(absolute)  # nothing to add for an absolute path
