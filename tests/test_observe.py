@@ -38,6 +38,9 @@ TWO_RANKS = textwrap.dedent('''
             time.sleep(float(ctx.params.get("pause", 0.0)))
         print(f"note from rank {ctx.rank}", file=sys.stderr, flush=True)
         ctx.log.info("logged by rank %d", ctx.rank)
+        if ctx.params.get("kill"):
+            ctx.comm.barrier()  # both ranks have written their lines before rank 1 dies (a loaded machine
+                                # may start rank 0 late, and the launcher then kills it before it printed)
         if ctx.params.get("kill") and ctx.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         ctx.comm.barrier()

@@ -26,8 +26,9 @@ def main(name: str, run_dir: Path) -> None:
     backend.start()
     work = run_dir / "task"
     work.mkdir(mode=0o700)
-    program = "import os, sys, time; open(sys.argv[1] + '/pid-' + os.environ['PMI_RANK'], 'w').write(str(os.getpid())); " \
-              "time.sleep(600)"
+    # the pid file appears whole (written aside, then renamed): the test reads it as soon as it is there
+    program = "import os, sys, time; r = os.environ['PMI_RANK']; tmp = f'{sys.argv[1]}/.pid-{r}'; " \
+              "open(tmp, 'w').write(str(os.getpid())); os.replace(tmp, f'{sys.argv[1]}/pid-{r}'); time.sleep(600)"
     future = backend.launch(LaunchSpec(task_id="long/1", argv=(sys.executable, "-c", program, str(work)),
                                        slots=(RankSlot(0, (0,)), RankSlot(0, (1,))), cwd=work))
     deadline = time.monotonic() + 120
