@@ -30,7 +30,7 @@ demo: $(STAMP)
 
 test: docs test-serial test-mpi test-compiled
 
-# In parallel (pytest-xdist): -n auto is two workers per CPU, capped; what must not run
+# In parallel (pytest-xdist): -n auto is one worker per CPU and one more, capped; what must not run
 # concurrently shares a group (tests/conftest.py): a file, tests/slurm/, the RP files.
 test-serial: $(STAMP)
 	$(BIN)/python -m pytest -m "not mpi" -n auto --dist loadfile --durations=15 tests

@@ -156,11 +156,11 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 @pytest.hookimpl(optionalhook=True)  # the hooks of pytest-xdist, absent without it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: two workers per CPU (the serial tests mostly wait for the processes they
+    """``-n auto``: one worker per CPU and one more (the serial tests mostly wait for the processes they
     start), at most :data:`MAX_WORKERS`; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` decides when set."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    return max(1, min(MAX_WORKERS, 2 * len(os.sched_getaffinity(0))))
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) + 1))
 
 
 @pytest.hookimpl(optionalhook=True)
