@@ -98,7 +98,13 @@ def test_unwritable_output_removes_spill_files(tmp_path: Path, mpi_comm: Any) ->
 CTRL_C = """
 import sys
 from mpi4py import MPI
-from hetflow.operators import scan_ipc
+import time
+from hetflow.operators import scan_ipc, spill
+real_write_run = spill.write_run
+def write_run_then_wait(*args, **kwargs):  # the signal finds the sort mid-way however slow this machine is
+    real_write_run(*args, **kwargs)
+    time.sleep(120)
+spill.write_run = write_run_then_wait
 scan_ipc(MPI.COMM_WORLD, sys.argv[1]).sort_by("v", output=sys.argv[2], memory_budget=1 << 20, spill_dir=sys.argv[3])
 """
 
