@@ -227,7 +227,7 @@ def test_ctrl_c_in_the_terminal_records_interrupted_without_error_logs_and_print
     proc, run = _start_held_run(tmp_path)
     os.killpg(proc.pid, signal.SIGINT)
     try:
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=180)  # a hang guard: ~2 s alone, over 60 s twice beside 3 xdist workers
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
