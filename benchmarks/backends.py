@@ -166,13 +166,8 @@ def measure(name: str, tasks: int, root: Path) -> dict[str, Any]:
             latencies.append(time.perf_counter() - t0)
             if not outcome.ok:
                 raise RuntimeError(f"{name}: task {spec.task_id} failed: {outcome}")
-        t0 = time.perf_counter()
-        futures = [backend.launch(LaunchSpec(task_id=f"par-{i}", argv=COMMAND, slots=(RankSlot(0, (i % 2,)),),
-                                             cwd=run_dir)) for i in range(tasks)]
-        outcomes = [f.result(timeout=600) for f in futures]
-        burst = time.perf_counter() - t0
-        if not all(o.ok for o in outcomes):
-            raise RuntimeError(f"{name}: a burst task failed: {[o for o in outcomes if not o.ok][:1]}")
+        burst = _burst(name, backend, [LaunchSpec(task_id=f"par-{i}", argv=COMMAND, slots=(RankSlot(0, (i % 2,)),),
+                                                  cwd=run_dir) for i in range(tasks)])
     finally:
         t0 = time.perf_counter()
         backend.shutdown()
@@ -180,6 +175,16 @@ def measure(name: str, tasks: int, root: Path) -> dict[str, Any]:
     return {"backend": name, "startup_s": startup, "task_latency_median_s": statistics.median(latencies),
             "task_latency_min_s": min(latencies), "task_latency_max_s": max(latencies),
             "burst_tasks_per_s": tasks / burst, "shutdown_s": shutdown, "tasks": tasks}
+
+
+def _burst(name: str, backend: Any, specs: list[LaunchSpec]) -> float:
+    """Seconds to launch all ``specs`` at once and see every one end successfully."""
+    t0 = time.perf_counter()
+    outcomes = [f.result(timeout=600) for f in [backend.launch(s) for s in specs]]
+    burst = time.perf_counter() - t0
+    if not all(o.ok for o in outcomes):
+        raise RuntimeError(f"{name}: a burst task failed: {[o for o in outcomes if not o.ok][:1]}")
+    return burst
 
 
 LAB_BACKENDS = ("slurm", "radical", "parsl", "dask")
@@ -223,11 +228,7 @@ def measure_lab(name: str, tasks: int, root: Path, asked: float | None = None) -
     startup = time.perf_counter() - started + (wall - asked if asked is not None else 0.0)
     try:
         latencies = _sequential(backend, lab_specs(run_dir, "seq", tasks))
-        t0 = time.perf_counter()
-        outcomes = [f.result(timeout=600) for f in [backend.launch(s) for s in lab_specs(run_dir, "par", tasks)]]
-        burst = time.perf_counter() - t0
-        if not all(o.ok for o in outcomes):
-            raise RuntimeError(f"{name}: a burst task failed: {[o for o in outcomes if not o.ok][:1]}")
+        burst = _burst(name, backend, lab_specs(run_dir, "par", tasks))
     finally:
         t0 = time.perf_counter()
         backend.shutdown()

@@ -14,19 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _procs import alive as _alive
 
 SCRIPT = Path(__file__).with_name("interrupt_script.py")
-
-
-def _alive(pids: set[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return alive
 
 
 def _naming(marker: str) -> set[int]:
