@@ -89,6 +89,19 @@ GENERIC_RESOURCES = {
 }
 
 
+THIS_PYTHON: Mapping[str, Any] = {
+    "rp_version": "installed", "virtenv_mode": "none", "python_dist": "default",
+    "python_interpreter": sys.executable,
+}
+"""How the agent finds Python and RP: this installation, as it is (PATH puts its ``bin`` first).
+
+Not ``virtenv_mode: local``: RP reads that as "activate ``$VIRTUAL_ENV`` (else ``$CONDA_PREFIX``)
+of the submitting shell", which need not be the environment hetflow runs from (a venv's
+Python run by path, with another venv active), and whose ``bin`` then shadows this one's.
+Nothing is created or installed on the compute nodes.
+"""
+
+
 def rp_gpu_type(pilot: PilotDescription) -> str:
     """RP's ``gpu_type`` for the pilot's GPU vendor (RP then sets the matching visible-devices variables)."""
     return "ROCm" if pilot.vendor == "amd" else "CUDA"
@@ -146,9 +159,7 @@ def resource_config(pilot: PilotDescription, run_dir: Path) -> dict[str, Any] | 
                                "MPIEXEC": {"pre_exec_cached": [f"export PATH={venv_bin}:$PATH"]},
                                "FORK": {}},
             "pre_bootstrap_0": [f"export PATH={venv_bin}:$PATH"],
-            "rp_version": "installed",
-            "virtenv_mode": "local",
-            "python_dist": "default",
+            **THIS_PYTHON,
             "cores_per_node": pilot.cores_per_node,
             "gpus_per_node": pilot.gpus_per_node or 0,
             "mem_per_node": (pilot.memory_per_node or 0) // 2**20,
@@ -177,9 +188,7 @@ def resource_config(pilot: PilotDescription, run_dir: Path) -> dict[str, Any] | 
             "agent_spawner": "POPEN",
             "launch_methods": {"order": [method], method: {}},
             "pre_bootstrap_0": worker_init,
-            "rp_version": "installed",
-            "virtenv_mode": "local",
-            "python_dist": "default",
+            **THIS_PYTHON,
             "cores_per_node": pilot.cores_per_node,
             "gpus_per_node": pilot.gpus_per_node or 0,
             "mem_per_node": (pilot.memory_per_node or 0) // 2**20,
