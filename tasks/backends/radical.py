@@ -60,16 +60,17 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, ProtocolError
 from ..launchers.srun import STEP_ENV_DEFAULTS
+from ..paths import private_dir
 from ..pilot import PilotDescription
 from ..protocol import AttemptFiles, RankResult
 from .base import Backend, LaunchSpec, TaskOutcome
-from ..paths import private_dir
 from .ranks import options_for, safe_name
 
 if TYPE_CHECKING:
@@ -87,6 +88,19 @@ GENERIC_RESOURCES = {
     "hetflow.pbs": ("PBSPRO", "pbspro://localhost/", "MPIEXEC"),
     "hetflow.lsf": ("LSF", "lsf://localhost/", "JSRUN"),
 }
+
+
+THIS_PYTHON: Mapping[str, Any] = {
+    "rp_version": "installed", "virtenv_mode": "none", "python_dist": "default",
+    "python_interpreter": sys.executable,
+}
+"""How the agent finds Python and RP: this installation, as it is (PATH puts its ``bin`` first).
+
+Not ``virtenv_mode: local``: RP reads that as "activate ``$VIRTUAL_ENV`` (else ``$CONDA_PREFIX``)
+of the submitting shell", which need not be the environment hetflow runs from (a venv's
+Python run by path, with another venv active), and whose ``bin`` then shadows this one's.
+Nothing is created or installed on the compute nodes.
+"""
 
 
 def rp_gpu_type(pilot: PilotDescription) -> str:
@@ -146,9 +160,7 @@ def resource_config(pilot: PilotDescription, run_dir: Path) -> dict[str, Any] | 
                                "MPIEXEC": {"pre_exec_cached": [f"export PATH={venv_bin}:$PATH"]},
                                "FORK": {}},
             "pre_bootstrap_0": [f"export PATH={venv_bin}:$PATH"],
-            "rp_version": "installed",
-            "virtenv_mode": "local",
-            "python_dist": "default",
+            **THIS_PYTHON,
             "cores_per_node": pilot.cores_per_node,
             "gpus_per_node": pilot.gpus_per_node or 0,
             "mem_per_node": (pilot.memory_per_node or 0) // 2**20,
@@ -177,9 +189,7 @@ def resource_config(pilot: PilotDescription, run_dir: Path) -> dict[str, Any] | 
             "agent_spawner": "POPEN",
             "launch_methods": {"order": [method], method: {}},
             "pre_bootstrap_0": worker_init,
-            "rp_version": "installed",
-            "virtenv_mode": "local",
-            "python_dist": "default",
+            **THIS_PYTHON,
             "cores_per_node": pilot.cores_per_node,
             "gpus_per_node": pilot.gpus_per_node or 0,
             "mem_per_node": (pilot.memory_per_node or 0) // 2**20,
@@ -210,7 +220,7 @@ def pilot_description(pilot: PilotDescription, run_dir: Path) -> dict[str, Any]:
     return description
 
 
-def raptor_function(spec: LaunchSpec, uid: str, pool: "Pool", sandbox: Path) -> dict[str, Any]:
+def raptor_function(spec: LaunchSpec, uid: str, pool: Pool, sandbox: Path) -> dict[str, Any]:
     """The RP ``TaskDescription`` fields of a stage run as a function task in ``pool``."""
     from .raptor import function_description, spec_path_of
 
@@ -457,7 +467,7 @@ class RadicalBackend(Backend):
         psutil.wait_procs(alive, timeout=5)
 
     # ------------------------------------------------------------------- tasks
-    def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
+    def _launch(self, spec: LaunchSpec) -> Future[TaskOutcome]:
 
         if self._tmgr is None:
             raise RuntimeError("radical backend not started; call start() first")
@@ -466,7 +476,7 @@ class RadicalBackend(Backend):
         self._submit(spec, outcome, time.time(), spec.timeout)
         return outcome
 
-    def _submit(self, spec: LaunchSpec, outcome: "Future[TaskOutcome]", started: float, timeout: float | None,
+    def _submit(self, spec: LaunchSpec, outcome: Future[TaskOutcome], started: float, timeout: float | None,
                 relaunched: bool = False) -> None:
         """Submit ``spec`` as a new RP task (a Raptor function task if eligible) resolving ``outcome``."""
         import radical.pilot as rp
@@ -585,7 +595,7 @@ class RadicalBackend(Backend):
             self._tmgr.cancel_tasks([uid])
 
     # ------------------------------------------------------------ Raptor pools
-    def _pool_for(self, spec: LaunchSpec) -> "Pool | None":
+    def _pool_for(self, spec: LaunchSpec) -> Pool | None:
         """The Raptor pool that runs ``spec``, or ``None`` for a normal RP task."""
         from .raptor import ineligible
 
@@ -635,7 +645,7 @@ class RadicalBackend(Backend):
         log.info("Raptor pools up: %s", ", ".join(f"{p.worker} ({len(p.cores)} ranks on {p.host})"
                                                   for p in self._pools.values()))
 
-    def _submit_pool(self, pool: "Pool") -> None:
+    def _submit_pool(self, pool: Pool) -> None:
         import radical.pilot as rp
 
         private_dir(pool.sandbox)
@@ -645,7 +655,7 @@ class RadicalBackend(Backend):
         self._rp_pilot.submit_raptors([rp.TaskDescription(master)])
         self._tmgr.submit_workers([rp.TaskDescription(worker)])
 
-    def _lose_pool(self, pool: "Pool", reason: str, *, timed_out: str | None = None,
+    def _lose_pool(self, pool: Pool, reason: str, *, timed_out: str | None = None,
                    cancelled: str | None = None) -> None:
         """Fail every stage in ``pool``, stop its master and worker, start the next generation."""
         with self._lock:
@@ -682,8 +692,8 @@ class RadicalBackend(Backend):
         threading.Thread(target=self._replace_pool, args=(pool, replacement, again), daemon=True,
                          name=f"hetflow-raptor-replace-{pool.master}").start()
 
-    def _replace_pool(self, old: "Pool", new: "Pool | None",
-                      again: "list[tuple[LaunchSpec, Future[TaskOutcome], float]]") -> None:
+    def _replace_pool(self, old: Pool, new: Pool | None,
+                      again: list[tuple[LaunchSpec, Future[TaskOutcome], float]]) -> None:
         tmgr = self._tmgr
         if tmgr is None or self._closing:
             for spec, outcome, started in again:
@@ -699,7 +709,7 @@ class RadicalBackend(Backend):
                     stale.unlink(missing_ok=True)
                 left = None if spec.timeout is None else max(1.0, spec.timeout - (time.time() - started))
                 self._submit(spec, outcome, started, left, relaunched=True)
-        except Exception:  # noqa: BLE001 - a background thread; the next launch reports the missing pool
+        except Exception:
             log.exception("could not replace Raptor pool %s", old.master)
         with self._lock:
             tracked = {id(entry[1]) for entry in self._running.values()}

@@ -6,11 +6,13 @@ The same engines on the Slurm lab cluster are in tests/slurm/test_engines_on_slu
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 from hetflow.tasks.backends.dask import check_options
 from hetflow.tasks.backends.jobqueue import slurm_cluster_kwargs
+from hetflow.tasks.backends.radical import resource_config
 from hetflow.tasks.backends.ranks import RankRun, launch_argv
 from hetflow.tasks.errors import ConfigError
 from hetflow.tasks.launchers.srun import step_env
@@ -63,3 +65,17 @@ def test_an_engines_srun_task_is_one_job_step_with_the_step_environment(tmp_path
     assert "SLURM_NTASKS_PER_NODE" not in env and env["SLURM_JOB_ID"] == "7" and env["X"] == "1"
     assert env["MPIR_CVAR_CH4_NETMOD"] == "ucx"
     assert env["MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS"] == "1"
+
+
+@pytest.mark.parametrize("resource", ["hetflow.slurm", "local"])
+def test_rp_agent_runs_this_python_not_the_shells_active_env(resource: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # RP's virtenv_mode 'local' makes the bootstrapper activate $VIRTUAL_ENV: with another venv active
+    # (or none there on the compute nodes) the agent never starts.
+    monkeypatch.setenv("VIRTUAL_ENV", str(tmp_path / "another-venv"))
+    pilot = PilotDescription(name="lab-radical", backend="radical", resource=resource, nodes=2, cores_per_node=1,
+                             gpus_per_node=0, memory_per_node=2**30)
+    (config,) = (host for hosts in resource_config(pilot, tmp_path).values() for host in hosts.values())
+    assert config["virtenv_mode"] == "none" and config["rp_version"] == "installed"
+    assert config["python_interpreter"] == sys.executable
+    assert config["pre_bootstrap_0"][0] == f"export PATH={Path(sys.executable).parent}:$PATH"

@@ -1,10 +1,9 @@
-"""Parsl and Dask submitting their own batch jobs to the Slurm lab cluster.
+"""RADICAL-Pilot, Parsl and Dask submitting their own batch jobs to the Slurm lab cluster.
 
 Each engine runs the backend conformance pipeline (tests/backends/conformance.py)
 from a pilot config in tests/slurm/pilots/ -- Parsl's ``SlurmProvider``,
-dask-jobqueue's ``SLURMCluster`` -- once for the whole module, in a process of
-its own.  (RADICAL-Pilot on the ``hetflow.slurm`` resource is not here yet: its
-pilot did not come up within the time limit on the shared lab machine.)  The pilots have one core per
+dask-jobqueue's ``SLURMCluster``, RP's pilot on the ``hetflow.slurm`` resource --
+once for the whole module, in a process of its own.  The pilots have one core per
 node, so every two-rank stage spans two nodes.  Each engine must commit the local
 backend's datasets (content hashes), record the same transitions and error, run
 its two-rank stages on two hosts, and leave no Slurm job and no process behind.
@@ -27,7 +26,7 @@ from conformance import DATASETS, leftovers
 pytestmark = pytest.mark.slurm
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ["parsl", "dask"]
+ENGINES = ["parsl", "dask", "radical"]
 SPANNING = ["generate", "sort_rows", "train"]
 """The two-rank stages that end well (both ranks write a record): on one-core nodes, a rank on each of two nodes."""
 
