@@ -18,6 +18,7 @@ their results back to the input's types.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -64,16 +65,36 @@ def _polars() -> Any:
     return pl
 
 
+_opened: list[Any] = []
+_opened_lock = threading.Lock()
+
+
 def _duck() -> Any:
+    """This thread's DuckDB connection, opened on first use and closed at interpreter exit."""
     con = getattr(_local, "duck", None)
     if con is None:
         import duckdb
 
-        con = duckdb.connect(":memory:")
-        con.execute(f"SET threads={threads()}")
-        con.execute("SET preserve_insertion_order=false")
+        con = duckdb.connect(":memory:", config={"threads": threads(), "preserve_insertion_order": False})
+        with _opened_lock:
+            if not _opened:
+                atexit.register(_close_connections)
+            _opened.append(con)
         _local.duck = con
     return con
+
+
+def _close_connections() -> None:
+    """Close every connection :func:`_duck` opened, joining DuckDB's worker threads while the interpreter
+    is whole.  Left to interpreter teardown, a database's threads were destroyed still joinable now and
+    then (``terminate called without an active exception``, SIGABRT after a program's last line)."""
+    with _opened_lock:
+        opened, _opened[:] = list(_opened), []
+    for con in opened:
+        try:
+            con.close()
+        except Exception as exc:  # noqa: BLE001 - a connection another thread still uses: leave it
+            log.debug("could not close a DuckDB connection at exit: %s", exc)
 
 
 def q(name: str) -> str:

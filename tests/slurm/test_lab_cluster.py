@@ -22,10 +22,41 @@ pytestmark = pytest.mark.slurm
 HERE = Path(__file__).resolve().parent
 
 
-def _run(argv: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+def _run(argv: list[str], env: dict[str, str], timeout: float = 120,
+         workdir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    try:
+        done = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        if workdir is None:
+            raise
+        raise AssertionError(f"{argv} ran past {timeout} s\n--- its stderr\n{_text(exc.stderr)[-6000:]}\n"
+                             f"{_diagnosis(workdir, env)}") from exc
     assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _diagnosis(workdir: Path, env: dict[str, str]) -> str:
+    """What a hung run leaves to read: Slurm's jobs and steps, the processes under ``workdir``, and the
+    last lines of every log the run wrote (the steps' srun stderr, the ranks' logs)."""
+    parts = []
+    for argv in (["squeue", "-h", "-o", "%i %j %T %R"], ["squeue", "-h", "-s", "-o", "%i %j %M %N"]):
+        try:
+            listed = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=30)
+            parts.append(f"--- {' '.join(argv)}\n{listed.stdout}")
+        except (OSError, subprocess.SubprocessError) as exc:
+            parts.append(f"--- {' '.join(argv)}: {exc}")
+    parts.append("--- processes\n" + "\n".join(_leftovers(str(workdir))))
+    for attempt in sorted(workdir.glob("runs/*/stages/*/attempt-*")):
+        parts.append(f"--- {attempt.relative_to(workdir)}: {sorted(p.name for p in attempt.iterdir())}")
+        for path in sorted(attempt.iterdir()):
+            if path.suffix in {".log", ".pid"}:
+                lines = path.read_text(errors="replace").splitlines()[-15:]
+                parts.append(f"--- {path.name}\n" + "\n".join(lines))
+    return "\n".join(parts)[-20000:]
 
 
 def _no_jobs_left(env: dict[str, str], wait: float = 30.0) -> None:
@@ -62,7 +93,7 @@ def _pipeline(backend: str, workdir: Path, env: dict[str, str]) -> dict[str, Any
     argv = [sys.executable, str(HERE / "run_pipeline.py"), backend, str(workdir)]
     if backend == "slurm":
         argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-test", *argv]
-    done = _run(argv, env, timeout=240)
+    done = _run(argv, env, timeout=240, workdir=workdir)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -97,7 +128,7 @@ def test_pipeline_on_backend_slurm_spans_two_nodes_and_matches_local(slurm_env: 
 def test_failed_rank_and_timeout_end_their_job_steps(slurm_env: dict[str, str], tmp_path: Path) -> None:
     argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-faults", sys.executable,
             str(HERE / "run_faults.py"), str(tmp_path)]
-    done = subprocess.run(argv, env=slurm_env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(argv, check=False, env=slurm_env, capture_output=True, text=True, timeout=240)
     record = json.loads(done.stdout.strip().splitlines()[-1])
     failed, slept = record["stages"]["fail_on_last_rank"], record["stages"]["sleep_long"]
     assert failed["nodes"] == ["n1", "n2"] and slept["nodes"] == ["n1", "n2"], record
