@@ -103,6 +103,7 @@ def _env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if os.environ.get("HETFLOW_MPIEXEC"):
         env["HETFLOW_MPIEXEC"] = os.environ["HETFLOW_MPIEXEC"]
+    env["PYTHONFAULTHANDLER"] = "1"  # a block that dies on a signal prints every thread's Python stack
     return env
 
 
