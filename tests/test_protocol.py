@@ -270,3 +270,16 @@ def test_the_stage_memory_and_node_local_dir_become_the_operator_settings(tmp_pa
     assert settings.current() == before
     with operator_settings(_spec(tmp_path, memory_per_rank=0, node_local_dir=None)):
         assert settings.current().memory_budget is None and settings.current().spill_dir is None
+
+
+def test_a_rank_that_dies_after_returning_its_result_is_named_as_such(tmp_path: Path) -> None:
+    """A native library aborting in the interpreter's teardown (SIGABRT after the stage's last line)."""
+    files = AttemptFiles(tmp_path)
+    for rank in range(2):
+        files.write_pid(rank, 6000 + rank)
+    files.ended(6001).write_text(json.dumps({"pid": 6001, "status": int(signal.SIGABRT), "ended": 9.0}))
+    failure = diagnose("sort", None, _outcome(6), [_ok(0), _ok(1)], files, grace=GRACE)
+    assert failure is not None and failure.state == "FAILED"
+    assert (failure.rank, failure.signal) == (1, int(signal.SIGABRT))
+    assert failure.message == ("every rank of stage 'sort' returned its result, then rank 1 ended badly on its "
+                               f"way out, after the stage's code (killed by signal {int(signal.SIGABRT)})")
