@@ -170,3 +170,26 @@ def test_hockney_cache_roundtrip(self_comm: Any, tmp_path: Path, monkeypatch: py
     assert h.shuffle(2, 1e6) == pytest.approx(1e-6 + 0.5e6 * 1e-10)
     with pytest.raises(ValueError):
         costmodel.Hockney(-1.0, 0.0)
+
+
+def test_duckdb_threads_are_joined_before_interpreter_teardown(tmp_path: Path) -> None:
+    """The kernels' DuckDB connections close at exit, so no database thread is left for teardown to
+    destroy (which aborted a program after its last line now and then)."""
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import atexit, os\n"
+        "atexit.register(lambda: print('threads at teardown', len(os.listdir('/proc/self/task'))))\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "import pyarrow as pa\n"
+        "from hetflow.operators import kernels\n"
+        "t = pa.table({'k': [1, 2, 3], 'v': [4, 5, 6]})\n"
+        "joined = kernels.join(t, t, ['k'], ['k'], 'inner', '_right')\n"
+        "print('joined', joined.num_rows, 'threads', len(os.listdir('/proc/self/task')), 'before', before)\n")
+    out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120, check=True).stdout
+    joined, teardown = out.splitlines()[0].split(), out.splitlines()[1].split()
+    rows, running, before, left = int(joined[1]), int(joined[3]), int(joined[5]), int(teardown[-1])
+    assert rows == 3 and running > before + 2, out  # DuckDB ran with its own threads
+    assert left <= before + 2, out  # left for teardown: the interpreter's and pyarrow's allocator thread
