@@ -557,9 +557,7 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
     signal = outcome.signal or signal
     pids = files.rank_pids()
     missing = [r for r, result in enumerate(results) if result is None]
-    returned = all(r is not None and r.status == "ok" for r in results)  # then one died on its way out
-    suspects = list(range(len(results))) if returned else missing
-    alone = {r: seen for r, seen in files.ended_alone(pids).items() if r in suspects}
+    alone = files.ended_alone(pids)  # only a rank that ended by itself has a record, result or not
     code = outcome.returncode
     killed: int | None
     if alone:  # witnessed: the rank that ended by itself first, and its own status
@@ -577,10 +575,13 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
         how += f"; the launcher did not end the other ranks within {grace:g} s, so hetflow did"
     if outcome.detail:  # the launcher's own account (srun: its exit code, error lines and node)
         how += f"; {outcome.detail}"
-    if returned:
-        who = f"rank {killed}" if killed is not None else "a rank"
-        return Failure("FAILED", f"every rank of stage {stage_name!r} returned its result, then {who} ended "
-                       f"badly on its way out, after the stage's code ({how})", killed, output or None, signal)
+    returned = [r for r, result in enumerate(results) if result is not None and result.status == "ok"]
+    if (alone and killed in returned) or len(returned) == len(results):
+        # it died on its way out, after the stage's code: a native library aborting in the teardown
+        who = f"rank {killed}" if alone else "a rank"
+        others = f"; rank(s) {missing} ended before returning theirs" if missing else ""
+        return Failure("FAILED", f"{who} of stage {stage_name!r} returned its result, then ended badly on its way "
+                       f"out, after the stage's code ({how}){others}", killed, output or None, signal)
     return Failure("FAILED", f"{who} of stage {stage_name!r} ended without a result ({how})",
                    killed if killed is not None else (missing[0] if missing else None), output or None, signal)
 

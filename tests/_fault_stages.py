@@ -183,3 +183,12 @@ def books_cores(ctx):
             time.sleep(0.02)
     (record / f"{ctx.run_id}-{ctx.rank}.json").write_text(json.dumps(
         {"cpus": sorted(os.sched_getaffinity(0)), "started": started, "ended": time.time()}))
+
+
+def aborts_on_its_way_out(ctx, table):
+    """Rank 1 returns its result, then aborts in the interpreter's teardown (as a native library can)."""
+    if ctx.rank == 1:
+        import atexit
+
+        atexit.register(os.abort)
+    return {"copied": table}

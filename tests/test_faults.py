@@ -111,6 +111,18 @@ def test_the_rank_that_died_is_named_not_one_mpiexec_killed(tmp_path: Path, how:
     assert seen and not [p for p in seen if Path(p).exists()], seen
 
 
+def test_a_rank_that_aborts_after_its_result_is_named_and_nothing_is_published(tmp_path: Path) -> None:
+    pipe = _pipe("teardown", tmp_path)
+    pipe.stage(ranks=2, inputs=["numbers"], outputs=["copied"], retries=0)(F.aborts_on_its_way_out)
+    run = pipe.run(check=False)
+    stage = run.stage("aborts_on_its_way_out")
+    assert stage.state == "FAILED" and stage.failed_rank == 1 and stage.signal == signal.SIGABRT, stage
+    assert stage.error.startswith("rank 1 of stage 'aborts_on_its_way_out' returned its result, then ended badly "
+                                  "on its way out"), stage.error
+    with pytest.raises(DatasetNotFound):
+        open_dataset(Path(run.run_dir) / "datasets" / "copied")
+
+
 def test_a_death_the_launcher_misses_still_ends_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hetflow.orchestrator
 

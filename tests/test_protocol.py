@@ -281,5 +281,10 @@ def test_a_rank_that_dies_after_returning_its_result_is_named_as_such(tmp_path: 
     failure = diagnose("sort", None, _outcome(6), [_ok(0), _ok(1)], files, grace=GRACE)
     assert failure is not None and failure.state == "FAILED"
     assert (failure.rank, failure.signal) == (1, int(signal.SIGABRT))
-    assert failure.message == ("every rank of stage 'sort' returned its result, then rank 1 ended badly on its "
-                               f"way out, after the stage's code (killed by signal {int(signal.SIGABRT)})")
+    assert failure.message == ("rank 1 of stage 'sort' returned its result, then ended badly on its way out, "
+                               f"after the stage's code (killed by signal {int(signal.SIGABRT)})")
+    # the launcher ended rank 0 before it had returned its own: still rank 1's doing
+    failure = diagnose("sort", None, _outcome(6), [None, _ok(1)], files, grace=GRACE)
+    assert failure is not None and (failure.rank, failure.signal) == (1, int(signal.SIGABRT))
+    assert failure.message.startswith("rank 1 of stage 'sort' returned its result, then ended badly"), failure.message
+    assert failure.message.endswith("; rank(s) [0] ended before returning theirs"), failure.message
