@@ -65,7 +65,7 @@ def _polars() -> Any:
     return pl
 
 
-_opened: list[Any] = []
+_opened: list[tuple[int, Any]] = []  # (pid that opened it, connection)
 _opened_lock = threading.Lock()
 
 
@@ -79,7 +79,7 @@ def _duck() -> Any:
         with _opened_lock:
             if not _opened:
                 atexit.register(_close_connections)
-            _opened.append(con)
+            _opened.append((os.getpid(), con))
         _local.duck = con
     return con
 
@@ -90,7 +90,9 @@ def _close_connections() -> None:
     then (``terminate called without an active exception``, SIGABRT after a program's last line)."""
     with _opened_lock:
         opened, _opened[:] = list(_opened), []
-    for con in opened:
+    for pid, con in opened:
+        if pid != os.getpid():  # a forked child's copy: its threads stayed in the parent, nothing to join
+            continue
         try:
             con.close()
         except Exception as exc:  # noqa: BLE001 - a connection another thread still uses: leave it
