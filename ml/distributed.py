@@ -2,9 +2,18 @@
 
 The stage's private MPI communicator is the rendezvous: rank 0 opens a
 ``TCPStore`` on a port the kernel picks (port 0, so no race for a "free"
-port), broadcasts the address over ``ctx.comm``, and every rank joins the
-process group through that store.  NCCL when this rank was given a GPU and
-torch sees one, Gloo otherwise — the same user code runs on both.
+port), hands the address to every rank over ``ctx.comm`` (:func:`handoff`), and
+every rank joins the process group through that store.  NCCL when this rank was
+given a GPU and torch sees one, Gloo otherwise — the same user code runs on both.
+
+MPI and torch take turns on the same ranks, and MPICH over OFI's tcp provider
+moves a message only while its sender is inside an MPI call: a rank that leaves
+a ``bcast`` or ``Barrier`` and blocks in Gloo can leave a message (or the
+connection it needs) undelivered, and the ranks still waiting for it wait for
+ever.  MPICH's automatic progress threads would cure that, but they hung
+``MPI_Init`` now and then on the lab cluster (docs/slurm.md, "MPICH from PyPI").
+So every turn from MPI to torch goes through :func:`handoff`, built on
+synchronous sends: no rank leaves it while a message of the turn is in flight.
 """
 
 from __future__ import annotations
@@ -66,6 +75,36 @@ class DistributedEnv:
         dist.barrier()
 
 
+HANDOFF_TAG = 32_001
+"""Tag of :func:`handoff`'s messages (the MPI standard guarantees tags up to 32767)."""
+
+
+def handoff(comm: Any, value: Any = None, root: int = 0) -> Any:
+    """``root``'s ``value`` on every rank, returned once no message of this exchange is in flight.
+
+    Call it where the ranks turn from MPI to something that blocks outside MPI
+    (torch's Gloo or NCCL, a socket): the ranks first report to ``root`` with
+    synchronous sends, then ``root`` sends ``value`` to each with synchronous
+    sends, so every earlier message between them was delivered and ``root``
+    leaves only after each rank holds the value.  What is left for a rank to
+    send after it returns is the acknowledgement of a message it received, on
+    a connection already open.
+    """
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    if size == 1:
+        return value
+    if rank != root:
+        comm.ssend(None, dest=root, tag=HANDOFF_TAG)
+        return comm.recv(source=root, tag=HANDOFF_TAG)
+    for peer in range(size):
+        if peer != root:
+            comm.recv(source=peer, tag=HANDOFF_TAG)
+    for peer in range(size):
+        if peer != root:
+            comm.ssend(value, dest=peer, tag=HANDOFF_TAG)
+    return value
+
+
 def _rendezvous_host(comm: Any) -> str:
     hosts = comm.allgather(socket.gethostname())
     return "127.0.0.1" if len(set(hosts)) == 1 else str(hosts[0])
@@ -104,7 +143,7 @@ def distributed(ctx: Any, *, backend: Backend | None = None,
         store = dist.TCPStore(host, 0, size, is_master=True,  # type: ignore[attr-defined]
                               timeout=timeout, wait_for_workers=False)
         port = int(store.port)
-    port = comm.bcast(port, root=0)
+    port = handoff(comm, port)  # rank 0 waits in its store next: nothing of MPI's may be left in flight
     if rank != 0:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
     log.debug("rank %d/%d joining %s process group at %s:%d", rank, size, chosen, host, port)

@@ -51,16 +51,15 @@ class SrunStep(Launcher):
         return argv + list(command)
 
 
-STEP_ENV_DEFAULTS = {"MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS": "1",
-                     "MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS": "1"}
+STEP_ENV_DEFAULTS = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
 """Set in every step unless the user set them.  The PyPI MPICH's default netmod (UCX) publishes a
 business card of several KB through Slurm's PMI-1 service in ~1 KB segments; a segment whose hex
 does not compress makes a ``put`` line longer than the 1024 bytes slurmstepd reads, the line is cut,
 and MPI_Init fails on every rank (exit code 15, ``mpi/pmi2: invalid client request`` in slurmd's
 log) -- now and then, depending on the bytes.  OFI's address is a few bytes: one short ``put``.
-OFI's tcp provider moves a message only while its sender is inside an MPI call unless asked for
-automatic progress: a rank that sends (a bcast's root) and then blocks outside MPI (in torch's
-Gloo store or all-reduce) would keep the other ranks waiting for that message forever."""
+OFI's automatic progress (``MPIR_CVAR_CH4_OFI_ENABLE_{DATA,CONTROL}_AUTO_PROGRESS``) is left off:
+with it, a 4-rank step across two lab nodes hung in MPI_Init now and then (docs/slurm.md); hetflow's
+own turns from MPI to torch go through :func:`hetflow.ml.distributed.handoff` instead."""
 
 SRUN_INPUTS_DROPPED = ("SLURM_HOSTFILE", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET",
                        "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU", "SLURM_DISTRIBUTION")

@@ -130,3 +130,16 @@ def test_predict_keys_and_rows_match_the_input_with_a_split_model_table(comm: An
         expected = torch.cat([model(x) for x in loader]).numpy() if shard.num_rows else np.zeros(0)
     np.testing.assert_allclose(out.column("prediction").to_numpy(), expected, rtol=1e-5, atol=1e-6)
     assert comm.allreduce(out.num_rows) == sum(SHARD_ROWS[r % 3] for r in range(size))
+
+
+@pytest.mark.parametrize("root", [0, -1])
+def test_handoff_gives_every_rank_the_roots_value(comm: Any, root: int) -> None:
+    from hetflow.ml.distributed import handoff
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    root = root % size
+    got = handoff(comm, {"port": 4242, "from": rank} if rank == root else None, root=root)
+    assert got == {"port": 4242, "from": root}
+    # interleaved with the communicator's own traffic: nothing of the handoff is received by it
+    assert comm.allgather(rank) == list(range(size))
+    assert handoff(comm) is None
