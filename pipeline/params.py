@@ -58,11 +58,36 @@ def typed(key: str, text: str, default: Any, stage: str) -> Any:
     return untyped(text)
 
 
+def _one_slip(typed_key: str, declared: str) -> bool:
+    """``typed_key`` is ``declared`` with one letter wrong, missing, extra, or two swapped (both at least five
+    letters long: shorter keys are too often one letter apart on purpose, ``rate`` and ``date``)."""
+    a, b = typed_key, declared
+    if min(len(a), len(b)) < 5 or abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+
 def from_command_line(texts: Mapping[str, str], stages: Iterable[StageSpec]) -> dict[str, Any]:
-    """The typed values of ``--param`` texts, by the stages' declared defaults."""
+    """The typed values of ``--param`` texts, by the stages' declared defaults.
+
+    A key no stage declares is passed on as it is, unless it is one slip away from a declared key
+    (``facter`` for ``factor``, :func:`_one_slip`): that typo would otherwise run with the default, so it
+    is refused, naming the declared key; declaring the key in a stage's ``params=`` passes it anyway.
+    """
     declared: dict[str, tuple[Any, str]] = {}
     for spec in stages:
         for key, value in spec.params.items():
             declared.setdefault(key, (value, spec.name))
+    for key, text in texts.items():
+        near = [] if key in declared else [d for d in declared if _one_slip(key, d)]
+        if near:
+            raise ConfigError(f"--param {key}={text}: no stage declares {key!r}; did you mean {near[0]!r} "
+                              f"(declared by stage {declared[near[0]][1]!r})? To pass {key!r} as well, "
+                              f"declare it in a stage's params=")
     return {key: typed(key, text, *declared[key]) if key in declared else untyped(text)
             for key, text in texts.items()}

@@ -132,6 +132,14 @@ def test_param_values_typed_by_the_declared_default_else_numbers_and_json_litera
                              "(default 10); got 'ten'")
     helped = " ".join(hetflow_cmd("run", "--help", cwd=tmp_path).stdout.split())
     assert "declares for KEY" in helped and "stays text" in helped
+    # a near miss of a declared key would run with the default: refused before anything runs
+    runs = json.loads(hetflow_cmd("runs", "--json", cwd=tmp_path).stdout)
+    typo = hetflow_cmd("run", "p.py", "--no-progress", "--param", "epohcs=20", cwd=tmp_path)
+    assert typo.returncode == 2
+    assert one_line(typo) == ("hetflow: error: --param epohcs=20: no stage declares 'epohcs'; did you mean "
+                              "'epochs' (declared by stage 'show')? To pass 'epohcs' as well, declare it in a "
+                              "stage's params=")
+    assert json.loads(hetflow_cmd("runs", "--json", cwd=tmp_path).stdout) == runs
 
 
 def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
