@@ -2,18 +2,19 @@
 
 The stage's private MPI communicator is the rendezvous: rank 0 opens a
 ``TCPStore`` on a port the kernel picks (port 0, so no race for a "free"
-port), hands the address to every rank over ``ctx.comm`` (:func:`handoff`), and
-every rank joins the process group through that store.  NCCL when this rank was
-given a GPU and torch sees one, Gloo otherwise — the same user code runs on both.
+port), broadcasts the address over ``ctx.comm``, and every rank joins the
+process group through that store.  NCCL when this rank was given a GPU and
+torch sees one, Gloo otherwise — the same user code runs on both.
 
 MPI and torch take turns on the same ranks, and MPICH over OFI's tcp provider
 moves a message only while its sender is inside an MPI call: a rank that leaves
-a ``bcast`` or ``Barrier`` and blocks in Gloo can leave a message (or the
-connection it needs) undelivered, and the ranks still waiting for it wait for
-ever.  MPICH's automatic progress threads would cure that, but they hung
-``MPI_Init`` now and then on the lab cluster (docs/slurm.md, "MPICH from PyPI").
-So every turn from MPI to torch goes through :func:`handoff`, built on
-synchronous sends: no rank leaves it while a message of the turn is in flight.
+a ``bcast`` or ``Barrier`` and blocks in Gloo leaves its message (or the
+connection it needs) undelivered, and the ranks waiting for it wait for ever.
+MPICH's automatic progress threads would cure that, but they hung ``MPI_Init``
+now and then on the lab cluster (docs/slurm.md, "MPICH from PyPI").  So
+:func:`distributed` keeps MPI progressing from a thread of its own while it is
+open (:func:`mpi_progress`), and stage code that turns from ``ctx.comm`` to
+something else that blocks can do the same.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
@@ -75,34 +77,45 @@ class DistributedEnv:
         dist.barrier()
 
 
-HANDOFF_TAG = 32_001
-"""Tag of :func:`handoff`'s messages (the MPI standard guarantees tags up to 32767)."""
+PROGRESS_TAG = 32_001
+"""The tag :func:`mpi_progress` probes for (no message carries it: the probe is only a call into MPI)."""
 
 
-def handoff(comm: Any, value: Any = None, root: int = 0) -> Any:
-    """``root``'s ``value`` on every rank, returned once no message of this exchange is in flight.
+@contextmanager
+def mpi_progress(comm: Any, interval: float = 0.005) -> Iterator[None]:
+    """Keep ``comm``'s MPI progressing from a thread while the body waits outside MPI.
 
-    Call it where the ranks turn from MPI to something that blocks outside MPI
-    (torch's Gloo or NCCL, a socket): the ranks first report to ``root`` with
-    synchronous sends, then ``root`` sends ``value`` to each with synchronous
-    sends, so every earlier message between them was delivered and ``root``
-    leaves only after each rank holds the value.  What is left for a rank to
-    send after it returns is the acknowledgement of a message it received, on
-    a connection already open.
+    Without MPICH's automatic progress (see the module docstring), a message a
+    rank sent just before it blocked in torch (a broadcast's, a barrier's, the
+    connection it opened) waits for that rank's next MPI call, and the ranks
+    waiting for it wait for ever.  The thread makes that call: a non-blocking
+    probe every ``interval`` seconds, until the body returns.  MPI runs with
+    ``MPI_THREAD_MULTIPLE`` (mpi4py's default), so the probe may run beside the
+    body's own MPI calls.
     """
-    rank, size = int(comm.Get_rank()), int(comm.Get_size())
-    if size == 1:
-        return value
-    if rank != root:
-        comm.ssend(None, dest=root, tag=HANDOFF_TAG)
-        return comm.recv(source=root, tag=HANDOFF_TAG)
-    for peer in range(size):
-        if peer != root:
-            comm.recv(source=peer, tag=HANDOFF_TAG)
-    for peer in range(size):
-        if peer != root:
-            comm.ssend(value, dest=peer, tag=HANDOFF_TAG)
-    return value
+    if int(comm.Get_size()) == 1 or not hasattr(comm, "Iprobe"):  # hetflow's TcpComm: its own threads
+        yield
+        return
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        log.warning("MPI was initialised without MPI_THREAD_MULTIPLE: no progress thread; across nodes "
+                    "a rank waiting outside MPI may wait for ever")
+        yield
+        return
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(interval):
+            comm.Iprobe(tag=PROGRESS_TAG)
+
+    thread = threading.Thread(target=poll, name="hetflow-mpi-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _rendezvous_host(comm: Any) -> str:
@@ -136,22 +149,23 @@ def distributed(ctx: Any, *, backend: Backend | None = None,
     else:
         device = torch.device("cpu")
         chosen = backend or "gloo"
-    host = _rendezvous_host(comm)
     store: Any = None
-    port = None
-    if rank == 0:
-        store = dist.TCPStore(host, 0, size, is_master=True,  # type: ignore[attr-defined]
-                              timeout=timeout, wait_for_workers=False)
-        port = int(store.port)
-    port = handoff(comm, port)  # rank 0 waits in its store next: nothing of MPI's may be left in flight
-    if rank != 0:
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
-    log.debug("rank %d/%d joining %s process group at %s:%d", rank, size, chosen, host, port)
-    dist.init_process_group(chosen, store=store, rank=rank, world_size=size, timeout=timeout)
-    try:
-        yield DistributedEnv(rank=rank, size=size, backend=chosen, device=device)
-    finally:
-        dist.destroy_process_group()
+    with mpi_progress(comm):  # from here MPI and torch take turns (see the module docstring)
+        host = _rendezvous_host(comm)
+        port = None
+        if rank == 0:
+            store = dist.TCPStore(host, 0, size, is_master=True,  # type: ignore[attr-defined]
+                                  timeout=timeout, wait_for_workers=False)
+            port = int(store.port)
+        port = comm.bcast(port, root=0)
+        if rank != 0:
+            store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+        log.debug("rank %d/%d joining %s process group at %s:%d", rank, size, chosen, host, port)
+        dist.init_process_group(chosen, store=store, rank=rank, world_size=size, timeout=timeout)
+        try:
+            yield DistributedEnv(rank=rank, size=size, backend=chosen, device=device)
+        finally:
+            dist.destroy_process_group()
     # on success only (a failed rank must not wait here): rank 0's store outlives every client
     comm.Barrier()
     del store

@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from hetflow.ml.artifact import model_to_table
 from hetflow.ml.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from hetflow.ml.distributed import Backend, DistributedEnv, distributed, handoff
+from hetflow.ml.distributed import Backend, DistributedEnv, distributed
 from hetflow.ml.loader import ArrowLoader, Normalization
 from hetflow.ml.tensors import Fill
 
@@ -153,7 +153,6 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
         if validation is not None:
             val_loader = ArrowLoader(validation, features, label, batch_size=max(1, batch_size), shuffle=False,
                                      fill=fill, normalization=norm or None, device=env.device)
-        handoff(comm)  # from MPI (the normalization's all-reduce) to torch (DDP broadcasts the weights)
         ddp = env.wrap(model)
         opt = optimizer(ddp.parameters())
         sched = scheduler(opt) if scheduler is not None else None
@@ -164,7 +163,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
         history: list[dict[str, float]] = []
         partial = [0.0, 0.0, 0.0]  # loss sum, rows, seconds of the epoch in progress
         ckpt_root = Path(ctx.checkpoint_dir)
-        found = handoff(comm, latest_checkpoint(ckpt_root) if rank == 0 else None)
+        found = comm.bcast(latest_checkpoint(ckpt_root) if rank == 0 else None, root=0)
         if found is not None:
             state = load_checkpoint(found, map_location=env.device)
             ddp.module.load_state_dict(state["model"])
@@ -196,7 +195,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
                     "rng": rngs, "partial": partials, "epoch": epoch, "step_in_epoch": step_in_epoch,
                     "global_step": global_step, "history": history, "world_size": size,
                 }, epoch=epoch, step=global_step, keep=keep_checkpoints)
-            handoff(comm)  # training goes on in torch's collectives
+            comm.Barrier()
 
         # -- train ---------------------------------------------------------------------------------
         for epoch in range(start_epoch, epochs):

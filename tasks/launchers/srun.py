@@ -59,7 +59,7 @@ and MPI_Init fails on every rank (exit code 15, ``mpi/pmi2: invalid client reque
 log) -- now and then, depending on the bytes.  OFI's address is a few bytes: one short ``put``.
 OFI's automatic progress (``MPIR_CVAR_CH4_OFI_ENABLE_{DATA,CONTROL}_AUTO_PROGRESS``) is left off:
 with it, a 4-rank step across two lab nodes hung in MPI_Init now and then (docs/slurm.md); hetflow's
-own turns from MPI to torch go through :func:`hetflow.ml.distributed.handoff` instead."""
+training keeps MPI progressing from a thread instead (:func:`hetflow.ml.distributed.mpi_progress`)."""
 
 SRUN_INPUTS_DROPPED = ("SLURM_HOSTFILE", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET",
                        "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU", "SLURM_DISTRIBUTION")

@@ -132,14 +132,16 @@ def test_predict_keys_and_rows_match_the_input_with_a_split_model_table(comm: An
     assert comm.allreduce(out.num_rows) == sum(SHARD_ROWS[r % 3] for r in range(size))
 
 
-@pytest.mark.parametrize("root", [0, -1])
-def test_handoff_gives_every_rank_the_roots_value(comm: Any, root: int) -> None:
-    from hetflow.ml.distributed import handoff
+def test_mpi_progress_runs_beside_the_bodys_own_mpi_calls_and_stops(comm: Any) -> None:
+    import threading
+
+    from hetflow.ml.distributed import mpi_progress
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    root = root % size
-    got = handoff(comm, {"port": 4242, "from": rank} if rank == root else None, root=root)
-    assert got == {"port": 4242, "from": root}
-    # interleaved with the communicator's own traffic: nothing of the handoff is received by it
-    assert comm.allgather(rank) == list(range(size))
-    assert handoff(comm) is None
+    with mpi_progress(comm):
+        running = [t.name for t in threading.enumerate() if t.name == "hetflow-mpi-progress"]
+        got = comm.bcast({"port": 4242} if rank == 0 else None, root=0)
+        assert comm.allgather(rank) == list(range(size))
+    assert got == {"port": 4242}
+    assert running == ([] if size == 1 else ["hetflow-mpi-progress"])
+    assert not [t for t in threading.enumerate() if t.name == "hetflow-mpi-progress"]
