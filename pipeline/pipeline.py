@@ -229,11 +229,19 @@ class Pipeline:
         options, made = _overrides[-1] if _overrides else (RunOptions(), [])
         chosen_pilot = options.pilot or pilot or self.pilot
         description = load_pilot(chosen_pilot).resolve()  # type: ignore[arg-type]
+        configured = description.backend
         if options.backend or backend:
             import dataclasses
 
             description = dataclasses.replace(description, backend=options.backend or backend)  # type: ignore[arg-type]
-        self.validate(description)
+        try:
+            self.validate(description)
+        except UnsatisfiableRequest as exc:
+            if description.backend != "slurm" or configured == "slurm":
+                raise
+            raise UnsatisfiableRequest(f"{exc}; --backend slurm keeps the shape of pilot {description.name!r}: to "
+                                       "take the allocation's nodes and cores, give a pilot config with "
+                                       "`backend: slurm` (--pilot my-slurm.yaml)") from None
         root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
         try:
             private_dir(root)

@@ -170,3 +170,15 @@ def test_render_for_an_engine_that_is_not_installed_names_the_extra(tmp_path: Pa
         assert done.returncode == 2, (backend, done.stderr)
         line = one_line(done)
         assert f"backend {backend!r} needs" in line and f"hetflow[{backend}]" in line, line
+
+
+def test_backend_slurm_override_that_cannot_fit_says_to_use_a_slurm_pilot_config(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text("import pyarrow as pa\nimport hetflow as hf\npipe = hf.Pipeline('big', pilot='local')\n"
+                                   "@pipe.stage(ranks=64, outputs=['t'])\ndef make(ctx):\n"
+                                   "    return {'t': pa.table({'x': [ctx.rank]})}\n")
+    done = hetflow_cmd("run", "p.py", "--backend", "slurm", "--no-progress", cwd=tmp_path)
+    assert done.returncode == 2
+    line = one_line(done)
+    assert "stage 'make' (ranks=64" in line and "can never run on pilot 'local'" in line, line
+    assert line.endswith("; --backend slurm keeps the shape of pilot 'local': to take the allocation's nodes and "
+                         "cores, give a pilot config with `backend: slurm` (--pilot my-slurm.yaml)"), line
