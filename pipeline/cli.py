@@ -257,6 +257,11 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
             from .errors import resume_hint
 
             print(f"  {resume_hint(status.id, script=False)} (after fixing the cause; finished stages are not run again)")
+        elif os.environ.get("HETFLOW_RESUME_BATCH"):  # a job hetflow submit made: resumed by its batch script
+            import shlex
+
+            print(f"  resume it with: sbatch {shlex.quote(os.environ['HETFLOW_RESUME_BATCH'])}  (from a login node, "
+                  f"after fixing the cause; finished stages are not run again)")
         else:
             print(f"  resume it with: {resume_command(status.id, args)}  (after fixing the cause; finished stages "
                   f"are not run again)")

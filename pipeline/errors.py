@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from typing import TYPE_CHECKING
 
 from hetflow.tasks.errors import ConfigError, HetflowError, MissingExtraError, TaskFailed, UnsatisfiableRequest
@@ -30,7 +32,10 @@ class UnknownRun(HetflowError, LookupError):
 
 
 def resume_hint(run_id: str, *, script: bool = True) -> str:
-    """How to go on with a run: ``hetflow resume`` for a script's run, ``pipe.run(run_id=...)`` otherwise."""
+    """How to go on with a run: ``hetflow resume`` for a script's run (``sbatch`` of its batch script in a
+    job ``hetflow submit`` made), ``pipe.run(run_id=...)`` otherwise."""
+    if script and os.environ.get("HETFLOW_RESUME_BATCH"):
+        return f"resume it with: sbatch {shlex.quote(os.environ['HETFLOW_RESUME_BATCH'])}"
     if script:
         return f"resume it with: hetflow resume {run_id}"
     return f"resume it with: pipe.run(run_id={run_id!r}) from the same code"

@@ -147,7 +147,8 @@ def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db:
     command = job_command(path.resolve(), pilot=pilot_arg, run_id=run_id, workdir=workdir, db=db, params=params)
     batch = folder / f"{run_id}.sbatch"
     text = batch_script(description, command, job_name=f"hetflow-{run_id}"[:128], output=log, chdir=Path.cwd(),
-                        successor=successor_command(run_id, batch, workdir=workdir, db=db), chain=chain)
+                        successor=successor_command(run_id, batch, workdir=workdir, db=db), chain=chain,
+                        resume=batch)
     fd = os.open(batch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # may carry a --db URL with a password
     with os.fdopen(fd, "w") as out:
         out.write(text)

@@ -67,12 +67,14 @@ def _line(argv: Sequence[str]) -> str:
 
 
 def batch_script(pilot: PilotDescription, command: Sequence[str], *, job_name: str, output: Path,
-                 chdir: Path, successor: Sequence[str] = (), chain: int = 0) -> str:
+                 chdir: Path, successor: Sequence[str] = (), chain: int = 0, resume: Path | None = None) -> str:
     """A bash batch script that runs ``command`` (one argv, quoted) in ``chdir`` inside the job.
 
     With ``chain`` > 0, ``successor`` runs after ``command`` with the number of further jobs still
     allowed as its last argument: the script's first argument, ``chain`` when it has none (the job
-    ``hetflow submit`` made).  The job's exit status is ``command``'s.
+    ``hetflow submit`` made).  The job's exit status is ``command``'s.  ``resume``: the batch script that
+    resumes the run (this one), named by the run's summary as the way to resume it
+    (``HETFLOW_RESUME_BATCH``): ``hetflow resume`` on a login node would use the script's own pilot.
     """
     body = [
         "#!/bin/bash",
@@ -81,6 +83,8 @@ def batch_script(pilot: PilotDescription, command: Sequence[str], *, job_name: s
         "set -u",
         f"cd {shlex.quote(str(chdir))}",
     ]
+    if resume is not None:
+        body.append(f"export HETFLOW_RESUME_BATCH={shlex.quote(str(resume))}")
     if chain > 0 and successor:
         body += [f"chain_left=${{1:-{int(chain)}}}", _line(command), "status=$?",
                  _line(successor) + ' "$chain_left"', "exit $status"]

@@ -142,3 +142,27 @@ def test_successor_is_submitted_only_for_a_run_the_walltime_stopped(tmp_path: Pa
     # STOPPED, but the chain is used up: no job, and the way to resume by hand
     assert submit_module.submit_successor("r-stopped", tmp_path / "x.sbatch", 0, workdir=tmp_path, db=None) is None
     assert f"resume it with: sbatch {tmp_path / 'x.sbatch'}" in capsys.readouterr().out
+
+
+def test_a_failed_run_inside_a_submitted_job_says_to_resume_it_with_its_batch_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hetflow resume` on a login node would use the script's own pilot; the job's batch script resumes it."""
+    batch = tmp_path / "w" / "submit" / "r 1.sbatch"
+    script = batch_script(_pilot(), ["python", "p.py"], job_name="j", output=tmp_path / "o", chdir=tmp_path,
+                          resume=batch)
+    assert f"export HETFLOW_RESUME_BATCH={shlex.quote(str(batch))}" in script.splitlines()
+    (tmp_path / "p.py").write_text("import hetflow as hf\npipe = hf.Pipeline('boom', pilot='local')\n"
+                                   "@pipe.stage(outputs=['t'])\ndef boom(ctx):\n    raise ValueError('boom')\n")
+    env = {**os.environ, "HETFLOW_RESUME_BATCH": str(batch)}
+    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "run", "p.py", "--no-progress"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    assert f"resume it with: sbatch {shlex.quote(str(batch))}  (from a login node" in done.stdout, done.stdout
+    assert "hetflow resume" not in done.stdout + done.stderr
+    # `python p.py` and pipe.run() raise RunFailed with the same hint
+    from hetflow.errors import resume_hint
+
+    monkeypatch.delenv("HETFLOW_RESUME_BATCH", raising=False)
+    assert resume_hint("r1") == "resume it with: hetflow resume r1"
+    monkeypatch.setenv("HETFLOW_RESUME_BATCH", str(batch))
+    assert resume_hint("r1") == f"resume it with: sbatch {shlex.quote(str(batch))}"
