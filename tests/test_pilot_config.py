@@ -154,3 +154,19 @@ def test_pilot_check_on_a_huge_value_answers_at_once(tmp_path: Path) -> None:
                           text=True, timeout=60, check=False)
     assert done.returncode != 0
     assert str(path) in done.stderr and "'cores_per_node'" in done.stderr and "1..4,096" in done.stderr
+
+
+@pytest.mark.parametrize("configured, left, expected", [
+    (None, None, None),        # outside Slurm's time accounting: the config's
+    (3600.0, None, 3600.0),
+    (None, 60.0, 54.0),        # a one-minute job: 6 s kept to record the run and submit a successor
+    (None, 30.0, 25.0),        # at least 5 s
+    (None, 7200.0, 7140.0),    # at most 60 s
+    (600.0, 7200.0, 600.0),    # the config's when shorter
+    (None, 3.0, 1.0),          # never below one second
+])
+def test_a_job_keeps_a_margin_before_its_time_limit(configured: float | None, left: float | None,
+                                                     expected: float | None) -> None:
+    from hetflow.tasks.pilot import job_walltime
+
+    assert job_walltime(configured, left) == expected
