@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from typing import Any
@@ -75,6 +76,10 @@ def _fail_missing_component(report: pytest.TestReport | pytest.CollectReport) ->
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # A non-interactive shell starts a background job (`.ci/run &`) with SIGINT ignored, every child
+        # inherits that, and the tests that press Ctrl-C on hetflow (run, serve, spill) then wait for ever.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     runtime = tempfile.mkdtemp(prefix="hetflow-tests-xdg-")  # 0700, as the core ledger requires
     config.stash[_RUNTIME_DIR] = (os.environ.get("XDG_RUNTIME_DIR"), runtime)
     os.environ["XDG_RUNTIME_DIR"] = runtime
