@@ -235,6 +235,7 @@ def resume_command(run_id: str, args: argparse.Namespace | None, verb: str = "re
 
 def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) -> None:
     """The end of a run: each stage's state, duration and log directory; the resume command unless DONE."""
+    from .errors import batch_resume_command
     from .progress import elapsed_text
 
     total = (status.ended or 0.0) - (status.started or status.created) if status.ended else None
@@ -257,11 +258,9 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
             from .errors import resume_hint
 
             print(f"  {resume_hint(status.id, script=False)} (after fixing the cause; finished stages are not run again)")
-        elif os.environ.get("HETFLOW_RESUME_BATCH"):  # a job hetflow submit made: resumed by its batch script
-            import shlex
-
-            print(f"  resume it with: sbatch {shlex.quote(os.environ['HETFLOW_RESUME_BATCH'])}  (from a login node, "
-                  f"after fixing the cause; finished stages are not run again)")
+        elif batch := batch_resume_command():  # a job hetflow submit made: resumed by its batch script
+            print(f"  resume it with: {batch}  (from a login node, after fixing the cause; finished stages "
+                  f"are not run again)")
         else:
             print(f"  resume it with: {resume_command(status.id, args)}  (after fixing the cause; finished stages "
                   f"are not run again)")

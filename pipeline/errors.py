@@ -31,11 +31,18 @@ class UnknownRun(HetflowError, LookupError):
     """No run with that id in the state store."""
 
 
+def batch_resume_command() -> str | None:
+    """``sbatch BATCH`` inside a job ``hetflow submit`` made (its script exports ``HETFLOW_RESUME_BATCH``):
+    ``hetflow resume`` on a login node would use the script's own pilot.  ``None`` elsewhere."""
+    batch = os.environ.get("HETFLOW_RESUME_BATCH")
+    return f"sbatch {shlex.quote(batch)}" if batch else None
+
+
 def resume_hint(run_id: str, *, script: bool = True) -> str:
-    """How to go on with a run: ``hetflow resume`` for a script's run (``sbatch`` of its batch script in a
-    job ``hetflow submit`` made), ``pipe.run(run_id=...)`` otherwise."""
-    if script and os.environ.get("HETFLOW_RESUME_BATCH"):
-        return f"resume it with: sbatch {shlex.quote(os.environ['HETFLOW_RESUME_BATCH'])}"
+    """How to go on with a run: ``hetflow resume`` for a script's run (:func:`batch_resume_command` in a
+    submitted job), ``pipe.run(run_id=...)`` otherwise."""
+    if script and (batch := batch_resume_command()):
+        return f"resume it with: {batch}"
     if script:
         return f"resume it with: hetflow resume {run_id}"
     return f"resume it with: pipe.run(run_id={run_id!r}) from the same code"
