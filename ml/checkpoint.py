@@ -136,14 +136,17 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
+    """Restore what :func:`rng_state` captured.
+
+    The states may come from :func:`load_checkpoint` with ``map_location`` a GPU, which moves every
+    tensor there; torch takes RNG states only as CPU byte tensors, so each is brought back first."""
     import torch
 
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+    np.random.set_state((n["kind"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached"]))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))

@@ -2,7 +2,11 @@
 # The GPU checks of issue 21 in one command (docs/gpu.md says what each prints).
 #
 #   scripts/gpu-check.sh --prepare   # here, once, where pip reaches PyPI: hetflow's wheel and the wheels
-#                                    # the GPU machine lacks (Python 3.12, x86-64) into .whl/ (git-ignored)
+#                                    # the GPU machine lacks (Python 3.12, x86-64) into .whl/ and the
+#                                    # largest of them into .whl-big/ (both git-ignored): together they
+#                                    # are over the 64 MiB one device call carries, so a first call
+#                                    # carries .whl-big (command `true`) and the next, on the same warm
+#                                    # machine, carries .whl and runs the checks (docs/gpu.md)
 #   scripts/gpu-check.sh             # on the GPU machine, with .whl carried: a venv over the machine's
 #                                    # PyTorch/CUDA, hetflow installed --no-deps from .whl, then the checks
 #   scripts/gpu-check.sh --dry-run   # on a machine without a GPU: the same steps with this checkout's
@@ -22,7 +26,9 @@ MODE=${1:-run}
 WHEELS=${WHEELS:-.whl}  # relative: inside the checkout, so the device tool can carry it
 DEVICE_PYTHON=${DEVICE_PYTHON:-3.12}  # the GPU machine's python3 (its image: /opt/torch/.venv, 3.12)
 # What the GPU machine's image lacks of hetflow's dependencies (docs/gpu.md); one version of each.
-DEPS=("mpi4py==4.1.2" "mpich==5.0.2" "sqlalchemy==2.1.9")
+DEPS=("mpi4py==4.1.2" "mpich==5.0.2" "sqlalchemy==2.1.9" "duckdb==2.0.1" "polars==2.1.0")
+BIG_DEPS=("polars-runtime-32==2.1.0")  # 54 MB alone: carried by a call of its own
+BIG=${WHEELS%/}-big
 
 prepare() {
     local exclude py=${PYTHON:-.venv/bin/python}
@@ -30,14 +36,19 @@ prepare() {
         exclude=$(git rev-parse --git-path info/exclude)
         grep -qxF "/$WHEELS/" "$exclude" 2>/dev/null || echo "/$WHEELS/" >>"$exclude"
     fi
-    rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+    if [ "${WHEELS#/}" = "$WHEELS" ]; then
+        grep -qxF "/$BIG/" "$exclude" 2>/dev/null || echo "/$BIG/" >>"$exclude"
+    fi
+    rm -rf "$WHEELS" "$BIG" && mkdir -p "$WHEELS" "$BIG"
     "$py" -m pip wheel --no-deps --no-build-isolation -q -w "$WHEELS" . || return 1
+    local platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$DEVICE_PYTHON" \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-        -d "$WHEELS" "${DEPS[@]}" || return 1
-    ls -l "$WHEELS"
-    du -sh "$WHEELS"
+        --implementation cp "${platforms[@]}" -d "$WHEELS" "${DEPS[@]}" || return 1
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$DEVICE_PYTHON" \
+        --implementation cp "${platforms[@]}" -d "$BIG" "${BIG_DEPS[@]}" || return 1
+    ls -l "$WHEELS" "$BIG"
+    du -sh "$WHEELS" "$BIG"
 }
 
 case "$MODE" in
@@ -77,6 +88,11 @@ if [ -n "$IMAGE_PY" ]; then
         echo "no $WHEELS/hetflow-*.whl: run scripts/gpu-check.sh --prepare first and carry $WHEELS" | tee "$OUT/summary.txt" >&2
         exit 2
     fi
+    if ! ls "$BIG"/*.whl >/dev/null 2>&1; then
+        echo "no $BIG/*.whl: carry $BIG in a call of its own just before this one, on the same warm machine" \
+            | tee "$OUT/summary.txt" >&2
+        exit 2
+    fi
     install() {
         local site
         site=$("$IMAGE_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
@@ -86,9 +102,9 @@ if [ -n "$IMAGE_PY" ]; then
         # the venv's own python runs the image's pip: it installs into the venv; --ignore-installed so
         # that a package the image also has (mpi4py) is installed here and nothing there is uninstalled
         "$WORK/venv/bin/python" -m pip install --ignore-installed --no-index --no-deps --no-compile \
-            --no-cache-dir "$WHEELS"/*.whl || return 1
+            --no-cache-dir "$WHEELS"/*.whl "$BIG"/*.whl || return 1
         ls "$WORK/venv/bin"
-        "$WORK/venv/bin/python" -c 'import hetflow, mpi4py, sqlalchemy, torch
+        "$WORK/venv/bin/python" -c 'import hetflow, mpi4py, sqlalchemy, torch, polars, duckdb
 from mpi4py import MPI
 print("hetflow from", hetflow.__file__, "| mpi4py from", mpi4py.__file__, "|", MPI.Get_library_version().splitlines()[0])'
     }

@@ -196,8 +196,8 @@ def check(run: Any, workdir: Path, device: str, before_mib: int | None, epochs: 
         t2.get("backend") == want and t2.get("world") == 1 and t2.get("all_reduce") == 1.0,
         f"backend {t2.get('backend')}, world {t2.get('world')}, all_reduce {t2.get('all_reduce')}")
     train = run.stage("train")
-    log2 = run_dir / "stages" / "train" / "attempt-2" / "stderr.log"
-    resumed = log2.is_file() and "resuming from" in log2.read_text()
+    attempt2 = run_dir / "stages" / "train" / "attempt-2"  # ctx.log writes rank-<r>.log (stderr.log: the process's)
+    resumed = any("resuming from" in log.read_text() for log in attempt2.glob("*.log"))
     metrics = run.dataset("metrics").to_table() if "metrics" in run.datasets else None
     add("checkpoint/resume on the device", train.attempts == 2 and resumed and metrics is not None
         and metrics.num_rows == epochs,

@@ -81,3 +81,20 @@ def test_predict_on_cuda_matches_cpu() -> None:
     gpu = predict(ctx, table, net, key="id", features=["a", "v"], batch_size=777)
     assert cpu is not None and gpu is not None and gpu["id"].equals(cpu["id"])
     np.testing.assert_allclose(gpu["prediction"].to_numpy(), cpu["prediction"].to_numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_rng_state_restores_from_a_checkpoint_loaded_onto_the_gpu(tmp_path) -> None:
+    """``train`` loads its checkpoint with ``map_location`` the GPU, which moves the saved RNG states
+    there too; torch takes them back only as CPU byte tensors (the first GPU run failed here)."""
+    from hetflow.ml.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+    torch.manual_seed(3)
+    torch.cuda.manual_seed_all(3)
+    saved = save_checkpoint(tmp_path / "ckpt", {"rng": [rng_state()]}, epoch=0, step=1)
+    expected = (torch.rand(4), torch.rand(4, device="cuda").cpu(), np.random.random(4))
+    state = load_checkpoint(saved, map_location="cuda")
+    assert state["rng"][0]["torch"].device.type == "cuda"
+    set_rng_state(state["rng"][0])
+    assert torch.equal(torch.rand(4), expected[0])
+    assert torch.equal(torch.rand(4, device="cuda").cpu(), expected[1])
+    assert np.array_equal(np.random.random(4), expected[2])
