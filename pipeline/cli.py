@@ -26,6 +26,7 @@ from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, St
 from .pipeline import Pipeline, RunOptions, default_workdir, run_options
 from .status import RunStatus, run_status
 from .store import Store, iso, unreadable
+from .terminal import visible
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 RUN_STATES = ("RUNNING", "DONE", "FAILED", "INTERRUPTED", "CANCELLED", "STOPPED")
@@ -165,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free one)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only; the page has no login)")
+    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                       help="also answer requests whose Host header is NAME (repeatable); by default only the "
+                            "--host address, localhost, 127.0.0.1 and [::1] are answered, anything else gets 421")
     _store_args(serve)
 
     sub.add_parser("simulate", help="drive the scheduler with simulated time (see hetflow simulate --help)",
@@ -238,6 +242,7 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
     from .errors import batch_resume_command
     from .progress import elapsed_text
 
+    status = status.for_terminal()  # another user's run (a shared store) prints no control characters
     total = (status.ended or 0.0) - (status.started or status.created) if status.ended else None
     print(f"run {status.id}: {status.state}" + (f" in {elapsed_text(total)}" if total is not None else "")
           + f"  ({status.run_dir})")
@@ -278,6 +283,7 @@ def _status(args: argparse.Namespace) -> int:
         from rich.markup import escape
         from rich.table import Table
 
+        status = status.for_terminal()  # control characters made visible, as everywhere text from a run is shown
         # stage names, errors and tracebacks are the user's text: escaped, never read as rich markup
         table = Table(title=escape(f"run {status.id} ({status.pipeline}): {status.state}"))
         for column in ("stage", "state", "attempts", "started", "seconds", "slots"):
@@ -327,18 +333,18 @@ def _datasets(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         if not rows:
-            print(f"run {status.id} has no committed datasets")
+            print(visible(f"run {status.id} has no committed datasets", newlines=False))
         for row in rows:
             if row["damaged"]:
-                print(f"{row['name']:<24} DAMAGED: {row['damaged']}")
+                print(visible(f"{row['name']:<24} DAMAGED: {row['damaged']}", newlines=False))
                 continue
-            print(f"{row['name']:<24} {row['rows']:>12} rows {row['bytes']:>14} bytes {row['partitions']:>4} parts  "
-                  f"from {row['producer']}  {row['path']}")
+            print(visible(f"{row['name']:<24} {row['rows']:>12} rows {row['bytes']:>14} bytes {row['partitions']:>4} "
+                          f"parts  from {row['producer']}  {row['path']}", newlines=False))
     return EXIT_OK
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from .logs import LogsError, follow, labelled, run_logs
+    from .logs import LogsError, LogTail, follow, run_logs
 
     store = _open_store(args)
     run, attempts = run_logs(store, args.run, args.stage, args.attempt)
@@ -357,26 +363,26 @@ def _logs(args: argparse.Namespace) -> int:
 
         follow(store, run.id, args.stage, args.rank, emit)
         return EXIT_OK
-    for attempt in attempts:
-        for label, path in attempt.sources(args.rank):
-            try:
-                text = path.read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            for line in labelled(label, text):
-                print(line, file=out)
+    for attempt in attempts:  # a chunk at a time: a log of any size takes little memory
+        for line in LogTail().poll(attempt.sources(args.rank), flush=True):
+            print(line, file=out)
     return EXIT_OK
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .serve import make_server
+    from .serve import host_name, make_server
 
+    for name in args.allow_host:
+        if not name or host_name(name) != (name.lower(), "") or any(c.isspace() or c in "/@" for c in name):
+            raise UsageError(f"--allow-host {name!r}: expected a host name or address without a port "
+                             "(e.g. mybox.example.org, 10.0.0.5, [fe80::1])")
     store = _open_store(args)
     run_id = None
     if args.run is not None:
         run_id = store.resolve_run(args.run).id
     try:
-        server = make_server(store, run_id, host=args.host, port=args.port)
+        server = make_server(store, run_id, host=args.host, port=args.port,
+                             allowed_hosts=tuple(args.allow_host))
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     host, port = server.server_address[:2]
@@ -404,18 +410,18 @@ def _runs(args: argparse.Namespace) -> int:
                            "script": r.script, "owner": r.owner, "error": r.error} for r in runs], indent=2))
         return EXIT_OK
     for run in runs:
-        print(f"{run.id:<48} {run.state:<11} {iso(run.created)}")
+        print(visible(f"{run.id:<48} {run.state:<11} {iso(run.created)}", newlines=False))
     return EXIT_OK
 
 
 def _removal_lines(removal: Any, dry_run: bool) -> None:
     verb = "would remove" if dry_run else "removed"
     for run_id in removal.runs:
-        print(f"{verb} run {run_id}")
+        print(visible(f"{verb} run {run_id}", newlines=False))
     for path in removal.paths:
-        print(f"{verb} {path}")
+        print(visible(f"{verb} {path}", newlines=False))
     for path, users in sorted(removal.kept.items()):
-        print(f"kept {path} (used by run {', '.join(sorted(set(users)))})")
+        print(visible(f"kept {path} (used by run {', '.join(sorted(set(users)))})", newlines=False))
     if not removal.runs and not removal.paths:
         print("nothing to remove")
 
@@ -458,11 +464,11 @@ def _cancel(args: argparse.Namespace) -> int:
         store.reconcile_dead_runs()
         now = store.resolve_run(run.id)
         if now.state != "RUNNING":
-            print(f"run {run.id} {now.state}; {resume_hint(run.id, script=now.script is not None)}")
+            print(visible(f"run {run.id} {now.state}; {resume_hint(run.id, script=now.script is not None)}"))
             return EXIT_OK
         time.sleep(0.5)
-    print(f"hetflow: run {run.id} is still running {args.timeout:g} s after the cancel request "
-          f"(its orchestrator {run.owner} has not answered)", file=sys.stderr)
+    print(visible(f"hetflow: run {run.id} is still running {args.timeout:g} s after the cancel request "
+                  f"(its orchestrator {run.owner} has not answered)"), file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -529,6 +535,13 @@ def _summary_after(run_id: str, args: argparse.Namespace) -> None:
         logging.getLogger(__name__).info("no summary of run %s: %s", run_id, exc)
 
 
+class _VisibleFormatter(logging.Formatter):
+    """Log records as text with control characters made visible: a logged error carries the run's text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return visible(super().format(record))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
@@ -539,12 +552,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _need("matplotlib", "report", "hetflow simulate --report")
             return int(cli_main(argv[1:]))
         except HetflowError as exc:
-            print(f"hetflow: error: {exc}", file=sys.stderr)
+            print(f"hetflow: error: {visible(str(exc))}", file=sys.stderr)
             return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_VisibleFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     try:
         if args.command == "run":
             if args.run_id is not None:
@@ -595,16 +610,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "report":
             return _report(args)
     except (TaskFailed, RunAborted) as exc:
-        print(f"hetflow: {exc}", file=sys.stderr)
+        print(f"hetflow: {visible(str(exc))}", file=sys.stderr)
         if isinstance(exc, RunAborted):
             _summary_after(exc.run_id, args)
         return EXIT_FAILED
     except RunInterrupted as exc:
-        print(f"hetflow: {exc}", file=sys.stderr)
+        print(f"hetflow: {visible(str(exc))}", file=sys.stderr)
         _summary_after(exc.run_id, args)
         return EXIT_INTERRUPTED
     except HetflowError as exc:
-        print(f"hetflow: error: {exc}", file=sys.stderr)
+        print(f"hetflow: error: {visible(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("hetflow: interrupted; running tasks were stopped", file=sys.stderr)

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from hetflow.tasks.errors import ConfigError, HetflowError, MissingExtraError, TaskFailed, UnsatisfiableRequest
 
+from .terminal import visible
+
 if TYPE_CHECKING:
     from .status import RunStatus
 
@@ -69,7 +71,7 @@ class RunFailed(TaskFailed, RuntimeError):
         if skipped:
             parts.append(f"skipped: {', '.join(skipped)}")
         parts.append(resume_hint(status.id, script=status.script is not None))
-        super().__init__("; ".join(parts))
+        super().__init__(visible("; ".join(parts)))  # the errors are the run's text: no control characters
 
 
 class RunAborted(HetflowError, RuntimeError):

@@ -20,6 +20,7 @@ from sqlalchemy import select
 
 from .errors import HetflowError
 from .store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
+from .terminal import visible
 
 
 class LogsError(HetflowError, ValueError):
@@ -90,40 +91,67 @@ def run_logs(store: Store, run_id: str | None, stage: str | None = None,
     return run, chosen
 
 
+READ_CHUNK = 1 << 20
+"""Bytes read from a log file at a time: what a reader holds of a file, whatever its size."""
+
+LINE_CAP = 64 << 10
+"""The longest piece of one line shown as one labelled line (bytes): a longer line, or one without a
+newline that keeps growing, is shown as several labelled lines of at most this many bytes, as it comes,
+so a reader never holds more than a chunk and a cap of any file."""
+
+
 def labelled(label: str, text: str) -> Iterator[str]:
-    """``text``'s lines, each prefixed with ``label``."""
+    """``text``'s lines, each prefixed with ``label``, control characters made visible
+    (:func:`~hetflow.terminal.visible`): a log line cannot move the cursor or retitle the terminal."""
     for line in text.splitlines():
-        yield f"{label} {line}"
+        yield visible(f"{label} {line}", newlines=False)
+
+
+def _cut(data: bytes, at: int) -> int:
+    """``at`` moved back to the start of a UTF-8 character (a piece never splits one)."""
+    for back in range(min(3, at - 1)):
+        if data[at - back] & 0xC0 != 0x80:
+            return at - back
+    return at
 
 
 @dataclass
 class LogTail:
-    """New complete lines of a set of growing files since the last :meth:`poll` (a partial last
-    line waits for its end; :meth:`poll` with ``flush`` returns it too)."""
+    """New lines of a set of growing files since the last :meth:`poll`, read a chunk at a time.  A
+    partial last line waits for its end (:meth:`poll` with ``flush`` gives it too), but never past
+    :data:`LINE_CAP` bytes: a longer one is given in pieces of that size as they come, each labelled."""
 
     offsets: dict[Path, int] = field(default_factory=dict)
     partial: dict[Path, bytes] = field(default_factory=dict)
 
-    def poll(self, sources: list[tuple[str, Path]], *, flush: bool = False) -> list[str]:
-        lines: list[str] = []
+    def poll(self, sources: list[tuple[str, Path]], *, flush: bool = False) -> Iterator[str]:
         for label, path in sources:
-            start = self.offsets.get(path, 0)
             try:
-                with open(path, "rb") as fh:
-                    fh.seek(start)
-                    data = fh.read()
+                fh = open(path, "rb")  # noqa: SIM115 - closed below; a missing file is skipped
             except OSError:
                 continue
-            self.offsets[path] = start + len(data)
-            data = self.partial.pop(path, b"") + data
-            complete, _, rest = data.rpartition(b"\n")
-            if rest and not flush:
-                self.partial[path] = rest
-                text = complete.decode(errors="replace")
-            else:
-                text = data.decode(errors="replace")
-            lines.extend(labelled(label, text))
-        return lines
+            with fh:
+                fh.seek(self.offsets.get(path, 0))
+                while chunk := fh.read(READ_CHUNK):
+                    self.offsets[path] = fh.tell()
+                    yield from self._lines(label, path, self.partial.pop(path, b"") + chunk)
+            rest = self.partial.pop(path, b"") if flush else b""
+            if rest:
+                yield from labelled(label, rest.decode(errors="replace"))
+
+    def _lines(self, label: str, path: Path, data: bytes) -> Iterator[str]:
+        """The complete lines of ``data`` (and pieces of a line past the cap); keeps the rest for later."""
+        complete, newline, rest = data.rpartition(b"\n")
+        if not newline:
+            complete, rest = b"", data
+        if complete:
+            yield from labelled(label, complete.decode(errors="replace"))
+        while len(rest) > LINE_CAP:
+            cut = _cut(rest, LINE_CAP)
+            yield visible(f"{label} {rest[:cut].decode(errors='replace')}", newlines=False)
+            rest = rest[cut:]
+        if rest:
+            self.partial[path] = rest
 
 
 def follow(store: Store, run_id: str, stage: str | None, rank: int | None, emit: Callable[[str], None], *,

@@ -28,6 +28,7 @@ from hetflow.tasks.protocol import AttemptFiles
 
 from .errors import PipelineError
 from .logs import AttemptLogs, LogTail
+from .terminal import visible
 
 PLAIN_INTERVAL_ENV = "HETFLOW_PROGRESS_INTERVAL"
 PLAIN_INTERVAL = 30.0
@@ -262,6 +263,7 @@ class Progress:
             self._say(self.plain_line(row, now))
 
     def _say(self, line: str) -> None:
+        line = visible(line)  # a stage's name and output: nothing that moves the cursor or retitles the terminal
         if self._console is not None:
             self._console.print(line, markup=False, highlight=False, soft_wrap=True)
         else:
@@ -301,6 +303,7 @@ class Progress:
                                ("last output", {"max_width": 60, "no_wrap": True, "overflow": "ellipsis"})):
             table.add_column(column, **kwargs)
         for row in self.rows():
-            table.add_row(Text(row.name), Text(row.state, style=_STYLE.get(row.state, "dim")), str(row.ranks),
-                          Text(row.slots), elapsed_text(row.elapsed), Text(row.progress), Text(row.last_line))
+            shown = [visible(text, newlines=False) for text in (row.name, row.slots, row.progress, row.last_line)]
+            table.add_row(Text(shown[0]), Text(row.state, style=_STYLE.get(row.state, "dim")), str(row.ranks),
+                          Text(shown[1]), elapsed_text(row.elapsed), Text(shown[2]), Text(shown[3]))
         return table

@@ -15,6 +15,21 @@ otherwise.  Three fixed routes, nothing read from a path the client names:
 The page keeps polling while the run is RUNNING and stops once it has ended.
 Text from the run (stage names, errors) is put into the page with
 ``textContent``, never as markup.
+
+Decisions:
+
+- Only requests whose ``Host`` names this server are answered: the address it
+  is bound to, ``localhost``, ``127.0.0.1`` or ``[::1]`` (each with or without
+  the server's port), and the names given with ``allowed_hosts``
+  (``hetflow serve --allow-host NAME``).  Any other ``Host`` gets 421
+  (Misdirected Request): after DNS rebinding, a web page the user visits
+  reaches this port under its own name, and must not read the run.  A request
+  without a ``Host`` (HTTP/1.0), or with two, gets 400: every browser sends
+  one, and a client that does not can send ``Host: 127.0.0.1``.
+- Query values are checked, never clamped: ``wait`` is a finite number of
+  seconds from 0 to :data:`MAX_WAIT`, ``since`` a digest of at most
+  :data:`MAX_DIGEST` characters; anything else is a 400 naming the parameter
+  and what it takes.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from http import HTTPStatus
@@ -37,6 +53,12 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT = 30.0
 """The longest a status request may wait for a change (seconds)."""
+
+MAX_DIGEST = 64
+"""The longest ``since=`` a status request may send (a digest is 16 hex digits)."""
+
+LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
+"""``Host`` names always answered: this machine's own loopback names."""
 
 RECONCILE_EVERY = 5.0
 """Seconds between looks for runs whose orchestrator died (so such a run stops showing RUNNING)."""
@@ -65,7 +87,7 @@ class RunView:
         return data
 
     def wait_for_change(self, since: str, wait: float) -> dict[str, Any]:
-        deadline = time.monotonic() + min(max(wait, 0.0), MAX_WAIT)
+        deadline = time.monotonic() + wait
         while True:
             data = self.status()
             if data["digest"] != since or data["state"] != "RUNNING" or time.monotonic() >= deadline:
@@ -82,18 +104,79 @@ class RunView:
         return page
 
 
+class BadRequest(ValueError):
+    """A query value outside what the server takes (the message names the parameter and the range)."""
+
+
+def seconds_param(query: dict[str, list[str]], name: str, default: float, most: float) -> float:
+    """Query value ``name`` as seconds: a finite number from 0 to ``most`` (``default`` when absent)."""
+    values = query.get(name, [])
+    if not values:
+        return default
+    expected = f"{name}= takes one number of seconds from 0 to {most:g}"
+    if len(values) > 1:
+        raise BadRequest(f"{expected}, got {len(values)} values")
+    try:
+        value = float(values[0])
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not 0.0 <= value <= most:
+        raise BadRequest(f"{expected}, got {values[0][:40]!r}")
+    return value
+
+
+def host_name(header: str) -> tuple[str, str]:
+    """``(name, port)`` of a ``Host`` header value (``port`` empty when it names none); the name lower-cased,
+    an IPv6 address in brackets."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        name, _, rest = header.partition("]")
+        return name + "]", rest.removeprefix(":")
+    name, _, port = header.partition(":")
+    return name, port
+
+
+def allowed_names(bound: str, extra: tuple[str, ...]) -> frozenset[str]:
+    """The ``Host`` names a server bound to ``bound`` answers: :data:`LOCAL_NAMES`, ``bound`` and ``extra``."""
+    names = {*LOCAL_NAMES, *(n.strip().lower() for n in extra)}
+    names.add(f"[{bound.lower()}]" if ":" in bound else bound.lower())
+    return frozenset(names)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+
+    def _host_refused(self) -> bool:
+        """Answer and return ``True`` when the request's ``Host`` does not name this server."""
+        hosts = self.headers.get_all("Host") or []
+        if len(hosts) != 1:
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8",
+                       f"hetflow serve needs one Host header, got {len(hosts)} (send Host: 127.0.0.1:{self.server.port})\n"
+                       .encode())
+            return True
+        name, port = host_name(hosts[0])
+        if name in self.server.allowed and port in ("", str(self.server.port)):
+            return False
+        self._send(HTTPStatus.MISDIRECTED_REQUEST, "text/plain; charset=utf-8",
+                   (f"hetflow serve does not answer for Host {hosts[0][:80]!r} (it answers for "
+                    f"{', '.join(sorted(self.server.allowed))}; add a name with hetflow serve --allow-host NAME)\n")
+                   .encode("ascii", "backslashreplace"))
+        return True
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
         query = parse_qs(url.query)
+        if self._host_refused():
+            return
         try:
             if url.path == "/":
                 self._send(HTTPStatus.OK, "text/html; charset=utf-8", PAGE.encode())
             elif url.path == "/api/status":
                 since = query.get("since", [""])[0]
-                wait = float(query.get("wait", ["0"])[0] or 0.0)
+                if len(since) > MAX_DIGEST:
+                    raise BadRequest(f"since= takes a status digest of at most {MAX_DIGEST} characters, "
+                                     f"got {len(since)}")
+                wait = seconds_param(query, "wait", 0.0, MAX_WAIT)
                 data = self.server.view.wait_for_change(since, wait) if since else self.server.view.status()
                 self._send(HTTPStatus.OK, "application/json", json.dumps(data).encode())
             elif url.path == "/timeline":
@@ -103,7 +186,7 @@ class _Handler(BaseHTTPRequestHandler):
                            f"no page {url.path!r} (pages: /, /api/status, /timeline)\n".encode())
         except LookupError as exc:  # no such run (yet)
             self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", f"{exc}\n".encode())
-        except ValueError as exc:  # a bad wait=
+        except BadRequest as exc:  # a bad wait= or since=
             self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8", f"{exc}\n".encode())
         except Exception as exc:  # noqa: BLE001 - one bad request must not end the server
             log.warning("serve: %s failed: %s: %s", url.path, type(exc).__name__, exc)
@@ -131,14 +214,19 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], view: RunView) -> None:
+    def __init__(self, address: tuple[str, int], view: RunView, allowed_hosts: tuple[str, ...]) -> None:
         super().__init__(address, _Handler)
         self.view = view
+        self.port = int(self.server_address[1])
+        self.allowed = allowed_names(address[0], allowed_hosts)
 
 
-def make_server(store: Store, run_id: str | None, *, host: str = "127.0.0.1", port: int = 8765) -> _Server:
-    """A server for ``run_id`` (the latest run when ``None``); ``port=0`` picks a free port."""
-    return _Server((host, port), RunView(store, run_id))
+def make_server(store: Store, run_id: str | None, *, host: str = "127.0.0.1", port: int = 8765,
+                allowed_hosts: tuple[str, ...] = ()) -> _Server:
+    """A server for ``run_id`` (the latest run when ``None``); ``port=0`` picks a free port.  It answers
+    requests whose ``Host`` is ``host``, a loopback name or one of ``allowed_hosts`` (see the module's
+    decisions)."""
+    return _Server((host, port), RunView(store, run_id), allowed_hosts)
 
 
 PAGE = """<!DOCTYPE html>

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ from hetflow.operators.dataset import Dataset
 
 from .errors import RunFailed
 from .store import DatasetRecord, RunRecord, StageRecord, Store, TaskRecord, iso
+from .terminal import visible
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,26 @@ class RunStatus:
         """Raise :class:`~hetflow.RunFailed` (carrying this status) unless the run is DONE."""
         if not self.ok:
             raise RunFailed(self)
+
+    def for_terminal(self) -> RunStatus:
+        """This status with every text from the run passed through :func:`~hetflow.terminal.visible`, as
+        ``status`` and the run's summary print it: names, paths and reasons on one line, errors and
+        tracebacks keeping their lines."""
+        def one(text: str | None) -> Any:
+            return None if text is None else visible(text, newlines=False)
+
+        def lines(text: str | None) -> str | None:
+            return None if text is None else visible(text)
+
+        stages = tuple(replace(s, name=one(s.name), state=one(s.state), error=lines(s.error),
+                               traceback=lines(s.traceback), cached_from=one(s.cached_from),
+                               outputs=tuple(one(o) for o in s.outputs), cache_reason=one(s.cache_reason),
+                               log_dir=one(s.log_dir),
+                               slots=tuple(replace(sl, node=one(sl.node)) for sl in s.slots))
+                       for s in self.stages)
+        return replace(self, id=one(self.id), pipeline=one(self.pipeline), state=one(self.state),
+                       run_dir=one(self.run_dir), stages=stages, script=one(self.script), error=lines(self.error),
+                       datasets={one(k): one(v) for k, v in self.datasets.items()})
 
     def to_json(self) -> dict[str, Any]:
         """The run as JSON-ready values: what ``hetflow status --json`` prints."""

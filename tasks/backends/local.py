@@ -15,6 +15,13 @@ witness and the tree watch work on it as on ``mpiexec``.  A pilot turns this
 off with ``options.local.warm_start: false``; a fork server that has ended
 leaves the tasks after it to ``mpiexec``.
 
+A one-node pilot keeps MPI on loopback: the ranks' own listening sockets
+(UCX's TCP transport of MPICH's ch4:ucx, or libfabric's tcp/sockets providers
+under ch4:ofi) are put on ``lo`` by :data:`LOOPBACK_ENV`, where the user's
+environment does not choose an interface itself.  Hydra's own control port
+(``mpiexec`` and its proxy) is bound to every address by MPICH 5's hydra, which
+has no setting to change that; docs/runs.md says so.
+
 Before it starts, a task books its CPUs in the machine-wide, per-user
 :class:`~hetflow.tasks.ledger.CoreLedger`, so two runs on this machine never
 use the same core at once: the second waits, and says so in its log.
@@ -77,6 +84,12 @@ def find_mpiexec() -> str:
                            "pip install 'hetflow[mpich]' or load your site's MPI module")
     return found
 
+
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo", "FI_SOCKETS_IFACE": "lo"}
+"""Environment that keeps the ranks of a one-node run on the loopback interface (each only where the
+environment does not set it): MPICH's UCX netmod (the ``mpich`` wheel's default) and libfabric's TCP
+providers (``MPIR_CVAR_CH4_NETMOD=ofi``).  Also given to warm (fork-server) tasks, whose MPI starts as a
+singleton.  Multi-node backends (``slurm``) keep their own settings."""
 
 OPTIONS = ("warm_start",)
 """Keys of ``pilot.options.local``."""
@@ -185,6 +198,8 @@ class LocalBackend(Backend):
     def _start(self, spec: LaunchSpec, argv: list[str]) -> "tuple[_Process, TreeWatch, float]":
         env = dict(os.environ)
         env.update(spec.env)
+        if self.node_names() == ["localhost"]:  # one node: no rank needs to be reached from elsewhere
+            env.update({k: v for k, v in LOOPBACK_ENV.items() if k not in env})
         started = time.time()
         proc = self._start_warm(spec, env)
         if proc is None:

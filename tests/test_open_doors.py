@@ -1,0 +1,316 @@
+"""Open doors and hostile text (issue 25), attacked as an outsider would, on real processes: ``hetflow
+serve`` asked with forged ``Host`` headers and bad query values (raw ``http.client`` and sockets), a run
+whose output and errors carry terminal escape sequences (watched on a real terminal, through ``status``,
+``logs`` and the summary), ``hetflow logs`` on a 64 MB line without a newline (the follower's peak
+memory, from the kernel), and the listening sockets of a real two-rank run (psutil)."""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import os
+import pty
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+HETFLOW = [sys.executable, "-m", "hetflow.cli"]
+
+pytestmark = pytest.mark.timeout(300)
+
+EVIL = "\x1b]0;pwned\x07\x1b[2J\rFAKE DONE \x1b]8;;http://evil.example/\x1b\\link\x1b]8;;\x1b\\ \x9b31m"
+RAW = ("\x1b]0;pwned", "\x1b[2J", "\rFAKE", "\x1b]8;;http://evil", "\x9b31m")
+"""What must never reach a terminal raw: a window title, clear screen, CR line spoofing, an OSC-8 link, C1 CSI."""
+
+HOSTILE = textwrap.dedent('''
+    import time
+    import hetflow as hf
+
+    EVIL = %r
+    pipe = hf.Pipeline("doors", pilot="local")
+
+    @pipe.stage(ranks=1)
+    def chatty(ctx):
+        print("before" + EVIL, flush=True)
+        time.sleep(3.0)   # the live view redraws while this line is the stage's last output
+
+    @pipe.stage(ranks=1)
+    def boom(ctx):
+        raise RuntimeError("bad thing" + EVIL + "\\nsecond line")
+
+    pipe.run()
+''') % EVIL
+
+
+def hetflow(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETFLOW, *args], check=False, cwd=cwd, capture_output=True, text=True, timeout=240)
+
+
+def read_all(fd: int, until: float) -> bytes:
+    data = b""
+    while time.time() < until:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """A run made on a real terminal whose output and error carry escape sequences: ``(dir, run id, what the
+    terminal got)``."""
+    tmp = tmp_path_factory.mktemp("doors")
+    (tmp / "doors.py").write_text(HOSTILE)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: hetflow run on a real terminal (the live view, then the summary)
+        os.chdir(tmp)
+        os.environ["COLUMNS"] = "200"
+        os.execv(sys.executable, [*HETFLOW, "run", "doors.py", "--workdir", "w"])
+    out = read_all(fd, time.time() + 200).decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 1, out
+    rid = json.loads(hetflow("status", "--workdir", "w", "--json", cwd=tmp).stdout)["id"]
+    return tmp, rid, out
+
+
+def assert_tame(text: str) -> None:
+    for raw in RAW:
+        assert raw not in text, f"{raw!r} reached the terminal raw"
+
+
+def test_live_view_and_summary_on_a_terminal_show_escape_sequences_as_text(hostile: tuple[Path, str, str]) -> None:
+    _, rid, out = hostile
+    assert_tame(out)
+    assert "chatty" in out and "last output" in out                        # the live view was drawn
+    assert "│ FAKE DONE \\x1b]8;;http://evil.example/" in out                    # the rank's last line, made visible
+    assert f"run {rid}: FAILED" in out
+    assert "bad thing\\x1b]0;pwned\\x07\\x1b[2J\\rFAKE DONE" in out           # the summary's error, made visible
+
+
+def test_status_and_runs_show_another_runs_escape_sequences_as_text(hostile: tuple[Path, str, str]) -> None:
+    tmp, rid, _ = hostile
+    status = hetflow("status", "--workdir", "w", cwd=tmp)
+    assert status.returncode == 1, status.stderr
+    assert_tame(status.stdout + status.stderr)
+    assert "bad thing\\x1b]0;pwned\\x07\\x1b[2J\\rFAKE DONE" in status.stdout
+    assert "second line" in status.stdout                                    # a multi-line error keeps its lines
+    as_json = json.loads(hetflow("status", "--workdir", "w", "--json", cwd=tmp).stdout)
+    assert EVIL in as_json["stages"][1]["error"]                             # JSON keeps the text exact
+    runs = hetflow("runs", "--workdir", "w", cwd=tmp)
+    assert rid in runs.stdout and "FAILED" in runs.stdout
+
+
+def test_logs_show_each_line_labelled_with_escape_sequences_as_text(hostile: tuple[Path, str, str]) -> None:
+    tmp, rid, _ = hostile
+    for follow in ([], ["--follow"]):
+        logs = hetflow("logs", rid, "chatty", *follow, "--workdir", "w", cwd=tmp)
+        assert logs.returncode == 0, logs.stderr
+        assert_tame(logs.stdout)
+        assert "[chatty rank 0] before\\x1b]0;pwned\\x07\\x1b[2J" in logs.stdout
+        assert "[chatty rank 0] FAKE DONE" in logs.stdout                   # after a CR: a labelled line of its own
+        assert all(line.startswith("[chatty ") for line in logs.stdout.splitlines())
+
+
+def start_serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    serve = subprocess.Popen([*HETFLOW, "serve", "--port", "0", "--workdir", "w", *extra], cwd=tmp,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert serve.stdout is not None
+    line = serve.stdout.readline()
+    assert " at http://127.0.0.1:" in line, line + (serve.stderr.read() if serve.stderr else "")
+    return serve, int(line.split(" at http://127.0.0.1:", 1)[1].split("/")[0])
+
+
+def stop(serve: subprocess.Popen[str]) -> None:
+    serve.send_signal(signal.SIGINT)
+    serve.wait(timeout=30)
+
+
+def ask(port: int, path: str, host: str | None) -> tuple[int, str]:
+    """GET ``path`` with exactly the ``Host`` header given (none when ``None``)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=40)
+    conn.putrequest("GET", path, skip_host=True)
+    if host is not None:
+        conn.putheader("Host", host)
+    conn.endheaders()
+    answer = conn.getresponse()
+    body = answer.read().decode()
+    conn.close()
+    return answer.status, body
+
+
+def raw_request(port: int, request: bytes) -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=40) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data.decode(errors="replace")
+
+
+def test_serve_answers_only_its_own_host_names(hostile: tuple[Path, str, str]) -> None:
+    tmp, rid, _ = hostile
+    serve, port = start_serve(tmp)
+    try:
+        for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "LocalHost", f"[::1]:{port}", "[::1]"):
+            status, body = ask(port, "/api/status", host)
+            assert status == 200, (host, body)
+            assert json.loads(body)["id"] == rid
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}", "127.0.0.1:1",
+                     f"localhost.:{port}", f"0.0.0.0:{port}", "", f"127.0.0.1:{port}@evil.example"):
+            for path in ("/api/status", "/", "/timeline", "/nope"):
+                status, body = ask(port, path, host)
+                assert status == 421, (host, path, status, body)
+                assert body.startswith("hetflow serve does not answer for Host"), body
+                assert rid not in body and "<" not in body                  # short plain text, nothing of the run
+        status, body = ask(port, "/api/status", None)                      # HTTP/1.1 without a Host
+        assert status == 400 and "one Host header" in body, body
+        answer = raw_request(port, b"GET /api/status HTTP/1.0\r\n\r\n")   # HTTP/1.0 without a Host
+        assert answer.startswith("HTTP/1.0 400") and rid not in answer, answer
+        answer = raw_request(port, f"GET /api/status HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nHost: evil.example\r\n"
+                                   "\r\n".encode())                         # two Host headers
+        assert answer.startswith("HTTP/1.0 400") and rid not in answer, answer
+    finally:
+        stop(serve)
+
+
+def test_serve_allow_host_adds_names_and_rejects_a_name_with_a_port(hostile: tuple[Path, str, str]) -> None:
+    tmp, _, _ = hostile
+    serve, port = start_serve(tmp, "--allow-host", "box.example", "--allow-host", "10.1.2.3")
+    try:
+        for host in (f"box.example:{port}", "BOX.example", "10.1.2.3", f"localhost:{port}"):
+            assert ask(port, "/api/status", host)[0] == 200, host
+        assert ask(port, "/api/status", f"evil.example:{port}")[0] == 421
+    finally:
+        stop(serve)
+    bad = hetflow("serve", "--port", "0", "--allow-host", "box.example:80", "--workdir", "w", cwd=tmp)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == ("hetflow: error: --allow-host 'box.example:80': expected a host name or address "
+                                  "without a port (e.g. mybox.example.org, 10.0.0.5, [fe80::1])")
+
+
+def test_serve_refuses_query_values_that_are_not_finite_bounded_seconds(hostile: tuple[Path, str, str]) -> None:
+    tmp, _, _ = hostile
+    serve, port = start_serve(tmp)
+    host = f"127.0.0.1:{port}"
+    try:
+        for wait in ("nan", "NaN", "inf", "-inf", "-1", "1e9", "30.5", "abc", "0x10", "1e400"):
+            status, body = ask(port, f"/api/status?since=x&wait={wait}", host)
+            assert status == 400, (wait, status, body)
+            assert body.startswith("wait= takes one number of seconds from 0 to 30, got"), body
+        status, body = ask(port, "/api/status?since=x&wait=1&wait=2", host)
+        assert status == 400 and "got 2 values" in body, body
+        status, body = ask(port, "/api/status?since=" + "a" * 65, host)
+        assert status == 400 and body.startswith("since= takes a status digest of at most 64 characters"), body
+        for wait in ("0", "0.5", "30"):
+            assert ask(port, f"/api/status?since=x&wait={wait}", host)[0] == 200, wait   # the run has ended
+    finally:
+        stop(serve)
+
+
+def peak_rss_kib(argv: list[str], cwd: Path, out: Path) -> tuple[int, int]:
+    """``(exit code, peak resident memory in KiB)`` of ``argv`` run to its end with stdout to ``out``."""
+    with open(out, "wb") as fh:
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=fh, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss
+
+
+def test_logs_of_a_huge_line_without_newline_take_bounded_memory(hostile: tuple[Path, str, str]) -> None:
+    """Last in this file: it appends to the run's log that the tests above read."""
+    tmp, rid, _ = hostile
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0  # the kernel reports peak RSS here
+    log_dir = json.loads(hetflow("status", "--workdir", "w", "--json", cwd=tmp).stdout)["stages"][0]["logs"]
+    rank_log = Path(log_dir["ranks"]["0"])
+    original = rank_log.read_bytes()
+    for follow in (["--follow"], []):
+        argv = [*HETFLOW, "logs", rid, "chatty", *follow, "--workdir", "w"]
+        code, before = peak_rss_kib(argv, tmp, tmp / "small.txt")
+        assert code == 0
+        size = 64 << 20
+        with open(rank_log, "ab") as fh:
+            fh.write(b"y" * size)                                           # one line, no newline, still growing
+        code, after = peak_rss_kib(argv, tmp, tmp / "big.txt")
+        assert code == 0
+        assert after - before < 24 << 10, f"{after - before} KiB more for a {size >> 20} MiB line"
+        pieces = [line for line in (tmp / "big.txt").read_bytes().split(b"\n") if b"yyyy" in line]
+        assert all(p.startswith(b"[chatty rank 0] ") for p in pieces)     # every piece labelled
+        assert b"".join(p[len(b"[chatty rank 0] "):] for p in pieces) == b"y" * size   # and nothing lost
+        rank_log.write_bytes(original)
+
+
+LISTENER = textwrap.dedent('''
+    import time
+    import hetflow as hf
+
+    pipe = hf.Pipeline("listen", pilot="local")
+
+    @pipe.stage(ranks=2)
+    def pair(ctx):
+        ctx.comm.barrier()
+        print("ready", flush=True)
+        time.sleep(6.0)
+        ctx.comm.barrier()
+
+    @pipe.stage(ranks=1)
+    def single(ctx):
+        print("ready", flush=True)
+        time.sleep(6.0)
+
+    pipe.run()
+''')
+
+
+def listeners(root: psutil.Process) -> Iterator[tuple[psutil.Process, tuple[str, int]]]:
+    """``(process, (address, port))`` of every TCP listening socket of ``root``'s process tree."""
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    yield proc, (conn.laddr.ip, conn.laddr.port)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+
+
+def test_a_one_node_run_keeps_the_ranks_listening_on_loopback(tmp_path: Path) -> None:
+    """Both kinds of rank: two started by mpiexec, one warm from the fork server (an MPI singleton)."""
+    (tmp_path / "listen.py").write_text(LISTENER)
+    run = subprocess.Popen([*HETFLOW, "run", "listen.py", "--workdir", "w", "--no-progress"], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[str, set[tuple[str, int]]] = {"mpiexec": set(), "warm": set()}
+    hydra: set[tuple[str, int]] = set()
+    try:
+        root = psutil.Process(run.pid)
+        while run.poll() is None:
+            for proc, address in listeners(root):
+                try:
+                    name, command = proc.name(), " ".join(proc.cmdline())
+                except psutil.NoSuchProcess:
+                    continue
+                if name.startswith(("mpiexec", "hydra_")):
+                    hydra.add(address)     # hydra's control port: MPICH 5's hydra binds it to every address
+                else:
+                    seen["warm" if "hetflow.tasks.forkserver" in command else "mpiexec"].add(address)
+            time.sleep(0.3)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 0, out + err
+    for kind, addresses in seen.items():
+        ranks = addresses - hydra                                           # the ranks inherit hydra's socket
+        assert ranks, f"saw no {kind} rank listening (hydra: {hydra}, all: {seen})"
+        assert all(ipaddress.ip_address(a).is_loopback for a, _ in ranks), f"{kind} ranks listen beyond loopback: {ranks}"
