@@ -71,6 +71,11 @@ PRELOAD = ("pyarrow", "hetflow.tasks.worker", "hetflow.tasks.context", "hetflow.
 LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL")
 """Prefixes of variables a launcher sets for its ranks: a child must not join an enclosing launcher's job."""
 
+SINGLETON_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "shm"}
+"""A warm rank is an MPI world of one: MPICH's OFI module with libfabric's shared-memory provider only,
+so its ``MPI_Init`` probes no network (the PyPI MPICH's default, UCX, does: several times slower) and
+nothing listens on a network address."""
+
 BLAS_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 """Set to 1 while the server imports: the BLAS loaded with numpy starts no threads before the forks (and
 serves one-core stages only)."""
@@ -279,6 +284,8 @@ def _become_task(job: Job) -> None:
     os.chdir(job.cwd)
     os.environ.clear()
     os.environ.update(job.env)
+    for name, value in SINGLETON_ENV.items():  # unless the user chose a transport for their MPI
+        os.environ.setdefault(name, value)
     from hetflow.tasks import worker
 
     sys.argv = [str(worker.__file__), job.spec]
