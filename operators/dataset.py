@@ -422,32 +422,36 @@ def commit(directory: "str | os.PathLike[str]", name: str, schema: pa.Schema,
 
 
 @_full_paths
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
     """Write JSON to ``path`` (0600) via temp file + fsync + rename (+ fsync of the directory).
 
     Neither the directory nor ``path`` may be a symlink: refused, never written through.
+    ``durable=False`` leaves out the two fsyncs: readers never see a partial file, but a
+    crash of the machine may lose it (for files only this run reads, soon).
     """
     path = Path(path)
     dfd = _open_dir(path.parent)
     try:
-        _write_json_at(dfd, path.parent, path.name, data)
+        _write_json_at(dfd, path.parent, path.name, data, durable=durable)
     finally:
         os.close(dfd)
 
 
-def _write_json_at(dfd: int, directory: Path, name: str, data: Any) -> None:
+def _write_json_at(dfd: int, directory: Path, name: str, data: Any, *, durable: bool = True) -> None:
     _refuse_link(dfd, directory, name)
     tmp, fd = _create_temp(dfd, name)
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, sort_keys=True, default=str)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
         _unlink_quiet(dfd, tmp)
         raise
-    os.fsync(dfd)
+    if durable:
+        os.fsync(dfd)
 
 
 def fsync_dir(directory: Path) -> None:

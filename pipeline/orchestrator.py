@@ -15,10 +15,13 @@ import dataclasses
 import logging
 import os
 import queue
+import signal
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +99,9 @@ LONE_DEATH_GRACE = 10.0
 (its own reviewers call the check racy, pmodels/mpich#4862), and ``srun`` ends the other
 ranks only with ``--kill-on-bad-exit``."""
 
+BATCH_MAX = 256
+"""Ended attempts recorded in one transaction at most (:meth:`Orchestrator._batch`)."""
+
 STOP_GRACE = 10.0
 """Seconds an interrupted run waits for its cancelled tasks to end before it records them cancelled."""
 
@@ -170,6 +176,9 @@ class Orchestrator:
         self.backend: Backend | None = None
         self.final: str | None = None
         self.owner = owner_id()
+        self.stage_ids: dict[str, int] = {}
+        self.made_dirs: set[Path] = set()
+        """Directories of this run this orchestrator has made (or checked) already: made once, not per attempt."""
 
     @property
     def states(self) -> Mapping[str, str]:
@@ -212,6 +221,9 @@ class Orchestrator:
                 self._reconcile(session, record)
                 record.state, record.error, record.started, record.ended = "PENDING", None, None, None
             attempts[spec.name] = len(record.tasks)
+        session.flush()
+        self.stage_ids = {record.name: record.id for record in
+                          session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
         # committed stages stay DONE in the store; the plan starts every stage PENDING and finds
         # them again by their cache key, so changed code, files, parameters or inputs re-run them
         self.plan = RunPlan(self.run_id, self.nodes, attempts=attempts)
@@ -238,7 +250,8 @@ class Orchestrator:
         self.progress.start(self)
         last_lease = last_look = 0.0
         try:
-            self._feed(Begin(forced=self.rerun))
+            with self._batch():
+                self._feed(Begin(forced=self.rerun))
             while self.final is None:
                 self._watch_walltime()
                 if time.time() - last_look >= 1.0:
@@ -248,9 +261,17 @@ class Orchestrator:
                 try:
                     live, outcome = self.outcomes.get(timeout=0.5)
                 except queue.Empty:
-                    self._apply(scheduler.handle_event(Tick(time.time())))
+                    with self._batch():
+                        self._apply(scheduler.handle_event(Tick(time.time())))
                 else:
-                    self._finish(live, outcome)
+                    with self._batch():  # with whatever else has ended meanwhile: one transaction
+                        self._finish(live, outcome)
+                        for _ in range(BATCH_MAX - 1):
+                            try:
+                                live, outcome = self.outcomes.get_nowait()
+                            except queue.Empty:
+                                break
+                            self._finish(live, outcome)
                 if time.time() - last_lease > LEASE_SECONDS / 3:
                     self._renew_lease()
                     last_lease = time.time()
@@ -272,6 +293,24 @@ class Orchestrator:
         finally:
             self.progress.stop(self)
         return self._close()
+
+    @contextmanager
+    def _batch(self) -> Iterator[None]:
+        """One transaction for what the loop records in one step (:meth:`Store.batch`), with Ctrl-C held
+        back until it is committed: a half-recorded step would leave the store behind what happened."""
+        interrupted: list[int] = []
+        hold = threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if hold:
+            signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+        try:
+            with self.store.batch():
+                yield
+        finally:
+            if hold:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+        if interrupted:
+            raise KeyboardInterrupt
 
     def stop(self, reason: str, state: str) -> None:
         """End the run ``state`` (Ctrl-C, an error): cancel what runs, wait briefly, record everything.
@@ -334,13 +373,15 @@ class Orchestrator:
                 log.warning("stage %s: output %r not withdrawn: %s", stage, name, exc)
 
     def _apply(self, instructions: list[Any]) -> None:
-        """Carry out the scheduler's instructions."""
+        """Carry out the scheduler's instructions; the tasks it starts are recorded RUNNING, committed
+        together, then handed to the backend (a resume reaps what the store says was running)."""
         assert self.scheduler is not None
+        launches: list[tuple[_Live, LaunchSpec]] = []
         for instruction in instructions:
             task = self.plan.task(instruction.task_id)
             if isinstance(instruction, StartTask):
                 try:
-                    self._launch(task, instruction)
+                    launches.append(self._launch(task, instruction))
                 except (UnsafePath, ds.DatasetError) as exc:  # a planted symlink, a damaged output dir
                     self._feed(TaskStarted(task))
                     self._end_task(str(task), "FAILED", str(exc))
@@ -351,6 +392,12 @@ class Orchestrator:
             elif isinstance(instruction, RejectTask):
                 self._end_task(instruction.task_id, "REJECTED", instruction.reason)
                 self._feed(TaskRejected(task, instruction.reason, walltime=instruction.cause in ("walltime", "drain")))
+        if launches:
+            self.store.commit()
+            assert self.backend is not None
+            for live, launch in launches:
+                future = self.backend.launch(launch)
+                future.add_done_callback(lambda f, live=live: self.outcomes.put((live, f.result())))
 
     def _watch_walltime(self) -> None:
         """Stop starting work inside the drain window; cut running work off at the deadline."""
@@ -498,8 +545,8 @@ class Orchestrator:
                 task.state, task.reason = state, reason
             self.store.event(session, self.run_id, "task", task_id, state, reason=reason)
 
-    def _launch(self, task: TaskId, start: StartTask) -> None:
-        """Write the attempt's spec, record it RUNNING and hand it to the backend."""
+    def _launch(self, task: TaskId, start: StartTask) -> tuple[_Live, LaunchSpec]:
+        """Write the attempt's spec and record it RUNNING; :meth:`_apply` hands it to the backend."""
         assert self.backend is not None
         spec = self.stages[task.stage]
         nodes = self.backend.node_names()
@@ -518,17 +565,16 @@ class Orchestrator:
         launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
                             slots=start.slots, cwd=files.directory, timeout=spec.timeout,
                             stdout=files.stdout, stderr=files.stderr)
-        future = self.backend.launch(launch)
-        future.add_done_callback(lambda f, live=live: self.outcomes.put((live, f.result())))
+        return live, launch
 
     def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str]) -> AttemptFiles:
         """The attempt's directory and spec; its outputs' directories emptied (nothing through a symlink)."""
-        stage_dir = private_dir(self.run_dir / "stages" / spec.name)
-        files = AttemptFiles(private_dir(stage_dir / f"attempt-{task.attempt}"))
-        private_dir(stage_dir / "checkpoints")
+        stage_dir = self._private_dir(self.run_dir / "stages" / spec.name)
+        files = AttemptFiles(private_dir(stage_dir / f"attempt-{task.attempt}", base=stage_dir))
+        self._private_dir(stage_dir / "checkpoints")
         outputs = {}
         for name in spec.outputs:
-            target = private_dir(self.run_dir / "datasets" / name)
+            target = self._private_dir(self.run_dir / "datasets" / name)
             ds.uncommit(target)
             outputs[name] = str(target)
         base = Path(spec.path).parent if spec.path else Path.cwd()
@@ -542,9 +588,17 @@ class Orchestrator:
             schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
             gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
-            node_local_dir=self.pilot.node_local_dir,
-        ).write(files.spec)
+            node_local_dir=self.pilot.node_local_dir, argv=tuple(sys.argv),
+        ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
+
+    def _private_dir(self, path: Path) -> Path:
+        """:func:`private_dir`, once per run for each directory (this run's directories are 0700: nobody
+        else can replace one by a link afterwards)."""
+        if path not in self.made_dirs:
+            private_dir(path)
+            self.made_dirs.add(path)
+        return path
 
     # --------------------------------------------------------------- outcome
     def _finish(self, live: _Live, outcome: TaskOutcome) -> None:
@@ -647,8 +701,9 @@ class Orchestrator:
 
     # ----------------------------------------------------------------- state
     def _stage_record(self, session: Any, name: str) -> StageRecord:
-        return session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id,
-                                                         StageRecord.name == name)).one()
+        record = session.get(StageRecord, self.stage_ids[name])  # in a batch: from the session, no query
+        assert record is not None
+        return record
 
     def _record_stage(self, change: StageChanged) -> None:
         now = time.time()

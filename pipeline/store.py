@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -416,6 +417,7 @@ class Store:
             except SQLAlchemyError as exc:  # a damaged file, a server that does not answer: one line
                 raise StoreUnreadable(unreadable(url, exc)) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._batch = threading.local()
 
     def _create_schema(self, path: Path | None) -> None:
         """Create missing tables, one process at a time: ``create_all`` checks, then creates, so two
@@ -447,9 +449,44 @@ class Store:
 
     @contextmanager
     def session(self) -> Iterator[Session]:
+        """One unit of work, committed at its end; inside :meth:`batch`, part of the batch's transaction."""
+        batch = getattr(self._batch, "session", None)
+        if batch is not None:
+            yield batch
+            return
         with self._sessions() as session:
             with session.begin():
                 yield session
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group commit: every :meth:`session` of this thread inside the block is one transaction,
+        committed when the block ends (rolled back if it raises: the store stays at its last commit).
+
+        The orchestrator records what arrives together (attempts that ended, what their ends made
+        ready, the tasks it launches) in one transaction instead of one per change; what must be
+        durable before it acts (a task RUNNING before its processes start) it commits with
+        :meth:`commit` inside the block.  Nested batches are part of the outer one."""
+        if getattr(self._batch, "session", None) is not None:
+            yield
+            return
+        session = self._sessions()
+        self._batch.session = session
+        try:
+            yield
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            self._batch.session = None
+            session.close()
+
+    def commit(self) -> None:
+        """Commit the current :meth:`batch` now (the batch goes on in a new transaction); nothing outside one."""
+        batch = getattr(self._batch, "session", None)
+        if batch is not None:
+            batch.commit()
 
     def close(self) -> None:
         self.engine.dispose()

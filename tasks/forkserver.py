@@ -8,6 +8,21 @@ hetflow.tasks.forkserver``), started on first use in its own session: it
 imports those modules once, without starting MPI and with one BLAS thread,
 then forks one child per one-rank task it is asked to start.
 
+Before it forks the first child of a stage, the server executes that stage's
+script (or imports its module) itself, once, as the worker would, but with
+every top-level import done: what the script defines and imports (``import
+torch``, a ``torch.nn.Module`` class, a big constant) is then paid once per run
+and shared by every child forked after it, copy-on-write, and each child
+starts from the same state, so nothing one task changes reaches another.
+While the script executes, its standard streams are the server's log and
+``/dev/null`` (never the protocol's pipes), it sees the environment of a rank
+without GPUs and the ``sys.argv`` its run started with.  A script that fails
+there is left to each child, which meets the error as a cold start would.  A
+script that leaves a thread running (a forked child would get a copy of its
+locks but not the thread) makes the server replace itself, by ``exec`` with
+the same pid, pipes and children, with one that executes no script: its tasks
+then execute the script themselves, as before.
+
 The child is what ``mpiexec -n 1 python -m hetflow.tasks.worker SPEC`` would
 have been: the leader of a new session (so the backend's timeout, cancel and
 Ctrl-C kill its process group as before), stdin from ``/dev/null``, stdout and
@@ -30,6 +45,8 @@ when the orchestrator is gone.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -53,6 +70,11 @@ PRELOAD = ("pyarrow", "hetflow.tasks.worker", "hetflow.tasks.context", "hetflow.
 
 LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL")
 """Prefixes of variables a launcher sets for its ranks: a child must not join an enclosing launcher's job."""
+
+SINGLETON_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "shm"}
+"""A warm rank is an MPI world of one: MPICH's OFI module with libfabric's shared-memory provider only,
+so its ``MPI_Init`` probes no network (the PyPI MPICH's default, UCX, does: several times slower) and
+nothing listens on a network address."""
 
 BLAS_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 """Set to 1 while the server imports: the BLAS loaded with numpy starts no threads before the forks (and
@@ -96,33 +118,132 @@ def _reap() -> None:
         _reply({"pid": pid, "status": status})
 
 
-def serve() -> Job | None:
-    """The server's loop; returns ``None`` when its stdin closes, and in each forked child, that child's job."""
+NO_SCRIPTS = "--no-scripts"
+"""The server's argument after a script left threads running: it executes no script before forking."""
+
+_scripts: dict[tuple[str, str | None], bool] = {}
+"""The scripts and modules this server tried to execute, by (module, path): whether it did."""
+
+
+def _threads() -> int:
+    """Threads of this process, native ones included (what a fork does not carry over).
+
+    pyarrow starts its own when it is imported, before any fork: they hold no lock of ours, and forking
+    with them is what every warm start has done; a script's threads are counted on top of them."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _preload_stage(job: Job) -> bool:
+    """Execute the script (or import the module) of ``job``'s stage here, once; False when the server
+    must not fork any more (the script left threads running).  A script that fails is left to the child."""
+    from hetflow.tasks.gpu import GPU_VENDORS, VISIBLE_DEVICES
+    from hetflow.tasks.protocol import WORKER_ENV, ProtocolError, ScriptImportStop, WorkerSpec
+    from hetflow.tasks.script import SCRIPT_MODULE, import_script, mark_preloaded
+
+    try:
+        spec = WorkerSpec.read(Path(job.spec))
+    except ProtocolError:
+        return True  # the child reports it
+    key = (spec.function.module, spec.function.path)
+    if key in _scripts:
+        return True
+    _scripts[key] = False
+    before = _threads()  # pyarrow's own (its allocator's): there before the server forked anything
+    saved_env, saved_argv, saved_fds = dict(os.environ), sys.argv[:], (os.dup(0), os.dup(1))
+    os.environ[WORKER_ENV] = "1"  # pipe.run() at the script's top stops there
+    for vendor in GPU_VENDORS:  # as a rank without GPUs sees it: nothing initialises a GPU before a fork
+        os.environ.update({name: "" for name in VISIBLE_DEVICES[vendor]})
+    os.environ.update({name: "1" for name in BLAS_ENV})
+    for entry in reversed(spec.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    null = os.open(os.devnull, os.O_RDONLY)
+    sys.stdout.flush()
+    os.dup2(null, 0)
+    os.dup2(2, 1)  # what the script prints goes to the server's log, never into the protocol's pipe
+    os.close(null)
+    try:
+        if spec.function.module != "__main__":
+            importlib.import_module(spec.function.module)
+        elif spec.function.path:
+            sys.argv = [spec.function.path, *spec.argv[1:]]
+            try:
+                module = import_script(spec.function.path, SCRIPT_MODULE, defer=False)
+            except ScriptImportStop:
+                module = sys.modules[SCRIPT_MODULE]
+            mark_preloaded(spec.function.path, module)
+        _scripts[key] = True
+    except BaseException as exc:  # noqa: BLE001 - the script's own error: each child meets it again
+        sys.modules.pop(SCRIPT_MODULE, None)
+        print(f"hetflow fork server: {spec.function.path or spec.function.module} not executed before forking "
+              f"({type(exc).__name__}: {exc}); its tasks execute it themselves", file=sys.stderr)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_fds[0], 0)
+        os.dup2(saved_fds[1], 1)
+        os.close(saved_fds[0])
+        os.close(saved_fds[1])
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+    threads = _threads() - before
+    if threads > 0:
+        print(f"hetflow fork server: {spec.function.path or spec.function.module} left {threads} thread(s) "
+              "running after it executed; forking from it is not safe, the server restarts without executing "
+              "scripts", file=sys.stderr)
+        return False
+    return True
+
+
+def _restart(pending: bytes) -> NoReturn:
+    """Replace this process by a server that executes no script: same pid, pipes and children;
+    ``pending`` (requests read but not served yet) is handed to it."""
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", FORK_SERVER, NO_SCRIPTS, pending.hex()])
+
+
+def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
+    """The server's loop; returns ``None`` when its stdin closes, and in each forked child, that child's job.
+
+    ``preload``: execute each stage's script before forking its first child (:func:`_preload_stage`).
+    ``pending``: requests already read (from the server this one replaced)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD wakes the select
-    pending = b""
+    _reap()  # children that ended while the server was being replaced
+    first = bool(pending)
     try:
         while True:
-            ready, _, _ = select.select([0, wake_r], [], [])
+            if first:
+                first, ready = False, []
+            else:
+                ready, _, _ = select.select([0, wake_r], [], [])
             if wake_r in ready:
                 os.read(wake_r, 4096)
                 _reap()
-            if 0 not in ready:
-                continue
-            data = os.read(0, 1 << 16)
-            if not data:
-                _reap()
-                return None
-            pending += data
+            if 0 in ready:
+                data = os.read(0, 1 << 16)
+                if not data:
+                    _reap()
+                    return None
+                pending += data
             while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
+                line, rest = pending.split(b"\n", 1)
                 try:
                     job = Job.from_line(line)
                 except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    pending = rest
                     _reply({"id": None, "error": f"bad request: {exc}"})
                     continue
+                if preload and not _preload_stage(job):
+                    signal.set_wakeup_fd(-1)
+                    _restart(pending)  # this request is served by the new server
+                pending = rest
                 sys.stdout.flush()
                 sys.stderr.flush()  # nothing buffered here may be written again by a child
                 try:
@@ -163,6 +284,8 @@ def _become_task(job: Job) -> None:
     os.chdir(job.cwd)
     os.environ.clear()
     os.environ.update(job.env)
+    for name, value in SINGLETON_ENV.items():  # unless the user chose a transport for their MPI
+        os.environ.setdefault(name, value)
     from hetflow.tasks import worker
 
     sys.argv = [str(worker.__file__), job.spec]
@@ -175,12 +298,12 @@ def _preload() -> None:
     import mpi4py
 
     mpi4py.rc.initialize = mpi4py.rc.finalize = False  # each rank starts (and ends) its own MPI
-    import importlib
-
     from mpi4py import MPI  # noqa: F401 - the library loaded, not started
 
     for name in PRELOAD:
         importlib.import_module(name)
+    if importlib.util.find_spec("pandas") is not None:
+        importlib.import_module("pandas")  # pyarrow loads it for pa.table(dict) and to_pandas(): once, here
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
@@ -191,13 +314,15 @@ def _preload() -> None:
 _server_pid = 0
 
 
-def main() -> NoReturn:
+def main(argv: list[str] | None = None) -> NoReturn:
     """The server; in each forked child, the task (the witness and its rank both come back here to end)."""
     global _server_pid
+    args = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the orchestrator's to handle
     _preload()
     _server_pid = os.getpid()
-    job = serve()
+    scripts = not (args and args[0] == NO_SCRIPTS)
+    job = serve(preload=scripts, pending=b"" if scripts else bytes.fromhex(args[1] if len(args) > 1 else ""))
     if job is None:  # the backend is done: nothing here needs tearing down
         _exit(0)
     _become_task(job)

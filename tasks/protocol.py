@@ -124,11 +124,11 @@ def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+def _write_json(path: Path, data: Mapping[str, Any], *, durable: bool = True) -> None:
     # lazy: the witness imports this module before it forks, and the dataset module loads pyarrow
     from hetflow.operators.dataset import write_json_atomic
 
-    write_json_atomic(path, data)  # temp file + fsync + rename, mode 0600
+    write_json_atomic(path, data, durable=durable)  # temp file (+ fsync) + rename, mode 0600
 
 
 _T = TypeVar("_T")
@@ -170,7 +170,10 @@ class WorkerSpec:
     ``slots[r]`` is rank r's place, ``slots[r].node`` an index into ``nodes``;
     ``schemas`` hold the declared schemas as text; ``files`` the declared input
     files as absolute paths; ``gpu_vendor`` says which variables give a rank
-    its GPUs (:func:`hetflow.tasks.gpu.visible_devices_env`).  ``memory_per_rank``
+    its GPUs (:func:`hetflow.tasks.gpu.visible_devices_env`).  ``argv`` is the
+    ``sys.argv`` the script had when its run started: the worker gives it to the
+    script again when it executes it to find the stage (``argv[0]`` as the script's
+    full path: the worker runs in another directory).  ``memory_per_rank``
     (the stage's, bytes) and ``node_local_dir`` (the pilot's, as its config writes
     it: ``$VAR`` is expanded on the node) become the operators' memory budget and
     spill directory (:mod:`hetflow.operators.settings`).
@@ -194,6 +197,7 @@ class WorkerSpec:
     gpu_vendor: GpuVendor = "nvidia"
     memory_per_rank: int | None = None
     node_local_dir: str | None = None
+    argv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -222,7 +226,7 @@ class WorkerSpec:
                 "outputs": dict(self.outputs), "sys_path": list(self.sys_path), "params": dict(self.params),
                 "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files),
                 "gpu_vendor": self.gpu_vendor, "memory_per_rank": self.memory_per_rank,
-                "node_local_dir": self.node_local_dir}
+                "node_local_dir": self.node_local_dir, "argv": list(self.argv)}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -248,12 +252,13 @@ class WorkerSpec:
                       "files": top.items("files", str, "strings", ()),
                       "gpu_vendor": top.text("gpu_vendor", "nvidia"),
                       "memory_per_rank": top.get("memory_per_rank", (int, type(None)), "an integer or null", None),
-                      "node_local_dir": top.get("node_local_dir", (str, type(None)), "a string or null", None)}
+                      "node_local_dir": top.get("node_local_dir", (str, type(None)), "a string or null", None),
+                      "argv": top.items("argv", str, "strings", ())}
         return _construct(cls, where, fields)
 
-    def write(self, path: Path) -> None:
-        """Write this spec to ``path`` atomically, readable by this user only."""
-        _write_json(path, self.to_json())
+    def write(self, path: Path, *, durable: bool = True) -> None:
+        """Write this spec to ``path`` atomically, readable by this user only (``durable``: fsynced too)."""
+        _write_json(path, self.to_json(), durable=durable)
 
     @classmethod
     def read(cls, path: Path) -> WorkerSpec:

@@ -83,12 +83,30 @@ class _Deferring(importlib.abc.MetaPathFinder):
         return frame is not None and frame.f_globals is self.namespace and frame.f_code.co_name == "<module>"
 
 
-def import_script(path: str, module_name: str) -> types.ModuleType:
+SCRIPT_MODULE = "__hetflow_script__"
+"""The name a worker gives the pipeline script it executes."""
+
+_preloaded: dict[str, types.ModuleType] = {}
+"""Scripts executed before this process was forked from the fork server, by path (:func:`preloaded`)."""
+
+
+def preloaded(path: str) -> types.ModuleType | None:
+    """The script at ``path`` as the fork server executed it before forking this process, if it did."""
+    return _preloaded.get(path)
+
+
+def mark_preloaded(path: str, module: types.ModuleType) -> None:
+    """Record that this process (the fork server) has executed the script at ``path`` as ``module``."""
+    _preloaded[path] = module
+
+
+def import_script(path: str, module_name: str, *, defer: bool = True) -> types.ModuleType:
     """Execute the script at ``path`` as the module ``module_name``, its unused top-level imports deferred.
 
     The module is in ``sys.modules`` under ``module_name`` while it runs (so that
     its functions, classes and pickles find it) and afterwards; exceptions from
-    the script propagate.
+    the script propagate.  ``defer=False`` imports everything as written (the fork
+    server: what it loads once is shared by every task forked from it).
     """
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -96,7 +114,7 @@ def import_script(path: str, module_name: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        names = deferrable(Path(path).read_text())
+        names = deferrable(Path(path).read_text()) if defer else frozenset()
     except (SyntaxError, ValueError, OSError, UnicodeDecodeError):
         names = frozenset()  # the loader reports what is wrong with the file
     finder = _Deferring(module.__dict__, names)

@@ -92,12 +92,17 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
     else:
         if not path:
             raise RuntimeError(f"stage {spec.stage!r} is defined in __main__ without a file to import")
-        from .script import import_script
+        from .script import SCRIPT_MODULE, import_script, preloaded
 
-        try:
-            module = import_script(path, "__hetflow_script__")
-        except ScriptImportStop:
-            module = sys.modules["__hetflow_script__"]
+        sys.argv = [path, *spec.argv[1:]]  # what the script saw when its run started (itself by full path)
+        found = preloaded(path)  # executed once by the fork server this process was forked from
+        if found is not None:
+            module = found
+        else:
+            try:
+                module = import_script(path, SCRIPT_MODULE)
+            except ScriptImportStop:
+                module = sys.modules[SCRIPT_MODULE]
     func = _registered(module, spec.stage, name)
     if func is None:
         func = getattr(module, name, None)

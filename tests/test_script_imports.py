@@ -1,12 +1,15 @@
-"""A stage does not pay for the script's top-level imports it does not use; one that uses them gets them.
+"""A stage does not pay for the script's top-level imports: a warm one-rank stage is forked from a fork
+server that executed the script once for the whole run; a stage started cold (``mpiexec``) executes the
+script itself with the imports it does not use deferred; either way a stage that uses them gets them.
 
 Real runs of scripts written as a scientist writes them (``import torch`` at the top); each stage
-reports what is loaded in its own worker.  The rules of :func:`hetflow.tasks.script.deferrable`
-are checked on source text.
+reports what is loaded in its own worker and which process executed the script.  The rules of
+:func:`hetflow.tasks.script.deferrable` are checked on source text.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,6 +27,7 @@ os.environ["SIDE_EFFECT_RAN"] = "yes"
 '''
 
 PIPELINE = '''
+import os
 import sys
 import torch
 import side_effect
@@ -34,13 +38,18 @@ try:
 except ImportError:
     not_installed_anywhere_xyz = None
 
-pipe = hf.Pipeline("lazy", pilot="local")
+EXECUTED_BY = os.getpid()
+ARGV = list(sys.argv)
+pipe = hf.Pipeline("lazy", pilot=hf.PilotDescription(
+    name="lazy", cores_per_node=2, memory_per_node=2**33,
+    options={"local": {"warm_start": os.environ.get("WARM") == "1"}}))
 
 
 def loaded():
     return {"torch_loaded": ["torch._C" in sys.modules], "torch_bound": ["torch" in sys.modules],
             "side_effect": [__import__("os").environ.get("SIDE_EFFECT_RAN")],
-            "missing_is_none": [not_installed_anywhere_xyz is None]}
+            "missing_is_none": [not_installed_anywhere_xyz is None],
+            "executed_by_me": [EXECUTED_BY == os.getpid()], "executed_by": [EXECUTED_BY], "argv": [ARGV]}
 
 
 @pipe.stage(outputs=["unused"])
@@ -65,10 +74,11 @@ if __name__ == "__main__":
 '''
 
 
-def _run(tmp_path: Path) -> Path:
+def _run(tmp_path: Path, warm: bool) -> Path:
     (tmp_path / "script.py").write_text(PIPELINE)
     (tmp_path / "side_effect.py").write_text(HELPER)
-    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "run", "script.py", "--no-progress"], cwd=tmp_path,
+    env = dict(os.environ, WARM="1" if warm else "0")
+    done = subprocess.run([sys.executable, "script.py", "--flag", "value"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     (run_dir,) = (tmp_path / ".hetflow" / "runs").iterdir()
@@ -80,12 +90,27 @@ def _rows(run_dir: Path, name: str) -> dict:
     return row
 
 
-def test_a_stage_that_does_not_use_torch_does_not_load_it_and_one_that_does_gets_it(tmp_path: Path) -> None:
-    run_dir = _run(tmp_path)
+def test_a_cold_stage_that_does_not_use_torch_does_not_load_it_and_one_that_does_gets_it(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path, warm=False)
     unused = _rows(run_dir, "unused")
-    assert unused == {"torch_loaded": False, "torch_bound": True, "side_effect": "yes", "missing_is_none": True}
+    argv = [str(tmp_path / "script.py"), "--flag", "value"]
+    assert unused == {"torch_loaded": False, "torch_bound": True, "side_effect": "yes", "missing_is_none": True,
+                      "executed_by_me": True, "executed_by": unused["executed_by"], "argv": argv}
     used = _rows(run_dir, "used")
-    assert used["torch_loaded"] and used["total"] == 10, used
+    assert used["torch_loaded"] and used["total"] == 10 and used["executed_by_me"], used
+    assert _rows(run_dir, "imported") == {"total": 3, "same": True}
+
+
+def test_warm_stages_are_forked_from_one_execution_of_the_script_with_its_imports_done(tmp_path: Path) -> None:
+    """The fork server executed the script once, torch and all, with the run's argv; each stage is a
+    child of it: none executed the script itself, and all see the same execution."""
+    run_dir = _run(tmp_path, warm=True)
+    unused, used = _rows(run_dir, "unused"), _rows(run_dir, "used")
+    for row in (unused, used):
+        assert row["torch_loaded"] and row["side_effect"] == "yes" and row["missing_is_none"], row
+        assert not row["executed_by_me"] and row["argv"] == [str(tmp_path / "script.py"), "--flag", "value"], row
+    assert unused["executed_by"] == used["executed_by"], (unused, used)
+    assert used["total"] == 10
     assert _rows(run_dir, "imported") == {"total": 3, "same": True}
 
 

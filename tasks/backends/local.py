@@ -145,6 +145,7 @@ class LocalBackend(Backend):
     def start(self) -> None:
         self._launcher = Mpiexec(find_mpiexec())
         self._ledger = CoreLedger()
+        self._fork_server()  # its imports are done while the run looks up its cache
 
     def _fork_server(self) -> ForkServer | None:
         """The run's fork server, started on first use; ``None`` once it has ended."""

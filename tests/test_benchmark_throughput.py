@@ -1,0 +1,33 @@
+"""``benchmarks/throughput.py --quick`` runs end to end (CI size) and reports every figure it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(900)
+def test_quick_throughput_benchmark_reports_tasks_per_second_and_marginal_cost(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--styles",
+                           "decorated,loop", "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=840, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["tasks"] == 16 and set(data["tasks_per_second"]) == {"hetflow decorated", "hetflow loop"}
+    for name, rate in data["tasks_per_second"].items():
+        assert rate["min"] <= rate["median"] <= rate["max"] and rate["median"] > 0, name
+        assert name in data["marginal_seconds"]
+    assert "tasks/s median" in proc.stdout
+
+
+def test_bad_arguments_are_one_clear_line() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--styles", "fancy"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown --styles ['fancy']" in proc.stderr, proc.stderr
