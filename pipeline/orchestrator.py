@@ -156,6 +156,7 @@ class Orchestrator:
             raise PipelineError(f"pipeline {name!r}: --rerun {unknown[0]!r} is not a stage "
                                 f"(stages: {list(self.stages)}, or 'all')")
         self.rerun = frozenset(self.stages) if "all" in rerun else frozenset(rerun)
+        self.rerun_reason = "forced"
         self.priority = self.plan.priorities()
         self.branch = self.plan.branches()
         self.outcomes: queue.Queue[tuple[_Live, TaskOutcome]] = queue.Queue()
@@ -193,8 +194,24 @@ class Orchestrator:
         if claim.previous_reason:
             log.warning("run %s: taking over from %s (%s)", self.run_id, claim.previous_owner, claim.previous_reason)
         with self.store.session() as session:
+            self._keep_rerun(session)
             self._stage_records(session)
 
+    def _keep_rerun(self, session: Any) -> None:
+        """Record what ``--rerun`` forces in this run; a resume forces again what that has not run yet.
+
+        A forced run that stopped early (Ctrl-C, a failure, the walltime) has stages that it had not
+        re-run: without this, the resume would find their older outputs in the cache, undoing the
+        ``--rerun``.  A stage that ran in this run (``DONE``, or reused from this run) is not forced again.
+        """
+        run = session.get(RunRecord, self.run_id)
+        asked = self.plan.closure(self.rerun)
+        kept = self.plan.closure(name for name in run.rerun or () if name in self.stages)
+        ran = {s.name for s in run.stages if s.state in SUCCESS and s.cached_from is None}
+        if kept - ran - asked:
+            self.rerun_reason = "forced (--rerun of this run, kept by the resume)"
+        self.rerun = frozenset(asked | (kept - ran))
+        run.rerun = sorted(asked | kept) or None
     def _stage_records(self, session: Any) -> None:
         existing = {s.name: s for s in session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
         attempts = {}
@@ -238,7 +255,7 @@ class Orchestrator:
         self.progress.start(self)
         last_lease = last_look = 0.0
         try:
-            self._feed(Begin(forced=self.rerun))
+            self._feed(Begin(forced=self.rerun, reason=self.rerun_reason))
             while self.final is None:
                 self._watch_walltime()
                 if time.time() - last_look >= 1.0:

@@ -103,3 +103,75 @@ def test_a_value_the_script_sets_on_a_module_it_imports_reruns_what_reads_it(tmp
     alpha = run(tmp_path)
     assert states(alpha) == {"reads_k": "CACHED", "fit": "DONE"} and value(alpha, "alpha") == 4
     assert alpha["fit"]["cache"]["reason"] == "code of fit() changed"
+
+
+FORCED = '''
+import os
+import time
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("forced")
+
+
+@pipe.stage(outputs=["a"])
+def first(ctx):
+    return {"a": pa.table({"v": [1]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def second(ctx, a):
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.exists(os.path.join(here, "hold")):
+        open(os.path.join(here, "held"), "w").close()
+        time.sleep(120)
+    with open(os.path.join(here, "value.txt")) as f:  # a file the cache cannot see: why --rerun is used
+        return {"b": pa.table({"v": [int(f.read())]})}
+
+
+@pipe.stage(inputs=["b"], outputs=["c"])
+def third(ctx, b):
+    return {"c": b}
+'''
+
+
+def test_a_resume_keeps_the_rerun_of_a_forced_run_that_was_interrupted(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(FORCED)
+    (tmp_path / "value.txt").write_text("1")
+    assert value(run(tmp_path), "c") == 1
+    (tmp_path / "value.txt").write_text("2")
+    (tmp_path / "hold").touch()
+    forced = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--rerun", "all", "--workdir",
+                               str(tmp_path / "work")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while not (tmp_path / "held").exists():
+        assert forced.poll() is None and time.time() < deadline, forced.communicate()
+        time.sleep(0.2)
+    forced.send_signal(signal.SIGINT)  # Ctrl-C while the forced run's second stage runs
+    _, err = forced.communicate(timeout=60)
+    assert forced.returncode == 130, err
+    stopped = status(tmp_path)
+    run_id = stopped["_run"]["id"]
+    assert states(stopped) == {"first": "DONE", "second": "CANCELLED", "third": "CANCELLED"}
+    assert stopped["_run"]["rerun"] == ["first", "second", "third"]  # recorded in the run
+    (tmp_path / "hold").unlink()
+    resumed = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    after = status(tmp_path, run_id)
+    # the stages the forced run had not re-run yet run now (not CACHED from the first run); first ran already
+    assert states(after) == {"first": "DONE", "second": "DONE", "third": "DONE"}
+    assert after["first"]["attempts"] == 1 and after["second"]["attempts"] == 2
+    assert after["first"]["cache"]["reason"] == "committed earlier in this run, unchanged"
+    assert after["second"]["cache"]["reason"] == "forced (--rerun of this run, kept by the resume)"
+    assert value(after, "c") == 2
+    shown = hetflow("status", run_id, cwd=tmp_path)
+    assert "forced by --rerun (kept by every resume): first, second, third" in shown.stdout, shown.stdout
+    with sqlite3.connect(tmp_path / "work" / "hetflow.db") as db:
+        ((recorded,),) = db.execute("SELECT rerun FROM runs WHERE id = ?", (run_id,)).fetchall()
+    assert json.loads(recorded) == ["first", "second", "third"]
+    again = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)  # all of it ran in this run now
+    assert again.returncode == 0
+    assert [s["attempts"] for n, s in status(tmp_path, run_id).items() if n != "_run"] == [1, 2, 1]
+    later = run(tmp_path)  # a new run without --rerun reuses the forced run's outputs
+    assert set(states(later).values()) == {"CACHED"} and value(later, "c") == 2
