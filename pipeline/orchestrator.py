@@ -165,6 +165,7 @@ class Orchestrator:
         self.fingerprints: dict[str, str] = {}
         self.material: dict[str, cache.KeyMaterial] = {}
         self.code: dict[str, dict[str, str]] = {}
+        self.env: dict[str, dict[str, str | None]] = {}
         self.deadline: float | None = None
         self.cut_off: set[str] = set()
         self.scheduler: Scheduler | None = None
@@ -175,6 +176,12 @@ class Orchestrator:
     @property
     def states(self) -> Mapping[str, str]:
         return self.plan.states
+
+    def stage_env(self, spec: StageSpec) -> dict[str, str | None]:
+        """The declared environment variables' values, read once per run: the key and the stage get the same."""
+        if spec.name not in self.env:
+            self.env[spec.name] = {name: os.environ.get(name) for name in spec.env}
+        return self.env[spec.name]
 
     def stage_params(self, spec: StageSpec) -> dict[str, Any]:
         merged = dict(spec.params)
@@ -418,6 +425,7 @@ class Orchestrator:
         base = Path(spec.path).parent if spec.path else Path.cwd()
         return cache.KeyMaterial(
             code=self.code[spec.name], files=file_fingerprint(spec.files, base) if spec.files else {},
+            env=cache.env_digests(self.stage_env(spec)),
             inputs={name: self.fingerprints[name] for name in spec.inputs},
             schemas={name: ds.schema_to_text(schema) for name, schema in sorted(spec.schemas.items())},
             outputs=tuple(spec.outputs), ranks=spec.request.ranks)
@@ -559,7 +567,7 @@ class Orchestrator:
             schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
             gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
-            node_local_dir=self.pilot.node_local_dir,
+            node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec),
         ).write(files.spec)
         return files
 

@@ -175,3 +175,70 @@ def test_a_resume_keeps_the_rerun_of_a_forced_run_that_was_interrupted(tmp_path:
     assert [s["attempts"] for n, s in status(tmp_path, run_id).items() if n != "_run"] == [1, 2, 1]
     later = run(tmp_path)  # a new run without --rerun reuses the forced run's outputs
     assert set(states(later).values()) == {"CACHED"} and value(later, "c") == 2
+
+
+ENV = '''
+import os
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("env")
+
+
+@pipe.stage(outputs=["k"], env=["HF_K", "HF_UNSET"])
+def reads_env(ctx):
+    return {"k": pa.table({"v": [ctx.env["HF_K"]], "seen": [os.environ.get("HF_K")],
+                           "unset": [ctx.env["HF_UNSET"]]})}
+
+
+@pipe.stage(outputs=["other"])
+def other(ctx):
+    return {"other": pa.table({"v": [1]})}
+'''
+
+
+def test_a_declared_environment_variable_is_part_of_the_key_and_given_to_the_stage(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(ENV)
+    base = {k: v for k, v in os.environ.items() if k not in ("HF_K", "HF_UNSET")}
+    first = run(tmp_path, env={**base, "HF_K": "secret-1"})
+    assert value(first, "k") == "secret-1" and value(first, "k", "seen") == "secret-1"
+    assert value(first, "k", "unset") is None
+    assert states(run(tmp_path, env={**base, "HF_K": "secret-1"})) == {"reads_env": "CACHED", "other": "CACHED"}
+    changed = run(tmp_path, env={**base, "HF_K": "secret-2"})
+    assert states(changed) == {"reads_env": "DONE", "other": "CACHED"}
+    assert changed["reads_env"]["cache"]["reason"] == "env HF_K changed" and value(changed, "k") == "secret-2"
+    unset = run(tmp_path, env=base)
+    assert unset["reads_env"]["state"] == "DONE" and value(unset, "k") is None and value(unset, "k", "seen") is None
+    with sqlite3.connect(tmp_path / "work" / "hetflow.db") as db:  # the key keeps digests, not the values
+        materials = [m for (m,) in db.execute("SELECT cache_material FROM stages WHERE name = 'reads_env'")]
+    assert materials and not any("secret" in (m or "") for m in materials)
+    assert any('"HF_K": "unset"' in (m or "") for m in materials)
+
+
+def test_an_env_declaration_is_checked_when_the_stage_is_declared() -> None:
+    import hetflow as hf
+    import pytest
+
+    pipe = hf.Pipeline("bad-env")
+    rule = "(letters, digits and '_', not starting with a digit)"
+    for bad, said in (("HF_K", "env must be a list of environment variable names, got 'HF_K'"),
+                      (["HF_K", "1X"], f"env: '1X' is not an environment variable name {rule}"),
+                      (["A=B"], f"env: 'A=B' is not an environment variable name {rule}"),
+                      (["HF_K", "HF_K"], "env lists a variable twice: ['HF_K', 'HF_K']")):
+        with pytest.raises(hf.PipelineError) as caught:
+            pipe.stage(name="fit", env=bad)(lambda ctx: {})
+        assert str(caught.value) == f"pipeline 'bad-env', stage 'fit': {said}"
+
+
+def test_ctx_env_refuses_an_undeclared_name_saying_to_declare_it(tmp_path: Path) -> None:
+    import pytest
+
+    from hetflow.tasks.context import StageContext
+
+    ctx = StageContext(comm=None, stage="fit", run_id="r", attempt=1, params={}, workdir=tmp_path,
+                       checkpoint_dir=tmp_path, env={"HF_K": "1", "HF_UNSET": None})
+    assert dict(ctx.env) == {"HF_K": "1", "HF_UNSET": None} and ctx.env["HF_UNSET"] is None
+    with pytest.raises(KeyError) as caught:
+        ctx.env["HOME"]
+    assert "stage 'fit' did not declare environment variable 'HOME'" in str(caught.value)
+    assert "@pipe.stage(env=[...])" in str(caught.value)
