@@ -13,7 +13,12 @@ Decisions, for :func:`code_fingerprint`:
   ``sys.base_prefix``, ``sys.exec_prefix`` or a ``site-packages`` /
   ``dist-packages`` folder.  Everything else is external: a top-level package
   with a ``__version__`` is recorded as ``"module numpy"`` -> its version; the
-  standard library and packages without a version are left out.
+  standard library and packages without a version are left out.  A package
+  installed from a local directory (its ``direct_url.json`` has ``dir_info``,
+  PEP 610: ``pip install -e ./mylib`` or ``pip install ./mylib``) is user code
+  whatever its version: an editable install's project directory counts as a
+  root, a plain install's installed files count where they lie.  hetflow itself
+  counts by its version (a part of every key).
 * Functions of the stage's own module (the script) are hashed one by one, by
   **bytecode** (``co_code``, constants, names, argument layout; nested code
   objects recursively), so comments, formatting, line numbers, other stages and
@@ -149,7 +154,8 @@ class _Walker:
 
     def __init__(self, func: Callable[..., Any], roots: Sequence[str]) -> None:
         self.home = getattr(_target(func), "__module__", None)
-        self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+        editable, self.installed_local = _local_installs()
+        self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots) + editable
         self.external = _external_dirs()
         self.parts: dict[str, set[str]] = {}
         self.seen: set[int | str] = set()
@@ -201,6 +207,8 @@ class _Walker:
         return self.realpaths[path]
 
     def is_user(self, path: str | None) -> bool:
+        if path is not None and path.startswith(self.installed_local):
+            return True  # a package installed from a local directory: its files count like local modules
         if path is None or "site-packages" in path or "dist-packages" in path:
             return False
         return path.startswith(self.roots) and not path.startswith(self.external)
@@ -586,6 +594,46 @@ def _source_imports(source: bytes, path: str) -> tuple[tuple[int, str, tuple[str
             _IMPORTS.clear()
         _IMPORTS[key] = tuple(found)
     return _IMPORTS[key]
+
+
+_LOCAL: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _local_installs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(project directories of editable installs, files and package directories installed from a local
+    directory)``, by each distribution's ``direct_url.json`` (PEP 610: ``dir_info``); hetflow itself is
+    left out (the key has its version).  Looked up once per ``sys.path``."""
+    import importlib.metadata
+    from urllib.parse import unquote, urlparse
+
+    key = tuple(sys.path)
+    if key in _LOCAL:
+        return _LOCAL[key]
+    editable: set[str] = set()
+    installed: set[str] = set()
+    for dist in importlib.metadata.distributions():
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "null")
+            name = str(dist.metadata["Name"] or "").lower().replace("_", "-")
+        except (OSError, ValueError, KeyError):
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("dir_info"), dict) or name == "hetflow":
+            continue
+        url = urlparse(str(info.get("url", "")))
+        if info["dir_info"].get("editable"):
+            if url.scheme == "file" and url.path:
+                editable.add(os.path.join(os.path.realpath(unquote(url.path)), ""))
+            continue
+        for file in dist.files or ():
+            top = file.parts[0] if file.parts else ""
+            if not top or top == ".." or top.endswith((".dist-info", ".egg-info", ".pth")) or top == "__pycache__":
+                continue
+            where = os.path.realpath(str(dist.locate_file(top)))
+            installed.add(where if top.endswith(".py") or len(file.parts) == 1 else os.path.join(where, ""))
+    if len(_LOCAL) > 16:
+        _LOCAL.clear()
+    _LOCAL[key] = (tuple(sorted(editable)), tuple(sorted(installed)))
+    return _LOCAL[key]
 
 
 _NAMES: dict[str, frozenset[str]] = {}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from hetflow.operators.dataset import Dataset
 
@@ -217,7 +218,6 @@ def test_a_declared_environment_variable_is_part_of_the_key_and_given_to_the_sta
 
 def test_an_env_declaration_is_checked_when_the_stage_is_declared() -> None:
     import hetflow as hf
-    import pytest
 
     pipe = hf.Pipeline("bad-env")
     rule = "(letters, digits and '_', not starting with a digit)"
@@ -231,8 +231,6 @@ def test_an_env_declaration_is_checked_when_the_stage_is_declared() -> None:
 
 
 def test_ctx_env_refuses_an_undeclared_name_saying_to_declare_it(tmp_path: Path) -> None:
-    import pytest
-
     from hetflow.tasks.context import StageContext
 
     ctx = StageContext(comm=None, stage="fit", run_id="r", attempt=1, params={}, workdir=tmp_path,
@@ -242,3 +240,68 @@ def test_ctx_env_refuses_an_undeclared_name_saying_to_declare_it(tmp_path: Path)
         ctx.env["HOME"]
     assert "stage 'fit' did not declare environment variable 'HOME'" in str(caught.value)
     assert "@pipe.stage(env=[...])" in str(caught.value)
+
+
+LIBRARY = '''
+import pyarrow as pa
+import hetflow as hf
+import hfprobe_lib
+
+pipe = hf.Pipeline("library")
+
+
+@pipe.stage(outputs=["k"])
+def uses_lib(ctx):
+    return {"k": pa.table({"v": [hfprobe_lib.k()]})}
+
+
+@pipe.stage(outputs=["other"])
+def other(ctx):
+    return {"other": pa.table({"v": [1]})}
+'''
+
+
+def pip(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", *args, "--quiet", "--no-input", "--disable-pip-version-check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def library(where: Path, value: int) -> Path:
+    """The user's own library: a project with a version in its metadata and no ``__version__``."""
+    (where / "hfprobe_lib").mkdir(parents=True, exist_ok=True)
+    (where / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools"]\n'
+                                          'build-backend = "setuptools.build_meta"\n'
+                                          '[project]\nname = "hfprobe-lib"\nversion = "0.1"\n')
+    (where / "hfprobe_lib" / "__init__.py").write_text(f"def k():\n    return {value}\n")
+    return where
+
+
+@pytest.mark.parametrize("editable", [True, False], ids=["pip-install-e", "pip-install-local-dir"])
+def test_the_users_library_installed_from_a_local_directory_counts_by_its_source(tmp_path: Path,
+                                                                                  editable: bool) -> None:
+    source = library(tmp_path / "lib", 1)  # outside the script's directory: not a local module of it
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "p.py").write_text(LIBRARY)
+    env = dict(os.environ)
+    install = ["install", "--no-build-isolation", "--no-index", "--no-deps"]
+    if editable:  # into the test's own venv (its site-packages processes the editable .pth), removed after
+        pip(*install, "-e", str(source))
+    else:  # a plain install from the directory, into a folder of its own on PYTHONPATH (dist-info kept)
+        target = tmp_path / "site"
+        pip(*install, "--target", str(target), str(source))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    try:
+        first = run(project, env=env)
+        assert value(first, "k") == 1
+        library(source, 2)  # edit the library's code (its version stays 0.1)
+        if not editable:
+            pip(*install, "--upgrade", "--target", str(target), str(source))
+        edited = run(project, env=env)
+        assert states(edited) == {"uses_lib": "DONE", "other": "CACHED"}
+        assert edited["uses_lib"]["cache"]["reason"] == "module hfprobe_lib changed" and value(edited, "k") == 2
+        assert states(run(project, env=env)) == {"uses_lib": "CACHED", "other": "CACHED"}
+    finally:
+        if editable:
+            pip("uninstall", "--yes", "hfprobe-lib")
