@@ -60,7 +60,9 @@ Decisions, for :func:`code_fingerprint`:
   is not a literal (``setattr(m, name, v)``, ``vars(m).update(...)``) counts
   every plain value of ``m`` that is read.  Not seen: a value set through an
   expression (``sys.modules["m"].K = 2``, a loop variable holding the module),
-  or changed in place by a call of a function or method on a module or class.
+  a value a called function changes in place (``m.configure()`` filling
+  ``m.CONFIG``), a classmethod that sets its class's attributes, and the
+  standard library's modules (``os.environ``: declare ``env=``).
 * **Values** are hashed through a stable text form: ``repr`` of None, bool,
   numbers, str, bytes, Path, Enum, datetime, Decimal, UUID; containers
   recursively (sets and dict keys sorted, so hash randomisation cannot reorder
@@ -307,7 +309,8 @@ class _Walker:
         module = sys.modules.get(owner.__module__ or "") if isinstance(owner, type) else owner
         if not isinstance(module, types.ModuleType) or module.__name__ in (self.home, "__main__"):
             return False  # the script's own globals and classes are hashed as they are now
-        if self.is_user(self.realpath(getattr(module, "__file__", None) or "")):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and self.is_user(self.realpath(path)):
             return id(module) in self.seen and attr in self.names
         return module.__name__.partition(".")[0] in self.external_tops
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-
 from hetflow.operators.dataset import Dataset
 
 HETFLOW = [sys.executable, "-m", "hetflow.cli"]
@@ -29,7 +28,7 @@ HETFLOW = [sys.executable, "-m", "hetflow.cli"]
 
 def hetflow(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*HETFLOW, *args, "--workdir", str(cwd / "work")], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=env)
+                          text=True, timeout=300, env=env, check=False)
 
 
 def run(cwd: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -144,7 +143,7 @@ def test_a_resume_keeps_the_rerun_of_a_forced_run_that_was_interrupted(tmp_path:
     (tmp_path / "hold").touch()
     forced = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--rerun", "all", "--workdir",
                                str(tmp_path / "work")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                              text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     deadline = time.time() + 120
     while not (tmp_path / "held").exists():
         assert forced.poll() is None and time.time() < deadline, forced.communicate()
@@ -263,7 +262,7 @@ def other(ctx):
 
 def pip(*args: str) -> None:
     done = subprocess.run([sys.executable, "-m", "pip", *args, "--quiet", "--no-input", "--disable-pip-version-check"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
