@@ -643,7 +643,8 @@ _NAMES: dict[str, frozenset[str]] = {}
 
 
 def _source_names(source: bytes, path: str) -> frozenset[str]:
-    """The names a module's source reads: loaded names and attributes, and identifier-like strings."""
+    """The names a module's source reads: loaded names and attributes, names imported from a module,
+    and identifier-like strings."""
     key = hashlib.sha256(source).hexdigest()
     if key not in _NAMES:
         found: set[str] = set()
@@ -654,6 +655,8 @@ def _source_names(source: bytes, path: str) -> frozenset[str]:
                 found.add(node.attr)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
                 found.add(node.value)
+            elif isinstance(node, ast.ImportFrom):  # ``from mpatch import K`` reads K when it runs
+                found.update(alias.name for alias in node.names)
         if len(_NAMES) > 4096:
             _NAMES.clear()
         _NAMES[key] = frozenset(found)

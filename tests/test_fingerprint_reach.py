@@ -427,6 +427,12 @@ def test_a_value_the_script_sets_on_a_module_it_imports(tmp_path: Path, setting:
     assert changes(tmp_path, files, "pipeline.py", "11", "12")
 
 
+def test_a_value_set_on_a_module_read_by_a_helper_module_that_imports_it_when_called(tmp_path: Path) -> None:
+    files = {"pipeline.py": "import mpatch\nimport helper\nmpatch.K = 5\ndef stage(ctx):\n    return helper.get()\n",
+             "helper.py": "def get():\n    from mpatch import K\n    return K\n", "mpatch.py": "K = 1\n"}
+    assert changes(tmp_path, files, "pipeline.py", "5", "6")
+
+
 def test_a_value_set_on_a_module_by_another_module_of_the_user(tmp_path: Path) -> None:
     files = {"pipeline.py": "import setup_run\nimport mpatch\ndef stage(ctx):\n    return mpatch.K\n",
              "setup_run.py": "import mpatch\nmpatch.K = 5\n", "mpatch.py": MPATCH}
