@@ -219,6 +219,7 @@ class Orchestrator:
             self.rerun_reason = "forced (--rerun of this run, kept by the resume)"
         self.rerun = frozenset(asked | (kept - ran))
         run.rerun = sorted(asked | kept) or None
+
     def _stage_records(self, session: Any) -> None:
         existing = {s.name: s for s in session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
         attempts = {}
