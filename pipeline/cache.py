@@ -7,6 +7,7 @@ nothing else (docs/caching.md):
   module-level values they name, local modules), not site-packages
   (:func:`hetflow.fingerprint.code_fingerprint`);
 - the declared ``files=`` and their content;
+- the values of the declared ``env=`` variables (:func:`env_digests`; an unset one as ``"unset"``);
 - its inputs' manifests (content checksums), its declared schemas, its
   outputs' names, its rank count, the hetflow version;
 - the values of the parameters it *read* when it ran: a parameter it never
@@ -28,7 +29,7 @@ import os
 import stat
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,18 @@ class KeyMaterial:
     outputs: tuple[str, ...]
     ranks: int
     hetflow: str = __version__
+    env: Mapping[str, str] = field(default_factory=dict)
+    """``{declared variable: digest of its value, or "unset"}``: digests, so no value is stored in the clear."""
 
     def to_json(self) -> dict[str, Any]:
         # the inputs in the order the stage function takes them: swapping two changes the result
-        return {"code": dict(self.code), "files": dict(self.files), "inputs": dict(self.inputs),
-                "input_order": list(self.inputs),
-                "schemas": dict(self.schemas), "outputs": list(self.outputs), "ranks": self.ranks,
-                "hetflow": self.hetflow}
+        found = {"code": dict(self.code), "files": dict(self.files), "inputs": dict(self.inputs),
+                 "input_order": list(self.inputs),
+                 "schemas": dict(self.schemas), "outputs": list(self.outputs), "ranks": self.ranks,
+                 "hetflow": self.hetflow}
+        if self.env:  # only then: the keys of stages that declare none stay what they were
+            found["env"] = dict(self.env)
+        return found
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
@@ -74,6 +80,12 @@ class Answer:
     hit: StageRecord | None
     datasets: Mapping[str, DatasetRecord]
     reason: str
+
+
+def env_digests(values: Mapping[str, str | None]) -> dict[str, str]:
+    """What the key records of declared environment variables: a digest of each value, ``"unset"`` for none."""
+    return {name: "unset" if value is None else "sha256:" + hashlib.sha256(value.encode()).hexdigest()
+            for name, value in sorted(values.items())}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -165,7 +177,7 @@ def describe(old: Mapping[str, Any], new: Mapping[str, Any], read: Sequence[str]
     reasons: list[str] = []
     if old.get("code") != new.get("code"):
         reasons.append(describe_change(old.get("code", {}), new.get("code", {})))
-    for kind, label in (("files", "file"), ("inputs", "input")):
+    for kind, label in (("env", "env"), ("files", "file"), ("inputs", "input")):
         before, after = old.get(kind, {}), new.get(kind, {})
         for name in sorted(set(before) | set(after)):
             if name not in after:

@@ -296,6 +296,9 @@ def _status(args: argparse.Namespace) -> int:
                           escape(slots))
         console = Console()
         console.print(table)
+        if status.rerun:
+            console.print(f"forced by --rerun (kept by every resume): {', '.join(status.rerun)}", markup=False,
+                          highlight=False)
         for stage in status.stages:
             if stage.log_dir:
                 console.print(f"{stage.name}: logs: {stage.log_dir}/rank-*.log (launcher: stdout.log, stderr.log)",

@@ -20,6 +20,23 @@ Always matched with ``fullmatch``: ``^...$`` with ``match`` accepts a trailing n
 """
 
 
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""An environment variable a stage may declare (``env=``): what a POSIX shell can name."""
+
+
+def check_env(names: Any, *, where: str) -> tuple[str, ...]:
+    """``env=`` as a tuple of distinct variable names; :class:`PipelineError` naming the bad one."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)):
+        raise PipelineError(f"{where}: env must be a list of environment variable names, got {names!r}")
+    for name in names:
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+            raise PipelineError(f"{where}: env: {name!r} is not an environment variable name (letters, digits "
+                                "and '_', not starting with a digit)")
+    if len(set(names)) != len(names):
+        raise PipelineError(f"{where}: env lists a variable twice: {list(names)}")
+    return tuple(names)
+
+
 def check_name(kind: str, name: Any, *, where: str) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:
         raise PipelineError(f"{where}: bad {kind} name {name!r} (use letters, digits, '_', '.', '-'; "
@@ -44,6 +61,9 @@ class StageSpec:
     files: tuple[str, ...] = ()
     """Files or globs the stage reads (relative to its script's directory): their content is part of its
     cache key, and ``ctx.files`` lists them resolved."""
+    env: tuple[str, ...] = ()
+    """Environment variables the stage reads: their values (as the orchestrator sees them) are part of its
+    cache key, and ``ctx.env`` (and ``os.environ`` in the stage) hold exactly those values."""
 
     @property
     def module(self) -> str:

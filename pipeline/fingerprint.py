@@ -13,14 +13,20 @@ Decisions, for :func:`code_fingerprint`:
   ``sys.base_prefix``, ``sys.exec_prefix`` or a ``site-packages`` /
   ``dist-packages`` folder.  Everything else is external: a top-level package
   with a ``__version__`` is recorded as ``"module numpy"`` -> its version; the
-  standard library and packages without a version are left out.
+  standard library and packages without a version are left out.  A package
+  installed from a local directory (its ``direct_url.json`` has ``dir_info``,
+  PEP 610: ``pip install -e ./mylib`` or ``pip install ./mylib``) is user code
+  whatever its version: an editable install's project directory counts as a
+  root, a plain install's installed files count where they lie.  hetflow itself
+  counts by its version (a part of every key).
 * Functions of the stage's own module (the script) are hashed one by one, by
   **bytecode** (``co_code``, constants, names, argument layout; nested code
   objects recursively), so comments, formatting, line numbers, other stages and
   the module's name (``__main__`` in the orchestrator, ``__hetflow_script__`` in
   the worker) do not count.  Their defaults, keyword defaults and closure cells
-  are hashed as values; the globals they load (``LOAD_GLOBAL``, imports) are
-  followed.  Classes: every attribute in the class body (methods by bytecode;
+  are hashed as values, and so are the attributes set on them (``fit.alpha =
+  3`` after the ``def``; not dunder names, not ``singledispatch``'s own); the
+  globals they load (``LOAD_GLOBAL``, imports) are followed.  Classes: every attribute in the class body (methods by bytecode;
   ``property``, ``cached_property``, ``partialmethod``, ``singledispatchmethod``
   by the functions in them; other values as values) plus their bases and their
   metaclass.  A ``singledispatch`` function counts its registered functions.
@@ -38,6 +44,25 @@ Decisions, for :func:`code_fingerprint`:
   imported is located without importing it or its packages (``find_spec`` on
   the top-level name, then the path finder): its file is hashed and its
   imports read from its source; ``from a import x`` then counts ``a`` whole.
+* **Values set on a module from outside it.**  The script and every imported
+  user module are read (parsed, not run) for places that set a value on another
+  module or class: ``mpatch.K = 2`` (also ``+=``, ``del``, in a tuple),
+  ``setattr(mpatch, "K", 2)``, ``vars(mpatch)["K"] = 2``, a value changed in
+  place (``mpatch.CONFIG.k = 2``, ``mpatch.ITEMS.append(2)``, ``mpatch.D[k] =
+  2``: ``CONFIG``, ``ITEMS``, ``D`` count), and a call of a function that
+  assigns its module's globals (``mpatch.configure(2)`` with ``global K``).
+  Such ``mpatch.K`` counts, by its value now (``"mpatch.K"``), when the stage
+  reaches ``mpatch`` and the code it reaches reads the name ``K`` (a loaded
+  name or attribute, or an identifier string, in a reached function or in a
+  reached module's source: a module counts whole, so a name it reads anywhere
+  counts); on an external package, when the stage uses that package.  So a
+  value set that no reached code reads does not re-run the stage.  A name that
+  is not a literal (``setattr(m, name, v)``, ``vars(m).update(...)``) counts
+  every plain value of ``m`` that is read.  Not seen: a value set through an
+  expression (``sys.modules["m"].K = 2``, a loop variable holding the module),
+  a value a called function changes in place (``m.configure()`` filling
+  ``m.CONFIG``), a classmethod that sets its class's attributes, and the
+  standard library's modules (``os.environ``: declare ``env=``).
 * **Values** are hashed through a stable text form: ``repr`` of None, bool,
   numbers, str, bytes, Path, Enum, datetime, Decimal, UUID; containers
   recursively (sets and dict keys sorted, so hash randomisation cannot reorder
@@ -131,7 +156,8 @@ class _Walker:
 
     def __init__(self, func: Callable[..., Any], roots: Sequence[str]) -> None:
         self.home = getattr(_target(func), "__module__", None)
-        self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+        editable, self.installed_local = _local_installs()
+        self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots) + editable
         self.external = _external_dirs()
         self.parts: dict[str, set[str]] = {}
         self.seen: set[int | str] = set()
@@ -140,19 +166,37 @@ class _Walker:
         self.user_objects: dict[int, tuple[Any, bool]] = {}
         self.realpaths: dict[str, str] = {}
         self.func = func
+        self.names: set[str] = set()
+        """Every name the reached code reads (names and string constants in code, identifiers in sources)."""
+        self.external_tops: set[str] = set()
+        """The top-level names of the external packages the reached code uses."""
 
     def run(self) -> dict[str, str]:
         if isinstance(self.func, types.FunctionType):
             self.queue.append(self.func)
         else:  # a partial, a bound method, an instance with __call__: hashed as a value, what it names followed
             self.add("stage", _sha(self.value(self.func)))
+        patches = self.patch_sites()
+        applied: set[tuple[int, str]] = set()
+        while True:
+            self.drain()
+            found = [(owner, attr) for owner, attr in patches
+                     if (id(owner), attr) not in applied and self.patch_counts(owner, attr)]
+            if not found:
+                break
+            for owner, attr in found:  # a patched value may reach more code: drain again
+                applied.add((id(owner), attr))
+                value = vars(owner).get(attr, _ABSENT)
+                self.add(f"{_owner_name(owner)}.{attr}", _sha("<absent>" if value is _ABSENT else self.value(value)))
+        return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
+
+    def drain(self) -> None:
         while self.queue:
             obj = self.queue.pop()
             key = obj.name if isinstance(obj, _Located) else id(obj)
             if key not in self.seen:
                 self.seen.add(key)
                 self.visit(obj)
-        return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
 
     def add(self, key: str, digest: str) -> None:
         """Record a component; two closures of one factory share a name, so a name may collect several digests."""
@@ -165,6 +209,8 @@ class _Walker:
         return self.realpaths[path]
 
     def is_user(self, path: str | None) -> bool:
+        if path is not None and path.startswith(self.installed_local):
+            return True  # a package installed from a local directory: its files count like local modules
         if path is None or "site-packages" in path or "dist-packages" in path:
             return False
         return path.startswith(self.roots) and not path.startswith(self.external)
@@ -218,15 +264,62 @@ class _Walker:
         top = name.partition(".")[0]
         if top in sys.stdlib_module_names or top in ("builtins", ""):
             return
+        self.external_tops.add(top)
         version = getattr(sys.modules.get(top), "__version__", None)
         if isinstance(version, str):
             self.parts[f"module {top}"] = {version}
+
+    # ------------------------------------------------------------ values set from outside a module
+    def patch_sites(self) -> list[tuple[Any, str]]:
+        """``(module or class, attribute)`` that user code sets from outside it (see the module docstring)."""
+        sites: dict[tuple[int, str], tuple[Any, str]] = {}
+        for name, path, namespace in self.user_namespaces():
+            try:
+                source = Path(path).read_bytes()
+            except OSError:
+                continue
+            for kind, chain in _patch_chains(source, path):
+                for owner, attr in _resolve_patch(namespace, chain, kind):
+                    if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
+                        continue  # a module setting its own names: its source counts already
+                    names = [attr] if attr is not None else [
+                        k for k, v in vars(owner).items() if not k.startswith("__") and not _is_code_like(v)]
+                    sites.update(((id(owner), n), (owner, n)) for n in names)
+        return list(sites.values())
+
+    def user_namespaces(self) -> list[tuple[str, str, Mapping[str, Any]]]:
+        """``(module name, file, namespace)`` of the script and the imported user modules: where values set
+        on other modules are looked for."""
+        found: dict[str, tuple[str, str, Mapping[str, Any]]] = {}
+        script = getattr(_target(self.func), "__globals__", None)
+        if isinstance(script, dict) and isinstance(script.get("__file__"), str) and self.home:
+            found[self.home] = (self.home, script["__file__"], script)
+        unresolved = tuple(os.path.join(d, "") for d in (sys.prefix, sys.base_prefix, sys.exec_prefix) if d)
+        for name, module in list(sys.modules.items()):
+            path = getattr(module, "__file__", None)
+            if (name in found or not isinstance(path, str) or not path.endswith(".py") or path.startswith(unresolved)
+                    or "site-packages" in path or "dist-packages" in path):
+                continue
+            if self.is_user(self.realpath(path)):
+                found[name] = (name, path, vars(module))
+        return list(found.values())
+
+    def patch_counts(self, owner: Any, attr: str) -> bool:
+        """Whether a value set on ``owner`` counts: the stage reaches ``owner`` and its code names ``attr``."""
+        module = sys.modules.get(owner.__module__ or "") if isinstance(owner, type) else owner
+        if not isinstance(module, types.ModuleType) or module.__name__ in (self.home, "__main__"):
+            return False  # the script's own globals and classes are hashed as they are now
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and self.is_user(self.realpath(path)):
+            return id(module) in self.seen and attr in self.names
+        return module.__name__.partition(".")[0] in self.external_tops
 
     # ------------------------------------------------------------ components
     def visit(self, obj: Any) -> None:
         if isinstance(obj, _Located):
             source = Path(obj.origin).read_bytes()
             self.add(f"module {obj.name}", _sha(source))
+            self.names.update(_source_names(source, obj.origin))
             self.module_imports(obj.name, obj.origin, source, obj.is_package)
         elif isinstance(obj, types.ModuleType):
             self.visit_module(obj)
@@ -240,6 +333,7 @@ class _Walker:
         source = Path(path).read_bytes() if path else b""
         self.add(f"module {module.__name__}", _sha(source) if path else "<no file>")
         if path:
+            self.names.update(_source_names(source, path))
             self.module_imports(module.__name__, path, source, hasattr(module, "__path__"))
         for key, value in sorted(vars(module).items()):
             if not isinstance(value, (types.ModuleType, types.FunctionType, type)) or key.startswith("__"):
@@ -293,14 +387,20 @@ class _Walker:
                 f"kwdefaults {self.value(func.__kwdefaults__)}\ncells {self.value(cells)}\n"
                 f"wraps {self.follow(wrapped) if callable(wrapped) else None}")
         registry = vars(func).get("registry")
+        attributes = {k: v for k, v in vars(func).items() if not (k.startswith("__") and k.endswith("__"))}
         if isinstance(registry, Mapping) and "dispatch" in vars(func):  # functools.singledispatch
             text += f"\nregistry {self.value(dict(registry))}"
+            attributes = {k: v for k, v in attributes.items() if k not in _SINGLEDISPATCH}
+        if attributes:  # ``fit.alpha = 3`` after the def, read in the body as ``fit.alpha``
+            text += f"\nattributes {self.value(attributes)}"
         return text
 
     def globals_of(self, code: types.CodeType, namespace: Mapping[str, Any]) -> None:
         """Follow the globals a code object (and the code nested in it) loads or imports."""
         builtins = namespace.get("__builtins__", {})
         builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
+        self.names.update(code.co_names)
+        self.names.update(c for c in code.co_consts if isinstance(c, str) and c.isidentifier())
         instructions = list(dis.get_instructions(code))
         for i, ins in enumerate(instructions):
             if ins.opname in _LOAD_OPS and isinstance(ins.argval, str):
@@ -497,6 +597,211 @@ def _source_imports(source: bytes, path: str) -> tuple[tuple[int, str, tuple[str
             _IMPORTS.clear()
         _IMPORTS[key] = tuple(found)
     return _IMPORTS[key]
+
+
+_LOCAL: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _local_installs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(project directories of editable installs, files and package directories installed from a local
+    directory)``, by each distribution's ``direct_url.json`` (PEP 610: ``dir_info``); hetflow itself is
+    left out (the key has its version).  Looked up once per ``sys.path``."""
+    import importlib.metadata
+    from urllib.parse import unquote, urlparse
+
+    key = tuple(sys.path)
+    if key in _LOCAL:
+        return _LOCAL[key]
+    editable: set[str] = set()
+    installed: set[str] = set()
+    for dist in importlib.metadata.distributions():
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "null")
+            name = str(dist.metadata["Name"] or "").lower().replace("_", "-")
+        except (OSError, ValueError, KeyError):
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("dir_info"), dict) or name == "hetflow":
+            continue
+        url = urlparse(str(info.get("url", "")))
+        if info["dir_info"].get("editable"):
+            if url.scheme == "file" and url.path:
+                editable.add(os.path.join(os.path.realpath(unquote(url.path)), ""))
+            continue
+        for file in dist.files or ():
+            top = file.parts[0] if file.parts else ""
+            if not top or top == ".." or top.endswith((".dist-info", ".egg-info", ".pth")) or top == "__pycache__":
+                continue
+            where = os.path.realpath(str(dist.locate_file(top)))
+            installed.add(where if top.endswith(".py") or len(file.parts) == 1 else os.path.join(where, ""))
+    if len(_LOCAL) > 16:
+        _LOCAL.clear()
+    _LOCAL[key] = (tuple(sorted(editable)), tuple(sorted(installed)))
+    return _LOCAL[key]
+
+
+_NAMES: dict[str, frozenset[str]] = {}
+
+
+def _source_names(source: bytes, path: str) -> frozenset[str]:
+    """The names a module's source reads: loaded names and attributes, names imported from a module,
+    and identifier-like strings."""
+    key = hashlib.sha256(source).hexdigest()
+    if key not in _NAMES:
+        found: set[str] = set()
+        for node in ast.walk(_parse(source, path)):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                found.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                found.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                found.add(node.value)
+            elif isinstance(node, ast.ImportFrom):  # ``from mpatch import K`` reads K when it runs
+                found.update(alias.name for alias in node.names)
+        if len(_NAMES) > 4096:
+            _NAMES.clear()
+        _NAMES[key] = frozenset(found)
+    return _NAMES[key]
+
+
+def _parse(source: bytes, path: str) -> ast.Module:
+    try:
+        return ast.parse(source, path)
+    except (SyntaxError, ValueError):
+        return ast.Module(body=[], type_ignores=[])
+
+
+_Chain = tuple[str | None, ...]
+_PATCHES: dict[str, tuple[tuple[str, _Chain], ...]] = {}
+
+
+def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
+    """Where a module's source may set a value on another object: ``("set", names)`` and ``("call", names)``.
+
+    ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v`` and
+    ``setattr(a, "K", v)`` / ``delattr`` / ``a.__dict__["K"] = v`` / ``vars(a)["K"] = v``
+    give ``("set", ("a", "b", "K"))`` and the like; a name that is not a literal
+    (``setattr(a, name, v)``, ``vars(a).update(...)``) ends the chain with None.
+    A call ``a.b.f(...)`` gives ``("call", ("a", "b", "f"))``.
+    """
+    key = hashlib.sha256(source).hexdigest()
+    if key in _PATCHES:
+        return _PATCHES[key]
+    found: list[tuple[str, _Chain]] = []
+
+    def target(node: ast.expr) -> None:
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for element in node.elts:
+                target(element)
+        elif isinstance(node, ast.Starred):
+            target(node.value)
+        elif isinstance(node, ast.Attribute):
+            chain = _names(node)
+            if chain is not None and len(chain) > 1:
+                found.append(("set", chain))
+        elif isinstance(node, ast.Subscript):
+            namespace = _namespace_of(node.value)
+            if namespace is not None:
+                name = node.slice.value if isinstance(node.slice, ast.Constant) else None
+                found.append(("set", namespace + (name if isinstance(name, str) else None,)))
+            else:
+                target(node.value)
+
+    for node in ast.walk(_parse(source, path)):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            for each in node.targets:
+                target(each)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            target(node.target)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and len(node.args) >= 2:
+                chain = _names(node.args[0])
+                name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
+                if chain is not None:
+                    found.append(("set", chain + (name if isinstance(name, str) else None,)))
+            elif isinstance(func, ast.Attribute) and _namespace_of(func.value) is not None:
+                found.append(("set", _namespace_of(func.value) + (None,)))  # type: ignore[operator]
+            elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Subscript):
+                target(func.value)  # a.D[k].append(v)
+            else:
+                chain = _names(func)
+                if chain is not None:
+                    found.append(("call", chain))
+    if len(_PATCHES) > 4096:
+        _PATCHES.clear()
+    _PATCHES[key] = tuple(dict.fromkeys(found))
+    return _PATCHES[key]
+
+
+def _names(node: ast.expr) -> tuple[str, ...] | None:
+    """``a.b.c`` as ``("a", "b", "c")``; None for anything else."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    names.append(node.id)
+    return tuple(reversed(names))
+
+
+def _namespace_of(node: ast.expr) -> tuple[str, ...] | None:
+    """``a.__dict__`` or ``vars(a)``: the names of ``a``, else None."""
+    if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+        return _names(node.value)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"
+            and len(node.args) == 1):
+        return _names(node.args[0])
+    return None
+
+
+def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str) -> list[tuple[Any, str | None]]:
+    """The ``(module or class, attribute)`` a patch site sets, looked up without running code.
+
+    The chain is followed through modules and classes (``vars``, never ``getattr``);
+    it stops at the first other value: ``a.CONFIG.k = v`` and ``a.ITEMS.append(v)``
+    set ``a.CONFIG`` and ``a.ITEMS``.  A call of a function (``a.configure(2)``)
+    sets the globals that function assigns (``global K``) in its own module.
+    """
+    obj = namespace.get(chain[0] or "", _ABSENT)
+    names = chain[1:]
+    for i, name in enumerate(names):
+        if not isinstance(obj, (types.ModuleType, type)):
+            return []
+        last = i == len(names) - 1
+        if name is None or (last and kind == "set"):
+            return [(obj, name)]
+        value = vars(obj).get(name, _ABSENT)
+        if not last and value is _ABSENT:
+            return []
+        if not last and not isinstance(value, (types.ModuleType, type)) and not _is_code_like(value):
+            return [(obj, name)]  # a value changed in place: a.CONFIG.k = v, a.ITEMS.append(v)
+        obj = value
+    if kind == "call" and isinstance(obj, types.FunctionType):
+        module = sys.modules.get(obj.__globals__.get("__name__") or "")
+        return [(module, name) for name in sorted(_global_stores(obj.__code__))] if module is not None else []
+    return []
+
+
+def _global_stores(code: types.CodeType) -> set[str]:
+    found = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _global_stores(const)
+    return found
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT: Any = _Absent()
+_SINGLEDISPATCH = frozenset({"registry", "dispatch", "register", "_clear_cache"})
+
+
+def _owner_name(owner: Any) -> str:
+    return owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
 
 
 _LRU_WRAPPER = type(functools.lru_cache(lambda: None))

@@ -162,6 +162,7 @@ class Orchestrator:
             raise PipelineError(f"pipeline {name!r}: --rerun {unknown[0]!r} is not a stage "
                                 f"(stages: {list(self.stages)}, or 'all')")
         self.rerun = frozenset(self.stages) if "all" in rerun else frozenset(rerun)
+        self.rerun_reason = "forced"
         self.priority = self.plan.priorities()
         self.branch = self.plan.branches()
         self.outcomes: queue.Queue[tuple[_Live, TaskOutcome]] = queue.Queue()
@@ -170,6 +171,7 @@ class Orchestrator:
         self.fingerprints: dict[str, str] = {}
         self.material: dict[str, cache.KeyMaterial] = {}
         self.code: dict[str, dict[str, str]] = {}
+        self.env: dict[str, dict[str, str | None]] = {}
         self.deadline: float | None = None
         self.cut_off: set[str] = set()
         self.scheduler: Scheduler | None = None
@@ -183,6 +185,12 @@ class Orchestrator:
     @property
     def states(self) -> Mapping[str, str]:
         return self.plan.states
+
+    def stage_env(self, spec: StageSpec) -> dict[str, str | None]:
+        """The declared environment variables' values, read once per run: the key and the stage get the same."""
+        if spec.name not in self.env:
+            self.env[spec.name] = {name: os.environ.get(name) for name in spec.env}
+        return self.env[spec.name]
 
     def stage_params(self, spec: StageSpec) -> dict[str, Any]:
         merged = dict(spec.params)
@@ -202,7 +210,24 @@ class Orchestrator:
         if claim.previous_reason:
             log.warning("run %s: taking over from %s (%s)", self.run_id, claim.previous_owner, claim.previous_reason)
         with self.store.session() as session:
+            self._keep_rerun(session)
             self._stage_records(session)
+
+    def _keep_rerun(self, session: Any) -> None:
+        """Record what ``--rerun`` forces in this run; a resume forces again what that has not run yet.
+
+        A forced run that stopped early (Ctrl-C, a failure, the walltime) has stages that it had not
+        re-run: without this, the resume would find their older outputs in the cache, undoing the
+        ``--rerun``.  A stage that ran in this run (``DONE``, or reused from this run) is not forced again.
+        """
+        run = session.get(RunRecord, self.run_id)
+        asked = self.plan.closure(self.rerun)
+        kept = self.plan.closure(name for name in run.rerun or () if name in self.stages)
+        ran = {s.name for s in run.stages if s.state in SUCCESS and s.cached_from is None}
+        if kept - ran - asked:
+            self.rerun_reason = "forced (--rerun of this run, kept by the resume)"
+        self.rerun = frozenset(asked | (kept - ran))
+        run.rerun = sorted(asked | kept) or None
 
     def _stage_records(self, session: Any) -> None:
         existing = {s.name: s for s in session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
@@ -251,7 +276,7 @@ class Orchestrator:
         last_lease = last_look = 0.0
         try:
             with self._batch():
-                self._feed(Begin(forced=self.rerun))
+                self._feed(Begin(forced=self.rerun, reason=self.rerun_reason))
             while self.final is None:
                 self._watch_walltime()
                 if time.time() - last_look >= 1.0:
@@ -448,6 +473,7 @@ class Orchestrator:
         base = Path(spec.path).parent if spec.path else Path.cwd()
         return cache.KeyMaterial(
             code=self.code[spec.name], files=file_fingerprint(spec.files, base) if spec.files else {},
+            env=cache.env_digests(self.stage_env(spec)),
             inputs={name: self.fingerprints[name] for name in spec.inputs},
             schemas={name: ds.schema_to_text(schema) for name, schema in sorted(spec.schemas.items())},
             outputs=tuple(spec.outputs), ranks=spec.request.ranks)
@@ -588,7 +614,7 @@ class Orchestrator:
             schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
             gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
-            node_local_dir=self.pilot.node_local_dir, argv=tuple(sys.argv),
+            node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 

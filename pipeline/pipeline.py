@@ -18,7 +18,7 @@ from hetflow.tasks.errors import ConfigError, UnsatisfiableRequest
 from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
-from .declaration import StageSpec, check_name
+from .declaration import StageSpec, check_env, check_name
 from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
@@ -95,7 +95,7 @@ class Pipeline:
               duration: float | None = None, inputs: Sequence[str] = (), outputs: Sequence[str] = (),
               params: Mapping[str, Any] | None = None, retries: int = 0,
               timeout: float | None = None, schemas: Mapping[str, Any] | None = None,
-              files: Sequence[str] = ()) -> Any:
+              files: Sequence[str] = (), env: Sequence[str] = ()) -> Any:
         """Declare a stage; the function is called once per rank as ``func(ctx, *inputs)``.
 
         It returns ``{output name: pa.Table | None}`` with this rank's partition
@@ -107,6 +107,8 @@ class Pipeline:
         ``files`` lists files or globs the stage reads (relative to the script's
         directory, or absolute): their content is part of the stage's cache key,
         so changing, adding or removing one re-runs it; ``ctx.files`` lists them.
+        ``env`` names the environment variables the stage reads: their values join
+        its cache key, and ``ctx.env`` maps each to its value (``None``: unset).
         ``memory_per_rank`` is bytes or a size as the pilot config writes it
         (``"4GB"`` = 4·10⁹, ``"4GiB"`` = 4·2³⁰).
         """
@@ -139,6 +141,7 @@ class Pipeline:
                                         f"got {type(schema).__name__}")
             if isinstance(files, str) or not all(isinstance(f, str) and f for f in files):
                 raise PipelineError(f"{where}: files must be a list of paths or globs, got {files!r}")
+            declared_env = check_env(env, where=where)
             if not isinstance(retries, int) or retries < 0:
                 raise PipelineError(f"{where}: retries must be an integer >= 0, got {retries!r}")
             if timeout is not None and timeout <= 0:
@@ -156,7 +159,7 @@ class Pipeline:
             self.stages[stage_name] = StageSpec(name=stage_name, func=fn, request=request, inputs=tuple(inputs),
                                                 outputs=tuple(outputs), params=dict(params or {}),
                                                 retries=retries, timeout=timeout, schemas=dict(schemas or {}),
-                                                files=tuple(files))
+                                                files=tuple(files), env=declared_env)
             return fn
 
         return register(func) if func is not None else register

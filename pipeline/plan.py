@@ -57,9 +57,10 @@ class StageNode:
 # ------------------------------------------------------------------ events
 @dataclass(frozen=True)
 class Begin:
-    """Start planning.  ``forced`` stages (and everything downstream of them) re-run uncached."""
+    """Start planning.  ``forced`` stages (and everything downstream of them) re-run uncached, ``reason`` saying why."""
 
     forced: frozenset[str] = frozenset()
+    reason: str = "forced"
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,7 @@ class RunPlan:
         self.tasks: dict[str, TaskId] = {}
         """The live task of each stage (queued or running)."""
         self.forced: frozenset[str] = frozenset()
+        self.forced_reason = "forced"
         self.draining = False
         self.abandoned: str | None = None
         self.ended: str | None = None
@@ -259,7 +261,7 @@ class RunPlan:
             return []
         out: list[Instruction] = []
         if isinstance(event, Begin):
-            self.forced = self.closure(event.forced)
+            self.forced, self.forced_reason = self.closure(event.forced), event.reason
         elif isinstance(event, CacheChecked):
             self._cache_checked(event, out)
         elif isinstance(event, TaskStarted):
@@ -367,7 +369,7 @@ class RunPlan:
                         changed = True
                     elif all(self.states[u] in SUCCESS for u in node.upstream):
                         if name in self.forced:
-                            self._enqueue(name, "forced", out)
+                            self._enqueue(name, self.forced_reason, out)
                         else:
                             self.states[name] = "LOOKING"
                             out.append(LookUpCache(name))

@@ -83,6 +83,9 @@ class RunStatus:
     """The script ``hetflow resume`` re-executes (``None``: started from Python code)."""
     error: str | None = None
     """Why the run ended FAILED, INTERRUPTED or CANCELLED when no stage says (Ctrl-C, a cancel, no launcher)."""
+    rerun: tuple[str, ...] = ()
+    """The stages ``--rerun`` forced in this run (and downstream of them); every resume keeps forcing those
+    that have not run in it yet."""
 
     @property
     def ok(self) -> bool:
@@ -132,7 +135,7 @@ class RunStatus:
         """The run as JSON-ready values: what ``hetflow status --json`` prints."""
         return {"id": self.id, "pipeline": self.pipeline, "state": self.state, "created": iso(self.created),
                 "started": iso(self.started), "ended": iso(self.ended), "run_dir": self.run_dir,
-                "script": self.script, "error": self.error, "stages": [s.to_json() for s in self.stages], "datasets": dict(self.datasets)}
+                "script": self.script, "error": self.error, "rerun": list(self.rerun), "stages": [s.to_json() for s in self.stages], "datasets": dict(self.datasets)}
 
 
 def run_status(store: Store, run_id: str | None) -> RunStatus:
@@ -164,4 +167,4 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
         datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
         return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
                          ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets,
-                         script=run.script, error=run.error)
+                         script=run.script, error=run.error, rerun=tuple(run.rerun or ()))

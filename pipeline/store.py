@@ -72,6 +72,9 @@ class RunRecord(Base):
     """Why the run ended FAILED or INTERRUPTED when no stage says (no launcher, a full disk, Ctrl-C)."""
     cancel_requested: Mapped[str | None] = mapped_column(Text, nullable=True)
     """Who asked ``hetflow cancel`` to stop the run (``host:pid at time``); its orchestrator polls it."""
+    rerun: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    """The stages ``--rerun`` forced in this run, with everything downstream of them: every resume re-runs
+    those that have not run in this run yet (``None``: none forced)."""
     stages: Mapped[list["StageRecord"]] = relationship(back_populates="run", order_by="StageRecord.order")
 
 

@@ -61,6 +61,34 @@ class TrackedParams(Mapping[str, Any]):
         return None if self._all else sorted(self._read)
 
 
+class DeclaredEnv(Mapping[str, "str | None"]):
+    """A stage's declared environment variables (``env=``) and their values, ``None`` for an unset one.
+
+    Read-only; a name the stage did not declare is a ``KeyError`` that says to declare it, since
+    only declared variables are part of the stage's cache key.
+    """
+
+    def __init__(self, stage: str, values: Mapping[str, str | None]) -> None:
+        self._stage = stage
+        self._values = dict(values)
+
+    def __getitem__(self, name: str) -> str | None:
+        if name not in self._values:
+            raise KeyError(f"stage {self._stage!r} did not declare environment variable {name!r} "
+                           f"(declared: {sorted(self._values)}); add it to @pipe.stage(env=[...]) so that "
+                           "its value is part of the stage's cache key")
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"DeclaredEnv({self._values!r})"
+
+
 @dataclass(frozen=True)
 class StageContext:
     """The per-rank context of one stage attempt.
@@ -72,7 +100,8 @@ class StageContext:
     visible devices are numbered ``0..len(gpus)-1``.
     ``workdir`` is private to this attempt; ``checkpoint_dir`` is stable across
     attempts of the same stage in the same run (so a retry can resume).
-    ``files`` are the stage's declared files, resolved and absolute.
+    ``files`` are the stage's declared files, resolved and absolute; ``env`` its
+    declared environment variables (:class:`DeclaredEnv`).
 
     :meth:`progress` reports how far this rank is (a small file the live view reads).
 
@@ -93,10 +122,13 @@ class StageContext:
     node: str = "localhost"
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("hetflow.stage"))
     files: tuple[Path, ...] = ()
+    env: Mapping[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, TrackedParams):
             object.__setattr__(self, "params", TrackedParams(self.params))
+        if not isinstance(self.env, DeclaredEnv):
+            object.__setattr__(self, "env", DeclaredEnv(self.stage, self.env))
 
     @property
     def params_read(self) -> list[str] | None:

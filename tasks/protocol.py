@@ -55,6 +55,7 @@ class ScriptImportStop(BaseException):
 log = logging.getLogger(__name__)
 
 VERIFY = ("checksum", "size", "none")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 STATUSES = ("ok", "error", "running")
 _REQUIRED: Any = object()
 
@@ -176,7 +177,9 @@ class WorkerSpec:
     full path: the worker runs in another directory).  ``memory_per_rank``
     (the stage's, bytes) and ``node_local_dir`` (the pilot's, as its config writes
     it: ``$VAR`` is expanded on the node) become the operators' memory budget and
-    spill directory (:mod:`hetflow.operators.settings`).
+    spill directory (:mod:`hetflow.operators.settings`).  ``env`` holds the
+    stage's declared environment variables as its cache key saw them (``None``:
+    unset); each rank sets them before calling the stage, and ``ctx.env`` gives them.
     """
 
     run_id: str
@@ -197,6 +200,7 @@ class WorkerSpec:
     gpu_vendor: GpuVendor = "nvidia"
     memory_per_rank: int | None = None
     node_local_dir: str | None = None
+    env: Mapping[str, str | None] = field(default_factory=dict)
     argv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -213,6 +217,10 @@ class WorkerSpec:
             if not 0 <= slot.node < len(self.nodes):
                 raise ProtocolError(f"stage {self.stage!r}: slot node {slot.node} is not an index into the "
                                     f"{len(self.nodes)} node name(s) {list(self.nodes)}")
+        for name, value in self.env.items():
+            if not _ENV_NAME.fullmatch(name) or not (value is None or isinstance(value, str)) or "\0" in (value or ""):
+                raise ProtocolError(f"stage {self.stage!r}: env {name!r}={value!r} (expected a variable name and "
+                                    "a string without NUL, or null)")
         relative = [f for f in self.files if not os.path.isabs(f)]
         if relative:
             raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths, got {relative[0]!r}")
@@ -226,7 +234,7 @@ class WorkerSpec:
                 "outputs": dict(self.outputs), "sys_path": list(self.sys_path), "params": dict(self.params),
                 "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files),
                 "gpu_vendor": self.gpu_vendor, "memory_per_rank": self.memory_per_rank,
-                "node_local_dir": self.node_local_dir, "argv": list(self.argv)}
+                "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv)}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -253,6 +261,7 @@ class WorkerSpec:
                       "gpu_vendor": top.text("gpu_vendor", "nvidia"),
                       "memory_per_rank": top.get("memory_per_rank", (int, type(None)), "an integer or null", None),
                       "node_local_dir": top.get("node_local_dir", (str, type(None)), "a string or null", None),
+                      "env": dict(top.get("env", (dict,), "an object of strings or nulls", {})),
                       "argv": top.items("argv", str, "strings", ())}
         return _construct(cls, where, fields)
 

@@ -405,6 +405,59 @@ def test_functions_held_in_a_simple_namespace(tmp_path: Path) -> None:
     assert changes(tmp_path, files, "pipeline.py", "x * 2", "x * 3")
 
 
+MPATCH = "K = 1\nJ = 0\nITEMS = []\nclass Config:\n    A = 1\ndef scale(x):\n    return x * K\n" \
+         "def configure(k):\n    global K\n    K = k\n"
+
+
+@pytest.mark.parametrize("setting, stage_body", [
+    ("mpatch.K = 11", "mpatch.K"),
+    ("setattr(mpatch, 'K', 11)", "mpatch.K"),
+    ("mpatch.K += 11", "mpatch.K"),
+    ("mpatch.K = 11", "mpatch.scale(1)"),  # read inside the module, through its own global
+    ("vars(mpatch)['K'] = 11", "mpatch.K"),
+    ("mpatch.ITEMS.append(11)", "mpatch.ITEMS[0]"),
+    ("mpatch.Config.A = 11", "mpatch.Config.A"),
+    ("mpatch.configure(11)", "mpatch.scale(1)"),  # a function of the module that sets its global
+    ("from mpatch import configure\nconfigure(11)", "mpatch.K"),
+    ("import pkg.sub\npkg.sub.K = 11", "pkg.sub.K"),  # a package's submodule
+])
+def test_a_value_the_script_sets_on_a_module_it_imports(tmp_path: Path, setting: str, stage_body: str) -> None:
+    files = {"pipeline.py": f"import mpatch\nimport pkg.sub\n{setting}\ndef stage(ctx):\n    return {stage_body}\n",
+             "mpatch.py": MPATCH, "pkg/__init__.py": "", "pkg/sub.py": "K = 0\n"}
+    assert changes(tmp_path, files, "pipeline.py", "11", "12")
+
+
+def test_a_value_set_on_a_module_read_by_a_helper_module_that_imports_it_when_called(tmp_path: Path) -> None:
+    files = {"pipeline.py": "import mpatch\nimport helper\nmpatch.K = 5\ndef stage(ctx):\n    return helper.get()\n",
+             "helper.py": "def get():\n    from mpatch import K\n    return K\n", "mpatch.py": "K = 1\n"}
+    assert changes(tmp_path, files, "pipeline.py", "5", "6")
+
+
+def test_a_value_set_on_a_module_by_another_module_of_the_user(tmp_path: Path) -> None:
+    files = {"pipeline.py": "import setup_run\nimport mpatch\ndef stage(ctx):\n    return mpatch.K\n",
+             "setup_run.py": "import mpatch\nmpatch.K = 5\n", "mpatch.py": MPATCH}
+    assert changes(tmp_path, files, "setup_run.py", "5", "6")
+
+
+@pytest.mark.parametrize("setting", ["mpatch.J = 5", "setattr(mpatch, 'J', 5)", "mpatch.NEW = 5"])
+def test_a_value_set_on_a_module_that_the_stage_does_not_read_leaves_it(tmp_path: Path, setting: str) -> None:
+    # no code the stage reaches reads J or NEW (the module only assigns J); a name that the module reads
+    # anywhere counts, as the module counts whole
+    files = {"pipeline.py": f"import mpatch\n{setting}\ndef stage(ctx):\n    return mpatch.ITEMS\n",
+             "mpatch.py": MPATCH}
+    assert not changes(tmp_path, files, "pipeline.py", "5", "6")
+
+
+def test_a_stage_that_does_not_reach_the_patched_module_is_left(tmp_path: Path) -> None:
+    files = {"pipeline.py": "import mpatch\nmpatch.K = 5\ndef stage(ctx):\n    return 1\n", "mpatch.py": MPATCH}
+    assert not changes(tmp_path, files, "pipeline.py", "5", "6")
+
+
+def test_an_attribute_set_on_the_stage_function(tmp_path: Path) -> None:
+    files = {"pipeline.py": "def stage(ctx):\n    return stage.alpha\nstage.alpha = 3\n"}
+    assert changes(tmp_path, files, "pipeline.py", "= 3", "= 4")
+
+
 SCRIPT = """
 import pyarrow as pa
 import hetflow as hf

@@ -92,6 +92,13 @@ def test_forced_stages_and_everything_downstream_skip_the_cache():
     assert enqueue.task.stage == "d" and enqueue.reason == "forced"
 
 
+def test_a_forced_stage_runs_with_the_reason_begin_gives():
+    plan = diamond()
+    out = plan.handle_event(Begin(forced=frozenset({"a"}), reason="forced (--rerun of this run, kept by the resume)"))
+    (enqueue,) = of(Enqueue, out)
+    assert enqueue.task.stage == "a" and enqueue.reason == "forced (--rerun of this run, kept by the resume)"
+
+
 def test_forcing_an_unknown_stage_names_the_stages():
     with pytest.raises(PlanError, match="no stage 'zz'.*'a'"):
         diamond().handle_event(Begin(forced=frozenset({"zz"})))

@@ -35,7 +35,7 @@ def _spec(tmp_path: Path, **changes: object) -> WorkerSpec:
         "outputs": {"sorted": str(tmp_path / "datasets" / "sorted")}, "sys_path": (str(tmp_path),),
         "params": {"n": 3, "label": "x", "nested": {"a": [1, 2]}}, "verify": "size",
         "schemas": {"sorted": "c2NoZW1h"}, "files": (str(tmp_path / "calibration.csv"),),
-        "memory_per_rank": 4 << 30, "node_local_dir": "/mnt/bb/$USER"}
+        "memory_per_rank": 4 << 30, "node_local_dir": "/mnt/bb/$USER", "env": {"HF_K": "2", "HF_UNSET": None}}
     fields.update(changes)
     return WorkerSpec(**fields)  # type: ignore[arg-type]
 
@@ -65,12 +65,12 @@ def test_spec_round_trip_through_its_file(tmp_path: Path) -> None:
 
 def test_spec_written_before_files_existed_reads_with_defaults(tmp_path: Path) -> None:
     data = _spec(tmp_path).to_json()
-    for key in ("files", "sys_path", "schemas", "verify", "params", "memory_per_rank", "node_local_dir"):
+    for key in ("files", "sys_path", "schemas", "verify", "params", "memory_per_rank", "node_local_dir", "env"):
         del data[key]
     (tmp_path / "spec.json").write_text(json.dumps(data))
     spec = WorkerSpec.read(tmp_path / "spec.json")
     assert spec.files == () and spec.sys_path == () and spec.verify == "checksum" and spec.params == {}
-    assert spec.memory_per_rank is None and spec.node_local_dir is None
+    assert spec.memory_per_rank is None and spec.node_local_dir is None and spec.env == {}
 
 
 @pytest.mark.parametrize("change, field", [
@@ -87,6 +87,9 @@ def test_spec_written_before_files_existed_reads_with_defaults(tmp_path: Path) -
     (lambda d: d.update(memory_per_rank="4GB"), "'memory_per_rank'"),
     (lambda d: d.update(memory_per_rank=-1), "memory_per_rank=-1"),
     (lambda d: d.update(node_local_dir=7), "'node_local_dir'"),
+    (lambda d: d.update(env=["HF_K"]), "'env'"),
+    (lambda d: d.update(env={"1X": "a"}), "env '1X'"),
+    (lambda d: d.update(env={"HF_K": 3}), "env 'HF_K'=3"),
 ])
 def test_bad_spec_file_names_the_file_and_the_field(tmp_path: Path, change: object, field: str) -> None:
     data = _spec(tmp_path).to_json()

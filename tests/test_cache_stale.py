@@ -1,0 +1,306 @@
+"""Stale results the second red team found (issue 25): each edit below changes what a stage computes.
+
+Each test writes a small pipeline, runs it with the ``hetflow`` command (real
+subprocess, real mpiexec, real SQLite), changes what the stage reads in the way
+the attack did, runs again and checks that the stage RAN, says why, and that
+its dataset holds the new value; and that what it does not read leaves it
+cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hetflow.operators.dataset import Dataset
+
+HETFLOW = [sys.executable, "-m", "hetflow.cli"]
+
+
+def hetflow(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETFLOW, *args, "--workdir", str(cwd / "work")], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
+
+
+def run(cwd: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``hetflow run p.py ARGS``; returns the stages of ``hetflow status --json`` by name (the run as ``_run``)."""
+    done = hetflow("run", "p.py", "--no-progress", *args, cwd=cwd, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return status(cwd)
+
+
+def status(cwd: Path, run_id: str | None = None) -> dict[str, Any]:
+    shown = hetflow("status", *([run_id] if run_id else []), "--json", cwd=cwd)
+    data = json.loads(shown.stdout)
+    stages: dict[str, Any] = {s["name"]: s for s in data["stages"]}
+    stages["_run"] = data
+    return stages
+
+
+def states(stages: dict[str, Any]) -> dict[str, str]:
+    return {n: s["state"] for n, s in stages.items() if n != "_run"}
+
+
+def value(stages: dict[str, Any], dataset: str, column: str = "v") -> Any:
+    table: pa.Table = Dataset(stages["_run"]["datasets"][dataset]).to_table()
+    return table[column][0].as_py()
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+PATCHED = '''
+import pyarrow as pa
+import hetflow as hf
+import mpatch
+
+mpatch.K = 1
+mpatch.J = 0
+
+pipe = hf.Pipeline("patched")
+
+
+@pipe.stage(outputs=["k"])
+def reads_k(ctx):
+    return {"k": pa.table({"v": [mpatch.K]})}
+
+
+@pipe.stage(outputs=["alpha"])
+def fit(ctx):
+    return {"alpha": pa.table({"v": [fit.alpha]})}
+
+
+fit.alpha = 3
+'''
+
+
+def test_a_value_the_script_sets_on_a_module_it_imports_reruns_what_reads_it(tmp_path: Path) -> None:
+    (tmp_path / "mpatch.py").write_text("K = 0\n")
+    (tmp_path / "p.py").write_text(PATCHED)
+    first = run(tmp_path)
+    assert value(first, "k") == 1 and value(first, "alpha") == 3
+    edit(tmp_path / "p.py", "mpatch.K = 1", "mpatch.K = 2")
+    edited = run(tmp_path)
+    assert states(edited) == {"reads_k": "DONE", "fit": "CACHED"}
+    assert edited["reads_k"]["cache"]["reason"] == "mpatch.K changed" and value(edited, "k") == 2
+    edit(tmp_path / "p.py", "mpatch.K = 2", 'setattr(mpatch, "K", 5)')
+    assert value(set_by_setattr := run(tmp_path), "k") == 5 and set_by_setattr["reads_k"]["state"] == "DONE"
+    edit(tmp_path / "p.py", "mpatch.J = 0", "mpatch.J = 9")  # no stage reads mpatch.J
+    assert states(run(tmp_path)) == {"reads_k": "CACHED", "fit": "CACHED"}
+    edit(tmp_path / "p.py", "fit.alpha = 3", "fit.alpha = 4")  # an attribute of the stage function
+    alpha = run(tmp_path)
+    assert states(alpha) == {"reads_k": "CACHED", "fit": "DONE"} and value(alpha, "alpha") == 4
+    assert alpha["fit"]["cache"]["reason"] == "code of fit() changed"
+
+
+FORCED = '''
+import os
+import time
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("forced")
+
+
+@pipe.stage(outputs=["a"])
+def first(ctx):
+    return {"a": pa.table({"v": [1]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def second(ctx, a):
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.exists(os.path.join(here, "hold")):
+        open(os.path.join(here, "held"), "w").close()
+        time.sleep(120)
+    with open(os.path.join(here, "value.txt")) as f:  # a file the cache cannot see: why --rerun is used
+        return {"b": pa.table({"v": [int(f.read())]})}
+
+
+@pipe.stage(inputs=["b"], outputs=["c"])
+def third(ctx, b):
+    return {"c": b}
+'''
+
+
+def test_a_resume_keeps_the_rerun_of_a_forced_run_that_was_interrupted(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(FORCED)
+    (tmp_path / "value.txt").write_text("1")
+    assert value(run(tmp_path), "c") == 1
+    (tmp_path / "value.txt").write_text("2")
+    (tmp_path / "hold").touch()
+    forced = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--rerun", "all", "--workdir",
+                               str(tmp_path / "work")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    deadline = time.time() + 120
+    while not (tmp_path / "held").exists():
+        assert forced.poll() is None and time.time() < deadline, forced.communicate()
+        time.sleep(0.2)
+    forced.send_signal(signal.SIGINT)  # Ctrl-C while the forced run's second stage runs
+    _, err = forced.communicate(timeout=60)
+    assert forced.returncode == 130, err
+    stopped = status(tmp_path)
+    run_id = stopped["_run"]["id"]
+    assert states(stopped) == {"first": "DONE", "second": "CANCELLED", "third": "CANCELLED"}
+    assert stopped["_run"]["rerun"] == ["first", "second", "third"]  # recorded in the run
+    (tmp_path / "hold").unlink()
+    resumed = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    after = status(tmp_path, run_id)
+    # the stages the forced run had not re-run yet run now (not CACHED from the first run); first ran already
+    assert states(after) == {"first": "DONE", "second": "DONE", "third": "DONE"}
+    assert after["first"]["attempts"] == 1 and after["second"]["attempts"] == 2
+    assert after["first"]["cache"]["reason"] == "committed earlier in this run, unchanged"
+    assert after["second"]["cache"]["reason"] == "forced (--rerun of this run, kept by the resume)"
+    assert value(after, "c") == 2
+    shown = hetflow("status", run_id, cwd=tmp_path)
+    assert "forced by --rerun (kept by every resume): first, second, third" in shown.stdout, shown.stdout
+    with sqlite3.connect(tmp_path / "work" / "hetflow.db") as db:
+        ((recorded,),) = db.execute("SELECT rerun FROM runs WHERE id = ?", (run_id,)).fetchall()
+    assert json.loads(recorded) == ["first", "second", "third"]
+    again = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)  # all of it ran in this run now
+    assert again.returncode == 0
+    assert [s["attempts"] for n, s in status(tmp_path, run_id).items() if n != "_run"] == [1, 2, 1]
+    later = run(tmp_path)  # a new run without --rerun reuses the forced run's outputs
+    assert set(states(later).values()) == {"CACHED"} and value(later, "c") == 2
+
+
+ENV = '''
+import os
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("env")
+
+
+@pipe.stage(outputs=["k"], env=["HF_K", "HF_UNSET"])
+def reads_env(ctx):
+    return {"k": pa.table({"v": [ctx.env["HF_K"]], "seen": [os.environ.get("HF_K")],
+                           "unset": [ctx.env["HF_UNSET"]]})}
+
+
+@pipe.stage(outputs=["other"])
+def other(ctx):
+    return {"other": pa.table({"v": [1]})}
+'''
+
+
+def test_a_declared_environment_variable_is_part_of_the_key_and_given_to_the_stage(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(ENV)
+    base = {k: v for k, v in os.environ.items() if k not in ("HF_K", "HF_UNSET")}
+    first = run(tmp_path, env={**base, "HF_K": "secret-1"})
+    assert value(first, "k") == "secret-1" and value(first, "k", "seen") == "secret-1"
+    assert value(first, "k", "unset") is None
+    assert states(run(tmp_path, env={**base, "HF_K": "secret-1"})) == {"reads_env": "CACHED", "other": "CACHED"}
+    changed = run(tmp_path, env={**base, "HF_K": "secret-2"})
+    assert states(changed) == {"reads_env": "DONE", "other": "CACHED"}
+    assert changed["reads_env"]["cache"]["reason"] == "env HF_K changed" and value(changed, "k") == "secret-2"
+    unset = run(tmp_path, env=base)
+    assert unset["reads_env"]["state"] == "DONE" and value(unset, "k") is None and value(unset, "k", "seen") is None
+    with sqlite3.connect(tmp_path / "work" / "hetflow.db") as db:  # the key keeps digests, not the values
+        materials = [m for (m,) in db.execute("SELECT cache_material FROM stages WHERE name = 'reads_env'")]
+    assert materials and not any("secret" in (m or "") for m in materials)
+    assert any('"HF_K": "unset"' in (m or "") for m in materials)
+
+
+def test_an_env_declaration_is_checked_when_the_stage_is_declared() -> None:
+    import hetflow as hf
+
+    pipe = hf.Pipeline("bad-env")
+    rule = "(letters, digits and '_', not starting with a digit)"
+    for bad, said in (("HF_K", "env must be a list of environment variable names, got 'HF_K'"),
+                      (["HF_K", "1X"], f"env: '1X' is not an environment variable name {rule}"),
+                      (["A=B"], f"env: 'A=B' is not an environment variable name {rule}"),
+                      (["HF_K", "HF_K"], "env lists a variable twice: ['HF_K', 'HF_K']")):
+        with pytest.raises(hf.PipelineError) as caught:
+            pipe.stage(name="fit", env=bad)(lambda ctx: {})
+        assert str(caught.value) == f"pipeline 'bad-env', stage 'fit': {said}"
+
+
+def test_ctx_env_refuses_an_undeclared_name_saying_to_declare_it(tmp_path: Path) -> None:
+    from hetflow.tasks.context import StageContext
+
+    ctx = StageContext(comm=None, stage="fit", run_id="r", attempt=1, params={}, workdir=tmp_path,
+                       checkpoint_dir=tmp_path, env={"HF_K": "1", "HF_UNSET": None})
+    assert dict(ctx.env) == {"HF_K": "1", "HF_UNSET": None} and ctx.env["HF_UNSET"] is None
+    with pytest.raises(KeyError) as caught:
+        ctx.env["HOME"]
+    assert "stage 'fit' did not declare environment variable 'HOME'" in str(caught.value)
+    assert "@pipe.stage(env=[...])" in str(caught.value)
+
+
+LIBRARY = '''
+import pyarrow as pa
+import hetflow as hf
+import hfprobe_lib
+
+pipe = hf.Pipeline("library")
+
+
+@pipe.stage(outputs=["k"])
+def uses_lib(ctx):
+    return {"k": pa.table({"v": [hfprobe_lib.k()]})}
+
+
+@pipe.stage(outputs=["other"])
+def other(ctx):
+    return {"other": pa.table({"v": [1]})}
+'''
+
+
+def pip(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", *args, "--quiet", "--no-input", "--disable-pip-version-check"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def library(where: Path, value: int) -> Path:
+    """The user's own library: a project with a version in its metadata and no ``__version__``."""
+    (where / "hfprobe_lib").mkdir(parents=True, exist_ok=True)
+    (where / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools"]\n'
+                                          'build-backend = "setuptools.build_meta"\n'
+                                          '[project]\nname = "hfprobe-lib"\nversion = "0.1"\n')
+    (where / "hfprobe_lib" / "__init__.py").write_text(f"def k():\n    return {value}\n")
+    return where
+
+
+@pytest.mark.parametrize("editable", [True, False], ids=["pip-install-e", "pip-install-local-dir"])
+def test_the_users_library_installed_from_a_local_directory_counts_by_its_source(tmp_path: Path,
+                                                                                  editable: bool) -> None:
+    source = library(tmp_path / "lib", 1)  # outside the script's directory: not a local module of it
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "p.py").write_text(LIBRARY)
+    env = dict(os.environ)
+    install = ["install", "--no-build-isolation", "--no-index", "--no-deps"]
+    if editable:  # into the test's own venv (its site-packages processes the editable .pth), removed after
+        pip(*install, "-e", str(source))
+    else:  # a plain install from the directory, into a folder of its own on PYTHONPATH (dist-info kept)
+        target = tmp_path / "site"
+        pip(*install, "--target", str(target), str(source))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    try:
+        first = run(project, env=env)
+        assert value(first, "k") == 1
+        library(source, 2)  # edit the library's code (its version stays 0.1)
+        if not editable:
+            pip(*install, "--upgrade", "--target", str(target), str(source))
+        edited = run(project, env=env)
+        assert states(edited) == {"uses_lib": "DONE", "other": "CACHED"}
+        assert edited["uses_lib"]["cache"]["reason"] == "module hfprobe_lib changed" and value(edited, "k") == 2
+        assert states(run(project, env=env)) == {"uses_lib": "CACHED", "other": "CACHED"}
+    finally:
+        if editable:
+            pip("uninstall", "--yes", "hfprobe-lib")
