@@ -179,6 +179,8 @@ class Orchestrator:
         self.final: str | None = None
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
+        self.recorded: set[str] = set()
+        """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.made_dirs: set[Path] = set()
         """Directories of this run this orchestrator has made (or checked) already: made once, not per attempt."""
 
@@ -249,6 +251,7 @@ class Orchestrator:
         session.flush()
         self.stage_ids = {record.name: record.id for record in
                           session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
+        self.recorded = set(session.scalars(select(DatasetRecord.name).where(DatasetRecord.run_id == self.run_id)))
         # committed stages stay DONE in the store; the plan starts every stage PENDING and finds
         # them again by their cache key, so changed code, files, parameters or inputs re-run them
         self.plan = RunPlan(self.run_id, self.nodes, attempts=attempts)
@@ -509,7 +512,7 @@ class Orchestrator:
         return CacheChecked(spec.name, True, reason, from_run)
 
     def _copy_dataset_record(self, session: Any, source: DatasetRecord) -> None:
-        _forget_datasets(session, self.run_id, [source.name])
+        self._forget(session, [source.name])
         copy = DatasetRecord(run_id=self.run_id, name=source.name, path=source.path,
                              producer_stage=source.producer_stage, producer_attempt=source.producer_attempt,
                              num_rows=source.num_rows, num_bytes=source.num_bytes, schema=source.schema,
@@ -517,6 +520,7 @@ class Orchestrator:
         copy.partitions = [PartitionRecord(index=p.index, file=p.file, rows=p.rows, bytes=p.bytes,
                                            checksum=p.checksum, node=p.node, rank=p.rank) for p in source.partitions]
         session.add(copy)
+        self.recorded.add(source.name)
 
     def _preferred_nodes(self, stage: str) -> frozenset[int]:
         """The pilot's node indices holding ``stage``'s input partitions: the names the partitions
@@ -549,7 +553,7 @@ class Orchestrator:
             record.params = self.stage_params(spec)
             if not enqueue.reason.startswith("retry"):
                 record.cache_reason, record.cache_hit = enqueue.reason, False
-            _forget_datasets(session, self.run_id, spec.outputs)
+            self._forget(session, spec.outputs)
             session.add(TaskRecord(id=str(enqueue.task), stage_id=record.id, state="QUEUED",
                                    priority=self.priority[spec.name], submitted=time.time()))
             self.store.event(session, self.run_id, "task", str(enqueue.task), "QUEUED", reason=enqueue.reason)
@@ -617,6 +621,13 @@ class Orchestrator:
             node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
+
+    def _forget(self, session: Any, names: Sequence[str]) -> None:
+        """:func:`_forget_datasets` for the names this run has a record of (known since :meth:`prepare`)."""
+        known = [name for name in names if name in self.recorded]
+        if known:
+            _forget_datasets(session, self.run_id, known)
+            self.recorded.difference_update(known)
 
     def _private_dir(self, path: Path) -> Path:
         """:func:`private_dir`, once per run for each directory (this run's directories are 0700: nobody
@@ -715,7 +726,7 @@ class Orchestrator:
 
     def _record_dataset(self, session: Any, name: str, manifest: ds.Manifest) -> None:
         path = str(self.run_dir / "datasets" / name)
-        _forget_datasets(session, self.run_id, [name])
+        self._forget(session, [name])
         record = DatasetRecord(run_id=self.run_id, name=name, path=path, producer_stage=manifest.producer["stage"],
                                producer_attempt=manifest.producer["attempt"], num_rows=manifest.num_rows,
                                num_bytes=manifest.num_bytes, schema=str(manifest.schema),
@@ -723,6 +734,7 @@ class Orchestrator:
         record.partitions = [PartitionRecord(index=i, file=p.file, rows=p.rows, bytes=p.bytes, checksum=p.checksum,
                                              node=p.node, rank=p.rank) for i, p in enumerate(manifest.partitions)]
         session.add(record)
+        self.recorded.add(name)
         self.dataset_paths[name], self.fingerprints[name] = path, record.fingerprint
 
     # ----------------------------------------------------------------- state
