@@ -109,8 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     datasets.add_argument("--json", action="store_true")
     _store_args(datasets)
 
-    logs = sub.add_parser("logs", help="show what the ranks of a run printed, each line labelled with its rank")
-    logs.add_argument("run", help="run id (or a unique prefix)")
+    logs = sub.add_parser("logs", help="show what the ranks of a run printed, each line labelled with its rank",
+                          description="RUN defaults to the latest run.  A single word is read as a run id (or "
+                                      "a unique prefix) first, else as a STAGE of the latest run; a word that is "
+                                      "both is refused: give RUN and STAGE.")
+    logs.add_argument("run", nargs="?", help="run id (or a unique prefix; default: the latest run)")
     logs.add_argument("stage", nargs="?", help="only this stage (default: every stage)")
     logs.add_argument("--rank", type=int, metavar="N", help="only rank N's output (no launcher lines)")
     logs.add_argument("--attempt", type=int, metavar="K", help="attempt K of STAGE (default: its latest)")
@@ -338,9 +341,10 @@ def _datasets(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from .logs import LogsError, follow, labelled, run_logs
+    from .logs import LogsError, follow, labelled, logs_target, run_logs
 
     store = _open_store(args)
+    args.run, args.stage = logs_target(store, args.run, args.stage)
     run, attempts = run_logs(store, args.run, args.stage, args.attempt)
     if args.rank is not None and not args.follow:
         ranks = sorted({r for a in attempts for r in a.files.rank_logs()})
