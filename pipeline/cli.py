@@ -283,8 +283,9 @@ def _status(args: argparse.Namespace) -> int:
 
         # stage names, errors and tracebacks are the user's text: escaped, never read as rich markup
         table = Table(title=escape(f"run {status.id} ({status.pipeline}): {status.state}"))
+        # every cell is folded onto more lines, never cut: sweep members' names differ at their end
         for column in ("stage", "state", "attempts", "started", "seconds", "slots"):
-            table.add_column(column)
+            table.add_column(column, overflow="fold")
         for stage in status.stages:
             seconds = f"{stage.ended - stage.started:.2f}" if stage.started and stage.ended else ""
             slots = "; ".join(f"{s.node} cores {list(s.cores)}" + (f" gpus {list(s.gpus)}" if s.gpus else "")
@@ -490,6 +491,19 @@ def _pilot(args: argparse.Namespace) -> int:
     return EXIT_USAGE if problems else EXIT_OK
 
 
+def _pilots() -> int:
+    """Each shipped config by its own (file) name, what it extends, and its size: a config that
+    extends another inherits its ``name:``, which would make the two read alike."""
+    from hetflow.tasks.pilot import config_names, config_parent, load_pilot
+
+    for name in config_names():
+        pilot = load_pilot(name)
+        parent = config_parent(name)
+        origin = f" (extends {parent})" if parent else ""
+        print(f"{name:<16} {pilot.size()}{origin}")
+    return EXIT_OK
+
+
 def _need(module: str, extra: str, what: str) -> None:
     """Raise :class:`MissingExtraError` naming the extra when ``module`` cannot be imported."""
     import importlib
@@ -589,11 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cancel":
             return _cancel(args)
         if args.command == "pilots":
-            from hetflow.tasks.pilot import config_names, load_pilot
-
-            for name in config_names():
-                print(f"{name:<16} {load_pilot(name).shape()}")
-            return EXIT_OK
+            return _pilots()
         if args.command == "pilot":
             return _pilot(args)
         if args.command == "report":
