@@ -223,17 +223,19 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
 
 
+def _where(args: argparse.Namespace | None) -> tuple[str, ...]:
+    """The ``--workdir``/``--db`` this command was given: every follow-up command it prints carries them."""
+    from .errors import store_argv
+
+    return store_argv(getattr(args, "workdir", None), getattr(args, "db", None))
+
+
 def resume_command(run_id: str, args: argparse.Namespace | None, verb: str = "resume") -> str:
     """The exact command that resumes ``run_id`` (or runs another ``verb`` on it) from where this one was
-    typed: the same work directory and store."""
-    parts = ["hetflow", verb, run_id]
-    if args is not None and getattr(args, "workdir", None):
-        parts += ["--workdir", args.workdir]
-    if args is not None and getattr(args, "db", None):
-        parts += ["--db", args.db]
-    import shlex
+    typed: the same work directory and store, quoted for the shell."""
+    from .errors import hetflow_command
 
-    return shlex.join(parts)
+    return hetflow_command(verb, run_id, _where(args))
 
 
 def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) -> None:
@@ -430,7 +432,7 @@ def _rm(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     ids = list(dict.fromkeys(store.resolve_run(r).id for r in args.runs))
-    _removal_lines(remove_runs(store, ids, dry_run=args.dry_run), args.dry_run)
+    _removal_lines(remove_runs(store, ids, dry_run=args.dry_run, where=_where(args)), args.dry_run)
     return EXIT_OK
 
 
@@ -463,7 +465,7 @@ def _cancel(args: argparse.Namespace) -> int:
         store.reconcile_dead_runs()
         now = store.resolve_run(run.id)
         if now.state != "RUNNING":
-            print(f"run {run.id} {now.state}; {resume_hint(run.id, script=now.script is not None)}")
+            print(f"run {run.id} {now.state}; {resume_hint(run.id, script=now.script is not None, where=_where(args))}")
             return EXIT_OK
         time.sleep(0.5)
     print(f"hetflow: run {run.id} is still running {args.timeout:g} s after the cancel request "
@@ -522,8 +524,10 @@ def _submit(args: argparse.Namespace) -> int:
                   chain=args.chain)
     print(f"submitted batch job {done.job_id}: run {done.run_id}")
     print(f"  batch script {done.script}; log {str(done.log).replace('%j', done.job_id)}")
-    where = f" --workdir {_workdir(args).resolve()}" + (" --db URL" if args.db else "")
-    print(f"  follow it with: hetflow status {done.run_id}{where}")
+    from .errors import hetflow_command, store_argv
+
+    where = store_argv(_workdir(args).resolve(), args.db)  # the job's own store, from any directory
+    print(f"  follow it with: {hetflow_command('status', done.run_id, where)}")
     return EXIT_OK
 
 

@@ -19,7 +19,7 @@ from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_name
-from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted
+from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, store_argv
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
@@ -252,6 +252,7 @@ class Pipeline:
             raise PipelineError(f"pipeline {self.name!r}: work directory {root} is not usable: "
                                 f"{exc.strerror or exc}") from None
         store = Store.for_workdir(root, options.db or db or self.db)
+        given = store_argv(options.workdir or workdir or self.workdir, options.db or db or self.db)
         resume_id = options.run_id or run_id
         if options.new_run_ok and made:
             raise PipelineError(f"pipeline {self.name!r}: --run-id {options.run_id} names one run, but the script "
@@ -295,7 +296,7 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop("interrupted (Ctrl-C)", "INTERRUPTED")
             _report_uncaught()
-            raise RunInterrupted(the_id) from None
+            raise RunInterrupted(the_id, given) from None
         except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
             from .orchestrator import where
 
@@ -306,14 +307,14 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop(reason, "FAILED")
             _report_uncaught()
-            raise RunAborted(the_id, reason) from exc
+            raise RunAborted(the_id, reason, given) from exc
         status = run_status(store, the_id)
         store.close()
         made.append(status)
         log.info("run %s ended %s", status.id, status.state)
         if check and not status.ok:
             _report_uncaught()
-            status.raise_for_state()
+            status.raise_for_state(given)
         return status
 
 
