@@ -242,6 +242,9 @@ class Pipeline:
             raise UnsatisfiableRequest(f"{exc}; --backend slurm keeps the shape of pilot {description.name!r}: to "
                                        "take the allocation's nodes and cores, give a pilot config with "
                                        "`backend: slurm` (--pilot my-slurm.yaml)") from None
+        from hetflow.tasks.backends import require
+
+        require(description.backend)  # a missing engine is one line naming the extra, before a run is recorded
         root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
         try:
             private_dir(root)
