@@ -407,3 +407,75 @@ def test_ctx_progress_writes_one_small_file_and_never_fails_the_stage(tmp_path: 
         gone.progress(1, 2)
         gone.progress(2, 2)
     assert len([r for r in caplog.records if "progress not recorded" in r.getMessage()]) == 1
+
+
+WATCHED = textwrap.dedent('''
+    import os, time
+    import hetflow as hf
+
+    pipe = hf.Pipeline("watched", pilot="local")
+
+    @pipe.stage(ranks=2, name="train_member_of_a_learning_rate_sweep_with_a_long_name_lr_0_001")
+    def member(ctx):
+        ctx.progress(3, 10, unit="epoch", loss=0.25)
+        give_up = time.time() + 180  # a test that failed half-way leaves nothing running for long
+        while not os.path.exists(ctx.params["release"]) and time.time() < give_up:
+            time.sleep(0.2)
+        ctx.progress(10, 10, unit="epoch", loss=0.125)
+
+    pipe.run()
+''')
+
+
+def test_serve_page_shows_each_running_stages_progress_and_fits_a_1200px_window(tmp_path: Path) -> None:
+    from _browser import CHROMIUM, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (scripts/system-deps.sh installs it)")
+    (tmp_path / "watched.py").write_text(WATCHED)
+    release = tmp_path / "release"
+    run = subprocess.Popen([*HETFLOW, "run", "watched.py", "--workdir", "w", "--param", f"release={release}"],
+                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    assert run.stderr is not None and "started" in run.stderr.readline()   # the store and the run exist
+    serve = subprocess.Popen([*HETFLOW, "serve", "--port", "0", "--workdir", "w"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout is not None
+        url = serve.stdout.readline().split(" at ", 1)[1].split()[0]
+        stage = "train_member_of_a_learning_rate_sweep_with_a_long_name_lr_0_001"
+        deadline = time.time() + 120
+        while True:  # the JSON API: the running stage's progress, as the terminal shows it, and per rank
+            with urllib.request.urlopen(url + "api/status", timeout=30) as answer:
+                status = json.loads(answer.read())
+            progress = next((s["progress"] for s in status["stages"] if s["name"] == stage), None)
+            if progress and len(progress["ranks"]) == 2:
+                break
+            assert time.time() < deadline and run.poll() is None, status
+            time.sleep(0.3)
+        assert status["state"] == "RUNNING" and progress["text"] == "epoch 3/10 30% loss=0.25"
+        assert progress["ranks"]["1"]["done"] == 3.0 and progress["ranks"]["1"]["metrics"] == {"loss": 0.25}
+        with Browser(tmp_path / "profile", width=1200, height=900) as browser:
+            browser.open(url)
+            row = f"document.querySelector('tr[data-stage=\"{stage}\"]')"
+            assert browser.wait_for(f"{row} && {row}.querySelector('td.progress').textContent") == \
+                "epoch 3/10 30% loss=0.25"
+            assert browser.evaluate(f"{row}.querySelector('td.state').textContent") == "RUNNING"
+            width = browser.overflow()
+            assert width["scrollWidth"] <= width["innerWidth"] == 1200, width   # no sideways scrolling
+            release.touch()
+            assert run.wait(timeout=120) == 0
+            browser.wait_for("document.body.getAttribute('data-state') === 'DONE'", timeout=90)
+            assert browser.evaluate(f"{row}.querySelector('td.progress').textContent") == \
+                "epoch 10/10 100% loss=0.125"                                    # the last report stays
+            width = browser.overflow()
+            assert width["scrollWidth"] <= width["innerWidth"], width
+            browser.open(url + "timeline")                                       # the timeline alone, too
+            width = browser.overflow()
+            assert width["scrollWidth"] <= width["innerWidth"], width
+    finally:
+        release.touch()
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=30)
