@@ -110,8 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     datasets.add_argument("--json", action="store_true")
     _store_args(datasets)
 
-    logs = sub.add_parser("logs", help="show what the ranks of a run printed, each line labelled with its rank")
-    logs.add_argument("run", help="run id (or a unique prefix)")
+    logs = sub.add_parser("logs", help="show what the ranks of a run printed, each line labelled with its rank",
+                          description="RUN defaults to the latest run.  A single word is read as a run id (or "
+                                      "a unique prefix) first, else as a STAGE of the latest run; a word that is "
+                                      "both is refused: give RUN and STAGE.")
+    logs.add_argument("run", nargs="?", help="run id (or a unique prefix; default: the latest run)")
     logs.add_argument("stage", nargs="?", help="only this stage (default: every stage)")
     logs.add_argument("--rank", type=int, metavar="N", help="only rank N's output (no launcher lines)")
     logs.add_argument("--attempt", type=int, metavar="K", help="attempt K of STAGE (default: its latest)")
@@ -224,17 +227,19 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
 
 
+def _where(args: argparse.Namespace | None) -> tuple[str, ...]:
+    """The ``--workdir``/``--db`` this command was given: every follow-up command it prints carries them."""
+    from .errors import store_argv
+
+    return store_argv(getattr(args, "workdir", None), getattr(args, "db", None))
+
+
 def resume_command(run_id: str, args: argparse.Namespace | None, verb: str = "resume") -> str:
     """The exact command that resumes ``run_id`` (or runs another ``verb`` on it) from where this one was
-    typed: the same work directory and store."""
-    parts = ["hetflow", verb, run_id]
-    if args is not None and getattr(args, "workdir", None):
-        parts += ["--workdir", args.workdir]
-    if args is not None and getattr(args, "db", None):
-        parts += ["--db", args.db]
-    import shlex
+    typed: the same work directory and store, quoted for the shell."""
+    from .errors import hetflow_command
 
-    return shlex.join(parts)
+    return hetflow_command(verb, run_id, _where(args))
 
 
 def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) -> None:
@@ -286,8 +291,9 @@ def _status(args: argparse.Namespace) -> int:
         status = status.for_terminal()  # control characters made visible, as everywhere text from a run is shown
         # stage names, errors and tracebacks are the user's text: escaped, never read as rich markup
         table = Table(title=escape(f"run {status.id} ({status.pipeline}): {status.state}"))
+        # every cell is folded onto more lines, never cut: sweep members' names differ at their end
         for column in ("stage", "state", "attempts", "started", "seconds", "slots"):
-            table.add_column(column)
+            table.add_column(column, overflow="fold")
         for stage in status.stages:
             seconds = f"{stage.ended - stage.started:.2f}" if stage.started and stage.ended else ""
             slots = "; ".join(f"{s.node} cores {list(s.cores)}" + (f" gpus {list(s.gpus)}" if s.gpus else "")
@@ -347,9 +353,10 @@ def _datasets(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from .logs import LogsError, LogTail, follow, run_logs
+    from .logs import LogsError, LogTail, follow, logs_target, run_logs
 
     store = _open_store(args)
+    args.run, args.stage = logs_target(store, args.run, args.stage)
     run, attempts = run_logs(store, args.run, args.stage, args.attempt)
     if args.rank is not None and not args.follow:
         ranks = sorted({r for a in attempts for r in a.files.rank_logs()})
@@ -434,7 +441,7 @@ def _rm(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     ids = list(dict.fromkeys(store.resolve_run(r).id for r in args.runs))
-    _removal_lines(remove_runs(store, ids, dry_run=args.dry_run), args.dry_run)
+    _removal_lines(remove_runs(store, ids, dry_run=args.dry_run, where=_where(args)), args.dry_run)
     return EXIT_OK
 
 
@@ -467,7 +474,8 @@ def _cancel(args: argparse.Namespace) -> int:
         store.reconcile_dead_runs()
         now = store.resolve_run(run.id)
         if now.state != "RUNNING":
-            print(visible(f"run {run.id} {now.state}; {resume_hint(run.id, script=now.script is not None)}"))
+            print(visible(f"run {run.id} {now.state}; "
+                          f"{resume_hint(run.id, script=now.script is not None, where=_where(args))}"))
             return EXIT_OK
         time.sleep(0.5)
     print(visible(f"hetflow: run {run.id} is still running {args.timeout:g} s after the cancel request "
@@ -495,6 +503,19 @@ def _pilot(args: argparse.Namespace) -> int:
     return EXIT_USAGE if problems else EXIT_OK
 
 
+def _pilots() -> int:
+    """Each shipped config by its own (file) name, what it extends, and its size: a config that
+    extends another inherits its ``name:``, which would make the two read alike."""
+    from hetflow.tasks.pilot import config_names, config_parent, load_pilot
+
+    for name in config_names():
+        pilot = load_pilot(name)
+        parent = config_parent(name)
+        origin = f" (extends {parent})" if parent else ""
+        print(f"{name:<16} {pilot.size()}{origin}")
+    return EXIT_OK
+
+
 def _need(module: str, extra: str, what: str) -> None:
     """Raise :class:`MissingExtraError` naming the extra when ``module`` cannot be imported."""
     import importlib
@@ -513,8 +534,10 @@ def _submit(args: argparse.Namespace) -> int:
                   chain=args.chain)
     print(f"submitted batch job {done.job_id}: run {done.run_id}")
     print(f"  batch script {done.script}; log {str(done.log).replace('%j', done.job_id)}")
-    where = f" --workdir {_workdir(args).resolve()}" + (" --db URL" if args.db else "")
-    print(f"  follow it with: hetflow status {done.run_id}{where}")
+    from .errors import hetflow_command, store_argv
+
+    where = store_argv(_workdir(args).resolve(), args.db)  # the job's own store, from any directory
+    print(f"  follow it with: {hetflow_command('status', done.run_id, where)}")
     return EXIT_OK
 
 
@@ -603,11 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cancel":
             return _cancel(args)
         if args.command == "pilots":
-            from hetflow.tasks.pilot import config_names, load_pilot
-
-            for name in config_names():
-                print(f"{name:<16} {load_pilot(name).shape()}")
-            return EXIT_OK
+            return _pilots()
         if args.command == "pilot":
             return _pilot(args)
         if args.command == "report":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hetflow.tasks.errors import ConfigError, HetflowError, MissingExtraError, TaskFailed, UnsatisfiableRequest
@@ -40,13 +41,25 @@ def batch_resume_command() -> str | None:
     return f"sbatch {shlex.quote(batch)}" if batch else None
 
 
-def resume_hint(run_id: str, *, script: bool = True) -> str:
-    """How to go on with a run: ``hetflow resume`` for a script's run (:func:`batch_resume_command` in a
-    submitted job), ``pipe.run(run_id=...)`` otherwise."""
+def store_argv(workdir: str | os.PathLike[str] | None, db: str | None) -> tuple[str, ...]:
+    """``--workdir W --db URL``, each only when given: what a follow-up command needs to find the same
+    store from the same place (``$HETFLOW_WORKDIR``/``$HETFLOW_DB`` still apply when nothing was given)."""
+    return (("--workdir", os.fspath(workdir)) if workdir else ()) + (("--db", db) if db else ())
+
+
+def hetflow_command(verb: str, run_id: str, where: Sequence[str] = ()) -> str:
+    """``hetflow VERB RUN [--workdir W] [--db URL]`` quoted for a POSIX shell (paste it as printed)."""
+    return shlex.join(["hetflow", verb, run_id, *where])
+
+
+def resume_hint(run_id: str, *, script: bool = True, where: Sequence[str] = ()) -> str:
+    """How to go on with a run: ``hetflow resume`` for a script's run, with the store arguments ``where``
+    (:func:`store_argv`) the run was given (:func:`batch_resume_command` in a submitted job),
+    ``pipe.run(run_id=...)`` otherwise."""
     if script and (batch := batch_resume_command()):
         return f"resume it with: {batch}"
     if script:
-        return f"resume it with: hetflow resume {run_id}"
+        return f"resume it with: {hetflow_command('resume', run_id, where)}"
     return f"resume it with: pipe.run(run_id={run_id!r}) from the same code"
 
 
@@ -57,7 +70,7 @@ class RunFailed(TaskFailed, RuntimeError):
     line of its error) and the resume command.
     """
 
-    def __init__(self, status: RunStatus) -> None:
+    def __init__(self, status: RunStatus, where: Sequence[str] = ()) -> None:
         self.status = status
         unfinished = [s for s in status.stages if s.state not in ("DONE", "CACHED")]
         failed = [f"{s.name} {s.state}" + (f" ({s.error.splitlines()[0]})" if s.error else "")
@@ -70,21 +83,21 @@ class RunFailed(TaskFailed, RuntimeError):
             parts.append("stage " + ", stage ".join(failed))
         if skipped:
             parts.append(f"skipped: {', '.join(skipped)}")
-        parts.append(resume_hint(status.id, script=status.script is not None))
+        parts.append(resume_hint(status.id, script=status.script is not None, where=where))
         super().__init__(visible("; ".join(parts)))  # the errors are the run's text: no control characters
 
 
 class RunAborted(HetflowError, RuntimeError):
     """A run could not go on (no launcher, a missing extra, a full or read-only disk); it is recorded FAILED."""
 
-    def __init__(self, run_id: str, reason: str) -> None:
-        super().__init__(f"run {run_id} failed: {reason}; {resume_hint(run_id)}")
+    def __init__(self, run_id: str, reason: str, where: Sequence[str] = ()) -> None:
+        super().__init__(f"run {run_id} failed: {reason}; {resume_hint(run_id, where=where)}")
         self.run_id, self.reason = run_id, reason
 
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped a run; it is recorded INTERRUPTED and can be resumed."""
 
-    def __init__(self, run_id: str) -> None:
-        super().__init__(f"run {run_id} interrupted; running tasks were stopped; {resume_hint(run_id)}")
+    def __init__(self, run_id: str, where: Sequence[str] = ()) -> None:
+        super().__init__(f"run {run_id} interrupted; running tasks were stopped; {resume_hint(run_id, where=where)}")
         self.run_id = run_id

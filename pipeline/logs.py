@@ -3,9 +3,11 @@
 Each rank writes its own ``rank-<r>.log`` in the attempt directory (the worker
 redirects its stdout and stderr there); the launcher's own output stays in the
 attempt's ``stdout.log``/``stderr.log``.  Lines are shown as
-``[stage rank r] text`` and ``[stage launcher] text`` (``stage#k`` for an
-attempt after the first), so a reader can tell ranks and launcher apart and
-``grep`` one of them.
+``[stage rank r] text`` and ``[stage launcher] text`` (``stage/attempt-k`` for an
+attempt after the first, the name of its directory), so a reader can tell ranks
+and launcher apart and ``grep`` one of them.  ``hetflow logs --follow`` names the
+attempt on every line, the first's too: it cannot know which stage a retry will
+follow, and the lines of running stages interleave.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from hetflow.tasks.protocol import AttemptFiles
 from sqlalchemy import select
 
-from .errors import HetflowError
+from .errors import HetflowError, UnknownRun
 from .store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
 from .terminal import visible
 
@@ -35,13 +37,15 @@ class AttemptLogs:
     attempt: int
     directory: Path
     state: str
+    numbered: bool = False
+    """Label the first attempt's lines with its number too (``stage/attempt-1``), as later attempts' are."""
 
     @property
     def files(self) -> AttemptFiles:
         return AttemptFiles(self.directory)
 
     def label(self, rank: int | None) -> str:
-        name = self.stage if self.attempt == 1 else f"{self.stage}#{self.attempt}"
+        name = self.stage if self.attempt == 1 and not self.numbered else f"{self.stage}/attempt-{self.attempt}"
         return f"[{name} launcher]" if rank is None else f"[{name} rank {rank}]"
 
     def sources(self, rank: int | None = None) -> list[tuple[str, Path]]:
@@ -58,6 +62,41 @@ class AttemptLogs:
         return {"attempt": self.attempt, "directory": str(self.directory), "state": self.state,
                 "ranks": {str(r): str(p) for r, p in files.rank_logs().items()},
                 "launcher": [str(files.stdout), str(files.stderr)]}
+
+
+def logs_target(store: Store, first: str | None, second: str | None) -> tuple[str, str | None]:
+    """``hetflow logs [RUN] [STAGE]`` as ``(run id, stage or None)``.
+
+    Two words are a run and a stage; none is the latest run.  One word is read as a run id (or
+    unique prefix) first, else as a stage of the latest run; a word that is both (a stage named
+    like a prefix of a run id) is refused with the two commands that say which is meant, and a
+    word that is neither names the runs and the latest run's stages.
+    """
+    if second is not None or first is None:
+        return store.resolve_run(first).id, second
+    try:
+        run: RunRecord | None = store.resolve_run(first)
+    except UnknownRun as exc:
+        run, not_a_run = None, str(exc)
+    if run is not None and run.id == first:
+        return run.id, None  # a whole id is that run
+    latest = store.resolve_run(None)
+    stages = _stage_names(store, latest.id)
+    if run is not None and first in stages:
+        raise LogsError(f"{first!r} is both a prefix of run {run.id} and a stage of the latest run {latest.id}: "
+                        f"say which with `hetflow logs {run.id}` or `hetflow logs {latest.id} {first}`")
+    if run is not None:
+        return run.id, None
+    if first in stages:
+        return latest.id, first
+    raise LogsError(f"{first!r} is neither a run nor a stage of the latest run {latest.id} (stages: {stages}); "
+                    f"{not_a_run}")
+
+
+def _stage_names(store: Store, run_id: str) -> list[str]:
+    with store.session() as session:
+        return list(session.scalars(select(StageRecord.name).where(StageRecord.run_id == run_id)
+                                    .order_by(StageRecord.order)))
 
 
 def run_logs(store: Store, run_id: str | None, stage: str | None = None,
@@ -174,11 +213,13 @@ def follow(store: Store, run_id: str, stage: str | None, rank: int | None, emit:
 
 
 def _all_attempts(store: Store, run_id: str, stage: str | None) -> tuple[RunRecord, list[AttemptLogs]]:
-    """Every attempt of the run (of ``stage``), in stage and attempt order: a follower shows retries too."""
+    """Every attempt of the run (of ``stage``), in stage and attempt order, each labelled with its number:
+    a follower shows retries too."""
     run, latest = run_logs(store, run_id, stage)
     attempts: list[AttemptLogs] = []
     for last in latest:
         for number in range(1, last.attempt + 1):
             directory = last.directory.parent / f"attempt-{number}"
-            attempts.append(AttemptLogs(last.stage, number, directory, last.state if number == last.attempt else ""))
+            attempts.append(AttemptLogs(last.stage, number, directory, last.state if number == last.attempt else "",
+                                        numbered=True))
     return run, attempts

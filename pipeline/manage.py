@@ -24,7 +24,7 @@ from pathlib import Path
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from .errors import HetflowError, RunLocked
+from .errors import HetflowError, RunLocked, hetflow_command
 from .store import (
     AttemptRecord,
     DatasetRecord,
@@ -70,10 +70,11 @@ def _hetflow_path(path: Path) -> bool:
     return "runs" in parts[:-1] and len(parts) - parts.index("runs") >= 2
 
 
-def remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool = False) -> Removal:
+def remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool = False, where: Sequence[str] = ()) -> Removal:
     """Remove the runs ``run_ids`` (full ids): their records, then their files no kept run uses.
 
-    Refuses (:class:`RunLocked`, nothing removed) while one of them is running with a live owner.
+    Refuses (:class:`RunLocked`, nothing removed) while one of them is running with a live owner; its
+    ``hetflow cancel`` hint carries ``where`` (:func:`hetflow.errors.store_argv`).
     """
     store.reconcile_dead_runs()
     doomed = set(run_ids)
@@ -86,7 +87,7 @@ def remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool = False) 
                 raise HetflowError(f"no run {run_id!r} in {store.url}")
             if _live(run):
                 raise RunLocked(f"run {run.id} is running (orchestrator {run.owner}); stop it first with "
-                                f"`hetflow cancel {run.id}`; nothing was removed")
+                                f"`{hetflow_command('cancel', run.id, where)}`; nothing was removed")
             runs.append(run)
         used: dict[str, list[str]] = {}  # dataset path -> kept runs whose records point at it
         for path, user in session.execute(select(DatasetRecord.path, DatasetRecord.run_id)

@@ -19,7 +19,7 @@ from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_env, check_name
-from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted
+from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, store_argv
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
@@ -245,6 +245,9 @@ class Pipeline:
             raise UnsatisfiableRequest(f"{exc}; --backend slurm keeps the shape of pilot {description.name!r}: to "
                                        "take the allocation's nodes and cores, give a pilot config with "
                                        "`backend: slurm` (--pilot my-slurm.yaml)") from None
+        from hetflow.tasks.backends import require
+
+        require(description.backend)  # a missing engine is one line naming the extra, before a run is recorded
         root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
         try:
             private_dir(root)
@@ -255,6 +258,7 @@ class Pipeline:
             raise PipelineError(f"pipeline {self.name!r}: work directory {root} is not usable: "
                                 f"{exc.strerror or exc}") from None
         store = Store.for_workdir(root, options.db or db or self.db)
+        given = store_argv(options.workdir or workdir or self.workdir, options.db or db or self.db)
         resume_id = options.run_id or run_id
         if options.new_run_ok and made:
             raise PipelineError(f"pipeline {self.name!r}: --run-id {options.run_id} names one run, but the script "
@@ -298,7 +302,7 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop("interrupted (Ctrl-C)", "INTERRUPTED")
             _report_uncaught()
-            raise RunInterrupted(the_id) from None
+            raise RunInterrupted(the_id, given) from None
         except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
             from .orchestrator import where
 
@@ -309,14 +313,14 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop(reason, "FAILED")
             _report_uncaught()
-            raise RunAborted(the_id, reason) from exc
+            raise RunAborted(the_id, reason, given) from exc
         status = run_status(store, the_id)
         store.close()
         made.append(status)
         log.info("run %s ended %s", status.id, status.state)
         if check and not status.ok:
             _report_uncaught()
-            status.raise_for_state()
+            status.raise_for_state(given)
         return status
 
 

@@ -5,7 +5,8 @@ otherwise.  Three fixed routes, nothing read from a path the client names:
 
 - ``/``: the page (status table, links to the logs, the timeline in a frame);
 - ``/api/status``: the run's status as JSON (:meth:`RunStatus.to_json` plus
-  ``digest`` and each stage's ``seconds``); with ``since=DIGEST&wait=S`` the
+  ``digest``, each stage's ``seconds`` and its latest ``ctx.progress`` as
+  ``progress``, see :func:`stage_progress`); with ``since=DIGEST&wait=S`` the
   request waits up to ``S`` seconds for the status to differ from ``DIGEST``
   (a long poll: the page learns of a change as it happens, without polling
   the store from the browser every second);
@@ -41,10 +42,14 @@ import math
 import threading
 import time
 from http import HTTPStatus
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from hetflow.tasks.protocol import AttemptFiles
+
+from .progress import progress_text
 from .report import run_intervals
 from .status import run_status
 from .store import Store
@@ -80,6 +85,8 @@ class RunView:
                 self._reconciled = time.time()
         status = run_status(self.store, self.run_id)
         data = status.to_json()
+        for stage, record in zip(data["stages"], status.stages):
+            stage["progress"] = stage_progress(record.log_dir)
         data["digest"] = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
         now = time.time()
         for stage, record in zip(data["stages"], status.stages):
@@ -141,6 +148,18 @@ def allowed_names(bound: str, extra: tuple[str, ...]) -> frozenset[str]:
     names = {*LOCAL_NAMES, *(n.strip().lower() for n in extra)}
     names.add(f"[{bound.lower()}]" if ":" in bound else bound.lower())
     return frozenset(names)
+
+
+def stage_progress(log_dir: str | None) -> dict[str, Any] | None:
+    """The latest ``ctx.progress`` of a stage's latest attempt, as the terminal's live view shows it
+    (``text``: the slowest rank's count, rank 0's metrics) and per rank (``ranks``); ``None`` when its
+    ranks have reported none.  Kept once the stage has ended: its last count and loss stay readable."""
+    if log_dir is None:
+        return None
+    reports = AttemptFiles(Path(log_dir)).read_progress()
+    if not reports:
+        return None
+    return {"text": progress_text(reports), "ranks": {str(rank): report for rank, report in sorted(reports.items())}}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -235,22 +254,23 @@ PAGE = """<!DOCTYPE html>
 body { font: 14px sans-serif; margin: 16px; color: #222; }
 h1 { font-size: 18px; margin: 0 0 4px 0; }
 #meta { color: #555; margin-bottom: 10px; }
-table { border-collapse: collapse; margin-bottom: 14px; }
+table { border-collapse: collapse; margin-bottom: 14px; max-width: 100%; }
 th, td { text-align: left; padding: 3px 10px; border-bottom: 1px solid #ddd; vertical-align: top; }
+body, td { overflow-wrap: anywhere; }  /* long stage names and log paths wrap: the page fits its window */
 td.num { text-align: right; }
 .state { font-weight: bold; }
 .RUNNING { color: #1f5fbf; } .DONE, .CACHED { color: #2a8a2a; }
 .FAILED, .TIMED_OUT { color: #c0392b; } .INTERRUPTED, .CANCELLED, .SKIPPED { color: #b9770e; }
 code { font-size: 12px; color: #444; }
 #error { color: #c0392b; }
-iframe { width: 100%; height: 760px; border: 1px solid #ddd; }
+iframe { width: 100%; height: 760px; border: 1px solid #ddd; box-sizing: border-box; }
 </style></head>
 <body data-state="" data-seen="">
 <h1 id="title">hetflow run</h1>
 <div id="meta"></div>
 <div id="error"></div>
 <table id="stages"><thead><tr><th>stage</th><th>state</th><th>attempts</th><th>seconds</th><th>slots</th>
-<th>logs</th><th>note</th></tr></thead><tbody></tbody></table>
+<th>progress</th><th>logs</th><th>note</th></tr></thead><tbody></tbody></table>
 <iframe id="timeline" title="timeline" src="/timeline"></iframe>
 <script>
 (function () {
@@ -281,6 +301,7 @@ iframe { width: 100%; height: 760px; border: 1px solid #ddd; }
       cell(row, st.slots.map(function (sl) {
         return sl.node + " cores " + sl.cores.join(",") + (sl.gpus.length ? " GPUs " + sl.gpus.join(",") : "");
       }).join("; "));
+      cell(row, st.progress ? st.progress.text : "", "progress");
       var logs = cell(row, "");
       if (st.logs) {
         var code = document.createElement("code");
@@ -296,7 +317,11 @@ iframe { width: 100%; height: 760px; border: 1px solid #ddd; }
     document.body.setAttribute("data-state", s.state);
     document.body.setAttribute("data-seen", seen.join(" "));
   }
-  function reloadTimeline() {
+  var drawn = "";
+  function reloadTimeline(s) {  // when a stage's state or attempts change, not at every progress report
+    var shape = s.state + " " + s.stages.map(function (st) { return st.state + st.attempts; }).join(",");
+    if (shape === drawn) { return; }
+    drawn = shape;
     document.getElementById("timeline").src = "/timeline?t=" + Date.now();
   }
   function poll(since) {
@@ -305,7 +330,7 @@ iframe { width: 100%; height: 760px; border: 1px solid #ddd; }
       .then(function (s) {
         document.getElementById("error").textContent = "";
         render(s);
-        reloadTimeline();
+        reloadTimeline(s);
         if (s.state === "RUNNING") { poll(s.digest); }
       })
       .catch(function (e) {

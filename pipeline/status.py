@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -106,10 +107,11 @@ class RunStatus:
             raise KeyError(f"run {self.id} has no committed dataset {name!r} (datasets: {sorted(self.datasets)})")
         return Dataset(self.datasets[name])
 
-    def raise_for_state(self) -> None:
-        """Raise :class:`~hetflow.RunFailed` (carrying this status) unless the run is DONE."""
+    def raise_for_state(self, where: Sequence[str] = ()) -> None:
+        """Raise :class:`~hetflow.RunFailed` (carrying this status) unless the run is DONE; ``where``:
+        the ``--workdir``/``--db`` arguments its resume command needs (:func:`hetflow.errors.store_argv`)."""
         if not self.ok:
-            raise RunFailed(self)
+            raise RunFailed(self, where)
 
     def for_terminal(self) -> RunStatus:
         """This status with every text from the run passed through :func:`~hetflow.terminal.visible`, as

@@ -168,10 +168,14 @@ class PilotDescription:
 
     def shape(self) -> str:
         """A one-line description used in error messages."""
+        return f"pilot {self.name!r}: {self.size()}"
+
+    def size(self) -> str:
+        """``"2 node(s) x 56 usable cores x 8 GPUs (amd)"``: the shape without the name."""
         cores = "?" if self.cores_per_node is None else len(self.usable_cores())
         gpus = "?" if self.gpus_per_node is None else self.gpus_per_node
         vendor = f" ({self.gpu_vendor})" if self.gpu_vendor else ""
-        return f"pilot {self.name!r}: {self.nodes} node(s) x {cores} usable cores x {gpus} GPUs{vendor}"
+        return f"{self.nodes} node(s) x {cores} usable cores x {gpus} GPUs{vendor}"
 
     def to_mapping(self) -> dict[str, Any]:
         """The description as plain values, the keys of a pilot config file (what ``hetflow pilot show`` prints)."""
@@ -300,6 +304,14 @@ def config_names() -> list[str]:
     """Names of the pilot configs shipped with hetflow."""
     root = resources.files("hetflow.pilot_configs")
     return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def config_parent(name: str) -> str | None:
+    """The config that shipped config ``name`` extends (its ``extends:``), ``None`` when it extends none."""
+    text = resources.files("hetflow.pilot_configs").joinpath(f"{name}.yaml").read_text()
+    data = yaml.safe_load(text)
+    parent = data.get("extends") if isinstance(data, dict) else None
+    return str(parent) if parent is not None else None
 
 
 def load_pilot(spec: "str | os.PathLike[str] | PilotDescription") -> PilotDescription:

@@ -177,7 +177,8 @@ def _draw(intervals: Sequence[Interval], pilot: PilotDescription, title: str,
     for iv in bars:
         by_node[iv.node].append(iv)
     height = int(len(shown) * node_h + 30)
-    parts.append(f'<svg id="gantt" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" height="{height}">')
+    parts.append(f'<svg id="gantt" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" height="{height}" '
+                 f'viewBox="0 0 {LEFT + WIDTH + 10} {height}">')
     for row, name in enumerate(shown):
         top = row * node_h
         parts.append(f'<g class="node" data-node="{html.escape(name)}">'
@@ -211,7 +212,7 @@ def _draw(intervals: Sequence[Interval], pilot: PilotDescription, title: str,
                 f"{len(bars)} bars; utilisation covers the whole run.</p>")
     page = _PAGE.format(title=html.escape(title), shape=html.escape(pilot.shape()), legend=legend, note=note,
                         gantt=gantt, util=util, path=path_rows, expected=json.dumps(summary),
-                        duration=f"{span:,.1f}")
+                        duration=f"{span:,.1f}", width=LEFT + WIDTH + 10)
     png = _render_png(bars, shown, core_lane, gpus, curve, t0, path, title, colors) if want_png else None
     return page, summary, png
 
@@ -241,7 +242,8 @@ def _curve_svg(curve: Sequence[tuple[float, float, float]], x: Callable[[float],
     grid = "".join(f'<line x1="{LEFT}" x2="{LEFT + WIDTH}" y1="{y(f):.1f}" y2="{y(f):.1f}" class="grid"/>'
                    f'<text x="{LEFT - 6}" y="{y(f) + 4:.1f}" class="label" text-anchor="end">{int(100 * f)}%</text>'
                    for f in (0.0, 0.5, 1.0))
-    return (f'<svg id="util" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" height="{TOP + h + 20:.0f}">'
+    return (f'<svg id="util" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 10}" height="{TOP + h + 20:.0f}" '
+            f'viewBox="0 0 {LEFT + WIDTH + 10} {TOP + h + 20:.0f}">'
             f'{grid}<polyline class="cores" points="{points(1)}"/><polyline class="gpus" points="{points(2)}"/>'
             f'<text x="{LEFT}" y="{TOP + h + 16:.0f}" class="label">t = 0</text>'
             f'<text x="{LEFT + WIDTH}" y="{TOP + h + 16:.0f}" class="label" text-anchor="end">'
@@ -314,7 +316,8 @@ def timeline_figure(bars: Sequence[Interval], shown: Sequence[str], core_lane: d
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>
-body {{ font: 13px sans-serif; margin: 16px; }}
+body {{ font: 13px sans-serif; margin: 16px; overflow-wrap: anywhere; }}
+svg {{ max-width: 100%; height: auto; }}  /* drawn {width} px wide, scaled down to fit a narrower window */
 .label {{ font: 11px sans-serif; fill: #333; }}
 .lanes {{ fill: #f4f4f4; }}
 .gpusep {{ stroke: #999; stroke-dasharray: 3 2; }}

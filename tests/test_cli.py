@@ -94,3 +94,58 @@ def test_pilots_and_pilot_show(tmp_path: Path) -> None:
     assert listed.returncode == 0 and "local" in listed.stdout
     shown = hetflow("pilot", "show", "local", cwd=tmp_path)
     assert shown.returncode == 0 and "backend: local" in shown.stdout
+
+
+def test_pilots_names_each_config_by_its_own_name_and_says_what_it_extends(tmp_path: Path) -> None:
+    listed = hetflow("pilots", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    lines = {line.split()[0]: line for line in listed.stdout.splitlines()}
+    assert {"frontier", "ornl-frontier", "local"} <= set(lines)
+    assert lines["frontier"].endswith("(extends ornl-frontier)")              # frontier.yaml: extends: ornl-frontier
+    assert "ornl-frontier" not in lines["ornl-frontier"].split(None, 1)[1]     # its own line: no parent, no alias
+    assert "9408 node(s) x 56 usable cores x 8 GPUs (amd)" in lines["frontier"]
+    assert len(set(lines.values())) == len(lines)                             # no two configs print alike
+
+
+SWEEP = '''
+import hetflow as hf
+
+pipe = hf.Pipeline("sweep", pilot="local")
+
+for lr in ("0_001", "0_003"):
+    def member(ctx):
+        pass
+    pipe.stage(ranks=1, name=f"train_member_of_the_learning_rate_sweep_with_lr_{lr}")(member)
+'''
+
+
+def _stage_column(table: str) -> list[str]:
+    """The stage names of ``hetflow status``'s table, each cell's lines joined (a folded name back whole)."""
+    names: list[str] = []
+    for line in table.splitlines():
+        if not line.startswith("│"):
+            continue
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        if cells[1]:          # a row's first line has its state; the next lines continue its cells
+            names.append(cells[0])
+        else:
+            names[-1] += cells[0]
+    return names
+
+
+@pytest.mark.parametrize("columns", ["80", "200"])
+def test_status_never_cuts_a_stage_name_so_sweep_members_stay_apart(tmp_path: Path, columns: str) -> None:
+    (tmp_path / "sweep.py").write_text(SWEEP)
+    done = hetflow("run", "sweep.py", "--workdir", "w", "--no-progress", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    import os
+
+    shown = subprocess.run([*HETFLOW, "status", "--workdir", "w"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, COLUMNS=columns))
+    assert shown.returncode == 0, shown.stderr
+    table = shown.stdout.split("\n└")[0]
+    assert "…" not in table
+    assert _stage_column(table) == ["train_member_of_the_learning_rate_sweep_with_lr_0_001",
+                                    "train_member_of_the_learning_rate_sweep_with_lr_0_003"]
+    rows = [line for line in table.splitlines() if line.startswith("│")]
+    assert rows and all(line.endswith("│") and len(line) <= int(columns) for line in rows)   # no column cropped

@@ -138,9 +138,84 @@ def test_logs_follow_streams_a_running_stage_and_ends_with_the_run(tmp_path: Pat
     finally:
         proc.kill()
     lines = out.splitlines()
-    assert "[talk rank 0] line 5 from rank 0" in lines and "[talk rank 1] line 5 from rank 1" in lines
-    assert "[after rank 0] after saw 2 rows" in lines           # followed into the next stage, ended with the run
+    assert "[talk/attempt-1 rank 0] line 5 from rank 0" in lines and "[talk/attempt-1 rank 1] line 5 from rank 1" in lines
+    assert "[after/attempt-1 rank 0] after saw 2 rows" in lines   # followed into the next stage, ended with the run
     assert len([ln for ln in lines if "line 3 from rank 0" in ln]) == 1   # each line once
+
+
+RETRIED = textwrap.dedent('''
+    import time
+    import hetflow as hf
+
+    pipe = hf.Pipeline("retried", pilot="local")
+
+    @pipe.stage(ranks=1, retries=1)
+    def flaky(ctx):
+        for i in range(4):
+            print(f"attempt {ctx.attempt} line {i}", flush=True)
+            time.sleep(0.5)
+        if ctx.attempt == 1:
+            raise RuntimeError("the first attempt fails")
+
+    pipe.run()
+''')
+
+
+def test_logs_follow_names_the_attempt_of_every_line_of_a_retried_stage(tmp_path: Path) -> None:
+    (tmp_path / "retried.py").write_text(RETRIED)
+    proc = subprocess.Popen([*HETFLOW, "run", "retried.py", "--workdir", "w"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        started = proc.stderr.readline()
+        assert "started" in started, started
+        follow = hetflow("logs", "--follow", "--workdir", "w", cwd=tmp_path)   # the latest run: this one
+        assert follow.returncode == 0, follow.stderr
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    lines = follow.stdout.splitlines()
+    for attempt in (1, 2):
+        mine = [ln for ln in lines if f"attempt {attempt} line" in ln]
+        assert mine == [f"[flaky/attempt-{attempt} rank 0] attempt {attempt} line {i}" for i in range(4)], lines
+    assert any(ln.startswith("[flaky/attempt-1 rank 0] ") and "the first attempt fails" in ln for ln in lines)
+    # without --follow: the latest attempt, named as such; --attempt 1 the first, by the stage's name alone
+    latest = hetflow("logs", "flaky", "--workdir", "w", cwd=tmp_path)
+    assert latest.returncode == 0, latest.stderr
+    assert "[flaky/attempt-2 rank 0] attempt 2 line 3" in latest.stdout.splitlines()
+    first = hetflow("logs", "flaky", "--attempt", "1", "--workdir", "w", cwd=tmp_path)
+    assert "[flaky rank 0] attempt 1 line 3" in first.stdout.splitlines()
+
+
+PIPE_NAMED_TALK = "import hetflow as hf\npipe = hf.Pipeline('talk', pilot='local')\n" \
+                  "@pipe.stage(ranks=1)\ndef hello(ctx):\n    print('hello from the talk pipeline')\npipe.run()\n"
+
+
+def test_logs_defaults_to_the_latest_run_and_reads_one_word_as_a_run_else_a_stage(tmp_path: Path) -> None:
+    (tmp_path / "talkpipe.py").write_text(PIPE_NAMED_TALK)
+    older = hetflow("run", "talkpipe.py", "--workdir", "w", cwd=tmp_path)   # a run whose id starts "talk-"
+    assert older.returncode == 0, older.stderr
+    older_id = run_id(tmp_path)
+    done = hetflow("run", str(script(tmp_path)), "--workdir", "w", "--param", "lines=1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rid = run_id(tmp_path)
+    assert rid != older_id
+    latest = hetflow("logs", "--workdir", "w", cwd=tmp_path)                 # no RUN: the latest run, like status
+    assert latest.returncode == 0, latest.stderr
+    assert "[talk rank 0] line 0 from rank 0" in latest.stdout.splitlines()
+    assert "[after rank 0] after saw 2 rows" in latest.stdout.splitlines()
+    stage = hetflow("logs", "after", "--workdir", "w", cwd=tmp_path)         # one word, not a run: a stage
+    assert stage.returncode == 0, stage.stderr
+    assert stage.stdout.splitlines() and all(ln.startswith("[after ") for ln in stage.stdout.splitlines())
+    run = hetflow("logs", older_id[:12], "--workdir", "w", cwd=tmp_path)    # one word, a run prefix: that run
+    assert run.stdout.splitlines() == ["[hello rank 0] hello from the talk pipeline"], run.stdout + run.stderr
+    both = hetflow("logs", "talk", "--workdir", "w", cwd=tmp_path)          # a prefix of a run and a stage: refused
+    assert both.returncode == 2 and both.stderr.count("\n") == 1, both.stderr
+    assert f"run {older_id}" in both.stderr and f"hetflow logs {rid} talk" in both.stderr
+    assert hetflow("logs", rid, "talk", "--workdir", "w", cwd=tmp_path).stdout.startswith("[talk rank ")
+    neither = hetflow("logs", "nothing", "--workdir", "w", cwd=tmp_path)
+    assert neither.returncode == 2 and neither.stderr.count("\n") == 1 and "Traceback" not in neither.stderr
+    assert "'nothing' is neither a run nor a stage" in neither.stderr and "['talk', 'after']" in neither.stderr
 
 
 def read_pty(fd: int, until: float) -> bytes:
@@ -332,3 +407,75 @@ def test_ctx_progress_writes_one_small_file_and_never_fails_the_stage(tmp_path: 
         gone.progress(1, 2)
         gone.progress(2, 2)
     assert len([r for r in caplog.records if "progress not recorded" in r.getMessage()]) == 1
+
+
+WATCHED = textwrap.dedent('''
+    import os, time
+    import hetflow as hf
+
+    pipe = hf.Pipeline("watched", pilot="local")
+
+    @pipe.stage(ranks=2, name="train_member_of_a_learning_rate_sweep_with_a_long_name_lr_0_001")
+    def member(ctx):
+        ctx.progress(3, 10, unit="epoch", loss=0.25)
+        give_up = time.time() + 180  # a test that failed half-way leaves nothing running for long
+        while not os.path.exists(ctx.params["release"]) and time.time() < give_up:
+            time.sleep(0.2)
+        ctx.progress(10, 10, unit="epoch", loss=0.125)
+
+    pipe.run()
+''')
+
+
+def test_serve_page_shows_each_running_stages_progress_and_fits_a_1200px_window(tmp_path: Path) -> None:
+    from _browser import CHROMIUM, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (scripts/system-deps.sh installs it)")
+    (tmp_path / "watched.py").write_text(WATCHED)
+    release = tmp_path / "release"
+    run = subprocess.Popen([*HETFLOW, "run", "watched.py", "--workdir", "w", "--param", f"release={release}"],
+                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    assert run.stderr is not None and "started" in run.stderr.readline()   # the store and the run exist
+    serve = subprocess.Popen([*HETFLOW, "serve", "--port", "0", "--workdir", "w"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout is not None
+        url = serve.stdout.readline().split(" at ", 1)[1].split()[0]
+        stage = "train_member_of_a_learning_rate_sweep_with_a_long_name_lr_0_001"
+        deadline = time.time() + 120
+        while True:  # the JSON API: the running stage's progress, as the terminal shows it, and per rank
+            with urllib.request.urlopen(url + "api/status", timeout=30) as answer:
+                status = json.loads(answer.read())
+            progress = next((s["progress"] for s in status["stages"] if s["name"] == stage), None)
+            if progress and len(progress["ranks"]) == 2:
+                break
+            assert time.time() < deadline and run.poll() is None, status
+            time.sleep(0.3)
+        assert status["state"] == "RUNNING" and progress["text"] == "epoch 3/10 30% loss=0.25"
+        assert progress["ranks"]["1"]["done"] == 3.0 and progress["ranks"]["1"]["metrics"] == {"loss": 0.25}
+        with Browser(tmp_path / "profile", width=1200, height=900) as browser:
+            browser.open(url)
+            row = f"document.querySelector('tr[data-stage=\"{stage}\"]')"
+            assert browser.wait_for(f"{row} && {row}.querySelector('td.progress').textContent") == \
+                "epoch 3/10 30% loss=0.25"
+            assert browser.evaluate(f"{row}.querySelector('td.state').textContent") == "RUNNING"
+            width = browser.overflow()
+            assert width["scrollWidth"] <= width["innerWidth"] == 1200, width   # no sideways scrolling
+            release.touch()
+            assert run.wait(timeout=120) == 0
+            browser.wait_for("document.body.getAttribute('data-state') === 'DONE'", timeout=90)
+            assert browser.evaluate(f"{row}.querySelector('td.progress').textContent") == \
+                "epoch 10/10 100% loss=0.125"                                    # the last report stays
+            width = browser.overflow()
+            assert width["scrollWidth"] <= width["innerWidth"], width
+            browser.open(url + "timeline")                                       # the timeline alone, too
+            width = browser.overflow()
+            assert width["scrollWidth"] <= width["innerWidth"], width
+    finally:
+        release.touch()
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=30)

@@ -172,6 +172,18 @@ def test_render_for_an_engine_that_is_not_installed_names_the_extra(tmp_path: Pa
         assert f"backend {backend!r} needs" in line and f"hetflow[{backend}]" in line, line
 
 
+def test_run_on_an_engine_that_is_not_installed_is_one_line_and_records_no_run(tmp_path: Path) -> None:
+    (tmp_path / "tiny.py").write_text(TINY)
+    for backend, module in (("parsl", "parsl"), ("radical", "radical.pilot"), ("dask", "distributed")):
+        done = without(module, f"from hetflow.cli import main; sys.exit(main(['run', 'tiny.py', '--backend', "
+                               f"{backend!r}, '--no-progress']))", tmp_path)
+        assert done.returncode == 2, (backend, done.stderr)
+        line = one_line(done)
+        assert line.startswith(f"hetflow: error: backend {backend!r} needs") and f"hetflow[{backend}]" in line, line
+        assert "resume" not in line and done.stdout == ""           # nothing to resume: no run was started
+    assert not (tmp_path / ".hetflow").exists()
+
+
 def test_backend_slurm_override_that_cannot_fit_says_to_use_a_slurm_pilot_config(tmp_path: Path) -> None:
     (tmp_path / "p.py").write_text("import pyarrow as pa\nimport hetflow as hf\npipe = hf.Pipeline('big', pilot='local')\n"
                                    "@pipe.stage(ranks=64, outputs=['t'])\ndef make(ctx):\n"

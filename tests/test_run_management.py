@@ -164,17 +164,21 @@ def test_gc_removes_unfinished_runs_but_the_latest_and_leftovers_and_keeps_cache
     assert hetflow_cmd("gc", cwd=tmp_path).stdout.strip() == "nothing to remove"
 
 
-def _start_held_run(cwd: Path) -> tuple[subprocess.Popen[str], dict]:
+def _start_held_run(cwd: Path, *store: str, command: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], dict]:
+    """``hetflow run chain.py`` (or ``command``: a resume keeps the run's params) with its ``total`` stage held
+    until ``cwd/hold`` is removed; ``store``: the ``--workdir``/``--db`` arguments it is given."""
     write_script(cwd)
     (cwd / "hold").touch()
-    proc = subprocess.Popen([*HETFLOW, "run", "chain.py", "--no-progress", "--param", f"hold={cwd / 'hold'}"],
+    (cwd / "holding").unlink(missing_ok=True)
+    command = command or ("run", "chain.py", "--param", f"hold={cwd / 'hold'}")
+    proc = subprocess.Popen([*HETFLOW, *command, "--no-progress", *store],
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.time() + 120
     while not (cwd / "holding").exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.2)
-    (run,) = json.loads(hetflow_cmd("runs", "--json", "--state", "RUNNING", cwd=cwd).stdout)
+    (run,) = json.loads(hetflow_cmd("runs", "--json", "--state", "RUNNING", *store, cwd=cwd).stdout)
     return proc, run
 
 
@@ -237,6 +241,49 @@ def test_ctrl_c_in_the_terminal_records_interrupted_without_error_logs_and_print
     status = json.loads(hetflow_cmd("status", run["id"], "--json", cwd=tmp_path).stdout)
     assert status["state"] == "INTERRUPTED" and "Ctrl-C" in status["error"]
     assert not [p for p in _ranks_of(run["run_dir"]) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_every_printed_follow_up_command_carries_the_workdir_and_db_given_quoted_for_the_shell(
+        tmp_path: Path) -> None:
+    """rm's cancel hint, cancel's resume hint, the run's summary, and Ctrl-C's line: each pasted as printed
+    must reach the same store, whatever the shell makes of a space or a quote in the paths."""
+    import shlex
+
+    store = ("--workdir", "my runs/it's here", "--db", f"sqlite:///{tmp_path}/state store.db")
+    where = shlex.join(store)
+    assert where.startswith("--workdir 'my runs/it'\"'\"'s here' --db 'sqlite:///")
+    proc, run = _start_held_run(tmp_path, *store)
+    try:
+        refused = hetflow_cmd("rm", run["id"], *store, cwd=tmp_path)
+        assert refused.returncode == 2 and f"`hetflow cancel {run['id']} {where}`" in refused.stderr
+        cancelled = hetflow_cmd("cancel", run["id"], *store, cwd=tmp_path)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert cancelled.stdout.strip() == f"run {run['id']} CANCELLED; resume it with: hetflow resume {run['id']} {where}"
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert f"resume it with: hetflow resume {run['id']} {where}" in out
+    assert f"output of every rank: hetflow logs {run['id']} {where}" in out
+    # the resume is held again and interrupted: the line hetflow prints says how to go on from here
+    proc, _ = _start_held_run(tmp_path, *store, command=("resume", run["id"]))
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert (f"hetflow: run {run['id']} interrupted; running tasks were stopped; resume it with: "
+            f"hetflow resume {run['id']} {where}") in err.splitlines()
+    (tmp_path / "hold").unlink()
+    # pasted into a shell as printed, the hint resumes the run from its own store
+    hint = cancelled.stdout.split("resume it with: ", 1)[1].strip()
+    argv = shlex.split(hint)
+    assert argv[:2] == ["hetflow", "resume"]
+    resumed = hetflow_cmd(*argv[1:], "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(hetflow_cmd("status", run["id"], "--json", *store, cwd=tmp_path).stdout)["state"] == "DONE"
 
 
 @pytest.mark.parametrize("damage", [b"\x00garbage" * 100, b"SQLite format 3\x00" + b"\x01" * 200])

@@ -158,3 +158,27 @@ def test_png_labels_its_bars_and_has_a_legend(tmp_path: Path) -> None:
     png = tmp_path / "run.png"
     render_timeline(intervals, small_pilot(), tmp_path / "run.html", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_fits_a_1200px_window_without_sideways_scrolling(tmp_path: Path) -> None:
+    """The report as `hetflow report` writes it, a long stage name and task id included, in a real Chromium
+    window 1200 CSS px wide: the page is no wider than the window, and the charts are drawn whole (scaled)."""
+    from _browser import Browser
+
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (scripts/system-deps.sh installs it)")
+    long = "train_member_of_a_learning_rate_sweep_with_a_long_name_lr_0_001"
+    intervals = real_run_intervals() + [Interval(f"run-20261127/{long}/1", f"{long}#1", "node1", (3,), (), 50.0, 60.0,
+                                                 deps=("c",))]
+    html = tmp_path / "run.html"
+    render_timeline(intervals, small_pilot(), html, title=f"hetflow run {long}-20261127-101010-abcd (DONE)")
+    with Browser(tmp_path / "profile", width=1200, height=900) as browser:
+        browser.open(html.resolve().as_uri())
+        width = browser.overflow()
+        assert width["scrollWidth"] <= width["innerWidth"] == 1200, width
+        for chart in ("gantt", "util"):
+            box = browser.evaluate(f"[document.getElementById('{chart}').getBoundingClientRect().left, "
+                                   f"document.getElementById('{chart}').getBoundingClientRect().right]")
+            assert 0 <= box[0] and box[1] <= 1200, (chart, box)
+        status = json.loads(browser.evaluate("document.body.getAttribute('data-report-status')"))
+        assert status["errors"] == [] and status["clipped"] == 0 and status["bars"] == len(intervals)
