@@ -120,9 +120,10 @@ def test_logs_show_each_line_labelled_with_escape_sequences_as_text(hostile: tup
         logs = hetflow("logs", rid, "chatty", *follow, "--workdir", "w", cwd=tmp)
         assert logs.returncode == 0, logs.stderr
         assert_tame(logs.stdout)
-        assert "[chatty rank 0] before\\x1b]0;pwned\\x07\\x1b[2J" in logs.stdout
-        assert "[chatty rank 0] FAKE DONE" in logs.stdout                   # after a CR: a labelled line of its own
-        assert all(line.startswith("[chatty ") for line in logs.stdout.splitlines())
+        label = "[chatty/attempt-1 rank 0]" if follow else "[chatty rank 0]"  # a follower names every attempt
+        assert f"{label} before\\x1b]0;pwned\\x07\\x1b[2J" in logs.stdout
+        assert f"{label} FAKE DONE" in logs.stdout                   # after a CR: a labelled line of its own
+        assert all(line.startswith(label + " ") for line in logs.stdout.splitlines())
 
 
 def start_serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
@@ -246,10 +247,11 @@ def test_logs_of_a_huge_line_without_newline_take_bounded_memory(hostile: tuple[
             fh.write(b"y" * size)                                           # one line, no newline, still growing
         code, after = peak_rss_kib(argv, tmp, tmp / "big.txt")
         assert code == 0
-        assert after - before < 24 << 10, f"{after - before} KiB more for a {size >> 20} MiB line"
+        assert after - before < 24 << 10, f"{after - before} KiB more for a {size >> 20} MiB line ({follow})"
         pieces = [line for line in (tmp / "big.txt").read_bytes().split(b"\n") if b"yyyy" in line]
-        assert all(p.startswith(b"[chatty rank 0] ") for p in pieces)     # every piece labelled
-        assert b"".join(p[len(b"[chatty rank 0] "):] for p in pieces) == b"y" * size   # and nothing lost
+        label = b"[chatty/attempt-1 rank 0] " if follow else b"[chatty rank 0] "  # a follower names every attempt
+        assert all(p.startswith(label) for p in pieces)     # every piece labelled
+        assert b"".join(p[len(label):] for p in pieces) == b"y" * size   # and nothing lost
         rank_log.write_bytes(original)
 
 
@@ -310,7 +312,7 @@ def test_a_one_node_run_keeps_the_ranks_listening_on_loopback(tmp_path: Path) ->
     finally:
         run.kill()
     assert run.returncode == 0, out + err
-    for kind, addresses in seen.items():
-        ranks = addresses - hydra                                           # the ranks inherit hydra's socket
-        assert ranks, f"saw no {kind} rank listening (hydra: {hydra}, all: {seen})"
-        assert all(ipaddress.ip_address(a).is_loopback for a, _ in ranks), f"{kind} ranks listen beyond loopback: {ranks}"
+    ranks = seen["mpiexec"] - hydra                                         # the ranks inherit hydra's socket
+    assert ranks, f"saw no mpiexec rank listening (hydra: {hydra}, all: {seen})"
+    assert all(ipaddress.ip_address(a).is_loopback for a, _ in ranks), f"ranks listen beyond loopback: {ranks}"
+    assert seen["warm"] == set(), f"a warm singleton (shared-memory transport only) listens: {seen['warm']}"
