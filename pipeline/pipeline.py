@@ -50,6 +50,21 @@ class RunOptions:
     rerun: Sequence[str] = ()
     stream_logs: bool = False
     """Print every stage's output as it is written, each line labelled (``hetflow run -v``)."""
+    declare_only: bool = False
+    """``Pipeline.run()`` runs nothing and raises :class:`Declared` with its pipeline: the script is
+    executed as ``hetflow run`` executes it, up to its first run (``hetflow submit``'s check)."""
+
+
+class Declared(BaseException):
+    """Raised by ``Pipeline.run()`` under ``RunOptions(declare_only=True)``: the script declared ``pipeline``.
+
+    A ``BaseException``, as :class:`~hetflow.tasks.protocol.ScriptImportStop` is, so that a script's
+    ``except Exception`` around its run does not swallow it.
+    """
+
+    def __init__(self, pipeline: "Pipeline") -> None:
+        super().__init__(pipeline.name)
+        self.pipeline = pipeline
 
 
 _overrides: list[tuple[RunOptions, list[RunStatus]]] = []
@@ -163,9 +178,13 @@ class Pipeline:
 
     # ------------------------------------------------------------ checking
     def validate(self, pilot: PilotDescription) -> None:
-        """Reject an invalid DAG or a request the pilot can never satisfy, before anything runs."""
+        """Reject an invalid DAG or a request the pilot can never satisfy, before anything runs.
+
+        Requests are checked only against a pilot whose shape is known (``cores_per_node`` set).
+        """
         from hetflow.tasks.scheduler import check_request
 
+        shaped = pilot.cores_per_node is not None  # an unshaped slurm pilot: its job gives the shape
         if not self.stages:
             raise PipelineError(f"pipeline {self.name!r} declares no stages")
         produced = {out: s.name for s in self.stages.values() for out in s.outputs}
@@ -175,7 +194,8 @@ class Pipeline:
                     raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: input {dataset!r} is not "
                                         f"produced by any stage (outputs: {sorted(produced)})")
             try:
-                check_request(spec.request, pilot, what=f"stage {spec.name!r}")
+                if shaped:
+                    check_request(spec.request, pilot, what=f"stage {spec.name!r}")
             except UnsatisfiableRequest as exc:
                 raise UnsatisfiableRequest(f"pipeline {self.name!r}: {exc}") from None
         visiting: set[str] = set()
@@ -217,6 +237,8 @@ class Pipeline:
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
+        if _overrides and _overrides[-1][0].declare_only:
+            raise Declared(self)
         from hetflow.tasks.backends import get_backend
         from hetflow.tasks.paths import private_dir
         from hetflow.tasks.pilot import load_pilot
