@@ -51,7 +51,7 @@ from sqlalchemy import select
 
 from . import __version__, cache
 from .declaration import StageSpec
-from .errors import HetflowError, PipelineError
+from .errors import HetflowError, PipelineError, interruption
 from .fingerprint import resolve_files
 from .plan import (
     Abandon,
@@ -255,8 +255,8 @@ class Orchestrator:
                     self._renew_lease()
                     last_lease = time.time()
                 self.progress.update(self, scheduler)
-        except KeyboardInterrupt:
-            self.stop("interrupted (Ctrl-C)", "INTERRUPTED")
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (Terminated)
+            self.stop(interruption(interrupt), "INTERRUPTED")
             raise
         except CancelRequested as cancel:
             self.stop(str(cancel), "CANCELLED")

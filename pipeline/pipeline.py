@@ -19,7 +19,7 @@ from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_name
-from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted
+from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
@@ -311,11 +311,11 @@ class Pipeline:
         # from here on the run is ours and RUNNING: however it ends, it ends recorded
         try:
             backend_cls = get_backend(description.backend)
-            with backend_cls(description, orchestrator.run_dir) as engine:
+            with _sigterm_interrupts(), backend_cls(description, orchestrator.run_dir) as engine:
                 orchestrator.execute(engine)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (scancel)
             if orchestrator.final is None:
-                orchestrator.stop("interrupted (Ctrl-C)", "INTERRUPTED")
+                orchestrator.stop(interruption(interrupt), "INTERRUPTED")
             _report_uncaught()
             raise RunInterrupted(the_id) from None
         except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
@@ -337,6 +337,35 @@ class Pipeline:
             _report_uncaught()
             status.raise_for_state()
         return status
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While a run executes, SIGTERM raises :class:`~hetflow.errors.Terminated` (a KeyboardInterrupt).
+
+    ``scancel`` and the end of a Slurm job send SIGTERM, then SIGKILL after Slurm's ``KillWait``;
+    without a handler the orchestrator died at once and the run showed RUNNING until its lease
+    lapsed, then FAILED.  Handled as Ctrl-C is, the run's tasks are stopped and it ends INTERRUPTED,
+    resumable.  A second SIGTERM while it stops is ignored (the stop is bounded).  Installed only in
+    the main thread and only over Python's default action: an application's own handler is left alone.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated("SIGTERM")
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _report_uncaught() -> None:

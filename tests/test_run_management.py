@@ -239,6 +239,38 @@ def test_ctrl_c_in_the_terminal_records_interrupted_without_error_logs_and_print
     assert not [p for p in _ranks_of(run["run_dir"]) if p.status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.parametrize("to", ["hetflow", "group"])
+def test_sigterm_stops_the_run_like_ctrl_c_and_resume_finishes_it(tmp_path: Path, to: str) -> None:
+    """What scancel and the end of a Slurm job send: SIGTERM to every process of the job (``group``), or
+    ``kill PID`` to hetflow alone (then stopping the ranks is the orchestrator's doing).  Before, hetflow
+    died at once: the run showed RUNNING until its lease lapsed, then FAILED, and its ranks lived on."""
+    proc, run = _start_held_run(tmp_path)
+    ranks = _ranks_of(run["run_dir"])
+    assert ranks
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and f"run {run['id']} interrupted" in err, err
+    assert f"hetflow resume {run['id']}" in err, err
+    status = json.loads(hetflow_cmd("status", run["id"], "--json", cwd=tmp_path).stdout)
+    assert status["state"] == "INTERRUPTED" and "SIGTERM" in status["error"], status
+    states = {stage["name"]: stage["state"] for stage in status["stages"]}
+    assert states == {"load": "DONE", "total": "CANCELLED"}, states  # as on Ctrl-C
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    (tmp_path / "hold").unlink()
+    resumed = hetflow_cmd("resume", run["id"], "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    status = json.loads(hetflow_cmd("status", run["id"], "--json", cwd=tmp_path).stdout)
+    assert status["state"] == "DONE" and total_of(status) == 2 * sum(range(5)) + 10 * 5, status
+
+
 @pytest.mark.parametrize("damage", [b"\x00garbage" * 100, b"SQLite format 3\x00" + b"\x01" * 200])
 def test_a_damaged_state_store_is_one_line(tmp_path: Path, damage: bytes) -> None:
     (tmp_path / ".hetflow").mkdir()
