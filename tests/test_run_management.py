@@ -133,6 +133,85 @@ def test_rm_keeps_what_a_later_run_reuses_and_the_later_run_still_reads_and_resu
     assert hetflow_cmd("runs", "--json", cwd=tmp_path).stdout.strip() == "[]"
 
 
+BIG = '''
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import hetflow as hf
+
+pipe = hf.Pipeline("big")
+
+@pipe.stage(ranks=2, outputs=["raw"])
+def load(ctx):  # two partitions of 96 MB: checksummed before reuse, long enough to be caught at it
+    return {"raw": pa.table({"x": pa.array(np.arange(12_000_000, dtype="int64") + ctx.rank)})}
+
+@pipe.stage(inputs=["raw"], outputs=["total"])
+def total(ctx, raw):
+    return {"total": pa.table({"sum": [pc.sum(raw["x"]).as_py()]})}
+'''
+
+
+def _reading(pid: int, path: str) -> bool:
+    """Whether process ``pid`` has the file ``path`` open (the cache look-up checksumming it)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_rm_racing_a_cache_look_up_never_leaves_a_reuse_of_deleted_files(tmp_path: Path) -> None:
+    """Two real processes: a run whose look-up of ``load`` is caught (SIGSTOP) while it checksums the
+    cached dataset, and ``hetflow rm`` of the run that made it.  Before, rm deleted the files the stopped
+    look-up had just verified, and the run recorded its reuse of them (CACHED, its input gone)."""
+    (tmp_path / "big.py").write_text(BIG)
+    first = hetflow_cmd("run", "big.py", "--no-progress", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    made = json.loads(hetflow_cmd("status", "--json", cwd=tmp_path).stdout)
+    raw = made["datasets"]["raw"]
+    from hetflow.operators.dataset import read_manifest
+
+    last = str(Path(raw) / read_manifest(raw).partitions[-1].file)  # checked last: every other check passed
+    run = subprocess.Popen([*HETFLOW, "run", "big.py", "--no-progress"], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    remover = None
+    try:
+        deadline = time.time() + 120
+        while not _reading(run.pid, last):
+            assert run.poll() is None and time.time() < deadline, ("the look-up was never caught", run.communicate())
+        os.kill(run.pid, signal.SIGSTOP)  # between verifying the cached files and recording their reuse
+        remover = subprocess.Popen([*HETFLOW, "rm", made["id"]], cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            remover.wait(timeout=5)  # today it waits for the look-up; before, it deleted at once
+        except subprocess.TimeoutExpired:
+            pass
+        os.kill(run.pid, signal.SIGCONT)
+        out, err = run.communicate(timeout=240)
+        removed_out, removed_err = remover.communicate(timeout=120)
+    finally:
+        for proc in (run, remover):
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+    assert remover.returncode == 0, removed_err
+    assert run.returncode == 0, (out, err)
+    second = json.loads(hetflow_cmd("status", "--json", cwd=tmp_path).stdout)
+    states = {s["name"]: s["state"] for s in second["stages"]}
+    assert second["id"] != made["id"] and states["load"] in ("CACHED", "DONE"), second
+    listed = json.loads(hetflow_cmd("datasets", second["id"], "--json", cwd=tmp_path).stdout)
+    assert {d["name"]: d["damaged"] for d in listed} == {"raw": None, "total": None}, listed
+    if states["load"] == "CACHED":  # reused: so rm kept it, and said so
+        assert f"kept {raw} (used by run {second['id']})" in removed_out, removed_out
+    assert total_of(second) == 2 * sum(range(12_000_000)) + 12_000_000
+
+
 def test_gc_removes_unfinished_runs_but_the_latest_and_leftovers_and_keeps_cache_sources(tmp_path: Path) -> None:
     write_script(tmp_path)
     done = run_ok(tmp_path)
