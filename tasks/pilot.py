@@ -316,7 +316,7 @@ def _detect_memory() -> int:
 
 
 # ---------------------------------------------------------------- config files
-class _ConfigLoader(yaml.SafeLoader):
+class _ConfigLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no type stubs here
     """YAML's safe loader, except that ``20:00`` stays the text it is.
 
     YAML 1.1 reads an unquoted ``20:00`` as the base-60 integer 1200 (Slurm's
