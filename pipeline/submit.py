@@ -190,19 +190,27 @@ def job_shape(pilot: PilotDescription) -> PilotDescription:
         done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return shaped
+    shape = partition_shape(done.stdout, queue=pilot.queue) if done.returncode == 0 else None
+    if shape is None:
+        return shaped
+    cores, gpus = shape
+    return dataclasses.replace(
+        shaped, cores_per_node=shaped.cores_per_node if shaped.cores_per_node is not None else cores,
+        gpus_per_node=shaped.gpus_per_node if shaped.gpus_per_node is not None else gpus)
+
+
+def partition_shape(sinfo: str, *, queue: str | None) -> tuple[int, int] | None:
+    """The largest CPU and GPU counts of one node in ``sinfo --Node --format=%c|%G|%P`` output; without
+    ``queue``, of the default partition's nodes (its name marked ``*``).  ``None`` when no node is listed."""
     cores: list[int] = []
     gpus: list[int] = []
-    for line in done.stdout.splitlines():
+    for line in sinfo.splitlines():
         parts = line.strip().split("|")
-        if len(parts) != 3 or not parts[0].isdigit() or (pilot.queue is None and not parts[2].endswith("*")):
-            continue  # without a queue, the job goes to the default partition (marked *)
+        if len(parts) != 3 or not parts[0].isdigit() or (queue is None and not parts[2].endswith("*")):
+            continue
         cores.append(int(parts[0]))
         gpus.append(sum(int(m) for m in re.findall(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", parts[1])))
-    if done.returncode != 0 or not cores:
-        return shaped
-    return dataclasses.replace(
-        shaped, cores_per_node=shaped.cores_per_node if shaped.cores_per_node is not None else max(cores),
-        gpus_per_node=shaped.gpus_per_node if shaped.gpus_per_node is not None else max(gpus))
+    return (max(cores), max(gpus)) if cores else None
 
 
 def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db: str | None,

@@ -235,3 +235,13 @@ def test_a_failed_run_inside_a_submitted_job_says_to_resume_it_with_its_batch_sc
     assert resume_hint("r1") == "resume it with: hetflow resume r1"
     monkeypatch.setenv("HETFLOW_RESUME_BATCH", str(batch))
     assert resume_hint("r1") == f"resume it with: sbatch {shlex.quote(str(batch))}"
+
+
+def test_partition_shape_reads_sinfo_per_node_lines() -> None:
+    text = ("64|gpu:a100:4(S:0-1)|gpu\n128|(null)|cpu*\n64|gpu:4|gpu\n32|(null)|cpu*\n"
+            "48|gpu:a100:2,gpu:v100:2|mixed\n")
+    assert submit_module.partition_shape(text, queue=None) == (128, 0)  # the default partition, marked *
+    assert submit_module.partition_shape("64|gpu:a100:4(S:0-1)|gpu\n64|gpu:4|gpu\n", queue="gpu") == (64, 4)
+    assert submit_module.partition_shape("48|gpu:a100:2,gpu:v100:2|mixed\n", queue="mixed") == (48, 4)
+    assert submit_module.partition_shape("", queue="gpu") is None
+    assert submit_module.partition_shape("64|(null)|other\n", queue=None) is None  # no default partition listed
