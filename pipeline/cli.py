@@ -1,7 +1,7 @@
 """The ``hetflow`` command.
 
 Exit codes: 0 the run is DONE, 1 it did not end DONE (FAILED, CANCELLED, STOPPED),
-2 bad usage or configuration, 130 interrupted (Ctrl-C).  Every error a user can
+2 bad usage or configuration, 130 interrupted (Ctrl-C or SIGTERM).  Every error a user can
 cause prints one line naming what is at fault (and the extra to install, where
 one is missing); a traceback is left for hetflow's own bugs.
 """
