@@ -1,7 +1,7 @@
 """The ``hetflow`` command.
 
 Exit codes: 0 the run is DONE, 1 it did not end DONE (FAILED, CANCELLED, STOPPED),
-2 bad usage or configuration, 130 interrupted (Ctrl-C).  Every error a user can
+2 bad usage or configuration, 130 interrupted (Ctrl-C or SIGTERM).  Every error a user can
 cause prints one line naming what is at fault (and the extra to install, where
 one is missing); a traceback is left for hetflow's own bugs.
 """
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from hetflow.tasks.errors import HetflowError, TaskFailed
+from hetflow.tasks.errors import ConfigError, HetflowError, TaskFailed
 
 from . import __version__
 from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--chain", type=int, default=0, metavar="N",
                         help="when the walltime drain stops the run, the job submits a successor that resumes it "
                              "(afterany dependency), up to N further jobs")
+    submit.add_argument("--walltime", metavar="TIME",
+                        help="the job's time limit, replacing the config's: seconds, HH:MM:SS or D-HH:MM:SS "
+                             "(a pilot with no walltime in its config needs it)")
     _store_args(submit)
 
     resume = sub.add_parser("resume", help="resume a failed or interrupted run")
@@ -528,10 +531,20 @@ def _need(module: str, extra: str, what: str) -> None:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    from hetflow.tasks.pilot import parse_duration
+
     from .submit import submit
 
+    walltime = None
+    if args.walltime is not None:
+        try:
+            walltime = parse_duration(args.walltime)
+        except ConfigError as exc:
+            raise UsageError(f"--walltime: {exc}") from None
+        if walltime <= 0:
+            raise UsageError(f"--walltime {args.walltime!r}: expected a positive duration")
     done = submit(args.script, pilot=args.pilot, params=args.param, workdir=_workdir(args), db=args.db,
-                  chain=args.chain)
+                  chain=args.chain, walltime=walltime)
     print(f"submitted batch job {done.job_id}: run {done.run_id}")
     print(f"  batch script {done.script}; log {str(done.log).replace('%j', done.job_id)}")
     from .errors import hetflow_command, store_argv

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from .status import RunStatus
 
 __all__ = ["HetflowError", "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "TaskFailed",
-           "PipelineError", "RunLocked", "StoreUnreadable", "UnknownRun", "RunAborted", "RunInterrupted", "RunFailed"]
+           "PipelineError", "RunLocked", "StoreUnreadable", "UnknownRun", "RunAborted", "RunInterrupted", "RunFailed",
+           "Terminated"]
 
 
 class PipelineError(HetflowError, ValueError):
@@ -95,8 +96,23 @@ class RunAborted(HetflowError, RuntimeError):
         self.run_id, self.reason = run_id, reason
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the orchestrator (``scancel``, the end of a Slurm job, ``kill``).
+
+    A ``KeyboardInterrupt``, so that every path that stops a run on Ctrl-C stops it on SIGTERM too:
+    its tasks are cancelled and the run ends INTERRUPTED, resumable.
+    """
+
+
+def interruption(exc: BaseException) -> str:
+    """The recorded reason of a run that ``exc`` (a KeyboardInterrupt) stopped."""
+    if isinstance(exc, Terminated):
+        return "interrupted (SIGTERM: scancel, the end of the job, or kill)"
+    return "interrupted (Ctrl-C)"
+
+
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a run; it is recorded INTERRUPTED and can be resumed."""
+    """Ctrl-C or SIGTERM stopped a run; it is recorded INTERRUPTED and can be resumed."""
 
     def __init__(self, run_id: str, where: Sequence[str] = ()) -> None:
         super().__init__(f"run {run_id} interrupted; running tasks were stopped; {resume_hint(run_id, where=where)}")

@@ -75,8 +75,18 @@ def remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool = False, 
 
     Refuses (:class:`RunLocked`, nothing removed) while one of them is running with a live owner; its
     ``hetflow cancel`` hint carries ``where`` (:func:`hetflow.errors.store_argv`).
+    Holds the store's datasets lock from reading what kept runs use until the files are gone, so a
+    concurrent cache look-up either recorded its reuse before (and the dataset is kept) or finds the
+    records gone and recomputes (:meth:`Store.datasets_lock`).
     """
     store.reconcile_dead_runs()
+    if dry_run:
+        return _remove_runs(store, run_ids, dry_run=True, where=where)
+    with store.datasets_lock(exclusive=True):
+        return _remove_runs(store, run_ids, dry_run=False, where=where)
+
+
+def _remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool, where: Sequence[str]) -> Removal:
     doomed = set(run_ids)
     result = Removal()
     with store.session() as session:

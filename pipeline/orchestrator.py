@@ -54,7 +54,7 @@ from sqlalchemy import select
 
 from . import __version__, cache
 from .declaration import StageSpec
-from .errors import HetflowError, PipelineError
+from .errors import HetflowError, PipelineError, interruption
 from .fingerprint import resolve_files
 from .plan import (
     Abandon,
@@ -98,6 +98,9 @@ LONE_DEATH_GRACE = 10.0
 :mod:`hetflow.tasks.witness`) before the orchestrator ends it: Hydra can miss a rank's death
 (its own reviewers call the check racy, pmodels/mpich#4862), and ``srun`` ends the other
 ranks only with ``--kill-on-bad-exit``."""
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Signals whose handlers wait while the loop records a step (:meth:`Orchestrator._batch`)."""
 
 BATCH_MAX = 256
 """Ended attempts recorded in one transaction at most (:meth:`Orchestrator._batch`)."""
@@ -304,8 +307,8 @@ class Orchestrator:
                     self._renew_lease()
                     last_lease = time.time()
                 self.progress.update(self, scheduler)
-        except KeyboardInterrupt:
-            self.stop("interrupted (Ctrl-C)", "INTERRUPTED")
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (Terminated)
+            self.stop(interruption(interrupt), "INTERRUPTED")
             raise
         except CancelRequested as cancel:
             self.stop(str(cancel), "CANCELLED")
@@ -324,21 +327,25 @@ class Orchestrator:
 
     @contextmanager
     def _batch(self) -> Iterator[None]:
-        """One transaction for what the loop records in one step (:meth:`Store.batch`), with Ctrl-C held
-        back until it is committed: a half-recorded step would leave the store behind what happened."""
-        interrupted: list[int] = []
-        hold = threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        if hold:
-            signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+        """One transaction for what the loop records in one step (:meth:`Store.batch`), with Ctrl-C and
+        SIGTERM held back until it is committed: a half-recorded step would leave the store behind what
+        happened.  A held signal's own handler runs then (it raises the interruption)."""
+        held: dict[int, Any] = {}
+        arrived: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in HELD_SIGNALS:
+                handler = signal.getsignal(sig)
+                if callable(handler):  # Python's Ctrl-C, hetflow's SIGTERM: both raise
+                    held[sig] = handler
+                    signal.signal(sig, lambda number, _frame: arrived.append(number))
         try:
             with self.store.batch():
                 yield
         finally:
-            if hold:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-        if interrupted:
-            raise KeyboardInterrupt
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
+        if arrived:
+            held[arrived[0]](arrived[0], None)
 
     def stop(self, reason: str, state: str) -> None:
         """End the run ``state`` (Ctrl-C, an error): cancel what runs, wait briefly, record everything.
@@ -488,7 +495,9 @@ class Orchestrator:
         except ValueError as exc:  # a declared file that is not there
             return CacheChecked(spec.name, False, "", error=f"stage {spec.name!r}: {exc}")
         key, params = material.key(), self.stage_params(spec)
-        with self.store.session() as session:
+        # shared with other look-ups, exclusive of rm/gc: the hit is verified and its reuse recorded
+        # before any removal can read what kept runs use (Store.datasets_lock)
+        with self.store.datasets_lock(exclusive=False), self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
                                                 params=params, outputs=spec.outputs)
             for problem in damaged:

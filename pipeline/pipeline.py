@@ -19,7 +19,8 @@ from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
 from .declaration import StageSpec, check_env, check_name
-from .errors import HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, store_argv
+from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption,
+                     store_argv)
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
@@ -50,6 +51,21 @@ class RunOptions:
     rerun: Sequence[str] = ()
     stream_logs: bool = False
     """Print every stage's output as it is written, each line labelled (``hetflow run -v``)."""
+    declare_only: bool = False
+    """``Pipeline.run()`` runs nothing and raises :class:`Declared` with its pipeline: the script is
+    executed as ``hetflow run`` executes it, up to its first run (``hetflow submit``'s check)."""
+
+
+class Declared(BaseException):
+    """Raised by ``Pipeline.run()`` under ``RunOptions(declare_only=True)``: the script declared ``pipeline``.
+
+    A ``BaseException``, as :class:`~hetflow.tasks.protocol.ScriptImportStop` is, so that a script's
+    ``except Exception`` around its run does not swallow it.
+    """
+
+    def __init__(self, pipeline: "Pipeline") -> None:
+        super().__init__(pipeline.name)
+        self.pipeline = pipeline
 
 
 _overrides: list[tuple[RunOptions, list[RunStatus]]] = []
@@ -166,9 +182,13 @@ class Pipeline:
 
     # ------------------------------------------------------------ checking
     def validate(self, pilot: PilotDescription) -> None:
-        """Reject an invalid DAG or a request the pilot can never satisfy, before anything runs."""
+        """Reject an invalid DAG or a request the pilot can never satisfy, before anything runs.
+
+        Requests are checked only against a pilot whose shape is known (``cores_per_node`` set).
+        """
         from hetflow.tasks.scheduler import check_request
 
+        shaped = pilot.cores_per_node is not None  # an unshaped slurm pilot: its job gives the shape
         if not self.stages:
             raise PipelineError(f"pipeline {self.name!r} declares no stages")
         produced = {out: s.name for s in self.stages.values() for out in s.outputs}
@@ -178,7 +198,8 @@ class Pipeline:
                     raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: input {dataset!r} is not "
                                         f"produced by any stage (outputs: {sorted(produced)})")
             try:
-                check_request(spec.request, pilot, what=f"stage {spec.name!r}")
+                if shaped:
+                    check_request(spec.request, pilot, what=f"stage {spec.name!r}")
             except UnsatisfiableRequest as exc:
                 raise UnsatisfiableRequest(f"pipeline {self.name!r}: {exc}") from None
         visiting: set[str] = set()
@@ -220,6 +241,8 @@ class Pipeline:
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
+        if _overrides and _overrides[-1][0].declare_only:
+            raise Declared(self)
         from hetflow.tasks.backends import get_backend
         from hetflow.tasks.paths import private_dir
         from hetflow.tasks.pilot import load_pilot
@@ -296,11 +319,11 @@ class Pipeline:
         # from here on the run is ours and RUNNING: however it ends, it ends recorded
         try:
             backend_cls = get_backend(description.backend)
-            with backend_cls(description, orchestrator.run_dir) as engine:
+            with _sigterm_interrupts(), backend_cls(description, orchestrator.run_dir) as engine:
                 orchestrator.execute(engine)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (scancel)
             if orchestrator.final is None:
-                orchestrator.stop("interrupted (Ctrl-C)", "INTERRUPTED")
+                orchestrator.stop(interruption(interrupt), "INTERRUPTED")
             _report_uncaught()
             raise RunInterrupted(the_id, given) from None
         except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
@@ -322,6 +345,35 @@ class Pipeline:
             _report_uncaught()
             status.raise_for_state(given)
         return status
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While a run executes, SIGTERM raises :class:`~hetflow.errors.Terminated` (a KeyboardInterrupt).
+
+    ``scancel`` and the end of a Slurm job send SIGTERM, then SIGKILL after Slurm's ``KillWait``;
+    without a handler the orchestrator died at once and the run showed RUNNING until its lease
+    lapsed, then FAILED.  Handled as Ctrl-C is, the run's tasks are stopped and it ends INTERRUPTED,
+    resumable.  A second SIGTERM while it stops is ignored (the stop is bounded).  Installed only in
+    the main thread and only over Python's default action: an application's own handler is left alone.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated("SIGTERM")
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _report_uncaught() -> None:

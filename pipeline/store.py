@@ -350,6 +350,7 @@ def _add_new_columns(connection: Any) -> None:
 
 
 SCHEMA_LOCK_KEY = 0x6865_7466_6C6F_77  # "hetflow": the PostgreSQL advisory lock around schema creation
+DATASETS_LOCK_KEY = SCHEMA_LOCK_KEY + 1  # the PostgreSQL advisory lock of Store.datasets_lock
 
 
 def unreadable(url: str, exc: SQLAlchemyError) -> str:
@@ -421,6 +422,7 @@ class Store:
                 raise StoreUnreadable(unreadable(url, exc)) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._batch = threading.local()
+        self._path = path
 
     def _create_schema(self, path: Path | None) -> None:
         """Create missing tables, one process at a time: ``create_all`` checks, then creates, so two
@@ -493,6 +495,40 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    @contextmanager
+    def datasets_lock(self, *, exclusive: bool) -> Iterator[None]:
+        """Removing committed datasets (``rm``, ``gc``: ``exclusive``) against reusing them (a cache
+        look-up: shared, so runs do not wait for each other).
+
+        A look-up verifies a candidate's files and records the reuse under the shared lock; removal
+        reads which datasets kept runs use, deletes the records and then the files under the
+        exclusive one.  So a run either reuses a dataset removal has not touched (which removal then
+        keeps: a kept run uses it) or finds its records gone and recomputes, never a reuse of files
+        being deleted.  SQLite: an ``flock`` on ``hetflow.db.datasets-lock`` beside the file (the
+        processes that share a SQLite store share its directory); PostgreSQL: a session advisory
+        lock, which holds across hosts.  Nothing to lock for a read-only or in-memory store.
+        """
+        if self._path is not None and not self.read_only:
+            name = self._path.with_name(self._path.name + ".datasets-lock")
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                yield
+            finally:
+                os.close(fd)  # releases the lock
+        elif self.engine.dialect.name == "postgresql":
+            kind = "" if exclusive else "_shared"
+            with self.engine.connect() as conn:
+                conn.execute(text(f"SELECT pg_advisory_lock{kind}(:key)"), {"key": DATASETS_LOCK_KEY})
+                conn.commit()  # the lock is the session's, not the transaction's
+                try:
+                    yield
+                finally:
+                    conn.execute(text(f"SELECT pg_advisory_unlock{kind}(:key)"), {"key": DATASETS_LOCK_KEY})
+                    conn.commit()
+        else:
+            yield
 
     # ------------------------------------------------------------ helpers
     @staticmethod

@@ -7,12 +7,22 @@ directory and state store (which must therefore be on a file system both
 hosts see).  ``--run-id`` starts the run under that id, or resumes it if it
 exists, so a requeued job continues rather than starts over.  The batch
 script lives beside the job's log in ``WORKDIR/submit/``.
+
+Nothing is submitted that would fail in the queue for a reason visible here:
+the script is executed as ``hetflow run`` executes it, up to its first
+``pipe.run()`` (which runs nothing, :func:`declared_pipelines`), so a
+SyntaxError or a bad declaration is refused at once; each pipeline is
+validated against the pilot, shaped by the config or else by ``sinfo`` for
+the job's partition (:func:`job_shape`); and a pilot without a walltime is
+refused (the job would get the partition's default time limit, whatever it is).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import runpy
 import secrets
 import shutil
 import subprocess
@@ -23,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetflow.tasks.batch import batch_script, parse_job_id, sbatch_argv
-from hetflow.tasks.errors import HetflowError
-from hetflow.tasks.pilot import load_pilot
+from hetflow.tasks.errors import ConfigError, HetflowError
+from hetflow.tasks.pilot import PilotDescription, load_pilot
+
+from .pipeline import Declared, Pipeline, RunOptions, run_options
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -35,6 +47,10 @@ class SubmitError(HetflowError):
 
 class SubmitRefused(SubmitError):
     """``sbatch`` ran and refused the job."""
+
+
+class ScriptError(SubmitError):
+    """The pipeline script fails before it reaches its run (a SyntaxError, an exception at its top level)."""
 
 
 @dataclass(frozen=True)
@@ -122,17 +138,101 @@ def submit_successor(run_id: str, batch: Path, left: int, *, workdir: Path, db: 
     return job_id
 
 
+def declared_pipelines(script: Path) -> list[Pipeline]:
+    """The pipelines ``script`` declares, found as ``hetflow run`` finds them, with no stage run.
+
+    The script is executed as ``__main__`` (its directory on ``sys.path``, ``sys.argv`` its own
+    path) up to its first ``pipe.run()``, which stops it (:class:`~hetflow.pipeline.Declared`);
+    a script that runs none gives the pipelines left in its namespace.  Raises :class:`ScriptError`
+    (one line) when the script fails before that.
+    """
+    path = script.resolve()
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(path)]
+    sys.path.insert(0, str(path.parent))
+    try:
+        with run_options(RunOptions(declare_only=True)):
+            namespace = runpy.run_path(str(path), run_name="__main__")
+    except Declared as declared:
+        return [declared.pipeline]
+    except HetflowError:
+        raise  # a bad declaration: its own message names the stage
+    except SyntaxError as exc:
+        where = f"{exc.filename}, line {exc.lineno}" if exc.filename else f"line {exc.lineno}"
+        raise ScriptError(f"pipeline script {script} does not compile: {type(exc).__name__} in {where}: "
+                          f"{exc.msg}") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - whatever the user's top level raises, said in one line
+        text = (str(exc).strip().splitlines() or [""])[0]
+        raise ScriptError(f"pipeline script {script} failed before its run: {type(exc).__name__}"
+                          + (f": {text}" if text else "")) from None
+    finally:
+        sys.argv, sys.path = saved_argv, saved_path
+    pipelines = [value for value in namespace.values() if isinstance(value, Pipeline)]
+    if not pipelines:
+        raise ScriptError(f"pipeline script {script} declares no hetflow.Pipeline and runs none")
+    return pipelines
+
+
+def job_shape(pilot: PilotDescription) -> PilotDescription:
+    """``pilot`` as the job will see it (backend ``slurm``), with the cores and GPUs per node the config
+    leaves out taken from ``sinfo`` for its partition: the largest node's, so only a request no node
+    of the partition can hold is refused.  Left unshaped when ``sinfo`` cannot say."""
+    shaped = dataclasses.replace(pilot, backend="slurm")
+    if shaped.cores_per_node is not None and shaped.gpus_per_node is not None:
+        return shaped
+    sinfo = shutil.which("sinfo")
+    if sinfo is None:
+        return shaped
+    argv = [sinfo, "--noheader", "--Node", "--format=%c|%G|%P"]
+    if pilot.queue is not None:
+        argv.append(f"--partition={pilot.queue}")
+    try:
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return shaped
+    shape = partition_shape(done.stdout, queue=pilot.queue) if done.returncode == 0 else None
+    if shape is None:
+        return shaped
+    cores, gpus = shape
+    return dataclasses.replace(
+        shaped, cores_per_node=shaped.cores_per_node if shaped.cores_per_node is not None else cores,
+        gpus_per_node=shaped.gpus_per_node if shaped.gpus_per_node is not None else gpus)
+
+
+def partition_shape(sinfo: str, *, queue: str | None) -> tuple[int, int] | None:
+    """The largest CPU and GPU counts of one node in ``sinfo --Node --format=%c|%G|%P`` output; without
+    ``queue``, of the default partition's nodes (its name marked ``*``).  ``None`` when no node is listed."""
+    cores: list[int] = []
+    gpus: list[int] = []
+    for line in sinfo.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3 or not parts[0].isdigit() or (queue is None and not parts[2].endswith("*")):
+            continue
+        cores.append(int(parts[0]))
+        gpus.append(sum(int(m) for m in re.findall(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", parts[1])))
+    return (max(cores), max(gpus)) if cores else None
+
+
 def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db: str | None,
-           chain: int = 0) -> Submitted:
+           chain: int = 0, walltime: float | None = None) -> Submitted:
     """Write the batch script for ``script`` on ``pilot`` and submit it; raises :class:`SubmitError`.
 
     ``chain``: how many more jobs may follow, each submitted by its predecessor when the
-    walltime drain stopped the run (:func:`submit_successor`).
+    walltime drain stopped the run (:func:`submit_successor`).  ``walltime`` (seconds) replaces
+    the config's; a pilot with neither is refused.
     """
     path = Path(script)
     if not path.is_file():
         raise HetflowError(f"pipeline script {script!r} does not exist")
     description = load_pilot(pilot)  # a bad config fails here, not in the queue
+    if walltime is not None:
+        description = dataclasses.replace(description, walltime=walltime)
+    if description.walltime is None:
+        raise ConfigError(f"pilot {description.name!r} has no walltime: the job would get the partition's "
+                          "default time limit; set walltime: 'HH:MM:SS' in the config or pass --walltime HH:MM:SS")
+    shaped = job_shape(description)
+    for pipe in declared_pipelines(path):  # what would fail in the job fails here, before the queue
+        pipe.validate(shaped)
     pilot_arg = str(Path(pilot).resolve()) if Path(pilot).is_file() else pilot
     if shutil.which("sbatch") is None:
         raise SubmitError("sbatch not found on PATH: hetflow submit needs a Slurm client (or run the pipeline "

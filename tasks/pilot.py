@@ -276,20 +276,40 @@ def _allowed(key: str) -> str:
     return f"an integer in {low:,}..{high:,}"
 
 
+_CLOCK = re.compile(r"(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)")
+DURATION_FORMS = "a finite number of seconds (5400), 'HH:MM:SS' ('01:30:00') or 'D-HH:MM:SS' ('1-00:00:00')"
+
+
 def parse_duration(value: Any) -> float:
-    """Seconds from a number or an ``[[HH:]MM:]SS`` string."""
+    """Seconds from a number, a string of digits, ``HH:MM:SS`` or Slurm's ``D-HH:MM:SS``.
+
+    Decision: a two-field ``A:B`` is refused, not read.  Slurm reads ``00:20`` as
+    minutes:seconds (20 s) where most people mean hours:minutes; whichever hetflow
+    chose, someone would get an allocation 60 times too short or too long.
+    """
     number: float | int | None = None
+    text = value.strip() if isinstance(value, str) else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = value
-    elif isinstance(value, str) and re.fullmatch(r"\d+(:\d{1,2}){0,2}", value.strip()):
-        number = 0
-        for part in value.strip().split(":"):
-            number = number * 60 + int(part)
+    elif text is not None and text.isdigit():
+        number = int(text)
+    elif text is not None and (clock := _CLOCK.fullmatch(text)):
+        days, hours, minutes, seconds = (int(part or 0) for part in clock.groups())
+        number = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    elif text is not None and re.fullmatch(r"\d+:\d+", text):
+        first, second = (int(part) for part in text.split(":"))
+        raise ConfigError(f"ambiguous duration {value!r}: as hours:minutes write '{_clock(first * 3600 + second * 60)}', "
+                          f"as minutes:seconds (Slurm's reading) write '{_clock(first * 60 + second)}'")
     if number is None or (isinstance(number, float) and not math.isfinite(number)):
-        raise ConfigError(f"bad duration {value!r} (expected a finite number of seconds or 'HH:MM:SS')")
+        raise ConfigError(f"bad duration {value!r} (expected {DURATION_FORMS})")
     if abs(number) > YEAR:  # before float(), which overflows on huge integers
         raise ConfigError(f"bad duration {value!r} (expected at most {YEAR} s, a year)")
     return float(number)
+
+
+def _clock(seconds: int) -> str:
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
 
 
 def _detect_memory() -> int:
@@ -300,6 +320,27 @@ def _detect_memory() -> int:
 
 
 # ---------------------------------------------------------------- config files
+class _ConfigLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no type stubs here
+    """YAML's safe loader, except that ``20:00`` stays the text it is.
+
+    YAML 1.1 reads an unquoted ``20:00`` as the base-60 integer 1200 (Slurm's
+    minutes:seconds again); as text it reaches :func:`parse_duration`, which refuses it.
+    """
+
+
+def _number_or_clock(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    text = loader.construct_scalar(node)
+    if isinstance(text, str) and ":" in text:
+        return text
+    if node.tag.endswith(":int"):
+        return loader.construct_yaml_int(node)
+    return loader.construct_yaml_float(node)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _number_or_clock)
+_ConfigLoader.add_constructor("tag:yaml.org,2002:float", _number_or_clock)
+
+
 def config_names() -> list[str]:
     """Names of the pilot configs shipped with hetflow."""
     root = resources.files("hetflow.pilot_configs")
@@ -349,7 +390,7 @@ def _read_config(spec: str, seen: set[str]) -> dict[str, Any]:
             raise ConfigError(f"unknown pilot {spec!r} (shipped configs: {names}; or give a path to a .yaml file)")
         text = resources.files("hetflow.pilot_configs").joinpath(f"{spec}.yaml").read_text()
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     data = {} if data is None else data

@@ -207,6 +207,9 @@ def check(pilot: PilotDescription, requests: Mapping[str, ResourceRequest] | Non
                                 f"'extends: {pilot.name}')")
         if pilot.walltime is None:
             problems.append("walltime is not set: a batch pilot needs one (e.g. walltime: '02:00:00')")
+    elif pilot.backend == "slurm" and pilot.walltime is None:
+        problems.append("walltime is not set: hetflow submit refuses a slurm pilot without one (the job would get "
+                        "the partition's default time limit); set walltime: 'HH:MM:SS' or pass submit --walltime")
     if pilot.walltime is not None and pilot.drain >= pilot.walltime:
         problems.append(f"drain ({pilot.drain:g} s) is not shorter than walltime ({pilot.walltime:g} s): "
                         "no task could ever start")

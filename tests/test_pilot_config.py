@@ -80,6 +80,29 @@ def test_parsers() -> None:
     assert parse_bytes("512GiB") == 512 * 2**30 and parse_bytes(10) == 10
 
 
+@pytest.mark.parametrize("text, seconds", [
+    ("90", 90), ("'90'", 90), ("'01:30:00'", 5400), ("01:30:00", 5400), ("'1-02:00:00'", 93600), ("1.5", 1.5)])
+def test_durations_in_the_forms_the_docs_name(tmp_path: Path, text: str, seconds: float) -> None:
+    path = _yaml(tmp_path / "ok.yaml", walltime=text)
+    assert load_pilot(path).walltime == seconds
+
+
+@pytest.mark.parametrize("text, hours_minutes, minutes_seconds", [
+    ("'00:20'", "00:20:00", "00:00:20"),  # Slurm reads it as 20 s; a user meant 20 minutes
+    ("00:20", "00:20:00", "00:00:20"),
+    ("20:00", "20:00:00", "00:20:00"),    # unquoted, YAML 1.1 reads it as the base-60 integer 1200
+    ("'2:30'", "02:30:00", "00:02:30")])
+def test_a_two_field_duration_is_refused_with_both_readings(tmp_path: Path, text: str, hours_minutes: str,
+                                                           minutes_seconds: str) -> None:
+    path = _yaml(tmp_path / "ambiguous.yaml", walltime=text)
+    with pytest.raises(ConfigError) as info:
+        load_pilot(path)
+    message = str(info.value)
+    assert str(path) in message and "'walltime'" in message and "ambiguous duration" in message, message
+    assert f"write '{hours_minutes}'" in message and f"write '{minutes_seconds}'" in message, message
+    assert "\n" not in message
+
+
 def test_usable_cores_skip_reserved() -> None:
     pilot = PilotDescription(name="p", nodes=2, cores_per_node=8, gpus_per_node=0, memory_per_node=1,
                              reserved_cores=(0, 4), backend="radical")
@@ -170,3 +193,18 @@ def test_a_job_keeps_a_margin_before_its_time_limit(configured: float | None, le
     from hetflow.tasks.pilot import job_walltime
 
     assert job_walltime(configured, left) == expected
+
+
+def test_pilot_check_flags_a_slurm_pilot_without_walltime(tmp_path: Path) -> None:
+    """``hetflow submit`` refuses such a pilot; ``pilot check`` says so before the user tries."""
+    def check(body: str) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / "lab.yaml"
+        path.write_text(body)
+        return subprocess.run([sys.executable, "-m", "hetflow.cli", "pilot", "check", str(path)], capture_output=True,
+                              text=True, timeout=60, check=False)
+
+    missing = check("name: lab\nbackend: slurm\nnodes: 2\n")
+    assert missing.returncode == 2, missing
+    assert missing.stdout.startswith("problem: walltime is not set: hetflow submit refuses a slurm pilot without one")
+    timed = check("name: lab\nbackend: slurm\nnodes: 2\nwalltime: '00:30:00'\n")
+    assert timed.returncode == 0 and timed.stdout.startswith(f"{tmp_path / 'lab.yaml'}: ok"), timed

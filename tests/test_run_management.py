@@ -133,6 +133,85 @@ def test_rm_keeps_what_a_later_run_reuses_and_the_later_run_still_reads_and_resu
     assert hetflow_cmd("runs", "--json", cwd=tmp_path).stdout.strip() == "[]"
 
 
+BIG = '''
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import hetflow as hf
+
+pipe = hf.Pipeline("big")
+
+@pipe.stage(ranks=2, outputs=["raw"])
+def load(ctx):  # two partitions of 96 MB: checksummed before reuse, long enough to be caught at it
+    return {"raw": pa.table({"x": pa.array(np.arange(12_000_000, dtype="int64") + ctx.rank)})}
+
+@pipe.stage(inputs=["raw"], outputs=["total"])
+def total(ctx, raw):
+    return {"total": pa.table({"sum": [pc.sum(raw["x"]).as_py()]})}
+'''
+
+
+def _reading(pid: int, path: str) -> bool:
+    """Whether process ``pid`` has the file ``path`` open (the cache look-up checksumming it)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_rm_racing_a_cache_look_up_never_leaves_a_reuse_of_deleted_files(tmp_path: Path) -> None:
+    """Two real processes: a run whose look-up of ``load`` is caught (SIGSTOP) while it checksums the
+    cached dataset, and ``hetflow rm`` of the run that made it.  Before, rm deleted the files the stopped
+    look-up had just verified, and the run recorded its reuse of them (CACHED, its input gone)."""
+    (tmp_path / "big.py").write_text(BIG)
+    first = hetflow_cmd("run", "big.py", "--no-progress", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    made = json.loads(hetflow_cmd("status", "--json", cwd=tmp_path).stdout)
+    raw = made["datasets"]["raw"]
+    from hetflow.operators.dataset import read_manifest
+
+    last = str(Path(raw) / read_manifest(raw).partitions[-1].file)  # checked last: every other check passed
+    run = subprocess.Popen([*HETFLOW, "run", "big.py", "--no-progress"], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    remover = None
+    try:
+        deadline = time.time() + 120
+        while not _reading(run.pid, last):
+            assert run.poll() is None and time.time() < deadline, ("the look-up was never caught", run.communicate())
+        os.kill(run.pid, signal.SIGSTOP)  # between verifying the cached files and recording their reuse
+        remover = subprocess.Popen([*HETFLOW, "rm", made["id"]], cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            remover.wait(timeout=5)  # today it waits for the look-up; before, it deleted at once
+        except subprocess.TimeoutExpired:
+            pass
+        os.kill(run.pid, signal.SIGCONT)
+        out, err = run.communicate(timeout=240)
+        removed_out, removed_err = remover.communicate(timeout=120)
+    finally:
+        for proc in (run, remover):
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+    assert remover.returncode == 0, removed_err
+    assert run.returncode == 0, (out, err)
+    second = json.loads(hetflow_cmd("status", "--json", cwd=tmp_path).stdout)
+    states = {s["name"]: s["state"] for s in second["stages"]}
+    assert second["id"] != made["id"] and states["load"] in ("CACHED", "DONE"), second
+    listed = json.loads(hetflow_cmd("datasets", second["id"], "--json", cwd=tmp_path).stdout)
+    assert {d["name"]: d["damaged"] for d in listed} == {"raw": None, "total": None}, listed
+    if states["load"] == "CACHED":  # reused: so rm kept it, and said so
+        assert f"kept {raw} (used by run {second['id']})" in removed_out, removed_out
+    assert total_of(second) == 2 * sum(range(12_000_000)) + 12_000_000
+
+
 def test_gc_removes_unfinished_runs_but_the_latest_and_leftovers_and_keeps_cache_sources(tmp_path: Path) -> None:
     write_script(tmp_path)
     done = run_ok(tmp_path)
@@ -284,6 +363,38 @@ def test_every_printed_follow_up_command_carries_the_workdir_and_db_given_quoted
     resumed = hetflow_cmd(*argv[1:], "--no-progress", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(hetflow_cmd("status", run["id"], "--json", *store, cwd=tmp_path).stdout)["state"] == "DONE"
+
+
+@pytest.mark.parametrize("to", ["hetflow", "group"])
+def test_sigterm_stops_the_run_like_ctrl_c_and_resume_finishes_it(tmp_path: Path, to: str) -> None:
+    """What scancel and the end of a Slurm job send: SIGTERM to every process of the job (``group``), or
+    ``kill PID`` to hetflow alone (then stopping the ranks is the orchestrator's doing).  Before, hetflow
+    died at once: the run showed RUNNING until its lease lapsed, then FAILED, and its ranks lived on."""
+    proc, run = _start_held_run(tmp_path)
+    ranks = _ranks_of(run["run_dir"])
+    assert ranks
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and f"run {run['id']} interrupted" in err, err
+    assert f"hetflow resume {run['id']}" in err, err
+    status = json.loads(hetflow_cmd("status", run["id"], "--json", cwd=tmp_path).stdout)
+    assert status["state"] == "INTERRUPTED" and "SIGTERM" in status["error"], status
+    states = {stage["name"]: stage["state"] for stage in status["stages"]}
+    assert states == {"load": "DONE", "total": "CANCELLED"}, states  # as on Ctrl-C
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    (tmp_path / "hold").unlink()
+    resumed = hetflow_cmd("resume", run["id"], "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    status = json.loads(hetflow_cmd("status", run["id"], "--json", cwd=tmp_path).stdout)
+    assert status["state"] == "DONE" and total_of(status) == 2 * sum(range(5)) + 10 * 5, status
 
 
 @pytest.mark.parametrize("damage", [b"\x00garbage" * 100, b"SQLite format 3\x00" + b"\x01" * 200])

@@ -170,3 +170,26 @@ def test_cancel_and_rm_through_postgres(postgres_url: str, tmp_path: Path) -> No
             assert conn.execute(sa.text(query), {"run": run["id"]}).scalar_one() == 0, query
     engine.dispose()
     assert not Path(run["run_dir"]).exists()
+
+
+def test_datasets_lock_keeps_removal_out_while_look_ups_hold_it(postgres_url: str) -> None:
+    """rm/gc take the store's datasets lock exclusive, cache look-ups shared (a PostgreSQL advisory lock,
+    so across hosts): a removal in another process waits for the look-ups; look-ups never wait for each other."""
+    from hetflow.store import Store
+
+    store, other = Store(postgres_url), Store(postgres_url)
+    remover = ("import sys, time\nfrom hetflow.store import Store\nstore = Store(sys.argv[1])\n"
+               "with store.datasets_lock(exclusive=True):\n    print(time.time(), flush=True)\n")
+    try:
+        with store.datasets_lock(exclusive=False), other.datasets_lock(exclusive=False):
+            proc = subprocess.Popen([sys.executable, "-c", remover, postgres_url], stdout=subprocess.PIPE, text=True)
+            time.sleep(3)
+            assert proc.poll() is None  # still waiting for the look-ups
+            released = time.time()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and float(out) >= released
+        with store.datasets_lock(exclusive=True):  # and released again by the remover
+            pass
+    finally:
+        store.close()
+        other.close()

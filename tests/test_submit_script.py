@@ -77,13 +77,82 @@ def test_job_command_runs_the_script_under_the_chosen_id(tmp_path: Path) -> None
 
 def test_submit_without_sbatch_is_one_line_and_exit_2(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
-    (tmp_path / "lab.yaml").write_text("name: lab\nbackend: slurm\nnodes: 2\n")
+    (tmp_path / "lab.yaml").write_text("name: lab\nbackend: slurm\nnodes: 2\nwalltime: '00:10:00'\n")
     done = subprocess.run([*HETFLOW, "submit", str(DEMO), "--pilot", str(tmp_path / "lab.yaml"), "--workdir",
                            str(tmp_path / "w")], cwd=tmp_path, env=env, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done
     assert done.stderr == ("hetflow: error: sbatch not found on PATH: hetflow submit needs a Slurm client "
                            "(or run the pipeline with hetflow run inside salloc)\n")
     assert not (tmp_path / "w" / "submit").exists()
+
+
+def _submit_without_sbatch(tmp_path: Path, script: Path, config: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``hetflow submit`` where no ``sbatch`` (nor ``sinfo``) is on PATH: a check that refuses must come first."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    (tmp_path / "lab.yaml").write_text(config)
+    return subprocess.run([*HETFLOW, "submit", str(script), "--pilot", str(tmp_path / "lab.yaml"), "--workdir",
+                           str(tmp_path / "w"), *extra], cwd=tmp_path, env=env, check=False, capture_output=True,
+                          text=True, timeout=120)
+
+
+NO_SBATCH = ("hetflow: error: sbatch not found on PATH: hetflow submit needs a Slurm client "
+             "(or run the pipeline with hetflow run inside salloc)\n")
+
+
+def test_submit_refuses_a_pilot_without_walltime_unless_given_one(tmp_path: Path) -> None:
+    """Without a walltime the job would get whatever time limit the partition defaults to."""
+    refused = _submit_without_sbatch(tmp_path, DEMO, "name: lab\nbackend: slurm\nnodes: 2\n")
+    assert refused.returncode == 2, refused
+    assert refused.stderr == ("hetflow: error: pilot 'lab' has no walltime: the job would get the partition's "
+                              "default time limit; set walltime: 'HH:MM:SS' in the config or pass --walltime "
+                              "HH:MM:SS\n"), refused.stderr
+    given = _submit_without_sbatch(tmp_path, DEMO, "name: lab\nbackend: slurm\nnodes: 2\n", "--walltime", "00:30:00")
+    assert given.returncode == 2 and given.stderr == NO_SBATCH, given.stderr  # past every check, to sbatch
+    ambiguous = _submit_without_sbatch(tmp_path, DEMO, "name: lab\nbackend: slurm\nnodes: 2\n", "--walltime", "00:30")
+    assert ambiguous.returncode == 2 and ambiguous.stderr.startswith(
+        "hetflow: error: --walltime: ambiguous duration '00:30'"), ambiguous.stderr
+    assert not (tmp_path / "w" / "submit").exists()
+
+
+LAB = "name: lab\nbackend: slurm\nnodes: 2\ncores_per_node: 4\ngpus_per_node: 0\nwalltime: '00:10:00'\n"
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("import hetflow as hf\npipe = hf.Pipeline('p')\n@pipe.stage(outputs=['t'])\ndef s(ctx)\n    return {}\n",
+     "hetflow: error: pipeline script {script} does not compile: SyntaxError in {script}, line 4: expected ':'\n"),
+    ("import hetflow as hf\nimport no_such_module_here\npipe = hf.Pipeline('p')\n",
+     "hetflow: error: pipeline script {script} failed before its run: ModuleNotFoundError: No module named "
+     "'no_such_module_here'\n"),
+    ("import hetflow as hf\npipe = hf.Pipeline('p')\n@pipe.stage(gpus_per_rank=1, outputs=['t'])\n"
+     "def train(ctx):\n    open(TOUCHED, 'w').close()\n    return {}\nif __name__ == '__main__':\n    pipe.run()\n",
+     "hetflow: error: pipeline 'p': stage 'train' (ranks=1, cores_per_rank=1, gpus_per_rank=1) can never run on "
+     "pilot 'lab': 2 node(s) x 4 usable cores x 0 GPUs: 1 GPUs per rank but nodes have 0 GPUs\n"),
+    ("import hetflow as hf\npipe = hf.Pipeline('p')\n@pipe.stage(ranks=9, inputs=['x'], outputs=['t'])\n"
+     "def wide(ctx, x):\n    return {}\n",
+     "hetflow: error: pipeline 'p', stage 'wide': input 'x' is not produced by any stage (outputs: ['t'])\n"),
+])
+def test_submit_refuses_a_script_that_would_fail_in_the_job(tmp_path: Path, body: str, expected: str) -> None:
+    """A SyntaxError, an import that fails or a stage no node can hold is refused before sbatch, and no stage
+    runs on the submitting host (the script's pipe.run() declares only)."""
+    script = tmp_path / "p.py"
+    script.write_text(body.replace("TOUCHED", repr(str(tmp_path / "ran"))))
+    done = _submit_without_sbatch(tmp_path, script, LAB)
+    assert done.returncode == 2, done
+    assert done.stderr == expected.format(script=script), done.stderr
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "w" / "submit").exists()
+
+
+def test_submit_checks_requests_against_the_pilots_shape_and_runs_no_stage(tmp_path: Path) -> None:
+    script = tmp_path / "p.py"
+    script.write_text("import hetflow as hf\npipe = hf.Pipeline('p')\n@pipe.stage(ranks=8, cores_per_rank=4, "
+                      "outputs=['t'])\ndef wide(ctx):\n    open(TOUCHED, 'w').close()\n    return {}\n"
+                      "pipe.run()\nopen(TOUCHED, 'w').close()\n".replace("TOUCHED", repr(str(tmp_path / "ran"))))
+    too_wide = _submit_without_sbatch(tmp_path, script, LAB)
+    assert too_wide.returncode == 2 and "stage 'wide'" in too_wide.stderr and "8 ranks but at most 2 fit" in \
+        too_wide.stderr, too_wide.stderr
+    fits = _submit_without_sbatch(tmp_path, script, LAB.replace("nodes: 2", "nodes: 8"))
+    assert fits.returncode == 2 and fits.stderr == NO_SBATCH, fits.stderr  # checked, then on to sbatch
+    assert not (tmp_path / "ran").exists()  # the script stopped at its pipe.run(): nothing after it ran
 
 
 def test_run_id_starts_a_new_run_under_it_then_resumes_it(tmp_path: Path) -> None:
@@ -166,3 +235,13 @@ def test_a_failed_run_inside_a_submitted_job_says_to_resume_it_with_its_batch_sc
     assert resume_hint("r1") == "resume it with: hetflow resume r1"
     monkeypatch.setenv("HETFLOW_RESUME_BATCH", str(batch))
     assert resume_hint("r1") == f"resume it with: sbatch {shlex.quote(str(batch))}"
+
+
+def test_partition_shape_reads_sinfo_per_node_lines() -> None:
+    text = ("64|gpu:a100:4(S:0-1)|gpu\n128|(null)|cpu*\n64|gpu:4|gpu\n32|(null)|cpu*\n"
+            "48|gpu:a100:2,gpu:v100:2|mixed\n")
+    assert submit_module.partition_shape(text, queue=None) == (128, 0)  # the default partition, marked *
+    assert submit_module.partition_shape("64|gpu:a100:4(S:0-1)|gpu\n64|gpu:4|gpu\n", queue="gpu") == (64, 4)
+    assert submit_module.partition_shape("48|gpu:a100:2,gpu:v100:2|mixed\n", queue="mixed") == (48, 4)
+    assert submit_module.partition_shape("", queue="gpu") is None
+    assert submit_module.partition_shape("64|(null)|other\n", queue=None) is None  # no default partition listed

@@ -14,6 +14,7 @@ and :func:`slurm_nodes` gives the tests its node names.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,9 +34,17 @@ def _missing() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def slurm_nodes() -> list[str]:
-    """The lab cluster's node names, as scripts/slurm-cluster.sh reads them (``HETFLOW_SLURM_NODES``)."""
-    return os.environ.get("HETFLOW_SLURM_NODES", DEFAULT_NODES).split()
+def slurm_nodes(slurm_env: dict[str, str]) -> list[str]:
+    """The lab cluster's node names as the cluster itself lists them (``scontrol show nodes``), in its
+    order, which is the order Slurm allocates an idle cluster's nodes in: the tests hold for any
+    instance of scripts/slurm-cluster.sh (``HETFLOW_SLURM_NODES``), not only n1 n2 n3."""
+    shown = subprocess.run(["scontrol", "--oneliner", "show", "nodes"], env=slurm_env, capture_output=True,
+                           text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    names = [m.group(1) for m in re.finditer(r"^NodeName=(\S+)", shown.stdout, re.MULTILINE)]
+    expected = os.environ.get("HETFLOW_SLURM_NODES", DEFAULT_NODES).split()
+    assert sorted(names) == sorted(expected), f"the lab cluster has nodes {names}, its script was given {expected}"
+    return names
 
 
 @pytest.fixture(scope="session")

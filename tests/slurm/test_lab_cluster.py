@@ -1,6 +1,6 @@
 """The Slurm lab cluster itself, and hetflow's ``slurm`` backend on it.
 
-Real slurmctld, three slurmd (n1, n2, n3, each with its own hostname), real
+Real slurmctld, three slurmd (n1, n2, n3 by default, each with its own hostname), real
 ``salloc``/``srun`` job steps, MPICH's PMI-2 across nodes: no mocks.
 """
 
@@ -67,14 +67,14 @@ def _no_jobs_left(env: dict[str, str], wait: float = 30.0) -> None:
     assert listed == ""
 
 
-def test_three_nodes_answer(slurm_env: dict[str, str]) -> None:
+def test_three_nodes_answer(slurm_env: dict[str, str], slurm_nodes: list[str]) -> None:
     nodes = _run(["sinfo", "-h", "-N", "-o", "%N %t"], slurm_env).stdout.split("\n")
-    assert sorted(line.split()[0] for line in nodes if line) == ["n1", "n2", "n3"]
-    hosts = _run(["srun", "-N2", "hostname"], slurm_env).stdout.split()
-    assert sorted(hosts) == ["n1", "n2"]
+    assert len(slurm_nodes) == 3 and sorted(line.split()[0] for line in nodes if line) == sorted(slurm_nodes)
+    hosts = _run(["srun", "-N2", "hostname"], slurm_env).stdout.split()  # each node's hostname is its Slurm name
+    assert sorted(hosts) == sorted(slurm_nodes[:2])
 
 
-def test_one_mpi_world_across_two_nodes(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_one_mpi_world_across_two_nodes(slurm_env: dict[str, str], slurm_nodes: list[str], tmp_path: Path) -> None:
     hello = tmp_path / "hello.py"
     hello.write_text(textwrap.dedent("""
         import socket
@@ -86,7 +86,7 @@ def test_one_mpi_world_across_two_nodes(slurm_env: dict[str, str], tmp_path: Pat
     """))
     out = _run(["srun", "-N2", "-n4", "--mpi=pmi2", sys.executable, str(hello)], slurm_env, timeout=60).stdout
     size, hosts = out.split()
-    assert size == "4" and set(hosts.split(",")) == {"n1", "n2"}
+    assert size == "4" and set(hosts.split(",")) == set(slurm_nodes[:2])
 
 
 def _pipeline(backend: str, workdir: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -125,27 +125,29 @@ def test_pipeline_on_backend_slurm_spans_two_nodes_and_matches_local(slurm_env: 
 
 
 @pytest.mark.timeout(300)
-def test_failed_rank_and_timeout_end_their_job_steps(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_failed_rank_and_timeout_end_their_job_steps(slurm_env: dict[str, str], slurm_nodes: list[str],
+                                                     tmp_path: Path) -> None:
     argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-faults", sys.executable,
             str(HERE / "run_faults.py"), str(tmp_path)]
     done = subprocess.run(argv, check=False, env=slurm_env, capture_output=True, text=True, timeout=240)
     record = json.loads(done.stdout.strip().splitlines()[-1])
     failed, slept = record["stages"]["fail_on_last_rank"], record["stages"]["sleep_long"]
-    assert failed["nodes"] == ["n1", "n2"] and slept["nodes"] == ["n1", "n2"], record
+    assert failed["nodes"] == slurm_nodes[:2] and slept["nodes"] == slurm_nodes[:2], record
     assert failed["state"] == "FAILED" and failed["failed_rank"] == 1, failed
     assert "boom on rank 1 of 2" in failed["error"], failed
     # a rank gone without a result: the error carries srun's exit code and its own line naming the node
     exited = record["stages"]["exit_on_last_rank"]
     assert exited["state"] == "FAILED" and exited["failed_rank"] == 1, exited
     assert "(exit code 15; srun exited with " in exited["error"], exited  # srun: 143 when it ended rank 0
-    assert "srun: error: n2: task 1: Exited with exit code 15" in exited["error"], exited
+    assert f"srun: error: {slurm_nodes[1]}: task 1: Exited with exit code 15" in exited["error"], exited
     assert slept["state"] == "TIMED_OUT", slept
     _no_jobs_left(slurm_env)
     assert _leftovers(str(tmp_path)) == []
 
 
 @pytest.mark.timeout(300)
-def test_backend_override_keeps_the_given_pilot_shape(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_backend_override_keeps_the_given_pilot_shape(slurm_env: dict[str, str], slurm_nodes: list[str],
+                                                     tmp_path: Path) -> None:
     """`hetflow run --backend slurm` with a one-node pilot runs on the allocation's first node only."""
     script = HERE.parents[1] / "examples" / "demo" / "pipeline.py"
     hetflow = str(Path(sys.executable).parent / "hetflow")
@@ -154,4 +156,4 @@ def test_backend_override_keeps_the_given_pilot_shape(slurm_env: dict[str, str],
     status = json.loads(_run([hetflow, "status", "--json", "--workdir", str(tmp_path)], slurm_env).stdout)
     assert status["state"] == "DONE", status
     nodes = {slot["node"] for stage in status["stages"] for slot in stage["slots"]}
-    assert nodes == {"n1"}, status
+    assert nodes == {slurm_nodes[0]}, status

@@ -29,20 +29,23 @@ def _run_nodes(argv: list[str], env: dict[str, str], timeout: float = 180) -> di
 
 
 @pytest.mark.timeout(300)
-def test_a_consumer_runs_on_the_node_holding_its_input(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    # hold_node fills n1 while produce runs beside it on n2; consume needs a whole node, and when it
-    # is ready n3 is as free as n2 (placement alone takes n3, and n2 only once produce has let go of
-    # it): only the partition's node name, with produce released as consume is placed, sends it to n2
+def test_a_consumer_runs_on_the_node_holding_its_input(slurm_env: dict[str, str], slurm_nodes: list[str],
+                                                       tmp_path: Path) -> None:
+    # hold_node fills the first node (n1) while produce runs beside it on the second (n2); consume needs a
+    # whole node, and when it is ready n3 is as free as n2 (placement alone takes n3, and n2 only once
+    # produce has let go of it): only the partition's node name, with produce released as consume is
+    # placed, sends it to n2
+    n1, n2, _ = slurm_nodes
     record = _run_nodes(["salloc", "-N3", "--exclusive", "--time=5", "--job-name=hetflow-locality",
                          sys.executable, str(HERE / "run_nodes.py"), "locality", str(tmp_path)], slurm_env)
     assert record["state"] == "DONE", record
     stages = record["stages"]
     [hold], [produce], [consume] = stages["hold_node"], stages["produce"], stages["consume"]
-    assert hold["hosts"] == ["n1"] and produce["hosts"] == ["n2"], record
+    assert hold["hosts"] == [n1] and produce["hosts"] == [n2], record
     # one name for n2 everywhere: the rank's own hostname, the slot, the manifest, the store
-    assert produce["slots"] == ["n2"] and record["manifest_nodes"]["made"] == ["n2"], record
-    assert record["partition_nodes"]["made"] == ["n2"], record
-    assert consume["hosts"] == ["n2"] and consume["slots"] == ["n2"], record
+    assert produce["slots"] == [n2] and record["manifest_nodes"]["made"] == [n2], record
+    assert record["partition_nodes"]["made"] == [n2], record
+    assert consume["hosts"] == [n2] and consume["slots"] == [n2], record
 
 
 @pytest.fixture
@@ -71,7 +74,8 @@ def take_node(slurm_env: dict[str, str]) -> Iterator[Callable[[str], None]]:
 
 @pytest.mark.timeout(300)
 def test_a_lost_node_fails_its_tasks_and_the_retry_runs_on_the_nodes_left(
-        slurm_env: dict[str, str], tmp_path: Path, take_node: Callable[[str], None]) -> None:
+        slurm_env: dict[str, str], slurm_nodes: list[str], tmp_path: Path, take_node: Callable[[str], None]) -> None:
+    n1, n2, n3 = slurm_nodes
     ready = tmp_path / "ready"
     ready.mkdir()
     argv = ["salloc", "-N3", "--exclusive", "--no-kill", "--time=5", "--job-name=hetflow-node-loss",
@@ -98,9 +102,10 @@ def test_a_lost_node_fails_its_tasks_and_the_retry_runs_on_the_nodes_left(
     record = json.loads(out.strip().splitlines()[-1])
     first, retry = record["stages"]["wait_for_node_loss"]
     # the first attempt's ranks were killed with the node (no rank records): where they ran, they said
-    assert [(ready / f"rank-{r}").read_text() for r in (0, 1)] == first["slots"] == ["n1", "n2"], record
-    assert first["state"] == "FAILED" and "node n2 was lost" in first["error"], first
-    assert record["lost"] == ["n2"], record
+    assert [(ready / f"rank-{r}").read_text() for r in (0, 1)] == first["slots"] == [n1, n2], record
+    assert first["state"] == "FAILED" and f"node {n2} was lost" in first["error"], first
+    assert record["lost"] == [n2], record
     # hetflow places nothing on n2 again: the retry (the only one allowed) runs on n1 and n3
-    assert retry["state"] == "DONE" and sorted(retry["slots"]) == ["n1", "n3"] and retry["hosts"] == retry["slots"], retry
+    assert retry["state"] == "DONE" and sorted(retry["slots"]) == sorted([n1, n3]) and \
+        retry["hosts"] == retry["slots"], retry
     assert record["state"] == "DONE", record

@@ -41,7 +41,8 @@ def _pilot(tmp_path: Path, nodes: int) -> Path:
 
 
 @pytest.mark.timeout(600)
-def test_submit_runs_the_demo_to_done_and_status_follows_it(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_submit_runs_the_demo_to_done_and_status_follows_it(slurm_env: dict[str, str], slurm_nodes: list[str],
+                                                            tmp_path: Path) -> None:
     workdir = tmp_path / "shared"
     out = _run([HETFLOW, "submit", str(DEMO), "--pilot", str(_pilot(tmp_path, 2)), "--param", "events_per_rank=5000",
                 "--workdir", str(workdir)], slurm_env, timeout=60).stdout
@@ -65,7 +66,7 @@ def test_submit_runs_the_demo_to_done_and_status_follows_it(slurm_env: dict[str,
     assert final["state"] == "DONE", (final, log)
     assert "RUNNING" in seen, seen  # status answered from this host while the job ran
     nodes = {slot["node"] for stage in final["stages"] for slot in stage["slots"]}
-    assert nodes <= {"n1", "n2"} and nodes, final
+    assert nodes <= set(slurm_nodes[:2]) and nodes, final
     local = tmp_path / "local"
     _run([HETFLOW, "run", str(DEMO), "--param", "events_per_rank=5000", "--no-progress", "--workdir", str(local)],
          slurm_env, timeout=300)
@@ -121,5 +122,67 @@ def test_chain_resumes_a_run_the_walltime_stopped_in_a_second_job(slurm_env: dic
             job = done[i - 1][1]  # run again in the next job: it was the last thing its job ran
             assert done[i][1] != job and [j for _, j in done].index(done[i][1]) == i, done
     assert len({job for _, job in done}) == len(logs), done  # the run went on in each successor job
+    _no_jobs_left(slurm_env)
+    assert _leftovers(str(tmp_path)) == []
+
+
+def test_submit_refuses_a_stage_no_node_of_the_partition_can_hold(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """The pilot leaves the node shape to the job: hetflow submit asks sinfo for the partition's nodes."""
+    script = tmp_path / "wide.py"
+    script.write_text("import hetflow as hf\npipe = hf.Pipeline('wide')\n@pipe.stage(cores_per_rank=64, outputs=['t'])\n"
+                      "def wide(ctx):\n    return {}\n")
+    done = subprocess.run([HETFLOW, "submit", str(script), "--pilot", str(_pilot(tmp_path, 1)),
+                           "--workdir", str(tmp_path / "w")], env=slurm_env, check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done
+    assert done.stderr.startswith("hetflow: error: pipeline 'wide': stage 'wide' (ranks=1, cores_per_rank=64"), done.stderr
+    assert "can never run on pilot 'lab': 1 node(s) x 2 usable cores" in done.stderr, done.stderr
+    assert not (tmp_path / "w" / "submit").exists()
+    assert _run(["squeue", "-h", "-n", "hetflow-wide", "-o", "%i"], slurm_env).stdout.strip() == ""
+
+
+HELD = '''
+import time
+from pathlib import Path
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("held")
+
+@pipe.stage(outputs=["t"])
+def hold(ctx):
+    Path(ctx.params["mark"]).write_text("holding")
+    time.sleep(300)
+    return {"t": pa.table({"x": [1]})}
+'''
+
+
+@pytest.mark.timeout(300)
+def test_scancel_records_the_run_interrupted_at_once(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """scancel sends the job SIGTERM: the run ends INTERRUPTED (resumable) before Slurm's SIGKILL, instead
+    of showing RUNNING until its lease lapsed and then FAILED."""
+    script, mark, workdir = tmp_path / "held.py", tmp_path / "mark", tmp_path / "shared"
+    script.write_text(HELD)
+    out = _run([HETFLOW, "submit", str(script), "--pilot", str(_pilot(tmp_path, 1)), "--param", f"mark={mark}",
+                "--workdir", str(workdir)], slurm_env, timeout=120).stdout
+    first = out.splitlines()[0].split()
+    job_id, run_id = first[3].rstrip(":"), first[5]
+    deadline = time.monotonic() + 180
+    while not mark.exists():
+        assert time.monotonic() < deadline, _run(["squeue", "-h", "-j", job_id, "-o", "%T %R"], slurm_env).stdout
+        time.sleep(0.5)
+    _run(["scancel", job_id], slurm_env)
+    cancelled = time.monotonic()
+    state = None
+    while time.monotonic() < cancelled + 20:  # the lease alone would take LEASE_SECONDS
+        status = json.loads(subprocess.run([HETFLOW, "status", run_id, "--json", "--workdir", str(workdir)],
+                                           env=slurm_env, check=False, capture_output=True, text=True).stdout)
+        state = status["state"]
+        if state != "RUNNING":
+            break
+        time.sleep(0.5)
+    log = next((workdir / "submit").glob(f"{run_id}-{job_id}.out")).read_text()
+    assert state == "INTERRUPTED" and "SIGTERM" in status["error"], (status, log)
+    assert {s["name"]: s["state"] for s in status["stages"]} == {"hold": "CANCELLED"}, status
     _no_jobs_left(slurm_env)
     assert _leftovers(str(tmp_path)) == []
