@@ -43,10 +43,11 @@ def _param(text: str) -> tuple[str, str]:
     return key, value
 
 
-PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable). The value takes the type of the "
-              "default a stage declares for KEY in params= (int, float, bool: true/false, str: as typed); "
-              "for a KEY no stage declares: an integer or decimal number becomes a number, true/false a "
-              "bool, null None, anything else stays text (no, 1.2.3, 007 are text)")
+PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable); a KEY no stage declares in params= is "
+              "refused. The value takes the type of the default a stage declares for KEY in params= (int, "
+              "float, bool: true/false, str: as typed); for another default (None): an integer or decimal "
+              "number becomes a number, true/false a bool, null None, anything else stays text (no, 1.2.3, "
+              "007 are text)")
 
 
 def _raw_param(text: str) -> str:

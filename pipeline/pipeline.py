@@ -208,7 +208,9 @@ class Pipeline:
         ``run_id`` of an existing run resumes it (every stage's key is checked
         again, so what changed since re-runs).  ``rerun`` names stages to run
         again whatever the cache says (``"all"`` for every stage), and
-        everything downstream of them.
+        everything downstream of them.  ``params`` override the defaults the
+        stages declare in ``params=``; a key no stage declares is refused
+        (:class:`~hetflow.PipelineError`), as ``--param`` refuses it.
 
         A run that does not end DONE raises :class:`~hetflow.RunFailed`, which carries
         the status (``exc.status``) and names the failed stages and the resume command;
@@ -268,8 +270,13 @@ class Pipeline:
                 the_id = store.resolve_run(resume_id).id
         else:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-        from .params import from_command_line
+        from .params import declared_params, from_command_line, undeclared
 
+        declared = declared_params(self.stages.values())
+        for key in params or {}:
+            if key not in declared:
+                raise PipelineError(f"pipeline {self.name!r}: " + undeclared(f"run(params=...) gives {key!r}", key,
+                                                                                declared))
         run_params = dict(params or {})
         run_params.update(options.params)
         run_params.update(from_command_line(options.param_text, self.stages.values()))

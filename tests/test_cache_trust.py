@@ -48,7 +48,7 @@ def transform(ctx, obs):
     return {"scaled": obs.append_column("scaled", rescale(obs["flux"]))}
 
 
-@pipe.stage(inputs=["scaled"], outputs=["model"])
+@pipe.stage(inputs=["scaled"], outputs=["model"], params={"epochs": 1})
 def train(ctx, scaled):
     return {"model": pa.table({"epochs": [ctx.params.get("epochs", 1)], "rows": [scaled.num_rows],
                                "total": [pc.sum(scaled["scaled"]).as_py()]})}
@@ -214,7 +214,7 @@ import hetflow as hf
 pipe = hf.Pipeline("params", workdir="w")
 
 
-@pipe.stage(outputs=["a"])
+@pipe.stage(outputs=["a"], params={"k": 0})
 def reads(ctx):
     return {"a": pa.table({"v": [ctx.params.get("k", 0)]})}
 
