@@ -106,7 +106,9 @@ class Pipeline:
         dataset that differs is rejected at the boundary with a diff.
         ``files`` lists files or globs the stage reads (relative to the script's
         directory, or absolute): their content is part of the stage's cache key,
-        so changing, adding or removing one re-runs it; ``ctx.files`` lists them.
+        so changing, adding or removing one re-runs it; ``ctx.files`` lists them;
+        each must name a file when the run starts.  A function that cannot be
+        called as ``func(ctx, *inputs)`` is refused here (:class:`PipelineError`).
         ``memory_per_rank`` is bytes or a size as the pilot config writes it
         (``"4GB"`` = 4·10⁹, ``"4GiB"`` = 4·2³⁰).
         """
@@ -139,6 +141,7 @@ class Pipeline:
                                         f"got {type(schema).__name__}")
             if isinstance(files, str) or not all(isinstance(f, str) and f for f in files):
                 raise PipelineError(f"{where}: files must be a list of paths or globs, got {files!r}")
+            _check_signature(fn, tuple(inputs), where)
             if not isinstance(retries, int) or retries < 0:
                 raise PipelineError(f"{where}: retries must be an integer >= 0, got {retries!r}")
             if timeout is not None and timeout <= 0:
@@ -163,7 +166,8 @@ class Pipeline:
 
     # ------------------------------------------------------------ checking
     def validate(self, pilot: PilotDescription) -> None:
-        """Reject an invalid DAG or a request the pilot can never satisfy, before anything runs."""
+        """Reject an invalid DAG, a request the pilot can never satisfy or a declared file that is not
+        there (a glob that matches nothing), before anything runs."""
         from hetflow.tasks.scheduler import check_request
 
         if not self.stages:
@@ -174,6 +178,13 @@ class Pipeline:
                 if dataset not in produced:
                     raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: input {dataset!r} is not "
                                         f"produced by any stage (outputs: {sorted(produced)})")
+            if spec.files:
+                from .fingerprint import check_files
+
+                try:
+                    check_files(spec.files, Path(spec.path).parent if spec.path else Path.cwd())
+                except ValueError as exc:
+                    raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: {exc}") from None
             try:
                 check_request(spec.request, pilot, what=f"stage {spec.name!r}")
             except UnsatisfiableRequest as exc:
@@ -322,6 +333,25 @@ class Pipeline:
             _report_uncaught()
             status.raise_for_state()
         return status
+
+
+def _check_signature(fn: Callable[..., Any], inputs: tuple[str, ...], where: str) -> None:
+    """Each rank calls the stage function as ``fn(ctx, *inputs)``: a function that cannot take that call
+    is refused where it is declared, not after every stage upstream of it has run."""
+    import inspect
+
+    target = getattr(fn, "__wrapped_stage__", fn)
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin or an extension function: nothing to read
+        return
+    try:
+        signature.bind("ctx", *inputs)
+    except TypeError as exc:
+        name = getattr(target, "__name__", type(target).__name__)
+        raise PipelineError(f"{where}: {name}{signature} cannot be called as {name}({', '.join(('ctx', *inputs))}) "
+                            f"({exc}): a stage function takes ctx, then one argument per input, in the order of "
+                            f"inputs={list(inputs)}") from None
 
 
 def _report_uncaught() -> None:

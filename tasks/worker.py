@@ -33,7 +33,7 @@ import time
 import traceback
 import types
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from . import shm
 from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
@@ -300,7 +300,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
         params_read = ctx.params_read
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded before the abort
         result = dataclasses.replace(result, status="error", error=RankError(
-            type=type(exc).__name__, message=error_message(exc), traceback=traceback.format_exc()))
+            type=type(exc).__name__, message=error_message(exc, spec.files), traceback=traceback.format_exc()))
         log.error("failed: %s: %s", type(exc).__name__, exc)
     finally:
         log.removeHandler(handler)
@@ -310,9 +310,10 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
     return result, comm
 
 
-def error_message(exc: BaseException) -> str:
+def error_message(exc: BaseException, files: Sequence[str] = ()) -> str:
     """``str(exc)``, and for a relative path that is not there, why: the stage's working directory is
-    its attempt directory, not the directory hetflow was started in."""
+    its attempt directory, not the directory hetflow was started in.  ``files``: the stage's declared
+    files, resolved; when there are some, the hint is to open them through ``ctx.files``."""
     text = str(exc)
     if not isinstance(exc, FileNotFoundError):
         return text
@@ -320,9 +321,12 @@ def error_message(exc: BaseException) -> str:
                                                                else None)  # pyarrow gives only the path
     if name is not None and os.path.isabs(name):
         return text
+    where = f"a relative path is looked up in the stage's attempt directory {os.getcwd()}, not where the run was started"
+    if files:
+        listed = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        return text + f" ({where}: open the declared files through ctx.files, which holds their absolute paths: {listed})"
     shown = repr(name) if name else "'data.csv'"
-    return text + (f" (a relative path is looked up in the stage's attempt directory {os.getcwd()}, not where the "
-                   f"run was started: declare the file with files=[{shown}] (relative to the script) and open it "
+    return text + (f" ({where}: declare the file with files=[{shown}] (relative to the script) and open it "
                    "from ctx.files, so that a change to it also reruns the stage)")
 
 
