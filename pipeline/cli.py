@@ -236,7 +236,7 @@ def resume_command(run_id: str, args: argparse.Namespace | None, verb: str = "re
 
 def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) -> None:
     """The end of a run: each stage's state, duration and log directory; the resume command unless DONE."""
-    from .errors import batch_resume_command
+    from .errors import batch_resume_command, error_text
     from .progress import elapsed_text
 
     total = (status.ended or 0.0) - (status.started or status.created) if status.ended else None
@@ -246,7 +246,8 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
         seconds = elapsed_text(stage.ended - stage.started) if stage.started and stage.ended else "-"
         line = f"  {stage.name:<20} {stage.state:<10} {seconds:>8}  attempts={stage.attempts}"
         if stage.error and stage.state not in ("DONE", "CACHED"):
-            line += f"  {stage.error.splitlines()[0]}"
+            first, *rest = error_text(stage.error).splitlines()
+            line += f"  {first}" + "".join(f"\n  {'':<20} {more}" for more in rest)
         elif stage.cache_reason:
             line += f"  ({stage.cache_reason})"
         print(line)
@@ -254,7 +255,7 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
             print(f"  {'':<20} logs: {stage.log_dir}")
     if not status.ok:
         if status.error and not any(s.error for s in status.stages if s.state not in ("DONE", "CACHED")):
-            print(f"  {status.error.splitlines()[0]}")
+            print("  " + error_text(status.error).replace("\n", "\n  "))
         if status.script is None:
             from .errors import resume_hint
 

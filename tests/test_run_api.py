@@ -271,3 +271,70 @@ def test_a_files_glob_that_matches_nothing_is_refused_when_the_run_starts(tmp_pa
         assert run.state == "DONE"
     finally:
         store.close()
+
+
+DISAGREE = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("disagree", pilot=hf.PilotDescription(name="four", cores_per_node=4, gpus_per_node=0,
+                                                          memory_per_node=2**33))
+
+
+@pipe.stage(ranks=2, outputs=["pair"])
+def pair(ctx):
+    if ctx.rank == 1:
+        return {"pair": pa.table({"x": [1.5], "tag": ["b"]})}
+    return {"pair": pa.table({"x": [1], "tag": ["a"]})}
+
+
+@pipe.stage(ranks=3, outputs=["trio"])
+def trio(ctx):
+    if ctx.rank == 1:
+        return {"trio": pa.table({"x": [1], "extra": [True]})}
+    return {"trio": pa.table({"x": [ctx.rank]})}
+'''
+
+
+def test_ranks_that_return_different_schemas_are_named_with_both_schemas_in_the_summary_and_run_failed(
+        tmp_path: Path) -> None:
+    """The whole error (bounded), not its first line; with two ranks neither is the odd one out, so both are
+    named; with three, the one whose schema differs from the other two."""
+    (tmp_path / "flow.py").write_text(DISAGREE)
+    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "run", "flow.py", "--no-progress"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    assert ("pair                 FAILED" in out and "ranks 0 and 1: SchemaDisagreement: stage 'pair', output 'pair': "
+            "ranks 0 and 1 returned different schemas, and none is returned by more ranks than the others") in out, out
+    for line in ("rank 0: x: int64, tag: string", "rank 1: x: double, tag: string",
+                 "rank 1 against rank 0: ~ column 'x': double, expected int64",
+                 "rank 1: SchemaDisagreement: stage 'trio', output 'trio': rank 1 returned a schema that differs "
+                 "from the one ranks 0 and 2 returned", "ranks 0 and 2: x: int64", "rank 1: x: int64, extra: bool",
+                 "rank 1 against ranks 0 and 2: + unexpected column 'extra' (bool)"):
+        assert line in out, (line, out)
+    status = json.loads(subprocess.run([sys.executable, "-m", "hetflow.cli", "status", "--json"], cwd=tmp_path,
+                                       capture_output=True, text=True, timeout=120).stdout)
+    stages = {s["name"]: s for s in status["stages"]}
+    assert stages["pair"]["failed_rank"] == 0 and stages["trio"]["failed_rank"] == 1
+    # RunFailed, as pipe.run() raises it in Python: the same lines
+    from hetflow.status import run_status
+    from hetflow.store import Store
+
+    store = Store.for_workdir(tmp_path / ".hetflow")
+    try:
+        message = str(hf.RunFailed(run_status(store, None)))
+    finally:
+        store.close()
+    assert "rank 0: x: int64, tag: string" in message and "rank 1: x: double, tag: string" in message, message
+    assert "rank 1 against ranks 0 and 2: + unexpected column 'extra' (bool)" in message, message
+
+
+def test_a_long_error_is_cut_to_its_first_lines_saying_how_many_are_left_out() -> None:
+    from hetflow.errors import ERROR_LINES, error_text
+
+    assert error_text("one line") == "one line"
+    assert error_text("head:\n  a\n  b\n") == "head:\n    a\n    b"
+    long = error_text("\n".join(f"line {i}" for i in range(50)))
+    assert long.splitlines()[:2] == ["line 0", "  line 1"] and len(long.splitlines()) == ERROR_LINES + 1
+    assert long.splitlines()[-1] == f"  ... {50 - ERROR_LINES} more lines (hetflow status shows them)"
