@@ -86,3 +86,19 @@ def test_a_resume_shows_a_stage_reused_from_another_run_as_cached_from_that_run(
     assert after["slow"]["cache"]["reason"] == f"unchanged since run {first}", after["slow"]["cache"]
     summary = [line for line in resumed.stdout.splitlines() if line.strip().startswith("slow ")]
     assert summary and "CACHED" in summary[0] and f"unchanged since run {first}" in summary[0], resumed.stdout
+
+
+def test_a_resume_that_runs_a_committed_stage_again_records_the_new_execution(tmp_path: Path) -> None:
+    """Its code changed since the earlier session committed it: it runs again, with its own times."""
+    (tmp_path / "p.py").write_text(SCRIPT)
+    (tmp_path / "fail").touch()
+    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 1
+    run_id = latest(tmp_path)
+    before = status(tmp_path, run_id)["slow"]
+    assert before["state"] == "DONE" and before["attempts"] == 1
+    (tmp_path / "fail").unlink()
+    (tmp_path / "p.py").write_text(SCRIPT.replace("time.sleep(1.0)", "time.sleep(0.5)"))
+    assert hetflow("resume", run_id, "--no-progress", cwd=tmp_path).returncode == 0
+    after = status(tmp_path, run_id)["slow"]
+    assert after["state"] == "DONE" and after["cached_from"] is None and after["attempts"] == 2, after
+    assert after["started"] > before["ended"] and after["ended"] > after["started"], (before, after)
