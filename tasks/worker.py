@@ -227,15 +227,15 @@ def _agree_on_schemas(comm: Any, stage: str, tables: Mapping[str, Any]) -> None:
         else:
             head = f"{ranks_text(odd)} returned different schemas, and none is returned by more ranks than the others"
         shown = sorted(ordered[:SCHEMAS_SHOWN], key=lambda g: g[1][0])
-        lines = [f"stage {stage!r}, output {name!r}: {head} (every rank must return the same columns and types, "
-                 "or None):"]
+        lines = [(f"stage {stage!r}, output {name!r}: {head} (every rank must return the same columns and types, "
+                 "or None):")]
         lines += [f"  {ranks_text(ranks)}: {_fields_text(schema_from_text(text))}" for text, ranks in shown]
         expected = schema_from_text(reference_text)
         for text, ranks in shown:
             if text == reference_text:
                 continue
-            diff = schema_diff(schema_from_text(text), expected) or ["the same columns and types; the schemas' "
-                                                                     "metadata differ"]
+            diff = schema_diff(schema_from_text(text), expected) or [("the same columns and types; the schemas' "
+                                                                     "metadata differ")]
             lines += [f"  {ranks_text(ranks)} against {ranks_text(reference)}: {d}" for d in diff]
         if len(ordered) > SCHEMAS_SHOWN:
             lines.append(f"  ... and {len(ordered) - SCHEMAS_SHOWN} more schemas")
