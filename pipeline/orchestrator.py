@@ -177,6 +177,8 @@ class Orchestrator:
         self.env: dict[str, dict[str, str | None]] = {}
         self.deadline: float | None = None
         self.cut_off: set[str] = set()
+        self.kept: set[str] = set()
+        """Stages whose commit from an earlier session of this run is reused: their record keeps its times."""
         self.scheduler: Scheduler | None = None
         self.backend: Backend | None = None
         self.final: str | None = None
@@ -508,16 +510,23 @@ class Orchestrator:
                                        material=material, params=params, damaged=damaged)
                 record.cache_reason, record.cache_hit = reason, False
                 return CacheChecked(spec.name, False, reason)
-            from_run = None if hit.run_id == self.run_id else (hit.cached_from or hit.run_id)  # who computed it
-            reason = "committed earlier in this run, unchanged" if from_run is None else \
-                f"unchanged since run {from_run}"
+            # a resume finds what this run committed earlier: the record stays as it was (its times, attempts,
+            # and the run it was reused from when it was CACHED), so status shows the earlier session's work
+            own = hit.run_id == self.run_id
+            from_run = hit.cached_from if own else (hit.cached_from or hit.run_id)  # who computed it
             for name, source in found.items():
                 self.dataset_paths[name], self.fingerprints[name] = source.path, source.fingerprint
-                if from_run is not None:
+                if not own:
                     self._copy_dataset_record(session, source)
-            record.cached_from, record.cache_key, record.cache_material = from_run, key, material.to_json()
+            if own:
+                self.kept.add(spec.name)
+                reason = record.cache_reason if from_run is not None and record.cache_reason else \
+                    "committed earlier in this run, unchanged"
+            else:
+                reason = f"unchanged since run {from_run}"
+                record.cached_from, record.params = from_run, params
+            record.cache_key, record.cache_material = key, material.to_json()
             record.params_read, record.cache_reason, record.cache_hit = hit.params_read, reason, True
-            record.params = params if from_run is not None else record.params
         return CacheChecked(spec.name, True, reason, from_run)
 
     def _copy_dataset_record(self, session: Any, source: DatasetRecord) -> None:
@@ -756,12 +765,14 @@ class Orchestrator:
         now = time.time()
         with self.store.session() as session:
             record = self._stage_record(session, change.stage)
+            if change.state == "QUEUED" and record.state in SUCCESS:  # committed earlier, run again now
+                record.started = record.ended = None
             record.state = change.state
             if change.error is not None or change.state in ("QUEUED", "DONE", "CACHED"):
                 record.error = change.error
             if change.state == "RUNNING" and record.started is None:
                 record.started = now
-            if change.state in TERMINAL:
+            if change.state in TERMINAL and change.stage not in self.kept:
                 record.ended = now
             self.store.event(session, self.run_id, "stage", change.stage, change.state, error=change.error,
                              **dict(change.detail))

@@ -289,6 +289,19 @@ class RankError:
     type: str
     message: str
     traceback: str
+    at_fault: tuple[int, ...] = ()
+    """The ranks whose data the error is about, when every rank found it in a check they make together
+    (their output schemas differ); empty: the error is this rank's own."""
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 0 and 1``, ``ranks 0, 2 and 5``; past eight ranks, the first six and a count."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 8:
+        return f"ranks {', '.join(map(str, ranks[:6]))}, ... ({len(ranks)} ranks)"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 @dataclass(frozen=True)
@@ -336,7 +349,8 @@ class RankResult:
                 value = {n: None if o is None else {"partition": dict(o.partition), "schema": o.schema}
                          for n, o in value.items()}
             elif f.name == "error":
-                value = dataclasses.asdict(value)
+                value = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()
+                         if not (k == "at_fault" and not v)}
             elif isinstance(value, tuple):
                 value = list(value)
             elif f.name in ("raptor", "visible_devices"):
@@ -356,8 +370,9 @@ class RankResult:
                 outputs[name] = None
         error = None
         if top.get("error", (dict, type(None)), "an object", None) is not None:
-            err = top.nested("error", ("type", "message", "traceback"))
-            error = RankError(err.text("type"), err.text("message"), err.text("traceback"))
+            err = top.nested("error", ("type", "message", "traceback", "at_fault"))
+            error = RankError(err.text("type"), err.text("message"), err.text("traceback"),
+                              err.items("at_fault", int, "integers", ()))
         params_read = top.items("params_read", str, "strings", None)
         raptor = top.get("raptor", (dict, type(None)), "an object", None)
         visible = top.text_map("visible_devices") if top.get("visible_devices", (dict, type(None)), "an object",
@@ -566,6 +581,9 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
     for rank, result in enumerate(results):
         if result is not None and result.error is not None:
             err = result.error
+            if err.at_fault:  # found by every rank together: named are the ranks whose data differ
+                return Failure("FAILED", f"{ranks_text(err.at_fault)}: {err.type}: {err.message}",
+                               min(err.at_fault), err.traceback)
             return Failure("FAILED", f"rank {rank} raised {err.type}: {err.message}", rank, err.traceback)
     signal, bad_pid = hydra_report(files)
     signal = outcome.signal or signal
