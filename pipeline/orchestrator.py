@@ -12,6 +12,7 @@ backend futures only post outcomes into a queue that one loop reads.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import queue
@@ -154,6 +155,7 @@ class Orchestrator:
         self.store = store
         self.params = dict(params)
         self.script = script
+        self.script_digests = _script_digests(self.stages.values())
         self.verify = verify
         self.progress = Progress(enabled=progress, stream_logs=stream_logs)
         self.producer = {out: s.name for s in self.stages.values() for out in s.outputs}
@@ -637,6 +639,7 @@ class Orchestrator:
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
             gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
             node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
+            script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 
@@ -787,6 +790,19 @@ class Orchestrator:
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
+
+
+def _script_digests(stages: Any) -> dict[str, str]:
+    """The sha256 of each script that declares stages in ``__main__``, as the run starts: the version
+    whose code the stages' cache keys were made from, and the only one their workers may execute."""
+    digests = {}
+    for spec in stages:
+        if spec.module == "__main__" and spec.path and spec.path not in digests:
+            try:
+                digests[spec.path] = hashlib.sha256(Path(spec.path).read_bytes()).hexdigest()
+            except OSError:
+                continue  # the worker meets it
+    return digests
 
 
 def _disk_full(path: Path) -> bool:

@@ -150,7 +150,7 @@ def _preload_stage(job: Job) -> bool:
     must not fork any more (the script left threads running).  A script that fails is left to the child."""
     from hetflow.tasks.gpu import GPU_VENDORS, VISIBLE_DEVICES
     from hetflow.tasks.protocol import WORKER_ENV, ProtocolError, ScriptImportStop, WorkerSpec
-    from hetflow.tasks.script import SCRIPT_MODULE, import_script, mark_preloaded
+    from hetflow.tasks.script import SCRIPT_MODULE, check_unchanged, import_script, mark_preloaded
 
     try:
         spec = WorkerSpec.read(Path(job.spec))
@@ -178,6 +178,7 @@ def _preload_stage(job: Job) -> bool:
         if spec.function.module != "__main__":
             importlib.import_module(spec.function.module)
         elif spec.function.path:
+            check_unchanged(spec.function.path, spec.script_sha256, spec.stage)
             sys.argv = [spec.function.path, *spec.argv[1:]]
             try:
                 module = import_script(spec.function.path, SCRIPT_MODULE, defer=False)

@@ -174,7 +174,9 @@ class WorkerSpec:
     its GPUs (:func:`hetflow.tasks.gpu.visible_devices_env`).  ``argv`` is the
     ``sys.argv`` the script had when its run started: the worker gives it to the
     script again when it executes it to find the stage (``argv[0]`` as the script's
-    full path: the worker runs in another directory).  ``memory_per_rank``
+    full path: the worker runs in another directory); ``script_sha256`` is the
+    digest of the script's file when the run started: a worker executes no other
+    version of it (:func:`hetflow.tasks.script.check_unchanged`).  ``memory_per_rank``
     (the stage's, bytes) and ``node_local_dir`` (the pilot's, as its config writes
     it: ``$VAR`` is expanded on the node) become the operators' memory budget and
     spill directory (:mod:`hetflow.operators.settings`).  ``env`` holds the
@@ -202,6 +204,7 @@ class WorkerSpec:
     node_local_dir: str | None = None
     env: Mapping[str, str | None] = field(default_factory=dict)
     argv: tuple[str, ...] = ()
+    script_sha256: str | None = None
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -234,7 +237,8 @@ class WorkerSpec:
                 "outputs": dict(self.outputs), "sys_path": list(self.sys_path), "params": dict(self.params),
                 "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files),
                 "gpu_vendor": self.gpu_vendor, "memory_per_rank": self.memory_per_rank,
-                "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv)}
+                "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv),
+                "script_sha256": self.script_sha256}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -262,7 +266,8 @@ class WorkerSpec:
                       "memory_per_rank": top.get("memory_per_rank", (int, type(None)), "an integer or null", None),
                       "node_local_dir": top.get("node_local_dir", (str, type(None)), "a string or null", None),
                       "env": dict(top.get("env", (dict,), "an object of strings or nulls", {})),
-                      "argv": top.items("argv", str, "strings", ())}
+                      "argv": top.items("argv", str, "strings", ()),
+                      "script_sha256": top.get("script_sha256", (str, type(None)), "a string or null", None)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:
