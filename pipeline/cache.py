@@ -134,11 +134,12 @@ def _crc32(path: Path) -> str:
 def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[str, Any],
             outputs: Sequence[str]) -> tuple[StageRecord | None, dict[str, DatasetRecord], list[str]]:
     """The newest committed execution under ``key`` whose read parameters match and whose outputs are
-    intact; and the damage found on the way (one line per passed-over candidate)."""
+    intact, run ``run_id``'s own first (a resume keeps what it committed); and the damage found on the way
+    (one line per passed-over candidate)."""
     damaged: list[str] = []
     candidates = session.scalars(select(StageRecord).where(StageRecord.cache_key == key,
                                                            StageRecord.state.in_(SUCCESS))
-                                 .order_by(StageRecord.ended.desc()))
+                                 .order_by((StageRecord.run_id == run_id).desc(), StageRecord.ended.desc()))
     for hit in candidates:
         if params_match(hit.params_read, hit.params or {}, params):
             continue

@@ -44,10 +44,11 @@ def _param(text: str) -> tuple[str, str]:
     return key, value
 
 
-PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable). The value takes the type of the "
-              "default a stage declares for KEY in params= (int, float, bool: true/false, str: as typed); "
-              "for a KEY no stage declares: an integer or decimal number becomes a number, true/false a "
-              "bool, null None, anything else stays text (no, 1.2.3, 007 are text)")
+PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable); a KEY no stage declares in params= is "
+              "refused. The value takes the type of the default a stage declares for KEY in params= (int, "
+              "float, bool: true/false, str: as typed); for another default (None): an integer or decimal "
+              "number becomes a number, true/false a bool, null None, anything else stays text (no, 1.2.3, "
+              "007 are text)")
 
 
 def _raw_param(text: str) -> str:
@@ -247,7 +248,7 @@ def resume_command(run_id: str, args: argparse.Namespace | None, verb: str = "re
 
 def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) -> None:
     """The end of a run: each stage's state, duration and log directory; the resume command unless DONE."""
-    from .errors import batch_resume_command
+    from .errors import batch_resume_command, error_text
     from .progress import elapsed_text
 
     status = status.for_terminal()  # another user's run (a shared store) prints no control characters
@@ -258,7 +259,8 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
         seconds = elapsed_text(stage.ended - stage.started) if stage.started and stage.ended else "-"
         line = f"  {stage.name:<20} {stage.state:<10} {seconds:>8}  attempts={stage.attempts}"
         if stage.error and stage.state not in ("DONE", "CACHED"):
-            line += f"  {stage.error.splitlines()[0]}"
+            first, *rest = error_text(stage.error).splitlines()
+            line += f"  {first}" + "".join(f"\n  {'':<20} {more}" for more in rest)
         elif stage.cache_reason:
             line += f"  ({stage.cache_reason})"
         print(line)
@@ -266,7 +268,7 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) ->
             print(f"  {'':<20} logs: {stage.log_dir}")
     if not status.ok:
         if status.error and not any(s.error for s in status.stages if s.state not in ("DONE", "CACHED")):
-            print(f"  {status.error.splitlines()[0]}")
+            print("  " + error_text(status.error).replace("\n", "\n  "))
         if status.script is None:
             from .errors import resume_hint
 

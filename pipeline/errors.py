@@ -64,22 +64,35 @@ def resume_hint(run_id: str, *, script: bool = True, where: Sequence[str] = ()) 
     return f"resume it with: pipe.run(run_id={run_id!r}) from the same code"
 
 
+ERROR_LINES = 20
+"""An error shown in a run's summary or in :class:`RunFailed` keeps at most this many lines (a schema
+mismatch names both schemas and the columns that differ); ``hetflow status`` shows it whole."""
+
+
+def error_text(text: str, limit: int = ERROR_LINES) -> str:
+    """``text`` up to its first ``limit`` lines, continuation lines indented, and how many were left out."""
+    lines = text.strip("\n").splitlines() or [""]
+    kept = lines[:limit] + ([f"... {len(lines) - limit} more lines (hetflow status shows them)"]
+                            if len(lines) > limit else [])
+    return "\n".join(kept[:1] + [f"  {line}" for line in kept[1:]])
+
+
 class RunFailed(TaskFailed, RuntimeError):
     """A run ended other than DONE; ``status`` is its :class:`~hetflow.RunStatus`.
 
-    The message names the run, its state, each stage that did not finish (with the first
-    line of its error) and the resume command.
+    The message names the run, its state, each stage that did not finish (with its error,
+    up to :data:`ERROR_LINES` lines) and the resume command.
     """
 
     def __init__(self, status: RunStatus, where: Sequence[str] = ()) -> None:
         self.status = status
         unfinished = [s for s in status.stages if s.state not in ("DONE", "CACHED")]
-        failed = [f"{s.name} {s.state}" + (f" ({s.error.splitlines()[0]})" if s.error else "")
+        failed = [f"{s.name} {s.state}" + (f" ({error_text(s.error)})" if s.error else "")
                   for s in unfinished if s.state != "SKIPPED"]
         skipped = [s.name for s in unfinished if s.state == "SKIPPED"]
         parts = [f"run {status.id} ended {status.state}"]
         if status.error and not failed:
-            parts.append(status.error.splitlines()[0])
+            parts.append(error_text(status.error))
         if failed:
             parts.append("stage " + ", stage ".join(failed))
         if skipped:

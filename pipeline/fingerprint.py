@@ -918,6 +918,19 @@ def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | None
     return found
 
 
+def check_files(patterns: Sequence[str], base: Path) -> None:
+    """Raise ``ValueError`` naming the first pattern that names no file: a path that is missing or a
+    directory (as :func:`resolve_files`), or a glob that matches no file, with the directory it was
+    resolved against.  Called when a run starts: by then a file an earlier step of the script makes is
+    there, and a pattern that matches nothing is a mistake (a typo, the wrong directory), not a stage
+    that should run on no files."""
+    for pattern, path in _matches(patterns, base):
+        if path is None:
+            where = f"in {Path(base).absolute()} (the script's directory: relative patterns are resolved " \
+                    "against it)" if not os.path.isabs(pattern) else "on this machine"
+            raise ValueError(f"declared files glob {pattern!r} matches no file {where}")
+
+
 def resolve_files(patterns: Sequence[str], base: Path) -> tuple[Path, ...]:
     """The absolute, distinct files the declared ``patterns`` name (globs relative to ``base``), in the
     order declared (a glob's matches sorted), so ``files=["obs.csv", "cat.csv"]`` gives ``ctx.files[0]``

@@ -12,6 +12,7 @@ backend futures only post outcomes into a queue that one loop reads.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import queue
@@ -154,6 +155,7 @@ class Orchestrator:
         self.store = store
         self.params = dict(params)
         self.script = script
+        self.script_digests = _script_digests(self.stages.values())
         self.verify = verify
         self.progress = Progress(enabled=progress, stream_logs=stream_logs)
         self.producer = {out: s.name for s in self.stages.values() for out in s.outputs}
@@ -177,6 +179,8 @@ class Orchestrator:
         self.env: dict[str, dict[str, str | None]] = {}
         self.deadline: float | None = None
         self.cut_off: set[str] = set()
+        self.kept: set[str] = set()
+        """Stages whose commit from an earlier session of this run is reused: their record keeps its times."""
         self.scheduler: Scheduler | None = None
         self.backend: Backend | None = None
         self.final: str | None = None
@@ -508,16 +512,23 @@ class Orchestrator:
                                        material=material, params=params, damaged=damaged)
                 record.cache_reason, record.cache_hit = reason, False
                 return CacheChecked(spec.name, False, reason)
-            from_run = None if hit.run_id == self.run_id else (hit.cached_from or hit.run_id)  # who computed it
-            reason = "committed earlier in this run, unchanged" if from_run is None else \
-                f"unchanged since run {from_run}"
+            # a resume finds what this run committed earlier: the record stays as it was (its times, attempts,
+            # and the run it was reused from when it was CACHED), so status shows the earlier session's work
+            own = hit.run_id == self.run_id
+            from_run = hit.cached_from if own else (hit.cached_from or hit.run_id)  # who computed it
             for name, source in found.items():
                 self.dataset_paths[name], self.fingerprints[name] = source.path, source.fingerprint
-                if from_run is not None:
+                if not own:
                     self._copy_dataset_record(session, source)
-            record.cached_from, record.cache_key, record.cache_material = from_run, key, material.to_json()
+            if own:
+                self.kept.add(spec.name)
+                reason = record.cache_reason if from_run is not None and record.cache_reason else \
+                    "committed earlier in this run, unchanged"
+            else:
+                reason = f"unchanged since run {from_run}"
+                record.cached_from, record.params = from_run, params
+            record.cache_key, record.cache_material = key, material.to_json()
             record.params_read, record.cache_reason, record.cache_hit = hit.params_read, reason, True
-            record.params = params if from_run is not None else record.params
         return CacheChecked(spec.name, True, reason, from_run)
 
     def _copy_dataset_record(self, session: Any, source: DatasetRecord) -> None:
@@ -628,6 +639,7 @@ class Orchestrator:
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
             gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
             node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
+            script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 
@@ -756,12 +768,14 @@ class Orchestrator:
         now = time.time()
         with self.store.session() as session:
             record = self._stage_record(session, change.stage)
+            if change.state == "QUEUED" and record.state in SUCCESS:  # committed earlier, run again now
+                record.started = record.ended = None
             record.state = change.state
             if change.error is not None or change.state in ("QUEUED", "DONE", "CACHED"):
                 record.error = change.error
             if change.state == "RUNNING" and record.started is None:
                 record.started = now
-            if change.state in TERMINAL:
+            if change.state in TERMINAL and change.stage not in self.kept:
                 record.ended = now
             self.store.event(session, self.run_id, "stage", change.stage, change.state, error=change.error,
                              **dict(change.detail))
@@ -776,6 +790,19 @@ class Orchestrator:
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
+
+
+def _script_digests(stages: Any) -> dict[str, str]:
+    """The sha256 of each script that declares stages in ``__main__``, as the run starts: the version
+    whose code the stages' cache keys were made from, and the only one their workers may execute."""
+    digests = {}
+    for spec in stages:
+        if spec.module == "__main__" and spec.path and spec.path not in digests:
+            try:
+                digests[spec.path] = hashlib.sha256(Path(spec.path).read_bytes()).hexdigest()
+            except OSError:
+                continue  # the worker meets it
+    return digests
 
 
 def _disk_full(path: Path) -> bool:

@@ -1,13 +1,15 @@
 """``--param KEY=VALUE``: the rule that gives a command-line value its type.
 
-A value takes the type of the default a stage declares for ``KEY`` in
-``params=`` (``str``: the text as typed, so ``1.10`` stays ``"1.10"`` and ``no``
-stays ``"no"``; ``int``, ``float``; ``bool``: ``true``/``false``, any case).  For a
-key no stage declares, only what is unmistakably a number or a JSON literal is
-converted — an integer (``42``, ``-3``; not ``007``), a decimal number (``0.5``,
-``1e-3``), ``true``/``false``, ``null`` — and everything else stays text.  YAML's
-wider rules (``no`` → False, ``2024-01-01`` → a date) are not used: a value is
-never surprising to someone who did not study them.
+``KEY`` must be declared by a stage (``params=``): a key no stage declares would
+be read by nothing, and the run would quietly give the results of the defaults, so it
+is refused before anything runs, naming the declared keys.  The value takes the type
+of the declared default (``str``: the text as typed, so ``1.10`` stays ``"1.10"`` and
+``no`` stays ``"no"``; ``int``, ``float``; ``bool``: ``true``/``false``, any case).
+For a default of another type (``None``, a list), only what is unmistakably a number
+or a JSON literal is converted — an integer (``42``, ``-3``; not ``007``), a decimal
+number (``0.5``, ``1e-3``), ``true``/``false``, ``null`` — and everything else stays
+text.  YAML's wider rules (``no`` → False, ``2024-01-01`` → a date) are not used: a
+value is never surprising to someone who did not study them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None}
 
 
 def untyped(text: str) -> Any:
-    """The value of ``text`` for a key no stage declares (see the module docstring)."""
+    """The value of ``text`` for a key declared with a default that is no str, int, float or bool."""
     if _INT.fullmatch(text):
         return int(text)
     if _FLOAT.fullmatch(text) and any(c.isdigit() for c in text) and ("." in text or "e" in text.lower()):
@@ -72,22 +74,36 @@ def _one_slip(typed_key: str, declared: str) -> bool:
     return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
 
 
-def from_command_line(texts: Mapping[str, str], stages: Iterable[StageSpec]) -> dict[str, Any]:
-    """The typed values of ``--param`` texts, by the stages' declared defaults.
-
-    A key no stage declares is passed on as it is, unless it is one slip away from a declared key
-    (``facter`` for ``factor``, :func:`_one_slip`): that typo would otherwise run with the default, so it
-    is refused, naming the declared key; declaring the key in a stage's ``params=`` passes it anyway.
-    """
+def declared_params(stages: Iterable[StageSpec]) -> dict[str, tuple[Any, str]]:
+    """``{key: (default, stage)}`` for every parameter a stage declares (the first stage that declares it)."""
     declared: dict[str, tuple[Any, str]] = {}
     for spec in stages:
         for key, value in spec.params.items():
             declared.setdefault(key, (value, spec.name))
+    return declared
+
+
+def undeclared(given: str, key: str, declared: Mapping[str, object]) -> str:
+    """Why ``key`` (given as ``given``) is refused: no stage declares it; names the declared keys."""
+    known = f"declared: {', '.join(sorted(declared))}" if declared else "no stage declares any params"
+    return (f"{given}: no stage declares {key!r} ({known}); a parameter no stage declares is read by none, so "
+            f"declare it in the params= of the stages that read it")
+
+
+def from_command_line(texts: Mapping[str, str], stages: Iterable[StageSpec]) -> dict[str, Any]:
+    """The typed values of ``--param`` texts, by the stages' declared defaults.
+
+    A key no stage declares is refused (:func:`undeclared`); one slip away from a declared key
+    (``facter`` for ``factor``, :func:`_one_slip`), the message names that key as the likely meant one.
+    """
+    declared = declared_params(stages)
     for key, text in texts.items():
-        near = [] if key in declared else [d for d in declared if _one_slip(key, d)]
+        if key in declared:
+            continue
+        near = [d for d in declared if _one_slip(key, d)]
         if near:
             raise ConfigError(f"--param {key}={text}: no stage declares {key!r}; did you mean {near[0]!r} "
                               f"(declared by stage {declared[near[0]][1]!r})? To pass {key!r} as well, "
                               f"declare it in a stage's params=")
-    return {key: typed(key, text, *declared[key]) if key in declared else untyped(text)
-            for key, text in texts.items()}
+        raise ConfigError(undeclared(f"--param {key}={text}", key, declared))
+    return {key: typed(key, text, *declared[key]) for key, text in texts.items()}

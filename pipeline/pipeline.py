@@ -122,9 +122,11 @@ class Pipeline:
         dataset that differs is rejected at the boundary with a diff.
         ``files`` lists files or globs the stage reads (relative to the script's
         directory, or absolute): their content is part of the stage's cache key,
-        so changing, adding or removing one re-runs it; ``ctx.files`` lists them.
-        ``env`` names the environment variables the stage reads: their values join
-        its cache key, and ``ctx.env`` maps each to its value (``None``: unset).
+        so changing, adding or removing one re-runs it; ``ctx.files`` lists them;
+        each must name a file when the run starts.  ``env`` names the environment
+        variables the stage reads: their values join its cache key, and ``ctx.env``
+        maps each to its value (``None``: unset).  A function that cannot be
+        called as ``func(ctx, *inputs)`` is refused here (:class:`PipelineError`).
         ``memory_per_rank`` is bytes or a size as the pilot config writes it
         (``"4GB"`` = 4·10⁹, ``"4GiB"`` = 4·2³⁰).
         """
@@ -158,6 +160,7 @@ class Pipeline:
             if isinstance(files, str) or not all(isinstance(f, str) and f for f in files):
                 raise PipelineError(f"{where}: files must be a list of paths or globs, got {files!r}")
             declared_env = check_env(env, where=where)
+            _check_signature(fn, tuple(inputs), where)
             if not isinstance(retries, int) or retries < 0:
                 raise PipelineError(f"{where}: retries must be an integer >= 0, got {retries!r}")
             if timeout is not None and timeout <= 0:
@@ -182,7 +185,8 @@ class Pipeline:
 
     # ------------------------------------------------------------ checking
     def validate(self, pilot: PilotDescription) -> None:
-        """Reject an invalid DAG or a request the pilot can never satisfy, before anything runs.
+        """Reject an invalid DAG, a request the pilot can never satisfy or a declared file that is not
+        there (a glob that matches nothing), before anything runs.
 
         Requests are checked only against a pilot whose shape is known (``cores_per_node`` set).
         """
@@ -197,6 +201,13 @@ class Pipeline:
                 if dataset not in produced:
                     raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: input {dataset!r} is not "
                                         f"produced by any stage (outputs: {sorted(produced)})")
+            if spec.files:
+                from .fingerprint import check_files
+
+                try:
+                    check_files(spec.files, Path(spec.path).parent if spec.path else Path.cwd())
+                except ValueError as exc:
+                    raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: {exc}") from None
             try:
                 if shaped:
                     check_request(spec.request, pilot, what=f"stage {spec.name!r}")
@@ -232,7 +243,9 @@ class Pipeline:
         ``run_id`` of an existing run resumes it (every stage's key is checked
         again, so what changed since re-runs).  ``rerun`` names stages to run
         again whatever the cache says (``"all"`` for every stage), and
-        everything downstream of them.
+        everything downstream of them.  ``params`` override the defaults the
+        stages declare in ``params=``; a key no stage declares is refused
+        (:class:`~hetflow.PipelineError`), as ``--param`` refuses it.
 
         A run that does not end DONE raises :class:`~hetflow.RunFailed`, which carries
         the status (``exc.status``) and names the failed stages and the resume command;
@@ -298,8 +311,13 @@ class Pipeline:
                 the_id = store.resolve_run(resume_id).id
         else:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-        from .params import from_command_line
+        from .params import declared_params, from_command_line, undeclared
 
+        declared = declared_params(self.stages.values())
+        for key in params or {}:
+            if key not in declared:
+                raise PipelineError(f"pipeline {self.name!r}: " + undeclared(f"run(params=...) gives {key!r}", key,
+                                                                                declared))
         run_params = dict(params or {})
         run_params.update(options.params)
         run_params.update(from_command_line(options.param_text, self.stages.values()))
@@ -374,6 +392,25 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _check_signature(fn: Callable[..., Any], inputs: tuple[str, ...], where: str) -> None:
+    """Each rank calls the stage function as ``fn(ctx, *inputs)``: a function that cannot take that call
+    is refused where it is declared, not after every stage upstream of it has run."""
+    import inspect
+
+    target = getattr(fn, "__wrapped_stage__", fn)
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin or an extension function: nothing to read
+        return
+    try:
+        signature.bind("ctx", *inputs)
+    except TypeError as exc:
+        name = getattr(target, "__name__", type(target).__name__)
+        raise PipelineError(f"{where}: {name}{signature} cannot be called as {name}({', '.join(('ctx', *inputs))}) "
+                            f"({exc}): a stage function takes ctx, then one argument per input, in the order of "
+                            f"inputs={list(inputs)}") from None
 
 
 def _report_uncaught() -> None:

@@ -3,8 +3,8 @@
 A stage started cold pays, on every rank, for a Python interpreter, the
 launcher and the imports every worker needs (pyarrow, numpy, mpi4py, the
 worker itself), which is most of what a short stage costs.  The local backend
-therefore keeps one *fork server* per run (``python -m
-hetflow.tasks.forkserver``), started on first use in its own session: it
+therefore keeps one *fork server* per run (:data:`BOOT`, which runs
+:func:`main`), started on first use in its own session: it
 imports those modules once, without starting MPI and with one BLAS thread,
 then forks one child per one-rank task it is asked to start.
 
@@ -76,6 +76,15 @@ SINGLETON_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "shm"}
 so its ``MPI_Init`` probes no network (the PyPI MPICH's default, UCX, does: several times slower) and
 nothing listens on a network address."""
 
+BOOT = ("import importlib, sys\n"
+        "if sys.path and sys.path[0] == '': del sys.path[0]\n"
+        "importlib.import_module(sys.argv[1]).main()")
+"""How the server is started: ``python -c BOOT hetflow.tasks.forkserver``.  Not ``python -m``, which puts
+the directory the run was started in first on ``sys.path``, where a directory named ``hetflow`` (a clone
+of hetflow, run from its parent) would be imported as hetflow itself, before an editable install's
+finder is asked.  The server imports hetflow with no such entry; each child then imports the user's
+script with hetflow already loaded, so nothing in the task's or the script's directory can replace it."""
+
 BLAS_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 """Set to 1 while the server imports: the BLAS loaded with numpy starts no threads before the forks (and
 serves one-core stages only)."""
@@ -141,7 +150,7 @@ def _preload_stage(job: Job) -> bool:
     must not fork any more (the script left threads running).  A script that fails is left to the child."""
     from hetflow.tasks.gpu import GPU_VENDORS, VISIBLE_DEVICES
     from hetflow.tasks.protocol import WORKER_ENV, ProtocolError, ScriptImportStop, WorkerSpec
-    from hetflow.tasks.script import SCRIPT_MODULE, import_script, mark_preloaded
+    from hetflow.tasks.script import SCRIPT_MODULE, check_unchanged, import_script, mark_preloaded
 
     try:
         spec = WorkerSpec.read(Path(job.spec))
@@ -169,6 +178,7 @@ def _preload_stage(job: Job) -> bool:
         if spec.function.module != "__main__":
             importlib.import_module(spec.function.module)
         elif spec.function.path:
+            check_unchanged(spec.function.path, spec.script_sha256, spec.stage)
             sys.argv = [spec.function.path, *spec.argv[1:]]
             try:
                 module = import_script(spec.function.path, SCRIPT_MODULE, defer=False)
@@ -203,7 +213,7 @@ def _restart(pending: bytes) -> NoReturn:
     """Replace this process by a server that executes no script: same pid, pipes and children;
     ``pending`` (requests read but not served yet) is handed to it."""
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", FORK_SERVER, NO_SCRIPTS, pending.hex()])
+    os.execv(sys.executable, [sys.executable, "-c", BOOT, FORK_SERVER, NO_SCRIPTS, pending.hex()])
 
 
 def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
@@ -289,7 +299,7 @@ def _become_task(job: Job) -> None:
     from hetflow.tasks import worker
 
     sys.argv = [str(worker.__file__), job.spec]
-    sys.path[0] = job.cwd  # as for python -m, started in the task's directory
+    sys.path.insert(0, job.cwd)  # as for python -m, started in the task's directory
 
 
 def _preload() -> None:
@@ -318,6 +328,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """The server; in each forked child, the task (the witness and its rank both come back here to end)."""
     global _server_pid
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == FORK_SERVER:  # started by BOOT: the module's name comes first
+        args = args[1:]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the orchestrator's to handle
     _preload()
     _server_pid = os.getpid()
@@ -398,7 +410,7 @@ class ForkServer:
         if log_path is not None:
             stderr = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", FORK_SERVER],
+            self._proc = subprocess.Popen([sys.executable, "-c", BOOT, FORK_SERVER],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                           start_new_session=True)
         finally:

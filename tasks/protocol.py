@@ -174,7 +174,9 @@ class WorkerSpec:
     its GPUs (:func:`hetflow.tasks.gpu.visible_devices_env`).  ``argv`` is the
     ``sys.argv`` the script had when its run started: the worker gives it to the
     script again when it executes it to find the stage (``argv[0]`` as the script's
-    full path: the worker runs in another directory).  ``memory_per_rank``
+    full path: the worker runs in another directory); ``script_sha256`` is the
+    digest of the script's file when the run started: a worker executes no other
+    version of it (:func:`hetflow.tasks.script.check_unchanged`).  ``memory_per_rank``
     (the stage's, bytes) and ``node_local_dir`` (the pilot's, as its config writes
     it: ``$VAR`` is expanded on the node) become the operators' memory budget and
     spill directory (:mod:`hetflow.operators.settings`).  ``env`` holds the
@@ -202,6 +204,7 @@ class WorkerSpec:
     node_local_dir: str | None = None
     env: Mapping[str, str | None] = field(default_factory=dict)
     argv: tuple[str, ...] = ()
+    script_sha256: str | None = None
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -234,7 +237,8 @@ class WorkerSpec:
                 "outputs": dict(self.outputs), "sys_path": list(self.sys_path), "params": dict(self.params),
                 "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files),
                 "gpu_vendor": self.gpu_vendor, "memory_per_rank": self.memory_per_rank,
-                "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv)}
+                "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv),
+                "script_sha256": self.script_sha256}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -262,7 +266,8 @@ class WorkerSpec:
                       "memory_per_rank": top.get("memory_per_rank", (int, type(None)), "an integer or null", None),
                       "node_local_dir": top.get("node_local_dir", (str, type(None)), "a string or null", None),
                       "env": dict(top.get("env", (dict,), "an object of strings or nulls", {})),
-                      "argv": top.items("argv", str, "strings", ())}
+                      "argv": top.items("argv", str, "strings", ()),
+                      "script_sha256": top.get("script_sha256", (str, type(None)), "a string or null", None)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:
@@ -289,6 +294,19 @@ class RankError:
     type: str
     message: str
     traceback: str
+    at_fault: tuple[int, ...] = ()
+    """The ranks whose data the error is about, when every rank found it in a check they make together
+    (their output schemas differ); empty: the error is this rank's own."""
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 0 and 1``, ``ranks 0, 2 and 5``; past eight ranks, the first six and a count."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 8:
+        return f"ranks {', '.join(map(str, ranks[:6]))}, ... ({len(ranks)} ranks)"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 @dataclass(frozen=True)
@@ -336,7 +354,8 @@ class RankResult:
                 value = {n: None if o is None else {"partition": dict(o.partition), "schema": o.schema}
                          for n, o in value.items()}
             elif f.name == "error":
-                value = dataclasses.asdict(value)
+                value = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()
+                         if not (k == "at_fault" and not v)}
             elif isinstance(value, tuple):
                 value = list(value)
             elif f.name in ("raptor", "visible_devices"):
@@ -356,8 +375,9 @@ class RankResult:
                 outputs[name] = None
         error = None
         if top.get("error", (dict, type(None)), "an object", None) is not None:
-            err = top.nested("error", ("type", "message", "traceback"))
-            error = RankError(err.text("type"), err.text("message"), err.text("traceback"))
+            err = top.nested("error", ("type", "message", "traceback", "at_fault"))
+            error = RankError(err.text("type"), err.text("message"), err.text("traceback"),
+                              err.items("at_fault", int, "integers", ()))
         params_read = top.items("params_read", str, "strings", None)
         raptor = top.get("raptor", (dict, type(None)), "an object", None)
         visible = top.text_map("visible_devices") if top.get("visible_devices", (dict, type(None)), "an object",
@@ -566,6 +586,9 @@ def diagnose(stage_name: str, timeout: float | None, outcome: TaskOutcome, resul
     for rank, result in enumerate(results):
         if result is not None and result.error is not None:
             err = result.error
+            if err.at_fault:  # found by every rank together: named are the ranks whose data differ
+                return Failure("FAILED", f"{ranks_text(err.at_fault)}: {err.type}: {err.message}",
+                               min(err.at_fault), err.traceback)
             return Failure("FAILED", f"rank {rank} raised {err.type}: {err.message}", rank, err.traceback)
     signal, bad_pid = hydra_report(files)
     signal = outcome.signal or signal

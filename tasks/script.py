@@ -90,6 +90,30 @@ _preloaded: dict[str, types.ModuleType] = {}
 """Scripts executed before this process was forked from the fork server, by path (:func:`preloaded`)."""
 
 
+class ScriptChanged(RuntimeError):
+    """The script's file is not the version its run started with."""
+
+
+def check_unchanged(path: str, digest: str | None, stage: str) -> None:
+    """Raise :class:`ScriptChanged` unless the file at ``path`` has the sha256 ``digest`` (``None``: unchecked).
+
+    A stage's cache key is made from the code the run started with; executing an edited file in a worker
+    would store the new code's result under the old code's key."""
+    if digest is None:
+        return
+    import hashlib
+
+    try:
+        now = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return  # executing it says what is wrong
+    if now != digest:
+        raise ScriptChanged(f"stage {stage!r}: the script {path} was changed after this run started; a run "
+                            "executes only the version it started with (its stages' cache keys are that "
+                            "version's), so this stage cannot run: let the run end, then run the script again "
+                            "(or resume the run: a resume starts from the file as it is then)")
+
+
 def preloaded(path: str) -> types.ModuleType | None:
     """The script at ``path`` as the fork server executed it before forking this process, if it did."""
     return _preloaded.get(path)

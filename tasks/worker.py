@@ -33,7 +33,7 @@ import time
 import traceback
 import types
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from . import shm
 from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
@@ -92,13 +92,14 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
     else:
         if not path:
             raise RuntimeError(f"stage {spec.stage!r} is defined in __main__ without a file to import")
-        from .script import SCRIPT_MODULE, import_script, preloaded
+        from .script import SCRIPT_MODULE, check_unchanged, import_script, preloaded
 
         sys.argv = [path, *spec.argv[1:]]  # what the script saw when its run started (itself by full path)
-        found = preloaded(path)  # executed once by the fork server this process was forked from
+        found = preloaded(path)  # executed once by the fork server this process was forked from (checked there)
         if found is not None:
             module = found
         else:
+            check_unchanged(path, spec.script_sha256, spec.stage)
             try:
                 module = import_script(path, SCRIPT_MODULE)
             except ScriptImportStop:
@@ -186,21 +187,65 @@ def check_schema(stage: str, kind: str, name: str, actual: Any, expected: Any) -
                              + "\n  ".join(diff))
 
 
+class SchemaDisagreement(TypeError):
+    """Ranks returned different schemas for one output; ``ranks`` are those whose schema is the odd one
+    out (every rank that returned one, when no schema is returned by more ranks than every other)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+SCHEMAS_SHOWN = 6
+"""At most this many distinct schemas are spelled out in a disagreement (the rest are counted)."""
+
+
+def _fields_text(schema: Any) -> str:
+    return ", ".join(f"{f.name}: {f.type}" + ("" if f.nullable else " not null") for f in schema)
+
+
 def _agree_on_schemas(comm: Any, stage: str, tables: Mapping[str, Any]) -> None:
-    """Every rank that returns an output must return the same schema for it."""
+    """Every rank that returns an output must return the same schema for it.
+
+    Every rank makes the check on the gathered schemas and raises the same :class:`SchemaDisagreement`,
+    which names the ranks at fault: those whose schema differs from the one most ranks returned, or,
+    when no schema has a majority (two ranks that differ), every rank, with each schema and the
+    differences column by column."""
     from hetflow.operators.dataset import schema_from_text
+
+    from .protocol import ranks_text
 
     mine = {name: _schema_text(value) for name, value in tables.items()}
     everyone = comm.allgather(mine)
     for name in tables:
-        seen = [(r, s[name]) for r, s in enumerate(everyone) if s.get(name) is not None]
-        if not seen:
+        groups: dict[str, list[int]] = {}
+        for r, schemas in enumerate(everyone):
+            if schemas.get(name) is not None:
+                groups.setdefault(schemas[name], []).append(r)
+        if len(groups) < 2:
             continue
-        first_rank, first = seen[0]
-        for other_rank, other in seen[1:]:
-            if other != first:
-                raise TypeError(f"stage {stage!r}, output {name!r}: rank {other_rank} returned schema\n"
-                                f"{schema_from_text(other)}\nbut rank {first_rank} returned\n{schema_from_text(first)}")
+        ordered = sorted(groups.items(), key=lambda g: (-len(g[1]), g[1][0]))
+        majority = len(ordered[0][1]) > len(ordered[1][1])
+        reference_text, reference = ordered[0]
+        odd = [r for _, ranks in ordered[1:] for r in ranks] if majority else [r for _, rs in ordered for r in rs]
+        if majority:
+            head = f"{ranks_text(odd)} returned a schema that differs from the one {ranks_text(reference)} returned"
+        else:
+            head = f"{ranks_text(odd)} returned different schemas, and none is returned by more ranks than the others"
+        shown = sorted(ordered[:SCHEMAS_SHOWN], key=lambda g: g[1][0])
+        lines = [(f"stage {stage!r}, output {name!r}: {head} (every rank must return the same columns and types, "
+                 "or None):")]
+        lines += [f"  {ranks_text(ranks)}: {_fields_text(schema_from_text(text))}" for text, ranks in shown]
+        expected = schema_from_text(reference_text)
+        for text, ranks in shown:
+            if text == reference_text:
+                continue
+            diff = schema_diff(schema_from_text(text), expected) or [("the same columns and types; the schemas' "
+                                                                     "metadata differ")]
+            lines += [f"  {ranks_text(ranks)} against {ranks_text(reference)}: {d}" for d in diff]
+        if len(ordered) > SCHEMAS_SHOWN:
+            lines.append(f"  ... and {len(ordered) - SCHEMAS_SHOWN} more schemas")
+        raise SchemaDisagreement("\n".join(lines), tuple(sorted(odd)))
 
 
 def operator_settings(spec: WorkerSpec) -> contextlib.AbstractContextManager[Any]:
@@ -310,7 +355,8 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
         params_read = ctx.params_read
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded before the abort
         result = dataclasses.replace(result, status="error", error=RankError(
-            type=type(exc).__name__, message=error_message(exc), traceback=traceback.format_exc()))
+            type=type(exc).__name__, message=error_message(exc, spec.files), traceback=traceback.format_exc(),
+            at_fault=exc.ranks if isinstance(exc, SchemaDisagreement) else ()))
         log.error("failed: %s: %s", type(exc).__name__, exc)
     finally:
         log.removeHandler(handler)
@@ -320,9 +366,10 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
     return result, comm
 
 
-def error_message(exc: BaseException) -> str:
+def error_message(exc: BaseException, files: Sequence[str] = ()) -> str:
     """``str(exc)``, and for a relative path that is not there, why: the stage's working directory is
-    its attempt directory, not the directory hetflow was started in."""
+    its attempt directory, not the directory hetflow was started in.  ``files``: the stage's declared
+    files, resolved; when there are some, the hint is to open them through ``ctx.files``."""
     text = str(exc)
     if not isinstance(exc, FileNotFoundError):
         return text
@@ -330,9 +377,12 @@ def error_message(exc: BaseException) -> str:
                                                                else None)  # pyarrow gives only the path
     if name is not None and os.path.isabs(name):
         return text
+    where = f"a relative path is looked up in the stage's attempt directory {os.getcwd()}, not where the run was started"
+    if files:
+        listed = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        return text + f" ({where}: open the declared files through ctx.files, which holds their absolute paths: {listed})"
     shown = repr(name) if name else "'data.csv'"
-    return text + (f" (a relative path is looked up in the stage's attempt directory {os.getcwd()}, not where the "
-                   f"run was started: declare the file with files=[{shown}] (relative to the script) and open it "
+    return text + (f" ({where}: declare the file with files=[{shown}] (relative to the script) and open it "
                    "from ctx.files, so that a change to it also reruns the stage)")
 
 

@@ -48,7 +48,7 @@ def transform(ctx, obs):
     return {"scaled": obs.append_column("scaled", rescale(obs["flux"]))}
 
 
-@pipe.stage(inputs=["scaled"], outputs=["model"])
+@pipe.stage(inputs=["scaled"], outputs=["model"], params={"epochs": 1})
 def train(ctx, scaled):
     return {"model": pa.table({"epochs": [ctx.params.get("epochs", 1)], "rows": [scaled.num_rows],
                                "total": [pc.sum(scaled["scaled"]).as_py()]})}
@@ -196,14 +196,13 @@ def test_resume_of_a_finished_run_after_an_edit_reruns_and_never_relabels_old_ou
     assert table(back, "model")["total"][0].as_py() == sum(i * 0.5 * 2 for i in range(2000))
 
 
-def test_a_declared_file_that_is_missing_fails_the_stage_naming_it(tmp_path: Path) -> None:
+def test_a_declared_file_that_is_missing_is_refused_before_anything_runs_naming_it(tmp_path: Path) -> None:
     cwd = project(tmp_path)
     edit(cwd / "p.py", 'files=["data/obs-*.csv"]', 'files=["data/obs-*.csv", "data/calib.csv"]')
     done = hetflow("run", "p.py", "--no-progress", cwd=cwd)
-    assert done.returncode == 1
-    stages = status(cwd)
-    assert stages["load"]["state"] == "FAILED" and "data/calib.csv" in stages["load"]["error"]
-    assert stages["train"]["state"] == "SKIPPED"
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"hetflow: error: pipeline 'science', stage 'load': declared file 'data/calib.csv' "
+                                   f"does not exist ({cwd / 'data' / 'calib.csv'})")
 
 
 RESUME_WITH_PARAMS = '''
@@ -214,7 +213,7 @@ import hetflow as hf
 pipe = hf.Pipeline("params", workdir="w")
 
 
-@pipe.stage(outputs=["a"])
+@pipe.stage(outputs=["a"], params={"k": 0})
 def reads(ctx):
     return {"a": pa.table({"v": [ctx.params.get("k", 0)]})}
 

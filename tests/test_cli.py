@@ -45,7 +45,7 @@ import hetflow as hf
 
 pipe = hf.Pipeline("scripted")
 
-@pipe.stage(ranks=2, outputs=["t"])
+@pipe.stage(ranks=2, outputs=["t"], params={"fail": False, "tag": ""})
 def make(ctx):
     if ctx.params.get("fail") and ctx.rank == 1:
         raise RuntimeError("rank one refuses; param $(touch /tmp/pwned) ; `id`")

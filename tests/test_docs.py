@@ -96,6 +96,18 @@ def test_the_marker_parser_sees_the_runnable_blocks() -> None:
     assert [b.lang for b in quick] == ["python", "python", "bash"], quick
     assert quick[1].file == "quickstart.py"
     assert any("not-run" in b.markers for b in blocks(ROOT / "docs" / "hpc.md"))
+    # install commands run in tests/test_install.py (a fresh copy, a new venv), not in a page's directory
+    installs = {p.name: [b for b in blocks(p) if "install" in b.markers] for p in PAGES}
+    assert len(installs["README.md"]) == 2 and len(installs["quickstart.md"]) == 1, installs
+    assert not any(b.runs for found in installs.values() for b in found)
+
+
+def test_no_page_installs_hetflow_from_an_index_it_is_not_on() -> None:
+    """``pip install 'hetflow[mpich]'`` was the README's first command and fails on a fresh machine."""
+    wrong = re.compile(r"pip install\s+['\"]?hetflow\b")
+    found = [f"{p.name}:{n}" for p in PAGES for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if wrong.search(line)]
+    assert not found, found
 
 
 def _env() -> dict[str, str]:

@@ -30,7 +30,7 @@ TWO_RANKS = textwrap.dedent('''
 
     pipe = hf.Pipeline("obs", pilot="local")
 
-    @pipe.stage(ranks=2, outputs=["t"])
+    @pipe.stage(ranks=2, outputs=["t"], params={"lines": 3, "pause": 0.0, "kill": 0})
     def talk(ctx):
         for i in range(int(ctx.params.get("lines", 3))):
             print(f"line {i} from rank {ctx.rank}", flush=True)

@@ -38,7 +38,7 @@ import hetflow as hf
 
 pipe = hf.Pipeline("tiny")
 
-@pipe.stage(outputs=["t"])
+@pipe.stage(outputs=["t"], params={"fail": False})
 def make(ctx):
     if ctx.params.get("fail"):
         raise ValueError("bad range [/] and [bold]x[/bold] in the input")
@@ -105,12 +105,42 @@ import hetflow as hf
 
 pipe = hf.Pipeline("params")
 
-@pipe.stage(outputs=["seen"], params={"version": "1.0", "epochs": 10, "rate": 0.5, "verbose": False})
+@pipe.stage(outputs=["seen"], params={"version": "1.0", "epochs": 10, "rate": 0.5, "verbose": False, "tag": None,
+                                      "count": None, "n": None, "x": None, "flag": None, "date": None, "empty": None,
+                                      "none": None, "words": None})
 def show(ctx):
     import json
     keys = sorted(ctx.params)
     return {"seen": pa.table({"key": keys, "value": [json.dumps(ctx.params[k]) for k in keys]})}
 '''
+
+
+def test_a_param_no_stage_declares_is_refused_on_the_command_line_and_in_python(tmp_path: Path) -> None:
+    """``--param lr=0.05`` that no stage reads would run with the defaults and say nothing: refused before
+    anything runs, naming the declared keys; ``pipe.run(params=...)`` the same."""
+    (tmp_path / "p.py").write_text(PARAMS)
+    done = hetflow_cmd("run", "p.py", "--no-progress", "--param", "lr=0.05", cwd=tmp_path)
+    assert done.returncode == 2
+    assert one_line(done) == ("hetflow: error: --param lr=0.05: no stage declares 'lr' (declared: count, date, "
+                              "empty, epochs, flag, n, none, rate, tag, verbose, version, words, x); a parameter no "
+                              "stage declares is read by none, so declare it in the params= of the stages that "
+                              "read it")
+    assert not (tmp_path / ".hetflow" / "runs").exists() or not any((tmp_path / ".hetflow" / "runs").iterdir())
+    pipe = hf.Pipeline("python-params", workdir=tmp_path / "w")
+    pipe.stage(outputs=["t"], params={"epochs": 10})(_make_t)
+    with pytest.raises(hf.PipelineError, match=r"^pipeline 'python-params': run\(params=\.\.\.\) gives 'lr': no "
+                       r"stage declares 'lr' \(declared: epochs\); a parameter no stage declares is read by none"):
+        pipe.run(params={"lr": 0.05})
+    with pytest.raises(hf.PipelineError, match=r"no stage declares any params"):
+        bare = hf.Pipeline("bare", workdir=tmp_path / "w")
+        bare.stage(outputs=["t"])(_make_t)
+        bare.run(params={"lr": 0.05})
+
+
+def _make_t(ctx):  # type: ignore[no-untyped-def]
+    import pyarrow as pa
+
+    return {"t": pa.table({"x": [1]})}
 
 
 def test_param_values_typed_by_the_declared_default_else_numbers_and_json_literals(tmp_path: Path) -> None:

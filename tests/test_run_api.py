@@ -172,3 +172,170 @@ def test_a_missing_relative_file_says_where_stages_run_and_how_to_declare_it() -
     assert "files=['cat.csv']" in error_message(FileNotFoundError(2, "No such file or directory", "cat.csv"))
     absolute = FileNotFoundError(2, "No such file or directory", "/data/cat.csv")
     assert error_message(absolute) == str(absolute)  # nothing to add for an absolute path
+    # a stage that declares files: the hint is ctx.files, which it already has, not to declare them
+    hinted = error_message(FileNotFoundError(2, "No such file or directory", "data/obs-1.csv"),
+                           ["/home/me/data/obs-1.csv"])
+    assert "ctx.files" in hinted and "/home/me/data/obs-1.csv" in hinted and "files=[" not in hinted, hinted
+
+
+def _takes_ctx_only(ctx):  # type: ignore[no-untyped-def]
+    return {"u": None}
+
+
+def _takes_any(ctx, *tables):  # type: ignore[no-untyped-def]
+    return {"u": None}
+
+
+def test_a_stage_function_that_cannot_take_its_inputs_is_refused_where_it_is_declared() -> None:
+    """``func(ctx, *inputs)`` is how every rank calls it: ``def f(ctx)`` with ``inputs=["t"]`` failed only when
+    it ran, after everything upstream, with Python's 'takes 1 positional argument but 2 were given'."""
+    pipe = hf.Pipeline("signatures")
+    with pytest.raises(hf.PipelineError) as caught:
+        pipe.stage(inputs=["t"], outputs=["u"])(_takes_ctx_only)
+    assert str(caught.value) == ("pipeline 'signatures', stage '_takes_ctx_only': _takes_ctx_only(ctx) cannot be called "
+                                 "as _takes_ctx_only(ctx, t) (too many positional arguments): a stage function takes "
+                                 "ctx, then one argument per input, in the order of inputs=['t']")
+
+    def two(ctx, a, b):  # type: ignore[no-untyped-def]
+        return {}
+
+    with pytest.raises(hf.PipelineError, match=r"stage 'two': two\(ctx, a, b\) cannot be called as two\(ctx, a\) "
+                                               r"\(missing a required argument: 'b'\).*inputs=\['a'\]"):
+        pipe.stage(inputs=["a"], outputs=["c"])(two)
+
+    def keyword_only(ctx, *, t):  # type: ignore[no-untyped-def]
+        return {}
+
+    with pytest.raises(hf.PipelineError, match=r"keyword_only\(ctx, \*, t\) cannot be called as keyword_only\(ctx, t\)"):
+        pipe.stage(inputs=["t"], outputs=["k"])(keyword_only)
+    assert not pipe.stages  # nothing half-declared
+    # what can take the call is declared: *args, defaults, and a function without inputs
+    pipe.stage(name="any", inputs=["t", "x"], outputs=["u"])(_takes_any)
+    pipe.stage(name="defaults", inputs=["t"], outputs=["d"])(lambda ctx, t, scale=2: {"d": None})
+    pipe.stage(name="alone", outputs=["t"])(_takes_ctx_only)
+    assert list(pipe.stages) == ["any", "defaults", "alone"]
+
+
+GLOBS = '''
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import hetflow as hf
+
+pipe = hf.Pipeline("globs")
+
+
+@pipe.stage(outputs=["a"])
+def first(ctx):
+    (Path(__file__).parent / "first-ran").touch()
+    return {"a": pa.table({"x": [1]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"], files=["data/obs-*.csv"])
+def second(ctx, a):
+    return {"b": pa.concat_tables([pcsv.read_csv(f) for f in ctx.files])}
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--make" in sys.argv:  # an earlier step of the script makes the files the stage declares
+        Path(__file__).parent.joinpath("data").mkdir(exist_ok=True)
+        pcsv.write_csv(pa.table({"y": [2]}), Path(__file__).parent / "data" / "obs-1.csv")
+    pipe.run()
+'''
+
+
+def test_a_files_glob_that_matches_nothing_is_refused_when_the_run_starts(tmp_path: Path) -> None:
+    """Before anything runs, naming the stage, the pattern and the directory it was resolved against; files
+    an earlier step of the script makes are there by then."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "flow.py").write_text(GLOBS)
+    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "run", "project/flow.py", "--no-progress"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.strip() == (f"hetflow: error: pipeline 'globs', stage 'second': declared files glob "
+                                   f"'data/obs-*.csv' matches no file in {project} (the script's directory: "
+                                   "relative patterns are resolved against it)")
+    assert not (project / "first-ran").exists() and not (tmp_path / ".hetflow" / "runs").exists()
+    made = subprocess.run([sys.executable, "project/flow.py", "--make"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    from hetflow.store import Store
+
+    store = Store.for_workdir(tmp_path / ".hetflow")
+    try:
+        (run,) = store.runs()
+        assert run.state == "DONE"
+    finally:
+        store.close()
+
+
+DISAGREE = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("disagree", pilot=hf.PilotDescription(name="four", cores_per_node=4, gpus_per_node=0,
+                                                          memory_per_node=2**33))
+
+
+@pipe.stage(ranks=2, outputs=["pair"])
+def pair(ctx):
+    if ctx.rank == 1:
+        return {"pair": pa.table({"x": [1.5], "tag": ["b"]})}
+    return {"pair": pa.table({"x": [1], "tag": ["a"]})}
+
+
+@pipe.stage(ranks=3, outputs=["trio"])
+def trio(ctx):
+    if ctx.rank == 1:
+        return {"trio": pa.table({"x": [1], "extra": [True]})}
+    return {"trio": pa.table({"x": [ctx.rank]})}
+'''
+
+
+def test_ranks_that_return_different_schemas_are_named_with_both_schemas_in_the_summary_and_run_failed(
+        tmp_path: Path) -> None:
+    """The whole error (bounded), not its first line; with two ranks neither is the odd one out, so both are
+    named; with three, the one whose schema differs from the other two."""
+    (tmp_path / "flow.py").write_text(DISAGREE)
+    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "run", "flow.py", "--no-progress"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    assert re.search(r"pair +FAILED +\S+ +attempts=1  ranks 0 and 1: SchemaDisagreement: stage 'pair', output "
+                     r"'pair': ranks 0 and 1 returned different schemas, and none is returned by more ranks than the "
+                     r"others", out), out
+    for line in ("rank 0: x: int64, tag: string", "rank 1: x: double, tag: string",
+                 "rank 1 against rank 0: ~ column 'x': double, expected int64",
+                 ("rank 1: SchemaDisagreement: stage 'trio', output 'trio': rank 1 returned a schema that differs "
+                 "from the one ranks 0 and 2 returned"), "ranks 0 and 2: x: int64", "rank 1: x: int64, extra: bool",
+                 "rank 1 against ranks 0 and 2: + unexpected column 'extra' (bool)"):
+        assert line in out, (line, out)
+    status = json.loads(subprocess.run([sys.executable, "-m", "hetflow.cli", "status", "--json"], cwd=tmp_path,
+                                       capture_output=True, text=True, timeout=120).stdout)
+    stages = {s["name"]: s for s in status["stages"]}
+    assert stages["pair"]["failed_rank"] == 0 and stages["trio"]["failed_rank"] == 1
+    # RunFailed, as pipe.run() raises it in Python: the same lines
+    from hetflow.status import run_status
+    from hetflow.store import Store
+
+    store = Store.for_workdir(tmp_path / ".hetflow")
+    try:
+        message = str(hf.RunFailed(run_status(store, None)))
+    finally:
+        store.close()
+    assert "rank 0: x: int64, tag: string" in message and "rank 1: x: double, tag: string" in message, message
+    assert "rank 1 against ranks 0 and 2: + unexpected column 'extra' (bool)" in message, message
+
+
+def test_a_long_error_is_cut_to_its_first_lines_saying_how_many_are_left_out() -> None:
+    from hetflow.errors import ERROR_LINES, error_text
+
+    assert error_text("one line") == "one line"
+    assert error_text("head:\n  a\n  b\n") == "head:\n    a\n    b"
+    long = error_text("\n".join(f"line {i}" for i in range(50)))
+    assert long.splitlines()[:2] == ["line 0", "  line 1"] and len(long.splitlines()) == ERROR_LINES + 1
+    assert long.splitlines()[-1] == f"  ... {50 - ERROR_LINES} more lines (hetflow status shows them)"

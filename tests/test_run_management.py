@@ -31,7 +31,7 @@ pipe = hf.Pipeline("chain")
 def load(ctx):
     return {"raw": pa.table({"x": [ctx.rank * 10 + i for i in range(5)]})}
 
-@pipe.stage(inputs=["raw"], outputs=["total"])
+@pipe.stage(inputs=["raw"], outputs=["total"], params={"hold": "/nonexistent"})
 def total(ctx, raw):
     hold = Path(ctx.params.get("hold", "/nonexistent"))
     if hold.exists():

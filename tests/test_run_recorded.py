@@ -36,7 +36,7 @@ def first(ctx):
     return {"numbers": pa.table({"x": list(range(100))})}
 
 
-@pipe.stage(inputs=["numbers"], outputs=["after"])
+@pipe.stage(inputs=["numbers"], outputs=["after"], params={"action": "", "workdir": "."})
 def second(ctx, numbers):
     action = ctx.params.get("action", "")
     workdir = Path(ctx.params.get("workdir", "."))

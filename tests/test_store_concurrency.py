@@ -31,7 +31,7 @@ def test_hundreds_of_short_tasks_reconcile(tmp_path: Path) -> None:
 
     thread = threading.Thread(target=reader, daemon=True)
     run_holder: list[hf.RunStatus] = []
-    P.wide(tmp_path, 1, pilot).run(params={"warm-up": True})  # creates the store for the readers
+    P.wide(tmp_path, 1, pilot).run()  # creates the store for the readers
     thread.start()
     try:
         run_holder.append(P.wide(tmp_path, stages, pilot).run(rerun=["all"]))  # t000 is the warm-up's too

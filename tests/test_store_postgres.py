@@ -119,7 +119,7 @@ import hetflow as hf
 
 pipe = hf.Pipeline("held")
 
-@pipe.stage(ranks=2, outputs=["t"])
+@pipe.stage(ranks=2, outputs=["t"], params={"hold": None})
 def hold(ctx):
     hold = Path(ctx.params["hold"])
     (hold.parent / f"holding-{ctx.rank}").touch()

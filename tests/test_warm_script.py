@@ -7,6 +7,7 @@ or break the server's protocol, and what one stage changes must not reach the ne
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,9 @@ import pyarrow as pa
 
 EXECUTED_BY = os.getpid()
 SEEN = []
-pipe = hf.Pipeline("warm-script", pilot=hf.PilotDescription(name="two", cores_per_node=2, memory_per_node=2**33))
+pipe = hf.Pipeline("warm-script", pilot=hf.PilotDescription(
+    name="two", cores_per_node=2, memory_per_node=2**33,
+    options={"local": {"warm_start": os.environ.get("COLD") != "1"}}))
 '''
 
 STAGES = '''
@@ -50,10 +53,11 @@ if __name__ == "__main__":
 '''
 
 
-def _run(tmp_path: Path, top: str = "") -> tuple[subprocess.CompletedProcess[str], Path]:
+def _run(tmp_path: Path, top: str = "", cold: bool = False) -> tuple[subprocess.CompletedProcess[str], Path]:
     (tmp_path / "script.py").write_text(textwrap.dedent(HEAD) + textwrap.dedent(top) + STAGES)
+    env = dict(os.environ, COLD="1" if cold else "0")
     done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=300, check=False, env=env)
     (run_dir,) = (tmp_path / ".hetflow" / "runs").iterdir()
     return done, run_dir
 
@@ -91,3 +95,38 @@ def test_a_script_that_fails_in_workers_fails_its_stage_with_the_scripts_own_err
     assert "RuntimeError: this script refuses to run in a worker" in done.stdout, done.stdout
     log = (run_dir / "forkserver.log").read_text()
     assert "not executed before forking (RuntimeError: this script refuses to run in a worker)" in log, log
+
+
+EDITS_ITSELF = """
+_first = first
+
+
+def first(ctx):  # as a user editing the script while the run goes on: the file changes under the run
+    with open(__file__, "a") as fh:
+        fh.write("\\n# edited while the run went on\\n")
+    return _first(ctx)
+
+
+pipe.stages["first"] = pipe.stages["first"].__class__(**{**vars(pipe.stages["first"]), "func": first})
+"""
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_script_edited_during_its_run_is_never_executed_in_its_new_version(tmp_path: Path, cold: bool) -> None:
+    """The stages' keys are made from the version the run started with.  A warm stage is forked from that
+    version (the fork server executed it before the edit); a cold one would execute the file as it is now,
+    so it refuses, naming the script, instead of storing the new code's result under the old code's key."""
+    (tmp_path / "script.py").write_text(textwrap.dedent(HEAD) + STAGES.replace(
+        'if __name__ == "__main__":', EDITS_ITSELF + '\nif __name__ == "__main__":'))
+    env = dict(os.environ, COLD="1" if cold else "0")
+    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, check=False, env=env)
+    assert "edited while the run went on" in (tmp_path / "script.py").read_text()
+    if cold:
+        assert "STATE FAILED" in done.stdout, done.stdout + done.stderr
+        (run_dir,) = (tmp_path / ".hetflow" / "runs").iterdir()
+        status = subprocess.run([sys.executable, "-m", "hetflow.cli", "status", "--json"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert "was changed after this run started" in status.stdout, status.stdout
+    else:
+        assert "STATE DONE" in done.stdout, done.stdout + done.stderr

@@ -201,3 +201,54 @@ def test_ctrl_c_during_a_warm_stage_leaves_no_process(tmp_path: Path) -> None:
     while _alive([rank, witness, *servers]) and time.time() < deadline:
         time.sleep(0.1)
     assert _alive([rank, witness, *servers]) == []
+
+
+SHADOWED = '''
+import os
+
+import psutil
+import pyarrow as pa
+
+import hetflow as hf
+
+pipe = hf.Pipeline("shadowed")
+
+
+def _who(ctx):
+    starter = psutil.Process(os.getppid()).parent()
+    return pa.table({"rank": [ctx.rank], "hetflow": [hf.__file__], "pipeline": [hasattr(hf, "Pipeline")],
+                     "starter": [" ".join(starter.cmdline()) if starter else ""]})
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": _who(ctx)}
+
+
+@pipe.stage(ranks=2, inputs=["one"], outputs=["two"])
+def two(ctx, one):
+    return {"two": _who(ctx)}
+'''
+
+
+@pytest.mark.parametrize("shadow", ["empty", "package"])
+def test_a_hetflow_directory_where_the_run_starts_does_not_shadow_hetflow_in_the_ranks(
+        tmp_path: Path, shadow: str) -> None:
+    """A directory named ``hetflow`` beside the script, where ``hetflow run`` is started (the clone itself,
+    run from its parent), is not what the ranks import: one-rank stages (the fork server) and two-rank
+    stages (mpiexec) both get hetflow's own package."""
+    (tmp_path / "hetflow").mkdir()
+    if shadow == "package":
+        (tmp_path / "hetflow" / "__init__.py").write_text("SHADOW = True\n")
+    (tmp_path / "flow.py").write_text(SHADOWED)
+    done = subprocess.run([str(Path(sys.executable).parent / "hetflow"), "run", "flow.py", "--no-progress"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = sorted((tmp_path / ".hetflow" / "runs").iterdir())
+    rows = [row for name in ("one", "two") for row in
+            open_dataset(runs[-1] / "datasets" / name).to_table().to_pylist()]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["pipeline"] and Path(row["hetflow"]).resolve() == Path(hf.__file__).resolve(), row
+    assert "hetflow.tasks.forkserver" in rows[0]["starter"], rows[0]  # started warm, not after a failed server
+    assert all("hydra_pmi_proxy" in row["starter"] for row in rows[1:]), rows

@@ -21,7 +21,7 @@ def _work(ctx, name):  # type: ignore[no-untyped-def]
     return pa.table({"stage": [name]})
 
 
-@pipe.stage(ranks=1, duration=25, outputs=["a"])
+@pipe.stage(ranks=1, duration=25, outputs=["a"], params={"marks": ""})
 def first(ctx):  # type: ignore[no-untyped-def]
     return {"a": _work(ctx, "first")}
 

@@ -1,0 +1,104 @@
+"""A resume keeps what the earlier session of the run recorded about the stages it committed: their
+times, attempts and whether they were computed or reused (real ``hetflow run`` / ``resume`` processes,
+real SQLite)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HETFLOW = [sys.executable, "-m", "hetflow.cli"]
+
+SCRIPT = '''
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("kept")
+FLAG = Path(__file__).resolve().parent / "fail"
+
+
+@pipe.stage(outputs=["a"])
+def slow(ctx):
+    time.sleep(1.0)
+    return {"a": pa.table({"x": [1, 2, 3]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def flaky(ctx, a):
+    if FLAG.exists():
+        raise RuntimeError("the flag file is there")
+    return {"b": a}
+'''
+
+
+def hetflow(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETFLOW, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def status(cwd: Path, run_id: str) -> dict[str, dict]:
+    shown = hetflow("status", run_id, "--json", cwd=cwd)
+    assert shown.returncode in (0, 1), shown.stderr
+    return {s["name"]: s for s in json.loads(shown.stdout)["stages"]}
+
+
+def latest(cwd: Path) -> str:
+    return json.loads(hetflow("status", "--json", cwd=cwd).stdout)["id"]
+
+
+def test_a_resume_keeps_the_times_and_attempts_of_stages_the_earlier_session_committed(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(SCRIPT)
+    (tmp_path / "fail").touch()
+    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 1
+    run_id = latest(tmp_path)
+    before = status(tmp_path, run_id)
+    assert before["slow"]["state"] == "DONE" and before["flaky"]["state"] == "FAILED"
+    (tmp_path / "fail").unlink()
+    resumed = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    after = status(tmp_path, run_id)
+    for key in ("state", "started", "ended", "attempts", "cached_from"):
+        assert after["slow"][key] == before["slow"][key], (key, before["slow"], after["slow"])
+    assert after["flaky"]["state"] == "DONE" and after["flaky"]["attempts"] == 2
+
+
+def test_a_resume_shows_a_stage_reused_from_another_run_as_cached_from_that_run(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(SCRIPT)
+    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 0
+    first = latest(tmp_path)
+    (tmp_path / "p.py").write_text(SCRIPT.replace('return {"b": a}', 'return {"b": a.slice(1)}'))
+    (tmp_path / "fail").touch()
+    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 1
+    second = latest(tmp_path)
+    assert second != first
+    before = status(tmp_path, second)
+    assert before["slow"]["state"] == "CACHED" and before["slow"]["cached_from"] == first
+    (tmp_path / "fail").unlink()
+    resumed = hetflow("resume", second, "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    after = status(tmp_path, second)
+    assert after["slow"]["state"] == "CACHED" and after["slow"]["cached_from"] == first, after["slow"]
+    assert after["slow"]["attempts"] == 0 and after["slow"]["ended"] == before["slow"]["ended"]
+    assert after["slow"]["cache"]["reason"] == f"unchanged since run {first}", after["slow"]["cache"]
+    summary = [line for line in resumed.stdout.splitlines() if line.strip().startswith("slow ")]
+    assert summary and "CACHED" in summary[0] and f"unchanged since run {first}" in summary[0], resumed.stdout
+
+
+def test_a_resume_that_runs_a_committed_stage_again_records_the_new_execution(tmp_path: Path) -> None:
+    """Its code changed since the earlier session committed it: it runs again, with its own times."""
+    (tmp_path / "p.py").write_text(SCRIPT)
+    (tmp_path / "fail").touch()
+    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 1
+    run_id = latest(tmp_path)
+    before = status(tmp_path, run_id)["slow"]
+    assert before["state"] == "DONE" and before["attempts"] == 1
+    (tmp_path / "fail").unlink()
+    (tmp_path / "p.py").write_text(SCRIPT.replace("time.sleep(1.0)", "time.sleep(0.5)"))
+    assert hetflow("resume", run_id, "--no-progress", cwd=tmp_path).returncode == 0
+    after = status(tmp_path, run_id)["slow"]
+    assert after["state"] == "DONE" and after["cached_from"] is None and after["attempts"] == 2, after
+    assert after["started"] > before["ended"] and after["ended"] > after["started"], (before, after)
