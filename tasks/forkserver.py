@@ -8,20 +8,21 @@ therefore keeps one *fork server* per run (:data:`BOOT`, which runs
 imports those modules once, without starting MPI and with one BLAS thread,
 then forks one child per one-rank task it is asked to start.
 
-Before it forks the first child of a stage, the server executes that stage's
-script (or imports its module) itself, once, as the worker would, but with
-every top-level import done: what the script defines and imports (``import
-torch``, a ``torch.nn.Module`` class, a big constant) is then paid once per run
-and shared by every child forked after it, copy-on-write, and each child
-starts from the same state, so nothing one task changes reaches another.
-While the script executes, its standard streams are the server's log and
-``/dev/null`` (never the protocol's pipes), it sees the environment of a rank
-without GPUs and the ``sys.argv`` its run started with.  A script that fails
-there is left to each child, which meets the error as a cold start would.  A
-script that leaves a thread running (a forked child would get a copy of its
-locks but not the thread) makes the server replace itself, by ``exec`` with
-the same pid, pipes and children, with one that executes no script: its tasks
-then execute the script themselves, as before.
+Before it forks the first child of a stage, the server imports, once, the
+installed packages that the stage's script (or module) imports at its top
+(``import torch``, ``import pandas``, ``from sklearn import ...``): they are
+then paid once per run and shared by every child forked after it,
+copy-on-write.  The script itself is never executed in the server: each child
+executes it, as a cold start does (with those imports already done), so what
+the script makes at its top (an unseeded random generator, an open file, a
+temporary directory, a signal handler, a started process) is each task's own,
+as it would be in a fresh process.  The user's own modules are left to each
+child too.  While the imports run, the server's standard streams are its log
+and ``/dev/null`` (never the protocol's pipes) and it sees the environment of
+a rank without GPUs.  An import that fails is left to the child, which meets
+it.  An import that leaves a thread running (a forked child would get a copy
+of its locks but not the thread) makes the server replace itself, by ``exec``
+with the same pid, pipes and children, with one that loads no such imports.
 
 The child is what ``mpiexec -n 1 python -m hetflow.tasks.worker SPEC`` would
 have been: the leader of a new session (so the backend's timeout, cancel and
@@ -45,6 +46,7 @@ when the orchestrator is gone.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import json
@@ -128,10 +130,10 @@ def _reap() -> None:
 
 
 NO_SCRIPTS = "--no-scripts"
-"""The server's argument after a script left threads running: it executes no script before forking."""
+"""The server's argument after an import left threads running: it loads no script's imports any more."""
 
 _scripts: dict[tuple[str, str | None], bool] = {}
-"""The scripts and modules this server tried to execute, by (module, path): whether it did."""
+"""The scripts and modules whose imports this server loaded, by (module, path)."""
 
 
 def _threads() -> int:
@@ -145,12 +147,52 @@ def _threads() -> int:
         return threading.active_count()
 
 
+def installed_imports(source: bytes) -> list[str]:
+    """The modules a script (or module) imports at its top level (``import a.b``, ``from a.b import c``,
+    also inside ``if``/``try``/``with`` blocks) that are installed packages (in a ``site-packages``
+    directory) or the standard library: not the user's own modules (beside the script, or installed
+    editable from their source tree), which are left to each task."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            for block in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(node, block, ()):
+                    todo += child.body if isinstance(child, ast.ExceptHandler) else [child]
+    found = []
+    for name in dict.fromkeys(names):
+        top = name.partition(".")[0]
+        if top in sys.modules and name in sys.modules:
+            continue
+        if top not in sys.stdlib_module_names:
+            try:
+                spec = importlib.util.find_spec(top)
+            except (ImportError, ValueError):
+                continue
+            origin = spec.origin if spec is not None else None
+            if origin is None or not ("site-packages" in origin or "dist-packages" in origin):
+                continue
+        found.append(name)
+    return found
+
+
 def _preload_stage(job: Job) -> bool:
-    """Execute the script (or import the module) of ``job``'s stage here, once; False when the server
-    must not fork any more (the script left threads running).  A script that fails is left to the child."""
+    """Import here, once, the installed packages that the script (or module) of ``job``'s stage imports
+    at its top, so every task forked after shares them; False when the server must not fork any more
+    (an import left threads running).  The script itself is never executed here (each task executes it,
+    as a cold start would: what it creates at its top, an RNG, an open file, a temporary directory, a
+    signal handler, is each task's own); an import that fails is left to the task, which meets it."""
     from hetflow.tasks.gpu import GPU_VENDORS, VISIBLE_DEVICES
-    from hetflow.tasks.protocol import WORKER_ENV, ProtocolError, ScriptImportStop, WorkerSpec
-    from hetflow.tasks.script import SCRIPT_MODULE, check_unchanged, import_script, mark_preloaded
+    from hetflow.tasks.protocol import ProtocolError, WorkerSpec
 
     try:
         spec = WorkerSpec.read(Path(job.spec))
@@ -160,36 +202,35 @@ def _preload_stage(job: Job) -> bool:
     if key in _scripts:
         return True
     _scripts[key] = False
+    path = spec.function.path
+    if spec.function.module != "__main__":
+        try:
+            found = importlib.util.find_spec(spec.function.module)
+        except (ImportError, ValueError):
+            found = None
+        path = found.origin if found is not None else None
+    try:
+        source = Path(path).read_bytes() if path else b""
+    except OSError:
+        source = b""
     before = _threads()  # pyarrow's own (its allocator's): there before the server forked anything
-    saved_env, saved_argv, saved_fds = dict(os.environ), sys.argv[:], (os.dup(0), os.dup(1))
-    os.environ[WORKER_ENV] = "1"  # pipe.run() at the script's top stops there
+    saved_env, saved_fds = dict(os.environ), (os.dup(0), os.dup(1))
     for vendor in GPU_VENDORS:  # as a rank without GPUs sees it: nothing initialises a GPU before a fork
         os.environ.update({name: "" for name in VISIBLE_DEVICES[vendor]})
     os.environ.update({name: "1" for name in BLAS_ENV})
-    for entry in reversed(spec.sys_path):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
     null = os.open(os.devnull, os.O_RDONLY)
     sys.stdout.flush()
     os.dup2(null, 0)
-    os.dup2(2, 1)  # what the script prints goes to the server's log, never into the protocol's pipe
+    os.dup2(2, 1)  # what an import prints goes to the server's log, never into the protocol's pipe
     os.close(null)
     try:
-        if spec.function.module != "__main__":
-            importlib.import_module(spec.function.module)
-        elif spec.function.path:
-            check_unchanged(spec.function.path, spec.script_sha256, spec.stage)
-            sys.argv = [spec.function.path, *spec.argv[1:]]
+        for name in installed_imports(source):
             try:
-                module = import_script(spec.function.path, SCRIPT_MODULE, defer=False)
-            except ScriptImportStop:
-                module = sys.modules[SCRIPT_MODULE]
-            mark_preloaded(spec.function.path, module)
+                importlib.import_module(name)
+            except BaseException as exc:  # noqa: BLE001 - the task's own import meets it again
+                print(f"hetflow fork server: {name} (imported by {path}) not loaded before forking "
+                      f"({type(exc).__name__}: {exc})", file=sys.stderr)
         _scripts[key] = True
-    except BaseException as exc:  # noqa: BLE001 - the script's own error: each child meets it again
-        sys.modules.pop(SCRIPT_MODULE, None)
-        print(f"hetflow fork server: {spec.function.path or spec.function.module} not executed before forking "
-              f"({type(exc).__name__}: {exc}); its tasks execute it themselves", file=sys.stderr)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -199,18 +240,16 @@ def _preload_stage(job: Job) -> bool:
         os.close(saved_fds[1])
         os.environ.clear()
         os.environ.update(saved_env)
-        sys.argv = saved_argv
     threads = _threads() - before
     if threads > 0:
-        print(f"hetflow fork server: {spec.function.path or spec.function.module} left {threads} thread(s) "
-              "running after it executed; forking from it is not safe, the server restarts without executing "
-              "scripts", file=sys.stderr)
+        print(f"hetflow fork server: the imports of {path or spec.function.module} left {threads} thread(s) "
+              "running; forking from it is not safe, the server restarts without loading them", file=sys.stderr)
         return False
     return True
 
 
 def _restart(pending: bytes) -> NoReturn:
-    """Replace this process by a server that executes no script: same pid, pipes and children;
+    """Replace this process by a server that loads no script's imports: same pid, pipes and children;
     ``pending`` (requests read but not served yet) is handed to it."""
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-c", BOOT, FORK_SERVER, NO_SCRIPTS, pending.hex()])
@@ -219,7 +258,7 @@ def _restart(pending: bytes) -> NoReturn:
 def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
     """The server's loop; returns ``None`` when its stdin closes, and in each forked child, that child's job.
 
-    ``preload``: execute each stage's script before forking its first child (:func:`_preload_stage`).
+    ``preload``: load each stage's installed imports before forking its first child (:func:`_preload_stage`).
     ``pending``: requests already read (from the server this one replaced)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -86,10 +86,6 @@ class _Deferring(importlib.abc.MetaPathFinder):
 SCRIPT_MODULE = "__hetflow_script__"
 """The name a worker gives the pipeline script it executes."""
 
-_preloaded: dict[str, types.ModuleType] = {}
-"""Scripts executed before this process was forked from the fork server, by path (:func:`preloaded`)."""
-
-
 class ScriptChanged(RuntimeError):
     """The script's file is not the version its run started with."""
 
@@ -114,23 +110,12 @@ def check_unchanged(path: str, digest: str | None, stage: str) -> None:
                             "(or resume the run: a resume starts from the file as it is then)")
 
 
-def preloaded(path: str) -> types.ModuleType | None:
-    """The script at ``path`` as the fork server executed it before forking this process, if it did."""
-    return _preloaded.get(path)
-
-
-def mark_preloaded(path: str, module: types.ModuleType) -> None:
-    """Record that this process (the fork server) has executed the script at ``path`` as ``module``."""
-    _preloaded[path] = module
-
-
-def import_script(path: str, module_name: str, *, defer: bool = True) -> types.ModuleType:
+def import_script(path: str, module_name: str) -> types.ModuleType:
     """Execute the script at ``path`` as the module ``module_name``, its unused top-level imports deferred.
 
     The module is in ``sys.modules`` under ``module_name`` while it runs (so that
     its functions, classes and pickles find it) and afterwards; exceptions from
-    the script propagate.  ``defer=False`` imports everything as written (the fork
-    server: what it loads once is shared by every task forked from it).
+    the script propagate.
     """
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -138,7 +123,7 @@ def import_script(path: str, module_name: str, *, defer: bool = True) -> types.M
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        names = deferrable(Path(path).read_text()) if defer else frozenset()
+        names = deferrable(Path(path).read_text())
     except (SyntaxError, ValueError, OSError, UnicodeDecodeError):
         names = frozenset()  # the loader reports what is wrong with the file
     finder = _Deferring(module.__dict__, names)

@@ -92,18 +92,14 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
     else:
         if not path:
             raise RuntimeError(f"stage {spec.stage!r} is defined in __main__ without a file to import")
-        from .script import SCRIPT_MODULE, check_unchanged, import_script, preloaded
+        from .script import SCRIPT_MODULE, check_unchanged, import_script
 
         sys.argv = [path, *spec.argv[1:]]  # what the script saw when its run started (itself by full path)
-        found = preloaded(path)  # executed once by the fork server this process was forked from (checked there)
-        if found is not None:
-            module = found
-        else:
-            check_unchanged(path, spec.script_sha256, spec.stage)
-            try:
-                module = import_script(path, SCRIPT_MODULE)
-            except ScriptImportStop:
-                module = sys.modules[SCRIPT_MODULE]
+        check_unchanged(path, spec.script_sha256, spec.stage)
+        try:
+            module = import_script(path, SCRIPT_MODULE)
+        except ScriptImportStop:
+            module = sys.modules[SCRIPT_MODULE]
     func = _registered(module, spec.stage, name)
     if func is None:
         func = getattr(module, name, None)
