@@ -499,9 +499,16 @@ class Orchestrator:
         except ValueError as exc:  # a declared file that is not there
             return CacheChecked(spec.name, False, "", error=f"stage {spec.name!r}: {exc}")
         key, params = material.key(), self.stage_params(spec)
-        # shared with other look-ups, exclusive of rm/gc: the hit is verified and its reuse recorded
-        # before any removal can read what kept runs use (Store.datasets_lock)
-        with self.store.datasets_lock(exclusive=False), self.store.session() as session:
+        # shared with other look-ups, exclusive of rm/gc: the hit is verified and its reuse recorded (and
+        # committed, inside a batch too) before any removal can read what kept runs use (Store.datasets_lock)
+        with self.store.datasets_lock(exclusive=False):
+            checked = self._look_up_locked(spec, material, key, params)
+            self.store.commit()
+        return checked
+
+    def _look_up_locked(self, spec: StageSpec, material: cache.KeyMaterial, key: str,
+                        params: dict[str, Any]) -> CacheChecked:
+        with self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
                                                 params=params, outputs=spec.outputs)
             for problem in damaged:

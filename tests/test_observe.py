@@ -415,7 +415,8 @@ WATCHED = textwrap.dedent('''
 
     pipe = hf.Pipeline("watched", pilot="local")
 
-    @pipe.stage(ranks=2, name="train_member_of_a_learning_rate_sweep_with_a_long_name_lr_0_001")
+    @pipe.stage(ranks=2, name="train_member_of_a_learning_rate_sweep_with_a_long_name_lr_0_001",
+                params={"release": ""})
     def member(ctx):
         ctx.progress(3, 10, unit="epoch", loss=0.25)
         give_up = time.time() + 180  # a test that failed half-way leaves nothing running for long

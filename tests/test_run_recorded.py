@@ -130,7 +130,9 @@ def test_no_launcher_records_the_run_failed_naming_it(tmp_path: Path) -> None:
     assert _runs(work / "hetflow.db")[0][1] == "DONE"
 
 
-def test_a_missing_extra_records_the_run_failed_naming_it(tmp_path: Path) -> None:
+def test_a_missing_extra_is_one_line_naming_it_before_any_run_is_recorded(tmp_path: Path) -> None:
+    """The engine is looked for before the run is created: nothing to resume, nothing recorded FAILED
+    (before, the run was recorded FAILED and the hint said to resume what could never run)."""
     cwd = _project(tmp_path)
     work = cwd / "w"
     fake = cwd / "broken"
@@ -138,11 +140,11 @@ def test_a_missing_extra_records_the_run_failed_naming_it(tmp_path: Path) -> Non
     (fake / "parsl.py").write_text("raise ImportError(\"No module named 'parsl'\", name='parsl')\n")
     env = dict(os.environ, PYTHONPATH=str(fake))
     done = _hetflow("run", "p.py", "--workdir", str(work), "--no-progress", "--backend", "parsl", cwd=cwd, env=env)
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr
     _no_traceback(done)
-    assert "parsl" in done.stderr and "hetflow resume" in done.stderr
-    ((_, state, error),) = _runs(work / "hetflow.db")
-    assert state == "FAILED" and "parsl" in error
+    assert "parsl" in done.stderr and "pip install 'hetflow[parsl]'" in done.stderr
+    assert "hetflow resume" not in done.stderr
+    assert not (work / "hetflow.db").exists() or _runs(work / "hetflow.db") == []
 
 
 def _small_mount(path: Path, size: str) -> None:

@@ -132,6 +132,9 @@ def test_timeout_kills_the_task(engine: Engine) -> None:
     assert outcome.timed_out and not outcome.ok, outcome
     assert time.monotonic() - started < 60
     pid = int((spec.cwd / "pid").read_text())
+    gone = time.monotonic() + 15  # as for a cancel: RP reports the timeout once its agent has sent the kill
+    while _alive({pid}) and time.monotonic() < gone:
+        time.sleep(0.2)
     assert _alive({pid}) == []
 
 

@@ -149,7 +149,7 @@ import hetflow as hf
 
 pipe = hf.Pipeline("held")
 
-@pipe.stage(outputs=["t"])
+@pipe.stage(outputs=["t"], params={"mark": ""})
 def hold(ctx):
     Path(ctx.params["mark"]).write_text("holding")
     time.sleep(300)
