@@ -110,6 +110,10 @@ STOP_GRACE = 10.0
 """Seconds an interrupted run waits for its cancelled tasks to end before it records them cancelled."""
 
 
+class DatasetInUse(ds.DatasetError):
+    """A resume would rewrite a committed dataset that other runs reuse."""
+
+
 class LeaseLost(HetflowError, RuntimeError):
     """Another orchestrator took this run over (its lease lapsed): stop without writing anything more."""
 
@@ -187,6 +191,8 @@ class Orchestrator:
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
         self.recorded: set[str] = set()
+        self.committed_before: frozenset[str] = frozenset()
+        """The datasets this run had committed when this session of it began (a resume's)."""
         """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.made_dirs: set[Path] = set()
         """Directories of this run this orchestrator has made (or checked) already: made once, not per attempt."""
@@ -259,6 +265,7 @@ class Orchestrator:
         self.stage_ids = {record.name: record.id for record in
                           session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
         self.recorded = set(session.scalars(select(DatasetRecord.name).where(DatasetRecord.run_id == self.run_id)))
+        self.committed_before = frozenset(self.recorded)
         # committed stages stay DONE in the store; the plan starts every stage PENDING and finds
         # them again by their cache key, so changed code, files, parameters or inputs re-run them
         self.plan = RunPlan(self.run_id, self.nodes, attempts=attempts)
@@ -406,8 +413,11 @@ class Orchestrator:
 
     def _withdraw(self, stage: str) -> None:
         for name in self.stages[stage].outputs:
+            target = self.run_dir / "datasets" / name
+            if self._reused_by(name, target):
+                continue  # never rewritten (the stage was refused): what other runs read stays
             try:
-                ds.uncommit(self.run_dir / "datasets" / name)
+                ds.uncommit(target)
             except (UnsafePath, ds.UnsafeDatasetPath) as exc:  # refused: nothing is deleted through a link
                 log.warning("stage %s: output %r not withdrawn: %s", stage, name, exc)
 
@@ -632,6 +642,7 @@ class Orchestrator:
         outputs = {}
         for name in spec.outputs:
             target = self._private_dir(self.run_dir / "datasets" / name)
+            self._refuse_if_reused(spec.name, name, target)
             ds.uncommit(target)
             outputs[name] = str(target)
         base = Path(spec.path).parent if spec.path else Path.cwd()
@@ -649,6 +660,24 @@ class Orchestrator:
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
+
+    def _reused_by(self, name: str, target: Path) -> list[str]:
+        """The other runs whose records point at this run's committed dataset ``name`` (at ``target``);
+        only a dataset committed before this session of the run can have any."""
+        if name not in self.committed_before:
+            return []
+        with self.store.session() as session:
+            return sorted(set(session.scalars(select(DatasetRecord.run_id).where(
+                DatasetRecord.path == str(target), DatasetRecord.run_id != self.run_id))))
+
+    def _refuse_if_reused(self, stage: str, name: str, target: Path) -> None:
+        """A resume re-runs ``stage``, whose committed output ``name`` other runs reuse (their records point
+        at ``target``): writing over it would change what those runs read, so the stage is not started."""
+        users = self._reused_by(name, target)
+        if users:
+            raise DatasetInUse(f"stage {stage!r} would rewrite its output {name!r} ({target}), which run(s) "
+                               f"{', '.join(users)} reuse: a resume never changes what another run has read; run "
+                               "the script again for a new run instead (it reuses what is unchanged)")
 
     def _forget(self, session: Any, names: Sequence[str]) -> None:
         """:func:`_forget_datasets` for the names this run has a record of (known since :meth:`prepare`)."""

@@ -102,3 +102,40 @@ def test_a_resume_that_runs_a_committed_stage_again_records_the_new_execution(tm
     after = status(tmp_path, run_id)["slow"]
     assert after["state"] == "DONE" and after["cached_from"] is None and after["attempts"] == 2, after
     assert after["started"] > before["ended"] and after["ended"] > after["started"], (before, after)
+
+
+def test_a_resume_never_rewrites_a_dataset_another_run_reuses(tmp_path: Path) -> None:
+    """Run F fails after committing ``a``; run G reuses F's ``a``; then ``slow`` is edited and F resumed.
+    Before, F's resume rewrote ``a`` in place: G then held the new ``a`` beside a ``b`` made from the old
+    one while its status said nothing had changed."""
+    from hetflow.operators.dataset import open_dataset
+
+    (tmp_path / "p.py").write_text(SCRIPT)
+    (tmp_path / "fail").touch()
+    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 1
+    first = latest(tmp_path)
+    (tmp_path / "fail").unlink()
+    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 0
+    second = latest(tmp_path)
+    assert status(tmp_path, second)["slow"]["state"] == "CACHED"
+    (tmp_path / "p.py").write_text(SCRIPT.replace("[1, 2, 3]", "[7, 8, 9]"))
+    resumed = hetflow("resume", first, "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 1, resumed.stdout + resumed.stderr
+    assert f"which run(s) {second} reuse" in resumed.stderr, resumed.stderr
+    reused = json.loads(hetflow("status", second, "--json", cwd=tmp_path).stdout)["datasets"]["a"]
+    assert open_dataset(reused).to_table().column("x").to_pylist() == [1, 2, 3]  # what run G read, untouched
+    again = hetflow("run", "p.py", "--no-progress", cwd=tmp_path)  # the way to the new code: a new run
+    assert again.returncode == 0, again.stderr
+    third = latest(tmp_path)
+    assert open_dataset(json.loads(hetflow("status", third, "--json", cwd=tmp_path).stdout)["datasets"]["b"]
+                        ).to_table().column("x").to_pylist() == [7, 8, 9]
+
+
+def test_a_done_run_is_not_resumed(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(SCRIPT)
+    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 0
+    run_id = latest(tmp_path)
+    refused = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)
+    assert refused.returncode == 2 and f"run {run_id} ended DONE: there is nothing to resume" in refused.stderr, \
+        refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stderr
