@@ -187,7 +187,11 @@ class _Walker:
             for owner, attr in found:  # a patched value may reach more code: drain again
                 applied.add((id(owner), attr))
                 value = vars(owner).get(attr, _ABSENT)
-                self.add(f"{_owner_name(owner)}.{attr}", _sha("<absent>" if value is _ABSENT else self.value(value)))
+                text = "<absent>" if value is _ABSENT else self.value(value)
+                if isinstance(value, types.FunctionType):  # a.f.gain = v: the function's own attributes
+                    text += " attributes " + self.value({k: v for k, v in vars(value).items()
+                                                         if not k.startswith("__")})
+                self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
 
     def drain(self) -> None:
@@ -273,13 +277,23 @@ class _Walker:
     def patch_sites(self) -> list[tuple[Any, str]]:
         """``(module or class, attribute)`` that user code sets from outside it (see the module docstring)."""
         sites: dict[tuple[int, str], tuple[Any, str]] = {}
-        for name, path, namespace in self.user_namespaces():
+        namespaces = self.user_namespaces()
+        held: dict[int, tuple[Any, str]] = {}  # a module-level value of a user module, by identity: its home
+        for name, _, namespace in namespaces:
+            module = sys.modules.get(name)
+            if module is None or name == self.home:  # the script's own globals are hashed as they are
+                continue
+            for attr, value in list(namespace.items()):
+                if not attr.startswith("__") and not isinstance(value, (types.ModuleType, type)) and \
+                        not _is_code_like(value) and not isinstance(value, _SIMPLE):
+                    held.setdefault(id(value), (module, attr))
+        for name, path, namespace in namespaces:
             try:
                 source = Path(path).read_bytes()
             except OSError:
                 continue
             for kind, chain in _patch_chains(source, path):
-                for owner, attr in _resolve_patch(namespace, chain, kind):
+                for owner, attr in _resolve_patch(namespace, chain, kind, held):
                     if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
                         continue  # a module setting its own names: its source counts already
                     names = [attr] if attr is not None else [
@@ -677,7 +691,7 @@ _PATCHES: dict[str, tuple[tuple[str, _Chain], ...]] = {}
 def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
     """Where a module's source may set a value on another object: ``("set", names)`` and ``("call", names)``.
 
-    ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v`` and
+    ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v``, ``D[k] = v`` and
     ``setattr(a, "K", v)`` / ``delattr`` / ``a.__dict__["K"] = v`` / ``vars(a)["K"] = v``
     give ``("set", ("a", "b", "K"))`` and the like; a name that is not a literal
     (``setattr(a, name, v)``, ``vars(a).update(...)``) ends the chain with None.
@@ -703,6 +717,8 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
             if namespace is not None:
                 name = node.slice.value if isinstance(node.slice, ast.Constant) else None
                 found.append(("set", namespace + (name if isinstance(name, str) else None,)))
+            elif isinstance(node.value, ast.Name):
+                found.append(("set", (node.value.id,)))  # CFG[k] = v: the object CFG names, changed in place
             else:
                 target(node.value)
 
@@ -755,16 +771,23 @@ def _namespace_of(node: ast.expr) -> tuple[str, ...] | None:
     return None
 
 
-def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str) -> list[tuple[Any, str | None]]:
+def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str,
+                   held: Mapping[int, tuple[Any, str]] | None = None) -> list[tuple[Any, str | None]]:
     """The ``(module or class, attribute)`` a patch site sets, looked up without running code.
 
     The chain is followed through modules and classes (``vars``, never ``getattr``);
     it stops at the first other value: ``a.CONFIG.k = v`` and ``a.ITEMS.append(v)``
-    set ``a.CONFIG`` and ``a.ITEMS``.  A call of a function (``a.configure(2)``)
-    sets the globals that function assigns (``global K``) in its own module.
+    set ``a.CONFIG`` and ``a.ITEMS``; ``a.f.gain = v`` (an attribute of a function)
+    sets ``a.f``.  A chain that starts at a value another user module holds
+    (``from a import CONFIG`` then ``CONFIG["k"] = v``; ``held`` maps such values
+    by identity to their module and name) sets that module's name.  A call of a
+    function (``a.configure(2)``) sets the globals that function assigns
+    (``global K``) in its own module.
     """
     obj = namespace.get(chain[0] or "", _ABSENT)
     names = chain[1:]
+    if held and not isinstance(obj, (types.ModuleType, type)) and id(obj) in held:
+        return [held[id(obj)]]  # changed in place through another name for it
     for i, name in enumerate(names):
         if not isinstance(obj, (types.ModuleType, type)):
             return []
@@ -776,6 +799,8 @@ def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str) -> li
             return []
         if not last and not isinstance(value, (types.ModuleType, type)) and not _is_code_like(value):
             return [(obj, name)]  # a value changed in place: a.CONFIG.k = v, a.ITEMS.append(v)
+        if not last and isinstance(value, types.FunctionType) and (kind == "set" or i < len(names) - 2):
+            return [(obj, name)]  # an attribute of a function set from outside: a.f.gain = v
         obj = value
     if kind == "call" and isinstance(obj, types.FunctionType):
         module = sys.modules.get(obj.__globals__.get("__name__") or "")

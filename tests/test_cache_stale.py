@@ -170,8 +170,8 @@ def test_a_resume_keeps_the_rerun_of_a_forced_run_that_was_interrupted(tmp_path:
     with sqlite3.connect(tmp_path / "work" / "hetflow.db") as db:
         ((recorded,),) = db.execute("SELECT rerun FROM runs WHERE id = ?", (run_id,)).fetchall()
     assert json.loads(recorded) == ["first", "second", "third"]
-    again = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)  # all of it ran in this run now
-    assert again.returncode == 0
+    again = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)  # all of it ran: the run is DONE
+    assert again.returncode == 2 and "there is nothing to resume" in again.stderr, again.stderr
     assert [s["attempts"] for n, s in status(tmp_path, run_id).items() if n != "_run"] == [1, 2, 1]
     later = run(tmp_path)  # a new run without --rerun reuses the forced run's outputs
     assert set(states(later).values()) == {"CACHED"} and value(later, "c") == 2
@@ -304,3 +304,62 @@ def test_the_users_library_installed_from_a_local_directory_counts_by_its_source
     finally:
         if editable:
             pip("uninstall", "--yes", "hfprobe-lib")
+
+
+INDIRECT = '''
+import pyarrow as pa
+import hetflow as hf
+from mylib import calib, limits, options
+from mylib.consts import CFG, OPTS
+
+CFG["threshold"] = 1
+OPTS.k = 1
+calib.apply_gain.gain = 1.0
+
+pipe = hf.Pipeline("indirect")
+
+
+@pipe.stage(outputs=["t"])
+def threshold(ctx):
+    return {"t": pa.table({"v": [limits.threshold()]})}
+
+
+@pipe.stage(outputs=["o"])
+def opts(ctx):
+    return {"o": pa.table({"v": [options.opts_k()]})}
+
+
+@pipe.stage(outputs=["g"])
+def gain(ctx):
+    return {"g": pa.table({"v": [calib.apply_gain(10.0)]})}
+'''
+
+
+def test_values_changed_through_a_from_imported_name_or_on_a_modules_function_rerun_what_reads_them(
+        tmp_path: Path) -> None:
+    """The third red team: ``from mylib.consts import CFG`` then ``CFG["threshold"] = 2`` (and an object's
+    attribute the same way), and ``calib.apply_gain.gain = 2.5`` on a function of a local module, were
+    served CACHED with the old values."""
+    lib = tmp_path / "mylib"
+    lib.mkdir()
+    (lib / "__init__.py").write_text("")
+    (lib / "consts.py").write_text("import types\nCFG = {'threshold': 0}\nOPTS = types.SimpleNamespace(k=0)\n")
+    (lib / "limits.py").write_text("from mylib import consts\n\n\ndef threshold():\n    return consts.CFG['threshold']\n")
+    (lib / "options.py").write_text("from mylib import consts\n\n\ndef opts_k():\n    return consts.OPTS.k\n")
+    (lib / "calib.py").write_text("def apply_gain(x):\n    return x * apply_gain.gain\n\n\napply_gain.gain = 1.0\n")
+    script = tmp_path / "p.py"
+    script.write_text(INDIRECT)
+    first = run(tmp_path)
+    assert (value(first, "t"), value(first, "o"), value(first, "g")) == (1, 1, 10.0)
+    edit(script, 'CFG["threshold"] = 1', 'CFG["threshold"] = 2')
+    second = run(tmp_path)
+    assert states(second) == {"threshold": "DONE", "opts": "CACHED", "gain": "CACHED"}, states(second)
+    assert value(second, "t") == 2 and second["threshold"]["cache"]["reason"] == "mylib.consts.CFG changed", second
+    edit(script, "OPTS.k = 1", "OPTS.k = 3")
+    third = run(tmp_path)
+    assert states(third) == {"threshold": "CACHED", "opts": "DONE", "gain": "CACHED"}, states(third)
+    assert value(third, "o") == 3
+    edit(script, "calib.apply_gain.gain = 1.0", "calib.apply_gain.gain = 2.5")
+    fourth = run(tmp_path)
+    assert states(fourth) == {"threshold": "CACHED", "opts": "CACHED", "gain": "DONE"}, states(fourth)
+    assert value(fourth, "g") == 25.0
