@@ -202,7 +202,8 @@ def _open_store(args: argparse.Namespace) -> Store:
     return store
 
 
-def _run_script(script: str, options: RunOptions, args: argparse.Namespace | None = None) -> int:
+def _run_script(script: str, options: RunOptions, args: argparse.Namespace | None = None,
+                argv: Sequence[str] = ()) -> int:
     path = Path(script)
     if not path.is_file():
         raise UsageError(f"pipeline script {script!r} does not exist")
@@ -210,7 +211,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
 
     options = dataclasses.replace(options, script=str(path.resolve()))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
-    sys.argv = [str(path)]
+    sys.argv = [str(path), *argv]  # a resume: the arguments the run's script was started with
     sys.path.insert(0, str(path.resolve().parent))
     try:
         with run_options(options) as runs:
@@ -623,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  run_id=record.id, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
-            return _run_script(record.script, options, args)
+            return _run_script(record.script, options, args, argv=record.argv or ())
         if args.command == "status":
             return _status(args)
         if args.command == "datasets":

@@ -220,7 +220,7 @@ class Orchestrator:
         private_dir(self.run_dir)
         claim = self.store.claim_run(self.run_id, self.owner, lease_seconds=LEASE_SECONDS, create=lambda: RunRecord(
             id=self.run_id, pipeline=self.name, created=time.time(), run_dir=str(self.run_dir), script=self.script,
-            pilot=self.pilot.to_mapping(), params=self.params, hetflow_version=__version__),
+            pilot=self.pilot.to_mapping(), params=self.params, hetflow_version=__version__, argv=sys.argv[1:]),
             detail={"resume": resume})
         if claim.previous_reason:
             log.warning("run %s: taking over from %s (%s)", self.run_id, claim.previous_owner, claim.previous_reason)

@@ -75,6 +75,9 @@ class RunRecord(Base):
     rerun: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     """The stages ``--rerun`` forced in this run, with everything downstream of them: every resume re-runs
     those that have not run in this run yet (``None``: none forced)."""
+    argv: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    """The script's command-line arguments when the run started (``sys.argv[1:]``): ``hetflow resume``
+    gives the script the same ones (``None``: none recorded, an older run)."""
     stages: Mapped[list["StageRecord"]] = relationship(back_populates="run", order_by="StageRecord.order")
 
 

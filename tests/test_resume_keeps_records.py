@@ -139,3 +139,54 @@ def test_a_done_run_is_not_resumed(tmp_path: Path) -> None:
     assert refused.returncode == 2 and f"run {run_id} ended DONE: there is nothing to resume" in refused.stderr, \
         refused.stdout + refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+ARGS = '''
+import argparse
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--n", type=int, default=1)
+N = parser.parse_args().n
+pipe = hf.Pipeline("args")
+FLAG = Path(__file__).resolve().parent / "fail"
+
+
+@pipe.stage(outputs=["a"])
+def make(ctx):
+    return {"a": pa.table({"x": [N]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def flaky(ctx, a):
+    if FLAG.exists():
+        raise RuntimeError("the flag file is there")
+    return {"b": a}
+
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+def test_a_resume_gives_the_script_the_arguments_its_run_started_with(tmp_path: Path) -> None:
+    """``python p.py --n 5`` fails; ``hetflow resume RUN`` used to execute the script without its arguments:
+    N fell back to its default, ``make`` re-ran ("N changed") and the run ended DONE with n=1."""
+    from hetflow.operators.dataset import open_dataset
+
+    (tmp_path / "p.py").write_text(ARGS)
+    (tmp_path / "fail").touch()
+    first = subprocess.run([sys.executable, "p.py", "--n", "5"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 1, first.stdout + first.stderr
+    run_id = latest(tmp_path)
+    (tmp_path / "fail").unlink()
+    resumed = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    after = status(tmp_path, run_id)
+    assert after["make"]["attempts"] == 1 and after["flaky"]["state"] == "DONE", after
+    b = json.loads(hetflow("status", run_id, "--json", cwd=tmp_path).stdout)["datasets"]["b"]
+    assert open_dataset(b).to_table().column("x").to_pylist() == [5]
