@@ -308,11 +308,7 @@ class Pipeline:
                 if record is None:
                     resume_id = None  # a new run under the id chosen for it (hetflow submit)
             else:
-                resumed = store.resolve_run(resume_id)
-                if resumed.state == "DONE":  # its results may be what others read: a resume never rewrites them
-                    raise PipelineError(f"run {resumed.id} ended DONE: there is nothing to resume; run the script "
-                                        "again for a new run, which reuses what is unchanged")
-                the_id = resumed.id
+                the_id = store.resolve_run(resume_id).id
         else:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         from .params import declared_params, from_command_line, undeclared

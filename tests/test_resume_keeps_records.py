@@ -131,16 +131,6 @@ def test_a_resume_never_rewrites_a_dataset_another_run_reuses(tmp_path: Path) ->
                         ).to_table().column("x").to_pylist() == [7, 8, 9]
 
 
-def test_a_done_run_is_not_resumed(tmp_path: Path) -> None:
-    (tmp_path / "p.py").write_text(SCRIPT)
-    assert hetflow("run", "p.py", "--no-progress", cwd=tmp_path).returncode == 0
-    run_id = latest(tmp_path)
-    refused = hetflow("resume", run_id, "--no-progress", cwd=tmp_path)
-    assert refused.returncode == 2 and f"run {run_id} ended DONE: there is nothing to resume" in refused.stderr, \
-        refused.stdout + refused.stderr
-    assert "Traceback" not in refused.stderr
-
-
 ARGS = '''
 import argparse
 from pathlib import Path
