@@ -771,6 +771,46 @@ def _namespace_of(node: ast.expr) -> tuple[str, ...] | None:
     return None
 
 
+def values_set_after_declaring(source: bytes, path: str) -> frozenset[str]:
+    """Global names a script assigns where a stage's ranks never execute it: in its ``if __name__ ==
+    "__main__":`` block, or at its top level after its first ``….run(...)`` call (a worker executes the
+    script as a module, and stops at the first ``pipe.run()``)."""
+    names: set[str] = set()
+
+    def assigned(statements: Sequence[ast.stmt]) -> None:
+        for node in statements:
+            for child in ast.walk(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                    continue
+                targets: list[ast.expr] = []
+                if isinstance(child, ast.Assign):
+                    targets = list(child.targets)
+                elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For)):
+                    targets = [child.target]
+                for target in targets:
+                    for leaf in ast.walk(target):
+                        if isinstance(leaf, ast.Name):
+                            names.add(leaf.id)
+
+    def is_main_guard(node: ast.stmt) -> bool:
+        return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test)
+
+    def runs(node: ast.stmt) -> bool:
+        return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "run"
+                   for c in ast.walk(node))
+
+    after = False
+    for node in _parse(source, path).body:
+        if is_main_guard(node):
+            assigned(node.body)  # type: ignore[attr-defined]
+        elif after:
+            assigned([node])
+        elif runs(node):
+            after = True
+            assigned([node])
+    return frozenset(names)
+
+
 def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str,
                    held: Mapping[int, tuple[Any, str]] | None = None) -> list[tuple[Any, str | None]]:
     """The ``(module or class, attribute)`` a patch site sets, looked up without running code.

@@ -190,6 +190,7 @@ class Orchestrator:
         self.final: str | None = None
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
+        self.late_values: dict[str, frozenset[str]] = {}
         self.recorded: set[str] = set()
         self.committed_before: frozenset[str] = frozenset()
         """The datasets this run had committed when this session of it began (a resume's)."""
@@ -494,6 +495,7 @@ class Orchestrator:
 
         if spec.name not in self.code:
             self.code[spec.name] = code_fingerprint(spec.func)
+            self._check_values_workers_see(spec, self.code[spec.name])
         base = Path(spec.path).parent if spec.path else Path.cwd()
         return cache.KeyMaterial(
             code=self.code[spec.name], files=file_fingerprint(spec.files, base) if spec.files else {},
@@ -501,6 +503,26 @@ class Orchestrator:
             inputs={name: self.fingerprints[name] for name in spec.inputs},
             schemas={name: ds.schema_to_text(schema) for name, schema in sorted(spec.schemas.items())},
             outputs=tuple(spec.outputs), ranks=spec.request.ranks)
+
+    def _check_values_workers_see(self, spec: StageSpec, code: Mapping[str, str]) -> None:
+        """Refuse a stage that reads a global its script sets only where its ranks never execute it (the
+        ``__main__`` block, after the first ``pipe.run()``): the key would have one value and the stage
+        compute with another."""
+        from .fingerprint import values_set_after_declaring
+
+        if spec.module != "__main__" or not spec.path:
+            return
+        if spec.path not in self.late_values:
+            try:
+                self.late_values[spec.path] = values_set_after_declaring(Path(spec.path).read_bytes(), spec.path)
+            except OSError:
+                self.late_values[spec.path] = frozenset()
+        late = sorted(name for name in code if name in self.late_values[spec.path])
+        if late:
+            raise ValueError(f"it reads {', '.join(late)}, which the script sets in its `if __name__ == "
+                             "\"__main__\":` block or after its first pipe.run(), where the stage's ranks never "
+                             "execute it (they would compute with the value set at the top while the cache key "
+                             "holds this one); set it at the script's top, or give it to the stage as a parameter")
 
     def _look_up(self, spec: StageSpec) -> CacheChecked:
         """Find an intact committed output of ``spec`` under its key; say why there is none."""

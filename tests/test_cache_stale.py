@@ -363,3 +363,42 @@ def test_values_changed_through_a_from_imported_name_or_on_a_modules_function_re
     fourth = run(tmp_path)
     assert states(fourth) == {"threshold": "CACHED", "opts": "CACHED", "gain": "DONE"}, states(fourth)
     assert value(fourth, "g") == 25.0
+
+
+MAIN_BLOCK = '''
+import sys
+import pyarrow as pa
+import hetflow as hf
+
+SCALE = 1
+pipe = hf.Pipeline("late")
+
+
+@pipe.stage(outputs=["s"])
+def scaled(ctx):
+    return {"s": pa.table({"v": [SCALE * 10]})}
+
+
+@pipe.stage(outputs=["u"])
+def unrelated(ctx):
+    return {"u": pa.table({"v": [7]})}
+
+
+if __name__ == "__main__":
+    SCALE = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    run = pipe.run(check=False)
+    print(run.state, run.stage("scaled").state, run.stage("scaled").error)
+'''
+
+
+def test_a_stage_reading_a_value_the_main_block_sets_is_refused_not_served_a_value_it_never_saw(
+        tmp_path: Path) -> None:
+    """The third red team: ``python p.py 5`` set SCALE in the main block; the key said "SCALE changed" but
+    the stage's ranks (which never execute that block) computed with SCALE = 1."""
+    (tmp_path / "p.py").write_text(MAIN_BLOCK)
+    done = subprocess.run([sys.executable, "p.py", "5"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work")))
+    assert done.stdout.startswith("FAILED FAILED"), done.stdout + done.stderr
+    assert "it reads SCALE, which the script sets in its `if __name__ == \"__main__\":` block" in done.stdout
+    shown = status(tmp_path)
+    assert shown["unrelated"]["state"] == "DONE"  # a stage that does not read it runs
