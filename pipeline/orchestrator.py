@@ -192,9 +192,9 @@ class Orchestrator:
         self.stage_ids: dict[str, int] = {}
         self.late_values: dict[str, frozenset[str]] = {}
         self.recorded: set[str] = set()
+        """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.committed_before: frozenset[str] = frozenset()
         """The datasets this run had committed when this session of it began (a resume's)."""
-        """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.made_dirs: set[Path] = set()
         """Directories of this run this orchestrator has made (or checked) already: made once, not per attempt."""
 
