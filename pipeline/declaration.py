@@ -71,9 +71,11 @@ class StageSpec:
 
     @property
     def path(self) -> str | None:
+        """The file that defines the stage function: for one wrapped by a decorator that says what it wraps
+        (``functools.wraps``: ``__wrapped__``), the wrapped function's, where ``__module__`` points too."""
         try:
-            path = inspect.getsourcefile(self.func)
-        except TypeError:
+            path = inspect.getsourcefile(inspect.unwrap(self.func))
+        except (TypeError, ValueError):
             return None
         return None if path is None else os.path.abspath(path)  # workers run in another directory
 

@@ -80,3 +80,48 @@ def test_stages_from_a_factory_a_loop_and_a_lambda_run_and_are_cached_by_what_th
     assert {s["name"]: s["state"] for s in changed["stages"]} == {"s0": "DONE", "s1": "DONE", "s2": "DONE",
                                                                   "add": "DONE"}
     assert Dataset(changed["datasets"]["sum"]).to_table()["value"].to_pylist() == [300]
+
+
+DECORATOR = '''
+import functools
+
+
+def logged(fn):
+    @functools.wraps(fn)
+    def wrapper(ctx, *args):
+        ctx.log.info("starting %s", fn.__name__)
+        return fn(ctx, *args)
+    return wrapper
+'''
+
+DECORATED = '''
+import pyarrow as pa
+import hetflow as hf
+from deco import logged
+
+pipe = hf.Pipeline("deco")
+
+
+@pipe.stage(outputs=["one"])
+@logged
+def one(ctx):
+    return {"one": pa.table({"v": [1]})}
+
+
+@pipe.stage(ranks=2, outputs=["two"])
+@logged
+def two(ctx):
+    return {"two": pa.table({"v": [ctx.rank]})}
+'''
+
+
+def test_a_stage_wrapped_by_a_decorator_from_a_local_module_runs(tmp_path: Path) -> None:
+    """The third red team: the workers executed deco.py (where the wrapper's code is) as the pipeline script
+    and found no stage there, on every rank; a ``functools.wraps`` wrapper names what it wraps."""
+    (tmp_path / "deco.py").write_text(DECORATOR)
+    (tmp_path / "p.py").write_text(DECORATED)
+    done = subprocess.run([sys.executable, "-m", "hetflow.cli", "run", "p.py", "--no-progress"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (run_dir,) = (tmp_path / ".hetflow" / "runs").iterdir()
+    assert "starting one" in (run_dir / "stages" / "one" / "attempt-1" / "rank-0.log").read_text()
