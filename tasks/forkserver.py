@@ -266,10 +266,11 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD wakes the select
     _reap()  # children that ended while the server was being replaced
     first = bool(pending)
+    ready: list[int] = []
     try:
         while True:
             if first:
-                first, ready = False, []
+                first = False  # serve what the replaced server had read before waiting for more
             else:
                 ready, _, _ = select.select([0, wake_r], [], [])
             if wake_r in ready:
