@@ -336,10 +336,23 @@ def _become_task(job: Job) -> None:
     os.environ.update(job.env)
     for name, value in SINGLETON_ENV.items():  # unless the user chose a transport for their MPI
         os.environ.setdefault(name, value)
+    _fresh_random_state()
     from hetflow.tasks import worker
 
     sys.argv = [str(worker.__file__), job.spec]
     sys.path.insert(0, job.cwd)  # as for python -m, started in the task's directory
+
+
+def _fresh_random_state() -> None:
+    """Seed the global generators of numpy and torch, if the server loaded them, from fresh entropy, as a
+    new process's are: every child would otherwise draw the numbers the server's state would give
+    (Python's ``random`` reseeds itself after a fork)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None and callable(getattr(torch, "seed", None)):
+        torch.seed()
 
 
 def _preload() -> None:

@@ -42,7 +42,7 @@ def facts(name):
     with open(os.path.join(TMP.name, name), "w") as fh:  # the directory must still be there
         fh.write(name)
     return pa.table({"seen": [list(SEEN)], "mine": [EXECUTED_BY == os.getpid()], "draw": [float(RNG.random())],
-                     "threadpkg": ["threadpkg" in sys.modules]})
+                     "global_draw": [float(np.random.rand())], "threadpkg": ["threadpkg" in sys.modules]})
 
 
 @pipe.stage(outputs=["a"])
@@ -85,6 +85,7 @@ def test_what_the_script_makes_at_its_top_is_each_warm_stages_own(tmp_path: Path
     assert a["mine"] and b["mine"], (a, b)  # each stage executed the script itself
     assert a["seen"] == ["first"] and b["seen"] == ["second"], (a, b)
     assert a["draw"] != b["draw"], (a, b)
+    assert a["global_draw"] != b["global_draw"], (a, b)  # numpy's global generator, loaded by the server
     assert "hello from the top of the script" not in (run_dir / "forkserver.log").read_text()
 
 
