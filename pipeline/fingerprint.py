@@ -192,7 +192,25 @@ class _Walker:
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
                                                          if not k.startswith("__")})
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
+        self.module_values()
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
+
+    def module_values(self) -> None:
+        """The values, as they are now, of the globals of reached user modules that the reached code names:
+        however the script changed one (``d["k"] = v`` through any name or function, ``d |= …``,
+        ``operator.setitem``), the key has what the stage will read."""
+        for key in [k for k in self.parts if k.startswith("module ")]:
+            name = key[len("module "):]
+            module = sys.modules.get(name)
+            path = getattr(module, "__file__", None)
+            if module is None or name in (self.home, "__main__") or not isinstance(path, str) \
+                    or not self.is_user(self.realpath(path)):
+                continue
+            for attr, value in list(vars(module).items()):
+                if attr.startswith("__") or attr not in self.names or isinstance(value, (types.ModuleType, type)) \
+                        or _is_code_like(value):
+                    continue
+                self.add(f"{name}.{attr}", _sha(self.value(value)))
 
     def drain(self) -> None:
         while self.queue:
@@ -771,36 +789,58 @@ def _namespace_of(node: ast.expr) -> tuple[str, ...] | None:
     return None
 
 
-def values_set_after_declaring(source: bytes, path: str) -> frozenset[str]:
+def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[str] = frozenset()) -> frozenset[str]:
     """Global names a script assigns where a stage's ranks never execute it: in its ``if __name__ ==
-    "__main__":`` block, or at its top level after its first ``….run(...)`` call (a worker executes the
-    script as a module, and stops at the first ``pipe.run()``)."""
+    "__main__":`` block, or at its top level after its first ``pipe.run(...)`` (``pipelines``: the names
+    the script's pipelines are bound to; a worker executes the script as a module and stops there).
+
+    Assignments, augmented and annotated ones, ``for`` targets, ``:=``, ``import``/``from`` bindings,
+    ``globals()[...]``/``vars()[...]``, ``setattr(sys.modules[__name__], "X", v)``, and the ``global``
+    names of the script's functions that such code calls."""
+    tree = _parse(source, path)
+    functions = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     names: set[str] = set()
 
     def assigned(statements: Sequence[ast.stmt]) -> None:
+        called: set[str] = set()
         for node in statements:
             for child in ast.walk(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-                    continue
                 targets: list[ast.expr] = []
                 if isinstance(child, ast.Assign):
                     targets = list(child.targets)
-                elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For)):
+                elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For, ast.NamedExpr)):
                     targets = [child.target]
+                elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                    names.update((alias.asname or alias.name).partition(".")[0] for alias in child.names)
+                elif isinstance(child, ast.Call):
+                    func = child.func
+                    if isinstance(func, ast.Name):
+                        called.add(func.id)
+                        if func.id == "setattr" and len(child.args) >= 2 and \
+                                isinstance(child.args[1], ast.Constant) and isinstance(child.args[1].value, str):
+                            names.add(child.args[1].value)  # setattr(sys.modules[__name__], "X", v)
                 for target in targets:
                     for leaf in ast.walk(target):
                         if isinstance(leaf, ast.Name):
                             names.add(leaf.id)
+                        elif isinstance(leaf, ast.Subscript) and isinstance(leaf.value, ast.Call) and \
+                                isinstance(leaf.value.func, ast.Name) and leaf.value.func.id in ("globals", "vars") \
+                                and isinstance(leaf.slice, ast.Constant) and isinstance(leaf.slice.value, str):
+                            names.add(leaf.slice.value)  # globals()["X"] = v
+        for name in called & set(functions):  # bump() with ``global SCALE`` inside
+            for child in ast.walk(functions[name]):
+                if isinstance(child, ast.Global):
+                    names.update(child.names)
 
     def is_main_guard(node: ast.stmt) -> bool:
         return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test)
 
     def runs(node: ast.stmt) -> bool:
         return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "run"
-                   for c in ast.walk(node))
+                   and isinstance(c.func.value, ast.Name) and c.func.value.id in pipelines for c in ast.walk(node))
 
     after = False
-    for node in _parse(source, path).body:
+    for node in tree.body:
         if is_main_guard(node):
             assigned(node.body)  # type: ignore[attr-defined]
         elif after:

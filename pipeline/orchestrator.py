@@ -513,8 +513,13 @@ class Orchestrator:
         if spec.module != "__main__" or not spec.path:
             return
         if spec.path not in self.late_values:
+            from .pipeline import Pipeline
+
+            namespace = getattr(spec.func, "__globals__", {})
+            pipelines = frozenset(name for name, value in namespace.items() if isinstance(value, Pipeline))
             try:
-                self.late_values[spec.path] = values_set_after_declaring(Path(spec.path).read_bytes(), spec.path)
+                self.late_values[spec.path] = values_set_after_declaring(Path(spec.path).read_bytes(), spec.path,
+                                                                         pipelines)
             except OSError:
                 self.late_values[spec.path] = frozenset()
         late = sorted(name for name in code if name in self.late_values[spec.path])

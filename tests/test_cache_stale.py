@@ -402,3 +402,102 @@ def test_a_stage_reading_a_value_the_main_block_sets_is_refused_not_served_a_val
     assert "it reads SCALE, which the script sets in its `if __name__ == \"__main__\":` block" in done.stdout
     shown = status(tmp_path)
     assert shown["unrelated"]["state"] == "DONE"  # a stage that does not read it runs
+
+
+MUTATED = '''
+import operator
+import pyarrow as pa
+import hetflow as hf
+from mylib import consts, reader
+from mylib.consts import VIA_FUNCTION, VIA_OR, VIA_HOLDER, VIA_SETITEM
+
+
+def cfg(d, v):
+    d["k"] = v
+
+
+V = 1
+cfg(VIA_FUNCTION, V)
+VIA_OR |= {"k": V}
+getattr(consts, "VIA_GETATTR")["k"] = V
+holder = [VIA_HOLDER]
+holder[0]["k"] = V
+operator.setitem(VIA_SETITEM, "k", V)
+
+pipe = hf.Pipeline("mutated")
+
+for name in ("VIA_FUNCTION", "VIA_OR", "VIA_GETATTR", "VIA_HOLDER", "VIA_SETITEM"):
+    def make(name=name):
+        def stage(ctx):
+            return {name: pa.table({"v": [reader.get(name)]})}
+        return stage
+    pipe.stage(make(), name=name.lower(), outputs=[name])
+'''
+
+
+def test_a_user_modules_value_changed_in_any_way_reruns_what_reads_it(tmp_path: Path) -> None:
+    """The red team's second round: through a function, ``|=``, ``getattr``, another container and
+    ``operator.setitem`` the change was missed (only named assignments were seen).  The key now holds the
+    values, as the run starts, of the reached user modules' globals that the reached code names."""
+    lib = tmp_path / "mylib"
+    lib.mkdir()
+    (lib / "__init__.py").write_text("")
+    (lib / "consts.py").write_text("".join(f"{n} = {{'k': 0}}\n" for n in
+                                           ("VIA_FUNCTION", "VIA_OR", "VIA_GETATTR", "VIA_HOLDER", "VIA_SETITEM")))
+    (lib / "reader.py").write_text("from mylib import consts\n\n\ndef get(name):\n"
+                                   "    return {'VIA_FUNCTION': consts.VIA_FUNCTION, 'VIA_OR': consts.VIA_OR,\n"
+                                   "            'VIA_GETATTR': consts.VIA_GETATTR, 'VIA_HOLDER': consts.VIA_HOLDER,\n"
+                                   "            'VIA_SETITEM': consts.VIA_SETITEM}[name]['k']\n")
+    (tmp_path / "p.py").write_text(MUTATED)
+    first = run(tmp_path)
+    names = ("VIA_FUNCTION", "VIA_OR", "VIA_GETATTR", "VIA_HOLDER", "VIA_SETITEM")
+    assert [value(first, n) for n in names] == [1] * 5
+    edit(tmp_path / "p.py", "V = 1", "V = 2")
+    second = run(tmp_path)
+    assert set(states(second).values()) == {"DONE"}, states(second)
+    assert [value(second, n) for n in names] == [2] * 5
+    third = run(tmp_path)
+    assert set(states(third).values()) == {"CACHED"}, states(third)
+
+
+LATE_FORMS = '''
+import subprocess
+import sys
+import pyarrow as pa
+import hetflow as hf
+
+VERSION = subprocess.run(["echo", "v1"], capture_output=True, text=True).stdout  # not a pipeline's run
+SCALE = 1
+pipe = hf.Pipeline("late-forms")
+
+
+def bump():
+    global SCALE
+    SCALE = 5
+
+
+@pipe.stage(outputs=["s"])
+def scaled(ctx):
+    return {"s": pa.table({"v": [SCALE * 10]})}
+
+
+if __name__ == "__main__":
+    FORM
+    run = pipe.run(check=False)
+    print(run.state, run.stage("scaled").error)
+'''
+
+
+@pytest.mark.parametrize("form", ['globals()["SCALE"] = 5', "bump()", 'setattr(sys.modules[__name__], "SCALE", 5)',
+                                  "(SCALE := 5)", "pass"])
+def test_every_way_the_main_block_sets_a_value_a_stage_reads_is_refused(tmp_path: Path, form: str) -> None:
+    """The red team's second round slipped these past the first refusal; ``pass`` (nothing set, and a
+    subprocess's ``.run`` at the top) must not be refused."""
+    (tmp_path / "p.py").write_text(LATE_FORMS.replace("FORM", form))
+    done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work")))
+    if form == "pass":
+        assert done.stdout.startswith("DONE"), done.stdout + done.stderr
+    else:
+        assert done.stdout.startswith("FAILED") and "it reads SCALE, which the script sets" in done.stdout, \
+            done.stdout + done.stderr
