@@ -106,12 +106,20 @@ HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 BATCH_MAX = 256
 """Ended attempts recorded in one transaction at most (:meth:`Orchestrator._batch`)."""
 
+RECHECK_AFTER = 1.0
+"""Seconds a stage may wait between its cache look-up and its start before its code and declared files are
+checked again (:meth:`Orchestrator._unchanged_since_look_up`)."""
+
 STOP_GRACE = 10.0
 """Seconds an interrupted run waits for its cancelled tasks to end before it records them cancelled."""
 
 
 class DatasetInUse(ds.DatasetError):
     """A resume would rewrite a committed dataset that other runs reuse."""
+
+
+class ChangedSinceLookUp(HetflowError, RuntimeError):
+    """What a stage's key was made from changed before the stage started."""
 
 
 class LeaseLost(HetflowError, RuntimeError):
@@ -191,6 +199,8 @@ class Orchestrator:
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
         self.late_values: dict[str, frozenset[str]] = {}
+        self.looked: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
+        """When each stage's key was made, and its declared files' sizes and times then."""
         self.recorded: set[str] = set()
         """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.committed_before: frozenset[str] = frozenset()
@@ -432,7 +442,8 @@ class Orchestrator:
             if isinstance(instruction, StartTask):
                 try:
                     launches.append(self._launch(task, instruction))
-                except (UnsafePath, ds.DatasetError) as exc:  # a planted symlink, a damaged output dir
+                except (UnsafePath, ds.DatasetError, ChangedSinceLookUp) as exc:  # a planted symlink, a damaged
+                    # output dir, what the stage reads edited while it waited
                     self._feed(TaskStarted(task))
                     self._end_task(str(task), "FAILED", str(exc))
                     self._feed(AttemptEnded(task, "FAILED", f"stage {task.stage!r} not started: {exc}"))
@@ -497,6 +508,7 @@ class Orchestrator:
             self.code[spec.name] = code_fingerprint(spec.func)
             self._check_values_workers_see(spec, self.code[spec.name])
         base = Path(spec.path).parent if spec.path else Path.cwd()
+        self.looked[spec.name] = (time.time(), _file_stats(spec.files, base))
         return cache.KeyMaterial(
             code=self.code[spec.name], files=file_fingerprint(spec.files, base) if spec.files else {},
             env=cache.env_digests(self.stage_env(spec)),
@@ -639,10 +651,34 @@ class Orchestrator:
                 task.state, task.reason = state, reason
             self.store.event(session, self.run_id, "task", task_id, state, reason=reason)
 
+    def _unchanged_since_look_up(self, spec: StageSpec) -> None:
+        """A stage that waited for its slot since its key was made: the code it reaches and its declared files
+        must be what the key was made from, or its result would be stored under a key it was not made with."""
+        from .fingerprint import code_fingerprint
+
+        looked = self.looked.get(spec.name)
+        if looked is None or time.time() - looked[0] < RECHECK_AFTER or spec.name not in self.code:
+            return
+        base = Path(spec.path).parent if spec.path else Path.cwd()
+        what = None
+        if _file_stats(spec.files, base) != looked[1]:
+            what = "a file it declares"
+        else:
+            now = code_fingerprint(spec.func)
+            if now != self.code[spec.name]:
+                from .fingerprint import describe_change
+
+                what = f"the code it reaches ({describe_change(self.code[spec.name], now)})"
+        if what is not None:
+            raise ChangedSinceLookUp(f"stage {spec.name!r}: {what} changed while it waited for its slot, after its "
+                                     "cache key was made; it was not started (its result would be stored under "
+                                     "the earlier version's key): run the script again")
+
     def _launch(self, task: TaskId, start: StartTask) -> tuple[_Live, LaunchSpec]:
         """Write the attempt's spec and record it RUNNING; :meth:`_apply` hands it to the backend."""
         assert self.backend is not None
         spec = self.stages[task.stage]
+        self._unchanged_since_look_up(spec)
         nodes = self.backend.node_names()
         files = self._write_spec(spec, task, start, nodes)
         now = time.time()
@@ -853,6 +889,22 @@ class Orchestrator:
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
+
+
+def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int]]:
+    """``{path: (size, mtime_ns)}`` of the files ``patterns`` name (what changes when one is edited)."""
+    stats = {}
+    try:
+        paths = resolve_files(patterns, base) if patterns else ()
+    except ValueError:
+        return {}
+    for path in paths:
+        try:
+            info = path.stat()
+        except OSError:
+            continue
+        stats[str(path)] = (info.st_size, info.st_mtime_ns)
+    return stats
 
 
 def _script_digests(stages: Any) -> dict[str, str]:

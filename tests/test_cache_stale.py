@@ -501,3 +501,65 @@ def test_every_way_the_main_block_sets_a_value_a_stage_reads_is_refused(tmp_path
     else:
         assert done.stdout.startswith("FAILED") and "it reads SCALE, which the script sets" in done.stdout, \
             done.stdout + done.stderr
+
+
+WAITS = '''
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+from mylib import calc
+
+HERE = Path(__file__).resolve().parent
+pipe = hf.Pipeline("waits", pilot=hf.PilotDescription(name="two", cores_per_node=2, memory_per_node=2**33))
+
+
+@pipe.stage(cores_per_rank=2, outputs=["slow"])
+def slow(ctx):  # holds both cores until the test says go
+    (HERE / "started").touch()
+    while not (HERE / "go").exists():
+        time.sleep(0.1)
+    return {"slow": pa.table({"v": [0]})}
+
+
+@pipe.stage(cores_per_rank=2, outputs=["uses"], files=["data.txt"])
+def uses(ctx):
+    return {"uses": pa.table({"v": [calc.f() * 100 + int(ctx.files[0].read_text())]})}
+'''
+
+
+@pytest.mark.parametrize("edited", ["module", "file"])
+def test_an_edit_while_a_stage_waits_for_its_slot_does_not_run_under_the_earlier_key(tmp_path: Path,
+                                                                                      edited: str) -> None:
+    """The red team's second round: the key was made when the stage was looked up, the worker read the
+    files when it started; an edit in between stored the new result under the old key (CACHED later)."""
+    (tmp_path / "mylib").mkdir()
+    (tmp_path / "mylib" / "__init__.py").write_text("")
+    (tmp_path / "mylib" / "calc.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "data.txt").write_text("1")
+    (tmp_path / "p.py").write_text(WAITS)
+    proc = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--workdir", str(tmp_path / "work")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.5)  # longer than the re-check's threshold
+        if edited == "module":
+            (tmp_path / "mylib" / "calc.py").write_text("def f():\n    return 2\n")
+        else:
+            (tmp_path / "data.txt").write_text("2")
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    shown = status(tmp_path)
+    assert shown["uses"]["state"] == "FAILED", (out, err)
+    assert "changed while it waited for its slot" in shown["uses"]["error"], shown["uses"]["error"]
+    again = run(tmp_path)  # a new run makes its key from what is there now, and computes with it
+    assert again["uses"]["state"] == "DONE"
+    assert value(again, "uses") == (201 if edited == "module" else 102)
