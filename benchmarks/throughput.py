@@ -124,6 +124,8 @@ class Parsl:
         from parsl.providers import LocalProvider
 
         started = time.perf_counter()
+        # Parsl starts its interchange as a program found on PATH (interchange.py, beside this Python)
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         self.parsl = parsl
         self.dfk = parsl.load(Config(executors=[HighThroughputExecutor(
             label="htex", max_workers_per_node=2, provider=LocalProvider(init_blocks=1, max_blocks=1))],
