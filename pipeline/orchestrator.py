@@ -661,9 +661,16 @@ class Orchestrator:
             return
         base = Path(spec.path).parent if spec.path else Path.cwd()
         what = None
-        if _file_stats(spec.files, base) != looked[1]:
-            what = "a file it declares"
-        else:
+        if _file_stats(spec.files, base) != looked[1]:  # touched: its content decides
+            from .fingerprint import file_fingerprint
+
+            material = self.material.get(spec.name)
+            try:
+                if material is None or file_fingerprint(spec.files, base) != dict(material.files):
+                    what = "a file it declares"
+            except ValueError:
+                what = "a file it declares"
+        if what is None:
             now = code_fingerprint(spec.func)
             if now != self.code[spec.name]:
                 from .fingerprint import describe_change

@@ -530,7 +530,7 @@ def uses(ctx):
 '''
 
 
-@pytest.mark.parametrize("edited", ["module", "file"])
+@pytest.mark.parametrize("edited", ["module", "file", "same"])
 def test_an_edit_while_a_stage_waits_for_its_slot_does_not_run_under_the_earlier_key(tmp_path: Path,
                                                                                       edited: str) -> None:
     """The red team's second round: the key was made when the stage was looked up, the worker read the
@@ -550,14 +550,17 @@ def test_an_edit_while_a_stage_waits_for_its_slot_does_not_run_under_the_earlier
         time.sleep(1.5)  # longer than the re-check's threshold
         if edited == "module":
             (tmp_path / "mylib" / "calc.py").write_text("def f():\n    return 2\n")
-        else:
-            (tmp_path / "data.txt").write_text("2")
+        else:  # "same": rewritten with what it held (a checkout, an editor): not a change
+            (tmp_path / "data.txt").write_text("1" if edited == "same" else "2")
         (tmp_path / "go").touch()
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     shown = status(tmp_path)
+    if edited == "same":
+        assert shown["uses"]["state"] == "DONE" and value(shown, "uses") == 101, (out, err)
+        return
     assert shown["uses"]["state"] == "FAILED", (out, err)
     assert "changed while it waited for its slot" in shown["uses"]["error"], shown["uses"]["error"]
     again = run(tmp_path)  # a new run makes its key from what is there now, and computes with it
