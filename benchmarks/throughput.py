@@ -103,11 +103,12 @@ def hetflow_run(style: str, n: int) -> float:
         return float(lines[-1].split()[1])
 
 
-def table_bytes(i: int) -> bytes:
-    """The peers' task: the same 1 KB table, returned as Arrow IPC bytes (a result must travel back)."""
+def table_bytes(i: int, rows: int = ROWS) -> bytes:
+    """The peers' task: the same 1 KB table, returned as Arrow IPC bytes (a result must travel back).
+    Self-contained (``rows`` a default): Parsl ships a ``__main__`` function by value, without its globals."""
     import pyarrow as pa
 
-    table = pa.table({"x": pa.array(range(ROWS), pa.int64())})
+    table = pa.table({"x": pa.array(range(rows), pa.int64())})
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
