@@ -1,0 +1,617 @@
+"""The SQL engine's planner and executor (layer 3, behind :func:`hetflow.operators.sql`).
+
+``optimize`` turns the query text into sqlglot's optimized tree (qualified columns, decorrelated
+subqueries).  ``Executor`` runs that tree one ``SELECT`` at a time, as the steps listed in
+``sql``'s docstring: per-source scans with their filters, joins ordered greedily (start from the
+largest source, then join the smallest source connected to it by an equality), aggregation,
+windows, projection, ``DISTINCT``, ``ORDER BY``/``LIMIT``.  Inside a ``SELECT`` a relation's
+columns are named ``alias.column``, so every local fragment is plain DuckDB SQL over Arrow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import pyarrow as pa
+
+from .costmodel import Cost, allgather_cost, hockney, join_costs, shuffle_cost
+from .errors import SQLError
+
+if TYPE_CHECKING:
+    from .sqlengine import _Run
+
+DIALECT = "duckdb"
+
+
+# ---------------------------------------------------------------------------------------- planning
+def _exp() -> Any:
+    from sqlglot import exp
+
+    return exp
+
+
+def _where(node: Any, query: str) -> str:
+    """``line L, column C`` of ``node`` (its first identifier) in the query, or ``""``."""
+    exp = _exp()
+    for n in [node, *node.find_all(exp.Identifier)] if node is not None else []:
+        meta = getattr(n, "meta", None) or {}
+        if "line" in meta:
+            return f" at line {meta['line']}, column {meta['col']}"
+    return ""
+
+
+def parse(query: str) -> Any:
+    import sqlglot
+    from sqlglot.errors import ParseError
+
+    try:
+        trees = sqlglot.parse(query, read=DIALECT)
+    except ParseError as exc:
+        e = exc.errors[0] if exc.errors else {}
+        desc = str(e.get("description", exc)).split("<Token")[0].strip().rstrip(".")
+        near = e.get("highlight", "")
+        raise SQLError(f"SQL syntax error at line {e.get('line', '?')}, column {e.get('col', '?')}: {desc} (near {near!r})") from exc
+    trees = [t for t in trees if t is not None]
+    if len(trees) != 1:
+        raise SQLError(f"sql() runs one statement, got {len(trees)}")
+    tree = trees[0]
+    if not isinstance(tree, _exp().Query):
+        raise SQLError(f"sql() runs a query (SELECT, WITH, UNION ...), got {tree.key.upper()}{_where(tree, query)}")
+    return tree
+
+
+def referenced_columns(query: str) -> set[str] | None:
+    """Lower-cased names of every column the query mentions, or ``None`` when it selects ``*``."""
+    exp = _exp()
+    try:
+        tree = parse(query)
+    except SQLError:
+        return None
+    if any(True for _ in tree.find_all(exp.Star)) and not all(isinstance(s.parent, exp.Count) for s in tree.find_all(exp.Star)):
+        return None
+    return {c.name.lower() for c in tree.find_all(exp.Column)}
+
+
+def _duck_types(schema: pa.Schema) -> dict[str, str]:
+    from . import kernels
+
+    con = kernels._duck()
+    t = schema.empty_table()
+    con.register("__hetflow_schema", t)
+    try:
+        rows = con.sql("DESCRIBE SELECT * FROM __hetflow_schema").fetchall()
+    finally:
+        con.unregister("__hetflow_schema")
+    exp = _exp()
+    out = {}
+    for name, typ, *_ in rows:
+        try:
+            exp.DataType.build(typ, dialect=DIALECT)
+        except Exception:  # noqa: BLE001 - a type sqlglot cannot spell: typed as unknown for the optimizer
+            typ = "UNKNOWN"
+        out[name] = typ
+    return out
+
+
+def optimize(query: str, schemas: dict[str, pa.Schema]) -> Any:
+    """sqlglot's optimized tree of ``query`` over tables of ``schemas``; unknown names raise ``SQLError``."""
+    from sqlglot.errors import OptimizeError, SqlglotError
+    from sqlglot.optimizer import optimize as sg_optimize
+
+    exp = _exp()
+    tree = parse(query)
+    ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
+    known = {n.lower(): n for n in schemas}
+    for t in tree.find_all(exp.Table):
+        if t.name.lower() not in known and t.name.lower() not in ctes:
+            raise SQLError(f"unknown table {t.name!r}{_where(t, query)} (tables: {sorted(schemas)})")
+    _name_outputs(tree)
+    schema = {name: _duck_types(s) for name, s in schemas.items()}
+    try:
+        return sg_optimize(tree, schema=schema, dialect=DIALECT)
+    except OptimizeError as exc:
+        raise SQLError(f"{str(exc).rstrip('.')} (in the query)") from exc
+    except SqlglotError as exc:
+        raise SQLError(f"cannot plan the query: {exc}") from exc
+
+
+def _name_outputs(tree: Any) -> None:
+    """Alias the outer query's unaliased expressions by their SQL text, as DuckDB names them."""
+    exp = _exp()
+    node = tree
+    while isinstance(node, exp.SetOperation):
+        node = node.left
+    if not isinstance(node, exp.Select):
+        return
+    for i, e in enumerate(node.expressions):
+        if not isinstance(e, (exp.Alias, exp.Column, exp.Star)):
+            node.expressions[i].replace(exp.alias_(e.copy(), e.sql(DIALECT), quoted=True))
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def conjuncts(e: Any) -> list[Any]:
+    exp = _exp()
+    if e is None:
+        return []
+    if isinstance(e, exp.Where):
+        e = e.this
+    if isinstance(e, exp.Paren):
+        return conjuncts(e.this) if isinstance(e.this, exp.And) else [e]
+    if isinstance(e, exp.And):
+        return conjuncts(e.left) + conjuncts(e.right)
+    return [e]
+
+
+def aliases(e: Any) -> set[str]:
+    return {c.table for c in e.find_all(_exp().Column) if c.table}
+
+
+def phys(e: Any) -> Any:
+    """``e`` with every qualified column ``a.c`` as the physical column ``"a.c"``."""
+    exp = _exp()
+
+    def fn(n: Any) -> Any:
+        if isinstance(n, exp.Column) and n.table:
+            return exp.column(f"{n.table}.{n.name}", quoted=True)
+        return n
+
+    return e.copy().transform(fn)
+
+
+def sql_of(e: Any) -> str:
+    return e.sql(DIALECT)
+
+
+def replace_exprs(e: Any, mapping: dict[str, str]) -> Any:
+    """``e`` with every subtree whose SQL is a key of ``mapping`` replaced by that column."""
+    exp = _exp()
+
+    def fn(n: Any) -> Any:
+        name = mapping.get(sql_of(n)) if isinstance(n, exp.Expression) else None
+        return exp.column(name, quoted=True) if name is not None else n
+
+    return e.copy().transform(fn)
+
+
+def _int(node: Any, what: str) -> int | None:
+    if node is None:
+        return None
+    e = node.expression if hasattr(node, "expression") and node.expression is not None else node.this
+    try:
+        return int(e.this)
+    except (TypeError, ValueError, AttributeError):
+        raise SQLError(f"{what} must be an integer literal, got {sql_of(e)}") from None
+
+
+def _canonical_key(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """One type both sides' join key cast to before hashing, so equal values go to one rank."""
+    def stringy(t: pa.DataType) -> bool:
+        return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+    if stringy(a) and stringy(b):
+        return pa.large_string()
+    if a == b:
+        return None
+    if pa.types.is_integer(a) and pa.types.is_integer(b):
+        return pa.int64()
+    numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_decimal)
+    if any(f(a) for f in numeric) and any(f(b) for f in numeric):
+        return pa.float64()
+    if (pa.types.is_date(a) or pa.types.is_timestamp(a)) and (pa.types.is_date(b) or pa.types.is_timestamp(b)):
+        return pa.timestamp("us")
+    return a
+
+
+# ---------------------------------------------------------------------------------------- execution
+class Executor:
+    """Runs one query tree (and its CTEs) on this rank; every method is collective."""
+
+    def __init__(self, run: "_Run", env: dict[str, pa.Table]) -> None:
+        self.r = run
+        self.env = dict(env)
+
+    def run(self, node: Any, top: bool = False) -> pa.Table:
+        exp = _exp()
+        if isinstance(node, exp.Subquery):
+            node = node.this
+        with_ = node.args.get("with_")
+        if with_ is not None:
+            if with_.args.get("recursive"):
+                raise SQLError(f"WITH RECURSIVE is not supported{_where(with_, '')}")
+            for cte in with_.expressions:
+                self.env[cte.alias_or_name] = Executor(self.r, self.env).run(cte.this)
+        if isinstance(node, exp.SetOperation):
+            return self.set_operation(node, top)
+        if isinstance(node, exp.Select):
+            return self.select(node, top)
+        raise SQLError(f"unsupported query node {node.key.upper()}: {sql_of(node)[:80]}")
+
+    # ------------------------------------------------------------------ sources
+    def source(self, src: Any, needed: dict[str, set[str]]) -> tuple[str, pa.Table]:
+        exp = _exp()
+        if isinstance(src, exp.Table) and not src.args.get("db"):
+            name = src.name
+            table = self.env.get(name)
+            if table is None:
+                lower = {k.lower(): v for k, v in self.r.inputs.items()}
+                table = self.r.inputs.get(name, lower.get(name.lower()))
+            if table is None:
+                raise SQLError(f"unknown table {name!r}{_where(src, '')}")
+            alias = src.alias_or_name
+        elif isinstance(src, exp.Subquery):
+            table = Executor(self.r, self.env).run(src.this)
+            alias = src.alias_or_name
+            cols = src.args["alias"].columns if src.args.get("alias") is not None else []
+            if cols:
+                names = [c.name for c in cols] + table.column_names[len(cols):]
+                table = table.rename_columns(names)
+        else:
+            raise SQLError(f"unsupported FROM item {sql_of(src)[:80]!r}{_where(src, '')}")
+        want = needed.get(alias, set())
+        by_lower = {n.lower(): n for n in table.column_names}
+        keep = [(by_lower.get(c.lower(), c), c) for c in sorted(want) if c in table.column_names or c.lower() in by_lower]
+        if not keep:  # count(*) and the like need only the rows
+            keep = [(table.column_names[0], table.column_names[0])] if table.num_columns else []
+        out = table.select([a for a, _ in keep]).rename_columns([f"{alias}.{c}" for _, c in keep])
+        return alias, out
+
+    # ------------------------------------------------------------------ joins
+    def join(self, left: pa.Table, right: pa.Table, lal: set[str], ral: set[str], on: list[Any], how: str) -> pa.Table:
+        """Join two relations on the conjuncts ``on``: exchange (hash shuffle on the equality keys, or a
+        broadcast of one side), then a local DuckDB join with the whole condition."""
+        exp = _exp()
+        r = self.r
+        keys = []
+        for c in on:
+            if isinstance(c, exp.EQ):
+                a, b = aliases(c.left), aliases(c.right)
+                if a and b and a <= lal and b <= ral:
+                    keys.append((c.left, c.right))
+                elif a and b and a <= ral and b <= lal:
+                    keys.append((c.right, c.left))
+        cond = " AND ".join(f"({sql_of(phys(c))})" for c in on) or "TRUE"
+        lsizes, rsizes = r.sizes(left), r.sizes(right)
+        detail = f"{how} join of {sorted(lal)} ({sum(lsizes) / 1e6:.2f} MB) with {sorted(ral)} ({sum(rsizes) / 1e6:.2f} MB)"
+        if r.p > 1:
+            if keys:
+                costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
+                choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs), key=lambda k: costs[k].seconds)
+                alts = {k: c.seconds for k, c in costs.items() if k != "sort"}
+            else:
+                small_right = sum(rsizes) <= sum(lsizes)
+                choice = ({"inner": "broadcast" if small_right else "broadcast_left", "left": "broadcast", "semi": "broadcast",
+                           "anti": "broadcast", "right": "broadcast_left"}).get(how, "gather")
+                costs = {"broadcast": allgather_cost(hockney(r.comm), rsizes), "broadcast_left": allgather_cost(hockney(r.comm), lsizes),
+                         "gather": shuffle_cost(hockney(r.comm), [a + b for a, b in zip(lsizes, rsizes)])}
+                alts = {}
+            if choice == "hash":
+                lk = r.local("SELECT " + ", ".join(f"{sql_of(phys(a))} AS __k{i}" for i, (a, _) in enumerate(keys)) + " FROM l", l=left)
+                rk = r.local("SELECT " + ", ".join(f"{sql_of(phys(b))} AS __k{i}" for i, (_, b) in enumerate(keys)) + " FROM r", r=right)
+                for i in range(len(keys)):
+                    t = _canonical_key(lk.schema.field(i).type, rk.schema.field(i).type)
+                    if t is not None:
+                        lk = lk.set_column(i, f"__k{i}", lk.column(i).cast(t))
+                        rk = rk.set_column(i, f"__k{i}", rk.column(i).cast(t))
+                left, right = r.shuffle_by(left, lk), r.shuffle_by(right, rk)
+                algo = f"hash shuffle both sides on {[sql_of(a) for a, _ in keys]}"
+            elif choice == "broadcast":
+                right = r.broadcast(right)
+                algo = "broadcast right"
+            elif choice == "broadcast_left":
+                left = r.broadcast(left)
+                algo = "broadcast left"
+            else:
+                left, right = r.gather(left), r.gather(right)
+                algo = "gather both sides to rank 0"
+            r.plan("join", algo, costs[choice], detail, alts)
+        else:
+            r.plan("join", "local (1 rank)", Cost(), detail)
+        kw = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "full": "FULL JOIN", "semi": "SEMI JOIN",
+              "anti": "ANTI JOIN", "cross": "CROSS JOIN"}[how]
+        on_sql = "" if how == "cross" else f" ON {cond}"
+        return r.local(f"SELECT * FROM l {kw} r{on_sql}", l=left, r=right)
+
+    def _how(self, j: Any) -> str:
+        side, kind = (j.side or "").lower(), (j.kind or "").lower()
+        if side in ("left", "right", "full"):
+            return side
+        if kind in ("semi", "anti"):
+            return kind
+        if kind == "cross":
+            return "inner"
+        if kind in ("", "inner", "outer"):
+            return "inner"
+        raise SQLError(f"unsupported join {sql_of(j)[:80]!r}")
+
+    def joins(self, node: Any) -> tuple[pa.Table, set[str], list[Any]]:
+        """The FROM clause joined, with the WHERE conjuncts applied as soon as their sources are there;
+        returns the relation, its aliases and the conjuncts still to apply."""
+        exp = _exp()
+        from_ = node.args.get("from_")
+        if from_ is None:
+            return pa.table({"__one": [1]}).slice(0, 1 if self.r.rank == 0 else 0), set(), conjuncts(node.args.get("where"))
+        joins = list(node.args.get("joins") or [])
+        for j in joins:
+            if j.args.get("using"):
+                raise SQLError(f"JOIN ... USING is not supported here, write ON{_where(j, '')}")
+        needed: dict[str, set[str]] = {}
+        for c in node.find_all(exp.Column):
+            if c.table:
+                needed.setdefault(c.table, set()).add(c.name)
+        first = 0
+        while first < len(joins) and self._how(joins[first]) == "inner" and not joins[first].side:
+            first += 1
+        inner_srcs, rest = [from_.this] + [j.this for j in joins[:first]], joins[first:]
+        outer_all = any(self._how(j) in ("right", "full") for j in rest)
+        pool = conjuncts(node.args.get("where"))
+        if outer_all:
+            late, pool = pool, []
+        else:
+            late = []
+        for j in joins[:first]:
+            pool += conjuncts(j.args.get("on"))
+        rels: dict[str, pa.Table] = {}
+        for s in inner_srcs:
+            alias, t = self.source(s, needed)
+            rels[alias] = t
+        # single-source filters of the inner part run at the scan
+        for alias in list(rels):
+            mine = [c for c in pool if aliases(c) == {alias} and not self._has_subquery(c)]
+            if mine:
+                pool = [c for c in pool if not any(c is m for m in mine)]
+                rels[alias] = self.r.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=rels[alias])
+        for c in pool:
+            if self._has_subquery(c):
+                raise SQLError(f"a subquery the optimizer could not turn into a join is not supported: {sql_of(c)[:100]}")
+        sizes = self.r.comm.allgather([int(t.nbytes) for t in rels.values()]) if self.r.p > 1 else [[int(t.nbytes) for t in rels.values()]]
+        total = {a: sum(s[i] for s in sizes) for i, a in enumerate(rels)}
+        cur_alias = max(rels, key=lambda a: (total[a], -list(rels).index(a)))
+        cur, have = rels.pop(cur_alias), {cur_alias}
+        while rels:
+            def linked(a: str) -> bool:
+                return any(isinstance(c, exp.EQ) and a in aliases(c) and (aliases(c) - {a}) and (aliases(c) - {a}) <= have for c in pool)
+            cands = [a for a in rels if linked(a)] or list(rels)
+            nxt = min(cands, key=lambda a: (total[a], list(rels).index(a)))
+            on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
+            pool = [c for c in pool if not any(c is o for o in on)]
+            cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross")
+            have.add(nxt)
+        # the remaining joins, in the order written
+        for j in rest:
+            how = self._how(j)
+            on = conjuncts(j.args.get("on"))
+            alias, t = self.source(j.this, needed)
+            if how in ("left", "semi", "anti", "inner"):
+                mine = [c for c in on if aliases(c) == {alias}]
+                if mine:
+                    on = [c for c in on if not any(c is m for m in mine)]
+                    t = self.r.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=t)
+            if not on and how == "inner":
+                how = "cross"
+            cur = self.join(cur, t, set(have), {alias}, on, how)
+            have.add(alias)
+            ready = [c for c in pool if aliases(c) <= have]
+            if ready:
+                pool = [c for c in pool if not any(c is x for x in ready)]
+                cur = self.r.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in ready), t=cur)
+        return cur, have, pool + late
+
+    def _has_subquery(self, e: Any) -> bool:
+        exp = _exp()
+        return any(True for _ in e.find_all(exp.Subquery, exp.Exists)) or any(isinstance(x.args.get("query"), exp.Expression) for x in e.find_all(exp.In))
+
+    # ------------------------------------------------------------------ select
+    def select(self, node: Any, top: bool) -> pa.Table:
+        exp = _exp()
+        r = self.r
+        for bad in ("distinct_on", "qualify", "pivots", "laterals"):
+            if node.args.get(bad):
+                raise SQLError(f"{bad.upper()} is not supported{_where(node.args[bad], '')}")
+        distinct = node.args.get("distinct")
+        if distinct is not None and distinct.args.get("on"):
+            raise SQLError("DISTINCT ON is not supported")
+        cur, have, pending = self.joins(node)
+        if pending:
+            cur = r.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in pending), t=cur)
+        outputs = [(e.alias_or_name, e.this if isinstance(e, exp.Alias) else e) for e in node.expressions]
+        by_alias = {name: e for name, e in outputs}
+        order = []
+        for o in (node.args.get("order").expressions if node.args.get("order") else []):
+            e = o.this
+            if isinstance(e, exp.Column) and not e.table and e.name in by_alias:
+                e = by_alias[e.name]
+            elif isinstance(e, exp.Literal) and not e.is_string:
+                e = outputs[int(e.this) - 1][1]
+            order.append((e, bool(o.args.get("desc")), bool(o.args.get("nulls_first"))))
+        having = node.args.get("having")
+        group = node.args.get("group")
+        if group is not None and any(group.args.get(k) for k in ("grouping_sets", "cube", "rollup")):
+            raise SQLError("GROUPING SETS, CUBE and ROLLUP are not supported")
+        exprs = [phys(e) for _, e in outputs]
+        having_e = phys(having.this) if having is not None else None
+        order_e = [(phys(e), d, nf) for e, d, nf in order]
+        aggs = self._aggregates(exprs + ([having_e] if having_e is not None else []) + [e for e, _, _ in order_e])
+        if group is not None or aggs:
+            keys = [phys(g) for g in (group.expressions if group is not None else [])]
+            cur, mapping = self.aggregate(cur, keys, aggs)
+            exprs = [replace_exprs(e, mapping) for e in exprs]
+            having_e = replace_exprs(having_e, mapping) if having_e is not None else None
+            order_e = [(replace_exprs(e, mapping), d, nf) for e, d, nf in order_e]
+        elif having_e is not None:
+            raise SQLError("HAVING without GROUP BY or an aggregate")
+        windows = [w for e in exprs for w in e.find_all(exp.Window)]
+        if windows:
+            cur = self.window_exchange(cur, windows)
+        names = [n for n, _ in outputs]
+        out_sql = {sql_of(e): n for e, n in zip(exprs, names)}
+        hidden, order_cols = [], []
+        for i, (e, d, nf) in enumerate(order_e):
+            name = out_sql.get(sql_of(e))
+            if name is None:
+                if distinct is not None:
+                    raise SQLError("for SELECT DISTINCT, ORDER BY expressions must appear in the select list")
+                name = f"__o{i}"
+                hidden.append(f"{sql_of(e)} AS {q(name)}")
+            order_cols.append((name, d, nf))
+        proj = ", ".join([f"{sql_of(e)} AS {q(n)}" for e, n in zip(exprs, names)] + hidden)
+        where = f" WHERE {sql_of(having_e)}" if having_e is not None else ""
+        table = r.local(f"SELECT {proj} FROM t{where}", t=cur)
+        if distinct is not None:
+            table = self.distinct(table)
+        limit, offset = _int(node.args.get("limit"), "LIMIT"), _int(node.args.get("offset"), "OFFSET")
+        table = self.order_limit(table, order_cols, limit, offset, top)
+        if hidden:
+            table = table.select(table.column_names[: len(names)])
+        return table
+
+    def _aggregates(self, exprs: Sequence[Any]) -> list[Any]:
+        exp = _exp()
+        seen: dict[str, Any] = {}
+        for e in exprs:
+            for n in e.find_all(exp.AggFunc):
+                if isinstance(n.parent, exp.Window) and n.parent.this is n:
+                    continue
+                if isinstance(n.parent, exp.Filter):
+                    n = n.parent
+                if any(isinstance(a, exp.AggFunc) for a in n.iter_expressions() for a in [a, *a.find_all(exp.AggFunc)] if a is not n):
+                    continue
+                seen.setdefault(sql_of(n), n)
+        return list(seen.values())
+
+    def aggregate(self, cur: pa.Table, keys: list[Any], aggs: list[Any]) -> tuple[pa.Table, dict[str, str]]:
+        """Group ``cur`` by ``keys``: partial aggregates, shuffle of the partials, final aggregates (or
+        the rows shuffled, for aggregates whose partials do not combine).  Returns the grouped table
+        (columns ``__g<i>`` and ``__a<j>``) and the map from expression SQL to those columns."""
+        exp = _exp()
+        r = self.r
+        mapping = {sql_of(k): f"__g{i}" for i, k in enumerate(keys)}
+        mapping.update({sql_of(a): f"__a{j}" for j, a in enumerate(aggs)})
+        gsel = [f"{sql_of(k)} AS __g{i}" for i, k in enumerate(keys)]
+        gcols = [f"__g{i}" for i in range(len(keys))]
+        gby = f" GROUP BY {', '.join(gcols)}" if keys else ""
+        decomposable = all(type(a).__name__ in ("Count", "Sum", "Min", "Max", "Avg") and not any(True for _ in a.find_all(exp.Distinct)) for a in aggs)
+        if decomposable:
+            partial, final = [], []
+            for j, a in enumerate(aggs):
+                arg = "*" if isinstance(a.this, exp.Star) or a.this is None else sql_of(a.this)
+                kind = type(a).__name__
+                if kind == "Count":
+                    partial.append(f"count({arg}) AS __p{j}")
+                    final.append(f"CAST(coalesce(sum(__p{j}), 0) AS BIGINT) AS __a{j}")
+                elif kind == "Avg":
+                    partial += [f"sum({arg}) AS __p{j}", f"count({arg}) AS __c{j}"]
+                    final.append(f"CAST(sum(__p{j}) AS DOUBLE) / sum(__c{j}) AS __a{j}")
+                else:
+                    partial.append(f"{kind.lower()}({arg}) AS __p{j}")
+                    final.append(f"{kind.lower()}(__p{j}) AS __a{j}")
+            part = r.local(f"SELECT {', '.join(gsel + partial)} FROM t{gby}", t=cur)
+            sizes = r.sizes(part) if r.p > 1 else [float(part.nbytes)]
+            if keys:
+                part = r.shuffle(part, gcols)
+                r.plan("aggregate", "partial aggregate, hash shuffle of the partials on the keys, final aggregate" if r.p > 1 else "local (1 rank)",
+                       shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+            else:
+                part = r.gather(part)
+                r.plan("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
+                       shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
+            sql = f"SELECT {', '.join(gcols + final)} FROM t{gby}"
+            if not keys and r.rank != 0:
+                sql = f"SELECT * FROM ({sql}) LIMIT 0"
+            return r.local(sql, t=part), mapping
+        pre = r.local(f"SELECT {', '.join(['*'] + gsel)} FROM t", t=cur) if keys else cur
+        sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
+        pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
+        r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
+               shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
+        sql = f"SELECT {', '.join(gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])} FROM t{gby}"
+        if not keys and r.rank != 0:
+            sql = f"SELECT * FROM ({sql}) LIMIT 0"
+        return r.local(sql, t=pre), mapping
+
+    def window_exchange(self, cur: pa.Table, windows: list[Any]) -> pa.Table:
+        """Bring each window partition onto one rank: hash shuffle on the common ``PARTITION BY``, else gather."""
+        r = self.r
+        parts = {tuple(sql_of(p) for p in (w.args.get("partition_by") or [])) for w in windows}
+        if r.p == 1:
+            r.plan("window", "local (1 rank)", Cost(), f"{len(windows)} window function(s)")
+            return cur
+        sizes = r.sizes(cur)
+        if len(parts) == 1 and next(iter(parts)):
+            keys = next(iter(parts))
+            wk = r.local("SELECT " + ", ".join(f"{k} AS __w{i}" for i, k in enumerate(keys)) + " FROM t", t=cur)
+            out = r.shuffle_by(cur, wk)
+            r.plan("window", f"hash shuffle on PARTITION BY {list(keys)}", shuffle_cost(hockney(r.comm), sizes), f"{len(windows)} window function(s)")
+            return out
+        r.plan("window", "gather to rank 0 (no common PARTITION BY)", shuffle_cost(hockney(r.comm), sizes), f"{len(windows)} window function(s)")
+        return r.gather(cur)
+
+    def distinct(self, table: pa.Table) -> pa.Table:
+        r = self.r
+        if r.p > 1:
+            sizes = r.sizes(table)
+            table = r.shuffle_all(table)
+            r.plan("distinct", "hash shuffle on all columns", shuffle_cost(hockney(r.comm), sizes))
+        return r.local("SELECT DISTINCT * FROM t", t=table)
+
+    def order_limit(self, table: pa.Table, order: list[tuple[str, bool, bool]], limit: int | None, offset: int | None, top: bool) -> pa.Table:
+        r = self.r
+        off = offset or 0
+        keys = ", ".join(f"{q(n)} {'DESC' if d else 'ASC'} NULLS {'FIRST' if nf else 'LAST'}" for n, d, nf in order)
+        if order and (limit is not None or top or off):
+            tail = (f" LIMIT {limit}" if limit is not None else "") + (f" OFFSET {off}" if off else "")
+            if r.p > 1:
+                sizes = r.sizes(table)
+                if limit is not None:
+                    table = r.local(f"SELECT * FROM t ORDER BY {keys} LIMIT {limit + off}", t=table)
+                table = r.gather(table)
+                r.plan("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort",
+                       shuffle_cost(hockney(r.comm), sizes), f"ORDER BY {keys}{tail}")
+            if r.rank == 0 or r.p == 1:
+                table = r.local(f"SELECT * FROM t ORDER BY {keys}{tail}", t=table)
+            return table
+        if limit is not None or off:
+            counts = r.comm.allgather(table.num_rows) if r.p > 1 else [table.num_rows]
+            before = sum(counts[: r.rank])
+            end = before + table.num_rows
+            lo, hi = off, off + limit if limit is not None else float("inf")
+            start, stop = max(before, lo), min(end, hi)
+            table = table.slice(start - before, max(0, int(stop - start)) if stop > start else 0)
+        return table
+
+    # ------------------------------------------------------------------ set operations
+    def set_operation(self, node: Any, top: bool) -> pa.Table:
+        exp = _exp()
+        r = self.r
+        a = Executor(self.r, self.env).run(node.left)
+        b = Executor(self.r, self.env).run(node.right)
+        if a.num_columns != b.num_columns:
+            raise SQLError(f"{node.key.upper()}: the two sides have {a.num_columns} and {b.num_columns} columns")
+        b = b.rename_columns(a.column_names)
+        schema = r.local("SELECT * FROM a UNION ALL SELECT * FROM b LIMIT 0", a=a.slice(0, 0), b=b.slice(0, 0)).schema
+        a, b = a.cast(schema), b.cast(schema)
+        distinct = node.args.get("distinct", True) is not False
+        op = {"union": "UNION", "intersect": "INTERSECT", "except": "EXCEPT"}[node.key]
+        if op == "UNION" and not distinct:
+            out = pa.concat_tables([a, b])
+            r.plan("union", "local concat (UNION ALL)")
+        else:
+            if r.p > 1:
+                sizes = [x + y for x, y in zip(r.sizes(a), r.sizes(b))]
+                a, b = r.shuffle_all(a), r.shuffle_all(b)
+                r.plan(op.lower(), "hash shuffle both sides on all columns", shuffle_cost(hockney(r.comm), sizes))
+            out = r.local(f"SELECT * FROM a {op}{'' if distinct else ' ALL'} SELECT * FROM b", a=a, b=b)
+        order = []
+        for o in (node.args.get("order").expressions if node.args.get("order") else []):
+            e = o.this
+            if isinstance(e, exp.Literal) and not e.is_string:
+                name = out.column_names[int(e.this) - 1]
+            elif isinstance(e, exp.Column) and e.name in out.column_names:
+                name = e.name
+            else:
+                raise SQLError(f"ORDER BY of a set operation must name an output column, got {sql_of(e)}")
+            order.append((name, bool(o.args.get("desc")), bool(o.args.get("nulls_first"))))
+        return self.order_limit(out, order, _int(node.args.get("limit"), "LIMIT"), _int(node.args.get("offset"), "OFFSET"), top)
