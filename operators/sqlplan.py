@@ -213,6 +213,44 @@ class Executor:
     def __init__(self, run: "_Run", env: dict[str, pa.Table]) -> None:
         self.r = run
         self.env = dict(env)
+        self.subqueries: dict[str, pa.Table] = {}  # materialized uncorrelated subqueries, on every rank
+
+    def local(self, sql: str, **tables: pa.Table) -> pa.Table:
+        """A local fragment, with the materialized subqueries it names."""
+        extra = {k: v for k, v in self.subqueries.items() if k in sql}
+        return self.r.local(sql, **tables, **extra)
+
+    def materialize(self, e: Any) -> Any:
+        """``e`` with each subquery that the optimizer left in an expression (uncorrelated: ``x IN
+        (SELECT ...)``, ``EXISTS``, a scalar) run first and broadcast, then read by name in the local
+        fragments, so that DuckDB applies SQL's semantics (NULLs in ``NOT IN`` included)."""
+        exp = _exp()
+        if e is None:
+            return None
+        e = e.copy()
+        for sub in list(e.find_all(exp.Subquery, exp.Select)):
+            if isinstance(sub, exp.Select) and isinstance(sub.parent, exp.Subquery):
+                continue
+            inner = sub.this if isinstance(sub, exp.Subquery) else sub
+            if sub.find_ancestor(exp.Subquery, exp.Select) is not None and sub.find_ancestor(exp.Subquery, exp.Select) is not e:
+                continue  # nested in another subquery of e: runs with it
+            defined = {t.alias_or_name for t in inner.find_all(exp.Table, exp.Subquery)} | {c.alias_or_name for c in inner.find_all(exp.CTE)}
+            free = aliases(inner) - defined
+            if free:
+                raise SQLError(f"a correlated subquery the optimizer could not turn into a join is not supported "
+                               f"(it reads {sorted(free)} of the outer query): {sql_of(inner)[:100]}")
+            table = Executor(self.r, self.env).run(inner)
+            r = self.r
+            if r.p > 1:
+                sizes = r.sizes(table)
+                table = r.broadcast(table)
+                r.plan("subquery", "broadcast of its result", allgather_cost(hockney(r.comm), sizes),
+                       f"uncorrelated subquery of {table.num_rows} row(s)")
+            name = f"__sq{len(self.subqueries)}"
+            self.subqueries[name] = table
+            repl = exp.select("*").from_(exp.to_identifier(name))
+            sub.replace(exp.Subquery(this=repl) if isinstance(sub, exp.Subquery) else repl)
+        return e
 
     def run(self, node: Any, top: bool = False) -> pa.Table:
         exp = _exp()
@@ -313,7 +351,7 @@ class Executor:
         kw = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "full": "FULL JOIN", "semi": "SEMI JOIN",
               "anti": "ANTI JOIN", "cross": "CROSS JOIN"}[how]
         on_sql = "" if how == "cross" else f" ON {cond}"
-        return r.local(f"SELECT * FROM l {kw} r{on_sql}", l=left, r=right)
+        return self.local(f"SELECT * FROM l {kw} r{on_sql}", l=left, r=right)
 
     def _how(self, j: Any) -> str:
         side, kind = (j.side or "").lower(), (j.kind or "").lower()
@@ -347,7 +385,7 @@ class Executor:
             first += 1
         inner_srcs, rest = [from_.this] + [j.this for j in joins[:first]], joins[first:]
         outer_all = any(self._how(j) in ("right", "full") for j in rest)
-        pool = conjuncts(node.args.get("where"))
+        pool = [self.materialize(c) if self._has_subquery(c) else c for c in conjuncts(node.args.get("where"))]
         if outer_all:
             late, pool = pool, []
         else:
@@ -360,13 +398,10 @@ class Executor:
             rels[alias] = t
         # single-source filters of the inner part run at the scan
         for alias in list(rels):
-            mine = [c for c in pool if aliases(c) == {alias} and not self._has_subquery(c)]
+            mine = [c for c in pool if aliases(c) == {alias}]
             if mine:
                 pool = [c for c in pool if not any(c is m for m in mine)]
-                rels[alias] = self.r.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=rels[alias])
-        for c in pool:
-            if self._has_subquery(c):
-                raise SQLError(f"a subquery the optimizer could not turn into a join is not supported: {sql_of(c)[:100]}")
+                rels[alias] = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=rels[alias])
         sizes = self.r.comm.allgather([int(t.nbytes) for t in rels.values()]) if self.r.p > 1 else [[int(t.nbytes) for t in rels.values()]]
         total = {a: sum(s[i] for s in sizes) for i, a in enumerate(rels)}
         cur_alias = max(rels, key=lambda a: (total[a], -list(rels).index(a)))
@@ -389,7 +424,7 @@ class Executor:
                 mine = [c for c in on if aliases(c) == {alias}]
                 if mine:
                     on = [c for c in on if not any(c is m for m in mine)]
-                    t = self.r.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=t)
+                    t = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=t)
             if not on and how == "inner":
                 how = "cross"
             cur = self.join(cur, t, set(have), {alias}, on, how)
@@ -397,7 +432,7 @@ class Executor:
             ready = [c for c in pool if aliases(c) <= have]
             if ready:
                 pool = [c for c in pool if not any(c is x for x in ready)]
-                cur = self.r.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in ready), t=cur)
+                cur = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in ready), t=cur)
         return cur, have, pool + late
 
     def _has_subquery(self, e: Any) -> bool:
@@ -416,7 +451,7 @@ class Executor:
             raise SQLError("DISTINCT ON is not supported")
         cur, have, pending = self.joins(node)
         if pending:
-            cur = r.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in pending), t=cur)
+            cur = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in pending), t=cur)
         outputs = [(e.alias_or_name, e.this if isinstance(e, exp.Alias) else e) for e in node.expressions]
         by_alias = {name: e for name, e in outputs}
         order = []
@@ -431,8 +466,8 @@ class Executor:
         group = node.args.get("group")
         if group is not None and any(group.args.get(k) for k in ("grouping_sets", "cube", "rollup")):
             raise SQLError("GROUPING SETS, CUBE and ROLLUP are not supported")
-        exprs = [phys(e) for _, e in outputs]
-        having_e = phys(having.this) if having is not None else None
+        exprs = [phys(self.materialize(e)) if self._has_subquery(e) else phys(e) for _, e in outputs]
+        having_e = phys(self.materialize(having.this)) if having is not None else None
         order_e = [(phys(e), d, nf) for e, d, nf in order]
         aggs = self._aggregates(exprs + ([having_e] if having_e is not None else []) + [e for e, _, _ in order_e])
         if group is not None or aggs:
@@ -459,7 +494,7 @@ class Executor:
             order_cols.append((name, d, nf))
         proj = ", ".join([f"{sql_of(e)} AS {q(n)}" for e, n in zip(exprs, names)] + hidden)
         where = f" WHERE {sql_of(having_e)}" if having_e is not None else ""
-        table = r.local(f"SELECT {proj} FROM t{where}", t=cur)
+        table = self.local(f"SELECT {proj} FROM t{where}", t=cur)
         if distinct is not None:
             table = self.distinct(table)
         limit, offset = _int(node.args.get("limit"), "LIMIT"), _int(node.args.get("offset"), "OFFSET")
