@@ -402,19 +402,7 @@ class Executor:
             if mine:
                 pool = [c for c in pool if not any(c is m for m in mine)]
                 rels[alias] = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=rels[alias])
-        sizes = self.r.comm.allgather([int(t.nbytes) for t in rels.values()]) if self.r.p > 1 else [[int(t.nbytes) for t in rels.values()]]
-        total = {a: sum(s[i] for s in sizes) for i, a in enumerate(rels)}
-        cur_alias = max(rels, key=lambda a: (total[a], -list(rels).index(a)))
-        cur, have = rels.pop(cur_alias), {cur_alias}
-        while rels:
-            def linked(a: str) -> bool:
-                return any(isinstance(c, exp.EQ) and a in aliases(c) and (aliases(c) - {a}) and (aliases(c) - {a}) <= have for c in pool)
-            cands = [a for a in rels if linked(a)] or list(rels)
-            nxt = min(cands, key=lambda a: (total[a], list(rels).index(a)))
-            on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
-            pool = [c for c in pool if not any(c is o for o in on)]
-            cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross")
-            have.add(nxt)
+        cur, have, pool = self.join_order(rels, pool)
         # the remaining joins, in the order written
         for j in rest:
             how = self._how(j)
@@ -434,6 +422,61 @@ class Executor:
                 pool = [c for c in pool if not any(c is x for x in ready)]
                 cur = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in ready), t=cur)
         return cur, have, pool + late
+
+    def join_order(self, rels: dict[str, pa.Table], pool: list[Any]) -> tuple[pa.Table, set[str], list[Any]]:
+        """Join the inner sources greedily: start from the largest, then join the source whose join is
+        estimated to give the fewest rows (rows of both over the product, for each equality, of the
+        larger distinct count of its two columns: DuckDB's ``approx_count_distinct``, summed over the
+        ranks); a source linked by no equality comes last (cross join, broadcast)."""
+        exp = _exp()
+        r = self.r
+        eq_cols: dict[str, list[str]] = {a: [] for a in rels}
+        for c in pool:
+            if isinstance(c, exp.EQ):
+                for side in (c.left, c.right):
+                    if isinstance(side, exp.Column) and side.table in rels and side.name not in eq_cols[side.table]:
+                        eq_cols[side.table].append(side.name)
+        local = []
+        for a, t in rels.items():
+            cols = [f"approx_count_distinct({q(f'{a}.{c}')})" for c in eq_cols[a]]
+            row = r.local(f"SELECT {', '.join(['count(*)', 'sum(0)'] + cols)} FROM t", t=t).to_pylist()[0] if cols else {"n": t.num_rows}
+            vals = list(row.values())
+            local.append([int(vals[0] or 0), int(t.nbytes)] + [int(v or 0) for v in vals[2:]])
+        stats = r.comm.allgather(local) if r.p > 1 else [local]
+        rows, nbytes, ndv = {}, {}, {}
+        for i, a in enumerate(rels):
+            rows[a] = sum(s[i][0] for s in stats)
+            nbytes[a] = sum(s[i][1] for s in stats)
+            for j, c in enumerate(eq_cols[a]):
+                ndv[(a, c)] = max(1, min(rows[a], sum(s[i][2 + j] for s in stats)))
+
+        def distinct(e: Any, owner_rows: int) -> float:
+            if isinstance(e, exp.Column) and (e.table, e.name) in ndv:
+                return float(min(ndv[(e.table, e.name)], max(owner_rows, 1)))
+            return float(max(owner_rows, 1))
+
+        order = list(rels)
+        first = max(order, key=lambda a: (nbytes[a], -order.index(a)))
+        cur, have, cur_rows = rels.pop(first), {first}, rows[first]
+        while rels:
+            best: tuple[float, int, str] | None = None
+            for a in rels:
+                eqs = [c for c in pool if isinstance(c, exp.EQ) and a in aliases(c) and aliases(c) - {a} and aliases(c) - {a} <= have]
+                if not eqs:
+                    continue
+                est = float(cur_rows) * rows[a]
+                for c in eqs:
+                    mine, other = (c.left, c.right) if aliases(c.left) == {a} else (c.right, c.left)
+                    est /= max(distinct(mine, rows[a]), distinct(other, cur_rows))
+                if best is None or (est, order.index(a)) < best[:2]:
+                    best = (est, order.index(a), a)
+            nxt = best[2] if best is not None else min(rels, key=lambda a: (nbytes[a], order.index(a)))
+            on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
+            pool = [c for c in pool if not any(c is o for o in on)]
+            cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross")
+            have.add(nxt)
+            cur_rows = sum(r.comm.allgather(cur.num_rows)) if r.p > 1 else cur.num_rows
+        return cur, have, pool
 
     def _has_subquery(self, e: Any) -> bool:
         exp = _exp()
