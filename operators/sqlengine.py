@@ -77,8 +77,13 @@ def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[s
             from . import io
             from .readers import read_parquet
 
-            files = io._expand(value, "parquet")
-            if not files:
+            from .errors import InputError
+
+            try:
+                files = io._expand(value, "parquet")
+            except InputError:
+                files = []
+            if not files or not all(os.path.exists(f) for f in files):
                 raise SQLError(f"table {name!r}: no Parquet file matches {os.fspath(value)!r}")
             import pyarrow.parquet as pq
 

@@ -35,6 +35,9 @@ def _where(node: Any, query: str) -> str:
     exp = _exp()
     for n in [node, *node.find_all(exp.Identifier)] if node is not None else []:
         meta = getattr(n, "meta", None) or {}
+        if "start" in meta and query:
+            start = int(meta["start"])
+            return f" at line {query.count(chr(10), 0, start) + 1}, column {start - query.rfind(chr(10), 0, start)}"
         if "line" in meta:
             return f" at line {meta['line']}, column {meta['col']}"
     return ""
@@ -648,6 +651,8 @@ class Executor:
                 table = r.gather(table)
                 r.plan("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort",
                        shuffle_cost(hockney(r.comm), sizes), f"ORDER BY {keys}{tail}")
+            else:
+                r.plan("order_by", "local sort (1 rank)", Cost(), f"ORDER BY {keys}{tail}")
             if r.rank == 0 or r.p == 1:
                 table = r.local(f"SELECT * FROM t ORDER BY {keys}{tail}", t=table)
             return table
