@@ -75,7 +75,20 @@ def referenced_columns(query: str) -> set[str] | None:
     return {c.name.lower() for c in tree.find_all(exp.Column)}
 
 
+_TYPES_MEMO: dict[str, dict[str, str]] = {}
+
+
 def _duck_types(schema: pa.Schema) -> dict[str, str]:
+    """DuckDB's name of each column's type (what the optimizer types expressions with), memoized by schema."""
+    key = schema.remove_metadata().to_string(show_field_metadata=False)
+    if key not in _TYPES_MEMO:
+        if len(_TYPES_MEMO) > 256:
+            _TYPES_MEMO.clear()
+        _TYPES_MEMO[key] = _describe(schema)
+    return _TYPES_MEMO[key]
+
+
+def _describe(schema: pa.Schema) -> dict[str, str]:
     from . import kernels
 
     con = kernels._duck()
@@ -109,7 +122,8 @@ def optimize(query: str, schemas: dict[str, pa.Schema]) -> Any:
         if t.name.lower() not in known and t.name.lower() not in ctes:
             raise SQLError(f"unknown table {t.name!r}{_where(t, query)} (tables: {sorted(schemas)})")
     _name_outputs(tree)
-    schema = {name: _duck_types(s) for name, s in schemas.items()}
+    used = {t.name.lower() for t in tree.find_all(exp.Table)}
+    schema = {name: _duck_types(s) for name, s in schemas.items() if name.lower() in used}
     try:
         return sg_optimize(tree, schema=schema, dialect=DIALECT)
     except OptimizeError as exc:
@@ -330,8 +344,8 @@ class Executor:
                          "gather": shuffle_cost(hockney(r.comm), [a + b for a, b in zip(lsizes, rsizes)])}
                 alts = {}
             if choice == "hash":
-                lk = r.local("SELECT " + ", ".join(f"{sql_of(phys(a))} AS __k{i}" for i, (a, _) in enumerate(keys)) + " FROM l", l=left)
-                rk = r.local("SELECT " + ", ".join(f"{sql_of(phys(b))} AS __k{i}" for i, (_, b) in enumerate(keys)) + " FROM r", r=right)
+                lk = self.key_columns(left, [a for a, _ in keys])
+                rk = self.key_columns(right, [b for _, b in keys])
                 for i in range(len(keys)):
                     t = _canonical_key(lk.schema.field(i).type, rk.schema.field(i).type)
                     if t is not None:
@@ -355,6 +369,13 @@ class Executor:
               "anti": "ANTI JOIN", "cross": "CROSS JOIN"}[how]
         on_sql = "" if how == "cross" else f" ON {cond}"
         return self.local(f"SELECT * FROM l {kw} r{on_sql}", l=left, r=right)
+
+    def key_columns(self, table: pa.Table, exprs: list[Any]) -> pa.Table:
+        """The values of ``exprs`` over ``table`` as columns ``__k<i>`` (plain columns without DuckDB)."""
+        exp = _exp()
+        if all(isinstance(e, exp.Column) and e.table and f"{e.table}.{e.name}" in table.column_names for e in exprs):
+            return pa.table({f"__k{i}": table.column(f"{e.table}.{e.name}") for i, e in enumerate(exprs)})
+        return self.local("SELECT " + ", ".join(f"{sql_of(phys(e))} AS __k{i}" for i, e in enumerate(exprs)) + " FROM t", t=table)
 
     def _how(self, j: Any) -> str:
         side, kind = (j.side or "").lower(), (j.kind or "").lower()
@@ -439,6 +460,8 @@ class Executor:
                 for side in (c.left, c.right):
                     if isinstance(side, exp.Column) and side.table in rels and side.name not in eq_cols[side.table]:
                         eq_cols[side.table].append(side.name)
+        if len(rels) <= 2:
+            eq_cols = {a: [] for a in rels}  # no choice of order to make: no distinct counts needed
         local = []
         for a, t in rels.items():
             cols = [f"approx_count_distinct({q(f'{a}.{c}')})" for c in eq_cols[a]]
@@ -574,7 +597,7 @@ class Executor:
         gsel = [f"{sql_of(k)} AS __g{i}" for i, k in enumerate(keys)]
         gcols = [f"__g{i}" for i in range(len(keys))]
         gby = f" GROUP BY {', '.join(gcols)}" if keys else ""
-        decomposable = all(type(a).__name__ in ("Count", "Sum", "Min", "Max", "Avg") and not any(True for _ in a.find_all(exp.Distinct)) for a in aggs)
+        decomposable = r.p > 1 and all(type(a).__name__ in ("Count", "Sum", "Min", "Max", "Avg") and not any(True for _ in a.find_all(exp.Distinct)) for a in aggs)
         if decomposable:
             partial, final = [], []
             for j, a in enumerate(aggs):
@@ -603,6 +626,10 @@ class Executor:
             if not keys and r.rank != 0:
                 sql = f"SELECT * FROM ({sql}) LIMIT 0"
             return r.local(sql, t=part), mapping
+        if r.p == 1:  # one rank: the aggregate in one fragment
+            r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+            body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
+            return self.local(f"SELECT {body} FROM t" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)}" if keys else ""), t=cur), mapping
         pre = r.local(f"SELECT {', '.join(['*'] + gsel)} FROM t", t=cur) if keys else cur
         sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
