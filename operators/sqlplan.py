@@ -109,8 +109,26 @@ def _describe(schema: pa.Schema) -> dict[str, str]:
     return out
 
 
+#: optimized trees by (query, input schemas): a query run again over tables of the same schemas (a stage
+#: in a loop, a benchmark's repeats) skips planning, which is pure Python
+_PLANS: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+PLAN_CACHE_SIZE = 64
+
+
 def optimize(query: str, schemas: dict[str, pa.Schema]) -> Any:
-    """sqlglot's optimized tree of ``query`` over tables of ``schemas``; unknown names raise ``SQLError``."""
+    """sqlglot's optimized tree of ``query`` over tables of ``schemas`` (a copy of the cached one when the
+    same text was planned over the same schemas); unknown names raise ``SQLError``."""
+    key = (query, tuple(sorted((n, s.remove_metadata().to_string(show_field_metadata=False)) for n, s in schemas.items())))
+    tree = _PLANS.get(key)
+    if tree is None:
+        tree = _optimize(query, schemas)
+        if len(_PLANS) >= PLAN_CACHE_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = tree
+    return tree.copy()
+
+
+def _optimize(query: str, schemas: dict[str, pa.Schema]) -> Any:
     from sqlglot.errors import OptimizeError, SqlglotError
     from sqlglot.optimizer import optimize as sg_optimize
 
