@@ -537,8 +537,7 @@ class Executor:
         if distinct is not None and distinct.args.get("on"):
             raise SQLError("DISTINCT ON is not supported")
         cur, have, pending = self.joins(node)
-        if pending:
-            cur = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in pending), t=cur)
+        pending_sql = " AND ".join(f"({sql_of(phys(c))})" for c in pending)  # applied by the next fragment
         outputs = [(e.alias_or_name, e.this if isinstance(e, exp.Alias) else e) for e in node.expressions]
         by_alias = {name: e for name, e in outputs}
         order = []
@@ -559,14 +558,23 @@ class Executor:
         aggs = self._aggregates(exprs + ([having_e] if having_e is not None else []) + [e for e, _, _ in order_e])
         if group is not None or aggs:
             keys = [phys(g) for g in (group.expressions if group is not None else [])]
-            cur, mapping = self.aggregate(cur, keys, aggs)
+            cur, source, mapping = self.aggregate(cur, keys, aggs, pending_sql)
             exprs = [replace_exprs(e, mapping) for e in exprs]
             having_e = replace_exprs(having_e, mapping) if having_e is not None else None
             order_e = [(replace_exprs(e, mapping), d, nf) for e, d, nf in order_e]
+            filter_sql = sql_of(having_e) if having_e is not None else ""
         elif having_e is not None:
             raise SQLError("HAVING without GROUP BY or an aggregate")
+        else:
+            source, filter_sql = "t", pending_sql
         windows = [w for e in exprs for w in e.find_all(exp.Window)]
-        if windows:
+        if windows:  # the rows of each window partition on one rank: materialize, then exchange
+            where = f" WHERE {filter_sql}" if filter_sql else ""  # HAVING (or WHERE) before the windows
+            if source != "t" or where:
+                cur = self.local(f"SELECT * FROM {source} AS __src{where}", t=cur)
+                source = "t"
+                if where:
+                    filter_sql = ""
             cur = self.window_exchange(cur, windows)
         names = [n for n, _ in outputs]
         out_sql = {sql_of(e): n for e, n in zip(exprs, names)}
@@ -580,8 +588,8 @@ class Executor:
                 hidden.append(f"{sql_of(e)} AS {q(name)}")
             order_cols.append((name, d, nf))
         proj = ", ".join([f"{sql_of(e)} AS {q(n)}" for e, n in zip(exprs, names)] + hidden)
-        where = f" WHERE {sql_of(having_e)}" if having_e is not None else ""
-        table = self.local(f"SELECT {proj} FROM t{where}", t=cur)
+        where = f" WHERE {filter_sql}" if filter_sql else ""
+        table = self.local(f"SELECT {proj} FROM {source} AS __src{where}", t=cur)
         if distinct is not None:
             table = self.distinct(table)
         limit, offset = _int(node.args.get("limit"), "LIMIT"), _int(node.args.get("offset"), "OFFSET")
@@ -604,10 +612,13 @@ class Executor:
                 seen.setdefault(sql_of(n), n)
         return list(seen.values())
 
-    def aggregate(self, cur: pa.Table, keys: list[Any], aggs: list[Any]) -> tuple[pa.Table, dict[str, str]]:
-        """Group ``cur`` by ``keys``: partial aggregates, shuffle of the partials, final aggregates (or
-        the rows shuffled, for aggregates whose partials do not combine).  Returns the grouped table
-        (columns ``__g<i>`` and ``__a<j>``) and the map from expression SQL to those columns."""
+    def aggregate(self, cur: pa.Table, keys: list[Any], aggs: list[Any], where: str) -> tuple[pa.Table, str, dict[str, str]]:
+        """Group the rows of ``cur`` where ``where`` holds by ``keys``: partial aggregates, shuffle of the
+        partials, final aggregates (or the rows shuffled, for aggregates whose partials do not combine).
+        Returns a table ``t`` and the SQL that groups it (``FROM`` it, columns ``__g<i>`` and ``__a<j>``;
+        the caller's projection runs it in the same fragment), and the map from expression SQL to those
+        columns."""
+        cond = f" WHERE {where}" if where else ""
         exp = _exp()
         r = self.r
         mapping = {sql_of(k): f"__g{i}" for i, k in enumerate(keys)}
@@ -630,7 +641,7 @@ class Executor:
                 else:
                     partial.append(f"{kind.lower()}({arg}) AS __p{j}")
                     final.append(f"{kind.lower()}(__p{j}) AS __a{j}")
-            part = r.local(f"SELECT {', '.join(gsel + partial)} FROM t{gby}", t=cur)
+            part = self.local(f"SELECT {', '.join(gsel + partial)} FROM t{cond}{gby}", t=cur)
             sizes = r.sizes(part) if r.p > 1 else [float(part.nbytes)]
             if keys:
                 part = r.shuffle(part, gcols)
@@ -643,12 +654,12 @@ class Executor:
             sql = f"SELECT {', '.join(gcols + final)} FROM t{gby}"
             if not keys and r.rank != 0:
                 sql = f"SELECT * FROM ({sql}) LIMIT 0"
-            return r.local(sql, t=part), mapping
+            return part, f"({sql})", mapping
         if r.p == 1:  # one rank: the aggregate in one fragment
             r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
-            return self.local(f"SELECT {body} FROM t" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)}" if keys else ""), t=cur), mapping
-        pre = r.local(f"SELECT {', '.join(['*'] + gsel)} FROM t", t=cur) if keys else cur
+            return cur, f"(SELECT {body} FROM t{cond}" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)})" if keys else ")"), mapping
+        pre = self.local(f"SELECT {', '.join(['*'] + gsel)} FROM t{cond}", t=cur) if keys or cond else cur
         sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
         r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
@@ -656,7 +667,7 @@ class Executor:
         sql = f"SELECT {', '.join(gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])} FROM t{gby}"
         if not keys and r.rank != 0:
             sql = f"SELECT * FROM ({sql}) LIMIT 0"
-        return r.local(sql, t=pre), mapping
+        return pre, f"({sql})", mapping
 
     def window_exchange(self, cur: pa.Table, windows: list[Any]) -> pa.Table:
         """Bring each window partition onto one rank: hash shuffle on the common ``PARTITION BY``, else gather."""

@@ -82,6 +82,9 @@ QUERIES = {
     "window_over_aggregate": ("""
         select run_id, count(*) as n, rank() over (order by count(*) desc, run_id) as place
         from steps group by run_id""", False),
+    "window_after_having": ("""
+        select run_id, count(*) as n, row_number() over (order by count(*), run_id) as place
+        from steps group by run_id having count(*) > 7""", False),
     "nulls_in_aggregates_and_groups": ("""
         select model, count(*) as rows_, count(temperature) as with_t, sum(temperature) as st, avg(temperature) as at,
                min(temperature) as lo, max(model) as mx
