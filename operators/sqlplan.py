@@ -352,7 +352,10 @@ class Executor:
         if r.p > 1:
             if keys:
                 costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
-                choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs), key=lambda k: costs[k].seconds)
+                # fewest bytes moved: a shuffle's partitioning and copying grow with its bytes, which the Hockney
+                # time of the exchange alone leaves out; the estimated time breaks ties
+                choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs),
+                             key=lambda k: (costs[k].exchange_bytes, costs[k].seconds))
                 alts = {k: c.seconds for k, c in costs.items() if k != "sort"}
             else:
                 small_right = sum(rsizes) <= sum(lsizes)
