@@ -242,6 +242,41 @@ def _canonical_key(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
 
 
 # ---------------------------------------------------------------------------------------- execution
+_JOIN_SQL = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "full": "FULL JOIN", "semi": "SEMI JOIN",
+             "anti": "ANTI JOIN", "cross": "CROSS JOIN"}
+
+
+class Rel:
+    """A relation on this rank: the rows of ``base`` and the local joins (the other side already here:
+    broadcast, or co-partitioned by a shuffle) and filters still to apply, which the next fragment runs
+    with its own work, so DuckDB pipelines them without an Arrow table in between."""
+
+    def __init__(self, base: pa.Table) -> None:
+        self.base = base
+        self.tables: dict[str, pa.Table] = {}
+        self.steps: list[str] = []
+        self.where: list[str] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.steps or self.where)
+
+    def add_join(self, how: str, table: pa.Table, on_sql: str) -> None:
+        name = f"__j{len(self.tables)}"
+        self.tables[name] = table
+        self.steps.append(f" {_JOIN_SQL[how]} {name}" + ("" if how == "cross" else f" ON {on_sql}"))
+
+    def add_where(self, cond: str) -> None:
+        self.where.append(cond)
+
+    def source(self) -> tuple[str, dict[str, pa.Table]]:
+        """``FROM`` text and the tables it reads."""
+        if not self.pending:
+            return "__r", {"__r": self.base}
+        where = f" WHERE {' AND '.join(self.where)}" if self.where else ""
+        return f"(SELECT * FROM __r{''.join(self.steps)}{where})", {"__r": self.base, **self.tables}
+
+
 class Executor:
     """Runs one query tree (and its CTEs) on this rank; every method is collective."""
 
@@ -333,11 +368,20 @@ class Executor:
         return alias, out
 
     # ------------------------------------------------------------------ joins
-    def join(self, left: pa.Table, right: pa.Table, lal: set[str], ral: set[str], on: list[Any], how: str) -> pa.Table:
-        """Join two relations on the conjuncts ``on``: exchange (hash shuffle on the equality keys, or a
-        broadcast of one side), then a local DuckDB join with the whole condition."""
+    def rows_of(self, rel: Rel) -> pa.Table:
+        """``rel``'s rows as one Arrow table (its pending joins and filters run now)."""
+        if not rel.pending:
+            return rel.base
+        src, tables = rel.source()
+        return self.local(f"SELECT * FROM {src} AS __m", **tables)
+
+    def join(self, left_rel: Rel, right: pa.Table, lal: set[str], ral: set[str], on: list[Any], how: str) -> Rel:
+        """Join a relation with a table on the conjuncts ``on``: exchange (hash shuffle on the equality
+        keys, or a broadcast of one side), then a local join with the whole condition, left pending in
+        the returned relation (inner, left and cross joins) for the next fragment to run."""
         exp = _exp()
         r = self.r
+        left = left_rel.base
         keys = []
         for c in on:
             if isinstance(c, exp.EQ):
@@ -347,7 +391,7 @@ class Executor:
                 elif a and b and a <= ral and b <= lal:
                     keys.append((c.right, c.left))
         cond = " AND ".join(f"({sql_of(phys(c))})" for c in on) or "TRUE"
-        lsizes, rsizes = r.sizes(left), r.sizes(right)
+        lsizes, rsizes = r.sizes(left), r.sizes(right)  # the left's base: its pending joins are not run to size it
         detail = f"{how} join of {sorted(lal)} ({sum(lsizes) / 1e6:.2f} MB) with {sorted(ral)} ({sum(rsizes) / 1e6:.2f} MB)"
         if r.p > 1:
             if keys:
@@ -364,6 +408,9 @@ class Executor:
                 costs = {"broadcast": allgather_cost(hockney(r.comm), rsizes), "broadcast_left": allgather_cost(hockney(r.comm), lsizes),
                          "gather": shuffle_cost(hockney(r.comm), [a + b for a, b in zip(lsizes, rsizes)])}
                 alts = {}
+            if choice != "broadcast":
+                left = self.rows_of(left_rel)
+                left_rel = Rel(left)
             if choice == "hash":
                 lk = self.key_columns(left, [a for a, _ in keys])
                 rk = self.key_columns(right, [b for _, b in keys])
@@ -384,12 +431,16 @@ class Executor:
                 left, right = r.gather(left), r.gather(right)
                 algo = "gather both sides to rank 0"
             r.plan("join", algo, costs[choice], detail, alts)
+            if choice in ("hash", "broadcast_left", "gather"):
+                left_rel = Rel(left)
         else:
             r.plan("join", "local (1 rank)", Cost(), detail)
-        kw = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "full": "FULL JOIN", "semi": "SEMI JOIN",
-              "anti": "ANTI JOIN", "cross": "CROSS JOIN"}[how]
+        if how in ("inner", "left", "cross"):
+            left_rel.add_join(how, right, cond)
+            return left_rel
+        base = self.rows_of(left_rel)
         on_sql = "" if how == "cross" else f" ON {cond}"
-        return self.local(f"SELECT * FROM l {kw} r{on_sql}", l=left, r=right)
+        return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=base, r=right))
 
     def key_columns(self, table: pa.Table, exprs: list[Any]) -> pa.Table:
         """The values of ``exprs`` over ``table`` as columns ``__k<i>`` (plain columns without DuckDB)."""
@@ -410,13 +461,13 @@ class Executor:
             return "inner"
         raise SQLError(f"unsupported join {sql_of(j)[:80]!r}")
 
-    def joins(self, node: Any) -> tuple[pa.Table, set[str], list[Any]]:
+    def joins(self, node: Any) -> tuple[Rel, set[str], list[Any]]:
         """The FROM clause joined, with the WHERE conjuncts applied as soon as their sources are there;
         returns the relation, its aliases and the conjuncts still to apply."""
         exp = _exp()
         from_ = node.args.get("from_")
         if from_ is None:
-            return pa.table({"__one": [1]}).slice(0, 1 if self.r.rank == 0 else 0), set(), conjuncts(node.args.get("where"))
+            return Rel(pa.table({"__one": [1]}).slice(0, 1 if self.r.rank == 0 else 0)), set(), conjuncts(node.args.get("where"))
         joins = list(node.args.get("joins") or [])
         for j in joins:
             if j.args.get("using"):
@@ -465,10 +516,10 @@ class Executor:
             ready = [c for c in pool if aliases(c) <= have]
             if ready:
                 pool = [c for c in pool if not any(c is x for x in ready)]
-                cur = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in ready), t=cur)
+                cur.add_where(" AND ".join(f"({sql_of(phys(c))})" for c in ready))
         return cur, have, pool + late
 
-    def join_order(self, rels: dict[str, pa.Table], pool: list[Any]) -> tuple[pa.Table, set[str], list[Any]]:
+    def join_order(self, rels: dict[str, pa.Table], pool: list[Any]) -> tuple[Rel, set[str], list[Any]]:
         """Join the inner sources greedily: start from the largest, then join the source whose join is
         estimated to give the fewest rows (rows of both over the product, for each equality, of the
         larger distinct count of its two columns: DuckDB's ``approx_count_distinct``, summed over the
@@ -504,7 +555,7 @@ class Executor:
 
         order = list(rels)
         first = max(order, key=lambda a: (nbytes[a], -order.index(a)))
-        cur, have, cur_rows = rels.pop(first), {first}, rows[first]
+        cur, have, cur_rows = Rel(rels.pop(first)), {first}, float(rows[first])
         while rels:
             best: tuple[float, int, str] | None = None
             for a in rels:
@@ -518,11 +569,12 @@ class Executor:
                 if best is None or (est, order.index(a)) < best[:2]:
                     best = (est, order.index(a), a)
             nxt = best[2] if best is not None else min(rels, key=lambda a: (nbytes[a], order.index(a)))
+            est_rows = best[0] if best is not None else cur_rows * rows[nxt]
             on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
             pool = [c for c in pool if not any(c is o for o in on)]
             cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross")
             have.add(nxt)
-            cur_rows = sum(r.comm.allgather(cur.num_rows)) if r.p > 1 else cur.num_rows
+            cur_rows = est_rows  # the estimate: the join itself may still be pending in ``cur``
         return cur, have, pool
 
     def _has_subquery(self, e: Any) -> bool:
@@ -540,7 +592,8 @@ class Executor:
         if distinct is not None and distinct.args.get("on"):
             raise SQLError("DISTINCT ON is not supported")
         cur, have, pending = self.joins(node)
-        pending_sql = " AND ".join(f"({sql_of(phys(c))})" for c in pending)  # applied by the next fragment
+        if pending:  # the residual WHERE: run by the next fragment
+            cur.add_where(" AND ".join(f"({sql_of(phys(c))})" for c in pending))
         outputs = [(e.alias_or_name, e.this if isinstance(e, exp.Alias) else e) for e in node.expressions]
         by_alias = {name: e for name, e in outputs}
         order = []
@@ -561,7 +614,7 @@ class Executor:
         aggs = self._aggregates(exprs + ([having_e] if having_e is not None else []) + [e for e, _, _ in order_e])
         if group is not None or aggs:
             keys = [phys(g) for g in (group.expressions if group is not None else [])]
-            cur, source, mapping = self.aggregate(cur, keys, aggs, pending_sql)
+            tables, source, mapping = self.aggregate(cur, keys, aggs)
             exprs = [replace_exprs(e, mapping) for e in exprs]
             having_e = replace_exprs(having_e, mapping) if having_e is not None else None
             order_e = [(replace_exprs(e, mapping), d, nf) for e, d, nf in order_e]
@@ -569,16 +622,12 @@ class Executor:
         elif having_e is not None:
             raise SQLError("HAVING without GROUP BY or an aggregate")
         else:
-            source, filter_sql = "t", pending_sql
+            (source, tables), filter_sql = cur.source(), ""
         windows = [w for e in exprs for w in e.find_all(exp.Window)]
         if windows:  # the rows of each window partition on one rank: materialize, then exchange
-            where = f" WHERE {filter_sql}" if filter_sql else ""  # HAVING (or WHERE) before the windows
-            if source != "t" or where:
-                cur = self.local(f"SELECT * FROM {source} AS __src{where}", t=cur)
-                source = "t"
-                if where:
-                    filter_sql = ""
-            cur = self.window_exchange(cur, windows)
+            where = f" WHERE {filter_sql}" if filter_sql else ""  # HAVING before the windows
+            rows = self.local(f"SELECT * FROM {source} AS __src{where}", **tables)
+            source, tables, filter_sql = "__w", {"__w": self.window_exchange(rows, windows)}, ""
         names = [n for n, _ in outputs]
         out_sql = {sql_of(e): n for e, n in zip(exprs, names)}
         hidden, order_cols = [], []
@@ -592,7 +641,7 @@ class Executor:
             order_cols.append((name, d, nf))
         proj = ", ".join([f"{sql_of(e)} AS {q(n)}" for e, n in zip(exprs, names)] + hidden)
         where = f" WHERE {filter_sql}" if filter_sql else ""
-        table = self.local(f"SELECT {proj} FROM {source} AS __src{where}", t=cur)
+        table = self.local(f"SELECT {proj} FROM {source} AS __src{where}", **tables)
         if distinct is not None:
             table = self.distinct(table)
         limit, offset = _int(node.args.get("limit"), "LIMIT"), _int(node.args.get("offset"), "OFFSET")
@@ -615,13 +664,12 @@ class Executor:
                 seen.setdefault(sql_of(n), n)
         return list(seen.values())
 
-    def aggregate(self, cur: pa.Table, keys: list[Any], aggs: list[Any], where: str) -> tuple[pa.Table, str, dict[str, str]]:
-        """Group the rows of ``cur`` where ``where`` holds by ``keys``: partial aggregates, shuffle of the
-        partials, final aggregates (or the rows shuffled, for aggregates whose partials do not combine).
-        Returns a table ``t`` and the SQL that groups it (``FROM`` it, columns ``__g<i>`` and ``__a<j>``;
-        the caller's projection runs it in the same fragment), and the map from expression SQL to those
-        columns."""
-        cond = f" WHERE {where}" if where else ""
+    def aggregate(self, cur: Rel, keys: list[Any], aggs: list[Any]) -> tuple[dict[str, pa.Table], str, dict[str, str]]:
+        """Group the rows of ``cur`` by ``keys``: partial aggregates, shuffle of the partials, final
+        aggregates (or the rows shuffled, for aggregates whose partials do not combine).  Returns the
+        tables and the ``FROM`` text that groups them (columns ``__g<i>`` and ``__a<j>``; the caller's
+        projection runs it in the same fragment), and the map from expression SQL to those columns."""
+        src, tabs = cur.source()
         exp = _exp()
         r = self.r
         mapping = {sql_of(k): f"__g{i}" for i, k in enumerate(keys)}
@@ -644,7 +692,7 @@ class Executor:
                 else:
                     partial.append(f"{kind.lower()}({arg}) AS __p{j}")
                     final.append(f"{kind.lower()}(__p{j}) AS __a{j}")
-            part = self.local(f"SELECT {', '.join(gsel + partial)} FROM t{cond}{gby}", t=cur)
+            part = self.local(f"SELECT {', '.join(gsel + partial)} FROM {src} AS t{gby}", **tabs)
             sizes = r.sizes(part) if r.p > 1 else [float(part.nbytes)]
             if keys:
                 part = r.shuffle(part, gcols)
@@ -654,23 +702,23 @@ class Executor:
                 part = r.gather(part)
                 r.plan("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
                        shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
-            sql = f"SELECT {', '.join(gcols + final)} FROM t{gby}"
+            sql = f"SELECT {', '.join(gcols + final)} FROM __p{gby}"
             if not keys and r.rank != 0:
                 sql = f"SELECT * FROM ({sql}) LIMIT 0"
-            return part, f"({sql})", mapping
+            return {"__p": part}, f"({sql})", mapping
         if r.p == 1:  # one rank: the aggregate in one fragment
             r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
-            return cur, f"(SELECT {body} FROM t{cond}" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)})" if keys else ")"), mapping
-        pre = self.local(f"SELECT {', '.join(['*'] + gsel)} FROM t{cond}", t=cur) if keys or cond else cur
+            return tabs, f"(SELECT {body} FROM {src} AS t" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)})" if keys else ")"), mapping
+        pre = self.local(f"SELECT {', '.join(['*'] + gsel)} FROM {src} AS t", **tabs) if keys else self.rows_of(cur)
         sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
         r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
                shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
-        sql = f"SELECT {', '.join(gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])} FROM t{gby}"
+        sql = f"SELECT {', '.join(gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])} FROM __p{gby}"
         if not keys and r.rank != 0:
             sql = f"SELECT * FROM ({sql}) LIMIT 0"
-        return pre, f"({sql})", mapping
+        return {"__p": pre}, f"({sql})", mapping
 
     def window_exchange(self, cur: pa.Table, windows: list[Any]) -> pa.Table:
         """Bring each window partition onto one rank: hash shuffle on the common ``PARTITION BY``, else gather."""
