@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from .sqlengine import _Run
 
 DIALECT = "duckdb"
+#: seconds per byte a join's exchange costs beyond its Hockney time (partitioning, copies, IPC), measured
+#: on the TPC-H benchmark's shuffles (docs/sql.md, "Performance"); it weighs shuffle against broadcast
+EXCHANGE_SECONDS_PER_BYTE = 3e-9
 
 
 # ---------------------------------------------------------------------------------------- planning
@@ -396,10 +399,10 @@ class Executor:
         if r.p > 1:
             if keys:
                 costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
-                # fewest bytes moved: a shuffle's partitioning and copying grow with its bytes, which the Hockney
-                # time of the exchange alone leaves out; the estimated time breaks ties
+                # the local join work of the cost model, plus the exchanged bytes at the rate a shuffle partitions,
+                # copies and sends them (the Hockney time of the exchange alone leaves that work out)
                 choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs),
-                             key=lambda k: (costs[k].exchange_bytes, costs[k].seconds))
+                             key=lambda k: costs[k].compute_s + costs[k].exchange_bytes * EXCHANGE_SECONDS_PER_BYTE)
                 alts = {k: c.seconds for k, c in costs.items() if k != "sort"}
             else:
                 small_right = sum(rsizes) <= sum(lsizes)
