@@ -192,7 +192,8 @@ class DTable:
                 except pa.ArrowInvalid as exc:
                     if not _decimal_precision_error(exc):
                         raise
-                    arr = _decimal_retry(table, lambda t, v=value: _evaluate(arrowtypes.to_kernel(t), v))
+                    expr_: pc.Expression = value
+                    arr = _decimal_retry(table, lambda t: _evaluate(arrowtypes.to_kernel(t), expr_))
             elif callable(value):
                 arr = value(arrowtypes.to_kernel(table))
             else:

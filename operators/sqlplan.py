@@ -60,7 +60,7 @@ def parse(query: str) -> Any:
     trees = [t for t in trees if t is not None]
     if len(trees) != 1:
         raise SQLError(f"sql() runs one statement, got {len(trees)}")
-    tree = trees[0]
+    tree: Any = trees[0]
     if not isinstance(tree, _exp().Query):
         raise SQLError(f"sql() runs a query (SELECT, WITH, UNION ...), got {tree.key.upper()}{_where(tree, query)}")
     return tree
@@ -144,7 +144,7 @@ def _optimize(query: str, schemas: dict[str, pa.Schema]) -> Any:
             raise SQLError(f"unknown table {t.name!r}{_where(t, query)} (tables: {sorted(schemas)})")
     _name_outputs(tree)
     used = {t.name.lower() for t in tree.find_all(exp.Table)}
-    schema = {name: _duck_types(s) for name, s in schemas.items() if name.lower() in used}
+    schema: dict[str, object] = {name: _duck_types(s) for name, s in schemas.items() if name.lower() in used}
     try:
         return sg_optimize(tree, schema=schema, dialect=DIALECT)
     except OptimizeError as exc:
@@ -201,7 +201,7 @@ def phys(e: Any) -> Any:
 
 
 def sql_of(e: Any) -> str:
-    return e.sql(DIALECT)
+    return str(e.sql(DIALECT))
 
 
 def replace_exprs(e: Any, mapping: dict[str, str]) -> Any:
@@ -228,7 +228,7 @@ def _int(node: Any, what: str) -> int | None:
 def _canonical_key(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
     """One type both sides' join key cast to before hashing, so equal values go to one rank."""
     def stringy(t: pa.DataType) -> bool:
-        return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+        return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t))
 
     if stringy(a) and stringy(b):
         return pa.large_string()
@@ -551,7 +551,7 @@ class Executor:
             for j, c in enumerate(eq_cols[a]):
                 ndv[(a, c)] = max(1, min(rows[a], sum(s[i][2 + j] for s in stats)))
 
-        def distinct(e: Any, owner_rows: int) -> float:
+        def distinct(e: Any, owner_rows: float) -> float:
             if isinstance(e, exp.Column) and (e.table, e.name) in ndv:
                 return float(min(ndv[(e.table, e.name)], max(owner_rows, 1)))
             return float(max(owner_rows, 1))
