@@ -57,9 +57,17 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     from . import sqlplan
 
     inputs = _inputs(comm, query, tables)
-    tree = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()})
+    tree, names = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()})
     run = _Run(comm, {name: dt.to_arrow() for name, dt in inputs.items()})
     table = run.query(tree, top=True)
+    if names is not None and len(names) == table.num_columns:
+        table = table.rename_columns([n or old for n, old in zip(names, table.column_names)])
+    else:  # ``*``: the inputs' spelling of a name the optimizer lower-cased
+        spelled: dict[str, set[str]] = {}
+        for dt in inputs.values():
+            for n in dt.schema.names:
+                spelled.setdefault(n.lower(), set()).add(n)
+        table = table.rename_columns([next(iter(spelled[n])) if len(spelled.get(n, ())) == 1 else n for n in table.column_names])
     return DTable(comm, table, _plans=tuple(run.plans), _checked=True)
 
 

@@ -114,24 +114,26 @@ def _describe(schema: pa.Schema) -> dict[str, str]:
 
 #: optimized trees by (query, input schemas): a query run again over tables of the same schemas (a stage
 #: in a loop, a benchmark's repeats) skips planning, which is pure Python
-_PLANS: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+_PLANS: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, list[str] | None]] = {}
 PLAN_CACHE_SIZE = 64
 
 
-def optimize(query: str, schemas: dict[str, pa.Schema]) -> Any:
+def optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] | None]:
     """sqlglot's optimized tree of ``query`` over tables of ``schemas`` (a copy of the cached one when the
-    same text was planned over the same schemas); unknown names raise ``SQLError``."""
+    same text was planned over the same schemas), and the output column names as the query spells
+    them (the optimizer lower-cases unquoted names; ``None`` when the outer query selects ``*``);
+    unknown names raise ``SQLError``."""
     key = (query, tuple(sorted((n, s.remove_metadata().to_string(show_field_metadata=False)) for n, s in schemas.items())))
-    tree = _PLANS.get(key)
-    if tree is None:
-        tree = _optimize(query, schemas)
+    found = _PLANS.get(key)
+    if found is None:
+        found = _optimize(query, schemas)
         if len(_PLANS) >= PLAN_CACHE_SIZE:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = tree
-    return tree.copy()
+        _PLANS[key] = found
+    return found[0].copy(), found[1]
 
 
-def _optimize(query: str, schemas: dict[str, pa.Schema]) -> Any:
+def _optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] | None]:
     from sqlglot.errors import OptimizeError, SqlglotError
     from sqlglot.optimizer import optimize as sg_optimize
 
@@ -142,28 +144,38 @@ def _optimize(query: str, schemas: dict[str, pa.Schema]) -> Any:
     for t in tree.find_all(exp.Table):
         if t.name.lower() not in known and t.name.lower() not in ctes:
             raise SQLError(f"unknown table {t.name!r}{_where(t, query)} (tables: {sorted(schemas)})")
-    _name_outputs(tree)
+    names = _name_outputs(tree)
     used = {t.name.lower() for t in tree.find_all(exp.Table)}
     schema: dict[str, object] = {name: _duck_types(s) for name, s in schemas.items() if name.lower() in used}
     try:
-        return sg_optimize(tree, schema=schema, dialect=DIALECT)
+        return sg_optimize(tree, schema=schema, dialect=DIALECT), names
     except OptimizeError as exc:
         raise SQLError(f"{str(exc).rstrip('.')} (in the query)") from exc
     except SqlglotError as exc:
         raise SQLError(f"cannot plan the query: {exc}") from exc
 
 
-def _name_outputs(tree: Any) -> None:
-    """Alias the outer query's unaliased expressions by their SQL text, as DuckDB names them."""
+def _name_outputs(tree: Any) -> list[str] | None:
+    """Alias the outer query's unaliased expressions by their SQL text, as DuckDB names them; return
+    the output names as written (``""`` for those, which keep the optimized tree's spelling; ``None``
+    when the query selects ``*``)."""
     exp = _exp()
     node = tree
     while isinstance(node, exp.SetOperation):
         node = node.left
     if not isinstance(node, exp.Select):
-        return
+        return None
+    names: list[str] | None = []
     for i, e in enumerate(node.expressions):
-        if not isinstance(e, (exp.Alias, exp.Column, exp.Star)):
-            node.expressions[i].replace(exp.alias_(e.copy(), e.sql(DIALECT), quoted=True))
+        if isinstance(e, exp.Star) or (isinstance(e, exp.Column) and isinstance(e.this, exp.Star)):
+            names = None
+        elif not isinstance(e, (exp.Alias, exp.Column)):
+            text = e.sql(DIALECT)
+            node.expressions[i].replace(exp.alias_(e.copy(), text, quoted=True))
+            names = None if names is None else names + [""]  # the name the optimized tree gives it
+        elif names is not None:
+            names.append(e.alias if isinstance(e, exp.Alias) else e.name)
+    return names
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -616,7 +628,10 @@ class Executor:
         order_e = [(phys(e), d, nf) for e, d, nf in order]
         aggs = self._aggregates(exprs + ([having_e] if having_e is not None else []) + [e for e, _, _ in order_e])
         if group is not None or aggs:
-            keys = [phys(g) for g in (group.expressions if group is not None else [])]
+            if group is not None and group.args.get("all"):  # GROUP BY ALL: every output without an aggregate
+                keys = [e for e in exprs if not self._aggregates([e]) and not any(True for _ in e.find_all(exp.Window))]
+            else:
+                keys = [phys(g) for g in (group.expressions if group is not None else [])]
             tables, source, mapping = self.aggregate(cur, keys, aggs)
             exprs = [replace_exprs(e, mapping) for e in exprs]
             having_e = replace_exprs(having_e, mapping) if having_e is not None else None

@@ -198,3 +198,12 @@ def test_bad_table_argument() -> None:
         sql(MPI.COMM_SELF, "select 1 from runs", runs=[1, 2])
     with pytest.raises(SQLError, match="no Parquet file matches"):
         sql(MPI.COMM_SELF, "select 1 from runs", runs="/nonexistent/dir/*.parquet")
+
+
+@pytest.mark.mpi
+def test_names_keep_the_query_spelling_and_group_by_all(comm: Any) -> None:
+    """The optimizer lower-cases unquoted names; the result keeps the query's (or the input's, for ``*``)."""
+    t = pa.table({"Energy": [1.0, 2.0, None, 4.0], "Run": [1, 1, 2, 2]})
+    result = _check(comm, "select Run as MyRun, sum(Energy) as TotalEnergy, count(*) as n from t group by all", t=t)
+    assert result.column_names == ["MyRun", "TotalEnergy", "n"]
+    assert _check(comm, "select * from t where Energy > 1", t=t).column_names == ["Energy", "Run"]
