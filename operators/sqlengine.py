@@ -9,12 +9,14 @@ Decisions:
   local fragments and exchanges; docs/sql.md says why not DataFusion's or DuckDB's planner.
 - **Execution is distributed, fragments are DuckDB's.**  Each ``SELECT`` becomes steps: a scan of
   each source with its single-table filters (local), joins (hash shuffle of both sides on the
-  equality keys, or a broadcast of the small side, chosen by the Hockney cost model), group-by
+  equality keys, or a broadcast of the small side, whichever the cost model's local join work plus
+  the exchanged bytes makes cheaper), group-by
   (local partial aggregation, hash shuffle of the partials on the group keys, final aggregation;
   ``count(distinct)`` and other non-decomposable aggregates shuffle the rows instead), windows
   (hash shuffle on ``PARTITION BY``), ``DISTINCT``/set operations (hash shuffle on all columns),
   and ``ORDER BY``/``LIMIT`` (local top-k, gather to rank 0).  Every local fragment is a DuckDB
-  query over Arrow tables, so expressions, NULLs, decimals and casts follow DuckDB.
+  query over Arrow tables, so expressions, NULLs, decimals and casts follow DuckDB; between two
+  exchanges the joins, filters and aggregate run as one fragment.
 - The algorithm of each step is chosen at run time from the sizes of its inputs (the children run
   first), and recorded as a :class:`~hetflow.operators.costmodel.Plan`: the result's
   ``explain()`` lists the steps with their exchanges and estimated bytes.
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -40,6 +43,7 @@ from .errors import SQLError
 
 log = logging.getLogger(__name__)
 
+
 def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     """Run ``query`` (DuckDB's SQL dialect) over distributed tables; collective.
 
@@ -49,8 +53,9 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     :param tables: each name the query uses: a :class:`DTable` over ``comm``, or a Parquet file,
         directory or glob (read in parallel, only the columns the query names).
     :returns: the result, distributed over the ranks of ``comm``; with ``ORDER BY`` it is
-        ordered across ranks (rank 0 first).  Columns are named by the query's aliases; an
-        unaliased expression is named by its SQL text.  ``explain()`` shows the distributed plan.
+        ordered across ranks (all of it on rank 0).  Columns are named as the query spells them
+        (``*``: as the inputs do); an unaliased expression by its SQL text.  ``explain()`` shows
+        the distributed plan.
     :raises SQLError: a syntax error, an unknown table or column (naming its line and column), or
         a construct this engine does not run (a correlated subquery the optimizer cannot rewrite).
     """
@@ -83,9 +88,8 @@ def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[s
             out[name] = value
         elif isinstance(value, (str, os.PathLike)):
             from . import io
-            from .readers import read_parquet
-
             from .errors import InputError
+            from .readers import read_parquet
 
             try:
                 files = io._expand(value, "parquet")
@@ -127,8 +131,9 @@ class _Run:
         """Every rank's bytes of ``table``, in rank order."""
         return [float(b) for b in self.comm.allgather(int(table.nbytes))]
 
-    def plan(self, operation: str, algorithm: str, cost: Cost = Cost(), detail: str = "",
+    def plan(self, operation: str, algorithm: str, cost: Cost | None = None, detail: str = "",
              alternatives: Mapping[str, float] | None = None) -> None:
+        cost = Cost() if cost is None else cost
         model = hockney(self.comm).describe() if self.p > 1 else ""
         self.plans.append(Plan(operation, algorithm, cost, dict(alternatives or {}), detail, model))
 

@@ -10,7 +10,8 @@ columns are named ``alias.column``, so every local fragment is plain DuckDB SQL 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -295,7 +296,7 @@ class Rel:
 class Executor:
     """Runs one query tree (and its CTEs) on this rank; every method is collective."""
 
-    def __init__(self, run: "_Run", env: dict[str, pa.Table]) -> None:
+    def __init__(self, run: _Run, env: dict[str, pa.Table]) -> None:
         self.r = run
         self.env = dict(env)
         self.subqueries: dict[str, pa.Table] = {}  # materialized uncorrelated subqueries, on every rank
@@ -599,14 +600,13 @@ class Executor:
     # ------------------------------------------------------------------ select
     def select(self, node: Any, top: bool) -> pa.Table:
         exp = _exp()
-        r = self.r
         for bad in ("distinct_on", "qualify", "pivots", "laterals"):
             if node.args.get(bad):
                 raise SQLError(f"{bad.upper()} is not supported{_where(node.args[bad], '')}")
         distinct = node.args.get("distinct")
         if distinct is not None and distinct.args.get("on"):
             raise SQLError("DISTINCT ON is not supported")
-        cur, have, pending = self.joins(node)
+        cur, _, pending = self.joins(node)
         if pending:  # the residual WHERE: run by the next fragment
             cur.add_where(" AND ".join(f"({sql_of(phys(c))})" for c in pending))
         outputs = [(e.alias_or_name, e.this if isinstance(e, exp.Alias) else e) for e in node.expressions]

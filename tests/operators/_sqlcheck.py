@@ -29,7 +29,7 @@ def assert_same(got: pa.Table, want: pa.Table, *, ordered: bool, ctx: str) -> No
     wr = [tuple(r.values()) for r in want.to_pylist()]
     assert len(gr) == len(wr), f"{ctx}: {len(gr)} rows, DuckDB {len(wr)}"
     if not ordered:
-        key = lambda r: tuple((v is None, repr(v)) for v in r)  # noqa: E731
+        key = lambda r: tuple((v is None, repr(v)) for v in r)
         gr, wr = sorted(gr, key=key), sorted(wr, key=key)
     for i, (a, b) in enumerate(zip(gr, wr)):
         assert len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b)), f"{ctx}: row {i} is {a}, DuckDB {b}"

@@ -7,12 +7,11 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+import _sqlcheck
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-
-import _sqlcheck
 
 pytestmark = pytest.mark.mpi
 
@@ -87,7 +86,7 @@ def test_rename(comm: Any) -> None:
 def test_join_int32_keys_with_int64(comm: Any) -> None:
     """Was ``KeyTypeMismatchError``: SQL compares int32 with int64 as int64."""
     t = _full()
-    dims = pa.table({"k": pa.array(range(0, 8), pa.int64()), "name": [f"k{i}" for i in range(8)]})
+    dims = pa.table({"k": pa.array(range(8), pa.int64()), "name": [f"k{i}" for i in range(8)]})
     for how in ("inner", "left", "anti"):
         joined = _dt(comm, t).join(_dt(comm, dims), "k", how=how)
         assert joined.schema.field("k").type == pa.int32()

@@ -8,11 +8,10 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+import _sqlcheck
 import numpy as np
 import pyarrow as pa
 import pytest
-
-import _sqlcheck
 
 N = 240
 
@@ -170,9 +169,8 @@ def test_explain_shows_the_exchanges(comm: Any) -> None:
     ("insert into runs values (1)", "runs a query"),
 ])
 def test_errors_name_the_position(query: str, message: str) -> None:
-    from mpi4py import MPI
-
     from hetflow.operators import DTable, SQLError, sql
+    from mpi4py import MPI
 
     comm = MPI.COMM_SELF
     with pytest.raises(SQLError, match=message.replace("(", r"\(")):
@@ -180,9 +178,8 @@ def test_errors_name_the_position(query: str, message: str) -> None:
 
 
 def test_unknown_column_names_line_and_column() -> None:
-    from mpi4py import MPI
-
     from hetflow.operators import DTable, SQLError, sql
+    from mpi4py import MPI
 
     with pytest.raises(SQLError) as info:
         sql(MPI.COMM_SELF, "select run_id,\n  nosuch from runs", runs=DTable(MPI.COMM_SELF, _tables()["runs"]))
@@ -190,9 +187,8 @@ def test_unknown_column_names_line_and_column() -> None:
 
 
 def test_bad_table_argument() -> None:
-    from mpi4py import MPI
-
     from hetflow.operators import SQLError, sql
+    from mpi4py import MPI
 
     with pytest.raises(SQLError, match="table 'runs' must be a DTable or a Parquet path"):
         sql(MPI.COMM_SELF, "select 1 from runs", runs=[1, 2])

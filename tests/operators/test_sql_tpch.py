@@ -8,12 +8,12 @@ keys), read as DTables; DuckDB answers the same text over the same Parquet files
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
-
-import pytest
+from collections.abc import Iterator
+from typing import Any
 
 import _sqlcheck
 import _tpch
+import pytest
 
 pytestmark = pytest.mark.mpi
 
@@ -23,9 +23,8 @@ SCALE = 0.01
 @pytest.fixture(scope="module")
 def tpch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, Any], dict[str, str]]]:
     """(communicator, DTables by name, Parquet paths by name), generated once by rank 0."""
-    from mpi4py import MPI
-
     from hetflow.operators import read_parquet
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()
     paths = None
@@ -62,7 +61,7 @@ def test_tpch_query_matches_duckdb(tpch: Any, number: int) -> None:
         _sqlcheck.assert_same(got, want, ordered="order by" in query.lower(), ctx=f"TPC-H Q{number} at {comm.Get_size()} rank(s)")
         assert got.column_names == want.column_names, f"Q{number}: names {got.column_names}, DuckDB {want.column_names}"
     plan = result.explain()
-    if comm.Get_size() > 1 and re.search(r"\bjoin\b|,\s*\w+\s*(,|\n)|\bfrom \w+ *, *\w+", query, re.I):
+    if comm.Get_size() > 1 and re.search(r"\bjoin\b|,\s*\w+\s*(,|\n)|\bfrom \w+ *, *\w+", query, re.IGNORECASE):
         assert "shuffle" in plan or "broadcast" in plan or "gather" in plan, plan
 
 
