@@ -73,7 +73,7 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
             for n in dt.schema.names:
                 spelled.setdefault(n.lower(), set()).add(n)
         table = table.rename_columns([next(iter(spelled[n])) if len(spelled.get(n, ())) == 1 else n for n in table.column_names])
-    return DTable(comm, table, _plans=tuple(run.plans), _checked=True)
+    return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.plans), _checked=True)
 
 
 def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[str, DTable]:

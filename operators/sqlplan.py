@@ -258,6 +258,30 @@ def _canonical_key(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
 
 
 # ---------------------------------------------------------------------------------------- execution
+#: schema metadata of a result that is hash-partitioned over the ranks: ``[[column, hashed type], ...]``
+PART_KEY = b"hetflow.sql.partitioned_by"
+Part = tuple[tuple[str, str], ...]
+
+
+def with_part(table: pa.Table, part: Part | None) -> pa.Table:
+    """``table`` marked as hash-partitioned on ``part`` (columns and the types their values were hashed
+    as), so that a join or a group-by on those columns needs no exchange; ``None`` clears the mark."""
+    import json
+
+    meta = dict(table.schema.metadata or {})
+    meta.pop(PART_KEY, None)
+    if part:
+        meta[PART_KEY] = json.dumps([list(c) for c in part]).encode()
+    return table.replace_schema_metadata(meta or None)
+
+
+def part_of(table: pa.Table) -> Part | None:
+    import json
+
+    raw = (table.schema.metadata or {}).get(PART_KEY)
+    return tuple((str(a), str(b)) for a, b in json.loads(raw)) if raw else None
+
+
 _JOIN_SQL = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "full": "FULL JOIN", "semi": "SEMI JOIN",
              "anti": "ANTI JOIN", "cross": "CROSS JOIN"}
 
@@ -267,8 +291,9 @@ class Rel:
     broadcast, or co-partitioned by a shuffle) and filters still to apply, which the next fragment runs
     with its own work, so DuckDB pipelines them without an Arrow table in between."""
 
-    def __init__(self, base: pa.Table) -> None:
+    def __init__(self, base: pa.Table, part: Part | None = None) -> None:
         self.base = base
+        self.part = part  # the rows are hash-partitioned on these physical columns (hashed as these types)
         self.tables: dict[str, pa.Table] = {}
         self.steps: list[str] = []
         self.where: list[str] = []
@@ -284,6 +309,12 @@ class Rel:
 
     def add_where(self, cond: str) -> None:
         self.where.append(cond)
+
+    def column_type(self, name: str) -> pa.DataType | None:
+        for t in (self.base, *self.tables.values()):
+            if name in t.schema.names:
+                return t.schema.field(name).type
+        return None
 
     def source(self) -> tuple[str, dict[str, pa.Table]]:
         """``FROM`` text and the tables it reads."""
@@ -355,7 +386,7 @@ class Executor:
         raise SQLError(f"unsupported query node {node.key.upper()}: {sql_of(node)[:80]}")
 
     # ------------------------------------------------------------------ sources
-    def source(self, src: Any, needed: dict[str, set[str]]) -> tuple[str, pa.Table]:
+    def source(self, src: Any, needed: dict[str, set[str]]) -> tuple[str, pa.Table, Part | None]:
         exp = _exp()
         if isinstance(src, exp.Table) and not src.args.get("db"):
             name = src.name
@@ -371,8 +402,10 @@ class Executor:
             alias = src.alias_or_name
             cols = src.args["alias"].columns if src.args.get("alias") is not None else []
             if cols:
+                part = part_of(table)
                 names = [c.name for c in cols] + table.column_names[len(cols):]
-                table = table.rename_columns(names)
+                renamed = dict(zip(table.column_names, names))
+                table = with_part(table.rename_columns(names), tuple((renamed[c], t) for c, t in part) if part else None)
         else:
             raise SQLError(f"unsupported FROM item {sql_of(src)[:80]!r}{_where(src, '')}")
         want = needed.get(alias, set())
@@ -381,7 +414,11 @@ class Executor:
         if not keep:  # count(*) and the like need only the rows
             keep = [(table.column_names[0], table.column_names[0])] if table.num_columns else []
         out = table.select([a for a, _ in keep]).rename_columns([f"{alias}.{c}" for _, c in keep])
-        return alias, out
+        part = part_of(table)
+        physical = {a: f"{alias}.{c}" for a, c in keep}
+        if part is not None:
+            part = tuple((physical[c], t) for c, t in part) if all(c in physical for c, _ in part) else None
+        return alias, with_part(out, None), part
 
     # ------------------------------------------------------------------ joins
     def rows_of(self, rel: Rel) -> pa.Table:
@@ -391,10 +428,12 @@ class Executor:
         src, tables = rel.source()
         return self.local(f"SELECT * FROM {src} AS __m", **tables)
 
-    def join(self, left_rel: Rel, right: pa.Table, lal: set[str], ral: set[str], on: list[Any], how: str) -> Rel:
+    def join(self, left_rel: Rel, right: pa.Table, lal: set[str], ral: set[str], on: list[Any], how: str,
+             right_part: Part | None = None) -> Rel:
         """Join a relation with a table on the conjuncts ``on``: exchange (hash shuffle on the equality
-        keys, or a broadcast of one side), then a local join with the whole condition, left pending in
-        the returned relation (inner, left and cross joins) for the next fragment to run."""
+        keys of the sides not already partitioned on them, or a broadcast of one side), then a local
+        join with the whole condition, left pending in the returned relation (inner, left and cross
+        joins) for the next fragment to run."""
         exp = _exp()
         r = self.r
         left = left_rel.base
@@ -409,54 +448,97 @@ class Executor:
         cond = " AND ".join(f"({sql_of(phys(c))})" for c in on) or "TRUE"
         lsizes, rsizes = r.sizes(left), r.sizes(right)  # the left's base: its pending joins are not run to size it
         detail = f"{how} join of {sorted(lal)} ({sum(lsizes) / 1e6:.2f} MB) with {sorted(ral)} ({sum(rsizes) / 1e6:.2f} MB)"
-        if r.p > 1:
-            if keys:
-                costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
-                # the local join work of the cost model, plus the exchanged bytes at the rate a shuffle partitions,
-                # copies and sends them (the Hockney time of the exchange alone leaves that work out)
-                choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs),
-                             key=lambda k: costs[k].compute_s + costs[k].exchange_bytes * EXCHANGE_SECONDS_PER_BYTE)
-                alts = {k: c.seconds for k, c in costs.items() if k != "sort"}
-            else:
-                small_right = sum(rsizes) <= sum(lsizes)
-                choice = ({"inner": "broadcast" if small_right else "broadcast_left", "left": "broadcast", "semi": "broadcast",
-                           "anti": "broadcast", "right": "broadcast_left"}).get(how, "gather")
-                costs = {"broadcast": allgather_cost(hockney(r.comm), rsizes), "broadcast_left": allgather_cost(hockney(r.comm), lsizes),
-                         "gather": shuffle_cost(hockney(r.comm), [a + b for a, b in zip(lsizes, rsizes)])}
-                alts = {}
-            if choice != "broadcast":
-                left = self.rows_of(left_rel)
-                left_rel = Rel(left)
+        types, lsig, rsig = self.key_signatures(left_rel, right, keys)
+        left_ready = lsig is not None and left_rel.part == lsig  # already hash-partitioned on these keys
+        right_ready = rsig is not None and right_part == rsig
+        if r.p == 1:
+            r.plan("join", "local (1 rank)", Cost(), detail)
+        elif keys and left_ready and right_ready:  # co-partitioned: nothing moves
+            r.plan("join", "co-partitioned: both sides already hash-partitioned on the keys, nothing moves", Cost(), detail)
+        elif keys:
+            costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
+            if left_ready or right_ready:  # only the other side moves
+                costs["hash"] = shuffle_cost(hockney(r.comm), rsizes if left_ready else lsizes) + Cost(compute_s=costs["hash"].compute_s)
+            # the local join work of the cost model, plus the exchanged bytes at the rate a shuffle partitions,
+            # copies and sends them (the Hockney time of the exchange alone leaves that work out)
+            choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs),
+                         key=lambda k: costs[k].compute_s + costs[k].exchange_bytes * EXCHANGE_SECONDS_PER_BYTE)
+            alts = {k: c.seconds for k, c in costs.items() if k != "sort"}
             if choice == "hash":
-                lk = self.key_columns(left, [a for a, _ in keys])
-                rk = self.key_columns(right, [b for _, b in keys])
-                for i in range(len(keys)):
-                    t = _canonical_key(lk.schema.field(i).type, rk.schema.field(i).type)
-                    if t is not None:
-                        lk = lk.set_column(i, f"__k{i}", lk.column(i).cast(t))
-                        rk = rk.set_column(i, f"__k{i}", rk.column(i).cast(t))
-                left, right = r.shuffle_by(left, lk), r.shuffle_by(right, rk)
-                algo = f"hash shuffle both sides on {[sql_of(a) for a, _ in keys]}"
+                if types is None:  # keys that are expressions: their common types from their values
+                    left_rel = Rel(self.rows_of(left_rel))
+                    lk0 = self.key_columns(left_rel.base, [a for a, _ in keys])
+                    rk0 = self.key_columns(right, [b for _, b in keys])
+                    types = [_canonical_key(x.type, y.type) or x.type for x, y in zip(lk0.schema, rk0.schema)]
+                moved = []
+                if not left_ready:
+                    left = self.rows_of(left_rel)
+                    left = r.shuffle_by(left, self.hash_keys(left, [a for a, _ in keys], types))
+                    left_rel = Rel(left, lsig)
+                    moved.append("left")
+                if not right_ready:
+                    right = r.shuffle_by(right, self.hash_keys(right, [b for _, b in keys], types))
+                    moved.append("right")
+                algo = f"hash shuffle of the {' and '.join(moved)} side{'s' if len(moved) > 1 else ''} on {[sql_of(a) for a, _ in keys]}"
             elif choice == "broadcast":
                 right = r.broadcast(right)
                 algo = "broadcast right"
-            elif choice == "broadcast_left":
-                left = r.broadcast(left)
-                algo = "broadcast left"
             else:
-                left, right = r.gather(left), r.gather(right)
-                algo = "gather both sides to rank 0"
+                left_rel = Rel(r.broadcast(self.rows_of(left_rel)))
+                algo = "broadcast left"
             r.plan("join", algo, costs[choice], detail, alts)
-            if choice in ("hash", "broadcast_left", "gather"):
-                left_rel = Rel(left)
-        else:
-            r.plan("join", "local (1 rank)", Cost(), detail)
+        else:  # no equality: broadcast one side (both to rank 0 for a full join)
+            small_right = sum(rsizes) <= sum(lsizes)
+            choice = ({"inner": "broadcast" if small_right else "broadcast_left", "cross": "broadcast" if small_right else "broadcast_left",
+                       "left": "broadcast", "semi": "broadcast", "anti": "broadcast", "right": "broadcast_left"}).get(how, "gather")
+            model = hockney(r.comm)
+            if choice == "broadcast":
+                right = r.broadcast(right)
+                cost = allgather_cost(model, rsizes)
+            elif choice == "broadcast_left":
+                left_rel = Rel(r.broadcast(self.rows_of(left_rel)))
+                cost = allgather_cost(model, lsizes)
+            else:
+                left_rel, right = Rel(r.gather(self.rows_of(left_rel))), r.gather(right)
+                cost = shuffle_cost(model, [a + b for a, b in zip(lsizes, rsizes)])
+            r.plan("join", {"broadcast": "broadcast right", "broadcast_left": "broadcast left", "gather": "gather both sides to rank 0"}[choice],
+                   cost, detail)
         if how in ("inner", "left", "cross"):
             left_rel.add_join(how, right, cond)
             return left_rel
-        base = self.rows_of(left_rel)
-        on_sql = "" if how == "cross" else f" ON {cond}"
-        return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=base, r=right))
+        part = left_rel.part if how in ("semi", "anti") else None
+        on_sql = f" ON {cond}"
+        return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=self.rows_of(left_rel), r=right), part)
+
+    def key_signatures(self, left: Rel, right: pa.Table, keys: list[tuple[Any, Any]]) -> tuple[list[pa.DataType] | None, Part | None, Part | None]:
+        """The type each key pair is hashed as (the sides' common type) and, where the keys are plain
+        columns, each side's partitioning signature ``((column, type), ...)`` after a shuffle on them."""
+        exp = _exp()
+        if not keys:
+            return None, None, None
+        types: list[pa.DataType] = []
+        lsig: list[tuple[str, str]] | None = []
+        rsig: list[tuple[str, str]] | None = []
+        for a, b in keys:
+            la = f"{a.table}.{a.name}" if isinstance(a, exp.Column) and a.table else None
+            rb = f"{b.table}.{b.name}" if isinstance(b, exp.Column) and b.table else None
+            ta = left.column_type(la) if la else None
+            tb = right.schema.field(rb).type if rb and rb in right.schema.names else None
+            if ta is None or tb is None:
+                return None, None, None
+            t = _canonical_key(ta, tb) or ta
+            types.append(t)
+            lsig = None if lsig is None else lsig + [(la, str(t))]  # type: ignore[list-item]
+            rsig = None if rsig is None else rsig + [(rb, str(t))]  # type: ignore[list-item]
+        return types, tuple(lsig) if lsig else None, tuple(rsig) if rsig else None
+
+    def hash_keys(self, table: pa.Table, exprs: list[Any], types: list[pa.DataType] | None) -> pa.Table:
+        """The key values of ``exprs`` over ``table``, cast to the types both sides hash them as."""
+        keys = self.key_columns(table, exprs)
+        for i in range(keys.num_columns):
+            if types is not None and keys.schema.field(i).type != types[i]:
+                keys = keys.set_column(i, f"__k{i}", keys.column(i).cast(types[i]))
+        return keys
 
     def key_columns(self, table: pa.Table, exprs: list[Any]) -> pa.Table:
         """The values of ``exprs`` over ``table`` as columns ``__k<i>`` (plain columns without DuckDB)."""
@@ -505,8 +587,9 @@ class Executor:
         for j in joins[:first]:
             pool += conjuncts(j.args.get("on"))
         rels: dict[str, pa.Table] = {}
+        parts: dict[str, Part | None] = {}
         for s in inner_srcs:
-            alias, t = self.source(s, needed)
+            alias, t, parts[alias] = self.source(s, needed)
             rels[alias] = t
         # single-source filters of the inner part run at the scan
         for alias in list(rels):
@@ -514,12 +597,12 @@ class Executor:
             if mine:
                 pool = [c for c in pool if not any(c is m for m in mine)]
                 rels[alias] = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=rels[alias])
-        cur, have, pool = self.join_order(rels, pool)
+        cur, have, pool = self.join_order(rels, parts, pool)
         # the remaining joins, in the order written
         for j in rest:
             how = self._how(j)
             on = conjuncts(j.args.get("on"))
-            alias, t = self.source(j.this, needed)
+            alias, t, tpart = self.source(j.this, needed)
             if how in ("left", "semi", "anti", "inner"):
                 mine = [c for c in on if aliases(c) == {alias}]
                 if mine:
@@ -527,7 +610,7 @@ class Executor:
                     t = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=t)
             if not on and how == "inner":
                 how = "cross"
-            cur = self.join(cur, t, set(have), {alias}, on, how)
+            cur = self.join(cur, t, set(have), {alias}, on, how, tpart)
             have.add(alias)
             ready = [c for c in pool if aliases(c) <= have]
             if ready:
@@ -535,7 +618,7 @@ class Executor:
                 cur.add_where(" AND ".join(f"({sql_of(phys(c))})" for c in ready))
         return cur, have, pool + late
 
-    def join_order(self, rels: dict[str, pa.Table], pool: list[Any]) -> tuple[Rel, set[str], list[Any]]:
+    def join_order(self, rels: dict[str, pa.Table], parts: dict[str, Part | None], pool: list[Any]) -> tuple[Rel, set[str], list[Any]]:
         """Join the inner sources greedily: start from the largest, then join the source whose join is
         estimated to give the fewest rows (rows of both over the product, for each equality, of the
         larger distinct count of its two columns: DuckDB's ``approx_count_distinct``, summed over the
@@ -571,7 +654,7 @@ class Executor:
 
         order = list(rels)
         first = max(order, key=lambda a: (nbytes[a], -order.index(a)))
-        cur, have, cur_rows = Rel(rels.pop(first)), {first}, float(rows[first])
+        cur, have, cur_rows = Rel(rels.pop(first), parts[first]), {first}, float(rows[first])
         while rels:
             best: tuple[float, int, str] | None = None
             for a in rels:
@@ -588,7 +671,7 @@ class Executor:
             est_rows = best[0] if best is not None else cur_rows * rows[nxt]
             on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
             pool = [c for c in pool if not any(c is o for o in on)]
-            cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross")
+            cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross", parts[nxt])
             have.add(nxt)
             cur_rows = est_rows  # the estimate: the join itself may still be pending in ``cur``
         return cur, have, pool
@@ -632,7 +715,7 @@ class Executor:
                 keys = [e for e in exprs if not self._aggregates([e]) and not any(True for _ in e.find_all(exp.Window))]
             else:
                 keys = [phys(g) for g in (group.expressions if group is not None else [])]
-            tables, source, mapping = self.aggregate(cur, keys, aggs)
+            tables, source, mapping, part = self.aggregate(cur, keys, aggs)
             exprs = [replace_exprs(e, mapping) for e in exprs]
             having_e = replace_exprs(having_e, mapping) if having_e is not None else None
             order_e = [(replace_exprs(e, mapping), d, nf) for e, d, nf in order_e]
@@ -640,7 +723,7 @@ class Executor:
         elif having_e is not None:
             raise SQLError("HAVING without GROUP BY or an aggregate")
         else:
-            (source, tables), filter_sql = cur.source(), ""
+            (source, tables), filter_sql, part = cur.source(), "", cur.part
         windows = [w for e in exprs for w in e.find_all(exp.Window)]
         if windows:  # the rows of each window partition on one rank: materialize, then exchange
             where = f" WHERE {filter_sql}" if filter_sql else ""  # HAVING before the windows
@@ -666,7 +749,18 @@ class Executor:
         table = self.order_limit(table, order_cols, limit, offset, top)
         if hidden:
             table = table.select(table.column_names[: len(names)])
-        return table
+        moved = bool(windows) or distinct is not None or bool(order_cols and (limit is not None or offset or top))
+        return with_part(table, None if moved else self._output_part(part, exprs, names))
+
+    def _output_part(self, part: Part | None, exprs: list[Any], names: list[str]) -> Part | None:
+        """The partitioning of a result whose outputs include the partitioning columns as they are."""
+        exp = _exp()
+        if part is None:
+            return None
+        plain = {e.name: n for e, n in zip(exprs, names) if isinstance(e, exp.Column) and not e.table}
+        if not all(c in plain for c, _ in part) or len(set(names)) != len(names):
+            return None
+        return tuple((plain[c], t) for c, t in part)
 
     def _aggregates(self, exprs: Sequence[Any]) -> list[Any]:
         exp = _exp()
@@ -682,11 +776,12 @@ class Executor:
                 seen.setdefault(sql_of(n), n)
         return list(seen.values())
 
-    def aggregate(self, cur: Rel, keys: list[Any], aggs: list[Any]) -> tuple[dict[str, pa.Table], str, dict[str, str]]:
+    def aggregate(self, cur: Rel, keys: list[Any], aggs: list[Any]) -> tuple[dict[str, pa.Table], str, dict[str, str], Part | None]:
         """Group the rows of ``cur`` by ``keys``: partial aggregates, shuffle of the partials, final
         aggregates (or the rows shuffled, for aggregates whose partials do not combine).  Returns the
         tables and the ``FROM`` text that groups them (columns ``__g<i>`` and ``__a<j>``; the caller's
-        projection runs it in the same fragment), and the map from expression SQL to those columns."""
+        projection runs it in the same fragment), the map from expression SQL to those columns, and the
+        partitioning of the grouped rows (``__g<i>`` columns)."""
         src, tabs = cur.source()
         exp = _exp()
         r = self.r
@@ -695,6 +790,14 @@ class Executor:
         gsel = [f"{sql_of(k)} AS __g{i}" for i, k in enumerate(keys)]
         gcols = [f"__g{i}" for i in range(len(keys))]
         gby = f" GROUP BY {', '.join(gcols)}" if keys else ""
+        by_key = {k.name: i for i, k in enumerate(keys) if isinstance(k, exp.Column) and not k.table}
+        if r.p > 1 and keys and cur.part is not None and all(c in by_key for c, _ in cur.part):
+            # the rows are hash-partitioned on some of the group keys: every group is on one rank already
+            r.plan("aggregate", f"local: the rows are already hash-partitioned on {[c for c, _ in cur.part]}, nothing moves", Cost(),
+                   f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+            body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
+            part = tuple((f"__g{by_key[c]}", t) for c, t in cur.part)
+            return tabs, f"(SELECT {body} FROM {src} AS t GROUP BY {', '.join(sql_of(k) for k in keys)})", mapping, part
         decomposable = r.p > 1 and all(type(a).__name__ in ("Count", "Sum", "Min", "Max", "Avg") and not any(True for _ in a.find_all(exp.Distinct)) for a in aggs)
         if decomposable:
             partial, final = [], []
@@ -723,11 +826,12 @@ class Executor:
             sql = f"SELECT {', '.join(gcols + final)} FROM __p{gby}"
             if not keys and r.rank != 0:
                 sql = f"SELECT * FROM ({sql}) LIMIT 0"
-            return {"__p": part}, f"({sql})", mapping
+            grouped = tuple((g, str(part.schema.field(g).type)) for g in gcols) if keys else None
+            return {"__p": part}, f"({sql})", mapping, grouped
         if r.p == 1:  # one rank: the aggregate in one fragment
             r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
-            return tabs, f"(SELECT {body} FROM {src} AS t" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)})" if keys else ")"), mapping
+            return tabs, f"(SELECT {body} FROM {src} AS t" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)})" if keys else ")"), mapping, None
         pre = self.local(f"SELECT {', '.join(['*'] + gsel)} FROM {src} AS t", **tabs) if keys else self.rows_of(cur)
         sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
@@ -736,7 +840,8 @@ class Executor:
         sql = f"SELECT {', '.join(gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])} FROM __p{gby}"
         if not keys and r.rank != 0:
             sql = f"SELECT * FROM ({sql}) LIMIT 0"
-        return {"__p": pre}, f"({sql})", mapping
+        grouped = tuple((g, str(pre.schema.field(g).type)) for g in gcols) if keys else None
+        return {"__p": pre}, f"({sql})", mapping, grouped
 
     def window_exchange(self, cur: pa.Table, windows: list[Any]) -> pa.Table:
         """Bring each window partition onto one rank: hash shuffle on the common ``PARTITION BY``, else gather."""
