@@ -65,6 +65,7 @@ MPI5: dict[str, Callable[[Params], bool]] = {
     "test_sql.py::test_limit_without_order_keeps_n_rows": EVERY,
     "test_sql.py::test_explain_shows_the_exchanges": EVERY,
     "test_sql.py::test_names_keep_the_query_spelling_and_group_by_all": EVERY,
+    "test_sql.py::test_copartitioned_sides_are_not_shuffled_again": EVERY,
     "test_operators_sql_gaps.py::test_decimal_sums_compare_with_literals_and_divide": EVERY,
     "test_operators_sql_gaps.py::test_string_view_in_callables_and_with_columns": EVERY,
     "test_operators_sql_gaps.py::test_count_star": EVERY,

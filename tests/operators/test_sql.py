@@ -203,3 +203,18 @@ def test_names_keep_the_query_spelling_and_group_by_all(comm: Any) -> None:
     result = _check(comm, "select Run as MyRun, sum(Energy) as TotalEnergy, count(*) as n from t group by all", t=t)
     assert result.column_names == ["MyRun", "TotalEnergy", "n"]
     assert _check(comm, "select * from t where Energy > 1", t=t).column_names == ["Energy", "Run"]
+
+
+@pytest.mark.mpi
+def test_copartitioned_sides_are_not_shuffled_again(comm: Any) -> None:
+    """Two CTEs grouped on run_id are hash-partitioned on it already: their join moves nothing, and
+    neither does a group-by on a superset of the join key after it; the result is still DuckDB's."""
+    query = """
+        with a as (select run_id, count(*) as n from steps group by run_id),
+             b as (select run_id, max(step) as m, min(energy) as lo from steps group by run_id),
+             j as (select a.run_id, a.n, b.m, b.lo from a join b on a.run_id = b.run_id)
+        select run_id, n, sum(m) as m, min(lo) as lo from j group by run_id, n"""
+    result = _check(comm, query, **_tables())
+    plan = result.explain()
+    if comm.Get_size() > 1:
+        assert "co-partitioned" in plan and "already hash-partitioned on" in plan, plan
