@@ -28,11 +28,13 @@ if TYPE_CHECKING:
         KeyTypeMismatchError,
         OperatorError,
         SchemaMismatchError,
+        SQLError,
         UnsupportedAggregationError,
         UnsupportedTypeError,
     )
     from .readers import read_csv, read_ipc, read_parquet
     from .scan import Scan, scan_ipc
+    from .sqlengine import sql
 
 __all__ = [
     "AggregateOverflowError",
@@ -46,16 +48,18 @@ __all__ = [
     "OperatorError",
     "Scan",
     "SchemaMismatchError",
+    "SQLError",
     "UnsupportedAggregationError",
     "UnsupportedTypeError",
     "read_csv",
     "read_ipc",
     "read_parquet",
     "scan_ipc",
+    "sql",
 ]
 
 _LAZY = {"Communicator": "communicator", "DTable": "dtable", "GroupBy": "dtable", "read_parquet": "readers", "read_csv": "readers", "read_ipc": "readers",
-         "Scan": "scan", "scan_ipc": "scan", **{name: "errors" for name in __all__ if name.endswith("Error")}}
+         "Scan": "scan", "scan_ipc": "scan", "sql": "sqlengine", **{name: "errors" for name in __all__ if name.endswith("Error")}}
 
 
 def __dir__() -> list[str]:

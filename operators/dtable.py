@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -150,15 +150,23 @@ class DTable:
         return self._derive(self._table.select(cols))
 
     def filter(self, expr: pc.Expression | Callable[[pa.Table], Any]) -> "DTable":
-        """Rows where ``expr`` (a ``pyarrow.compute`` expression or ``fn(table) -> bool mask``) is true."""
+        """Rows where ``expr`` (a ``pyarrow.compute`` expression or ``fn(table) -> bool mask``) is true.
+
+        ``fn`` gets the partition with view and dictionary columns as their plain types (pyarrow's
+        kernels take ``string``, not ``string_view``).  Decimal columns whose arithmetic leaves
+        ``decimal128``'s 38 digits (a ``sum`` is ``decimal128(38, s)``) are evaluated as
+        ``decimal256``, else as ``float64``, where pyarrow refuses the precision.
+        """
         if isinstance(expr, pc.Expression):
             try:
                 out = arrowtypes.filter_table(self._table, expr)
             except (pa.ArrowInvalid, KeyError) as exc:
                 self._raise_missing_field(exc)
-                raise
+                if not _decimal_precision_error(exc):
+                    raise
+                out = arrowtypes.filter_table(self._table, _decimal_retry(self._table, lambda t: _evaluate(arrowtypes.to_kernel(t), expr)))
         else:
-            out = arrowtypes.filter_table(self._table, expr(self._table))
+            out = arrowtypes.filter_table(self._table, expr(arrowtypes.to_kernel(self._table)))
         return self._derive(out)
 
     def _raise_missing_field(self, exc: Exception) -> None:
@@ -169,13 +177,25 @@ class DTable:
                     raise ColumnNotFoundError(part, self._table.schema.names, where="expression") from exc
 
     def with_columns(self, **columns: ColumnValue) -> "DTable":
-        """Add or replace columns: name = expression, array or ``fn(table) -> array``."""
+        """Add or replace columns: name = expression, array or ``fn(table) -> array``.
+
+        Expressions and ``fn`` see view and dictionary columns as their plain types; decimal
+        arithmetic beyond ``decimal128``'s 38 digits is done as ``decimal256`` and the result given
+        DuckDB's type, ``decimal128`` of at most 38 digits (a value that does not fit raises), else as
+        ``float64`` (a quotient of two sums, whose precision pyarrow puts at 77), as :meth:`filter` does.
+        """
         table = self._table
         for name, value in columns.items():
             if isinstance(value, pc.Expression):
-                arr = _evaluate(table, value)
+                try:
+                    arr = _evaluate(arrowtypes.to_kernel(table), value)
+                except pa.ArrowInvalid as exc:
+                    if not _decimal_precision_error(exc):
+                        raise
+                    expr_: pc.Expression = value
+                    arr = _decimal_retry(table, lambda t: _evaluate(arrowtypes.to_kernel(t), expr_))
             elif callable(value):
-                arr = value(table)
+                arr = value(arrowtypes.to_kernel(table))
             else:
                 arr = value
             if name in table.schema.names:
@@ -184,6 +204,14 @@ class DTable:
                 table = table.append_column(name, arr)
         tc.check_same_schema(self._comm, table.schema, what="with_columns result")
         return self._derive(table)
+
+    def rename(self, columns: Mapping[str, str]) -> "DTable":
+        """Columns renamed, ``{old: new}`` (the others keep their names); no data moves.
+
+        :raises ColumnNotFoundError: an old name the table does not have.
+        """
+        self._check_columns(list(columns), "rename")
+        return self._derive(self._table.rename_columns([columns.get(n, n) for n in self.column_names]))
 
     def map_batches(self, fn: Callable[[pa.Table], pa.Table]) -> "DTable":
         """Apply ``fn`` to this rank's partition; the results must agree on the schema."""
@@ -247,7 +275,9 @@ class DTable:
         :param right: the right table, over the same communicator.
         :param keys: the left key column(s); also the right ones unless ``right_keys`` is given.
         :param right_keys: the right key column(s), as many as ``keys``, with the same types (string
-            and binary layouts — large, view, dictionary — count as one type).
+            and binary layouts — large, view, dictionary — count as one type; integer keys of two
+            widths, ``int32`` against ``int64``, are compared as the wider; the key columns of the
+            result keep the left's type, except for ``right`` and ``full`` joins, where they have the wider).
         :param how: ``inner``, ``left``, ``right``, ``full``, ``semi`` or ``anti``.
         :param suffix: appended to a right column whose name a left column already has.
         :param algorithm: ``auto`` (cheapest by the Hockney cost model: hash-shuffle both sides or
@@ -271,10 +301,26 @@ class DTable:
             raise InvalidOptionError("right_keys", rk, [f"{len(lk)} key(s) like {lk}"])
         self._check_columns(lk, "join left side")
         right._check_columns(rk, "join right side")
+        left_t, right_t = self._table, right._table
         for a, b in zip(lk, rk):
-            ta, tb = self.schema.field(a).type, right.schema.field(b).type
+            ta, tb = left_t.schema.field(a).type, right_t.schema.field(b).type
             if join_key_type(ta) != join_key_type(tb):
-                raise KeyTypeMismatchError(f"join key type mismatch: left {a!r} is {ta}, right {b!r} is {tb}")
+                wide = _widened_integer(ta, tb)
+                if wide is None:
+                    raise KeyTypeMismatchError(f"join key type mismatch: left {a!r} is {ta}, right {b!r} is {tb}")
+                left_t = left_t.set_column(left_t.schema.get_field_index(a), pa.field(a, wide), left_t.column(a).cast(wide))
+                right_t = right_t.set_column(right_t.schema.get_field_index(b), pa.field(b, wide), right_t.column(b).cast(wide))
+        if left_t is not self._table or right_t is not right._table:  # integer keys of two widths: join the widened tables
+            out = DTable(self._comm, left_t, _plans=self._plans, _checked=True).join(
+                DTable(right._comm, right_t, _plans=right._plans, _checked=True), lk, right_keys=rk, how=how, suffix=suffix,
+                algorithm=algorithm)
+            if how in ("right", "full"):  # the key columns hold either side's keys: the wider type
+                return out
+            table = out._table  # the left's keys only: the left's types, as SQL returns them
+            for a in lk:
+                i = table.schema.get_field_index(a)
+                table = table.set_column(i, self.schema.field(a), table.column(i).cast(self.schema.field(a).type))
+            return DTable(self._comm, table, _plans=out._plans, _checked=True)
         if algorithm == "sort":
             for a, b in zip(lk, rk):
                 check_orderable(self.schema.field(a), "join algorithm 'sort'")
@@ -418,11 +464,16 @@ class DTable:
         """Whole-table aggregates, replicated on every rank as Python values.
 
         :param aggs: ``[(column, agg), ...]`` with ``agg`` one of ``count``, ``count_distinct``,
-            ``sum``, ``mean``, ``min``, ``max``, ``stddev``, ``variance``, ``first``, ``last``, ``list``.
+            ``sum``, ``mean``, ``min``, ``max``, ``stddev``, ``variance``, ``first``, ``last``, ``list``;
+            ``("*", "count")`` counts rows (SQL ``count(*)``), keyed ``count``.
         :returns: a dict keyed ``<column>_<agg>``, e.g. ``{"v_min": 0, "v_sum": 10}``, identical on every rank.
         :raises UnsupportedAggregationError: an unknown aggregation, or one not defined for the column's type.
         :raises AggregateOverflowError: an integer sum outside int64/uint64 (raised on every rank).
         """
+        if any(c == STAR for c, _ in aggs):
+            out = aggregate.column_aggregates(self._comm, _with_star(self._table, aggs),
+                                              [(_STAR_COLUMN if c == STAR else c, a) for c, a in aggs])
+            return {("count" if k == f"{_STAR_COLUMN}_count" else k): v for k, v in out.items()}
         self._check_columns([c for c, _ in aggs], "aggregate")
         return aggregate.column_aggregates(self._comm, self._table, list(aggs))
 
@@ -491,6 +542,67 @@ class DTable:
         return io.write_partitions(self._comm, self._table, directory, "ipc")
 
 
+#: ``("*", "count")`` counts rows (SQL ``count(*)``); its result is named ``count``
+STAR = "*"
+_STAR_COLUMN = "__hetflow_star"
+
+
+def _with_star(table: pa.Table, aggs: Sequence[Aggregation]) -> pa.Table:
+    """``table`` with a column of ones to count for ``("*", "count")``; ``*`` takes no other aggregation."""
+    bad = [a for c, a in aggs if c == STAR and a != "count"]
+    if bad:
+        from .errors import UnsupportedAggregationError
+
+        raise UnsupportedAggregationError(f"'*' only counts rows: ('*', 'count'), got ('*', {bad[0]!r})")
+    return table.append_column(_STAR_COLUMN, pa.array(np.ones(table.num_rows, dtype=np.int8)))
+
+
+def _decimal_precision_error(exc: Exception) -> bool:
+    return isinstance(exc, pa.ArrowInvalid) and ("recision is not great enough" in str(exc) or "ecimal precision out of range" in str(exc))
+
+
+def _decimal_retry(table: pa.Table, fn: Callable[[pa.Table], Any]) -> Any:
+    """``fn`` over ``table`` with its decimal128 columns as decimal256, and failing that as float64: the
+    same types on every rank (the failure is the types', not the data's)."""
+    dec = [i for i, f in enumerate(table.schema) if pa.types.is_decimal(f.type)]
+    wide = table
+    for i in dec:
+        f = table.schema.field(i)
+        if pa.types.is_decimal128(f.type):
+            t = pa.decimal256(f.type.precision, f.type.scale)
+            wide = wide.set_column(i, f.with_type(t), table.column(i).cast(t))
+    try:
+        out = fn(wide)
+        if pa.types.is_decimal256(out.type) and not any(pa.types.is_decimal256(table.schema.field(i).type) for i in dec):
+            # DuckDB's result type: at most 38 digits, an overflowing value an error (a safe cast)
+            out = out.cast(pa.decimal128(min(38, out.type.precision), out.type.scale))
+        return out
+    except pa.ArrowInvalid as exc:
+        if not _decimal_precision_error(exc):
+            raise
+    floats = table
+    for i in dec:
+        f = table.schema.field(i)
+        floats = floats.set_column(i, f.with_type(pa.float64()), table.column(i).cast(pa.float64()))
+    return fn(floats)
+
+
+def _widened_integer(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The integer type two join keys of different integer types are compared as (SQL widens
+    ``int32 = int64`` to ``int64``), or ``None`` when one of them is not an integer or no integer
+    type holds both (``int64`` against ``uint64``)."""
+    if not (pa.types.is_integer(a) and pa.types.is_integer(b)):
+        return None
+    signed = pa.types.is_signed_integer
+    if signed(a) == signed(b):
+        return a if a.bit_width >= b.bit_width else b
+    s, u = (a, b) if signed(a) else (b, a)
+    for t in (pa.int16(), pa.int32(), pa.int64()):
+        if t.bit_width > u.bit_width and t.bit_width >= s.bit_width:
+            return t
+    return None
+
+
 def _evaluate(table: pa.Table, expr: pc.Expression) -> pa.ChunkedArray:
     import pyarrow.acero as ac
 
@@ -520,7 +632,8 @@ class GroupBy:
         ``mean``/``variance``/``stddev`` (sample, ddof 1) float64.  Group order is not defined.
 
         :param aggs: ``[(column, agg), ...]``; ``agg`` is one of ``count``, ``count_distinct``, ``sum``,
-            ``mean``, ``min``, ``max``, ``stddev``, ``variance``, ``first``, ``last``, ``list``.
+            ``mean``, ``min``, ``max``, ``stddev``, ``variance``, ``first``, ``last``, ``list``;
+            ``("*", "count")`` counts the group's rows (SQL ``count(*)``) into a column named ``count``.
         :param algorithm: ``auto`` (combine-shuffle-reduce when few groups are estimated, else a
             range or hash shuffle; out of core when the inputs are over ``settings.memory_budget``,
             see ``spilling``), ``combine``, ``shuffle`` or ``range`` (one integer key without nulls).
@@ -532,6 +645,10 @@ class GroupBy:
         if algorithm not in GROUPBY_ALGORITHMS:
             raise InvalidOptionError("group_by algorithm", algorithm, GROUPBY_ALGORITHMS)
         dt = self._table
+        if any(c == STAR for c, _ in aggs):  # count(*): the count of a column of ones, named "count"
+            star = DTable(dt.comm, _with_star(dt.to_arrow(), aggs), _plans=dt.plans, _checked=True)
+            out = GroupBy(star, self._keys).aggregate([(_STAR_COLUMN if c == STAR else c, a) for c, a in aggs], algorithm=algorithm)
+            return out.rename({f"{_STAR_COLUMN}_count": "count"})
         dt._check_columns([c for c, _ in aggs], "aggregate")
         work = dt.to_arrow().select(list(dict.fromkeys(self._keys + [c for c, _ in aggs])))
         if algorithm == "auto" and spilling.needed(dt.comm, work.nbytes):

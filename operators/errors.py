@@ -58,3 +58,8 @@ class AggregateOverflowError(OperatorError, OverflowError):
 
 class UnsupportedTypeError(OperatorError, TypeError):
     """A column whose Arrow type the operation cannot take (e.g. sorting by an interval)."""
+
+
+class SQLError(OperatorError, ValueError):
+    """A query that cannot be parsed, names an unknown table or column (the message gives its line and
+    column), or uses a construct the distributed SQL engine does not run."""

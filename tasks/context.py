@@ -101,7 +101,8 @@ class StageContext:
     ``workdir`` is private to this attempt; ``checkpoint_dir`` is stable across
     attempts of the same stage in the same run (so a retry can resume).
     ``files`` are the stage's declared files, resolved and absolute; ``env`` its
-    declared environment variables (:class:`DeclaredEnv`).
+    declared environment variables (:class:`DeclaredEnv`); ``inputs`` this rank's
+    partition of each input, by its declared name (what :meth:`sql` reads).
 
     :meth:`progress` reports how far this rank is (a small file the live view reads).
 
@@ -123,6 +124,7 @@ class StageContext:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("hetflow.stage"))
     files: tuple[Path, ...] = ()
     env: Mapping[str, str | None] = field(default_factory=dict)
+    inputs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, TrackedParams):
@@ -199,3 +201,24 @@ class StageContext:
         from hetflow.operators import DTable
 
         return DTable(self.comm, table)
+
+    def sql(self, query: str, **tables: Any) -> Any:
+        """Run SQL over the stage's inputs, each by its declared name, and ``tables``; collective.
+
+        ``tables`` (a ``DTable``, this rank's partition as a ``pyarrow.Table``, or a Parquet
+        path/glob) add names or replace an input's.  Returns a ``DTable`` over ``comm``
+        (``.to_arrow()`` is this rank's partition, ready to return as an output).  See
+        :func:`hetflow.operators.sql`.
+        """
+        import pyarrow as pa
+
+        from hetflow.operators import DTable, sql
+
+        named: dict[str, Any] = {}
+        lowered = query.lower()
+        for name, table in self.inputs.items():
+            if name not in tables and name.lower() in lowered:  # the same text on every rank: the same collectives
+                named[name] = DTable(self.comm, table)
+        for name, value in tables.items():
+            named[name] = DTable(self.comm, value) if isinstance(value, (pa.Table, pa.RecordBatch)) else value
+        return sql(self.comm, query, **named)

@@ -332,7 +332,8 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
                            params=spec.params, workdir=attempt_dir,
                            checkpoint_dir=spec.checkpoint_dir, cores=slot.cores,
                            gpus=slot.gpus, node=spec.nodes[slot.node], log=log,
-                           files=tuple(Path(f) for f in spec.files), env=spec.env)
+                           files=tuple(Path(f) for f in spec.files), env=spec.env,
+                           inputs={name: table for (name, _), table in zip(named_inputs, inputs)})
         with operator_settings(spec):
             tables = _check_result(stage, func(ctx, *inputs), list(spec.outputs))
         for name, value in tables.items():

@@ -31,7 +31,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARKER = re.compile(r"^<!--\s*(.*?)\s*-->$")
 #: pages whose blocks run pipelines: they must leave runs behind, all DONE
-PIPELINE_PAGES = {"README.md", "quickstart.md", "ml.md"}
+PIPELINE_PAGES = {"README.md", "quickstart.md", "ml.md", "sql.md"}
 
 
 @dataclass(frozen=True)

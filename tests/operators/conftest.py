@@ -58,6 +58,19 @@ MPI5: dict[str, Callable[[Params], bool]] = {
     "test_operators_spill.py::test_result_chains_and_reads_back": EVERY,
     "test_operators_spill_views.py::test_join_result_with_string_views_is_not_inflated": EVERY,
     "test_operators_costmodel.py::test_estimated_exchange_bytes_equal_the_bytes_sent": EVERY,
+    # SQL (issue 28 asks for 5 ranks): all of it, about 25 s at 5 ranks on 2 cores
+    "test_sql_tpch.py::test_tpch_query_matches_duckdb": EVERY,
+    "test_sql_tpch.py::test_parquet_paths_and_globs_as_tables": EVERY,
+    "test_sql.py::test_sql_matches_duckdb": EVERY,
+    "test_sql.py::test_limit_without_order_keeps_n_rows": EVERY,
+    "test_sql.py::test_explain_shows_the_exchanges": EVERY,
+    "test_sql.py::test_names_keep_the_query_spelling_and_group_by_all": EVERY,
+    "test_sql.py::test_copartitioned_sides_are_not_shuffled_again": EVERY,
+    "test_operators_sql_gaps.py::test_decimal_sums_compare_with_literals_and_divide": EVERY,
+    "test_operators_sql_gaps.py::test_string_view_in_callables_and_with_columns": EVERY,
+    "test_operators_sql_gaps.py::test_count_star": EVERY,
+    "test_operators_sql_gaps.py::test_rename": EVERY,
+    "test_operators_sql_gaps.py::test_join_int32_keys_with_int64": EVERY,
 }
 
 

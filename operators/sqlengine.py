@@ -1,0 +1,173 @@
+"""SQL over distributed tables (layer 3): ``sql(comm, query, **tables) -> DTable``.
+
+Decisions:
+
+- **Planning is sqlglot's.**  The query is parsed and rewritten by sqlglot's optimizer (qualify
+  every column, push predicates down, decorrelate ``EXISTS``/``IN``/scalar subqueries into joins
+  with grouped derived tables, merge subqueries).  sqlglot is pure Python (no Java runtime, no
+  native build) and hands back a plain SQL tree whose every ``SELECT`` this module can cut into
+  local fragments and exchanges; docs/sql.md says why not DataFusion's or DuckDB's planner.
+- **Execution is distributed, fragments are DuckDB's.**  Each ``SELECT`` becomes steps: a scan of
+  each source with its single-table filters (local), joins (hash shuffle of both sides on the
+  equality keys, or a broadcast of the small side, whichever the cost model's local join work plus
+  the exchanged bytes makes cheaper), group-by
+  (local partial aggregation, hash shuffle of the partials on the group keys, final aggregation;
+  ``count(distinct)`` and other non-decomposable aggregates shuffle the rows instead), windows
+  (hash shuffle on ``PARTITION BY``), ``DISTINCT``/set operations (hash shuffle on all columns),
+  and ``ORDER BY``/``LIMIT`` (local top-k, gather to rank 0).  Every local fragment is a DuckDB
+  query over Arrow tables, so expressions, NULLs, decimals and casts follow DuckDB; between two
+  exchanges the joins, filters and aggregate run as one fragment.
+- The algorithm of each step is chosen at run time from the sizes of its inputs (the children run
+  first), and recorded as a :class:`~hetflow.operators.costmodel.Plan`: the result's
+  ``explain()`` lists the steps with their exchanges and estimated bytes.
+- Errors: a query sqlglot cannot parse, or that names an unknown table or column, raises
+  :class:`SQLError` naming the line and column in the query; a fragment DuckDB rejects raises it
+  with the fragment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from . import comm as tc
+from . import kernels, partition
+from .communicator import Communicator
+from .costmodel import Cost, Plan, hockney
+from .dtable import DTable
+from .errors import SQLError
+
+log = logging.getLogger(__name__)
+
+
+def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
+    """Run ``query`` (DuckDB's SQL dialect) over distributed tables; collective.
+
+    :param comm: the communicator (in a stage: ``ctx.comm``).
+    :param query: one ``SELECT`` (``WITH``, joins, subqueries, ``GROUP BY``, windows, set
+        operations, ``ORDER BY``/``LIMIT``).
+    :param tables: each name the query uses: a :class:`DTable` over ``comm``, or a Parquet file,
+        directory or glob (read in parallel, only the columns the query names).
+    :returns: the result, distributed over the ranks of ``comm``; with ``ORDER BY`` it is
+        ordered across ranks (all of it on rank 0).  Columns are named as the query spells them
+        (``*``: as the inputs do); an unaliased expression by its SQL text.  ``explain()`` shows
+        the distributed plan.
+    :raises SQLError: a syntax error, an unknown table or column (naming its line and column), or
+        a construct this engine does not run (a correlated subquery the optimizer cannot rewrite).
+    """
+    from . import sqlplan
+
+    inputs = _inputs(comm, query, tables)
+    tree, names = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()})
+    run = _Run(comm, {name: dt.to_arrow() for name, dt in inputs.items()})
+    table = run.query(tree, top=True)
+    if names is not None and len(names) == table.num_columns:
+        table = table.rename_columns([n or old for n, old in zip(names, table.column_names)])
+    else:  # ``*``: the inputs' spelling of a name the optimizer lower-cased
+        spelled: dict[str, set[str]] = {}
+        for dt in inputs.values():
+            for n in dt.schema.names:
+                spelled.setdefault(n.lower(), set()).add(n)
+        table = table.rename_columns([next(iter(spelled[n])) if len(spelled.get(n, ())) == 1 else n for n in table.column_names])
+    return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.plans), _checked=True)
+
+
+def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[str, DTable]:
+    from . import sqlplan
+
+    out: dict[str, DTable] = {}
+    names = sqlplan.referenced_columns(query)
+    for name, value in tables.items():
+        if isinstance(value, DTable):
+            if value.comm is not comm and value.comm.Get_size() != comm.Get_size():
+                raise SQLError(f"table {name!r} is distributed over {value.comm.Get_size()} rank(s), the query over {comm.Get_size()}")
+            out[name] = value
+        elif isinstance(value, (str, os.PathLike)):
+            from . import io
+            from .errors import InputError
+            from .readers import read_parquet
+
+            try:
+                files = io._expand(value, "parquet")
+            except InputError:
+                files = []
+            if not files or not all(os.path.exists(f) for f in files):
+                raise SQLError(f"table {name!r}: no Parquet file matches {os.fspath(value)!r}")
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(files[0])
+            cols = [c for c in schema.names if names is None or c.lower() in names]
+            out[name] = read_parquet(comm, files, columns=cols or schema.names[:1])
+        else:
+            raise SQLError(f"table {name!r} must be a DTable or a Parquet path/glob, got {type(value).__name__}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- execution
+class _Run:
+    """One query's execution on this rank: local DuckDB fragments joined by exchanges."""
+
+    def __init__(self, comm: Communicator, inputs: dict[str, pa.Table]) -> None:
+        self.comm = comm
+        self.p = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.inputs = inputs
+        self.plans: list[Plan] = []
+
+    def local(self, sql: str, **tables: pa.Table) -> pa.Table:
+        """Run one local fragment in DuckDB over this rank's Arrow tables."""
+        import duckdb
+
+        try:
+            return kernels._duck_query(sql, **tables)
+        except duckdb.Error as exc:
+            raise SQLError(f"local fragment failed: {str(exc).splitlines()[0]} (fragment: {sql})") from exc
+
+    def sizes(self, table: pa.Table) -> list[float]:
+        """Every rank's bytes of ``table``, in rank order."""
+        return [float(b) for b in self.comm.allgather(int(table.nbytes))]
+
+    def plan(self, operation: str, algorithm: str, cost: Cost | None = None, detail: str = "",
+             alternatives: Mapping[str, float] | None = None) -> None:
+        cost = Cost() if cost is None else cost
+        model = hockney(self.comm).describe() if self.p > 1 else ""
+        self.plans.append(Plan(operation, algorithm, cost, dict(alternatives or {}), detail, model))
+
+    def shuffle_by(self, table: pa.Table, keys: pa.Table) -> pa.Table:
+        """Hash-shuffle ``table``'s rows by the values of ``keys`` (same rows, one canonical type per key)."""
+        if self.p == 1:
+            return table
+        ids = partition.partition_ids(keys, keys.column_names, self.p)
+        return tc.shuffle(self.comm, table, ids)
+
+    def shuffle(self, table: pa.Table, keys: Sequence[str]) -> pa.Table:
+        """Hash-shuffle ``table`` on its columns ``keys``."""
+        return self.shuffle_by(table, table.select(list(keys)))
+
+    def shuffle_all(self, table: pa.Table) -> pa.Table:
+        """Hash-shuffle on every column (``DISTINCT`` and set operations); strings hashed as one type."""
+        keys = table
+        for i, f in enumerate(table.schema):
+            if pa.types.is_string_view(f.type):
+                keys = keys.set_column(i, f.name, table.column(i).cast(pa.large_string()))
+        return self.shuffle_by(table, keys)
+
+    def broadcast(self, table: pa.Table) -> pa.Table:
+        """Every rank's rows on every rank."""
+        return pa.concat_tables(tc.allgather_table(self.comm, table)) if self.p > 1 else table
+
+    def gather(self, table: pa.Table) -> pa.Table:
+        """All rows on rank 0; the other ranks keep no rows (same schema)."""
+        if self.p == 1:
+            return table
+        parts = tc.gather_table(self.comm, table, root=0)
+        return pa.concat_tables(parts) if parts is not None else table.slice(0, 0)
+
+    def query(self, node: Any, top: bool = False) -> pa.Table:
+        from .sqlplan import Executor
+
+        return Executor(self, {}).run(node, top=top)

@@ -1,0 +1,930 @@
+"""The SQL engine's planner and executor (layer 3, behind :func:`hetflow.operators.sql`).
+
+``optimize`` turns the query text into sqlglot's optimized tree (qualified columns, decorrelated
+subqueries).  ``Executor`` runs that tree one ``SELECT`` at a time, as the steps listed in
+``sql``'s docstring: per-source scans with their filters, joins ordered greedily (start from the
+largest source, then join the smallest source connected to it by an equality), aggregation,
+windows, projection, ``DISTINCT``, ``ORDER BY``/``LIMIT``.  Inside a ``SELECT`` a relation's
+columns are named ``alias.column``, so every local fragment is plain DuckDB SQL over Arrow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from .costmodel import Cost, allgather_cost, hockney, join_costs, shuffle_cost
+from .errors import SQLError
+
+if TYPE_CHECKING:
+    from .sqlengine import _Run
+
+DIALECT = "duckdb"
+#: seconds per byte a join's exchange costs beyond its Hockney time (partitioning, copies, IPC), measured
+#: on the TPC-H benchmark's shuffles (docs/sql.md, "Performance"); it weighs shuffle against broadcast
+EXCHANGE_SECONDS_PER_BYTE = 3e-9
+
+
+# ---------------------------------------------------------------------------------------- planning
+def _exp() -> Any:
+    from sqlglot import exp
+
+    return exp
+
+
+def _where(node: Any, query: str) -> str:
+    """``line L, column C`` of ``node`` (its first identifier) in the query, or ``""``."""
+    exp = _exp()
+    for n in [node, *node.find_all(exp.Identifier)] if node is not None else []:
+        meta = getattr(n, "meta", None) or {}
+        if "start" in meta and query:
+            start = int(meta["start"])
+            return f" at line {query.count(chr(10), 0, start) + 1}, column {start - query.rfind(chr(10), 0, start)}"
+        if "line" in meta:
+            return f" at line {meta['line']}, column {meta['col']}"
+    return ""
+
+
+def parse(query: str) -> Any:
+    import sqlglot
+    from sqlglot.errors import ParseError
+
+    try:
+        trees = sqlglot.parse(query, read=DIALECT)
+    except ParseError as exc:
+        e = exc.errors[0] if exc.errors else {}
+        desc = str(e.get("description", exc)).split("<Token")[0].strip().rstrip(".")
+        near = e.get("highlight", "")
+        raise SQLError(f"SQL syntax error at line {e.get('line', '?')}, column {e.get('col', '?')}: {desc} (near {near!r})") from exc
+    trees = [t for t in trees if t is not None]
+    if len(trees) != 1:
+        raise SQLError(f"sql() runs one statement, got {len(trees)}")
+    tree: Any = trees[0]
+    if not isinstance(tree, _exp().Query):
+        raise SQLError(f"sql() runs a query (SELECT, WITH, UNION ...), got {tree.key.upper()}{_where(tree, query)}")
+    return tree
+
+
+def referenced_columns(query: str) -> set[str] | None:
+    """Lower-cased names of every column the query mentions, or ``None`` when it selects ``*``."""
+    exp = _exp()
+    try:
+        tree = parse(query)
+    except SQLError:
+        return None
+    if any(True for _ in tree.find_all(exp.Star)) and not all(isinstance(s.parent, exp.Count) for s in tree.find_all(exp.Star)):
+        return None
+    return {c.name.lower() for c in tree.find_all(exp.Column)}
+
+
+_TYPES_MEMO: dict[str, dict[str, str]] = {}
+
+
+def _duck_types(schema: pa.Schema) -> dict[str, str]:
+    """DuckDB's name of each column's type (what the optimizer types expressions with), memoized by schema."""
+    key = schema.remove_metadata().to_string(show_field_metadata=False)
+    if key not in _TYPES_MEMO:
+        if len(_TYPES_MEMO) > 256:
+            _TYPES_MEMO.clear()
+        _TYPES_MEMO[key] = _describe(schema)
+    return _TYPES_MEMO[key]
+
+
+def _describe(schema: pa.Schema) -> dict[str, str]:
+    from . import kernels
+
+    con = kernels._duck()
+    t = schema.empty_table()
+    con.register("__hetflow_schema", t)
+    try:
+        rows = con.sql("DESCRIBE SELECT * FROM __hetflow_schema").fetchall()
+    finally:
+        con.unregister("__hetflow_schema")
+    exp = _exp()
+    out = {}
+    for name, typ, *_ in rows:
+        try:
+            exp.DataType.build(typ, dialect=DIALECT)
+        except Exception:  # noqa: BLE001 - a type sqlglot cannot spell: typed as unknown for the optimizer
+            typ = "UNKNOWN"
+        out[name] = typ
+    return out
+
+
+#: optimized trees by (query, input schemas): a query run again over tables of the same schemas (a stage
+#: in a loop, a benchmark's repeats) skips planning, which is pure Python
+_PLANS: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, list[str] | None]] = {}
+PLAN_CACHE_SIZE = 64
+
+
+def optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] | None]:
+    """sqlglot's optimized tree of ``query`` over tables of ``schemas`` (a copy of the cached one when the
+    same text was planned over the same schemas), and the output column names as the query spells
+    them (the optimizer lower-cases unquoted names; ``None`` when the outer query selects ``*``);
+    unknown names raise ``SQLError``."""
+    key = (query, tuple(sorted((n, s.remove_metadata().to_string(show_field_metadata=False)) for n, s in schemas.items())))
+    found = _PLANS.get(key)
+    if found is None:
+        found = _optimize(query, schemas)
+        if len(_PLANS) >= PLAN_CACHE_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = found
+    return found[0].copy(), found[1]
+
+
+def _optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] | None]:
+    from sqlglot.errors import OptimizeError, SqlglotError
+    from sqlglot.optimizer import optimize as sg_optimize
+
+    exp = _exp()
+    tree = parse(query)
+    ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
+    known = {n.lower(): n for n in schemas}
+    for t in tree.find_all(exp.Table):
+        if t.name.lower() not in known and t.name.lower() not in ctes:
+            raise SQLError(f"unknown table {t.name!r}{_where(t, query)} (tables: {sorted(schemas)})")
+    names = _name_outputs(tree)
+    used = {t.name.lower() for t in tree.find_all(exp.Table)}
+    schema: dict[str, object] = {name: _duck_types(s) for name, s in schemas.items() if name.lower() in used}
+    try:
+        return sg_optimize(tree, schema=schema, dialect=DIALECT), names
+    except OptimizeError as exc:
+        raise SQLError(f"{str(exc).rstrip('.')} (in the query)") from exc
+    except SqlglotError as exc:
+        raise SQLError(f"cannot plan the query: {exc}") from exc
+
+
+def _name_outputs(tree: Any) -> list[str] | None:
+    """Alias the outer query's unaliased expressions by their SQL text, as DuckDB names them; return
+    the output names as written (``""`` for those, which keep the optimized tree's spelling; ``None``
+    when the query selects ``*``)."""
+    exp = _exp()
+    node = tree
+    while isinstance(node, exp.SetOperation):
+        node = node.left
+    if not isinstance(node, exp.Select):
+        return None
+    names: list[str] | None = []
+    for i, e in enumerate(node.expressions):
+        if isinstance(e, exp.Star) or (isinstance(e, exp.Column) and isinstance(e.this, exp.Star)):
+            names = None
+        elif not isinstance(e, (exp.Alias, exp.Column)):
+            text = e.sql(DIALECT)
+            node.expressions[i].replace(exp.alias_(e.copy(), text, quoted=True))
+            names = None if names is None else names + [""]  # the name the optimized tree gives it
+        elif names is not None:
+            names.append(e.alias if isinstance(e, exp.Alias) else e.name)
+    return names
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def conjuncts(e: Any) -> list[Any]:
+    exp = _exp()
+    if e is None:
+        return []
+    if isinstance(e, exp.Where):
+        e = e.this
+    if isinstance(e, exp.Paren):
+        return conjuncts(e.this) if isinstance(e.this, exp.And) else [e]
+    if isinstance(e, exp.And):
+        return conjuncts(e.left) + conjuncts(e.right)
+    return [e]
+
+
+def aliases(e: Any) -> set[str]:
+    return {c.table for c in e.find_all(_exp().Column) if c.table}
+
+
+def phys(e: Any) -> Any:
+    """``e`` with every qualified column ``a.c`` as the physical column ``"a.c"``."""
+    exp = _exp()
+
+    def fn(n: Any) -> Any:
+        if isinstance(n, exp.Column) and n.table:
+            return exp.column(f"{n.table}.{n.name}", quoted=True)
+        return n
+
+    return e.copy().transform(fn)
+
+
+def sql_of(e: Any) -> str:
+    return str(e.sql(DIALECT))
+
+
+def replace_exprs(e: Any, mapping: dict[str, str]) -> Any:
+    """``e`` with every subtree whose SQL is a key of ``mapping`` replaced by that column."""
+    exp = _exp()
+
+    def fn(n: Any) -> Any:
+        name = mapping.get(sql_of(n)) if isinstance(n, exp.Expression) else None
+        return exp.column(name, quoted=True) if name is not None else n
+
+    return e.copy().transform(fn)
+
+
+def _int(node: Any, what: str) -> int | None:
+    if node is None:
+        return None
+    e = node.expression if hasattr(node, "expression") and node.expression is not None else node.this
+    try:
+        return int(e.this)
+    except (TypeError, ValueError, AttributeError):
+        raise SQLError(f"{what} must be an integer literal, got {sql_of(e)}") from None
+
+
+def _canonical_key(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """One type both sides' join key cast to before hashing, so equal values go to one rank."""
+    def stringy(t: pa.DataType) -> bool:
+        return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t))
+
+    if stringy(a) and stringy(b):
+        return pa.large_string()
+    if a == b:
+        return None
+    if pa.types.is_integer(a) and pa.types.is_integer(b):
+        return pa.int64()
+    numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_decimal)
+    if any(f(a) for f in numeric) and any(f(b) for f in numeric):
+        return pa.float64()
+    if (pa.types.is_date(a) or pa.types.is_timestamp(a)) and (pa.types.is_date(b) or pa.types.is_timestamp(b)):
+        return pa.timestamp("us")
+    return a
+
+
+# ---------------------------------------------------------------------------------------- execution
+#: schema metadata of a result that is hash-partitioned over the ranks: ``[[column, hashed type], ...]``
+PART_KEY = b"hetflow.sql.partitioned_by"
+Part = tuple[tuple[str, str], ...]
+
+
+def with_part(table: pa.Table, part: Part | None) -> pa.Table:
+    """``table`` marked as hash-partitioned on ``part`` (columns and the types their values were hashed
+    as), so that a join or a group-by on those columns needs no exchange; ``None`` clears the mark."""
+    import json
+
+    meta = dict(table.schema.metadata or {})
+    meta.pop(PART_KEY, None)
+    if part:
+        meta[PART_KEY] = json.dumps([list(c) for c in part]).encode()
+    return table.replace_schema_metadata(meta or None)
+
+
+def part_of(table: pa.Table) -> Part | None:
+    import json
+
+    raw = (table.schema.metadata or {}).get(PART_KEY)
+    return tuple((str(a), str(b)) for a, b in json.loads(raw)) if raw else None
+
+
+_JOIN_SQL = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "full": "FULL JOIN", "semi": "SEMI JOIN",
+             "anti": "ANTI JOIN", "cross": "CROSS JOIN"}
+
+
+class Rel:
+    """A relation on this rank: the rows of ``base`` and the local joins (the other side already here:
+    broadcast, or co-partitioned by a shuffle) and filters still to apply, which the next fragment runs
+    with its own work, so DuckDB pipelines them without an Arrow table in between."""
+
+    def __init__(self, base: pa.Table, part: Part | None = None) -> None:
+        self.base = base
+        self.part = part  # the rows are hash-partitioned on these physical columns (hashed as these types)
+        self.tables: dict[str, pa.Table] = {}
+        self.steps: list[str] = []
+        self.where: list[str] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.steps or self.where)
+
+    def add_join(self, how: str, table: pa.Table, on_sql: str) -> None:
+        name = f"__j{len(self.tables)}"
+        self.tables[name] = table
+        self.steps.append(f" {_JOIN_SQL[how]} {name}" + ("" if how == "cross" else f" ON {on_sql}"))
+
+    def add_where(self, cond: str) -> None:
+        self.where.append(cond)
+
+    def column_type(self, name: str) -> pa.DataType | None:
+        for t in (self.base, *self.tables.values()):
+            if name in t.schema.names:
+                return t.schema.field(name).type
+        return None
+
+    def source(self) -> tuple[str, dict[str, pa.Table]]:
+        """``FROM`` text and the tables it reads."""
+        if not self.pending:
+            return "__r", {"__r": self.base}
+        where = f" WHERE {' AND '.join(self.where)}" if self.where else ""
+        return f"(SELECT * FROM __r{''.join(self.steps)}{where})", {"__r": self.base, **self.tables}
+
+
+class Executor:
+    """Runs one query tree (and its CTEs) on this rank; every method is collective."""
+
+    def __init__(self, run: _Run, env: dict[str, pa.Table]) -> None:
+        self.r = run
+        self.env = dict(env)
+        self.subqueries: dict[str, pa.Table] = {}  # materialized uncorrelated subqueries, on every rank
+
+    def local(self, sql: str, **tables: pa.Table) -> pa.Table:
+        """A local fragment, with the materialized subqueries it names."""
+        extra = {k: v for k, v in self.subqueries.items() if k in sql}
+        return self.r.local(sql, **tables, **extra)
+
+    def materialize(self, e: Any) -> Any:
+        """``e`` with each subquery that the optimizer left in an expression (uncorrelated: ``x IN
+        (SELECT ...)``, ``EXISTS``, a scalar) run first and broadcast, then read by name in the local
+        fragments, so that DuckDB applies SQL's semantics (NULLs in ``NOT IN`` included)."""
+        exp = _exp()
+        if e is None:
+            return None
+        e = e.copy()
+        for sub in list(e.find_all(exp.Subquery, exp.Select)):
+            if isinstance(sub, exp.Select) and isinstance(sub.parent, exp.Subquery):
+                continue
+            inner = sub.this if isinstance(sub, exp.Subquery) else sub
+            if sub.find_ancestor(exp.Subquery, exp.Select) is not None and sub.find_ancestor(exp.Subquery, exp.Select) is not e:
+                continue  # nested in another subquery of e: runs with it
+            defined = {t.alias_or_name for t in inner.find_all(exp.Table, exp.Subquery)} | {c.alias_or_name for c in inner.find_all(exp.CTE)}
+            free = aliases(inner) - defined
+            if free:
+                raise SQLError(f"a correlated subquery the optimizer could not turn into a join is not supported "
+                               f"(it reads {sorted(free)} of the outer query): {sql_of(inner)[:100]}")
+            table = Executor(self.r, self.env).run(inner)
+            r = self.r
+            if r.p > 1:
+                sizes = r.sizes(table)
+                table = r.broadcast(table)
+                r.plan("subquery", "broadcast of its result", allgather_cost(hockney(r.comm), sizes),
+                       f"uncorrelated subquery of {table.num_rows} row(s)")
+            name = f"__sq{len(self.subqueries)}"
+            self.subqueries[name] = table
+            repl = exp.select("*").from_(exp.to_identifier(name))
+            sub.replace(exp.Subquery(this=repl) if isinstance(sub, exp.Subquery) else repl)
+        return e
+
+    def run(self, node: Any, top: bool = False) -> pa.Table:
+        exp = _exp()
+        if isinstance(node, exp.Subquery):
+            node = node.this
+        with_ = node.args.get("with_")
+        if with_ is not None:
+            if with_.args.get("recursive"):
+                raise SQLError(f"WITH RECURSIVE is not supported{_where(with_, '')}")
+            for cte in with_.expressions:
+                self.env[cte.alias_or_name] = Executor(self.r, self.env).run(cte.this)
+        if isinstance(node, exp.SetOperation):
+            return self.set_operation(node, top)
+        if isinstance(node, exp.Select):
+            return self.select(node, top)
+        raise SQLError(f"unsupported query node {node.key.upper()}: {sql_of(node)[:80]}")
+
+    # ------------------------------------------------------------------ sources
+    def source(self, src: Any, needed: dict[str, set[str]]) -> tuple[str, pa.Table, Part | None]:
+        exp = _exp()
+        if isinstance(src, exp.Table) and not src.args.get("db"):
+            name = src.name
+            table = self.env.get(name)
+            if table is None:
+                lower = {k.lower(): v for k, v in self.r.inputs.items()}
+                table = self.r.inputs.get(name, lower.get(name.lower()))
+            if table is None:
+                raise SQLError(f"unknown table {name!r}{_where(src, '')}")
+            alias = src.alias_or_name
+        elif isinstance(src, exp.Subquery):
+            table = Executor(self.r, self.env).run(src.this)
+            alias = src.alias_or_name
+            cols = src.args["alias"].columns if src.args.get("alias") is not None else []
+            if cols:
+                part = part_of(table)
+                names = [c.name for c in cols] + table.column_names[len(cols):]
+                renamed = dict(zip(table.column_names, names))
+                table = with_part(table.rename_columns(names), tuple((renamed[c], t) for c, t in part) if part else None)
+        else:
+            raise SQLError(f"unsupported FROM item {sql_of(src)[:80]!r}{_where(src, '')}")
+        want = needed.get(alias, set())
+        by_lower = {n.lower(): n for n in table.column_names}
+        keep = [(by_lower.get(c.lower(), c), c) for c in sorted(want) if c in table.column_names or c.lower() in by_lower]
+        if not keep:  # count(*) and the like need only the rows
+            keep = [(table.column_names[0], table.column_names[0])] if table.num_columns else []
+        out = table.select([a for a, _ in keep]).rename_columns([f"{alias}.{c}" for _, c in keep])
+        part = part_of(table)
+        physical = {a: f"{alias}.{c}" for a, c in keep}
+        if part is not None:
+            part = tuple((physical[c], t) for c, t in part) if all(c in physical for c, _ in part) else None
+        return alias, with_part(out, None), part
+
+    # ------------------------------------------------------------------ joins
+    def rows_of(self, rel: Rel) -> pa.Table:
+        """``rel``'s rows as one Arrow table (its pending joins and filters run now)."""
+        if not rel.pending:
+            return rel.base
+        src, tables = rel.source()
+        return self.local(f"SELECT * FROM {src} AS __m", **tables)
+
+    def join(self, left_rel: Rel, right: pa.Table, lal: set[str], ral: set[str], on: list[Any], how: str,
+             right_part: Part | None = None) -> Rel:
+        """Join a relation with a table on the conjuncts ``on``: exchange (hash shuffle on the equality
+        keys of the sides not already partitioned on them, or a broadcast of one side), then a local
+        join with the whole condition, left pending in the returned relation (inner, left and cross
+        joins) for the next fragment to run."""
+        exp = _exp()
+        r = self.r
+        left = left_rel.base
+        keys = []
+        for c in on:
+            if isinstance(c, exp.EQ):
+                a, b = aliases(c.left), aliases(c.right)
+                if a and b and a <= lal and b <= ral:
+                    keys.append((c.left, c.right))
+                elif a and b and a <= ral and b <= lal:
+                    keys.append((c.right, c.left))
+        cond = " AND ".join(f"({sql_of(phys(c))})" for c in on) or "TRUE"
+        lsizes, rsizes = r.sizes(left), r.sizes(right)  # the left's base: its pending joins are not run to size it
+        detail = f"{how} join of {sorted(lal)} ({sum(lsizes) / 1e6:.2f} MB) with {sorted(ral)} ({sum(rsizes) / 1e6:.2f} MB)"
+        types, lsig, rsig = self.key_signatures(left_rel, right, keys)
+        left_ready = lsig is not None and left_rel.part == lsig  # already hash-partitioned on these keys
+        right_ready = rsig is not None and right_part == rsig
+        if r.p == 1:
+            r.plan("join", "local (1 rank)", Cost(), detail)
+        elif keys and left_ready and right_ready:  # co-partitioned: nothing moves
+            r.plan("join", "co-partitioned: both sides already hash-partitioned on the keys, nothing moves", Cost(), detail)
+        elif keys:
+            costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
+            if left_ready or right_ready:  # only the other side moves
+                costs["hash"] = shuffle_cost(hockney(r.comm), rsizes if left_ready else lsizes) + Cost(compute_s=costs["hash"].compute_s)
+            # the local join work of the cost model, plus the exchanged bytes at the rate a shuffle partitions,
+            # copies and sends them (the Hockney time of the exchange alone leaves that work out)
+            choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs),
+                         key=lambda k: costs[k].compute_s + costs[k].exchange_bytes * EXCHANGE_SECONDS_PER_BYTE)
+            alts = {k: c.seconds for k, c in costs.items() if k != "sort"}
+            if choice == "hash":
+                if types is None:  # keys that are expressions: their common types from their values
+                    left_rel = Rel(self.rows_of(left_rel))
+                    lk0 = self.key_columns(left_rel.base, [a for a, _ in keys])
+                    rk0 = self.key_columns(right, [b for _, b in keys])
+                    types = [_canonical_key(x.type, y.type) or x.type for x, y in zip(lk0.schema, rk0.schema)]
+                moved = []
+                if not left_ready:
+                    left = self.rows_of(left_rel)
+                    left = r.shuffle_by(left, self.hash_keys(left, [a for a, _ in keys], types))
+                    left_rel = Rel(left, lsig)
+                    moved.append("left")
+                if not right_ready:
+                    right = r.shuffle_by(right, self.hash_keys(right, [b for _, b in keys], types))
+                    moved.append("right")
+                algo = f"hash shuffle of the {' and '.join(moved)} side{'s' if len(moved) > 1 else ''} on {[sql_of(a) for a, _ in keys]}"
+            elif choice == "broadcast":
+                right = r.broadcast(right)
+                algo = "broadcast right"
+            else:
+                left_rel = Rel(r.broadcast(self.rows_of(left_rel)))
+                algo = "broadcast left"
+            r.plan("join", algo, costs[choice], detail, alts)
+        else:  # no equality: broadcast one side (both to rank 0 for a full join)
+            small_right = sum(rsizes) <= sum(lsizes)
+            choice = ({"inner": "broadcast" if small_right else "broadcast_left", "cross": "broadcast" if small_right else "broadcast_left",
+                       "left": "broadcast", "semi": "broadcast", "anti": "broadcast", "right": "broadcast_left"}).get(how, "gather")
+            model = hockney(r.comm)
+            if choice == "broadcast":
+                right = r.broadcast(right)
+                cost = allgather_cost(model, rsizes)
+            elif choice == "broadcast_left":
+                left_rel = Rel(r.broadcast(self.rows_of(left_rel)))
+                cost = allgather_cost(model, lsizes)
+            else:
+                left_rel, right = Rel(r.gather(self.rows_of(left_rel))), r.gather(right)
+                cost = shuffle_cost(model, [a + b for a, b in zip(lsizes, rsizes)])
+            r.plan("join", {"broadcast": "broadcast right", "broadcast_left": "broadcast left", "gather": "gather both sides to rank 0"}[choice],
+                   cost, detail)
+        if how in ("inner", "left", "cross"):
+            left_rel.add_join(how, right, cond)
+            return left_rel
+        part = left_rel.part if how in ("semi", "anti") else None
+        on_sql = f" ON {cond}"
+        return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=self.rows_of(left_rel), r=right), part)
+
+    def key_signatures(self, left: Rel, right: pa.Table, keys: list[tuple[Any, Any]]) -> tuple[list[pa.DataType] | None, Part | None, Part | None]:
+        """The type each key pair is hashed as (the sides' common type) and, where the keys are plain
+        columns, each side's partitioning signature ``((column, type), ...)`` after a shuffle on them."""
+        exp = _exp()
+        if not keys:
+            return None, None, None
+        types: list[pa.DataType] = []
+        lsig: list[tuple[str, str]] | None = []
+        rsig: list[tuple[str, str]] | None = []
+        for a, b in keys:
+            la = f"{a.table}.{a.name}" if isinstance(a, exp.Column) and a.table else None
+            rb = f"{b.table}.{b.name}" if isinstance(b, exp.Column) and b.table else None
+            ta = left.column_type(la) if la else None
+            tb = right.schema.field(rb).type if rb and rb in right.schema.names else None
+            if ta is None or tb is None:
+                return None, None, None
+            t = _canonical_key(ta, tb) or ta
+            types.append(t)
+            lsig = None if lsig is None else lsig + [(la, str(t))]  # type: ignore[list-item]
+            rsig = None if rsig is None else rsig + [(rb, str(t))]  # type: ignore[list-item]
+        return types, tuple(lsig) if lsig else None, tuple(rsig) if rsig else None
+
+    def hash_keys(self, table: pa.Table, exprs: list[Any], types: list[pa.DataType] | None) -> pa.Table:
+        """The key values of ``exprs`` over ``table``, cast to the types both sides hash them as."""
+        keys = self.key_columns(table, exprs)
+        for i in range(keys.num_columns):
+            if types is not None and keys.schema.field(i).type != types[i]:
+                keys = keys.set_column(i, f"__k{i}", keys.column(i).cast(types[i]))
+        return keys
+
+    def key_columns(self, table: pa.Table, exprs: list[Any]) -> pa.Table:
+        """The values of ``exprs`` over ``table`` as columns ``__k<i>`` (plain columns without DuckDB)."""
+        exp = _exp()
+        if all(isinstance(e, exp.Column) and e.table and f"{e.table}.{e.name}" in table.column_names for e in exprs):
+            return pa.table({f"__k{i}": table.column(f"{e.table}.{e.name}") for i, e in enumerate(exprs)})
+        return self.local("SELECT " + ", ".join(f"{sql_of(phys(e))} AS __k{i}" for i, e in enumerate(exprs)) + " FROM t", t=table)
+
+    def _how(self, j: Any) -> str:
+        side, kind = (j.side or "").lower(), (j.kind or "").lower()
+        if side in ("left", "right", "full"):
+            return side
+        if kind in ("semi", "anti"):
+            return kind
+        if kind == "cross":
+            return "inner"
+        if kind in ("", "inner", "outer"):
+            return "inner"
+        raise SQLError(f"unsupported join {sql_of(j)[:80]!r}")
+
+    def joins(self, node: Any) -> tuple[Rel, set[str], list[Any]]:
+        """The FROM clause joined, with the WHERE conjuncts applied as soon as their sources are there;
+        returns the relation, its aliases and the conjuncts still to apply."""
+        exp = _exp()
+        from_ = node.args.get("from_")
+        if from_ is None:
+            return Rel(pa.table({"__one": [1]}).slice(0, 1 if self.r.rank == 0 else 0)), set(), conjuncts(node.args.get("where"))
+        joins = list(node.args.get("joins") or [])
+        for j in joins:
+            if j.args.get("using"):
+                raise SQLError(f"JOIN ... USING is not supported here, write ON{_where(j, '')}")
+        needed: dict[str, set[str]] = {}
+        for c in node.find_all(exp.Column):
+            if c.table:
+                needed.setdefault(c.table, set()).add(c.name)
+        first = 0
+        while first < len(joins) and self._how(joins[first]) == "inner" and not joins[first].side:
+            first += 1
+        inner_srcs, rest = [from_.this] + [j.this for j in joins[:first]], joins[first:]
+        outer_all = any(self._how(j) in ("right", "full") for j in rest)
+        pool = [self.materialize(c) if self._has_subquery(c) else c for c in conjuncts(node.args.get("where"))]
+        if outer_all:
+            late, pool = pool, []
+        else:
+            late = []
+        for j in joins[:first]:
+            pool += conjuncts(j.args.get("on"))
+        rels: dict[str, pa.Table] = {}
+        parts: dict[str, Part | None] = {}
+        for s in inner_srcs:
+            alias, t, parts[alias] = self.source(s, needed)
+            rels[alias] = t
+        # single-source filters of the inner part run at the scan
+        for alias in list(rels):
+            mine = [c for c in pool if aliases(c) == {alias}]
+            if mine:
+                pool = [c for c in pool if not any(c is m for m in mine)]
+                rels[alias] = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=rels[alias])
+        cur, have, pool = self.join_order(rels, parts, pool)
+        # the remaining joins, in the order written
+        for j in rest:
+            how = self._how(j)
+            on = conjuncts(j.args.get("on"))
+            alias, t, tpart = self.source(j.this, needed)
+            if how in ("left", "semi", "anti", "inner"):
+                mine = [c for c in on if aliases(c) == {alias}]
+                if mine:
+                    on = [c for c in on if not any(c is m for m in mine)]
+                    t = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=t)
+            if not on and how == "inner":
+                how = "cross"
+            cur = self.join(cur, t, set(have), {alias}, on, how, tpart)
+            have.add(alias)
+            ready = [c for c in pool if aliases(c) <= have]
+            if ready:
+                pool = [c for c in pool if not any(c is x for x in ready)]
+                cur.add_where(" AND ".join(f"({sql_of(phys(c))})" for c in ready))
+        return cur, have, pool + late
+
+    def join_order(self, rels: dict[str, pa.Table], parts: dict[str, Part | None], pool: list[Any]) -> tuple[Rel, set[str], list[Any]]:
+        """Join the inner sources greedily: start from the largest, then join the source whose join is
+        estimated to give the fewest rows (rows of both over the product, for each equality, of the
+        larger distinct count of its two columns: DuckDB's ``approx_count_distinct``, summed over the
+        ranks); a source linked by no equality comes last (cross join, broadcast)."""
+        exp = _exp()
+        r = self.r
+        eq_cols: dict[str, list[str]] = {a: [] for a in rels}
+        for c in pool:
+            if isinstance(c, exp.EQ):
+                for side in (c.left, c.right):
+                    if isinstance(side, exp.Column) and side.table in rels and side.name not in eq_cols[side.table]:
+                        eq_cols[side.table].append(side.name)
+        if len(rels) <= 2:
+            eq_cols = {a: [] for a in rels}  # no choice of order to make: no distinct counts needed
+        local = []
+        for a, t in rels.items():
+            cols = [f"approx_count_distinct({q(f'{a}.{c}')})" for c in eq_cols[a]]
+            row = r.local(f"SELECT {', '.join(['count(*)', 'sum(0)'] + cols)} FROM t", t=t).to_pylist()[0] if cols else {"n": t.num_rows}
+            vals = list(row.values())
+            local.append([int(vals[0] or 0), int(t.nbytes)] + [int(v or 0) for v in vals[2:]])
+        stats = r.comm.allgather(local) if r.p > 1 else [local]
+        rows, nbytes, ndv = {}, {}, {}
+        for i, a in enumerate(rels):
+            rows[a] = sum(s[i][0] for s in stats)
+            nbytes[a] = sum(s[i][1] for s in stats)
+            for j, c in enumerate(eq_cols[a]):
+                ndv[(a, c)] = max(1, min(rows[a], sum(s[i][2 + j] for s in stats)))
+
+        def distinct(e: Any, owner_rows: float) -> float:
+            if isinstance(e, exp.Column) and (e.table, e.name) in ndv:
+                return float(min(ndv[(e.table, e.name)], max(owner_rows, 1)))
+            return float(max(owner_rows, 1))
+
+        order = list(rels)
+        first = max(order, key=lambda a: (nbytes[a], -order.index(a)))
+        cur, have, cur_rows = Rel(rels.pop(first), parts[first]), {first}, float(rows[first])
+        while rels:
+            best: tuple[float, int, str] | None = None
+            for a in rels:
+                eqs = [c for c in pool if isinstance(c, exp.EQ) and a in aliases(c) and aliases(c) - {a} and aliases(c) - {a} <= have]
+                if not eqs:
+                    continue
+                est = float(cur_rows) * rows[a]
+                for c in eqs:
+                    mine, other = (c.left, c.right) if aliases(c.left) == {a} else (c.right, c.left)
+                    est /= max(distinct(mine, rows[a]), distinct(other, cur_rows))
+                if best is None or (est, order.index(a)) < best[:2]:
+                    best = (est, order.index(a), a)
+            nxt = best[2] if best is not None else min(rels, key=lambda a: (nbytes[a], order.index(a)))
+            est_rows = best[0] if best is not None else cur_rows * rows[nxt]
+            on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
+            pool = [c for c in pool if not any(c is o for o in on)]
+            cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross", parts[nxt])
+            have.add(nxt)
+            cur_rows = est_rows  # the estimate: the join itself may still be pending in ``cur``
+        return cur, have, pool
+
+    def _has_subquery(self, e: Any) -> bool:
+        exp = _exp()
+        return any(True for _ in e.find_all(exp.Subquery, exp.Exists)) or any(isinstance(x.args.get("query"), exp.Expression) for x in e.find_all(exp.In))
+
+    # ------------------------------------------------------------------ select
+    def select(self, node: Any, top: bool) -> pa.Table:
+        exp = _exp()
+        for bad in ("distinct_on", "qualify", "pivots", "laterals"):
+            if node.args.get(bad):
+                raise SQLError(f"{bad.upper()} is not supported{_where(node.args[bad], '')}")
+        distinct = node.args.get("distinct")
+        if distinct is not None and distinct.args.get("on"):
+            raise SQLError("DISTINCT ON is not supported")
+        cur, _, pending = self.joins(node)
+        if pending:  # the residual WHERE: run by the next fragment
+            cur.add_where(" AND ".join(f"({sql_of(phys(c))})" for c in pending))
+        outputs = [(e.alias_or_name, e.this if isinstance(e, exp.Alias) else e) for e in node.expressions]
+        by_alias = {name: e for name, e in outputs}
+        order = []
+        for o in (node.args.get("order").expressions if node.args.get("order") else []):
+            e = o.this
+            if isinstance(e, exp.Column) and not e.table and e.name in by_alias:
+                e = by_alias[e.name]
+            elif isinstance(e, exp.Literal) and not e.is_string:
+                e = outputs[int(e.this) - 1][1]
+            order.append((e, bool(o.args.get("desc")), bool(o.args.get("nulls_first"))))
+        having = node.args.get("having")
+        group = node.args.get("group")
+        if group is not None and any(group.args.get(k) for k in ("grouping_sets", "cube", "rollup")):
+            raise SQLError("GROUPING SETS, CUBE and ROLLUP are not supported")
+        exprs = [phys(self.materialize(e)) if self._has_subquery(e) else phys(e) for _, e in outputs]
+        having_e = phys(self.materialize(having.this)) if having is not None else None
+        order_e = [(phys(e), d, nf) for e, d, nf in order]
+        aggs = self._aggregates(exprs + ([having_e] if having_e is not None else []) + [e for e, _, _ in order_e])
+        if group is not None or aggs:
+            if group is not None and group.args.get("all"):  # GROUP BY ALL: every output without an aggregate
+                keys = [e for e in exprs if not self._aggregates([e]) and not any(True for _ in e.find_all(exp.Window))]
+            else:
+                keys = [phys(g) for g in (group.expressions if group is not None else [])]
+            tables, source, mapping, part = self.aggregate(cur, keys, aggs)
+            exprs = [replace_exprs(e, mapping) for e in exprs]
+            having_e = replace_exprs(having_e, mapping) if having_e is not None else None
+            order_e = [(replace_exprs(e, mapping), d, nf) for e, d, nf in order_e]
+            filter_sql = sql_of(having_e) if having_e is not None else ""
+        elif having_e is not None:
+            raise SQLError("HAVING without GROUP BY or an aggregate")
+        else:
+            (source, tables), filter_sql, part = cur.source(), "", cur.part
+        windows = [w for e in exprs for w in e.find_all(exp.Window)]
+        if windows:  # the rows of each window partition on one rank: materialize, then exchange
+            where = f" WHERE {filter_sql}" if filter_sql else ""  # HAVING before the windows
+            rows = self.local(f"SELECT * FROM {source} AS __src{where}", **tables)
+            source, tables, filter_sql = "__w", {"__w": self.window_exchange(rows, windows)}, ""
+        names = [n for n, _ in outputs]
+        out_sql = {sql_of(e): n for e, n in zip(exprs, names)}
+        hidden, order_cols = [], []
+        for i, (e, d, nf) in enumerate(order_e):
+            name = out_sql.get(sql_of(e))
+            if name is None:
+                if distinct is not None:
+                    raise SQLError("for SELECT DISTINCT, ORDER BY expressions must appear in the select list")
+                name = f"__o{i}"
+                hidden.append(f"{sql_of(e)} AS {q(name)}")
+            order_cols.append((name, d, nf))
+        proj = ", ".join([f"{sql_of(e)} AS {q(n)}" for e, n in zip(exprs, names)] + hidden)
+        where = f" WHERE {filter_sql}" if filter_sql else ""
+        table = self.local(f"SELECT {proj} FROM {source} AS __src{where}", **tables)
+        if distinct is not None:
+            table = self.distinct(table)
+        limit, offset = _int(node.args.get("limit"), "LIMIT"), _int(node.args.get("offset"), "OFFSET")
+        table = self.order_limit(table, order_cols, limit, offset, top)
+        if hidden:
+            table = table.select(table.column_names[: len(names)])
+        moved = bool(windows) or distinct is not None or bool(order_cols and (limit is not None or offset or top))
+        return with_part(table, None if moved else self._output_part(part, exprs, names))
+
+    def _output_part(self, part: Part | None, exprs: list[Any], names: list[str]) -> Part | None:
+        """The partitioning of a result whose outputs include the partitioning columns as they are."""
+        exp = _exp()
+        if part is None:
+            return None
+        plain = {e.name: n for e, n in zip(exprs, names) if isinstance(e, exp.Column) and not e.table}
+        if not all(c in plain for c, _ in part) or len(set(names)) != len(names):
+            return None
+        return tuple((plain[c], t) for c, t in part)
+
+    def _aggregates(self, exprs: Sequence[Any]) -> list[Any]:
+        exp = _exp()
+        seen: dict[str, Any] = {}
+        for e in exprs:
+            for n in e.find_all(exp.AggFunc):
+                if isinstance(n.parent, exp.Window) and n.parent.this is n:
+                    continue
+                if isinstance(n.parent, exp.Filter):
+                    n = n.parent
+                if any(isinstance(a, exp.AggFunc) for a in n.iter_expressions() for a in [a, *a.find_all(exp.AggFunc)] if a is not n):
+                    continue
+                seen.setdefault(sql_of(n), n)
+        return list(seen.values())
+
+    def aggregate(self, cur: Rel, keys: list[Any], aggs: list[Any]) -> tuple[dict[str, pa.Table], str, dict[str, str], Part | None]:
+        """Group the rows of ``cur`` by ``keys``: partial aggregates, shuffle of the partials, final
+        aggregates (or the rows shuffled, for aggregates whose partials do not combine).  Returns the
+        tables and the ``FROM`` text that groups them (columns ``__g<i>`` and ``__a<j>``; the caller's
+        projection runs it in the same fragment), the map from expression SQL to those columns, and the
+        partitioning of the grouped rows (``__g<i>`` columns)."""
+        src, tabs = cur.source()
+        exp = _exp()
+        r = self.r
+        mapping = {sql_of(k): f"__g{i}" for i, k in enumerate(keys)}
+        mapping.update({sql_of(a): f"__a{j}" for j, a in enumerate(aggs)})
+        gsel = [f"{sql_of(k)} AS __g{i}" for i, k in enumerate(keys)]
+        gcols = [f"__g{i}" for i in range(len(keys))]
+        gby = f" GROUP BY {', '.join(gcols)}" if keys else ""
+        by_key = {k.name: i for i, k in enumerate(keys) if isinstance(k, exp.Column) and not k.table}
+        if r.p > 1 and keys and cur.part is not None and all(c in by_key for c, _ in cur.part):
+            # the rows are hash-partitioned on some of the group keys: every group is on one rank already
+            r.plan("aggregate", f"local: the rows are already hash-partitioned on {[c for c, _ in cur.part]}, nothing moves", Cost(),
+                   f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+            body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
+            part = tuple((f"__g{by_key[c]}", t) for c, t in cur.part)
+            return tabs, f"(SELECT {body} FROM {src} AS t GROUP BY {', '.join(sql_of(k) for k in keys)})", mapping, part
+        decomposable = r.p > 1 and all(type(a).__name__ in ("Count", "Sum", "Min", "Max", "Avg") and not any(True for _ in a.find_all(exp.Distinct)) for a in aggs)
+        if decomposable:
+            partial, final = [], []
+            for j, a in enumerate(aggs):
+                arg = "*" if isinstance(a.this, exp.Star) or a.this is None else sql_of(a.this)
+                kind = type(a).__name__
+                if kind == "Count":
+                    partial.append(f"count({arg}) AS __p{j}")
+                    final.append(f"CAST(coalesce(sum(__p{j}), 0) AS BIGINT) AS __a{j}")
+                elif kind == "Avg":
+                    partial += [f"sum({arg}) AS __p{j}", f"count({arg}) AS __c{j}"]
+                    final.append(f"CAST(sum(__p{j}) AS DOUBLE) / sum(__c{j}) AS __a{j}")
+                else:
+                    partial.append(f"{kind.lower()}({arg}) AS __p{j}")
+                    final.append(f"{kind.lower()}(__p{j}) AS __a{j}")
+            part = self.local(f"SELECT {', '.join(gsel + partial)} FROM {src} AS t{gby}", **tabs)
+            sizes = r.sizes(part) if r.p > 1 else [float(part.nbytes)]
+            if keys:
+                part = r.shuffle(part, gcols)
+                r.plan("aggregate", "partial aggregate, hash shuffle of the partials on the keys, final aggregate" if r.p > 1 else "local (1 rank)",
+                       shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+            else:
+                part = r.gather(part)
+                r.plan("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
+                       shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
+            sql = f"SELECT {', '.join(gcols + final)} FROM __p{gby}"
+            if not keys and r.rank != 0:
+                sql = f"SELECT * FROM ({sql}) LIMIT 0"
+            grouped = tuple((g, str(part.schema.field(g).type)) for g in gcols) if keys else None
+            return {"__p": part}, f"({sql})", mapping, grouped
+        if r.p == 1:  # one rank: the aggregate in one fragment
+            r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+            body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
+            return tabs, f"(SELECT {body} FROM {src} AS t" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)})" if keys else ")"), mapping, None
+        pre = self.local(f"SELECT {', '.join(['*'] + gsel)} FROM {src} AS t", **tabs) if keys else self.rows_of(cur)
+        sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
+        pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
+        r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
+               shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
+        sql = f"SELECT {', '.join(gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])} FROM __p{gby}"
+        if not keys and r.rank != 0:
+            sql = f"SELECT * FROM ({sql}) LIMIT 0"
+        grouped = tuple((g, str(pre.schema.field(g).type)) for g in gcols) if keys else None
+        return {"__p": pre}, f"({sql})", mapping, grouped
+
+    def window_exchange(self, cur: pa.Table, windows: list[Any]) -> pa.Table:
+        """Bring each window partition onto one rank: hash shuffle on the common ``PARTITION BY``, else gather."""
+        r = self.r
+        parts = {tuple(sql_of(p) for p in (w.args.get("partition_by") or [])) for w in windows}
+        if r.p == 1:
+            r.plan("window", "local (1 rank)", Cost(), f"{len(windows)} window function(s)")
+            return cur
+        sizes = r.sizes(cur)
+        if len(parts) == 1 and next(iter(parts)):
+            keys = next(iter(parts))
+            wk = r.local("SELECT " + ", ".join(f"{k} AS __w{i}" for i, k in enumerate(keys)) + " FROM t", t=cur)
+            out = r.shuffle_by(cur, wk)
+            r.plan("window", f"hash shuffle on PARTITION BY {list(keys)}", shuffle_cost(hockney(r.comm), sizes), f"{len(windows)} window function(s)")
+            return out
+        r.plan("window", "gather to rank 0 (no common PARTITION BY)", shuffle_cost(hockney(r.comm), sizes), f"{len(windows)} window function(s)")
+        return r.gather(cur)
+
+    def distinct(self, table: pa.Table) -> pa.Table:
+        r = self.r
+        if r.p > 1:
+            sizes = r.sizes(table)
+            table = r.shuffle_all(table)
+            r.plan("distinct", "hash shuffle on all columns", shuffle_cost(hockney(r.comm), sizes))
+        return r.local("SELECT DISTINCT * FROM t", t=table)
+
+    def order_limit(self, table: pa.Table, order: list[tuple[str, bool, bool]], limit: int | None, offset: int | None, top: bool) -> pa.Table:
+        r = self.r
+        off = offset or 0
+        keys = ", ".join(f"{q(n)} {'DESC' if d else 'ASC'} NULLS {'FIRST' if nf else 'LAST'}" for n, d, nf in order)
+        if order and (limit is not None or top or off):
+            tail = (f" LIMIT {limit}" if limit is not None else "") + (f" OFFSET {off}" if off else "")
+            if r.p > 1:
+                sizes = r.sizes(table)
+                if limit is not None:
+                    table = r.local(f"SELECT * FROM t ORDER BY {keys} LIMIT {limit + off}", t=table)
+                table = r.gather(table)
+                r.plan("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort",
+                       shuffle_cost(hockney(r.comm), sizes), f"ORDER BY {keys}{tail}")
+            else:
+                r.plan("order_by", "local sort (1 rank)", Cost(), f"ORDER BY {keys}{tail}")
+            if r.rank == 0 or r.p == 1:
+                table = r.local(f"SELECT * FROM t ORDER BY {keys}{tail}", t=table)
+            return table
+        if limit is not None or off:
+            counts = r.comm.allgather(table.num_rows) if r.p > 1 else [table.num_rows]
+            before = sum(counts[: r.rank])
+            end = before + table.num_rows
+            lo, hi = off, off + limit if limit is not None else float("inf")
+            start, stop = max(before, lo), min(end, hi)
+            table = table.slice(start - before, max(0, int(stop - start)) if stop > start else 0)
+        return table
+
+    # ------------------------------------------------------------------ set operations
+    def set_operation(self, node: Any, top: bool) -> pa.Table:
+        exp = _exp()
+        r = self.r
+        a = Executor(self.r, self.env).run(node.left)
+        b = Executor(self.r, self.env).run(node.right)
+        if a.num_columns != b.num_columns:
+            raise SQLError(f"{node.key.upper()}: the two sides have {a.num_columns} and {b.num_columns} columns")
+        b = b.rename_columns(a.column_names)
+        schema = r.local("SELECT * FROM a UNION ALL SELECT * FROM b LIMIT 0", a=a.slice(0, 0), b=b.slice(0, 0)).schema
+        a, b = a.cast(schema), b.cast(schema)
+        distinct = node.args.get("distinct", True) is not False
+        op = {"union": "UNION", "intersect": "INTERSECT", "except": "EXCEPT"}[node.key]
+        if op == "UNION" and not distinct:
+            out = pa.concat_tables([a, b])
+            r.plan("union", "local concat (UNION ALL)")
+        else:
+            if r.p > 1:
+                sizes = [x + y for x, y in zip(r.sizes(a), r.sizes(b))]
+                a, b = r.shuffle_all(a), r.shuffle_all(b)
+                r.plan(op.lower(), "hash shuffle both sides on all columns", shuffle_cost(hockney(r.comm), sizes))
+            out = r.local(f"SELECT * FROM a {op}{'' if distinct else ' ALL'} SELECT * FROM b", a=a, b=b)
+        order = []
+        for o in (node.args.get("order").expressions if node.args.get("order") else []):
+            e = o.this
+            if isinstance(e, exp.Literal) and not e.is_string:
+                name = out.column_names[int(e.this) - 1]
+            elif isinstance(e, exp.Column) and e.name in out.column_names:
+                name = e.name
+            else:
+                raise SQLError(f"ORDER BY of a set operation must name an output column, got {sql_of(e)}")
+            order.append((name, bool(o.args.get("desc")), bool(o.args.get("nulls_first"))))
+        return self.order_limit(out, order, _int(node.args.get("limit"), "LIMIT"), _int(node.args.get("offset"), "OFFSET"), top)
