@@ -108,6 +108,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import Any
 
+UNCACHEABLE = "uncacheable "
+"""The prefix of a code fingerprint's component naming a value that cannot be digested (:func:`uncacheable`)."""
+
 NO_MATCH = "<no match>"
 """The value :func:`file_fingerprint` records for a glob that matched nothing."""
 
@@ -170,6 +173,10 @@ class _Walker:
         """Every name the reached code reads (names and string constants in code, identifiers in sources)."""
         self.external_tops: set[str] = set()
         """The top-level names of the external packages the reached code uses."""
+        self.shortened: set[str] = set()
+        """Types of the values met since the last component whose text form is shortened (``...``)."""
+        self.uncacheable: dict[str, set[str]] = {}
+        """``{component: types}`` of the components that hold such a value (see :func:`uncacheable`)."""
 
     def run(self) -> dict[str, str]:
         if isinstance(self.func, types.FunctionType):
@@ -193,6 +200,8 @@ class _Walker:
                                                          if not k.startswith("__")})
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
         self.module_values()
+        for key, kinds in self.uncacheable.items():
+            self.parts[f"{UNCACHEABLE}{key}"] = {f"holds a {' and a '.join(sorted(kinds))} whose text form is shortened"}
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
 
     def module_values(self) -> None:
@@ -221,8 +230,12 @@ class _Walker:
                 self.visit(obj)
 
     def add(self, key: str, digest: str) -> None:
-        """Record a component; two closures of one factory share a name, so a name may collect several digests."""
+        """Record a component; two closures of one factory share a name, so a name may collect several digests.
+        A value met while its digest was made that could not be digested faithfully is charged to it."""
         self.parts.setdefault(key, set()).add(digest)
+        if self.shortened:
+            self.uncacheable.setdefault(key, set()).update(self.shortened)
+            self.shortened.clear()
 
     # ------------------------------------------------------------ classification
     def realpath(self, path: str) -> str:
@@ -552,10 +565,21 @@ class _Walker:
         if type(obj).__module__ == "numpy":
             import numpy as np
 
-            if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype != object:
-                return f"numpy {obj.dtype.str} {obj.shape} {_sha(np.ascontiguousarray(obj).tobytes())}"
+            if isinstance(obj, (np.ndarray, np.generic)):
+                if not obj.dtype.hasobject:
+                    return f"numpy {obj.dtype.str} {obj.shape} {_sha(np.ascontiguousarray(obj).tobytes())}"
+                # objects (or records holding objects): element by element, never their addresses
+                elements = obj.ravel().tolist() if isinstance(obj, np.ndarray) else [obj.item()]
+                return f"numpy {obj.dtype.str} {obj.shape} {_sha(self.value(elements, inner))}"
+        if type(obj).__module__.partition(".")[0] == "pandas":
+            text = self.pandas(obj, inner)
+            if text is not None:
+                return text
         if dataclasses.is_dataclass(obj):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            extra = {k: v for k, v in (_instance_state(obj) or {}).items() if k not in fields}
+            if extra:  # set on the instance besides its fields (setattr, __dict__, __post_init__)
+                return f"{self.follow(type(obj))}({self.value(fields, inner)}, also {self.value(extra, inner)})"
             return f"{self.follow(type(obj))}({self.value(fields, inner)})"
         if self.is_user_object(type(obj)):
             state = _instance_state(obj)
@@ -567,9 +591,43 @@ class _Walker:
         kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
         if getattr(type(obj), "__repr__", None) is not object.__repr__:
             text = repr(obj)
+            if "..." in text or "\u2026" in text:  # shortened: a change in what it leaves out would not count
+                self.shortened.add(kind)
+                return f"<shortened {kind}>"
             if " at 0x" not in text:
                 return f"{kind} {text}"
         return f"<unhashable {kind}>"
+
+    def pandas(self, obj: Any, stack: tuple[int, ...]) -> str | None:
+        """A pandas frame, series or index by its content: labels, dtypes, names, ``attrs`` and every value
+        (numeric and extension columns through ``pandas.util.hash_pandas_object``, object columns element by
+        element as values); None for another pandas type."""
+        import pandas as pd
+
+        if isinstance(obj, pd.DataFrame):
+            columns = "; ".join(self.pandas_values(obj.iloc[:, i], stack) for i in range(obj.shape[1]))
+            return (f"pandas.DataFrame {obj.shape} columns {self.pandas_values(obj.columns, stack)} "
+                    f"index {self.pandas_values(obj.index, stack)} attrs {self.value(obj.attrs, stack)} "
+                    f"[{columns}]")
+        if isinstance(obj, pd.Series):
+            return (f"pandas.Series {self.value(obj.name, stack)} index {self.pandas_values(obj.index, stack)} "
+                    f"attrs {self.value(obj.attrs, stack)} {self.pandas_values(obj, stack)}")
+        if isinstance(obj, pd.Index):
+            return f"pandas.Index {self.pandas_values(obj, stack)}"
+        return None
+
+    def pandas_values(self, data: Any, stack: tuple[int, ...]) -> str:
+        """The values of a series or an index (not its index), with its dtype and names."""
+        import pandas as pd
+
+        dtype = data.dtype
+        head = f"{type(data).__name__} {dtype} names {self.value(list(getattr(data, 'names', [data.name])), stack)}"
+        if isinstance(dtype, pd.CategoricalDtype):
+            head += f" categories {self.pandas_values(dtype.categories, stack)} ordered {dtype.ordered}"
+        if dtype == object or isinstance(data, pd.MultiIndex):
+            return f"{head} {_sha(self.value(list(data), stack))}"
+        hashed = pd.util.hash_pandas_object(data, index=False).to_numpy()
+        return f"{head} {_sha(hashed.tobytes())}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -985,6 +1043,17 @@ def code_fingerprint(func: Callable[..., Any], *, roots: Sequence[str | Path] | 
     """
     chosen = [str(r) for r in roots] if roots is not None else _default_roots(func)
     return _Walker(func, chosen).run()
+
+
+def uncacheable(code: Mapping[str, str]) -> str | None:
+    """Why a stage with this code fingerprint must not be served from the cache nor stored in it, or None:
+    it reads a value hetflow cannot digest faithfully (a type it does not know whose ``repr`` is shortened,
+    so a change in what the text leaves out would not change the key)."""
+    found = [f"{key[len(UNCACHEABLE):]} {text}" for key, text in sorted(code.items()) if key.startswith(UNCACHEABLE)]
+    if not found:
+        return None
+    return (f"not cached: {'; '.join(found)} (hetflow cannot digest it, so a change inside it would not change "
+            "the key): the stage runs every time; declare its data in files= to cache it")
 
 
 def describe_change(old: Mapping[str, str], new: Mapping[str, str]) -> str:

@@ -56,7 +56,7 @@ from sqlalchemy import select
 from . import __version__, cache
 from .declaration import StageSpec
 from .errors import HetflowError, PipelineError, interruption
-from .fingerprint import resolve_files
+from .fingerprint import resolve_files, uncacheable
 from .plan import (
     Abandon,
     AttemptEnded,
@@ -547,6 +547,13 @@ class Orchestrator:
             material = self.material[spec.name] = self._material(spec)
         except ValueError as exc:  # a declared file that is not there
             return CacheChecked(spec.name, False, "", error=f"stage {spec.name!r}: {exc}")
+        refused = uncacheable(material.code)
+        if refused is not None:  # never served from the cache, and (see _record_attempt) never stored in it
+            log.warning("stage %s: %s", spec.name, refused)
+            with self.store.session() as session:
+                record = self._stage_record(session, spec.name)
+                record.cache_reason, record.cache_hit = refused, False
+            return CacheChecked(spec.name, False, refused)
         key, params = material.key(), self.stage_params(spec)
         # shared with other look-ups, exclusive of rm/gc: the hit is verified and its reuse recorded (and
         # committed, inside a batch too) before any removal can read what kept runs use (Store.datasets_lock)
@@ -832,8 +839,8 @@ class Orchestrator:
             material = self.material.get(live.stage)
             if failure is None and material is not None:  # the key goes onto outputs produced under it only
                 record = self._stage_record(session, live.stage)
-                record.cache_key, record.cache_material = material.key(), material.to_json()
-                record.params_read = _params_read(ranks)
+                record.cache_key = material.key() if uncacheable(material.code) is None else None
+                record.cache_material, record.params_read = material.to_json(), _params_read(ranks)
             self.store.event(session, self.run_id, "task", str(live.task), state,
                              returncode=outcome.returncode, signal=None if failure is None else failure.signal,
                              error=None if failure is None else failure.message)
