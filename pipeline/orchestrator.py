@@ -56,7 +56,7 @@ from sqlalchemy import select
 from . import __version__, cache
 from .declaration import StageSpec
 from .errors import HetflowError, PipelineError, interruption
-from .fingerprint import resolve_files, uncacheable
+from .fingerprint import resolve_files, sources_changed, uncacheable
 from .plan import (
     Abandon,
     AttemptEnded,
@@ -782,6 +782,8 @@ class Orchestrator:
         spec = self.stages[live.stage]
         ranks = AttemptFiles(live.attempt_dir).read_results(len(live.slots))
         failure = self._failure(spec, live, outcome, ranks)
+        if failure is None:
+            failure = self._changed_while_running(spec)
         committed: dict[str, ds.Manifest] = {}
         if failure is None:
             try:
@@ -794,6 +796,39 @@ class Orchestrator:
         # its slots are released once its end is recorded, together with what that end made ready
         self._feed(AttemptEnded(live.task, "DONE" if failure is None else failure.state,
                                 None if failure is None else failure.message), finished=text)
+
+    def _changed_while_running(self, spec: StageSpec) -> Failure | None:
+        """A stage whose declared files or local modules changed between its key and its end fails: its result
+        may come from the old content, the new, or both (a file read while it was rewritten), so it is neither
+        committed nor stored under a key; a retry (if it has retries) is keyed by what is there now."""
+        material = self.material.get(spec.name)
+        code = self.code.get(spec.name)
+        looked = self.looked.get(spec.name)
+        if material is None or code is None or looked is None:
+            return None
+        base = Path(spec.path).parent if spec.path else Path.cwd()
+        changed: list[str] = []
+        if spec.files and _file_stats(spec.files, base) != looked[1]:  # touched: its content decides
+            from .fingerprint import file_fingerprint
+
+            try:
+                now = file_fingerprint(spec.files, base)
+            except ValueError as exc:
+                changed.append(str(exc))
+            else:
+                changed += [f"declared file {k}" for k in sorted(now.keys() | material.files.keys())
+                            if now.get(k) != material.files.get(k)]
+        changed += [f"local module {path}" for path in sources_changed(code)]
+        if not changed:
+            return None
+        self.code.pop(spec.name, None)
+        try:  # a retry runs under a key made from what is there now
+            self.material[spec.name] = self._material(spec)
+        except ValueError:
+            pass  # a declared file went missing: a retry is refused before it starts
+        return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed while the stage ran; its result "
+                       "may come from the earlier content, so it was not committed: run the script again (or "
+                       "resume the run) to compute it from what is there now")
 
     def _lose_nodes(self, lost: Mapping[str, str]) -> None:
         """Nodes the backend found lost: recorded once each, and out of the scheduler's placement."""

@@ -110,3 +110,64 @@ def test_values_with_a_shortened_text_form_or_extra_attributes_rerun_what_reads_
     extra = run(tmp_path)
     assert extra["boost"]["state"] == "DONE" and value(extra, "boost") == 23
     assert extra["boost"]["cache"]["reason"] == "SETTINGS changed"
+
+
+RUNS = '''
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+from mylib import calc
+
+HERE = Path(__file__).resolve().parent
+pipe = hf.Pipeline("runs")
+
+
+@pipe.stage(outputs=["uses"], files=["data.txt"])
+def uses(ctx):
+    read = calc.f() * 100 + int(ctx.files[0].read_text())  # read as it starts
+    (HERE / "started").touch()
+    while not (HERE / "go").exists():
+        time.sleep(0.1)
+    return {"uses": pa.table({"v": [read]})}
+'''
+
+
+@pytest.mark.parametrize("edited", ["file", "module", "same"])
+def test_an_edit_while_a_stage_runs_is_not_committed_under_the_earlier_key(tmp_path: Path, edited: str) -> None:
+    """The third red team: a declared file (or a local module) edited while its stage ran; the result, made
+    from the earlier content, was committed under the earlier content's key and then served CACHED for the
+    new content.  A rewrite with the same bytes (a checkout, an editor's save) is not a change."""
+    (tmp_path / "mylib").mkdir()
+    (tmp_path / "mylib" / "__init__.py").write_text("")
+    (tmp_path / "mylib" / "calc.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "data.txt").write_text("1")
+    (tmp_path / "p.py").write_text(RUNS)
+    proc = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--workdir", str(tmp_path / "work")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        if edited == "module":
+            (tmp_path / "mylib" / "calc.py").write_text("def f():\n    return 2\n")
+        else:
+            (tmp_path / "data.txt").write_text("2" if edited == "file" else "1")
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    shown = status(tmp_path)
+    if edited == "same":
+        assert shown["uses"]["state"] == "DONE" and value(shown, "uses") == 101, (out, err)
+        return
+    assert proc.returncode != 0 and shown["uses"]["state"] == "FAILED", (out, err)
+    what = "declared file data.txt" if edited == "file" else f"local module {tmp_path / 'mylib' / 'calc.py'}"
+    assert f"{what} changed while the stage ran" in shown["uses"]["error"], shown["uses"]["error"]
+    again = run(tmp_path)  # made from what is there now, and computed with it
+    assert again["uses"]["state"] == "DONE", again["uses"]
+    assert value(again, "uses") == (201 if edited == "module" else 102)
+    assert run(tmp_path)["uses"]["state"] == "CACHED"
