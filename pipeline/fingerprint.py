@@ -56,18 +56,30 @@ Decisions, for :func:`code_fingerprint`:
   name or attribute, or an identifier string, in a reached function or in a
   reached module's source: a module counts whole, so a name it reads anywhere
   counts); on an external package, when the stage uses that package.  So a
-  value set that no reached code reads does not re-run the stage.  A name that
+  value set that no reached code reads does not re-run the stage.  Reached code
+  that reads names built at run time (``getattr`` with a name that is not a
+  string constant, ``vars``, ``globals``, ``__dict__``, ``attrgetter``: any use,
+  in bytecode or in a reached module's source) reads every name: then every
+  plain value of every reached module counts (the script's too).  A set site's
+  object may be a name bound by an import anywhere in the source
+  (``def setup(): from m import Model; Model.SCALE = 2``).  A name that
   is not a literal (``setattr(m, name, v)``, ``vars(m).update(...)``) counts
   every plain value of ``m`` that is read.  Not seen: a value set through an
   expression (``sys.modules["m"].K = 2``, a loop variable holding the module),
   a value a called function changes in place (``m.configure()`` filling
   ``m.CONFIG``), a classmethod that sets its class's attributes, and the
-  standard library's modules (``os.environ``: declare ``env=``).
+  standard library's modules (``os.environ``: declare ``env=``).  Values the
+  script's ``__main__`` block sets are refused by the orchestrator
+  (:func:`values_set_after_declaring`), not hashed.
 * **Values** are hashed through a stable text form: ``repr`` of None, bool,
   numbers, str, bytes, Path, Enum, datetime, Decimal, UUID; containers
   recursively (sets and dict keys sorted, so hash randomisation cannot reorder
-  them); numpy arrays and scalars by dtype, shape and bytes; dataclasses and
-  instances of user classes by their fields (``__dict__`` and set
+  them); numpy arrays and scalars by dtype, shape and bytes (arrays holding
+  objects element by element, as values); pandas frames, series and indexes by
+  their content (labels, dtypes, names, ``attrs``, every value: through
+  ``pandas.util.hash_pandas_object``, object columns element by element);
+  dataclasses by their fields plus any other attribute of the instance; instances
+  of user classes by their fields (``__dict__`` and set
   ``__slots__``, read without running their code); a ``functools.partial`` by
   its function and arguments, a bound method by its function and its
   ``__self__`` (so ``APPLY = Scaler(2).apply`` counts the 2); a callable
@@ -76,9 +88,12 @@ Decisions, for :func:`code_fingerprint`:
   ``py_func``; and an ``lru_cache``'s parameters); a ``SimpleNamespace`` by its
   fields; a ``logging.Logger`` by its name only (its repr shows its level).
   Any other object by its ``repr`` when its type defines one that shows no
-  address (a repr may abbreviate: a change inside a large DataFrame is not
-  seen), else as ``<unhashable module.Type>`` only, so a change inside it is
-  not seen either.
+  address; a ``repr`` that is shortened (it holds ``...``: a large pyarrow table,
+  a torch tensor) cannot stand for the value, so the component that holds it is
+  marked :data:`UNCACHEABLE` and its stage is never served from the cache nor
+  stored in it (:func:`uncacheable`), rather than keyed by a text that misses a
+  change.  An object with no such ``repr`` counts as ``<unhashable
+  module.Type>`` only (a lock, a connection: a change inside it is not seen).
   A function, class or module met inside a value is recorded by name and
   followed.
 """
@@ -100,6 +115,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 import sysconfig
 import types
@@ -216,10 +232,21 @@ class _Walker:
                     or not self.is_user(self.realpath(path)):
                 continue
             for attr, value in list(vars(module).items()):
-                if attr.startswith("__") or attr not in self.names or isinstance(value, (types.ModuleType, type)) \
+                if attr.startswith("__") or not self.reads(attr) or isinstance(value, (types.ModuleType, type)) \
                         or _is_code_like(value):
                     continue
                 self.add(f"{name}.{attr}", _sha(self.value(value)))
+        script = getattr(_target(self.func), "__globals__", None)
+        if ANY_NAME in self.names and isinstance(script, dict) and script.get("__name__") == self.home:
+            for attr, value in list(script.items()):  # the script's own, read by a computed name
+                if attr.startswith("__") or isinstance(value, (types.ModuleType, type)) or _is_code_like(value) \
+                        or type(value).__module__.partition(".")[0] == "hetflow" or attr in self.parts:
+                    continue
+                self.add(attr, _sha(self.value(value)))
+
+    def reads(self, attr: str) -> bool:
+        """Whether the reached code may read a name: it names it, or reads names computed at run time."""
+        return attr in self.names or ANY_NAME in self.names
 
     def drain(self) -> None:
         while self.queue:
@@ -323,8 +350,9 @@ class _Walker:
                 source = Path(path).read_bytes()
             except OSError:
                 continue
+            scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
             for kind, chain in _patch_chains(source, path):
-                for owner, attr in _resolve_patch(namespace, chain, kind, held):
+                for owner, attr in _resolve_patch(scope, chain, kind, held):
                     if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
                         continue  # a module setting its own names: its source counts already
                     names = [attr] if attr is not None else [
@@ -356,7 +384,7 @@ class _Walker:
             return False  # the script's own globals and classes are hashed as they are now
         path = getattr(module, "__file__", None)
         if isinstance(path, str) and self.is_user(self.realpath(path)):
-            return id(module) in self.seen and attr in self.names
+            return id(module) in self.seen and self.reads(attr)
         return module.__name__.partition(".")[0] in self.external_tops
 
     # ------------------------------------------------------------ components
@@ -447,6 +475,12 @@ class _Walker:
         self.names.update(code.co_names)
         self.names.update(c for c in code.co_consts if isinstance(c, str) and c.isidentifier())
         instructions = list(dis.get_instructions(code))
+        if _reads_computed_names(instructions):  # getattr(consts, "K" + which): any name may be read
+            self.names.add(ANY_NAME)
+        if _NAMESPACE_READERS & set(code.co_names):  # globals()["K"], getattr(sys.modules[__name__], "K")
+            for const in code.co_consts:
+                if isinstance(const, str) and const.isidentifier() and const in namespace:
+                    self.global_value(const, namespace)
         for i, ins in enumerate(instructions):
             if ins.opname in _LOAD_OPS and isinstance(ins.argval, str):
                 if ins.argval in namespace:
@@ -560,6 +594,8 @@ class _Walker:
             return f"namespace{self.value(vars(obj), inner)}"
         if isinstance(obj, logging.Logger):  # its repr shows its level, which -v changes
             return f"logging.Logger {obj.name!r}"
+        if isinstance(obj, re.Pattern):  # its repr may hold "..." and is cut at 200 characters
+            return f"re.Pattern {self.value(obj.pattern, inner)} {obj.flags}"
         if isinstance(obj, types.BuiltinMethodType) and not isinstance(obj.__self__, (types.ModuleType, type(None))):
             return f"{obj.__qualname__} bound to {self.value(obj.__self__, inner)}"  # TABLE.get
         if type(obj).__module__ == "numpy":
@@ -729,6 +765,51 @@ def _local_installs() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return _LOCAL[key]
 
 
+ANY_NAME = "<any name>"
+"""In :attr:`_Walker.names`: the reached code reads names computed at run time (``getattr(m, "K" + which)``,
+``vars(m)``, ``m.__dict__``, ``globals()``), so every value of a reached module counts."""
+_NAMESPACE_READERS = frozenset({"globals", "vars", "getattr", "__dict__", "modules"})
+_COMPUTED_READERS = frozenset({"vars", "globals", "__dict__", "attrgetter", "methodcaller", "getattr_static",
+                               "__getattribute__"})
+_PLAIN_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CONST"})
+
+
+def _reads_computed_names(instructions: Sequence[dis.Instruction]) -> bool:
+    """Whether bytecode reads a namespace by a name computed at run time: ``getattr`` whose name is not a
+    string constant (``getattr(x.y, "K")`` and ``getattr(x, "K", None)`` are constant), or any use of
+    ``vars``, ``globals``, ``__dict__``, ``operator.attrgetter``/``methodcaller``, ``inspect.getattr_static``."""
+    for i, ins in enumerate(instructions):
+        if not isinstance(ins.argval, str) or not ins.opname.startswith("LOAD_"):
+            continue
+        if ins.argval in _COMPUTED_READERS:
+            return True
+        if ins.argval != "getattr" or ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME"):
+            continue
+        j = i + 1
+        if j < len(instructions) and instructions[j].opname in _PLAIN_LOADS:
+            j += 1
+        while j < len(instructions) and instructions[j].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            j += 1
+        constant = j < len(instructions) and instructions[j].opname == "LOAD_CONST" and \
+            isinstance(instructions[j].argval, str)
+        if constant and j + 1 < len(instructions) and instructions[j + 1].opname not in ("PRECALL", "CALL"):
+            # a third argument (a default): one plain load, then the call
+            constant = instructions[j + 1].opname in _PLAIN_LOADS and j + 2 < len(instructions) and \
+                instructions[j + 2].opname in ("PRECALL", "CALL")
+        if not constant:
+            return True
+    return False
+
+
+def _computed_read(node: ast.AST) -> bool:
+    """The source form of :func:`_reads_computed_names`, for a module read whole."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+        return len(node.args) < 2 or not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str))
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        return node.id in _COMPUTED_READERS
+    return isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in _COMPUTED_READERS
+
+
 _NAMES: dict[str, frozenset[str]] = {}
 
 
@@ -747,10 +828,55 @@ def _source_names(source: bytes, path: str) -> frozenset[str]:
                 found.add(node.value)
             elif isinstance(node, ast.ImportFrom):  # ``from mpatch import K`` reads K when it runs
                 found.update(alias.name for alias in node.names)
+            if _computed_read(node):
+                found.add(ANY_NAME)
         if len(_NAMES) > 4096:
             _NAMES.clear()
         _NAMES[key] = frozenset(found)
     return _NAMES[key]
+
+
+def _imported_names(source: bytes, path: str, package: str | None) -> dict[str, Any]:
+    """What the names bound by the import statements anywhere in a module's source (a function's own
+    ``from m import Model`` too) stand for, among the modules imported now: so ``Model.SCALE = 2`` in a
+    function the script calls is found although ``Model`` is not one of the script's globals."""
+    found: dict[str, Any] = {}
+    for level, module, name, bound in _import_bindings(source, path):
+        try:
+            module = importlib.util.resolve_name("." * level + module, package) if level else module
+        except (ImportError, ValueError):
+            continue
+        if name is None:
+            value = sys.modules.get(module, _ABSENT)
+        else:
+            base, sub = sys.modules.get(module), sys.modules.get(f"{module}.{name}")
+            value = sub if sub is not None else vars(base).get(name, _ABSENT) if base is not None else _ABSENT
+        if value is not _ABSENT:
+            found[bound] = value
+    return found
+
+
+_BINDINGS: dict[str, tuple[tuple[int, str, str | None, str], ...]] = {}
+
+
+def _import_bindings(source: bytes, path: str) -> tuple[tuple[int, str, str | None, str], ...]:
+    """``(level, module, name or None, the name it binds)`` for every import statement in a module's source:
+    ``import a.b`` gives ``(0, "a", None, "a")``, ``import a.b as c`` gives ``(0, "a.b", None, "c")``,
+    ``from .m import X as Y`` gives ``(1, "m", "X", "Y")``."""
+    key = hashlib.sha256(source).hexdigest()
+    if key not in _BINDINGS:
+        found: list[tuple[int, str, str | None, str]] = []
+        for node in ast.walk(_parse(source, path)):
+            if isinstance(node, ast.Import):
+                found.extend((0, a.name if a.asname else a.name.partition(".")[0], None, a.asname or
+                              a.name.partition(".")[0]) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                found.extend((node.level, node.module or "", a.name, a.asname or a.name) for a in node.names
+                             if a.name != "*")
+        if len(_BINDINGS) > 4096:
+            _BINDINGS.clear()
+        _BINDINGS[key] = tuple(found)
+    return _BINDINGS[key]
 
 
 def _parse(source: bytes, path: str) -> ast.Module:
@@ -852,43 +978,100 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
     "__main__":`` block, or at its top level after its first ``pipe.run(...)`` (``pipelines``: the names
     the script's pipelines are bound to; a worker executes the script as a module and stops there).
 
-    Assignments, augmented and annotated ones, ``for`` targets, ``:=``, ``import``/``from`` bindings,
-    ``globals()[...]``/``vars()[...]``, ``setattr(sys.modules[__name__], "X", v)``, and the ``global``
-    names of the script's functions that such code calls."""
+    Assignments, augmented and annotated ones, ``for``, ``with ... as``, ``except ... as`` and ``match``
+    targets, ``:=``, ``del``, ``import``/``from`` bindings, ``globals()[...]``/``vars()[...]``,
+    ``setattr(sys.modules[__name__], "X", v)``, and the ``global`` names of the script's functions that such
+    code reaches (called, or named at all: ``f = bump; f()``, ``map(bump, ...)``, and what those functions
+    reach in turn).  Code that may set any global (``exec``, ``eval``, ``globals().update(...)``,
+    ``setattr`` with a computed name, ...) gives an entry starting with ``<`` naming it and its line
+    (:data:`ANY_GLOBAL_SET`), which stands for every name."""
     tree = _parse(source, path)
-    functions = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    functions: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):  # functions and classes, methods and nested ones too, by name
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            functions.setdefault(node.name, []).append(node)
     names: set[str] = set()
 
-    def assigned(statements: Sequence[ast.stmt]) -> None:
-        called: set[str] = set()
+    def own_namespace(node: ast.AST) -> bool:
+        """``globals()``, ``locals()``, ``vars()``, ``vars(sys.modules[__name__])``."""
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+            node.func.id in ("globals", "vars", "locals") and \
+            (not node.args or "__name__" in ast.unparse(node.args[0]) or "__main__" in ast.unparse(node.args[0]))
+
+    def anything(child: ast.AST) -> str | None:
+        """The construct, when ``child`` may set any global."""
+        if not isinstance(child, ast.Call):
+            return None
+        func = child.func
+        if isinstance(func, ast.Name) and func.id in ("exec", "eval"):
+            return f"{func.id}(...)"
+        if isinstance(func, ast.Name) and func.id == "setattr" and len(child.args) >= 2 and \
+                not (isinstance(child.args[1], ast.Constant) and isinstance(child.args[1].value, str)):
+            return "setattr(...) with a computed name"
+        if isinstance(func, ast.Attribute) and own_namespace(func.value):
+            return f"{ast.unparse(func.value)}.{func.attr}(...)"  # globals().update(...), .setdefault, .pop
+        if isinstance(func, ast.Attribute) and func.attr in ("update", "setdefault", "__setitem__") and \
+                isinstance(func.value, ast.Attribute) and func.value.attr == "__dict__":
+            return f"....__dict__.{func.attr}(...)"
+        return None
+
+    def assigned(statements: Sequence[ast.AST]) -> None:
+        referenced: set[str] = set()
         for node in statements:
             for child in ast.walk(node):
-                targets: list[ast.expr] = []
+                targets: list[ast.AST] = []
                 if isinstance(child, ast.Assign):
                     targets = list(child.targets)
-                elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For, ast.NamedExpr)):
+                elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.NamedExpr)):
                     targets = [child.target]
+                elif isinstance(child, ast.Delete):
+                    targets = list(child.targets)
+                elif isinstance(child, ast.withitem) and child.optional_vars is not None:
+                    targets = [child.optional_vars]
+                elif isinstance(child, ast.ExceptHandler) and child.name or isinstance(child, (ast.MatchAs, ast.MatchStar)) and child.name:
+                    names.add(child.name)
+                elif isinstance(child, ast.MatchMapping) and child.rest:
+                    names.add(child.rest)
                 elif isinstance(child, (ast.Import, ast.ImportFrom)):
                     names.update((alias.asname or alias.name).partition(".")[0] for alias in child.names)
-                elif isinstance(child, ast.Call):
-                    func = child.func
-                    if isinstance(func, ast.Name):
-                        called.add(func.id)
-                        if func.id == "setattr" and len(child.args) >= 2 and \
-                                isinstance(child.args[1], ast.Constant) and isinstance(child.args[1].value, str):
-                            names.add(child.args[1].value)  # setattr(sys.modules[__name__], "X", v)
+                elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load):
+                    referenced.add(child.id)  # called, or handed on to be called
+                elif isinstance(child, ast.Constant) and isinstance(child.value, str):
+                    referenced.add(child.value)  # getattr(sys.modules[__name__], "bump")()
+                construct = anything(child)
+                if construct is not None:
+                    names.add(f"<{construct} at line {getattr(child, 'lineno', '?')}>")
+                if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "setattr" \
+                        and len(child.args) >= 2 and isinstance(child.args[1], ast.Constant) and \
+                        isinstance(child.args[1].value, str):
+                    names.add(child.args[1].value)  # setattr(sys.modules[__name__], "X", v)
                 for target in targets:
                     for leaf in ast.walk(target):
                         if isinstance(leaf, ast.Name):
                             names.add(leaf.id)
-                        elif isinstance(leaf, ast.Subscript) and isinstance(leaf.value, ast.Call) and \
-                                isinstance(leaf.value.func, ast.Name) and leaf.value.func.id in ("globals", "vars") \
-                                and isinstance(leaf.slice, ast.Constant) and isinstance(leaf.slice.value, str):
-                            names.add(leaf.slice.value)  # globals()["X"] = v
-        for name in called & set(functions):  # bump() with ``global SCALE`` inside
-            for child in ast.walk(functions[name]):
-                if isinstance(child, ast.Global):
-                    names.update(child.names)
+                        elif isinstance(leaf, ast.Subscript) and own_namespace(leaf.value):
+                            if isinstance(leaf.slice, ast.Constant) and isinstance(leaf.slice.value, str):
+                                names.add(leaf.slice.value)  # globals()["X"] = v
+                            else:
+                                names.add(f"<{ast.unparse(leaf)} = ... at line {leaf.lineno}>")
+        reached: set[str] = set()
+        todo = [n for n in referenced if n in functions]
+        while todo:  # bump() with ``global SCALE`` inside, and what bump reaches in turn
+            name = todo.pop()
+            if name in reached:
+                continue
+            reached.add(name)
+            for definition in functions[name]:
+                for child in ast.walk(definition):
+                    if isinstance(child, ast.Global):
+                        names.update(child.names)
+                    elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load) and child.id in functions:
+                        todo.append(child.id)
+                    elif isinstance(child, ast.Attribute) and child.attr in functions:
+                        todo.append(child.attr)  # a method: self.setup()
+                    construct = anything(child)
+                    if construct is not None:
+                        names.add(f"<{construct} at line {getattr(child, 'lineno', '?')}, in {name}>")
 
     def is_main_guard(node: ast.stmt) -> bool:
         return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test)
@@ -907,6 +1090,10 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
             after = True
             assigned([node])
     return frozenset(names)
+
+
+ANY_GLOBAL_SET = "<"
+"""The first character of an entry of :func:`values_set_after_declaring` that stands for every name."""
 
 
 def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str,

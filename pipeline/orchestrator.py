@@ -56,7 +56,13 @@ from sqlalchemy import select
 from . import __version__, cache
 from .declaration import StageSpec
 from .errors import HetflowError, PipelineError, interruption
-from .fingerprint import resolve_files, sources_changed, uncacheable
+from .fingerprint import (
+    ANY_GLOBAL_SET,
+    UNCACHEABLE,
+    resolve_files,
+    sources_changed,
+    uncacheable,
+)
 from .plan import (
     Abandon,
     AttemptEnded,
@@ -535,6 +541,15 @@ class Orchestrator:
             except OSError:
                 self.late_values[spec.path] = frozenset()
         late = sorted(name for name in code if name in self.late_values[spec.path])
+        anything = sorted(n[1:-1] for n in self.late_values[spec.path] if n.startswith(ANY_GLOBAL_SET))
+        own = {f"{getattr(spec.func, '__qualname__', '')}()", "stage"}
+        read = sorted(k for k in code if k not in own and _script_global(k))
+        if anything and read:  # exec(...), globals().update(...): any global may be set there
+            raise ValueError(f"it reads {', '.join(read)} from the script, whose `if __name__ == \"__main__\":` "
+                             f"block or code after its first pipe.run() may set any global ({'; '.join(anything)}), "
+                             "where the stage's ranks never execute it (they would compute with the values set at "
+                             "the top while the cache key holds others); set values at the script's top, or give "
+                             "them to the stage as parameters")
         if late:
             raise ValueError(f"it reads {', '.join(late)}, which the script sets in its `if __name__ == "
                              "\"__main__\":` block or after its first pipe.run(), where the stage's ranks never "
@@ -954,6 +969,13 @@ def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int
             continue
         stats[str(path)] = (info.st_size, info.st_mtime_ns)
     return stats
+
+
+def _script_global(component: str) -> bool:
+    """Whether a code fingerprint's component is a global of the stage's own script (``SCALE``, ``helper()``,
+    ``class Model``), not a module's (``mylib.K``, ``module mylib``)."""
+    name = component.removeprefix("class ").removesuffix("()")
+    return name.isidentifier() and not component.startswith(("module ", UNCACHEABLE))
 
 
 def _script_digests(stages: Any) -> dict[str, str]:

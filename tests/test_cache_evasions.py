@@ -171,3 +171,122 @@ def test_an_edit_while_a_stage_runs_is_not_committed_under_the_earlier_key(tmp_p
     assert again["uses"]["state"] == "DONE", again["uses"]
     assert value(again, "uses") == (201 if edited == "module" else 102)
     assert run(tmp_path)["uses"]["state"] == "CACHED"
+
+
+UNSEEN = '''
+import pyarrow as pa
+import hetflow as hf
+from mylib import consts
+
+consts.KA = 1  # read below by a name built at run time
+
+
+def setup():
+    from mylib.model import Model  # imported inside the function: not one of the script's globals
+    Model.SCALE = 1
+
+
+setup()
+pipe = hf.Pipeline("unseen")
+
+
+@pipe.stage(outputs=["k"], params={"which": "A"})
+def dynamic(ctx):
+    return {"k": pa.table({"v": [getattr(consts, "K" + ctx.params["which"])]})}
+
+
+@pipe.stage(outputs=["s"])
+def scaled(ctx):
+    from mylib.model import Model
+    return {"s": pa.table({"v": [Model.SCALE * 10]})}
+'''
+
+
+def test_a_name_built_at_run_time_and_a_class_attribute_set_after_a_local_import_rerun_what_reads_them(
+        tmp_path: Path) -> None:
+    """The third red team: ``getattr(consts, "K" + which)`` read a value the script set (the key held only
+    the names the code spells out), and ``Model.SCALE = 2`` after a function-local ``from ... import Model``
+    was not seen: both CACHED with the old values.  Reached code that reads names computed at run time now
+    counts every value of the modules it reaches."""
+    lib = tmp_path / "mylib"
+    lib.mkdir()
+    (lib / "__init__.py").write_text("")
+    (lib / "consts.py").write_text("KA = 0\nKB = 0\n")
+    (lib / "model.py").write_text("class Model:\n    SCALE = 0\n")
+    (tmp_path / "p.py").write_text(UNSEEN)
+    first = run(tmp_path)
+    assert (value(first, "k"), value(first, "s")) == (1, 10)
+    edit(tmp_path / "p.py", "consts.KA = 1", "consts.KA = 2")
+    second = run(tmp_path)
+    assert states(second) == {"dynamic": "DONE", "scaled": "CACHED"}, states(second)
+    assert value(second, "k") == 2 and second["dynamic"]["cache"]["reason"] == "mylib.consts.KA changed"
+    edit(tmp_path / "p.py", "Model.SCALE = 1", "Model.SCALE = 3")
+    third = run(tmp_path)
+    assert states(third) == {"dynamic": "CACHED", "scaled": "DONE"}, states(third)
+    assert value(third, "s") == 30 and third["scaled"]["cache"]["reason"] == "mylib.model.Model.SCALE changed"
+
+
+LATE = '''
+import contextlib
+import pyarrow as pa
+import hetflow as hf
+
+SCALE = 1
+pipe = hf.Pipeline("late")
+
+
+def bump():
+    global SCALE
+    SCALE = 5
+
+
+def helper():
+    return 7
+
+
+@pipe.stage(outputs=["s"])
+def scaled(ctx):
+    return {"s": pa.table({"v": [SCALE * 10]})}
+
+
+@pipe.stage(outputs=["h"])
+def helped(ctx):
+    return {"h": pa.table({"v": [helper()]})}
+
+
+@pipe.stage(outputs=["p"])
+def plain(ctx):
+    return {"p": pa.table({"v": [1]})}
+
+
+if __name__ == "__main__":
+    FORM
+    run = pipe.run(check=False)
+    for name in ("scaled", "helped", "plain"):
+        print(name, run.stage(name).state, run.stage(name).error)
+'''
+
+
+@pytest.mark.parametrize("form", ["with contextlib.nullcontext(5) as SCALE:\n        pass",
+                                  "callback = bump\n    callback()", "for f in [bump]:\n        f()",
+                                  'exec("SCALE = 5")', 'globals().update(SCALE=5)',
+                                  'exec("def helper():\\n    return 8")'])
+def test_what_the_main_block_sets_through_with_exec_globals_update_or_an_indirect_call_is_refused(
+        tmp_path: Path, form: str) -> None:
+    """The third red team set a global the stage reads in the ``__main__`` block (which the stage's ranks
+    never execute) through ``with ... as``, ``exec``, ``globals().update`` and a function called through
+    another name: the key had the new value, the stage computed with the old one.  A named assignment
+    refuses the stages that read the name; code that may set any global refuses the stages that read any
+    of the script's globals (a helper too: ``exec`` may redefine it), naming the construct."""
+    (tmp_path / "p.py").write_text(LATE.replace("FORM", form))
+    done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work")), check=False)
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.split()}
+    assert lines["plain"].startswith("plain DONE"), done.stdout + done.stderr
+    assert lines["scaled"].startswith("scaled FAILED"), done.stdout + done.stderr
+    if form.startswith(("exec", "globals")):
+        assert "may set any global (" in lines["scaled"] and " at line " in lines["scaled"], lines["scaled"]
+        assert lines["helped"].startswith("helped FAILED") and "it reads helper()" in lines["helped"], lines
+    else:
+        assert "it reads SCALE, which the script sets" in lines["scaled"], lines["scaled"]
+        assert lines["helped"].startswith("helped DONE"), lines["helped"]

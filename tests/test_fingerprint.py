@@ -293,3 +293,39 @@ def test_a_missing_file_or_a_directory_is_refused_naming_the_pattern(tmp_path: P
         file_fingerprint(["data/missing.csv"], tmp_path)
     with pytest.raises(ValueError, match=r"declared file 'data' is a directory .* glob such as 'data/\*\*/\*'"):
         resolve_files(["data"], tmp_path)
+
+
+LONG_PATTERN = '''
+import re
+
+PATTERN = re.compile("x" * 300 + "A")
+
+
+def stage(ctx):
+    return PATTERN.match(ctx)
+'''
+
+
+def test_a_compiled_pattern_counts_by_its_whole_pattern(tmp_path: Path) -> None:
+    """``re.Pattern``'s repr is cut at 200 characters: a change after them was not seen."""
+    fp = fingerprint(tmp_path / "a", LONG_PATTERN, "stage")
+    changed = fingerprint(tmp_path / "b", edit(LONG_PATTERN, '"A"', '"B"'), "stage")
+    assert describe_change(fp, changed) == "PATTERN changed"
+
+
+COMPUTED = '''
+import consts
+
+
+def stage(ctx, which):
+    return FORM
+'''
+
+
+@pytest.mark.parametrize("form, counts", [('getattr(consts, "K" + which)', True), ("vars(consts)[which]", True),
+                                          ("consts.__dict__[which]", True), ('getattr(consts, "KA")', False),
+                                          ('getattr(consts, "KA", None)', False), ("consts.KA", False)])
+def test_a_name_built_at_run_time_counts_every_value_of_the_module(tmp_path: Path, form: str, counts: bool) -> None:
+    """``consts.KB``'s value counts when the stage may read any name of ``consts``, not when it names KA only."""
+    fp = fingerprint(tmp_path / "a", COMPUTED.replace("FORM", form), "stage", consts="KA = 1\nKB = 2\n")
+    assert ("consts.KB" in fp) is counts, fp
