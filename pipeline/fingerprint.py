@@ -1045,10 +1045,19 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
                         and len(child.args) >= 2 and isinstance(child.args[1], ast.Constant) and \
                         isinstance(child.args[1].value, str):
                     names.add(child.args[1].value)  # setattr(sys.modules[__name__], "X", v)
+                    chain = _names(child.args[0])
+                    if chain is not None:
+                        names.add(".".join((*chain, child.args[1].value)))  # setattr(consts, "K", v)
+                if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
+                    chain = _names(child.func.value)
+                    if chain is not None and len(chain) > 1:
+                        names.add(".".join(chain))  # consts.ITEMS.append(v): consts.ITEMS changed in place
                 for target in targets:
                     for leaf in ast.walk(target):
                         if isinstance(leaf, ast.Name):
                             names.add(leaf.id)
+                        elif isinstance(leaf, ast.Attribute) and (chain := _names(leaf)) is not None:
+                            names.add(".".join(chain))  # consts.K = v, consts.CFG["k"] = v, fit.alpha = v
                         elif isinstance(leaf, ast.Subscript) and own_namespace(leaf.value):
                             if isinstance(leaf.slice, ast.Constant) and isinstance(leaf.slice.value, str):
                                 names.add(leaf.slice.value)  # globals()["X"] = v
@@ -1090,6 +1099,32 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
             after = True
             assigned([node])
     return frozenset(names)
+
+
+def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> frozenset[str]:
+    """The code fingerprint components (:func:`code_fingerprint`'s names) that the names of
+    :func:`values_set_after_declaring` set, resolved in the script's ``namespace``: ``SCALE`` itself,
+    ``consts.K`` as ``mylib.consts.K`` (the module's own name), ``Model.SCALE`` as ``mylib.model.Model.SCALE``,
+    ``fit.alpha`` on the script's own function as ``fit()``, on its own class as ``class Model``."""
+    home = namespace.get("__name__")
+    found: set[str] = set()
+    for name in names:
+        if name.startswith(ANY_GLOBAL_SET):
+            continue
+        head, _, rest = name.partition(".")
+        found.add(head if not rest else name)
+        obj = namespace.get(head, _ABSENT)
+        if not rest or obj is _ABSENT:
+            continue
+        if isinstance(obj, types.ModuleType):
+            found.add(f"{obj.__name__}.{rest}")
+        elif isinstance(obj, (type, types.FunctionType)) and obj.__module__ != home:
+            found.add(f"{obj.__module__}.{obj.__qualname__}.{rest}")
+        elif isinstance(obj, types.FunctionType):
+            found.add(f"{head}()")
+        elif isinstance(obj, type):
+            found.add(f"class {head}")
+    return frozenset(found)
 
 
 ANY_GLOBAL_SET = "<"

@@ -59,6 +59,7 @@ from .errors import HetflowError, PipelineError, interruption
 from .fingerprint import (
     ANY_GLOBAL_SET,
     UNCACHEABLE,
+    late_components,
     resolve_files,
     sources_changed,
     uncacheable,
@@ -540,7 +541,8 @@ class Orchestrator:
                                                                          pipelines)
             except OSError:
                 self.late_values[spec.path] = frozenset()
-        late = sorted(name for name in code if name in self.late_values[spec.path])
+        setting = late_components(self.late_values[spec.path], getattr(spec.func, "__globals__", {}))
+        late = sorted(name for name in code if name in setting)
         anything = sorted(n[1:-1] for n in self.late_values[spec.path] if n.startswith(ANY_GLOBAL_SET))
         own = {f"{getattr(spec.func, '__qualname__', '')}()", "stage"}
         read = sorted(k for k in code if k not in own and _script_global(k))

@@ -290,3 +290,49 @@ def test_what_the_main_block_sets_through_with_exec_globals_update_or_an_indirec
     else:
         assert "it reads SCALE, which the script sets" in lines["scaled"], lines["scaled"]
         assert lines["helped"].startswith("helped DONE"), lines["helped"]
+
+
+ON_A_MODULE = '''
+import pyarrow as pa
+import hetflow as hf
+from mylib import consts
+
+pipe = hf.Pipeline("on-a-module")
+
+
+@pipe.stage(outputs=["k"])
+def reads(ctx):
+    return {"k": pa.table({"v": [consts.KA + sum(consts.ITEMS) + getattr(reads, "alpha", 0)]})}
+
+
+@pipe.stage(outputs=["p"])
+def plain(ctx):
+    return {"p": pa.table({"v": [1]})}
+
+
+if __name__ == "__main__":
+    FORM
+    run = pipe.run(check=False)
+    for name in ("reads", "plain"):
+        print(name, run.stage(name).state, run.stage(name).error)
+'''
+
+
+@pytest.mark.parametrize("form, named", [("consts.KA = 5", "mylib.consts.KA"),
+                                         ('setattr(consts, "KA", 5)', "mylib.consts.KA"),
+                                         ("consts.ITEMS.append(5)", "mylib.consts.ITEMS"),
+                                         ("reads.alpha = 5", "reads()")])
+def test_a_value_the_main_block_sets_on_a_module_or_on_the_stage_is_refused(tmp_path: Path, form: str,
+                                                                            named: str) -> None:
+    """Found while checking the fix above: ``consts.KA = 5`` in the ``__main__`` block counted in the key (a
+    value set on a module) while the stage's ranks, which never execute that block, computed with 0."""
+    (tmp_path / "mylib").mkdir()
+    (tmp_path / "mylib" / "__init__.py").write_text("")
+    (tmp_path / "mylib" / "consts.py").write_text("KA = 0\nITEMS = []\n")
+    (tmp_path / "p.py").write_text(ON_A_MODULE.replace("FORM", form))
+    done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work")), check=False)
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.split()}
+    assert lines["plain"].startswith("plain DONE"), done.stdout + done.stderr
+    assert lines["reads"].startswith("reads FAILED"), done.stdout + done.stderr
+    assert f"it reads {named}, which the script sets in its `if __name__" in lines["reads"], lines["reads"]
