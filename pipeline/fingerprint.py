@@ -78,6 +78,8 @@ Decisions, for :func:`code_fingerprint`:
   objects element by element, as values); pandas frames, series and indexes by
   their content (labels, dtypes, names, ``attrs``, every value: through
   ``pandas.util.hash_pandas_object``, object columns element by element);
+  Arrow tables, batches and arrays and polars frames by their Arrow IPC bytes,
+  torch tensors by dtype, shape and bytes;
   dataclasses by their fields plus any other attribute of the instance; instances
   of user classes by their fields (``__dict__`` and set
   ``__slots__``, read without running their code); a ``functools.partial`` by
@@ -88,7 +90,8 @@ Decisions, for :func:`code_fingerprint`:
   ``py_func``; and an ``lru_cache``'s parameters); a ``SimpleNamespace`` by its
   fields; a ``logging.Logger`` by its name only (its repr shows its level).
   Any other object by its ``repr`` when its type defines one that shows no
-  address; a ``repr`` that is shortened (it holds ``...``: a large pyarrow table,
+  address, with its instance state (``__dict__``, slots: a fitted model's repr
+  shows no weights); a ``repr`` that is shortened (it holds ``...``: a large pyarrow table,
   a torch tensor) cannot stand for the value, so the component that holds it is
   marked :data:`UNCACHEABLE` and its stage is never served from the cache nor
   stored in it (:func:`uncacheable`), rather than keyed by a text that misses a
@@ -607,8 +610,9 @@ class _Walker:
                 # objects (or records holding objects): element by element, never their addresses
                 elements = obj.ravel().tolist() if isinstance(obj, np.ndarray) else [obj.item()]
                 return f"numpy {obj.dtype.str} {obj.shape} {_sha(self.value(elements, inner))}"
-        if type(obj).__module__.partition(".")[0] == "pandas":
-            text = self.pandas(obj, inner)
+        top = type(obj).__module__.partition(".")[0]
+        if top in ("pandas", "pyarrow", "polars", "torch"):
+            text = self.pandas(obj, inner) if top == "pandas" else _data_text(obj)
             if text is not None:
                 return text
         if dataclasses.is_dataclass(obj):
@@ -630,8 +634,9 @@ class _Walker:
             if "..." in text or "\u2026" in text:  # shortened: a change in what it leaves out would not count
                 self.shortened.add(kind)
                 return f"<shortened {kind}>"
-            if " at 0x" not in text:
-                return f"{kind} {text}"
+            if " at 0x" not in text:  # with what the instance holds: a fitted model's repr shows no weights
+                state = _instance_state(obj)
+                return f"{kind} {text}" + (f" state {self.value(state, inner)}" if state else "")
         return f"<unhashable {kind}>"
 
     def pandas(self, obj: Any, stack: tuple[int, ...]) -> str | None:
@@ -1209,6 +1214,30 @@ def _wrapped(obj: Any) -> Callable[..., Any] | None:
     return found
 
 
+def _data_text(obj: Any) -> str | None:
+    """An Arrow table, batch or array, a polars frame or series, or a torch tensor by its content (Arrow's
+    IPC bytes; a tensor's dtype, shape and bytes); None for another type of those packages."""
+    import pyarrow as pa
+
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if type(obj).__module__.startswith("polars") and callable(getattr(obj, "to_arrow", None)):
+        obj = obj.to_arrow()
+    if isinstance(obj, (pa.Array, pa.ChunkedArray)):
+        obj = pa.table({"": obj})
+    if isinstance(obj, (pa.Table, pa.RecordBatch)):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, obj.schema) as writer:
+            writer.write(obj)
+        return f"{kind} {_sha(sink.getvalue().to_pybytes())}"
+    if type(obj).__module__.startswith("torch"):
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_quantized:
+            data = obj.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            return f"{kind} {obj.dtype} {tuple(obj.shape)} grad={obj.requires_grad} {_sha(data)}"
+    return None
+
+
 def _instance_state(obj: Any) -> dict[str, Any] | None:
     """An instance's fields: its ``__dict__`` and its ``__slots__`` (set ones), read without running user code."""
     state: dict[str, Any] = {}
@@ -1275,7 +1304,7 @@ def uncacheable(code: Mapping[str, str]) -> str | None:
     if not found:
         return None
     return (f"not cached: {'; '.join(found)} (hetflow cannot digest it, so a change inside it would not change "
-            "the key): the stage runs every time; declare its data in files= to cache it")
+            "the key): the stage runs every time; to cache it, let it read that data from a file declared in files=")
 
 
 def sources_changed(code: Mapping[str, str]) -> list[str]:

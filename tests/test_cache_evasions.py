@@ -27,7 +27,8 @@ import pyarrow as pa
 HERE = Path(__file__).resolve().parent.parent
 FRAME = pd.read_csv(HERE / "table.csv")  # computed at import from data: its value counts, not its source
 OBJECTS = np.array([{"k": int(v)} for v in FRAME["v"]], dtype=object)
-TABLE = pa.table({"v": FRAME["v"].to_numpy()})  # a type hetflow cannot digest: its repr is shortened
+TABLE = pa.table({"v": FRAME["v"].to_numpy()})
+MASKED = np.ma.masked_less(FRAME["v"].to_numpy(), 0)  # hetflow cannot digest it: its repr is shortened
 '''
 
 VALUES = '''
@@ -67,6 +68,11 @@ def table(ctx):
     return {"table": pa.table({"v": [tables.TABLE["v"][500].as_py()]})}
 
 
+@pipe.stage(outputs=["masked"])
+def masked(ctx):
+    return {"masked": pa.table({"v": [int(tables.MASKED[500])]})}
+
+
 @pipe.stage(outputs=["boost"])
 def boost(ctx):
     return {"boost": pa.table({"v": [CFG.lr * CFG.boost + SETTINGS.extra]})}
@@ -75,7 +81,7 @@ def boost(ctx):
 
 def test_values_with_a_shortened_text_form_or_extra_attributes_rerun_what_reads_them(tmp_path: Path) -> None:
     """The third red team: a pandas frame and an object array built at import (their ``repr`` elides the
-    middle rows) and an attribute set on a dataclass instance that is not one of its fields were hashed
+    middle rows; an Arrow table's too) and an attribute set on a dataclass instance that is not one of its fields were hashed
     without the change: CACHED with the old values.  A value of a type hetflow cannot digest makes its
     stage run every time, saying why, instead of a key that misses a change."""
     lib = tmp_path / "mylib"
@@ -84,24 +90,26 @@ def test_values_with_a_shortened_text_form_or_extra_attributes_rerun_what_reads_
     (lib / "tables.py").write_text(TABLES)
     (lib / "consts.py").write_text("import dataclasses\n\n\n@dataclasses.dataclass\nclass Config:\n"
                                    "    lr: int = 1\n\n\nCFG = Config()\n")
-    (tmp_path / "table.csv").write_text("v\n" + "".join(f"{i % 7}\n" for i in range(1000)))
+    (tmp_path / "table.csv").write_text("v\n" + "".join(f"{i % 7}\n" for i in range(2000)))
     (tmp_path / "p.py").write_text(VALUES)
     first = run(tmp_path)
-    total = sum(i % 7 for i in range(1000))
-    assert [value(first, n) for n in ("frame", "objects", "table", "boost")] == [total, total, 500 % 7, 11]
-    assert first["table"]["cache"]["reason"].startswith("not cached: mylib.tables.TABLE holds a pyarrow"), first
+    total = sum(i % 7 for i in range(2000))
+    assert [value(first, n) for n in ("frame", "objects", "table", "masked", "boost")] == \
+        [total, total, 500 % 7, 500 % 7, 11]
+    assert first["masked"]["cache"]["reason"].startswith(
+        "not cached: mylib.tables.MASKED holds a numpy.ma.MaskedArray whose text form is shortened"), first
     again = run(tmp_path)
-    assert states(again) == {"frame": "CACHED", "objects": "CACHED", "table": "DONE", "boost": "CACHED"}, \
-        states(again)
-    assert "hetflow cannot digest it" in again["table"]["cache"]["reason"]
+    assert states(again) == {"frame": "CACHED", "objects": "CACHED", "table": "CACHED", "masked": "DONE",
+                             "boost": "CACHED"}, states(again)
+    assert "hetflow cannot digest it" in again["masked"]["cache"]["reason"]
     rows = (tmp_path / "table.csv").read_text().splitlines()
     rows[501] = "100"  # row 500, in the middle that the repr leaves out
     (tmp_path / "table.csv").write_text("\n".join(rows) + "\n")
     edited = run(tmp_path)
-    assert states(edited) == {"frame": "DONE", "objects": "DONE", "table": "DONE", "boost": "CACHED"}, \
-        states(edited)
+    assert states(edited) == {"frame": "DONE", "objects": "DONE", "table": "DONE", "masked": "DONE",
+                              "boost": "CACHED"}, states(edited)
     changed = total - 500 % 7 + 100
-    assert [value(edited, n) for n in ("frame", "objects", "table")] == [changed, changed, 100]
+    assert [value(edited, n) for n in ("frame", "objects", "table", "masked")] == [changed, changed, 100, 100]
     assert edited["frame"]["cache"]["reason"] == "mylib.tables.FRAME changed", edited["frame"]["cache"]
     edit(tmp_path / "p.py", "CFG.boost = 1", "CFG.boost = 3")
     boosted = run(tmp_path)

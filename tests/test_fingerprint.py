@@ -329,3 +329,30 @@ def test_a_name_built_at_run_time_counts_every_value_of_the_module(tmp_path: Pat
     """``consts.KB``'s value counts when the stage may read any name of ``consts``, not when it names KA only."""
     fp = fingerprint(tmp_path / "a", COMPUTED.replace("FORM", form), "stage", consts="KA = 1\nKB = 2\n")
     assert ("consts.KB" in fp) is counts, fp
+
+
+TENSORS = '''
+import pyarrow as pa
+import torch
+
+torch.manual_seed(0)
+WEIGHTS = torch.tensor([0.123456])
+LAYER = torch.nn.Linear(2, 2)
+LOOKUP = pa.table({"v": list(range(2000))})
+
+
+def stage(ctx):
+    return LAYER(WEIGHTS) + LOOKUP.num_rows
+'''
+
+
+@pytest.mark.parametrize("old, new, changed", [("[0.123456]", "[0.123457]", "WEIGHTS changed"),
+                                               ("manual_seed(0)", "manual_seed(1)", "LAYER changed"),
+                                               ("range(2000)", "range(1, 2001)", "LOOKUP changed")])
+def test_tensors_models_and_arrow_tables_count_by_their_content(tmp_path: Path, old: str, new: str,
+                                                                  changed: str) -> None:
+    """A tensor's repr rounds to four decimals, a module's shows no weights, a large table's elides rows."""
+    pytest.importorskip("torch")
+    fp = fingerprint(tmp_path / "a", TENSORS, "stage")
+    assert not any(k.startswith("uncacheable ") for k in fp), fp
+    assert describe_change(fp, fingerprint(tmp_path / "b", edit(TENSORS, old, new), "stage")) == changed
