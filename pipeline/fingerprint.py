@@ -79,7 +79,8 @@ Decisions, for :func:`code_fingerprint`:
   their content (labels, dtypes, names, ``attrs``, every value: through
   ``pandas.util.hash_pandas_object``, object columns element by element);
   Arrow tables, batches and arrays and polars frames by their Arrow IPC bytes,
-  torch tensors by dtype, shape and bytes;
+  torch tensors by dtype, shape and bytes; a ``random.Random`` or numpy
+  generator by its state (so its seed);
   dataclasses by their fields plus any other attribute of the instance; instances
   of user classes by their fields (``__dict__`` and set
   ``__slots__``, read without running their code); a ``functools.partial`` by
@@ -118,6 +119,7 @@ import inspect
 import json
 import logging
 import os
+import random
 import re
 import sys
 import sysconfig
@@ -599,6 +601,15 @@ class _Walker:
             return f"logging.Logger {obj.name!r}"
         if isinstance(obj, re.Pattern):  # its repr may hold "..." and is cut at 200 characters
             return f"re.Pattern {self.value(obj.pattern, inner)} {obj.flags}"
+        if isinstance(obj, random.Random):  # a seeded generator: its state (its repr is an address)
+            return f"random.Random {self.value(obj.getstate(), inner)}"
+        if type(obj).__module__.startswith("numpy.random"):
+            import numpy as np
+
+            if isinstance(obj, np.random.Generator):
+                return f"numpy.random.Generator {self.value(obj.bit_generator.state, inner)}"
+            if isinstance(obj, np.random.RandomState):
+                return f"numpy.random.RandomState {self.value(obj.get_state(legacy=False), inner)}"
         if isinstance(obj, types.BuiltinMethodType) and not isinstance(obj.__self__, (types.ModuleType, type(None))):
             return f"{obj.__qualname__} bound to {self.value(obj.__self__, inner)}"  # TABLE.get
         if type(obj).__module__ == "numpy":

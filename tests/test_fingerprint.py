@@ -332,9 +332,14 @@ def test_a_name_built_at_run_time_counts_every_value_of_the_module(tmp_path: Pat
 
 
 TENSORS = '''
+import random
+
+import numpy as np
 import pyarrow as pa
 import torch
 
+RNG = np.random.default_rng(0)
+PY_RNG = random.Random(0)
 torch.manual_seed(0)
 WEIGHTS = torch.tensor([0.123456])
 LAYER = torch.nn.Linear(2, 2)
@@ -342,16 +347,19 @@ LOOKUP = pa.table({"v": list(range(2000))})
 
 
 def stage(ctx):
-    return LAYER(WEIGHTS) + LOOKUP.num_rows
+    return LAYER(WEIGHTS) + LOOKUP.num_rows + RNG.random() + PY_RNG.random()
 '''
 
 
 @pytest.mark.parametrize("old, new, changed", [("[0.123456]", "[0.123457]", "WEIGHTS changed"),
                                                ("manual_seed(0)", "manual_seed(1)", "LAYER changed"),
-                                               ("range(2000)", "range(1, 2001)", "LOOKUP changed")])
-def test_tensors_models_and_arrow_tables_count_by_their_content(tmp_path: Path, old: str, new: str,
+                                               ("range(2000)", "range(1, 2001)", "LOOKUP changed"),
+                                               ("default_rng(0)", "default_rng(1)", "RNG changed"),
+                                               ("Random(0)", "Random(1)", "PY_RNG changed")])
+def test_tensors_models_tables_and_generators_count_by_their_content(tmp_path: Path, old: str, new: str,
                                                                   changed: str) -> None:
-    """A tensor's repr rounds to four decimals, a module's shows no weights, a large table's elides rows."""
+    """A tensor's repr rounds to four decimals, a module's shows no weights, a large table's elides rows, a
+    seeded generator's is an address."""
     pytest.importorskip("torch")
     fp = fingerprint(tmp_path / "a", TENSORS, "stage")
     assert not any(k.startswith("uncacheable ") for k in fp), fp
