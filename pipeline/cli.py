@@ -14,6 +14,7 @@ import logging
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -297,14 +298,17 @@ def _status(args: argparse.Namespace) -> int:
         status = status.for_terminal()  # control characters made visible, as everywhere text from a run is shown
         # stage names, errors and tracebacks are the user's text: escaped, never read as rich markup
         table = Table(title=escape(f"run {status.id} ({status.pipeline}): {status.state}"))
-        # every cell is folded onto more lines, never cut: sweep members' names differ at their end
-        for column in ("stage", "state", "attempts", "started", "seconds", "slots"):
-            table.add_column(column, overflow="fold")
+        # every cell is folded onto more lines, never cut: sweep members' names differ at their end; the start
+        # reads "2026-11-27 13:18:44" (UTC), split at its space when narrow, never inside its date or time
+        for column in ("stage", "state", "attempts", "started (UTC)", "seconds", "slots"):
+            table.add_column(column, overflow="fold", min_width=len("2026-11-27") if column.startswith("started")
+                             else None)
         for stage in status.stages:
             seconds = f"{stage.ended - stage.started:.2f}" if stage.started and stage.ended else ""
             slots = "; ".join(f"{s.node} cores {list(s.cores)}" + (f" gpus {list(s.gpus)}" if s.gpus else "")
                               for s in stage.slots)
-            table.add_row(escape(stage.name), stage.state, str(stage.attempts), iso(stage.started) or "", seconds,
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(stage.started)) if stage.started else ""
+            table.add_row(escape(stage.name), stage.state, str(stage.attempts), started, seconds,
                           escape(slots))
         console = Console()
         console.print(table)

@@ -149,3 +149,8 @@ def test_status_never_cuts_a_stage_name_so_sweep_members_stay_apart(tmp_path: Pa
                                     "train_member_of_the_learning_rate_sweep_with_lr_0_003"]
     rows = [line for line in table.splitlines() if line.startswith("│")]
     assert rows and all(line.endswith("│") and len(line) <= int(columns) for line in rows)   # no column cropped
+    import re
+
+    started = [cells[3] for line in rows if (cells := [c.strip() for c in line.strip("│").split("│")])[3]]
+    # the start time is never split inside its date or its time (it was: "2026-11-27T13" / ":18:44.211+00" / ":00")
+    assert started and all(re.fullmatch(r"\d{4}-\d\d-\d\d( \d\d:\d\d:\d\d)?|\d\d:\d\d:\d\d", c) for c in started), started
