@@ -212,6 +212,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
 
     options = dataclasses.replace(options, script=str(path.resolve()))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    began = time.time()
     sys.argv = [str(path), *argv]  # a resume: the arguments the run's script was started with
     sys.path.insert(0, str(path.resolve().parent))
     try:
@@ -229,7 +230,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     finally:
         sys.argv, sys.path = saved_argv, saved_path
     for status in runs:
-        _print_summary(status, args)
+        _print_summary(status, args, since=began)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
 
 
@@ -248,15 +249,18 @@ def resume_command(run_id: str, args: argparse.Namespace | None, verb: str = "re
     return hetflow_command(verb, run_id, _where(args))
 
 
-def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) -> None:
-    """The end of a run: each stage's state, duration and log directory; the resume command unless DONE."""
+def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, since: float | None = None) -> None:
+    """The end of a run: each stage's state, duration and log directory; the resume command unless DONE.
+    ``since``: when this session began; a resumed run's time counts from then, not from its first session."""
     from .errors import batch_resume_command, error_text
     from .progress import elapsed_text
 
     status = status.for_terminal()  # another user's run (a shared store) prints no control characters
-    total = (status.ended or 0.0) - (status.started or status.created) if status.ended else None
+    start = status.started or status.created
+    resumed = since is not None and since > start
+    total = (status.ended or 0.0) - (since if resumed and since is not None else start) if status.ended else None
     print(f"run {status.id}: {status.state}" + (f" in {elapsed_text(total)}" if total is not None else "")
-          + f"  ({status.run_dir})")
+          + (" (this session)" if resumed and total is not None else "") + f"  ({status.run_dir})")
     for stage in status.stages:
         seconds = elapsed_text(stage.ended - stage.started) if stage.started and stage.ended else "-"
         line = f"  {stage.name:<20} {stage.state:<10} {seconds:>8}  attempts={stage.attempts}"
