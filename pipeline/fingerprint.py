@@ -1068,6 +1068,9 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
                     chain = _names(child.func.value)
                     if chain is not None and len(chain) > 1:
                         names.add(".".join(chain))  # consts.ITEMS.append(v): consts.ITEMS changed in place
+                    chain = _names(child.func)
+                    if chain is not None:
+                        names.add(".".join(chain))  # consts.configure(v): the globals configure assigns
                 for target in targets:
                     for leaf in ast.walk(target):
                         if isinstance(leaf, ast.Name):
@@ -1121,7 +1124,8 @@ def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> froze
     """The code fingerprint components (:func:`code_fingerprint`'s names) that the names of
     :func:`values_set_after_declaring` set, resolved in the script's ``namespace``: ``SCALE`` itself,
     ``consts.K`` as ``mylib.consts.K`` (the module's own name), ``Model.SCALE`` as ``mylib.model.Model.SCALE``,
-    ``fit.alpha`` on the script's own function as ``fit()``, on its own class as ``class Model``."""
+    ``fit.alpha`` on the script's own function as ``fit()``, on its own class as ``class Model``, and
+    ``consts.configure`` (called) as the globals of ``consts`` that ``configure`` assigns."""
     home = namespace.get("__name__")
     found: set[str] = set()
     for name in names:
@@ -1132,6 +1136,11 @@ def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> froze
         obj = namespace.get(head, _ABSENT)
         if not rest or obj is _ABSENT:
             continue
+        target = obj
+        for part in rest.split("."):  # a module's function the block calls: the globals it assigns
+            target = vars(target).get(part, _ABSENT) if isinstance(target, (types.ModuleType, type)) else _ABSENT
+        if isinstance(target, types.FunctionType) and target.__globals__.get("__name__") != home:
+            found.update(f"{target.__globals__.get('__name__')}.{g}" for g in _global_stores(target.__code__))
         if isinstance(obj, types.ModuleType):
             found.add(f"{obj.__name__}.{rest}")
         elif isinstance(obj, (type, types.FunctionType)) and obj.__module__ != home:

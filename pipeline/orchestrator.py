@@ -838,11 +838,8 @@ class Orchestrator:
         changed += [f"local module {path}" for path in sources_changed(code)]
         if not changed:
             return None
-        self.code.pop(spec.name, None)
-        try:  # a retry runs under a key made from what is there now
-            self.material[spec.name] = self._material(spec)
-        except ValueError:
-            pass  # a declared file went missing: a retry is refused before it starts
+        self.code.pop(spec.name, None)  # a retry is keyed by what is there when it is queued (_record_task)
+        self.material.pop(spec.name, None)
         return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed while the stage ran; its result "
                        "may come from the earlier content, so it was not committed: run the script again (or "
                        "resume the run) to compute it from what is there now")

@@ -329,14 +329,16 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("form, named", [("consts.KA = 5", "mylib.consts.KA"),
                                          ('setattr(consts, "KA", 5)', "mylib.consts.KA"),
                                          ("consts.ITEMS.append(5)", "mylib.consts.ITEMS"),
-                                         ("reads.alpha = 5", "reads()")])
+                                         ("reads.alpha = 5", "reads()"),
+                                         ("consts.configure(5)", "mylib.consts.KA")])
 def test_a_value_the_main_block_sets_on_a_module_or_on_the_stage_is_refused(tmp_path: Path, form: str,
                                                                             named: str) -> None:
     """Found while checking the fix above: ``consts.KA = 5`` in the ``__main__`` block counted in the key (a
     value set on a module) while the stage's ranks, which never execute that block, computed with 0."""
     (tmp_path / "mylib").mkdir()
     (tmp_path / "mylib" / "__init__.py").write_text("")
-    (tmp_path / "mylib" / "consts.py").write_text("KA = 0\nITEMS = []\n")
+    (tmp_path / "mylib" / "consts.py").write_text("KA = 0\nITEMS = []\n\n\ndef configure(v):\n    global KA\n"
+                                                  "    KA = v\n")
     (tmp_path / "p.py").write_text(ON_A_MODULE.replace("FORM", form))
     done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work")), check=False)
