@@ -346,3 +346,31 @@ def test_a_value_the_main_block_sets_on_a_module_or_on_the_stage_is_refused(tmp_
     assert lines["plain"].startswith("plain DONE"), done.stdout + done.stderr
     assert lines["reads"].startswith("reads FAILED"), done.stdout + done.stderr
     assert f"it reads {named}, which the script sets in its `if __name__" in lines["reads"], lines["reads"]
+
+
+def test_a_retry_after_an_edit_while_the_stage_ran_is_keyed_by_the_new_content(tmp_path: Path) -> None:
+    """With ``retries``, the attempt that saw the edit is not committed; the retry computes from the new
+    content under the new content's key, so the next run serves that result, never the earlier one."""
+    (tmp_path / "mylib").mkdir()
+    (tmp_path / "mylib" / "__init__.py").write_text("")
+    (tmp_path / "mylib" / "calc.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "data.txt").write_text("1")
+    (tmp_path / "p.py").write_text(RUNS.replace('files=["data.txt"]', 'files=["data.txt"], retries=1'))
+    proc = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--workdir", str(tmp_path / "work")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        (tmp_path / "data.txt").write_text("2")
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    shown = status(tmp_path)
+    assert proc.returncode == 0 and shown["uses"]["state"] == "DONE", (out, err)
+    assert shown["uses"]["attempts"] == 2 and value(shown, "uses") == 102, shown["uses"]
+    again = run(tmp_path)
+    assert again["uses"]["state"] == "CACHED" and value(again, "uses") == 102
