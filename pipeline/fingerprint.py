@@ -641,13 +641,17 @@ class _Walker:
             return self.wrapper(obj, wrapped, inner)
         kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
         if getattr(type(obj), "__repr__", None) is not object.__repr__:
-            text = repr(obj)
-            if "..." in text or "\u2026" in text:  # shortened: a change in what it leaves out would not count
+            try:
+                text = repr(obj)
+                if "..." in text or "\u2026" in text:  # shortened: a change in what it leaves out would not count
+                    self.shortened.add(kind)
+                    return f"<shortened {kind}>"
+                if " at 0x" not in text:  # with what the instance holds: a fitted model's repr shows no weights
+                    state = _instance_state(obj)
+                    return f"{kind} {text}" + (f" state {self.value(state, inner)}" if state else "")
+            except RecursionError:  # a structure too deep to follow: not digested, so not cached
                 self.shortened.add(kind)
                 return f"<shortened {kind}>"
-            if " at 0x" not in text:  # with what the instance holds: a fitted model's repr shows no weights
-                state = _instance_state(obj)
-                return f"{kind} {text}" + (f" state {self.value(state, inner)}" if state else "")
         return f"<unhashable {kind}>"
 
     def pandas(self, obj: Any, stack: tuple[int, ...]) -> str | None:
