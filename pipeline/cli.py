@@ -14,6 +14,7 @@ import logging
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -211,6 +212,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
 
     options = dataclasses.replace(options, script=str(path.resolve()))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    began = time.time()
     sys.argv = [str(path), *argv]  # a resume: the arguments the run's script was started with
     sys.path.insert(0, str(path.resolve().parent))
     try:
@@ -228,7 +230,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     finally:
         sys.argv, sys.path = saved_argv, saved_path
     for status in runs:
-        _print_summary(status, args)
+        _print_summary(status, args, since=began)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
 
 
@@ -247,15 +249,18 @@ def resume_command(run_id: str, args: argparse.Namespace | None, verb: str = "re
     return hetflow_command(verb, run_id, _where(args))
 
 
-def _print_summary(status: RunStatus, args: argparse.Namespace | None = None) -> None:
-    """The end of a run: each stage's state, duration and log directory; the resume command unless DONE."""
+def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, since: float | None = None) -> None:
+    """The end of a run: each stage's state, duration and log directory; the resume command unless DONE.
+    ``since``: when this session began; a resumed run's time counts from then, not from its first session."""
     from .errors import batch_resume_command, error_text
     from .progress import elapsed_text
 
     status = status.for_terminal()  # another user's run (a shared store) prints no control characters
-    total = (status.ended or 0.0) - (status.started or status.created) if status.ended else None
+    start = status.started or status.created
+    resumed = since is not None and since > start
+    total = (status.ended or 0.0) - (since if resumed and since is not None else start) if status.ended else None
     print(f"run {status.id}: {status.state}" + (f" in {elapsed_text(total)}" if total is not None else "")
-          + f"  ({status.run_dir})")
+          + (" (this session)" if resumed and total is not None else "") + f"  ({status.run_dir})")
     for stage in status.stages:
         seconds = elapsed_text(stage.ended - stage.started) if stage.started and stage.ended else "-"
         line = f"  {stage.name:<20} {stage.state:<10} {seconds:>8}  attempts={stage.attempts}"
@@ -297,14 +302,17 @@ def _status(args: argparse.Namespace) -> int:
         status = status.for_terminal()  # control characters made visible, as everywhere text from a run is shown
         # stage names, errors and tracebacks are the user's text: escaped, never read as rich markup
         table = Table(title=escape(f"run {status.id} ({status.pipeline}): {status.state}"))
-        # every cell is folded onto more lines, never cut: sweep members' names differ at their end
-        for column in ("stage", "state", "attempts", "started", "seconds", "slots"):
-            table.add_column(column, overflow="fold")
+        # every cell is folded onto more lines, never cut: sweep members' names differ at their end; the start
+        # reads "2026-11-27 13:18:44" (UTC), split at its space when narrow, never inside its date or time
+        for column in ("stage", "state", "attempts", "started (UTC)", "seconds", "slots"):
+            table.add_column(column, overflow="fold", min_width=len("2026-11-27") if column.startswith("started")
+                             else None)
         for stage in status.stages:
             seconds = f"{stage.ended - stage.started:.2f}" if stage.started and stage.ended else ""
             slots = "; ".join(f"{s.node} cores {list(s.cores)}" + (f" gpus {list(s.gpus)}" if s.gpus else "")
                               for s in stage.slots)
-            table.add_row(escape(stage.name), stage.state, str(stage.attempts), iso(stage.started) or "", seconds,
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(stage.started)) if stage.started else ""
+            table.add_row(escape(stage.name), stage.state, str(stage.attempts), started, seconds,
                           escape(slots))
         console = Console()
         console.print(table)

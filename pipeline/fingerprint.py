@@ -56,18 +56,33 @@ Decisions, for :func:`code_fingerprint`:
   name or attribute, or an identifier string, in a reached function or in a
   reached module's source: a module counts whole, so a name it reads anywhere
   counts); on an external package, when the stage uses that package.  So a
-  value set that no reached code reads does not re-run the stage.  A name that
+  value set that no reached code reads does not re-run the stage.  Reached code
+  that reads names built at run time (``getattr`` with a name that is not a
+  string constant, ``vars``, ``globals``, ``__dict__``, ``attrgetter``: any use,
+  in bytecode or in a reached module's source) reads every name: then every
+  plain value of every reached module counts (the script's too).  A set site's
+  object may be a name bound by an import anywhere in the source
+  (``def setup(): from m import Model; Model.SCALE = 2``).  A name that
   is not a literal (``setattr(m, name, v)``, ``vars(m).update(...)``) counts
   every plain value of ``m`` that is read.  Not seen: a value set through an
   expression (``sys.modules["m"].K = 2``, a loop variable holding the module),
   a value a called function changes in place (``m.configure()`` filling
   ``m.CONFIG``), a classmethod that sets its class's attributes, and the
-  standard library's modules (``os.environ``: declare ``env=``).
+  standard library's modules (``os.environ``: declare ``env=``).  Values the
+  script's ``__main__`` block sets are refused by the orchestrator
+  (:func:`values_set_after_declaring`), not hashed.
 * **Values** are hashed through a stable text form: ``repr`` of None, bool,
   numbers, str, bytes, Path, Enum, datetime, Decimal, UUID; containers
   recursively (sets and dict keys sorted, so hash randomisation cannot reorder
-  them); numpy arrays and scalars by dtype, shape and bytes; dataclasses and
-  instances of user classes by their fields (``__dict__`` and set
+  them); numpy arrays and scalars by dtype, shape and bytes (arrays holding
+  objects element by element, as values); pandas frames, series and indexes by
+  their content (labels, dtypes, names, ``attrs``, every value: through
+  ``pandas.util.hash_pandas_object``, object columns element by element);
+  Arrow tables, batches and arrays and polars frames by their Arrow IPC bytes,
+  torch tensors by dtype, shape and bytes; a ``random.Random`` or numpy
+  generator by its state (so its seed);
+  dataclasses by their fields plus any other attribute of the instance; instances
+  of user classes by their fields (``__dict__`` and set
   ``__slots__``, read without running their code); a ``functools.partial`` by
   its function and arguments, a bound method by its function and its
   ``__self__`` (so ``APPLY = Scaler(2).apply`` counts the 2); a callable
@@ -76,9 +91,13 @@ Decisions, for :func:`code_fingerprint`:
   ``py_func``; and an ``lru_cache``'s parameters); a ``SimpleNamespace`` by its
   fields; a ``logging.Logger`` by its name only (its repr shows its level).
   Any other object by its ``repr`` when its type defines one that shows no
-  address (a repr may abbreviate: a change inside a large DataFrame is not
-  seen), else as ``<unhashable module.Type>`` only, so a change inside it is
-  not seen either.
+  address, with its instance state (``__dict__``, slots: a fitted model's repr
+  shows no weights); a ``repr`` that is shortened (it holds ``...``: a large pyarrow table,
+  a torch tensor) cannot stand for the value, so the component that holds it is
+  marked :data:`UNCACHEABLE` and its stage is never served from the cache nor
+  stored in it (:func:`uncacheable`), rather than keyed by a text that misses a
+  change.  An object with no such ``repr`` counts as ``<unhashable
+  module.Type>`` only (a lock, a connection: a change inside it is not seen).
   A function, class or module met inside a value is recorded by name and
   followed.
 """
@@ -100,6 +119,8 @@ import inspect
 import json
 import logging
 import os
+import random
+import re
 import sys
 import sysconfig
 import types
@@ -107,6 +128,9 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import Any
+
+UNCACHEABLE = "uncacheable "
+"""The prefix of a code fingerprint's component naming a value that cannot be digested (:func:`uncacheable`)."""
 
 NO_MATCH = "<no match>"
 """The value :func:`file_fingerprint` records for a glob that matched nothing."""
@@ -170,6 +194,10 @@ class _Walker:
         """Every name the reached code reads (names and string constants in code, identifiers in sources)."""
         self.external_tops: set[str] = set()
         """The top-level names of the external packages the reached code uses."""
+        self.shortened: set[str] = set()
+        """Types of the values met since the last component whose text form is shortened (``...``)."""
+        self.uncacheable: dict[str, set[str]] = {}
+        """``{component: types}`` of the components that hold such a value (see :func:`uncacheable`)."""
 
     def run(self) -> dict[str, str]:
         if isinstance(self.func, types.FunctionType):
@@ -193,6 +221,8 @@ class _Walker:
                                                          if not k.startswith("__")})
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
         self.module_values()
+        for key, kinds in self.uncacheable.items():
+            self.parts[f"{UNCACHEABLE}{key}"] = {f"holds a {' and a '.join(sorted(kinds))} whose text form is shortened"}
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
 
     def module_values(self) -> None:
@@ -207,10 +237,21 @@ class _Walker:
                     or not self.is_user(self.realpath(path)):
                 continue
             for attr, value in list(vars(module).items()):
-                if attr.startswith("__") or attr not in self.names or isinstance(value, (types.ModuleType, type)) \
+                if attr.startswith("__") or not self.reads(attr) or isinstance(value, (types.ModuleType, type)) \
                         or _is_code_like(value):
                     continue
                 self.add(f"{name}.{attr}", _sha(self.value(value)))
+        script = getattr(_target(self.func), "__globals__", None)
+        if ANY_NAME in self.names and isinstance(script, dict) and script.get("__name__") == self.home:
+            for attr, value in list(script.items()):  # the script's own, read by a computed name
+                if attr.startswith("__") or isinstance(value, (types.ModuleType, type)) or _is_code_like(value) \
+                        or type(value).__module__.partition(".")[0] == "hetflow" or attr in self.parts:
+                    continue
+                self.add(attr, _sha(self.value(value)))
+
+    def reads(self, attr: str) -> bool:
+        """Whether the reached code may read a name: it names it, or reads names computed at run time."""
+        return attr in self.names or ANY_NAME in self.names
 
     def drain(self) -> None:
         while self.queue:
@@ -221,8 +262,12 @@ class _Walker:
                 self.visit(obj)
 
     def add(self, key: str, digest: str) -> None:
-        """Record a component; two closures of one factory share a name, so a name may collect several digests."""
+        """Record a component; two closures of one factory share a name, so a name may collect several digests.
+        A value met while its digest was made that could not be digested faithfully is charged to it."""
         self.parts.setdefault(key, set()).add(digest)
+        if self.shortened:
+            self.uncacheable.setdefault(key, set()).update(self.shortened)
+            self.shortened.clear()
 
     # ------------------------------------------------------------ classification
     def realpath(self, path: str) -> str:
@@ -310,8 +355,9 @@ class _Walker:
                 source = Path(path).read_bytes()
             except OSError:
                 continue
+            scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
             for kind, chain in _patch_chains(source, path):
-                for owner, attr in _resolve_patch(namespace, chain, kind, held):
+                for owner, attr in _resolve_patch(scope, chain, kind, held):
                     if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
                         continue  # a module setting its own names: its source counts already
                     names = [attr] if attr is not None else [
@@ -343,7 +389,7 @@ class _Walker:
             return False  # the script's own globals and classes are hashed as they are now
         path = getattr(module, "__file__", None)
         if isinstance(path, str) and self.is_user(self.realpath(path)):
-            return id(module) in self.seen and attr in self.names
+            return id(module) in self.seen and self.reads(attr)
         return module.__name__.partition(".")[0] in self.external_tops
 
     # ------------------------------------------------------------ components
@@ -434,6 +480,12 @@ class _Walker:
         self.names.update(code.co_names)
         self.names.update(c for c in code.co_consts if isinstance(c, str) and c.isidentifier())
         instructions = list(dis.get_instructions(code))
+        if _reads_computed_names(instructions):  # getattr(consts, "K" + which): any name may be read
+            self.names.add(ANY_NAME)
+        if _NAMESPACE_READERS & set(code.co_names):  # globals()["K"], getattr(sys.modules[__name__], "K")
+            for const in code.co_consts:
+                if isinstance(const, str) and const.isidentifier() and const in namespace:
+                    self.global_value(const, namespace)
         for i, ins in enumerate(instructions):
             if ins.opname in _LOAD_OPS and isinstance(ins.argval, str):
                 if ins.argval in namespace:
@@ -547,15 +599,38 @@ class _Walker:
             return f"namespace{self.value(vars(obj), inner)}"
         if isinstance(obj, logging.Logger):  # its repr shows its level, which -v changes
             return f"logging.Logger {obj.name!r}"
+        if isinstance(obj, re.Pattern):  # its repr may hold "..." and is cut at 200 characters
+            return f"re.Pattern {self.value(obj.pattern, inner)} {obj.flags}"
+        if isinstance(obj, random.Random):  # a seeded generator: its state (its repr is an address)
+            return f"random.Random {self.value(obj.getstate(), inner)}"
+        if type(obj).__module__.startswith("numpy.random"):
+            import numpy as np
+
+            if isinstance(obj, np.random.Generator):
+                return f"numpy.random.Generator {self.value(obj.bit_generator.state, inner)}"
+            if isinstance(obj, np.random.RandomState):
+                return f"numpy.random.RandomState {self.value(obj.get_state(legacy=False), inner)}"
         if isinstance(obj, types.BuiltinMethodType) and not isinstance(obj.__self__, (types.ModuleType, type(None))):
             return f"{obj.__qualname__} bound to {self.value(obj.__self__, inner)}"  # TABLE.get
         if type(obj).__module__ == "numpy":
             import numpy as np
 
-            if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype != object:
-                return f"numpy {obj.dtype.str} {obj.shape} {_sha(np.ascontiguousarray(obj).tobytes())}"
+            if isinstance(obj, (np.ndarray, np.generic)):
+                if not obj.dtype.hasobject:
+                    return f"numpy {obj.dtype.str} {obj.shape} {_sha(np.ascontiguousarray(obj).tobytes())}"
+                # objects (or records holding objects): element by element, never their addresses
+                elements = obj.ravel().tolist() if isinstance(obj, np.ndarray) else [obj.item()]
+                return f"numpy {obj.dtype.str} {obj.shape} {_sha(self.value(elements, inner))}"
+        top = type(obj).__module__.partition(".")[0]
+        if top in ("pandas", "pyarrow", "polars", "torch"):
+            text = self.pandas(obj, inner) if top == "pandas" else _data_text(obj)
+            if text is not None:
+                return text
         if dataclasses.is_dataclass(obj):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            extra = {k: v for k, v in (_instance_state(obj) or {}).items() if k not in fields}
+            if extra:  # set on the instance besides its fields (setattr, __dict__, __post_init__)
+                return f"{self.follow(type(obj))}({self.value(fields, inner)}, also {self.value(extra, inner)})"
             return f"{self.follow(type(obj))}({self.value(fields, inner)})"
         if self.is_user_object(type(obj)):
             state = _instance_state(obj)
@@ -566,10 +641,49 @@ class _Walker:
             return self.wrapper(obj, wrapped, inner)
         kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
         if getattr(type(obj), "__repr__", None) is not object.__repr__:
-            text = repr(obj)
-            if " at 0x" not in text:
-                return f"{kind} {text}"
+            try:
+                text = repr(obj)
+                if "..." in text or "\u2026" in text:  # shortened: a change in what it leaves out would not count
+                    self.shortened.add(kind)
+                    return f"<shortened {kind}>"
+                if " at 0x" not in text:  # with what the instance holds: a fitted model's repr shows no weights
+                    state = _instance_state(obj)
+                    return f"{kind} {text}" + (f" state {self.value(state, inner)}" if state else "")
+            except RecursionError:  # a structure too deep to follow: not digested, so not cached
+                self.shortened.add(kind)
+                return f"<shortened {kind}>"
         return f"<unhashable {kind}>"
+
+    def pandas(self, obj: Any, stack: tuple[int, ...]) -> str | None:
+        """A pandas frame, series or index by its content: labels, dtypes, names, ``attrs`` and every value
+        (numeric and extension columns through ``pandas.util.hash_pandas_object``, object columns element by
+        element as values); None for another pandas type."""
+        import pandas as pd
+
+        if isinstance(obj, pd.DataFrame):
+            columns = "; ".join(self.pandas_values(obj.iloc[:, i], stack) for i in range(obj.shape[1]))
+            return (f"pandas.DataFrame {obj.shape} columns {self.pandas_values(obj.columns, stack)} "
+                    f"index {self.pandas_values(obj.index, stack)} attrs {self.value(obj.attrs, stack)} "
+                    f"[{columns}]")
+        if isinstance(obj, pd.Series):
+            return (f"pandas.Series {self.value(obj.name, stack)} index {self.pandas_values(obj.index, stack)} "
+                    f"attrs {self.value(obj.attrs, stack)} {self.pandas_values(obj, stack)}")
+        if isinstance(obj, pd.Index):
+            return f"pandas.Index {self.pandas_values(obj, stack)}"
+        return None
+
+    def pandas_values(self, data: Any, stack: tuple[int, ...]) -> str:
+        """The values of a series or an index (not its index), with its dtype and names."""
+        import pandas as pd
+
+        dtype = data.dtype
+        head = f"{type(data).__name__} {dtype} names {self.value(list(getattr(data, 'names', [data.name])), stack)}"
+        if isinstance(dtype, pd.CategoricalDtype):
+            head += f" categories {self.pandas_values(dtype.categories, stack)} ordered {dtype.ordered}"
+        if dtype == object or isinstance(data, pd.MultiIndex):
+            return f"{head} {_sha(self.value(list(data), stack))}"
+        hashed = pd.util.hash_pandas_object(data, index=False).to_numpy()
+        return f"{head} {_sha(hashed.tobytes())}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -671,6 +785,51 @@ def _local_installs() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return _LOCAL[key]
 
 
+ANY_NAME = "<any name>"
+"""In :attr:`_Walker.names`: the reached code reads names computed at run time (``getattr(m, "K" + which)``,
+``vars(m)``, ``m.__dict__``, ``globals()``), so every value of a reached module counts."""
+_NAMESPACE_READERS = frozenset({"globals", "vars", "getattr", "__dict__", "modules"})
+_COMPUTED_READERS = frozenset({"vars", "globals", "__dict__", "attrgetter", "methodcaller", "getattr_static",
+                               "__getattribute__"})
+_PLAIN_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CONST"})
+
+
+def _reads_computed_names(instructions: Sequence[dis.Instruction]) -> bool:
+    """Whether bytecode reads a namespace by a name computed at run time: ``getattr`` whose name is not a
+    string constant (``getattr(x.y, "K")`` and ``getattr(x, "K", None)`` are constant), or any use of
+    ``vars``, ``globals``, ``__dict__``, ``operator.attrgetter``/``methodcaller``, ``inspect.getattr_static``."""
+    for i, ins in enumerate(instructions):
+        if not isinstance(ins.argval, str) or not ins.opname.startswith("LOAD_"):
+            continue
+        if ins.argval in _COMPUTED_READERS:
+            return True
+        if ins.argval != "getattr" or ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME"):
+            continue
+        j = i + 1
+        if j < len(instructions) and instructions[j].opname in _PLAIN_LOADS:
+            j += 1
+        while j < len(instructions) and instructions[j].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            j += 1
+        constant = j < len(instructions) and instructions[j].opname == "LOAD_CONST" and \
+            isinstance(instructions[j].argval, str)
+        if constant and j + 1 < len(instructions) and instructions[j + 1].opname not in ("PRECALL", "CALL"):
+            # a third argument (a default): one plain load, then the call
+            constant = instructions[j + 1].opname in _PLAIN_LOADS and j + 2 < len(instructions) and \
+                instructions[j + 2].opname in ("PRECALL", "CALL")
+        if not constant:
+            return True
+    return False
+
+
+def _computed_read(node: ast.AST) -> bool:
+    """The source form of :func:`_reads_computed_names`, for a module read whole."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+        return len(node.args) < 2 or not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str))
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        return node.id in _COMPUTED_READERS
+    return isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in _COMPUTED_READERS
+
+
 _NAMES: dict[str, frozenset[str]] = {}
 
 
@@ -689,10 +848,55 @@ def _source_names(source: bytes, path: str) -> frozenset[str]:
                 found.add(node.value)
             elif isinstance(node, ast.ImportFrom):  # ``from mpatch import K`` reads K when it runs
                 found.update(alias.name for alias in node.names)
+            if _computed_read(node):
+                found.add(ANY_NAME)
         if len(_NAMES) > 4096:
             _NAMES.clear()
         _NAMES[key] = frozenset(found)
     return _NAMES[key]
+
+
+def _imported_names(source: bytes, path: str, package: str | None) -> dict[str, Any]:
+    """What the names bound by the import statements anywhere in a module's source (a function's own
+    ``from m import Model`` too) stand for, among the modules imported now: so ``Model.SCALE = 2`` in a
+    function the script calls is found although ``Model`` is not one of the script's globals."""
+    found: dict[str, Any] = {}
+    for level, module, name, bound in _import_bindings(source, path):
+        try:
+            module = importlib.util.resolve_name("." * level + module, package) if level else module
+        except (ImportError, ValueError):
+            continue
+        if name is None:
+            value = sys.modules.get(module, _ABSENT)
+        else:
+            base, sub = sys.modules.get(module), sys.modules.get(f"{module}.{name}")
+            value = sub if sub is not None else vars(base).get(name, _ABSENT) if base is not None else _ABSENT
+        if value is not _ABSENT:
+            found[bound] = value
+    return found
+
+
+_BINDINGS: dict[str, tuple[tuple[int, str, str | None, str], ...]] = {}
+
+
+def _import_bindings(source: bytes, path: str) -> tuple[tuple[int, str, str | None, str], ...]:
+    """``(level, module, name or None, the name it binds)`` for every import statement in a module's source:
+    ``import a.b`` gives ``(0, "a", None, "a")``, ``import a.b as c`` gives ``(0, "a.b", None, "c")``,
+    ``from .m import X as Y`` gives ``(1, "m", "X", "Y")``."""
+    key = hashlib.sha256(source).hexdigest()
+    if key not in _BINDINGS:
+        found: list[tuple[int, str, str | None, str]] = []
+        for node in ast.walk(_parse(source, path)):
+            if isinstance(node, ast.Import):
+                found.extend((0, a.name if a.asname else a.name.partition(".")[0], None, a.asname or
+                              a.name.partition(".")[0]) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                found.extend((node.level, node.module or "", a.name, a.asname or a.name) for a in node.names
+                             if a.name != "*")
+        if len(_BINDINGS) > 4096:
+            _BINDINGS.clear()
+        _BINDINGS[key] = tuple(found)
+    return _BINDINGS[key]
 
 
 def _parse(source: bytes, path: str) -> ast.Module:
@@ -794,43 +998,112 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
     "__main__":`` block, or at its top level after its first ``pipe.run(...)`` (``pipelines``: the names
     the script's pipelines are bound to; a worker executes the script as a module and stops there).
 
-    Assignments, augmented and annotated ones, ``for`` targets, ``:=``, ``import``/``from`` bindings,
-    ``globals()[...]``/``vars()[...]``, ``setattr(sys.modules[__name__], "X", v)``, and the ``global``
-    names of the script's functions that such code calls."""
+    Assignments, augmented and annotated ones, ``for``, ``with ... as``, ``except ... as`` and ``match``
+    targets, ``:=``, ``del``, ``import``/``from`` bindings, ``globals()[...]``/``vars()[...]``,
+    ``setattr(sys.modules[__name__], "X", v)``, and the ``global`` names of the script's functions that such
+    code reaches (called, or named at all: ``f = bump; f()``, ``map(bump, ...)``, and what those functions
+    reach in turn).  Code that may set any global (``exec``, ``eval``, ``globals().update(...)``,
+    ``setattr`` with a computed name, ...) gives an entry starting with ``<`` naming it and its line
+    (:data:`ANY_GLOBAL_SET`), which stands for every name."""
     tree = _parse(source, path)
-    functions = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    functions: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):  # functions and classes, methods and nested ones too, by name
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            functions.setdefault(node.name, []).append(node)
     names: set[str] = set()
 
-    def assigned(statements: Sequence[ast.stmt]) -> None:
-        called: set[str] = set()
+    def own_namespace(node: ast.AST) -> bool:
+        """``globals()``, ``locals()``, ``vars()``, ``vars(sys.modules[__name__])``."""
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+            node.func.id in ("globals", "vars", "locals") and \
+            (not node.args or "__name__" in ast.unparse(node.args[0]) or "__main__" in ast.unparse(node.args[0]))
+
+    def anything(child: ast.AST) -> str | None:
+        """The construct, when ``child`` may set any global."""
+        if not isinstance(child, ast.Call):
+            return None
+        func = child.func
+        if isinstance(func, ast.Name) and func.id in ("exec", "eval"):
+            return f"{func.id}(...)"
+        if isinstance(func, ast.Name) and func.id == "setattr" and len(child.args) >= 2 and \
+                not (isinstance(child.args[1], ast.Constant) and isinstance(child.args[1].value, str)):
+            return "setattr(...) with a computed name"
+        if isinstance(func, ast.Attribute) and own_namespace(func.value):
+            return f"{ast.unparse(func.value)}.{func.attr}(...)"  # globals().update(...), .setdefault, .pop
+        if isinstance(func, ast.Attribute) and func.attr in ("update", "setdefault", "__setitem__") and \
+                isinstance(func.value, ast.Attribute) and func.value.attr == "__dict__":
+            return f"....__dict__.{func.attr}(...)"
+        return None
+
+    def assigned(statements: Sequence[ast.AST]) -> None:
+        referenced: set[str] = set()
         for node in statements:
             for child in ast.walk(node):
-                targets: list[ast.expr] = []
+                targets: list[ast.AST] = []
                 if isinstance(child, ast.Assign):
                     targets = list(child.targets)
-                elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For, ast.NamedExpr)):
+                elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.NamedExpr)):
                     targets = [child.target]
+                elif isinstance(child, ast.Delete):
+                    targets = list(child.targets)
+                elif isinstance(child, ast.withitem) and child.optional_vars is not None:
+                    targets = [child.optional_vars]
+                elif isinstance(child, ast.ExceptHandler) and child.name or isinstance(child, (ast.MatchAs, ast.MatchStar)) and child.name:
+                    names.add(child.name)
+                elif isinstance(child, ast.MatchMapping) and child.rest:
+                    names.add(child.rest)
                 elif isinstance(child, (ast.Import, ast.ImportFrom)):
                     names.update((alias.asname or alias.name).partition(".")[0] for alias in child.names)
-                elif isinstance(child, ast.Call):
-                    func = child.func
-                    if isinstance(func, ast.Name):
-                        called.add(func.id)
-                        if func.id == "setattr" and len(child.args) >= 2 and \
-                                isinstance(child.args[1], ast.Constant) and isinstance(child.args[1].value, str):
-                            names.add(child.args[1].value)  # setattr(sys.modules[__name__], "X", v)
+                elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load):
+                    referenced.add(child.id)  # called, or handed on to be called
+                elif isinstance(child, ast.Constant) and isinstance(child.value, str):
+                    referenced.add(child.value)  # getattr(sys.modules[__name__], "bump")()
+                construct = anything(child)
+                if construct is not None:
+                    names.add(f"<{construct} at line {getattr(child, 'lineno', '?')}>")
+                if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "setattr" \
+                        and len(child.args) >= 2 and isinstance(child.args[1], ast.Constant) and \
+                        isinstance(child.args[1].value, str):
+                    names.add(child.args[1].value)  # setattr(sys.modules[__name__], "X", v)
+                    chain = _names(child.args[0])
+                    if chain is not None:
+                        names.add(".".join((*chain, child.args[1].value)))  # setattr(consts, "K", v)
+                if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
+                    chain = _names(child.func.value)
+                    if chain is not None and len(chain) > 1:
+                        names.add(".".join(chain))  # consts.ITEMS.append(v): consts.ITEMS changed in place
+                    chain = _names(child.func)
+                    if chain is not None:
+                        names.add(".".join(chain))  # consts.configure(v): the globals configure assigns
                 for target in targets:
                     for leaf in ast.walk(target):
                         if isinstance(leaf, ast.Name):
                             names.add(leaf.id)
-                        elif isinstance(leaf, ast.Subscript) and isinstance(leaf.value, ast.Call) and \
-                                isinstance(leaf.value.func, ast.Name) and leaf.value.func.id in ("globals", "vars") \
-                                and isinstance(leaf.slice, ast.Constant) and isinstance(leaf.slice.value, str):
-                            names.add(leaf.slice.value)  # globals()["X"] = v
-        for name in called & set(functions):  # bump() with ``global SCALE`` inside
-            for child in ast.walk(functions[name]):
-                if isinstance(child, ast.Global):
-                    names.update(child.names)
+                        elif isinstance(leaf, ast.Attribute) and (chain := _names(leaf)) is not None:
+                            names.add(".".join(chain))  # consts.K = v, consts.CFG["k"] = v, fit.alpha = v
+                        elif isinstance(leaf, ast.Subscript) and own_namespace(leaf.value):
+                            if isinstance(leaf.slice, ast.Constant) and isinstance(leaf.slice.value, str):
+                                names.add(leaf.slice.value)  # globals()["X"] = v
+                            else:
+                                names.add(f"<{ast.unparse(leaf)} = ... at line {leaf.lineno}>")
+        reached: set[str] = set()
+        todo = [n for n in referenced if n in functions]
+        while todo:  # bump() with ``global SCALE`` inside, and what bump reaches in turn
+            name = todo.pop()
+            if name in reached:
+                continue
+            reached.add(name)
+            for definition in functions[name]:
+                for child in ast.walk(definition):
+                    if isinstance(child, ast.Global):
+                        names.update(child.names)
+                    elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load) and child.id in functions:
+                        todo.append(child.id)
+                    elif isinstance(child, ast.Attribute) and child.attr in functions:
+                        todo.append(child.attr)  # a method: self.setup()
+                    construct = anything(child)
+                    if construct is not None:
+                        names.add(f"<{construct} at line {getattr(child, 'lineno', '?')}, in {name}>")
 
     def is_main_guard(node: ast.stmt) -> bool:
         return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test)
@@ -849,6 +1122,42 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
             after = True
             assigned([node])
     return frozenset(names)
+
+
+def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> frozenset[str]:
+    """The code fingerprint components (:func:`code_fingerprint`'s names) that the names of
+    :func:`values_set_after_declaring` set, resolved in the script's ``namespace``: ``SCALE`` itself,
+    ``consts.K`` as ``mylib.consts.K`` (the module's own name), ``Model.SCALE`` as ``mylib.model.Model.SCALE``,
+    ``fit.alpha`` on the script's own function as ``fit()``, on its own class as ``class Model``, and
+    ``consts.configure`` (called) as the globals of ``consts`` that ``configure`` assigns."""
+    home = namespace.get("__name__")
+    found: set[str] = set()
+    for name in names:
+        if name.startswith(ANY_GLOBAL_SET):
+            continue
+        head, _, rest = name.partition(".")
+        found.add(head if not rest else name)
+        obj = namespace.get(head, _ABSENT)
+        if not rest or obj is _ABSENT:
+            continue
+        target = obj
+        for part in rest.split("."):  # a module's function the block calls: the globals it assigns
+            target = vars(target).get(part, _ABSENT) if isinstance(target, (types.ModuleType, type)) else _ABSENT
+        if isinstance(target, types.FunctionType) and target.__globals__.get("__name__") != home:
+            found.update(f"{target.__globals__.get('__name__')}.{g}" for g in _global_stores(target.__code__))
+        if isinstance(obj, types.ModuleType):
+            found.add(f"{obj.__name__}.{rest}")
+        elif isinstance(obj, (type, types.FunctionType)) and obj.__module__ != home:
+            found.add(f"{obj.__module__}.{obj.__qualname__}.{rest}")
+        elif isinstance(obj, types.FunctionType):
+            found.add(f"{head}()")
+        elif isinstance(obj, type):
+            found.add(f"class {head}")
+    return frozenset(found)
+
+
+ANY_GLOBAL_SET = "<"
+"""The first character of an entry of :func:`values_set_after_declaring` that stands for every name."""
 
 
 def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str,
@@ -929,6 +1238,30 @@ def _wrapped(obj: Any) -> Callable[..., Any] | None:
     return found
 
 
+def _data_text(obj: Any) -> str | None:
+    """An Arrow table, batch or array, a polars frame or series, or a torch tensor by its content (Arrow's
+    IPC bytes; a tensor's dtype, shape and bytes); None for another type of those packages."""
+    import pyarrow as pa
+
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if type(obj).__module__.startswith("polars") and callable(getattr(obj, "to_arrow", None)):
+        obj = obj.to_arrow()
+    if isinstance(obj, (pa.Array, pa.ChunkedArray)):
+        obj = pa.table({"": obj})
+    if isinstance(obj, (pa.Table, pa.RecordBatch)):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, obj.schema) as writer:
+            writer.write(obj)
+        return f"{kind} {_sha(sink.getvalue().to_pybytes())}"
+    if type(obj).__module__.startswith("torch"):
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_quantized:
+            data = obj.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            return f"{kind} {obj.dtype} {tuple(obj.shape)} grad={obj.requires_grad} {_sha(data)}"
+    return None
+
+
 def _instance_state(obj: Any) -> dict[str, Any] | None:
     """An instance's fields: its ``__dict__`` and its ``__slots__`` (set ones), read without running user code."""
     state: dict[str, Any] = {}
@@ -985,6 +1318,41 @@ def code_fingerprint(func: Callable[..., Any], *, roots: Sequence[str | Path] | 
     """
     chosen = [str(r) for r in roots] if roots is not None else _default_roots(func)
     return _Walker(func, chosen).run()
+
+
+def uncacheable(code: Mapping[str, str]) -> str | None:
+    """Why a stage with this code fingerprint must not be served from the cache nor stored in it, or None:
+    it reads a value hetflow cannot digest faithfully (a type it does not know whose ``repr`` is shortened,
+    so a change in what the text leaves out would not change the key)."""
+    found = [f"{key[len(UNCACHEABLE):]} {text}" for key, text in sorted(code.items()) if key.startswith(UNCACHEABLE)]
+    if not found:
+        return None
+    return (f"not cached: {'; '.join(found)} (hetflow cannot digest it, so a change inside it would not change "
+            "the key): the stage runs every time; to cache it, let it read that data from a file declared in files=")
+
+
+def sources_changed(code: Mapping[str, str]) -> list[str]:
+    """The files of the local modules in a code fingerprint whose content is no longer what it hashed (a
+    module edited since), sorted; reads only those files (no walk), so it is cheap enough for every stage's
+    end.  External packages (counted by version) are not read."""
+    changed = []
+    for key, digest in code.items():
+        if not key.startswith("module ") or len(digest) != 64:  # a version, "<no file>"
+            continue
+        name = key[len("module "):]
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if not isinstance(path, str):
+            found = _locate(name)
+            path = found.origin if found is not None and found.has_location else None
+        if not isinstance(path, str):
+            continue
+        try:
+            now = _sha(Path(path).read_bytes())
+        except OSError:
+            now = "<missing>"
+        if now != digest:
+            changed.append(path)
+    return sorted(changed)
 
 
 def describe_change(old: Mapping[str, str], new: Mapping[str, str]) -> str:

@@ -56,7 +56,14 @@ from sqlalchemy import select
 from . import __version__, cache
 from .declaration import StageSpec
 from .errors import HetflowError, PipelineError, interruption
-from .fingerprint import resolve_files
+from .fingerprint import (
+    ANY_GLOBAL_SET,
+    UNCACHEABLE,
+    late_components,
+    resolve_files,
+    sources_changed,
+    uncacheable,
+)
 from .plan import (
     Abandon,
     AttemptEnded,
@@ -534,7 +541,17 @@ class Orchestrator:
                                                                          pipelines)
             except OSError:
                 self.late_values[spec.path] = frozenset()
-        late = sorted(name for name in code if name in self.late_values[spec.path])
+        setting = late_components(self.late_values[spec.path], getattr(spec.func, "__globals__", {}))
+        late = sorted(name for name in code if name in setting)
+        anything = sorted(n[1:-1] for n in self.late_values[spec.path] if n.startswith(ANY_GLOBAL_SET))
+        own = {f"{getattr(spec.func, '__qualname__', '')}()", "stage"}
+        read = sorted(k for k in code if k not in own and _script_global(k))
+        if anything and read:  # exec(...), globals().update(...): any global may be set there
+            raise ValueError(f"it reads {', '.join(read)} from the script, whose `if __name__ == \"__main__\":` "
+                             f"block or code after its first pipe.run() may set any global ({'; '.join(anything)}), "
+                             "where the stage's ranks never execute it (they would compute with the values set at "
+                             "the top while the cache key holds others); set values at the script's top, or give "
+                             "them to the stage as parameters")
         if late:
             raise ValueError(f"it reads {', '.join(late)}, which the script sets in its `if __name__ == "
                              "\"__main__\":` block or after its first pipe.run(), where the stage's ranks never "
@@ -547,6 +564,13 @@ class Orchestrator:
             material = self.material[spec.name] = self._material(spec)
         except ValueError as exc:  # a declared file that is not there
             return CacheChecked(spec.name, False, "", error=f"stage {spec.name!r}: {exc}")
+        refused = uncacheable(material.code)
+        if refused is not None:  # never served from the cache, and (see _record_attempt) never stored in it
+            log.warning("stage %s: %s", spec.name, refused)
+            with self.store.session() as session:
+                record = self._stage_record(session, spec.name)
+                record.cache_reason, record.cache_hit = refused, False
+            return CacheChecked(spec.name, False, refused)
         key, params = material.key(), self.stage_params(spec)
         # shared with other look-ups, exclusive of rm/gc: the hit is verified and its reuse recorded (and
         # committed, inside a batch too) before any removal can read what kept runs use (Store.datasets_lock)
@@ -775,6 +799,8 @@ class Orchestrator:
         spec = self.stages[live.stage]
         ranks = AttemptFiles(live.attempt_dir).read_results(len(live.slots))
         failure = self._failure(spec, live, outcome, ranks)
+        if failure is None:
+            failure = self._changed_while_running(spec)
         committed: dict[str, ds.Manifest] = {}
         if failure is None:
             try:
@@ -787,6 +813,36 @@ class Orchestrator:
         # its slots are released once its end is recorded, together with what that end made ready
         self._feed(AttemptEnded(live.task, "DONE" if failure is None else failure.state,
                                 None if failure is None else failure.message), finished=text)
+
+    def _changed_while_running(self, spec: StageSpec) -> Failure | None:
+        """A stage whose declared files or local modules changed between its key and its end fails: its result
+        may come from the old content, the new, or both (a file read while it was rewritten), so it is neither
+        committed nor stored under a key; a retry (if it has retries) is keyed by what is there now."""
+        material = self.material.get(spec.name)
+        code = self.code.get(spec.name)
+        looked = self.looked.get(spec.name)
+        if material is None or code is None or looked is None:
+            return None
+        base = Path(spec.path).parent if spec.path else Path.cwd()
+        changed: list[str] = []
+        if spec.files and _file_stats(spec.files, base) != looked[1]:  # touched: its content decides
+            from .fingerprint import file_fingerprint
+
+            try:
+                now = file_fingerprint(spec.files, base)
+            except ValueError as exc:
+                changed.append(str(exc))
+            else:
+                changed += [f"declared file {k}" for k in sorted(now.keys() | material.files.keys())
+                            if now.get(k) != material.files.get(k)]
+        changed += [f"local module {path}" for path in sources_changed(code)]
+        if not changed:
+            return None
+        self.code.pop(spec.name, None)  # a retry is keyed by what is there when it is queued (_record_task)
+        self.material.pop(spec.name, None)
+        return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed while the stage ran; its result "
+                       "may come from the earlier content, so it was not committed: run the script again (or "
+                       "resume the run) to compute it from what is there now")
 
     def _lose_nodes(self, lost: Mapping[str, str]) -> None:
         """Nodes the backend found lost: recorded once each, and out of the scheduler's placement."""
@@ -832,8 +888,8 @@ class Orchestrator:
             material = self.material.get(live.stage)
             if failure is None and material is not None:  # the key goes onto outputs produced under it only
                 record = self._stage_record(session, live.stage)
-                record.cache_key, record.cache_material = material.key(), material.to_json()
-                record.params_read = _params_read(ranks)
+                record.cache_key = material.key() if uncacheable(material.code) is None else None
+                record.cache_material, record.params_read = material.to_json(), _params_read(ranks)
             self.store.event(session, self.run_id, "task", str(live.task), state,
                              returncode=outcome.returncode, signal=None if failure is None else failure.signal,
                              error=None if failure is None else failure.message)
@@ -912,6 +968,13 @@ def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int
             continue
         stats[str(path)] = (info.st_size, info.st_mtime_ns)
     return stats
+
+
+def _script_global(component: str) -> bool:
+    """Whether a code fingerprint's component is a global of the stage's own script (``SCALE``, ``helper()``,
+    ``class Model``), not a module's (``mylib.K``, ``module mylib``)."""
+    name = component.removeprefix("class ").removesuffix("()")
+    return name.isidentifier() and not component.startswith(("module ", UNCACHEABLE))
 
 
 def _script_digests(stages: Any) -> dict[str, str]:

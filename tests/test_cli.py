@@ -149,3 +149,42 @@ def test_status_never_cuts_a_stage_name_so_sweep_members_stay_apart(tmp_path: Pa
                                     "train_member_of_the_learning_rate_sweep_with_lr_0_003"]
     rows = [line for line in table.splitlines() if line.startswith("│")]
     assert rows and all(line.endswith("│") and len(line) <= int(columns) for line in rows)   # no column cropped
+    import re
+
+    started = [cells[3] for line in rows if (cells := [c.strip() for c in line.strip("│").split("│")])[3]]
+    # the start time is never split inside its date or its time (it was: "2026-11-27T13" / ":18:44.211+00" / ":00")
+    assert started and all(re.fullmatch(r"\d{4}-\d\d-\d\d( \d\d:\d\d:\d\d)?|\d\d:\d\d:\d\d", c) for c in started), started
+
+
+FAILS_ONCE = '''
+import os
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("fails-once")
+
+
+@pipe.stage(outputs=["a"])
+def flaky(ctx):
+    if os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fail")):
+        raise RuntimeError("asked to fail")
+    return {"a": pa.table({"v": [1]})}
+'''
+
+
+def test_the_summary_of_a_resume_counts_the_time_of_this_session_only(tmp_path: Path) -> None:
+    """issue 25 (low): the resume's summary counted from the run's first session, the hours between included."""
+    import re
+    import time
+
+    (tmp_path / "p.py").write_text(FAILS_ONCE)
+    (tmp_path / "fail").touch()
+    failed = hetflow("run", "p.py", "--workdir", "w", "--no-progress", cwd=tmp_path)
+    assert failed.returncode != 0 and "FAILED" in failed.stdout, failed.stdout + failed.stderr
+    run_id = re.search(r"^run (\S+): FAILED", failed.stdout, re.M).group(1)  # type: ignore[union-attr]
+    (tmp_path / "fail").unlink()
+    time.sleep(10)  # between the sessions: not this session's time
+    resumed = hetflow("resume", run_id, "--workdir", "w", "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    took = re.search(rf"^run {run_id}: DONE in ([\d.]+)s \(this session\)", resumed.stdout, re.M)
+    assert took is not None and float(took.group(1)) < 10, resumed.stdout

@@ -293,3 +293,74 @@ def test_a_missing_file_or_a_directory_is_refused_naming_the_pattern(tmp_path: P
         file_fingerprint(["data/missing.csv"], tmp_path)
     with pytest.raises(ValueError, match=r"declared file 'data' is a directory .* glob such as 'data/\*\*/\*'"):
         resolve_files(["data"], tmp_path)
+
+
+LONG_PATTERN = '''
+import re
+
+PATTERN = re.compile("x" * 300 + "A")
+
+
+def stage(ctx):
+    return PATTERN.match(ctx)
+'''
+
+
+def test_a_compiled_pattern_counts_by_its_whole_pattern(tmp_path: Path) -> None:
+    """``re.Pattern``'s repr is cut at 200 characters: a change after them was not seen."""
+    fp = fingerprint(tmp_path / "a", LONG_PATTERN, "stage")
+    changed = fingerprint(tmp_path / "b", edit(LONG_PATTERN, '"A"', '"B"'), "stage")
+    assert describe_change(fp, changed) == "PATTERN changed"
+
+
+COMPUTED = '''
+import consts
+
+
+def stage(ctx, which):
+    return FORM
+'''
+
+
+@pytest.mark.parametrize("form, counts", [('getattr(consts, "K" + which)', True), ("vars(consts)[which]", True),
+                                          ("consts.__dict__[which]", True), ('getattr(consts, "KA")', False),
+                                          ('getattr(consts, "KA", None)', False), ("consts.KA", False)])
+def test_a_name_built_at_run_time_counts_every_value_of_the_module(tmp_path: Path, form: str, counts: bool) -> None:
+    """``consts.KB``'s value counts when the stage may read any name of ``consts``, not when it names KA only."""
+    fp = fingerprint(tmp_path / "a", COMPUTED.replace("FORM", form), "stage", consts="KA = 1\nKB = 2\n")
+    assert ("consts.KB" in fp) is counts, fp
+
+
+TENSORS = '''
+import random
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+RNG = np.random.default_rng(0)
+PY_RNG = random.Random(0)
+torch.manual_seed(0)
+WEIGHTS = torch.tensor([0.123456])
+LAYER = torch.nn.Linear(2, 2)
+LOOKUP = pa.table({"v": list(range(2000))})
+
+
+def stage(ctx):
+    return LAYER(WEIGHTS) + LOOKUP.num_rows + RNG.random() + PY_RNG.random()
+'''
+
+
+@pytest.mark.parametrize("old, new, changed", [("[0.123456]", "[0.123457]", "WEIGHTS changed"),
+                                               ("manual_seed(0)", "manual_seed(1)", "LAYER changed"),
+                                               ("range(2000)", "range(1, 2001)", "LOOKUP changed"),
+                                               ("default_rng(0)", "default_rng(1)", "RNG changed"),
+                                               ("Random(0)", "Random(1)", "PY_RNG changed")])
+def test_tensors_models_tables_and_generators_count_by_their_content(tmp_path: Path, old: str, new: str,
+                                                                  changed: str) -> None:
+    """A tensor's repr rounds to four decimals, a module's shows no weights, a large table's elides rows, a
+    seeded generator's is an address."""
+    pytest.importorskip("torch")
+    fp = fingerprint(tmp_path / "a", TENSORS, "stage")
+    assert not any(k.startswith("uncacheable ") for k in fp), fp
+    assert describe_change(fp, fingerprint(tmp_path / "b", edit(TENSORS, old, new), "stage")) == changed
