@@ -1,0 +1,263 @@
+"""Pipelines declared without a script file (issue 30): code piped to ``python -``, ``python -c``, a notebook.
+
+Their stage functions have no file a worker could execute, so they are shipped by value
+(:mod:`hetflow.tasks.shipping`); a worker unpickles only a file that no other user could write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetflow.operators.dataset import Dataset
+from hetflow.tasks.protocol import AttemptFiles, RankResult, RankSlot, StageFunction, WorkerSpec
+
+PIPELINE = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("typed")
+
+OFFSET = 100
+
+
+def helper():
+    return HELPER_VALUE
+
+
+@pipe.stage(ranks=2, outputs=["events"])
+def generate(ctx):
+    return {"events": pa.table({"value": [helper() + ctx.rank]})}
+
+
+@pipe.stage(inputs=["events"], outputs=["total"])
+def total(ctx, events):
+    return {"total": pa.table({"value": [sum(events["value"].to_pylist()) + OFFSET]})}
+
+
+run = pipe.run(workdir=WORKDIR)
+for stage in run.stages:
+    print("STAGE", stage.name, stage.state, stage.cache_reason)
+print("STATE", run.state)
+'''
+
+
+def _pipeline(tmp_path: Path, helper_value: int) -> str:
+    return (PIPELINE.replace("WORKDIR", repr(str(tmp_path / "w")))
+            .replace("HELPER_VALUE", str(helper_value)))
+
+
+def _run(argv: list[str], tmp_path: Path, stdin: str | None = None) -> dict[str, tuple[str, str]]:
+    done = subprocess.run(argv, input=stdin, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "STATE DONE" in done.stdout, done.stdout + done.stderr
+    return {m[1]: (m[2], m[3]) for m in re.finditer(r"^STAGE (\S+) (\S+) (.*)$", done.stdout, re.M)}
+
+
+def _total(tmp_path: Path, run_dir: str = "*") -> list[int]:
+    newest = max((tmp_path / "w" / "runs").glob(f"{run_dir}/datasets/total"), key=os.path.getmtime)
+    return Dataset(newest).to_table()["value"].to_pylist()
+
+
+def test_a_pipeline_piped_to_python_runs_caches_and_reruns_what_an_edited_helper_changes(tmp_path: Path) -> None:
+    stages = _run([sys.executable, "-"], tmp_path, stdin=_pipeline(tmp_path, 1))
+    assert stages == {"generate": ("DONE", "no earlier execution"), "total": ("DONE", "no earlier execution")}
+    assert _total(tmp_path) == [1 + 2 + 100]  # ranks 0 and 1 of generate, then the total
+    shipped = sorted((tmp_path / "w" / "runs").glob("*/stages/*/attempt-1/" + AttemptFiles.FUNCTION))
+    assert [p.parent.parent.name for p in shipped] == ["generate", "total"]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in shipped)
+
+    again = _run([sys.executable, "-"], tmp_path, stdin=_pipeline(tmp_path, 1))
+    assert {name: state for name, (state, _) in again.items()} == {"generate": "CACHED", "total": "CACHED"}
+
+    edited = _run([sys.executable, "-"], tmp_path, stdin=_pipeline(tmp_path, 10))
+    assert edited["generate"] == ("DONE", "code of helper() changed")
+    assert edited["total"][0] == "DONE"  # its input changed
+    assert _total(tmp_path) == [10 + 11 + 100]
+
+
+def test_a_pipeline_given_with_python_c_runs(tmp_path: Path) -> None:
+    stages = _run([sys.executable, "-c", _pipeline(tmp_path, 5)], tmp_path)
+    assert {name: state for name, (state, _) in stages.items()} == {"generate": "DONE", "total": "DONE"}
+    assert _total(tmp_path) == [5 + 6 + 100]
+
+
+def test_a_value_of_the_session_the_stage_reads_is_in_its_key(tmp_path: Path) -> None:
+    _run([sys.executable, "-"], tmp_path, stdin=_pipeline(tmp_path, 1))
+    changed = _run([sys.executable, "-"], tmp_path, stdin=_pipeline(tmp_path, 1).replace("OFFSET = 100", "OFFSET = 7"))
+    assert changed["generate"][0] == "CACHED"
+    assert changed["total"] == ("DONE", "OFFSET changed")
+    assert _total(tmp_path) == [1 + 2 + 7]
+
+
+REDEFINED = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("cells")
+
+@pipe.stage(outputs=["total"])
+def total(ctx):
+    return {"total": pa.table({"value": [1]})}
+
+# a later cell: the same stage, edited
+@pipe.stage(outputs=["total"])
+def total(ctx):
+    return {"total": pa.table({"value": [2]})}
+
+run = pipe.run(workdir=WORKDIR)
+print("STATE", run.state, list(pipe.stages))
+'''
+
+
+def test_redefining_a_stage_without_a_script_file_replaces_it(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-"], input=REDEFINED.replace("WORKDIR", repr(str(tmp_path / "w"))),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "STATE DONE ['total']" in done.stdout, done.stdout + done.stderr
+    assert _total(tmp_path) == [2]
+
+
+def test_redefining_a_stage_in_a_script_is_still_an_error(tmp_path: Path) -> None:
+    script = tmp_path / "twice.py"
+    script.write_text(REDEFINED.replace("WORKDIR", repr(str(tmp_path / "w"))))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "stage 'total': a stage with this name is already declared" in done.stderr, done.stderr
+
+
+UNPICKLABLE = '''
+import threading
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("locked")
+LOCK = threading.Lock()
+
+@pipe.stage(outputs=["out"])
+def guarded(ctx):
+    with LOCK:
+        return {"out": pa.table({"value": [1]})}
+
+try:
+    pipe.run(workdir=WORKDIR)
+except hf.HetflowError as exc:
+    print("ERROR", type(exc).__name__, exc)
+'''
+
+
+def test_a_stage_that_cannot_be_pickled_is_refused_naming_it(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-"], input=UNPICKLABLE.replace("WORKDIR", repr(str(tmp_path / "w"))),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "ERROR ShippingFailed stage 'guarded' is declared without a script file" in done.stdout, \
+        done.stdout + done.stderr
+    assert "cannot pickle '_thread.lock' object" in done.stdout
+
+
+# ------------------------------------------------------------------ what a worker unpickles
+def _attempt(tmp_path: Path, mode: int = 0o600, owner: int | None = None) -> AttemptFiles:
+    """An attempt of a stage shipped by value, its function file written with ``mode`` (and ``owner``)."""
+    import cloudpickle
+
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec("def marker(ctx):\n    open('ran', 'w').close()\n", namespace)  # a function of __main__: by value
+    files = AttemptFiles(tmp_path / "attempt")
+    files.directory.mkdir(mode=0o700)
+    files.function.write_bytes(cloudpickle.dumps(namespace["marker"]))
+    os.chmod(files.function, mode)
+    if owner is not None:
+        os.chown(files.function, owner, -1)
+    WorkerSpec(run_id="r", stage="marker", attempt=1, function=StageFunction(module="__main__", name="marker"),
+               attempt_dir=files.directory, checkpoint_dir=tmp_path / "checkpoints", slots=(RankSlot(0, (0,)),),
+               nodes=("localhost",)).write(files.spec)
+    return files
+
+
+def _worker(files: AttemptFiles) -> RankResult:
+    subprocess.run([sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)], cwd=files.directory,
+                   capture_output=True, text=True, timeout=120)
+    return RankResult.from_json(json.loads(files.rank_result(0).read_text()))
+
+
+def test_a_worker_runs_a_function_file_only_its_user_can_write(tmp_path: Path) -> None:
+    files = _attempt(tmp_path)
+    result = _worker(files)
+    assert result.status == "ok", result.error
+    assert (files.directory / "ran").exists()
+
+
+def test_a_worker_refuses_a_function_file_group_or_others_can_write(tmp_path: Path) -> None:
+    files = _attempt(tmp_path, mode=0o662)
+    result = _worker(files)
+    assert result.status == "error" and result.error is not None
+    assert result.error.type == "UnsafeShippedFunction"
+    assert result.error.message == (
+        f"stage 'marker': refusing to unpickle its shipped function: file {files.function}: its mode 0662 lets "
+        "group or others write it (expected a file owned by this user that group and others cannot write)")
+    assert not (files.directory / "ran").exists()
+
+
+def test_a_worker_refuses_a_function_file_in_a_directory_others_can_write(tmp_path: Path) -> None:
+    files = _attempt(tmp_path)
+    os.chmod(files.directory, 0o777)
+    result = _worker(files)
+    assert result.status == "error" and result.error is not None
+    assert result.error.type == "UnsafeShippedFunction"
+    assert f"directory {files.directory}: its mode 0777 lets group or others write it" in result.error.message
+    assert not (files.directory / "ran").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_worker_refuses_a_function_file_another_user_owns(tmp_path: Path) -> None:
+    files = _attempt(tmp_path, owner=65534)
+    result = _worker(files)
+    assert result.status == "error" and result.error is not None
+    assert f"file {files.function}: it is owned by uid 65534, not by this user (uid 0)" in result.error.message
+    assert not (files.directory / "ran").exists()
+
+
+def test_a_worker_refuses_a_symlinked_function_file(tmp_path: Path) -> None:
+    files = _attempt(tmp_path)
+    real = files.directory / "elsewhere.pickle"
+    files.function.rename(real)
+    files.function.symlink_to(real)
+    result = _worker(files)
+    assert result.status == "error" and result.error is not None
+    assert "it is a symbolic link" in result.error.message
+    assert not (files.directory / "ran").exists()
+
+
+LOCAL_MODULE = '''
+import pyarrow as pa
+import hetflow as hf
+import mylocal
+
+pipe = hf.Pipeline("local")
+
+@pipe.stage(outputs=["total"])
+def total(ctx):
+    return {"total": pa.table({"value": [mylocal.value()]})}
+
+run = pipe.run(workdir=WORKDIR)
+for stage in run.stages:
+    print("STAGE", stage.name, stage.state, stage.cache_reason)
+print("STATE", run.state)
+'''
+
+
+def test_a_module_beside_the_session_is_imported_by_the_worker_and_counts_in_the_key(tmp_path: Path) -> None:
+    """Its function is pickled by reference: the worker imports it from the session's directory."""
+    (tmp_path / "mylocal.py").write_text("def value():\n    return 1\n")
+    script = LOCAL_MODULE.replace("WORKDIR", repr(str(tmp_path / "w")))
+    assert _run([sys.executable, "-"], tmp_path, stdin=script)["total"][0] == "DONE"
+    assert _total(tmp_path) == [1]
+    assert _run([sys.executable, "-"], tmp_path, stdin=script)["total"][0] == "CACHED"
+    (tmp_path / "mylocal.py").write_text("def value():\n    return 2\n")
+    assert _run([sys.executable, "-"], tmp_path, stdin=script)["total"] == ("DONE", "module mylocal changed")
+    assert _total(tmp_path) == [2]
