@@ -261,3 +261,56 @@ def test_a_module_beside_the_session_is_imported_by_the_worker_and_counts_in_the
     (tmp_path / "mylocal.py").write_text("def value():\n    return 2\n")
     assert _run([sys.executable, "-"], tmp_path, stdin=script)["total"] == ("DONE", "module mylocal changed")
     assert _total(tmp_path) == [2]
+
+
+# ------------------------------------------------------------------ the example notebook, in a real kernel
+NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "notebook" / "pipeline.ipynb"
+
+
+def test_the_example_notebook_runs_reruns_what_an_edited_cell_changes_and_replaces_a_redefined_stage(
+        tmp_path: Path) -> None:
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = ["".join(o["text"] for o in cell.get("outputs", []) if o.get("name") == "stdout")
+               for cell in notebook.cells if cell.cell_type == "code"]
+    runs = [re.sub(r"since run \S+\)", "since run ...)", text) for text in printed if "total:" in text]
+    assert runs == [
+        "generate: DONE (no earlier execution)\ngrid: DONE (no earlier execution)\n"
+        "combine: DONE (no earlier execution)\ntotal: 216\n",
+        "generate: DONE (code of calibrate() changed)\ngrid: CACHED (unchanged since run ...)\n"
+        "combine: DONE (input events changed)\ntotal: 234\n",
+        "generate: CACHED (unchanged since run ...)\ngrid: CACHED (unchanged since run ...)\n"
+        "combine: DONE (code of combine() changed)\ntotal: 25\n",
+    ]
+
+
+def _execute(cells: list[str], where: Path) -> list[str]:
+    """Execute ``cells`` as a notebook in a real kernel started in ``where``; what each printed."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(where)}}).execute()
+    return ["".join(o["text"] for o in cell.get("outputs", []) if o.get("name") == "stdout") for cell in notebook.cells]
+
+
+def test_a_module_beside_a_notebook_counts_in_the_key_of_a_stage_declared_in_a_cell(tmp_path: Path) -> None:
+    """A cell's code has a file name like /tmp/ipykernel_*/*.py: the notebook's own directory is user code."""
+    (tmp_path / "mylocal.py").write_text("def value():\n    return 1\n")
+    run = ("run = pipe.run(workdir='w')\n"
+           "print(run.stages[0].state, run.stages[0].cache_reason, "
+           "hf.open_dataset(run.datasets['total']).to_table()['value'].to_pylist())")
+    printed = _execute([
+        "import importlib, pyarrow as pa, hetflow as hf, mylocal\npipe = hf.Pipeline('local')\n"
+        "@pipe.stage(outputs=['total'])\ndef total(ctx):\n    return {'total': pa.table({'value': [mylocal.value()]})}",
+        run,
+        run,
+        "open('mylocal.py', 'w').write('def value():\\n    return 2\\n')\nimportlib.reload(mylocal)\n" + run,
+    ], tmp_path)
+    assert printed[1] == "DONE no earlier execution [1]\n"
+    assert printed[2].startswith("CACHED unchanged since run ")
+    assert printed[3] == "DONE module mylocal changed [2]\n"
