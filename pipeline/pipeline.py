@@ -355,7 +355,7 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop(interruption(interrupt), "INTERRUPTED")
             _report_uncaught()
-            raise RunInterrupted(the_id, given) from None
+            raise RunInterrupted(the_id, given, script=orchestrator.script is not None) from None
         except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
             from .orchestrator import where
 
@@ -366,7 +366,7 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop(reason, "FAILED")
             _report_uncaught()
-            raise RunAborted(the_id, reason, given) from exc
+            raise RunAborted(the_id, reason, given, script=orchestrator.script is not None) from exc
         status = run_status(store, the_id)
         store.close()
         made.append(status)
