@@ -24,8 +24,9 @@ import inspect
 import os
 import stat
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from .errors import ShippingFailed, UnsafeShippedFunction
 
@@ -58,12 +59,13 @@ def dumps(stage: str, func: Callable[..., Any]) -> bytes:
     import cloudpickle
 
     try:
-        return cloudpickle.dumps(func)
+        data: bytes = cloudpickle.dumps(func)
     except Exception as exc:  # noqa: BLE001 - whatever a reached value's __reduce__ raises
         raise ShippingFailed(f"stage {stage!r} is declared without a script file, so it is shipped to its "
                              f"workers pickled, and it cannot be pickled ({type(exc).__name__}: {exc}); keep what "
                              "it reaches picklable (open files, locks and connections are not), or define it in "
                              "a script or module") from None
+    return data
 
 
 def pickled(stages: Iterable[Any]) -> dict[str, bytes]:

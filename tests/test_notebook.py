@@ -54,10 +54,10 @@ def _pipeline(tmp_path: Path, helper_value: int) -> str:
 
 
 def _run(argv: list[str], tmp_path: Path, stdin: str | None = None) -> dict[str, tuple[str, str]]:
-    done = subprocess.run(argv, input=stdin, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(argv, input=stdin, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "STATE DONE" in done.stdout, done.stdout + done.stderr
-    return {m[1]: (m[2], m[3]) for m in re.finditer(r"^STAGE (\S+) (\S+) (.*)$", done.stdout, re.M)}
+    return {m[1]: (m[2], m[3]) for m in re.finditer(r"^STAGE (\S+) (\S+) (.*)$", done.stdout, re.MULTILINE)}
 
 
 def _total(tmp_path: Path, run_dir: str = "*") -> list[int]:
@@ -127,7 +127,8 @@ def test_redefining_a_stage_without_a_script_file_replaces_it(tmp_path: Path) ->
 def test_redefining_a_stage_in_a_script_is_still_an_error(tmp_path: Path) -> None:
     script = tmp_path / "twice.py"
     script.write_text(REDEFINED.replace("WORKDIR", repr(str(tmp_path / "w"))))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert done.returncode != 0
     assert "stage 'total': a stage with this name is already declared" in done.stderr, done.stderr
 
@@ -314,3 +315,66 @@ def test_a_module_beside_a_notebook_counts_in_the_key_of_a_stage_declared_in_a_c
     assert printed[1] == "DONE no earlier execution [1]\n"
     assert printed[2].startswith("CACHED unchanged since run ")
     assert printed[3] == "DONE module mylocal changed [2]\n"
+
+
+SLOW = '''
+import os, time, pyarrow as pa, hetflow as hf
+pipe = hf.Pipeline("slow")
+
+@pipe.stage(outputs=["a"])
+def first(ctx):
+    return {"a": pa.table({"value": [1]})}
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def second(ctx, a):
+    if not os.environ.get("QUICK"):
+        open(STARTED, "w").close()
+        time.sleep(600)
+    return {"b": pa.table({"value": [2]})}
+'''
+
+
+def test_the_kernels_interrupt_stops_a_run_as_interrupted_and_it_resumes_from_the_notebook(tmp_path: Path) -> None:
+    import asyncio
+    import threading
+    import time
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    started = tmp_path / "started"
+    cells = [
+        SLOW.replace("STARTED", repr(str(started))),
+        "try:\n    pipe.run(workdir='w')\nexcept KeyboardInterrupt as exc:\n    stopped = exc\n"
+        "    print(type(exc).__name__, exc)",
+        "from pathlib import Path\nfrom hetflow.store import Store\n"
+        "print([run.state for run in Store.for_workdir(Path('w')).runs()])",
+        "os.environ['QUICK'] = '1'\nrun = pipe.run(workdir='w', run_id=stopped.run_id)\n"
+        "print(run.state, [(s.name, s.state, s.attempts) for s in run.stages])",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})
+
+    def interrupt_when_the_stage_runs() -> None:
+        deadline = time.monotonic() + 240
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        asyncio.run(client.km.interrupt_kernel())  # what the notebook's stop button does (an async method)
+
+    with client.setup_kernel():
+        for index, cell in enumerate(notebook.cells):
+            interrupter = threading.Thread(target=interrupt_when_the_stage_runs) if index == 1 else None
+            if interrupter is not None:
+                interrupter.start()
+            client.execute_cell(cell, index)
+            if interrupter is not None:
+                interrupter.join()
+    printed = ["".join(o["text"] for o in cell.get("outputs", []) if o.get("name") == "stdout")
+               for cell in notebook.cells]
+    run_id = re.search(r"run (\S+) interrupted", printed[1])
+    assert run_id is not None, printed
+    assert printed[1] == (f"RunInterrupted run {run_id[1]} interrupted; running tasks were stopped; "
+                          f"resume it with: pipe.run(run_id={run_id[1]!r}) from the same code\n")
+    assert printed[2] == "['INTERRUPTED']\n"
+    assert printed[3] == "DONE [('first', 'DONE', 1), ('second', 'DONE', 2)]\n"
