@@ -378,3 +378,22 @@ def test_the_kernels_interrupt_stops_a_run_as_interrupted_and_it_resumes_from_th
                           f"resume it with: pipe.run(run_id={run_id[1]!r}) from the same code\n")
     assert printed[2] == "['INTERRUPTED']\n"
     assert printed[3] == "DONE [('first', 'DONE', 1), ('second', 'DONE', 2)]\n"
+
+
+OTHER_BACKENDS = {
+    "dask-tcp": 'hf.PilotDescription(name="two", backend="dask", nodes=2, cores_per_node=1, gpus_per_node=0, '
+                'memory_per_node=2**33, options={"dask": {"communicator": "tcp"}})',
+    "parsl": 'hf.PilotDescription(name="one", backend="parsl", nodes=1, cores_per_node=2, gpus_per_node=0, '
+             'memory_per_node=2**33)',
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(OTHER_BACKENDS))
+def test_a_pipeline_piped_to_python_runs_on_another_backend(tmp_path: Path, backend: str) -> None:
+    """The shipped function travels in the attempt directory, which every backend's worker reads
+    (with two Dask workers as nodes, the 2-rank stage spans both)."""
+    script = _pipeline(tmp_path, 5).replace("pipe.run(workdir=", f"pipe.run(pilot={OTHER_BACKENDS[backend]}, workdir=")
+    stages = _run([sys.executable, "-"], tmp_path, stdin=script)
+    assert {name: state for name, (state, _) in stages.items()} == {"generate": "DONE", "total": "DONE"}
+    assert _total(tmp_path) == [5 + 6 + 100]
