@@ -24,6 +24,7 @@ import inspect
 import os
 import stat
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 from .errors import ShippingFailed, UnsafeShippedFunction
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def ships_by_value(func: Callable[..., Any]) -> bool:
@@ -68,11 +70,21 @@ def dumps(stage: str, func: Callable[..., Any]) -> bytes:
     return data
 
 
+LARGE = 64 * 2**20
+"""A pickled stage larger than this (bytes) is warned about: it is written into every attempt's directory."""
+
+
 def pickled(stages: Iterable[Any]) -> dict[str, bytes]:
     """``{stage name: pickled function}`` for the stages (``StageSpec``-like: ``name``, ``func``,
     ``module``) that have no script file: each pickled once, as the run starts."""
-    return {spec.name: dumps(spec.name, spec.func) for spec in stages
-            if spec.module == "__main__" and ships_by_value(spec.func)}
+    shipped = {spec.name: dumps(spec.name, spec.func) for spec in stages
+               if spec.module == "__main__" and ships_by_value(spec.func)}
+    for name, data in shipped.items():
+        if len(data) > LARGE:
+            warnings.warn(f"stage {name!r} pickles to {len(data) // 2**20} MiB (the values of the notebook it "
+                          "reads are shipped with it, into every attempt's directory): give large data to it as an "
+                          "input dataset or a declared file", stacklevel=2)
+    return shipped
 
 
 def write(path: Path, data: bytes) -> Path:
@@ -93,18 +105,22 @@ def load(path: Path, stage: str) -> Callable[..., Any]:
     path = Path(path)
     user = os.geteuid()
     directory = path.parent
-    try:
-        info = os.lstat(directory)
+    try:  # the file is then opened in the directory checked, whatever its name points at by then
+        dfd = os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW)
     except OSError as exc:
-        raise UnsafeShippedFunction(f"stage {stage!r}: cannot check the directory {directory} of its shipped "
-                                    f"function ({exc.strerror or exc})") from None
-    _check(stage, directory, info, user, "directory", stat.S_ISDIR)
+        problem = "it is a symbolic link" if os.path.islink(directory) else (exc.strerror or str(exc))
+        raise UnsafeShippedFunction(f"stage {stage!r}: refusing the directory {directory} of its shipped function: "
+                                    f"{problem} (expected the attempt directory hetflow made)") from None
     try:
-        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW)
-    except OSError as exc:
-        problem = "it is a symbolic link" if os.path.islink(path) else (exc.strerror or str(exc))
-        raise UnsafeShippedFunction(f"stage {stage!r}: refusing its shipped function {path}: {problem} "
-                                    "(expected a regular file hetflow wrote for this attempt)") from None
+        _check(stage, directory, os.fstat(dfd), user, "directory", stat.S_ISDIR)
+        try:
+            fd = os.open(path.name, os.O_RDONLY | _O_NOFOLLOW, dir_fd=dfd)
+        except OSError as exc:
+            problem = "it is a symbolic link" if os.path.islink(path) else (exc.strerror or str(exc))
+            raise UnsafeShippedFunction(f"stage {stage!r}: refusing its shipped function {path}: {problem} "
+                                        "(expected a regular file hetflow wrote for this attempt)") from None
+    finally:
+        os.close(dfd)
     with os.fdopen(fd, "rb") as fh:
         _check(stage, path, os.fstat(fh.fileno()), user, "file", stat.S_ISREG)
         data = fh.read()

@@ -397,3 +397,30 @@ def test_a_pipeline_piped_to_python_runs_on_another_backend(tmp_path: Path, back
     stages = _run([sys.executable, "-"], tmp_path, stdin=script)
     assert {name: state for name, (state, _) in stages.items()} == {"generate": "DONE", "total": "DONE"}
     assert _total(tmp_path) == [5 + 6 + 100]
+
+
+def test_a_function_file_is_not_loaded_through_a_symlinked_directory(tmp_path: Path) -> None:
+    from hetflow.tasks.errors import UnsafeShippedFunction
+    from hetflow.tasks.shipping import load
+
+    files = _attempt(tmp_path)
+    linked = tmp_path / "linked"
+    linked.symlink_to(files.directory)
+    with pytest.raises(UnsafeShippedFunction) as refused:
+        load(linked / AttemptFiles.FUNCTION, "marker")
+    assert str(refused.value) == (f"stage 'marker': refusing the directory {linked} of its shipped function: it is "
+                                  "a symbolic link (expected the attempt directory hetflow made)")
+    assert callable(load(files.function, "marker"))  # the same file, reached without the link
+
+
+def test_a_stage_that_pickles_large_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from hetflow.tasks import shipping
+
+    namespace: dict[str, object] = {"__name__": "__main__", "DATA": b"x" * 4096}
+    exec("def reads(ctx):\n    return len(DATA)\n", namespace)
+    stage = SimpleNamespace(name="reads", func=namespace["reads"], module="__main__")
+    monkeypatch.setattr(shipping, "LARGE", 4000)  # the bytes it reads are pickled with it
+    with pytest.warns(UserWarning, match=r"^stage 'reads' pickles to 0 MiB \(the values of the notebook it reads"):
+        assert list(shipping.pickled([stage])) == ["reads"]
