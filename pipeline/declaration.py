@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from hetflow.tasks.description import ResourceRequest
+from hetflow.tasks.shipping import ships_by_value
 
 from .errors import PipelineError
 
@@ -72,7 +73,11 @@ class StageSpec:
     @property
     def path(self) -> str | None:
         """The file that defines the stage function: for one wrapped by a decorator that says what it wraps
-        (``functools.wraps``: ``__wrapped__``), the wrapped function's, where ``__module__`` points too."""
+        (``functools.wraps``: ``__wrapped__``), the wrapped function's, where ``__module__`` points too.
+        ``None`` for a function that has no file a worker could execute (a notebook cell, stdin, ``-c``):
+        it is shipped by value (:mod:`hetflow.tasks.shipping`)."""
+        if self.module == "__main__" and ships_by_value(self.func):
+            return None
         try:
             path = inspect.getsourcefile(inspect.unwrap(self.func))
         except (TypeError, ValueError):

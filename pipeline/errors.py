@@ -104,8 +104,8 @@ class RunFailed(TaskFailed, RuntimeError):
 class RunAborted(HetflowError, RuntimeError):
     """A run could not go on (no launcher, a missing extra, a full or read-only disk); it is recorded FAILED."""
 
-    def __init__(self, run_id: str, reason: str, where: Sequence[str] = ()) -> None:
-        super().__init__(f"run {run_id} failed: {reason}; {resume_hint(run_id, where=where)}")
+    def __init__(self, run_id: str, reason: str, where: Sequence[str] = (), *, script: bool = True) -> None:
+        super().__init__(f"run {run_id} failed: {reason}; {resume_hint(run_id, script=script, where=where)}")
         self.run_id, self.reason = run_id, reason
 
 
@@ -125,8 +125,11 @@ def interruption(exc: BaseException) -> str:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM stopped a run; it is recorded INTERRUPTED and can be resumed."""
+    """Ctrl-C or SIGTERM (or a notebook kernel's interrupt) stopped a run; it is recorded INTERRUPTED and can
+    be resumed.  ``script``: whether the run has a script ``hetflow resume`` can execute (the hint says
+    ``pipe.run(run_id=...)`` otherwise)."""
 
-    def __init__(self, run_id: str, where: Sequence[str] = ()) -> None:
-        super().__init__(f"run {run_id} interrupted; running tasks were stopped; {resume_hint(run_id, where=where)}")
+    def __init__(self, run_id: str, where: Sequence[str] = (), *, script: bool = True) -> None:
+        super().__init__(f"run {run_id} interrupted; running tasks were stopped; "
+                         f"{resume_hint(run_id, script=script, where=where)}")
         self.run_id = run_id

@@ -166,7 +166,12 @@ def _target(func: Any) -> Any:
 
 
 def _default_roots(func: Callable[..., Any]) -> list[str]:
+    """The stage's directory or the top of its package; for a ``__main__`` function without a file (a
+    notebook cell, stdin, ``-c``: shipped by value, hashed by bytecode like a script's functions), the
+    working directory, where its local modules are imported from (``sys.path``'s ``''``)."""
     path = _file_of(_target(func))
+    if getattr(_target(func), "__module__", None) == "__main__" and (path is None or not os.path.isfile(path)):
+        return [os.getcwd()]
     if path is None:
         return []
     root = os.path.dirname(path)

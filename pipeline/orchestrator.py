@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
+from hetflow.tasks import shipping
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome, node_indices
 from hetflow.tasks.paths import UnsafePath, private_dir
 from hetflow.tasks.pilot import PilotDescription
@@ -175,6 +176,7 @@ class Orchestrator:
         self.params = dict(params)
         self.script = script
         self.script_digests = _script_digests(self.stages.values())
+        self.shipped = shipping.pickled(self.stages.values())
         self.verify = verify
         self.progress = Progress(enabled=progress, stream_logs=stream_logs)
         self.producer = {out: s.name for s in self.stages.values() for out in s.outputs}
@@ -740,10 +742,13 @@ class Orchestrator:
             ds.uncommit(target)
             outputs[name] = str(target)
         base = Path(spec.path).parent if spec.path else Path.cwd()
+        shipped = self.shipped.get(spec.name)
+        if shipped is not None:  # no script file to execute: the function as the run started, pickled
+            shipping.write(files.function, shipped)
         WorkerSpec(
             run_id=self.run_id, stage=spec.name, attempt=task.attempt,
             function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
-            sys_path=(str(base),) if spec.path else (), params=self.stage_params(spec),
+            sys_path=(str(base),) if spec.path or shipped is not None else (), params=self.stage_params(spec),
             inputs=tuple((name, self.dataset_paths[name]) for name in spec.inputs), outputs=outputs,
             attempt_dir=files.directory, checkpoint_dir=stage_dir / "checkpoints", slots=tuple(start.slots),
             nodes=tuple(nodes), verify=self.verify,  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import ConfigError, UnsatisfiableRequest
 from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
+from hetflow.tasks.shipping import ships_by_value
 
 from .declaration import StageSpec, check_env, check_name
 from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption,
@@ -129,14 +130,18 @@ class Pipeline:
         maps each to its value (``None``: unset).  A function that cannot be
         called as ``func(ctx, *inputs)`` is refused here (:class:`PipelineError`).
         ``memory_per_rank`` is bytes or a size as the pilot config writes it
-        (``"4GB"`` = 4·10⁹, ``"4GiB"`` = 4·2³⁰).
+        (``"4GB"`` = 4·10⁹, ``"4GiB"`` = 4·2³⁰).  Declared without a script file (a
+        notebook cell, the prompt, ``python -c``, stdin), the function is shipped to its
+        workers by value (:mod:`hetflow.tasks.shipping`), and declaring a stage of the
+        same name again replaces it, as re-running a cell does.
         """
         def register(fn: F) -> F:
             stage_name = name or getattr(fn, "__name__", None)
             where = f"pipeline {self.name!r}, stage {stage_name!r}"
             check_name("stage", stage_name, where=f"pipeline {self.name!r}")
             assert isinstance(stage_name, str)
-            if stage_name in self.stages:
+            replaced = self.stages.get(stage_name)
+            if replaced is not None and not (replaced.path is None and ships_by_value(fn)):
                 raise PipelineError(f"{where}: a stage with this name is already declared")
             for kind, names in (("input", inputs), ("output", outputs)):
                 if isinstance(names, str):
@@ -147,7 +152,7 @@ class Pipeline:
                 raise PipelineError(f"{where}: a dataset is listed twice in inputs {list(inputs)} or outputs {list(outputs)}")
             for dataset in sorted(outputs):  # a look-up per output: declaring N stages stays linear in N
                 other = self.stages.get(self._producers.get(dataset, ""))
-                if other is not None and dataset in other.outputs:
+                if other is not None and other is not replaced and dataset in other.outputs:
                     raise PipelineError(f"{where}: output {dataset!r} is already produced by stage {other.name!r}")
             import pyarrow as pa
 
@@ -177,6 +182,10 @@ class Pipeline:
                                           duration=duration)
             except UnsatisfiableRequest as exc:
                 raise PipelineError(f"{where}: {exc}") from None
+            if replaced is not None:  # redefined in an interactive session (a later cell): the new one counts
+                for dataset in replaced.outputs:
+                    if self._producers.get(dataset) == stage_name:
+                        del self._producers[dataset]
             self.stages[stage_name] = StageSpec(name=stage_name, func=fn, request=request, inputs=tuple(inputs),
                                                 outputs=tuple(outputs), params=dict(params or {}),
                                                 retries=retries, timeout=timeout, schemas=dict(schemas or {}),
@@ -346,7 +355,7 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop(interruption(interrupt), "INTERRUPTED")
             _report_uncaught()
-            raise RunInterrupted(the_id, given) from None
+            raise RunInterrupted(the_id, given, script=orchestrator.script is not None) from None
         except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
             from .orchestrator import where
 
@@ -357,7 +366,7 @@ class Pipeline:
             if orchestrator.final is None:
                 orchestrator.stop(reason, "FAILED")
             _report_uncaught()
-            raise RunAborted(the_id, reason, given) from exc
+            raise RunAborted(the_id, reason, given, script=orchestrator.script is not None) from exc
         status = run_status(store, the_id)
         store.close()
         made.append(status)

@@ -29,3 +29,12 @@ class TaskFailed(HetflowError):
 
 class ProtocolError(HetflowError, ValueError):
     """A worker spec or rank result with bad content (names the file and the field)."""
+
+
+class UnsafeShippedFunction(HetflowError, PermissionError):
+    """A shipped stage function whose file another user could have written: not unpickled
+    (:mod:`hetflow.tasks.shipping`)."""
+
+
+class ShippingFailed(HetflowError, TypeError):
+    """A stage function without a script file that cannot be pickled (names the stage and why)."""

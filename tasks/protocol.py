@@ -155,7 +155,8 @@ def _load(path: Path) -> Any:
 # ------------------------------------------------------------------------ spec
 @dataclass(frozen=True)
 class StageFunction:
-    """Where the worker finds the stage function: ``module.name`` (``path`` for a script run as ``__main__``)."""
+    """Where the worker finds the stage function: ``module.name`` (``path`` for a script run as ``__main__``;
+    ``__main__`` without a ``path``: shipped by value in the attempt directory, :attr:`AttemptFiles.function`)."""
 
     module: str
     name: str
@@ -412,6 +413,8 @@ class AttemptFiles:
     STDERR = "stderr.log"
     ENDED_PREFIX = "ended-"
     """``ended-<pid>.json``: the witness's record of a rank that ended by itself."""
+    FUNCTION = "function.pickle"
+    """A stage function without a script file, pickled by value (:mod:`hetflow.tasks.shipping`)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
@@ -426,6 +429,10 @@ class AttemptFiles:
     @property
     def stdout(self) -> Path:
         return self.directory / self.STDOUT
+
+    @property
+    def function(self) -> Path:
+        return self.directory / self.FUNCTION
 
     @property
     def stderr(self) -> Path:

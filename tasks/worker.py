@@ -90,8 +90,11 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
     if module_name != "__main__":
         module = importlib.import_module(module_name)
     else:
-        if not path:
-            raise RuntimeError(f"stage {spec.stage!r} is defined in __main__ without a file to import")
+        if not path:  # declared without a script file (a notebook cell, stdin, -c): shipped by value
+            from .shipping import load
+
+            shipped = load(AttemptFiles(spec.attempt_dir).function, spec.stage)
+            return getattr(shipped, "__wrapped_stage__", shipped)  # type: ignore[no-any-return]
         from .script import SCRIPT_MODULE, check_unchanged, import_script
 
         sys.argv = [path, *spec.argv[1:]]  # what the script saw when its run started (itself by full path)
