@@ -23,7 +23,6 @@ from __future__ import annotations
 import inspect
 import os
 import stat
-import sys
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,24 +35,33 @@ _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def ships_by_value(func: Callable[..., Any]) -> bool:
-    """Whether the stage function ``func`` is in ``__main__`` without the script file ``__main__`` runs.
+    """Whether the stage function ``func`` is in ``__main__`` without a script file to execute.
 
-    ``hetflow run script.py`` and ``python script.py`` run a file: its stages keep the
-    script path (a worker executes the file).  Code from stdin, ``-c``, the
-    interactive prompt or a notebook cell has none: ``__main__`` has no ``__file__``
-    or one that is no file (``python -`` sets ``"<stdin>"``), or the function's code
-    comes from elsewhere (an IPython cell's name).
+    ``hetflow run script.py`` and ``python script.py`` run a file: the function's globals
+    name it (``__file__``) and its code comes from it, so its stages keep the script path
+    (a worker executes the file).  Code from stdin, ``-c``, the interactive prompt or a
+    notebook cell has none: no ``__file__``, one that is no file (``python -`` sets
+    ``"<stdin>"``), or code from elsewhere (an IPython cell's name).  Decided from the
+    function itself, never from ``sys.modules["__main__"]``: ``hetflow run`` calls
+    ``pipe.run()`` for a script that does not, after ``runpy`` has put its own
+    ``__main__`` back.
     """
     if getattr(func, "__module__", "__main__") != "__main__":
         return False
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not isinstance(main_file, str):
+    target = inspect.unwrap(func)
+    script = getattr(target, "__globals__", {}).get("__file__")
+    if not isinstance(script, str) or not os.path.isfile(script):
         return True
     try:
-        path = inspect.getsourcefile(inspect.unwrap(func))
+        path = inspect.getsourcefile(target)
     except (TypeError, ValueError):
         return True
-    return path is None or os.path.abspath(path) != os.path.abspath(main_file) or not os.path.isfile(path)
+    if path is None or not os.path.isfile(path):
+        return True
+    try:
+        return not os.path.samefile(path, script)
+    except OSError:
+        return True
 
 
 def dumps(stage: str, func: Callable[..., Any]) -> bytes:

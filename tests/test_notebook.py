@@ -424,3 +424,32 @@ def test_a_stage_that_pickles_large_is_warned_about(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(shipping, "LARGE", 4000)  # the bytes it reads are pickled with it
     with pytest.warns(UserWarning, match=r"^stage 'reads' pickles to 0 MiB \(the values of the notebook it reads"):
         assert list(shipping.pickled([stage])) == ["reads"]
+
+
+SCRIPT_WITHOUT_RUN = '''
+import pyarrow as pa
+import hetflow as hf
+import consts
+
+consts.K = 7  # the script's top level, which each worker must execute again
+pipe = hf.Pipeline("bare")
+
+
+@pipe.stage(outputs=["k"])
+def read(ctx):
+    return {"k": pa.table({"v": [consts.K]})}
+'''
+
+
+def test_a_script_that_leaves_the_run_to_hetflow_run_is_executed_by_its_workers_not_shipped(tmp_path: Path) -> None:
+    """``hetflow run script.py`` runs a script that never calls ``pipe.run()`` itself after ``runpy`` has put
+    hetflow's own ``__main__`` back: its stages are still the file's, executed by each worker (so what the
+    top level sets is there), not shipped by value without it (which gave 0 here)."""
+    (tmp_path / "consts.py").write_text("K = 0\n")
+    (tmp_path / "bare.py").write_text(SCRIPT_WITHOUT_RUN)
+    done = subprocess.run([str(Path(sys.executable).parent / "hetflow"), "run", "bare.py", "--no-progress"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not list((tmp_path / ".hetflow").rglob("function.pickle"))
+    (path,) = (tmp_path / ".hetflow" / "runs").glob("*/datasets/k")
+    assert Dataset(path).to_table().to_pylist() == [{"v": 7}]
