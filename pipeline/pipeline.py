@@ -18,7 +18,7 @@ from hetflow.tasks.errors import ConfigError, UnsatisfiableRequest
 from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 
-from .declaration import StageSpec, check_env, check_name
+from .declaration import StageSpec, check_env, check_map, check_max_failures, check_name
 from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption,
                      store_argv)
 
@@ -111,7 +111,8 @@ class Pipeline:
               duration: float | None = None, inputs: Sequence[str] = (), outputs: Sequence[str] = (),
               params: Mapping[str, Any] | None = None, retries: int = 0,
               timeout: float | None = None, schemas: Mapping[str, Any] | None = None,
-              files: Sequence[str] = (), env: Sequence[str] = ()) -> Any:
+              files: Sequence[str] = (), env: Sequence[str] = (), map_over: Any = None,
+              max_failures: int | float = 0) -> Any:
         """Declare a stage; the function is called once per rank as ``func(ctx, *inputs)``.
 
         It returns ``{output name: pa.Table | None}`` with this rank's partition
@@ -129,6 +130,16 @@ class Pipeline:
         called as ``func(ctx, *inputs)`` is refused here (:class:`PipelineError`).
         ``memory_per_rank`` is bytes or a size as the pilot config writes it
         (``"4GB"`` = 4·10⁹, ``"4GiB"`` = 4·2³⁰).
+
+        ``map_over`` makes a map stage, run once per item, each item a task with this
+        resource request and its own cache key (docs/fanout.md): ``"files"`` (each file
+        ``files=`` names; ``ctx.item`` is its path), ``"rows:NAME"`` (each row of input
+        NAME; ``ctx.item`` is the row as a dict), ``"partitions:NAME"`` (each partition
+        of input NAME, passed as that input's table) or a grid ``{name: [values]}`` (the
+        cross product; ``ctx.params`` holds each point).  Each output is one dataset of
+        the items' partitions in item order.  ``retries`` then counts per item, and
+        ``max_failures`` (a count, or a fraction of the items) lets the stage succeed
+        with that many failed items left out of its outputs.
         """
         def register(fn: F) -> F:
             stage_name = name or getattr(fn, "__name__", None)
@@ -160,6 +171,11 @@ class Pipeline:
             if isinstance(files, str) or not all(isinstance(f, str) and f for f in files):
                 raise PipelineError(f"{where}: files must be a list of paths or globs, got {files!r}")
             declared_env = check_env(env, where=where)
+            mapped = check_map(map_over, inputs=tuple(inputs), files=tuple(files), where=where)
+            failures_allowed = check_max_failures(max_failures, where=where)
+            if mapped is None and max_failures:
+                raise PipelineError(f"{where}: max_failures is for map stages (map_over=...); a plain stage "
+                                    "has one task, which fails or not")
             _check_signature(fn, tuple(inputs), where)
             if not isinstance(retries, int) or retries < 0:
                 raise PipelineError(f"{where}: retries must be an integer >= 0, got {retries!r}")
@@ -178,7 +194,8 @@ class Pipeline:
             self.stages[stage_name] = StageSpec(name=stage_name, func=fn, request=request, inputs=tuple(inputs),
                                                 outputs=tuple(outputs), params=dict(params or {}),
                                                 retries=retries, timeout=timeout, schemas=dict(schemas or {}),
-                                                files=tuple(files), env=declared_env)
+                                                files=tuple(files), env=declared_env, map_over=mapped,
+                                                max_failures=failures_allowed)
             return fn
 
         return register(func) if func is not None else register
@@ -208,6 +225,9 @@ class Pipeline:
                     check_files(spec.files, Path(spec.path).parent if spec.path else Path.cwd())
                 except ValueError as exc:
                     raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: {exc}") from None
+            if spec.map_over is not None and pilot.backend == "radical":
+                raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: map stages (map_over=) run on the "
+                                    "local, slurm, parsl and dask backends, not on radical")
             try:
                 if shaped:
                     check_request(spec.request, pilot, what=f"stage {spec.name!r}")
