@@ -180,7 +180,7 @@ class _Shared:
                     continue
                 info = ds.write_partition(item["outputs"][name], self.rank,
                                           out if isinstance(out, pa.Table) else iter(out), schema=out.schema,
-                                          rank=self.rank, node=ctx.node)
+                                          rank=self.rank, node=ctx.node, durable=False)
                 outputs[name] = {"partition": info.to_json(), "schema": ds.schema_to_text(out.schema)}
             line.update(status="ok", outputs=outputs)
         except BaseException as exc:  # noqa: BLE001 - an item's failure is its result, not the task's
