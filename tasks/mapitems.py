@@ -63,6 +63,16 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
             else:
                 os.environ[name] = value
         shared = _Shared(spec, rank, size, comm, func, log)
+        if size == 1:
+            import gc
+
+            # what is loaded now is shared with every item's child: kept out of the children's collections,
+            # which would otherwise touch (and so copy) every page of it
+            import pyarrow as pa
+
+            pa.table({"x": [0]})  # pyarrow loads pandas on a table's first making: once here, not per child
+            gc.collect()
+            gc.freeze()
         sink = os.open(files.item_results(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             for item in spec.items:
