@@ -197,8 +197,35 @@ class MapRun:
         self.made = 0
         self.before: dict[str, str] = {}
         """``{label: key}`` of the items of the stage's latest earlier execution (to say what changed)."""
+        self.tally: dict[str, int] = {}
+        """Items by state, kept as they change: the live view reads it at every step, whatever the map's size."""
+        self.recount()
+
+    def recount(self) -> None:
+        self.tally = {}
+        for item in self.items:
+            self.tally[item.state] = self.tally.get(item.state, 0) + 1
+
+    def set_state(self, item: Item, state: str) -> None:
+        self.tally[item.state] -= 1
+        self.tally[state] = self.tally.get(state, 0) + 1
+        item.state = state
+
+    def progress_text(self) -> str:
+        """``items 412/1,000 (3 cached), 8 running, 2 failed``: what the live view shows on the stage's row."""
+        done = self.tally.get("DONE", 0) + self.tally.get("CACHED", 0)
+        text = f"items {done:,}/{len(self.items):,}"
+        if self.tally.get("CACHED"):
+            text += f" ({self.tally['CACHED']:,} cached)"
+        if self.tally.get("RUNNING"):
+            text += f", {self.tally['RUNNING']:,} running"
+        if self.tally.get("FAILED"):
+            text += f", {self.tally['FAILED']:,} failed"
+        return text
 
     def pending(self) -> list[Item]:
+        if not self.tally.get("PENDING"):
+            return []
         return [item for item in self.items if item.state == "PENDING"]
 
     def split(self, fits: int) -> list[tuple[str, list[Item]]]:
@@ -214,7 +241,7 @@ class MapRun:
             chunk_id = f"{self.task}/c{self.made}"
             self.made += 1
             for item in chunk:
-                item.state = "QUEUED"
+                self.set_state(item, "QUEUED")
             self.chunks[chunk_id] = [item.index for item in chunk]
             made.append((chunk_id, chunk))
         return made
@@ -235,7 +262,8 @@ class MapRun:
                 continue
             item.started, item.ended = line.get("started"), line.get("ended")
             if line["status"] == "ok":
-                item.state, item.error, item.outputs = "DONE", None, dict(line["outputs"])
+                self.set_state(item, "DONE")
+                item.error, item.outputs = None, dict(line["outputs"])
                 item.tries += 1
             else:
                 self._failed(item, str(line.get("error") or "failed"))
@@ -243,7 +271,7 @@ class MapRun:
             return
         if self.stopped is not None:
             for item in missing:
-                item.state = "PENDING"  # never started: a resume runs it
+                self.set_state(item, "PENDING")  # never started: a resume runs it
             return
         # the task died: the item it was running is the first without a result; with none at all, it
         # may have died before its first item (an import error), so every item is charged
@@ -252,24 +280,23 @@ class MapRun:
             if item in charged:
                 self._failed(item, failure or "its task ended before the item's result was written")
             else:
-                item.state = "PENDING"
+                self.set_state(item, "PENDING")
 
     def _failed(self, item: Item, error: str) -> None:
         item.tries += 1
         item.error = error
-        item.state = "PENDING" if item.tries <= self.spec.retries else "FAILED"
+        self.set_state(item, "PENDING" if item.tries <= self.spec.retries else "FAILED")
 
     def running(self) -> bool:
         return bool(self.chunks)
 
     def failed(self) -> list[Item]:
+        if not self.tally.get("FAILED"):
+            return []
         return [item for item in self.items if item.state == "FAILED"]
 
     def counts(self) -> dict[str, int]:
-        found: dict[str, int] = {}
-        for item in self.items:
-            found[item.state] = found.get(item.state, 0) + 1
-        return found
+        return {state: count for state, count in self.tally.items() if count}
 
     def summary(self, changes: str = "") -> str:
         """``map 1,000 items: 997 cached, 3 ran (data/obs-0412.csv added)``."""

@@ -87,6 +87,7 @@ class MapShell:
                     earlier.setdefault(record.key, []).append(record)
             run.before = self._labels_before(session, spec.name)
         mapping.reusable(items, earlier, self.run_id)
+        run.recount()
         for item in run.pending():
             for name in spec.outputs:
                 os.makedirs(os.path.join(item.directory, name), mode=0o700, exist_ok=True)
@@ -145,7 +146,7 @@ class MapShell:
         indices = run.chunks[chunk_id]
         items = [run.items[i] for i in indices]
         for item in items:
-            item.state = "RUNNING"
+            run.set_state(item, "RUNNING")
         nodes = self.backend.node_names()
         files = self._write_spec(spec, run.task, instruction, nodes, chunk=chunk_id.rsplit("/", 1)[1],
                                  items=[item.to_spec(spec.outputs) for item in items])
@@ -286,6 +287,15 @@ class MapShell:
         if not cancel.running:  # the plan has dropped the task: record its end, nothing more to tell it
             self.maps.pop(run.spec.name, None)
             self._end_task(str(run.task), "CANCELLED", cancel.reason)
+
+
+def chunk_dirs(directory: Path) -> list[Path]:
+    """``directory``, and when it is a map stage's chunk (``attempt-<n>-c<k>``) every chunk of that attempt."""
+    head, _, chunk = directory.name.rpartition("-c")
+    if not head.startswith("attempt-") or not chunk.isdigit():
+        return [directory]
+    found = [p for p in directory.parent.glob(f"{head}-c*") if p.name[len(head) + 2:].isdigit()]
+    return sorted(set(found) | {directory})
 
 
 def _merge(files: AttemptFiles, ranks: int) -> dict[int, dict[str, Any]]:

@@ -77,7 +77,7 @@ from .plan import (
     Withdraw,
 )
 from .mapping import Item, MapRun
-from .mapshell import MapShell
+from .mapshell import MapShell, chunk_dirs
 from .progress import Progress
 from .store import (
     SUCCESS,
@@ -300,7 +300,8 @@ class Orchestrator(MapShell):
     def _reconcile(self, session: Any, record: StageRecord) -> None:
         for task in record.tasks:
             if task.attempt is not None and task.state == "RUNNING":
-                reap_orphans(AttemptFiles(Path(task.attempt.attempt_dir)))
+                for directory in chunk_dirs(Path(task.attempt.attempt_dir)):  # a map stage's: every chunk's
+                    reap_orphans(AttemptFiles(directory))
             if task.state in ("RUNNING", "QUEUED"):
                 task.state = "FAILED"
                 task.reason = "the orchestrator that owned this task ended without recording its outcome"
