@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -87,10 +86,7 @@ class MapShell:
                     earlier.setdefault(record.key, []).append(record)
             run.before = self._labels_before(session, spec.name)
         mapping.reusable(items, earlier, self.run_id)
-        run.recount()
-        for item in run.pending():
-            for name in spec.outputs:
-                os.makedirs(os.path.join(item.directory, name), mode=0o700, exist_ok=True)
+        run.recount()  # the items' directories are made by their ranks as they write (write_partition)
         submitted = self._submit_chunks(run)
         if not submitted:
             ready.append(run)
@@ -194,9 +190,6 @@ class MapShell:
             return
         run.chunk_ended(chunk_id, lines, failure, final)
         more = () if run.stopped is not None else self._submit_chunks(run)
-        for item in run.pending():
-            for name in run.spec.outputs:
-                os.makedirs(os.path.join(item.directory, name), mode=0o700, exist_ok=True)
         if more or run.running():
             if self.scheduler is not None:
                 self._apply(self.scheduler.handle_event(TasksSubmitted(more, time.time(), (chunk_id,))))

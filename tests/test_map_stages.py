@@ -341,3 +341,39 @@ def test_a_thousand_trivial_items_run_in_warm_workers(project: Path) -> None:
     stages = run(project)
     assert stages["trivial"]["state"] == "CACHED"
     assert time.perf_counter() - started < 30
+
+
+GPUS = '''
+import os
+import time
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("gpus", pilot=hf.PilotDescription(name="fake-gpus", cores_per_node=4, gpus_per_node=4,
+                                                     memory_per_node=2**34))
+
+
+@pipe.stage(map_over={"k": list(range(8))}, gpus_per_rank=1, outputs=["seen"])
+def on_gpu(ctx):
+    started = time.time()
+    time.sleep(0.5)
+    return {"seen": pa.table({"k": [ctx.params["k"]], "cuda": [os.environ.get("CUDA_VISIBLE_DEVICES", "")],
+                              "gpus": [list(ctx.gpus)], "started": [started], "ended": [time.time()]})}
+
+
+pipe.run()
+'''
+
+
+def test_gpu_items_run_at_once_on_disjoint_fake_gpus(project: Path) -> None:
+    (project / "p.py").write_text(GPUS)
+    stages = run(project)
+    seen = rows(stages, "seen")
+    assert [r["k"] for r in seen] == list(range(8))
+    for row in seen:  # one GPU each, and the visible device is the one the pilot gave
+        assert len(row["gpus"]) == 1 and row["cuda"] == str(row["gpus"][0])
+    overlapping = [(a, b) for i, a in enumerate(seen) for b in seen[i + 1:]
+                   if a["started"] < b["ended"] and b["started"] < a["ended"]]
+    assert overlapping, "no two items ran at the same time"
+    assert all(a["cuda"] != b["cuda"] for a, b in overlapping), overlapping
+    assert len({r["cuda"] for r in seen}) >= 2
