@@ -70,6 +70,8 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
             # which would otherwise touch (and so copy) every page of it
             import pyarrow as pa
 
+            import hetflow.operators.settings  # noqa: F401 - what each item's run imports: once here
+
             pa.table({"x": [0]})  # pyarrow loads pandas on a table's first making: once here, not per child
             gc.collect()
             gc.freeze()
