@@ -85,7 +85,8 @@ class MapShell:
                         MapItemRecord.state.in_(("DONE", "CACHED")))):
                     earlier.setdefault(record.key, []).append(record)
             run.before = self._labels_before(session, spec.name)
-        mapping.reusable(items, earlier, self.run_id)
+        if spec.name not in self.rerun:  # --rerun: every item runs again, whatever the items' cache says
+            mapping.reusable(items, earlier, self.run_id)
         run.recount()  # the items' directories are made by their ranks as they write (write_partition)
         submitted = self._submit_chunks(run)
         if not submitted:

@@ -27,8 +27,8 @@ def hetflow(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300, check=False)
 
 
-def run(cwd: Path, *, ok: bool = True) -> dict[str, Any]:
-    done = hetflow(cwd, "run", "p.py", "--no-progress")
+def run(cwd: Path, *args: str, ok: bool = True) -> dict[str, Any]:
+    done = hetflow(cwd, "run", "p.py", "--no-progress", *args)
     assert (done.returncode == 0) == ok, done.stdout + done.stderr
     shown = hetflow(cwd, "status", "--json")
     data = json.loads(shown.stdout)
@@ -154,6 +154,10 @@ def test_grid_point_added_runs_only_its_items(project: Path) -> None:
     assert ran(project / "marks") == ["0.5/1", "0.5/2"]
     assert [(r["lr"], r["depth"]) for r in rows(stages, "fits")][-2:] == [(0.5, 1), (0.5, 2)]
     assert len(rows(stages, "fits")) == 6
+
+    stages = run(project, "--rerun", "fit")  # forced: every item, whatever the items' cache says
+    assert len(ran(project / "marks")) == 6
+    assert stages["fit"]["items"] == {"DONE": 6}
 
 
 ROWS = '''
