@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("stage", nargs="?", help="only this stage (default: every stage)")
     logs.add_argument("--rank", type=int, metavar="N", help="only rank N's output (no launcher lines)")
     logs.add_argument("--attempt", type=int, metavar="K", help="attempt K of STAGE (default: its latest)")
+    logs.add_argument("--item", type=int, metavar="K", help="only what item K of map stage STAGE printed")
     logs.add_argument("--follow", "-f", action="store_true",
                       help="keep printing new output (of new attempts too) until the run ends")
     _store_args(logs)
@@ -394,6 +395,19 @@ def _logs(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     args.run, args.stage = logs_target(store, args.run, args.stage)
+    if args.item is not None:
+        from .status import item_log
+        from .terminal import visible
+
+        if args.stage is None:
+            raise LogsError("--item K needs the map stage: hetflow logs RUN STAGE --item K")
+        try:
+            what, text = item_log(store, args.run, args.stage, args.item)
+        except (KeyError, ValueError) as exc:
+            raise LogsError(str(exc.args[0])) from None
+        print(visible(f"== {what}", newlines=False))
+        sys.stdout.write(visible(text))
+        return EXIT_OK
     run, attempts = run_logs(store, args.run, args.stage, args.attempt)
     if args.rank is not None and not args.follow:
         ranks = sorted({r for a in attempts for r in a.files.rank_logs()})

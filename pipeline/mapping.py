@@ -64,6 +64,8 @@ class Item:
     cached_from: str | None = None
     started: float | None = None
     ended: float | None = None
+    log: list[Any] | None = None
+    """``[rank 0's log file, start, end]``: the span of the file the item's output is in."""
 
     def to_spec(self, outputs: Sequence[str]) -> dict[str, Any]:
         return {"index": self.index, "key": self.key, self.field[0]: self.field[1],
@@ -260,7 +262,7 @@ class MapRun:
             if line is None:
                 missing.append(item)
                 continue
-            item.started, item.ended = line.get("started"), line.get("ended")
+            item.started, item.ended, item.log = line.get("started"), line.get("ended"), line.get("log")
             if line["status"] == "ok":
                 self.set_state(item, "DONE")
                 item.error, item.outputs = None, dict(line["outputs"])

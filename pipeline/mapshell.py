@@ -254,7 +254,7 @@ class MapShell:
             rows = [{"run_id": self.run_id, "stage": spec.name, "index": item.index, "key": item.key,
                      "label": item.label, "state": item.state, "tries": item.tries, "error": item.error,
                      "directory": item.directory, "outputs": item.outputs or None, "cached_from": item.cached_from,
-                     "started": item.started, "ended": item.ended} for item in run.items]
+                     "started": item.started, "ended": item.ended, "log": item.log} for item in run.items]
             if rows:
                 session.execute(insert(MapItemRecord), rows)
             self.store.event(session, self.run_id, "task", str(run.task), state, error=error,

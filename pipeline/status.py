@@ -212,3 +212,35 @@ def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
                 "items": [{"index": r.index, "label": r.label, "state": r.state, "tries": r.tries,
                            "error": r.error, "cached_from": r.cached_from, "started": iso(r.started),
                            "ended": iso(r.ended)} for r in rows]}
+
+
+def item_log(store: Store, run_id: str | None, stage: str, index: int) -> tuple[str, str]:
+    """``(what, text)``: what item ``index`` of map stage ``stage`` printed (``hetflow logs RUN STAGE --item K``).
+
+    A reused item's output is the one it printed when it ran, in the run that ran it.  ``KeyError`` names
+    what is missing (the stage, the item, its output)."""
+    view = map_items(store, run_id, stage)
+    by_index = {item["index"]: item for item in view["items"]}
+    if index not in by_index:
+        raise KeyError(f"stage {stage!r} of run {view['run']} has no item {index} (items 0 to {len(by_index) - 1})")
+    with store.session() as session:
+        record = session.scalars(select(MapItemRecord).where(MapItemRecord.run_id == view["items_of_run"],
+                                                             MapItemRecord.stage == stage,
+                                                             MapItemRecord.index == index)).first()
+        assert record is not None
+        ran = record
+        if record.log is None:  # reused: the run that ran it has its output
+            ran = session.scalars(select(MapItemRecord).where(MapItemRecord.key == record.key,
+                                                              MapItemRecord.log.is_not(None))
+                                  .order_by(MapItemRecord.id.desc()).limit(1)).first()
+        if ran is None or not ran.log:
+            raise KeyError(f"item {index} ({record.label}) of stage {stage!r} has no recorded output")
+        path, start, end = ran.log
+        what = f"item {index} ({record.label}) of stage {stage!r}, run {ran.run_id}: {path}"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(int(start))
+            data = fh.read(max(0, int(end) - int(start)))
+    except OSError as exc:
+        raise KeyError(f"{what}: cannot read it ({exc.strerror or exc})") from None
+    return what, data.decode(errors="replace")

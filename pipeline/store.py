@@ -200,6 +200,8 @@ class MapItemRecord(Base):
     cached_from: Mapped[str | None] = mapped_column(String(128), nullable=True)
     started: Mapped[float | None] = mapped_column(Float, nullable=True)
     ended: Mapped[float | None] = mapped_column(Float, nullable=True)
+    log: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    """``[log file, start, end]``: the bytes of its rank-0 log the item's output is (``hetflow logs --item``)."""
 
 
 class EventRecord(Base):

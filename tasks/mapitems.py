@@ -77,11 +77,14 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
             gc.freeze()
         sink = os.open(files.item_results(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
+            log_path = str(files.rank_log(rank))
             for item in spec.items:
+                start = _log_size()
                 if size == 1:
                     line = _forked(shared, item)
                 else:
                     line = shared.run(item)
+                line["log"] = [log_path, start, _log_size()]  # what the item printed: that span of the rank's log
                 os.write(sink, (json.dumps(line) + "\n").encode())
                 if size > 1 and line["status"] != "ok":
                     failed = True  # the other ranks may wait in a collective: the task ends here
@@ -100,6 +103,16 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
     result = dataclasses.replace(result, ended=time.time())
     result.write(files.rank_result(rank))
     return result, comm
+
+
+def _log_size() -> int:
+    """Where this rank's output (file descriptor 1, its ``rank-<r>.log``) ends now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        return os.fstat(1).st_size
+    except OSError:
+        return 0
 
 
 class _Shared:

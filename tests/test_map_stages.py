@@ -218,6 +218,7 @@ pipe = hf.Pipeline("failing")
 @pipe.stage(map_over={"n": list(range(8))}, retries=1, max_failures=MAXF, outputs=["out"])
 def work(ctx):
     n = ctx.params["n"]
+    print(f"working on {n}")
     with open(os.path.join(os.environ["MARKS"], "ran.txt"), "a") as fh:
         fh.write(f"{n}\\n")
     bad = open(os.path.join(os.environ["MARKS"], "bad.txt")).read().split()
@@ -247,6 +248,11 @@ def test_item_failures_retries_resume_and_max_failures(project: Path) -> None:
     listed = json.loads(hetflow(project, "status", run_id, "work", "--items", "--json").stdout)
     assert [(i["index"], i["state"], i["tries"]) for i in listed["items"] if i["state"] != "DONE"] == \
         [(2, "FAILED", 2), (5, "FAILED", 2), (6, "FAILED", 2)]
+    shown = hetflow(project, "logs", run_id, "work", "--item", "3")  # what that item printed, and only that
+    assert shown.returncode == 0 and "working on 3" in shown.stdout, shown.stdout + shown.stderr
+    assert "working on 4" not in shown.stdout and "working on 2" not in shown.stdout
+    shown = hetflow(project, "logs", run_id, "work", "--item", "2")
+    assert "working on 2" in shown.stdout and "ValueError: item 2 is bad" in shown.stdout, shown.stdout
 
     (marks / "bad.txt").write_text("")  # the cause fixed: the resume runs only the failed items
     done = hetflow(project, "resume", run_id, "--no-progress")
