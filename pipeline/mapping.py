@@ -387,3 +387,12 @@ def assemble(spec: StageSpec, items: Sequence[Item], datasets_dir: Path, produce
             schema = ds.schema_from_text(schema_text)
         committed[name] = ds.commit(target, name, schema, infos, producer={**producer, "ranks": max(1, position)})
     return committed
+
+
+def chunk_dirs(directory: Path) -> list[Path]:
+    """``directory``, and when it is a map stage's chunk (``attempt-<n>-c<k>``) every chunk of that attempt."""
+    head, _, chunk = directory.name.rpartition("-c")
+    if not head.startswith("attempt-") or not chunk.isdigit():
+        return [directory]
+    found = [p for p in directory.parent.glob(f"{head}-c*") if p.name[len(head) + 2:].isdigit()]
+    return sorted(set(found) | {directory})

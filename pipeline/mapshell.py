@@ -283,15 +283,6 @@ class MapShell:
             self._end_task(str(run.task), "CANCELLED", cancel.reason)
 
 
-def chunk_dirs(directory: Path) -> list[Path]:
-    """``directory``, and when it is a map stage's chunk (``attempt-<n>-c<k>``) every chunk of that attempt."""
-    head, _, chunk = directory.name.rpartition("-c")
-    if not head.startswith("attempt-") or not chunk.isdigit():
-        return [directory]
-    found = [p for p in directory.parent.glob(f"{head}-c*") if p.name[len(head) + 2:].isdigit()]
-    return sorted(set(found) | {directory})
-
-
 def _merge(files: AttemptFiles, ranks: int) -> dict[int, dict[str, Any]]:
     """Each item's result from every rank's lines: ``ok`` with every rank's partitions when every rank's
     line is ``ok``, else the first error; items a rank has no line for are left out."""

@@ -76,8 +76,8 @@ from .plan import (
     TaskStarted,
     Withdraw,
 )
-from .mapping import Item, MapRun
-from .mapshell import MapShell, chunk_dirs
+from .mapping import Item, MapRun, chunk_dirs
+from .mapshell import MapShell
 from .progress import Progress
 from .store import (
     SUCCESS,

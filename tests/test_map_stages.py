@@ -251,6 +251,8 @@ def test_item_failures_retries_resume_and_max_failures(project: Path) -> None:
     shown = hetflow(project, "logs", run_id, "work", "--item", "3")  # what that item printed, and only that
     assert shown.returncode == 0 and "working on 3" in shown.stdout, shown.stdout + shown.stderr
     assert "working on 4" not in shown.stdout and "working on 2" not in shown.stdout
+    shown = hetflow(project, "logs", run_id, "work")  # every chunk's output, not only the first's
+    assert all(f"working on {n}" in shown.stdout for n in range(8)), shown.stdout
     shown = hetflow(project, "logs", run_id, "work", "--item", "2")
     assert "working on 2" in shown.stdout and "ValueError: item 2 is bad" in shown.stdout, shown.stdout
 
