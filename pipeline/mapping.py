@@ -199,6 +199,8 @@ class MapRun:
         self.made = 0
         self.before: dict[str, str] = {}
         """``{label: key}`` of the items of the stage's latest earlier execution (to say what changed)."""
+        self.progress_file: Path | None = None
+        """Where the items' counts are written for ``hetflow serve`` (set when the first chunk starts)."""
         self.tally: dict[str, int] = {}
         """Items by state, kept as they change: the live view reads it at every step, whatever the map's size."""
         self.recount()

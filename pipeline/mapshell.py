@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 LOOK_UP_BATCH = 500
 """Item keys looked up in the store in one query."""
 
+PROGRESS_FILE = "map-progress.json"
+"""In the directory the attempt's record names (its first chunk's): the items' counts, replaced as chunks end,
+for ``hetflow serve`` (:func:`hetflow.serve.stage_progress`), which reads no state held in the orchestrator."""
+
 
 class MapShell:
     """Mixed into :class:`~hetflow.orchestrator.Orchestrator`; uses its store, scheduler, backend and records."""
@@ -149,6 +153,7 @@ class MapShell:
                                  items=[item.to_spec(spec.outputs) for item in items])
         if not run.started:
             run.started = True
+            run.progress_file = files.directory / PROGRESS_FILE
             now = time.time()
             with self.store.session() as session:
                 record = session.get(TaskRecord, str(run.task))
@@ -190,6 +195,7 @@ class MapShell:
         if run is None:
             return
         run.chunk_ended(chunk_id, lines, failure, final)
+        _write_progress(run)
         more = () if run.stopped is not None else self._submit_chunks(run)
         if more or run.running():
             if self.scheduler is not None:
@@ -281,6 +287,17 @@ class MapShell:
         if not cancel.running:  # the plan has dropped the task: record its end, nothing more to tell it
             self.maps.pop(run.spec.name, None)
             self._end_task(str(run.task), "CANCELLED", cancel.reason)
+
+
+def _write_progress(run: MapRun) -> None:
+    path = run.progress_file
+    if path is None:
+        return
+    try:
+        ds.write_json_atomic(path, {"text": run.progress_text(), "items": run.counts(), "total": len(run.items),
+                                    "time": time.time()}, durable=False)
+    except OSError as exc:  # only the display misses it
+        log.warning("stage %s: map progress not recorded (%s)", run.spec.name, exc)
 
 
 def _merge(files: AttemptFiles, ranks: int) -> dict[int, dict[str, Any]]:

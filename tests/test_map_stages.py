@@ -389,3 +389,28 @@ def test_gpu_items_run_at_once_on_disjoint_fake_gpus(project: Path) -> None:
     assert overlapping, "no two items ran at the same time"
     assert all(a["cuda"] != b["cuda"] for a, b in overlapping), overlapping
     assert len({r["cuda"] for r in seen}) >= 2
+
+
+def test_serve_shows_a_map_stage_as_one_row_with_its_items(project: Path) -> None:
+    import signal
+    import urllib.request
+
+    (project / "marks" / "bad.txt").write_text("3")
+    (project / "p.py").write_text(FAILING.replace("MAXF", "1"))
+    stages = run(project)
+    serve = subprocess.Popen([*HETFLOW, "serve", stages["_run"]["id"], "--port", "0", "--workdir",
+                              str(project / "work")], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert serve.stdout is not None
+        line = serve.stdout.readline()
+        url = line.split(" at ", 1)[1].split()[0]
+        with urllib.request.urlopen(url + "api/status", timeout=30) as answer:
+            shown = json.loads(answer.read())
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=30)
+    [work] = [s for s in shown["stages"] if s["name"] == "work"]
+    assert work["state"] == "DONE" and work["items"] == {"DONE": 7, "FAILED": 1}
+    assert work["progress"]["text"] == "items 7/8, 1 failed" and work["progress"]["total"] == 8
+    assert work["cache"]["reason"].startswith("map 8 items: 0 cached, 7 ran, 1 failed")
