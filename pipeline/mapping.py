@@ -53,7 +53,7 @@ class Item:
     key: str
     label: str
     """For people: the file (relative to the script), the row, ``partition 3``, the grid point."""
-    field: tuple[str, Any]
+    where: tuple[str, Any]
     """What the worker gets (:attr:`WorkerSpec.items`): ``("file", path)``, ``("row", i)``, ``("partition", i)``,
     ``("point", {...})``."""
     directory: str = ""
@@ -68,7 +68,7 @@ class Item:
     """``[rank 0's log file, start, end]``: the span of the file the item's output is in."""
 
     def to_spec(self, outputs: Sequence[str]) -> dict[str, Any]:
-        return {"index": self.index, "key": self.key, self.field[0]: self.field[1],
+        return {"index": self.index, "key": self.key, self.where[0]: self.where[1],
                 "outputs": {name: os.path.join(self.directory, name) for name in outputs}}
 
 
@@ -148,7 +148,7 @@ def capacity(spec: StageSpec, cores: int, gpus: int) -> int:
     fits = cores // max(1, request.ranks * request.cores_per_rank)
     if request.gpus_per_rank:
         fits = min(fits, gpus // (request.ranks * request.gpus_per_rank))
-    return max(1, fits)
+    return max(1, int(fits))
 
 
 def _intact(item: Item) -> bool:
@@ -176,7 +176,7 @@ def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id
     ``outputs``, ``run_id``, ``cached_from``) produced with intact files, this run's own first."""
     for item in items:
         for record in sorted(earlier.get(item.key, ()), key=lambda r: r.run_id != run_id):
-            candidate = Item(item.index, item.key, item.label, item.field, directory=record.directory,
+            candidate = Item(item.index, item.key, item.label, item.where, directory=record.directory,
                              outputs=dict(record.outputs or {}))
             if _intact(candidate):
                 item.state, item.directory, item.outputs = "CACHED", record.directory, candidate.outputs

@@ -92,7 +92,7 @@ class MapShell:
         if spec.name not in self.rerun:  # --rerun: every item runs again, whatever the items' cache says
             mapping.reusable(items, earlier, self.run_id)
         run.recount()  # the items' directories are made by their ranks as they write (write_partition)
-        submitted = self._submit_chunks(run)
+        submitted: tuple[TaskSubmitted, ...] = self._submit_chunks(run)
         if not submitted:
             ready.append(run)
         return submitted

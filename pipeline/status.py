@@ -228,7 +228,7 @@ def item_log(store: Store, run_id: str | None, stage: str, index: int) -> tuple[
                                                              MapItemRecord.stage == stage,
                                                              MapItemRecord.index == index)).first()
         assert record is not None
-        ran = record
+        ran: MapItemRecord | None = record
         if record.log is None:  # reused: the run that ran it has its output
             ran = session.scalars(select(MapItemRecord).where(MapItemRecord.key == record.key,
                                                               MapItemRecord.log.is_not(None))

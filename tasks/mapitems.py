@@ -39,7 +39,8 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
     """Run the items of ``spec`` on this rank; the rank's own result says whether the loop itself ran."""
     import dataclasses
 
-    from .worker import RankError, _load_function, _pin, error_message
+    from .protocol import RankError
+    from .worker import _load_function, _pin, error_message
 
     files = AttemptFiles(spec.attempt_dir)
     log = logging.getLogger(f"hetflow.stage.{spec.stage}")
@@ -226,8 +227,7 @@ def _forked(shared: _Shared, item: Mapping[str, Any]) -> dict[str, Any]:
         code = 1
         try:
             os.close(read_end)
-            line = shared.run(item)
-            data = json.dumps(line).encode()
+            data = json.dumps(shared.run(item)).encode()
             view = memoryview(data)
             while view:
                 view = view[os.write(write_end, view):]
@@ -245,8 +245,8 @@ def _forked(shared: _Shared, item: Mapping[str, Any]) -> dict[str, Any]:
             chunks.append(chunk)
     _, status = os.waitpid(pid, 0)
     try:
-        line: dict[str, Any] = json.loads(b"".join(chunks))
-        return line
+        found: dict[str, Any] = json.loads(b"".join(chunks))
+        return found
     except ValueError:
         how = f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else \
             f"exit code {os.WEXITSTATUS(status)}"
