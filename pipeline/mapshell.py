@@ -194,7 +194,9 @@ class MapShell:
         run = self.chunk_of.pop(chunk_id, None)
         if run is None:
             return
+        indices = list(run.chunks.get(chunk_id, ()))
         run.chunk_ended(chunk_id, lines, failure, final)
+        self._record_items_done(run, indices)
         _write_progress(run)
         more = () if run.stopped is not None else self._submit_chunks(run)
         if more or run.running():
@@ -257,14 +259,20 @@ class MapShell:
                 record.params_read = None
             session.execute(delete(MapItemRecord).where(MapItemRecord.run_id == self.run_id,
                                                         MapItemRecord.stage == spec.name))
-            rows = [{"run_id": self.run_id, "stage": spec.name, "index": item.index, "key": item.key,
-                     "label": item.label, "state": item.state, "tries": item.tries, "error": item.error,
-                     "directory": item.directory, "outputs": item.outputs or None, "cached_from": item.cached_from,
-                     "started": item.started, "ended": item.ended, "log": item.log} for item in run.items]
+            rows = [_row(self.run_id, spec.name, item) for item in run.items]
             if rows:
                 session.execute(insert(MapItemRecord), rows)
             self.store.event(session, self.run_id, "task", str(run.task), state, error=error,
                              items=run.counts())
+
+    def _record_items_done(self: Any, run: MapRun, indices: list[int]) -> None:
+        """The items of a chunk that succeeded, recorded as it ends (with the loop step's transaction): an
+        orchestrator killed before the map's end leaves them reusable, so its resume runs only the rest."""
+        done = [run.items[i] for i in indices if run.items[i].state == "DONE"]
+        if not done:
+            return
+        with self.store.session() as session:
+            session.execute(insert(MapItemRecord), [_row(self.run_id, run.spec.name, item) for item in done])
 
     # --------------------------------------------------------------- cancel
     def _cancel_map(self: Any, run: MapRun, cancel: CancelTask) -> None:
@@ -287,6 +295,14 @@ class MapShell:
         if not cancel.running:  # the plan has dropped the task: record its end, nothing more to tell it
             self.maps.pop(run.spec.name, None)
             self._end_task(str(run.task), "CANCELLED", cancel.reason)
+
+
+def _row(run_id: str, stage: str, item: Any) -> dict[str, Any]:
+    """``item`` as a :class:`MapItemRecord`'s columns."""
+    return {"run_id": run_id, "stage": stage, "index": item.index, "key": item.key, "label": item.label,
+            "state": item.state, "tries": item.tries, "error": item.error, "directory": item.directory,
+            "outputs": item.outputs or None, "cached_from": item.cached_from, "started": item.started,
+            "ended": item.ended, "log": item.log}
 
 
 def _write_progress(run: MapRun) -> None:

@@ -414,3 +414,59 @@ def test_serve_shows_a_map_stage_as_one_row_with_its_items(project: Path) -> Non
     assert work["state"] == "DONE" and work["items"] == {"DONE": 7, "FAILED": 1}
     assert work["progress"]["text"] == "items 7/8, 1 failed" and work["progress"]["total"] == 8
     assert work["cache"]["reason"].startswith("map 8 items: 0 cached, 7 ran, 1 failed")
+
+
+SLOW = '''
+import os
+import time
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("slow")
+
+
+@pipe.stage(map_over={"n": list(range(24))}, outputs=["out"])
+def slow(ctx):
+    with open(os.path.join(os.environ["MARKS"], "ran.txt"), "a") as fh:
+        fh.write(f"{ctx.params['n']}\\n")
+    time.sleep(0.3)
+    return {"out": pa.table({"n": [ctx.params["n"]]})}
+
+
+pipe.run()
+'''
+
+
+def test_a_killed_orchestrator_s_resume_runs_only_the_items_it_had_not_finished(project: Path) -> None:
+    import os
+    import signal
+    import sqlite3
+
+    (project / "p.py").write_text(SLOW)
+    started = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--workdir", str(project / "work")],
+                               cwd=project, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    db = project / "work" / "hetflow.db"
+    deadline = time.time() + 120
+    done: list[int] = []
+    while time.time() < deadline and not done:
+        time.sleep(0.2)
+        try:
+            with sqlite3.connect(db) as conn:
+                done = [r[0] for r in conn.execute("SELECT \"index\" FROM map_items WHERE state='DONE'")]
+        except sqlite3.Error:
+            continue
+    assert done, "no chunk of the map ended in time"
+    os.killpg(started.pid, signal.SIGKILL)  # the orchestrator and its chunks, at once: nothing more recorded
+    started.wait(timeout=30)
+    with sqlite3.connect(db) as conn:
+        run_id, = conn.execute("SELECT id FROM runs").fetchone()
+        done = sorted(r[0] for r in conn.execute("SELECT \"index\" FROM map_items WHERE state='DONE'"))
+    assert 0 < len(done) < 24
+    ran(project / "marks")
+    resumed = hetflow(project, "resume", run_id, "--no-progress")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    again = {int(n) for n in ran(project / "marks")}
+    assert again == set(range(24)) - set(done)  # exactly the items the killed session had not finished
+    shown = json.loads(hetflow(project, "status", run_id, "--json").stdout)
+    assert Dataset(shown["datasets"]["out"]).to_table()["n"].to_pylist() == list(range(24))
