@@ -470,3 +470,18 @@ def test_a_killed_orchestrator_s_resume_runs_only_the_items_it_had_not_finished(
     assert again == set(range(24)) - set(done)  # exactly the items the killed session had not finished
     shown = json.loads(hetflow(project, "status", run_id, "--json").stdout)
     assert Dataset(shown["datasets"]["out"]).to_table()["n"].to_pylist() == list(range(24))
+
+
+def test_a_map_run_can_be_removed_and_its_items_run_again_after(project: Path) -> None:
+    (project / "p.py").write_text(GRID.replace("LRS", "[0.1]"))
+    first = run(project)
+    ran(project / "marks")
+    (project / "p.py").write_text(GRID.replace("LRS", "[0.1, 0.2]"))
+    second = run(project)  # reuses the first run's items, in its own dataset
+    assert ran(project / "marks") == ["0.2/1", "0.2/2"]
+    removed = hetflow(project, "rm", first["_run"]["id"])
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert len(rows(second, "fits")) == 4  # its output holds its own links to the removed run's files
+    (project / "p.py").write_text(GRID.replace("LRS", "[0.1, 0.2, 0.3]"))
+    run(project)  # the removed run's items are gone: they run again, the second run's are reused
+    assert ran(project / "marks") == ["0.1/1", "0.1/2", "0.3/1", "0.3/2"]
