@@ -101,6 +101,7 @@ class Pipeline:
         self.workdir = None if workdir is None else Path(workdir)
         self.db = db
         self.stages: dict[str, StageSpec] = {}
+        self._producers: dict[str, str] = {}  # output dataset -> the stage declared to make it
 
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, pilot={self.pilot!r}, stages={list(self.stages)})"
@@ -155,10 +156,10 @@ class Pipeline:
                     check_name(f"{kind} dataset", dataset, where=where)
             if len(set(outputs)) != len(outputs) or len(set(inputs)) != len(inputs):
                 raise PipelineError(f"{where}: a dataset is listed twice in inputs {list(inputs)} or outputs {list(outputs)}")
-            for other in self.stages.values():
-                clash = set(outputs) & set(other.outputs)
-                if clash:
-                    raise PipelineError(f"{where}: output {sorted(clash)[0]!r} is already produced by stage {other.name!r}")
+            for dataset in sorted(outputs):  # a look-up per output: declaring N stages stays linear in N
+                other = self.stages.get(self._producers.get(dataset, ""))
+                if other is not None and dataset in other.outputs:
+                    raise PipelineError(f"{where}: output {dataset!r} is already produced by stage {other.name!r}")
             import pyarrow as pa
 
             for dataset, schema in (schemas or {}).items():
@@ -176,7 +177,8 @@ class Pipeline:
             if mapped is None and max_failures:
                 raise PipelineError(f"{where}: max_failures is for map stages (map_over=...); a plain stage "
                                     "has one task, which fails or not")
-            _check_signature(fn, tuple(inputs), where)
+            if not os.environ.get(WORKER_ENV):  # a worker executes a script the run checked when it started
+                _check_signature(fn, tuple(inputs), where)
             if not isinstance(retries, int) or retries < 0:
                 raise PipelineError(f"{where}: retries must be an integer >= 0, got {retries!r}")
             if timeout is not None and timeout <= 0:
@@ -196,6 +198,7 @@ class Pipeline:
                                                 retries=retries, timeout=timeout, schemas=dict(schemas or {}),
                                                 files=tuple(files), env=declared_env, map_over=mapped,
                                                 max_failures=failures_allowed)
+            self._producers.update((dataset, stage_name) for dataset in outputs)
             return fn
 
         return register(func) if func is not None else register

@@ -67,7 +67,8 @@ from .protocol import FORK_SERVER
 log = logging.getLogger(__name__)
 
 PRELOAD = ("pyarrow", "hetflow.tasks.worker", "hetflow.tasks.context", "hetflow.tasks.script",
-           "hetflow.operators.dataset", "hetflow.pipeline")
+           "hetflow.tasks.witness", "hetflow.tasks.ledger", "hetflow.operators.dataset",
+           "hetflow.operators.settings", "hetflow.operators.errors", "hetflow.pipeline")
 """What every rank imports anyway; the user's script and its imports are left to each child."""
 
 LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL")
@@ -213,6 +214,10 @@ def _preload_stage(job: Job) -> bool:
         source = Path(path).read_bytes() if path else b""
     except OSError:
         source = b""
+    if spec.function.module == "__main__" and path and source:
+        from hetflow.tasks.script import prepare
+
+        prepare(path, source)  # parsed and compiled once here, executed by each task
     before = _threads()  # pyarrow's own (its allocator's): there before the server forked anything
     saved_env, saved_fds = dict(os.environ), (os.dup(0), os.dup(1))
     for vendor in GPU_VENDORS:  # as a rank without GPUs sees it: nothing initialises a GPU before a fork
@@ -367,6 +372,8 @@ def _preload() -> None:
         importlib.import_module(name)
     if importlib.util.find_spec("pandas") is not None:
         importlib.import_module("pandas")  # pyarrow loads it for pa.table(dict) and to_pandas(): once, here
+        importlib.import_module("pyarrow.pandas_compat")  # and these, on the first table it makes
+        importlib.import_module("pyarrow.vendored.version")
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)

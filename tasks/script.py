@@ -15,6 +15,10 @@ top-level module, written in Python, not yet imported, whose bound name the
 script uses somewhere (a module imported only for its side effects stays
 eager).  ``from X import Y``, ``import X.Y``, C extensions, modules already
 imported and every import made by other modules load as usual.
+
+The fork server reads and compiles a script once (:func:`prepare`), so each
+task it forks executes the code object instead of parsing and compiling the file
+again; a file that no longer has the prepared content is compiled afresh.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ _LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.Sourceless
 """Loaders whose modules can be executed later (a C extension is created when it is found)."""
 
 
-def deferrable(source: str) -> frozenset[str]:
+def deferrable(source: str | bytes) -> frozenset[str]:
     """The top-level modules the script imports as ``import X [as Y]`` at module level and uses by name."""
     tree = ast.parse(source)
     bound: dict[str, str] = {}  # name in the script -> module
@@ -83,6 +87,30 @@ class _Deferring(importlib.abc.MetaPathFinder):
         return frame is not None and frame.f_globals is self.namespace and frame.f_code.co_name == "<module>"
 
 
+_PREPARED: dict[tuple[str, str], tuple[frozenset[str], types.CodeType]] = {}
+"""(path, sha256 of the file's bytes) -> what :func:`import_script` needs: deferrable names, code object."""
+
+
+def _digest(source: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(source).hexdigest()
+
+
+def prepare(path: str, source: bytes) -> None:
+    """Analyse and compile the script ``path`` (its bytes ``source``) once, for every later
+    :func:`import_script` of the same content in this process and the processes forked from it.
+
+    Nothing of the script runs here; a file that does not compile is left to the task that
+    executes it (which reports the error as a cold start would)."""
+    try:
+        code = compile(source, path, "exec", dont_inherit=True)  # as the source loader compiles it
+        names = deferrable(source)
+    except (SyntaxError, ValueError, UnicodeDecodeError):
+        return
+    _PREPARED[(path, _digest(source))] = (names, code)
+
+
 SCRIPT_MODULE = "__hetflow_script__"
 """The name a worker gives the pipeline script it executes."""
 
@@ -123,13 +151,25 @@ def import_script(path: str, module_name: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        names = deferrable(Path(path).read_text())
-    except (SyntaxError, ValueError, OSError, UnicodeDecodeError):
-        names = frozenset()  # the loader reports what is wrong with the file
+        source = Path(path).read_bytes()
+    except OSError:
+        source = None  # the loader reports what is wrong with the file
+    prepared = _PREPARED.get((path, _digest(source))) if source is not None else None
+    if prepared is not None:
+        names, code = prepared
+    else:
+        code = None
+        try:
+            names = deferrable(source) if source is not None else frozenset()
+        except (SyntaxError, ValueError, UnicodeDecodeError):
+            names = frozenset()  # the loader reports what is wrong with the file
     finder = _Deferring(module.__dict__, names)
     sys.meta_path.insert(0, finder)
     try:
-        spec.loader.exec_module(module)
+        if code is not None:
+            exec(code, module.__dict__)  # what the loader's exec_module does with the code it compiles
+        else:
+            spec.loader.exec_module(module)
     finally:
         sys.meta_path.remove(finder)
     return module

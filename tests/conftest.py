@@ -33,6 +33,10 @@ tests marked ``slow``, are handed out first, so the long ones do not start last.
 Each test session (each worker) gets a private ``XDG_RUNTIME_DIR``, so its own core
 ledger (:mod:`hetflow.tasks.ledger`): a run on one worker would otherwise wait for the
 cores another worker's run holds, and log a warning tests reading stderr do not expect.
+
+A SIGTERM that reaches the xdist controller is reported with its sender (pid, command line,
+ancestry) before the controller ends by it as before (:func:`_name_sigterm_senders`): once, on
+CI, every test had passed when the controller was ended so, and nothing said by whom.
 """
 
 from __future__ import annotations
@@ -75,7 +79,52 @@ def _fail_missing_component(report: pytest.TestReport | pytest.CollectReport) ->
     report.longrepr = f"skipped under CI, where every component must be installed: {reason}"
 
 
+def _describe_process(pid: int) -> str:
+    """``pid``'s command line and its ancestry, read from /proc while they are still there."""
+    chain = []
+    while pid > 0 and len(chain) < 8:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/status") as f:
+                ppid = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+        except (OSError, StopIteration, ValueError):
+            chain.append(f"{pid} (gone)")
+            break
+        chain.append(f"{pid} {command[:300]!r}")
+        pid = ppid
+    return "\n    <- ".join(chain)
+
+
+def _name_sigterm_senders() -> None:
+    """In the xdist controller: report who sends it SIGTERM, then end by it as before.
+
+    SIGTERM is blocked in this process and a thread takes it with ``sigwaitinfo``, which gives
+    the sender's pid; the workers, which inherit the mask through exec, unblock it when they
+    start (:func:`pytest_configure`).  Sent again to the thread that took it, SIGTERM then does
+    what it did before (the default: end the process)."""
+    if not (sys.platform.startswith("linux") and hasattr(signal, "sigwaitinfo")):
+        return
+    import threading
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait() -> None:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        sys.__stderr__.write(f"\n[pytest controller {os.getpid()}] SIGTERM from uid {info.si_uid}, pid "
+                             f"{_describe_process(info.si_pid)}\n")
+        sys.__stderr__.flush()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="sigterm-sender", daemon=True).start()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked in the controller
+    elif getattr(config.option, "numprocesses", None) and not UNDER_MPIEXEC:
+        _name_sigterm_senders()
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         # A non-interactive shell starts a background job (`.ci/run &`) with SIGINT ignored, every child
         # inherits that, and the tests that press Ctrl-C on hetflow (run, serve, spill) then wait for ever.

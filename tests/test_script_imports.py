@@ -128,3 +128,39 @@ def test_a_warm_stage_gets_the_scripts_installed_imports_from_the_fork_server_an
 ])
 def test_which_imports_are_deferred(source: str, expected: set[str]) -> None:
     assert deferrable(textwrap.dedent(source)) == expected
+
+
+def test_a_prepared_script_is_executed_from_its_code_and_an_edited_one_from_its_file(tmp_path: Path) -> None:
+    """The fork server compiles a script once (:func:`prepare`) and each task executes that code object, but
+    only while the file still has the content it was compiled from: an edited file is what runs."""
+    from hetflow.tasks import script
+
+    path = tmp_path / "flow.py"
+    path.write_text("VALUE = 1\n")
+    script.prepare(str(path), path.read_bytes())
+    prepared = script._PREPARED[(str(path), script._digest(path.read_bytes()))]
+    assert prepared[1].co_filename == str(path)  # tracebacks name the file, as the loader's code does
+    # the prepared code object is what runs for this content (the file is not compiled again)
+    script._PREPARED[(str(path), script._digest(path.read_bytes()))] = (prepared[0], compile("VALUE = 'prepared'",
+                                                                                             str(path), "exec"))
+    try:
+        assert script.import_script(str(path), "flow_prepared").VALUE == "prepared"
+        path.write_text("VALUE = 2\n")  # edited after the server prepared it
+        assert script.import_script(str(path), "flow_edited").VALUE == 2
+    finally:
+        script._PREPARED.clear()
+        sys.modules.pop("flow_prepared", None)
+        sys.modules.pop("flow_edited", None)
+
+
+def test_a_script_that_does_not_compile_is_not_prepared_and_fails_where_it_is_executed(tmp_path: Path) -> None:
+    from hetflow.tasks import script
+
+    path = tmp_path / "broken.py"
+    path.write_text("def oops(:\n")
+    script.prepare(str(path), path.read_bytes())
+    assert script._PREPARED == {}
+    with pytest.raises(SyntaxError) as raised:
+        script.import_script(str(path), "broken_flow")
+    assert raised.value.filename == str(path)
+    sys.modules.pop("broken_flow", None)
