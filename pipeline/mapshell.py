@@ -167,7 +167,9 @@ class MapShell:
                 self.store.event(session, self.run_id, "task", str(run.task), "RUNNING", items=len(run.items))
             self._feed(TaskStarted(run.task))
         live = self.live[chunk_id] = _Live(run.task, files.directory, instruction.slots, chunk=chunk_id)
-        timeout = None if spec.timeout is None else spec.timeout * len(items)
+        # each one-rank item is ended at the stage's timeout by its task (hetflow.tasks.mapitems); the task's
+        # own limit is a backstop, and the limit of a multi-rank task's items, which share their processes
+        timeout = None if spec.timeout is None else spec.timeout * len(items) + 10.0
         launch = LaunchSpec(task_id=chunk_id, argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
                             slots=instruction.slots, cwd=files.directory, timeout=timeout,
                             stdout=files.stdout, stderr=files.stderr)

@@ -774,6 +774,7 @@ class Orchestrator(MapShell):
             node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
             items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
+            item_timeout=spec.timeout if chunk is not None else None,
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import signal
 import socket
 import sys
 import time
@@ -240,15 +242,30 @@ def _forked(shared: _Shared, item: Mapping[str, Any]) -> dict[str, Any]:
                 os._exit(code)
     os.close(write_end)
     chunks = []
-    with os.fdopen(read_end, "rb") as pipe:
-        while chunk := pipe.read(1 << 16):
+    timeout = shared.spec.item_timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([pipe], [], [], wait)[0]:
+                os.kill(pid, signal.SIGKILL)  # past the stage's timeout: this item ends, the next one starts
+                timed_out = True
+                break
+            chunk = pipe.read(1 << 16)
+            if not chunk:
+                break
             chunks.append(chunk)
     _, status = os.waitpid(pid, 0)
     try:
+        if timed_out:
+            raise ValueError("timed out")
         found: dict[str, Any] = json.loads(b"".join(chunks))
         return found
     except ValueError:
         how = f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else \
             f"exit code {os.WEXITSTATUS(status)}"
+        if timed_out:
+            how = f"it exceeded the stage's timeout of {timeout:g}s and was killed"
         return {"index": item["index"], "key": item["key"], "status": "error", "started": time.time(),
                 "ended": time.time(), "error": f"the item's process ended without a result ({how})"}

@@ -210,6 +210,8 @@ class WorkerSpec:
     "outputs": {name: directory}}`` and one of ``"file"`` (a path), ``"row"`` or ``"partition"`` (an index
     into input ``map_input``) or ``"point"`` (a dict of parameters).  Empty: a plain stage."""
     map_input: str | None = None
+    item_timeout: float | None = None
+    """Seconds an item of a one-rank map task may run before its process is killed (the stage's ``timeout``)."""
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -229,6 +231,11 @@ class WorkerSpec:
             if not _ENV_NAME.fullmatch(name) or not (value is None or isinstance(value, str)) or "\0" in (value or ""):
                 raise ProtocolError(f"stage {self.stage!r}: env {name!r}={value!r} (expected a variable name and "
                                     "a string without NUL, or null)")
+        if self.item_timeout is not None and (isinstance(self.item_timeout, bool) or
+                                              not isinstance(self.item_timeout, (int, float)) or
+                                              not self.item_timeout > 0):
+            raise ProtocolError(f"stage {self.stage!r}: item_timeout={self.item_timeout!r} (expected seconds > 0, "
+                                "or null)")
         for item in self.items:
             if not isinstance(item.get("index"), int) or not isinstance(item.get("key"), str) or \
                     not isinstance(item.get("outputs"), Mapping) or \
@@ -254,7 +261,7 @@ class WorkerSpec:
                 "gpu_vendor": self.gpu_vendor, "memory_per_rank": self.memory_per_rank,
                 "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv),
                 "script_sha256": self.script_sha256, "items": [dict(item) for item in self.items],
-                "map_input": self.map_input}
+                "map_input": self.map_input, "item_timeout": self.item_timeout}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -285,7 +292,8 @@ class WorkerSpec:
                       "argv": top.items("argv", str, "strings", ()),
                       "script_sha256": top.get("script_sha256", (str, type(None)), "a string or null", None),
                       "items": tuple(top.items("items", dict, "objects", ())),
-                      "map_input": top.get("map_input", (str, type(None)), "a string or null", None)}
+                      "map_input": top.get("map_input", (str, type(None)), "a string or null", None),
+                      "item_timeout": top.get("item_timeout", (int, float, type(None)), "a number or null", None)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:

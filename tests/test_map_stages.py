@@ -485,3 +485,33 @@ def test_a_map_run_can_be_removed_and_its_items_run_again_after(project: Path) -
     (project / "p.py").write_text(GRID.replace("LRS", "[0.1, 0.2, 0.3]"))
     run(project)  # the removed run's items are gone: they run again, the second run's are reused
     assert ran(project / "marks") == ["0.1/1", "0.1/2", "0.3/1", "0.3/2"]
+
+
+STUCK = '''
+import time
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("stuck")
+
+
+@pipe.stage(map_over={"n": [0, 1, 2, 3]}, timeout=2, max_failures=1, outputs=["out"])
+def stuck(ctx):
+    if ctx.params["n"] == 1:
+        time.sleep(600)
+    return {"out": pa.table({"n": [ctx.params["n"]]})}
+
+
+pipe.run()
+'''
+
+
+def test_an_item_past_the_timeout_ends_alone_and_the_others_go_on(project: Path) -> None:
+    (project / "p.py").write_text(STUCK)
+    started = time.perf_counter()
+    stages = run(project)
+    assert time.perf_counter() - started < 60  # not 600 s, nor the task's limit of every item's timeout
+    assert [r["n"] for r in rows(stages, "out")] == [0, 2, 3]
+    listed = json.loads(hetflow(project, "status", stages["_run"]["id"], "stuck", "--items", "--json").stdout)
+    [failed] = [i for i in listed["items"] if i["state"] == "FAILED"]
+    assert failed["index"] == 1 and "exceeded the stage's timeout of 2s and was killed" in failed["error"]
