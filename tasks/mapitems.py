@@ -190,7 +190,9 @@ class _Shared:
             ctx = StageContext(comm=self.comm, stage=spec.stage, run_id=spec.run_id, attempt=spec.attempt,
                                params=params, workdir=spec.attempt_dir, checkpoint_dir=spec.checkpoint_dir,
                                cores=slot.cores, gpus=slot.gpus, node=spec.nodes[slot.node], log=self.log,
-                               files=tuple(Path(f) for f in spec.files), env=spec.env, item=value,
+                               # a file item's key covers its own file only: so do its ctx.files
+                               files=(value,) if "file" in item else tuple(Path(f) for f in spec.files),
+                               env=spec.env, item=value,
                                item_index=int(item["index"]))
             with operator_settings(spec):
                 tables = _check_result(spec.stage, self.func(ctx, *inputs), list(spec.outputs))
