@@ -8,6 +8,7 @@ table (128 int64 values), on two workers (the 2-core machine):
 
 - ``hetflow decorated``: a script of N ``@pipe.stage`` functions;
 - ``hetflow loop``: the same N stages made by a factory in a ``for`` loop;
+- ``hetflow map``: one map stage of N items (``map_over={"i": range(N)}``), one output of N partitions;
 - ``hetflow torch class``: the loop script with a ``torch.nn.Module`` subclass
   at module level (as ``hf.ml.register_architecture`` needs), which no stage uses;
 - ``parsl``: a ``@python_app`` returning the table's bytes, HighThroughputExecutor
@@ -64,6 +65,12 @@ for i in range({n}):
     pipe.stage(make(i), name=f"s{{i}}", outputs=[f"out{{i}}"])
 '''
 
+MAP = '''
+@pipe.stage(map_over={{"i": list(range({n}))}}, outputs=["out"])
+def items(ctx):
+    return {{"out": pa.table({{"x": pa.array(range({rows}), pa.int64())}})}}
+'''
+
 TORCH = '''import torch
 
 
@@ -85,6 +92,8 @@ def script(style: str, n: int) -> str:
     head = SCRIPT_HEAD.format(torch=TORCH if style == "torch" else "")
     if style == "decorated":
         body = "".join(DECORATED.format(i=i, rows=ROWS) for i in range(n))
+    elif style == "map":
+        body = MAP.format(n=n, rows=ROWS)
     else:
         body = LOOP.format(n=n, rows=ROWS)
     return textwrap.dedent(head) + body + SCRIPT_TAIL
@@ -189,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tasks < 4 or args.repeats < 1:
         parser.error("--tasks must be >= 4 and --repeats >= 1")
     styles = [s for s in args.styles.split(",") if s]
-    unknown = set(styles) - {"decorated", "loop", "torch"}
+    unknown = set(styles) - {"decorated", "loop", "torch", "map"}
     if unknown:
-        parser.error(f"unknown --styles {sorted(unknown)} (known: decorated, loop, torch)")
+        parser.error(f"unknown --styles {sorted(unknown)} (known: decorated, loop, torch, map)")
     if "torch" in styles:
         try:
             import torch  # noqa: F401

@@ -339,14 +339,16 @@ def _full_paths(function: Any) -> Any:
 
 def write_partition(directory: "str | os.PathLike[str]", index: int,
                     data: "pa.Table | Iterable[pa.RecordBatch]", *, schema: pa.Schema | None = None,
-                    rank: int = 0, node: str | None = None) -> PartitionInfo:
+                    rank: int = 0, node: str | None = None, durable: bool = True) -> PartitionInfo:
     """Write one partition atomically (temp file, fsync, rename); return what the manifest records.
 
     ``data`` is a table or an iterable of record batches (streamed, so a rank
     never needs its whole output in memory); ``schema`` is required for an
     iterable.  ``node`` is the name recorded for the node holding the file:
     a pilot passes its own name for the node (the one its placement uses);
-    left out, this host's name.
+    left out, this host's name.  ``durable=False`` leaves out the ``fsync`` of the file and its
+    directory: for writers whose partitions are checked against their checksums before any reuse
+    (a map stage's items), where one flush per tiny file would cost more than the item.
     """
     directory = Path(directory)
     name = partition_name(index)
@@ -374,7 +376,8 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
                         writer.write_batch(batch)
                         rows += batch.num_rows
                 raw.flush()
-                os.fsync(raw.fileno())
+                if durable:
+                    os.fsync(raw.fileno())
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except OSError as exc:
             _unlink_quiet(dfd, tmp)
@@ -382,7 +385,8 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
         except BaseException:
             _unlink_quiet(dfd, tmp)
             raise
-        os.fsync(dfd)
+        if durable:
+            os.fsync(dfd)
     finally:
         os.close(dfd)
     return PartitionInfo(file=name, rows=rows, bytes=sink.size, checksum=f"crc32:{sink.crc:08x}",

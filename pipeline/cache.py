@@ -58,6 +58,8 @@ class KeyMaterial:
     hetflow: str = __version__
     env: Mapping[str, str] = field(default_factory=dict)
     """``{declared variable: digest of its value, or "unset"}``: digests, so no value is stored in the clear."""
+    items: str = ""
+    """A map stage's items: one digest of their keys in order (:mod:`hetflow.mapping`); empty for a plain stage."""
 
     def to_json(self) -> dict[str, Any]:
         # the inputs in the order the stage function takes them: swapping two changes the result
@@ -67,6 +69,8 @@ class KeyMaterial:
                  "hetflow": self.hetflow}
         if self.env:  # only then: the keys of stages that declare none stay what they were
             found["env"] = dict(self.env)
+        if self.items:  # likewise: only a map stage's key has its items
+            found["items"] = self.items
         return found
 
     def key(self) -> str:
@@ -188,6 +192,7 @@ def describe(old: Mapping[str, Any], new: Mapping[str, Any], read: Sequence[str]
             elif before[name] != after[name]:
                 reasons.append(f"{label} {name} changed")
     for part, text in (("input_order", "the order of the inputs changed"), ("schemas", "declared schemas changed"), ("outputs", "declared outputs changed"),
+                       ("items", "its items changed"),
                        ("ranks", f"ranks changed ({old.get('ranks')} -> {new.get('ranks')})"),
                        ("hetflow", f"hetflow version changed ({old.get('hetflow')} -> {new.get('hetflow')})")):
         if old.get(part) != new.get(part):

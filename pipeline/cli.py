@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="show a run (the latest by default)")
     status.add_argument("run", nargs="?", help="run id (or a unique prefix)")
+    status.add_argument("stage", nargs="?", help="a map stage whose items to list (with --items)")
+    status.add_argument("--items", action="store_true", help="list the items of map stage STAGE")
     status.add_argument("--json", action="store_true", help="print JSON")
     _store_args(status)
 
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("stage", nargs="?", help="only this stage (default: every stage)")
     logs.add_argument("--rank", type=int, metavar="N", help="only rank N's output (no launcher lines)")
     logs.add_argument("--attempt", type=int, metavar="K", help="attempt K of STAGE (default: its latest)")
+    logs.add_argument("--item", type=int, metavar="K", help="only what item K of map stage STAGE printed")
     logs.add_argument("--follow", "-f", action="store_true",
                       help="keep printing new output (of new attempts too) until the run ends")
     _store_args(logs)
@@ -288,9 +291,38 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, si
     print(f"  output of every rank: {resume_command(status.id, args, 'logs')}")
 
 
+def _status_items(store: Any, args: argparse.Namespace) -> int:
+    """``hetflow status RUN STAGE --items``: one line per item of a map stage (or JSON)."""
+    from .status import map_items
+
+    if not (args.items and args.stage):
+        print("hetflow status: give RUN STAGE --items to list a map stage's items", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        view = map_items(store, args.run, args.stage)
+    except (KeyError, ValueError) as exc:
+        print(f"hetflow status: {exc.args[0]}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(view, indent=2))
+        return EXIT_OK
+    from .terminal import visible
+
+    counts = ", ".join(f"{n:,} {state.lower()}" for state, n in sorted(view["counts"].items()))
+    print(visible(f"{view['stage']} of run {view['run']}: {len(view['items']):,} items: {counts}", newlines=False))
+    for item in view["items"]:
+        line = f"  {item['index']:>6}  {item['state']:<8} tries={item['tries']}  {item['label']}"
+        if item["error"]:
+            line += f"  {item['error'].splitlines()[0]}"
+        print(visible(line, newlines=False))
+    return EXIT_OK
+
+
 def _status(args: argparse.Namespace) -> int:
     store = _open_store(args)
     store.reconcile_dead_runs()  # a run whose orchestrator died shows as ended, not RUNNING
+    if args.items or args.stage:
+        return _status_items(store, args)
     status = run_status(store, args.run)
     if args.json:
         print(json.dumps(status.to_json(), indent=2))
@@ -371,6 +403,19 @@ def _logs(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     args.run, args.stage = logs_target(store, args.run, args.stage)
+    if args.item is not None:
+        from .status import item_log
+        from .terminal import visible
+
+        if args.stage is None:
+            raise LogsError("--item K needs the map stage: hetflow logs RUN STAGE --item K")
+        try:
+            what, text = item_log(store, args.run, args.stage, args.item)
+        except (KeyError, ValueError) as exc:
+            raise LogsError(str(exc.args[0])) from None
+        print(visible(f"== {what}", newlines=False))
+        sys.stdout.write(visible(text))
+        return EXIT_OK
     run, attempts = run_logs(store, args.run, args.stage, args.attempt)
     if args.rank is not None and not args.follow:
         ranks = sorted({r for a in attempts for r in a.files.rank_logs()})

@@ -65,6 +65,10 @@ class StageSpec:
     env: tuple[str, ...] = ()
     """Environment variables the stage reads: their values (as the orchestrator sees them) are part of its
     cache key, and ``ctx.env`` (and ``os.environ`` in the stage) hold exactly those values."""
+    map_over: "MapSpec | None" = None
+    """A map stage's items (:class:`MapSpec`); ``None``: a plain stage, one task."""
+    max_failures: int | float = 0
+    """A map stage still succeeds with up to this many failed items (a float: this fraction of its items)."""
 
     @property
     def module(self) -> str:
@@ -100,3 +104,84 @@ class StageSpec:
     def __repr__(self) -> str:
         return (f"StageSpec(name={self.name!r}, inputs={list(self.inputs)}, outputs={list(self.outputs)}, "
                 f"request=ResourceRequest({self.request}), retries={self.retries}, timeout={self.timeout})")
+
+
+MAP_KINDS = ("files", "rows:NAME", "partitions:NAME", "a grid {name: [values]}")
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """What a map stage (``map_over=``) runs once per item over.
+
+    ``kind`` is ``files`` (each file the stage's ``files=`` name), ``rows`` or
+    ``partitions`` (of the input ``input``), or ``grid`` (the cross product of
+    ``grid``'s value lists, each point a dict of parameters).
+    """
+
+    kind: str
+    input: str | None = None
+    grid: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+
+    def points(self) -> list[dict[str, Any]]:
+        """The grid's points in order: the last name varies fastest (``itertools.product``)."""
+        import itertools
+
+        names = [name for name, _ in self.grid]
+        return [dict(zip(names, values)) for values in itertools.product(*(v for _, v in self.grid))]
+
+    def __str__(self) -> str:
+        if self.kind == "grid":
+            return "{" + ", ".join(f"{name!r}: {len(values)} values" for name, values in self.grid) + "}"
+        return self.kind if self.input is None else f"{self.kind}:{self.input}"
+
+
+def check_map(map_over: Any, *, inputs: tuple[str, ...], files: tuple[str, ...], where: str) -> MapSpec | None:
+    """``map_over=`` as a :class:`MapSpec`; :class:`PipelineError` naming what is wrong with it."""
+    import json
+
+    if map_over is None:
+        return None
+    if isinstance(map_over, Mapping):
+        if not map_over:
+            raise PipelineError(f"{where}: map_over grid is empty; give {{name: [values, ...]}}")
+        grid = []
+        for name, values in map_over.items():
+            if not isinstance(name, str) or not name:
+                raise PipelineError(f"{where}: map_over grid key {name!r} must be a parameter name (a string)")
+            if not isinstance(values, (list, tuple)):
+                raise PipelineError(f"{where}: map_over grid value for {name!r} must be a list of values, "
+                                    f"got {type(values).__name__} {values!r}")
+            if not values:
+                raise PipelineError(f"{where}: map_over grid value for {name!r} is an empty list")
+            try:
+                json.dumps(list(values), allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise PipelineError(f"{where}: map_over grid values for {name!r} must be JSON values (numbers, "
+                                    f"strings, booleans, None, lists, dicts): {exc}") from None
+            grid.append((name, tuple(values)))
+        return MapSpec("grid", grid=tuple(grid))
+    if not isinstance(map_over, str):
+        raise PipelineError(f"{where}: map_over must be one of {list(MAP_KINDS)}, got {type(map_over).__name__} "
+                            f"{map_over!r}")
+    if map_over == "files":
+        if not files:
+            raise PipelineError(f"{where}: map_over='files' needs files=[...] (the files or globs to map over)")
+        return MapSpec("files")
+    kind, _, name = map_over.partition(":")
+    if kind in ("rows", "partitions") and name:
+        if name not in inputs:
+            raise PipelineError(f"{where}: map_over={map_over!r} names {name!r}, which is not one of its inputs "
+                                f"{list(inputs)}")
+        return MapSpec(kind, input=name)
+    raise PipelineError(f"{where}: map_over={map_over!r} is not one of {list(MAP_KINDS)}")
+
+
+def check_max_failures(value: Any, *, where: str) -> int | float:
+    """``max_failures=``: a count of items (an int >= 0) or a fraction of them (a float in [0, 1))."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PipelineError(f"{where}: max_failures must be a count (int >= 0) or a fraction (float in [0, 1)), "
+                            f"got {value!r}")
+    if isinstance(value, int) and value < 0 or isinstance(value, float) and not 0.0 <= value < 1.0:
+        raise PipelineError(f"{where}: max_failures must be a count (int >= 0) or a fraction (float in [0, 1)), "
+                            f"got {value!r}")
+    return value

@@ -21,6 +21,7 @@ from hetflow.tasks.protocol import AttemptFiles
 from sqlalchemy import select
 
 from .errors import HetflowError, UnknownRun
+from .mapping import chunk_dirs
 from .store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
 from .terminal import visible
 
@@ -115,17 +116,18 @@ def run_logs(store: Store, run_id: str | None, stage: str | None = None,
                                      .order_by(StageRecord.order)))
     if stage is not None and stage not in names:
         raise LogsError(f"run {run.id} has no stage {stage!r} (stages: {names})")
-    by_stage: dict[str, list[AttemptLogs]] = {}
+    by_stage: dict[str, list[list[AttemptLogs]]] = {}
     for name, number, directory, state in rows:
-        if stage is None or name == stage:
-            by_stage.setdefault(name, []).append(AttemptLogs(name, number, Path(directory), state))
+        if stage is None or name == stage:  # a map stage's attempt: each of its chunks' directories
+            by_stage.setdefault(name, []).append([AttemptLogs(name, number, chunk, state)
+                                                  for chunk in chunk_dirs(Path(directory))])
     if attempt is None:
-        return run, [attempts[-1] for attempts in by_stage.values()]
+        return run, [logs for attempts in by_stage.values() for logs in attempts[-1]]
     if stage is None:
         raise LogsError("--attempt needs a STAGE (attempts are numbered per stage)")
-    chosen = [a for a in by_stage.get(stage, []) if a.attempt == attempt]
+    chosen = [a for chunks in by_stage.get(stage, []) for a in chunks if a.attempt == attempt]
     if not chosen:
-        have = [a.attempt for a in by_stage.get(stage, [])]
+        have = [chunks[0].attempt for chunks in by_stage.get(stage, [])]
         raise LogsError(f"stage {stage!r} of run {run.id} has no attempt {attempt} (attempts: {have})")
     return run, chosen
 
@@ -217,9 +219,15 @@ def _all_attempts(store: Store, run_id: str, stage: str | None) -> tuple[RunReco
     a follower shows retries too."""
     run, latest = run_logs(store, run_id, stage)
     attempts: list[AttemptLogs] = []
+    seen: set[tuple[str, int]] = set()
     for last in latest:
+        if (last.stage, last.attempt) in seen:
+            continue  # one of a map stage's chunks: its attempts are listed with the first
+        seen.add((last.stage, last.attempt))
+        mapped = last.directory.name != f"attempt-{last.attempt}"  # attempt-<n>-c<k>: a map stage's chunk
         for number in range(1, last.attempt + 1):
-            directory = last.directory.parent / f"attempt-{number}"
-            attempts.append(AttemptLogs(last.stage, number, directory, last.state if number == last.attempt else "",
-                                        numbered=True))
+            directory = last.directory.parent / (f"attempt-{number}-c0" if mapped else f"attempt-{number}")
+            for chunk in chunk_dirs(directory) if mapped else [directory]:
+                attempts.append(AttemptLogs(last.stage, number, chunk,
+                                            last.state if number == last.attempt else "", numbered=True))
     return run, attempts

@@ -29,6 +29,7 @@ from .store import (
     AttemptRecord,
     DatasetRecord,
     EventRecord,
+    MapItemRecord,
     PartitionRecord,
     RunRecord,
     StageRecord,
@@ -151,6 +152,7 @@ def _delete_records(session: Session, run_ids: Iterable[str]) -> None:
     dataset_ids = select(DatasetRecord.id).where(DatasetRecord.run_id.in_(ids))
     task_ids = select(TaskRecord.id).where(TaskRecord.stage_id.in_(stage_ids))
     for statement in (delete(EventRecord).where(EventRecord.run_id.in_(ids)),
+                      delete(MapItemRecord).where(MapItemRecord.run_id.in_(ids)),
                       delete(PartitionRecord).where(PartitionRecord.dataset_id.in_(dataset_ids)),
                       delete(DatasetRecord).where(DatasetRecord.run_id.in_(ids)),
                       delete(AttemptRecord).where(AttemptRecord.task_id.in_(task_ids)),

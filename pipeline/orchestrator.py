@@ -84,6 +84,8 @@ from .plan import (
     TaskStarted,
     Withdraw,
 )
+from .mapping import Item, MapRun, chunk_dirs
+from .mapshell import MapShell
 from .progress import Progress
 from .store import (
     SUCCESS,
@@ -148,10 +150,17 @@ class _Live:
     lone_death_seen: float | None = None
     ended_by_us: bool = False
     """The orchestrator cancelled the task because a rank had died alone and the launcher did not react."""
+    chunk: str | None = None
+    """A map stage's chunk task (:mod:`hetflow.mapping`): its id, which the scheduler and the backend know."""
 
     @property
     def stage(self) -> str:
         return self.task.stage
+
+    @property
+    def id(self) -> str:
+        """The id the scheduler and the backend know this running task by."""
+        return self.chunk or str(self.task)
 
 
 def where(exc: BaseException) -> str:
@@ -162,7 +171,7 @@ def where(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class Orchestrator:
+class Orchestrator(MapShell):
     def __init__(self, *, name: str, stages: Mapping[str, StageSpec], pilot: PilotDescription, run_id: str,
                  run_dir: Path, store: Store, params: Mapping[str, Any], script: str | None,
                  progress: bool | None, verify: str = "checksum", rerun: Sequence[str] = (),
@@ -180,8 +189,10 @@ class Orchestrator:
         self.verify = verify
         self.progress = Progress(enabled=progress, stream_logs=stream_logs)
         self.producer = {out: s.name for s in self.stages.values() for out in s.outputs}
-        self.nodes = [StageNode(s.name, tuple(dict.fromkeys(self.producer[d] for d in s.inputs)), s.retries,
-                                s.request.duration) for s in self.stages.values()]
+        # a map stage's retries are its items' (hetflow.mapping): the plan runs its one task once
+        self.nodes = [StageNode(s.name, tuple(dict.fromkeys(self.producer[d] for d in s.inputs)),
+                                0 if s.map_over is not None else s.retries, s.request.duration)
+                      for s in self.stages.values()]
         self.plan = RunPlan(run_id, self.nodes)
         unknown = sorted(set(rerun) - set(self.stages) - {"all"})
         if unknown:
@@ -214,6 +225,11 @@ class Orchestrator:
         """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.committed_before: frozenset[str] = frozenset()
         """The datasets this run had committed when this session of it began (a resume's)."""
+        self.maps: dict[str, MapRun] = {}
+        """The map stages executing now, by stage (:mod:`hetflow.mapping`)."""
+        self.chunk_of: dict[str, MapRun] = {}
+        self.map_items: dict[str, list[Item]] = {}
+        """Each map stage's items as its key was made."""
         self.made_dirs: set[Path] = set()
         """Directories of this run this orchestrator has made (or checked) already: made once, not per attempt."""
 
@@ -293,7 +309,8 @@ class Orchestrator:
     def _reconcile(self, session: Any, record: StageRecord) -> None:
         for task in record.tasks:
             if task.attempt is not None and task.state == "RUNNING":
-                reap_orphans(AttemptFiles(Path(task.attempt.attempt_dir)))
+                for directory in chunk_dirs(Path(task.attempt.attempt_dir)):  # a map stage's: every chunk's
+                    reap_orphans(AttemptFiles(directory))
             if task.state in ("RUNNING", "QUEUED"):
                 task.state = "FAILED"
                 task.reason = "the orchestrator that owned this task ended without recording its outcome"
@@ -346,7 +363,7 @@ class Orchestrator:
             return "CANCELLED"
         except LeaseLost:
             for live in list(self.live.values()):  # ours to stop; the record is the new owner's now
-                backend.cancel(str(live.task))
+                backend.cancel(live.id)
             self.final = "LOST"
             raise
         except BaseException as exc:
@@ -394,8 +411,11 @@ class Orchestrator:
                     continue
                 self._finish(live, outcome)
             for live in list(self.live.values()):  # did not end in time: recorded as cancelled anyway
-                del self.live[str(live.task)]
-                self._feed(AttemptEnded(live.task, "CANCELLED", reason))
+                del self.live[live.id]
+                if live.chunk is not None:
+                    self._chunk_gone(live.chunk, {}, reason, "CANCELLED")
+                else:
+                    self._feed(AttemptEnded(live.task, "CANCELLED", reason))
             self._close(state, reason)
         except Exception as exc:  # noqa: BLE001 - already failing; say what could not be recorded
             log.error("run %s: could not record its end (%s)", self.run_id, where(exc))
@@ -410,7 +430,10 @@ class Orchestrator:
         while events:
             for instruction in self.plan.handle_event(events.popleft()):
                 if isinstance(instruction, LookUpCache):
-                    events.append(self._look_up(self.stages[instruction.stage]))
+                    checked = self._look_up(self.stages[instruction.stage])
+                    if checked.hit and self.stages[instruction.stage].map_over is not None:
+                        self._note_map_hit(instruction.stage)
+                    events.append(checked)
                 elif isinstance(instruction, Enqueue):
                     self._record_task(instruction)
                     batch.append(instruction)
@@ -427,9 +450,16 @@ class Orchestrator:
             now = time.time()
             tasks = tuple(TaskSubmitted(str(e.task), self.stages[e.task.stage].request, now,
                                         self.priority[e.task.stage], self._preferred_nodes(e.task.stage),
-                                        self.branch[e.task.stage]) for e in batch)
+                                        self.branch[e.task.stage]) for e in batch
+                          if self.stages[e.task.stage].map_over is None)
+            ready: list[MapRun] = []
+            for e in batch:
+                if self.stages[e.task.stage].map_over is not None:
+                    tasks += self._start_map(e.task, ready)
             released = () if finished is None else (finished,)
             self._apply(self.scheduler.handle_event(TasksSubmitted(tasks, now, released)))
+            for run in ready:  # every item reused: nothing to place
+                self._complete_map(run)
 
     def _withdraw(self, stage: str) -> None:
         for name in self.stages[stage].outputs:
@@ -447,6 +477,11 @@ class Orchestrator:
         assert self.scheduler is not None
         launches: list[tuple[_Live, LaunchSpec]] = []
         for instruction in instructions:
+            if instruction.task_id in self.chunk_of:
+                chunk = self._apply_chunk(instruction)
+                if chunk is not None:
+                    launches.append(chunk)
+                continue
             task = self.plan.task(instruction.task_id)
             if isinstance(instruction, StartTask):
                 try:
@@ -479,7 +514,7 @@ class Orchestrator:
             self._feed(Drain("not started before the pilot's walltime ran out"))
         if now >= self.deadline:
             for live in list(self.live.values()):
-                text = str(live.task)
+                text = live.id
                 if text not in self.cut_off and self.backend is not None:
                     self.cut_off.add(text)
                     self.backend.cancel(text)
@@ -497,7 +532,7 @@ class Orchestrator:
                 log.warning("stage %s: a rank ended by itself %.0f s ago and the launcher has not ended the "
                             "others; ending the task", live.stage, now - live.lone_death_seen)
                 live.ended_by_us = True
-                self.backend.cancel(str(live.task))
+                self.backend.cancel(live.id)
 
     def _watch_cancel(self) -> None:
         who = self.store.cancel_request(self.run_id)
@@ -518,12 +553,13 @@ class Orchestrator:
             self._check_values_workers_see(spec, self.code[spec.name])
         base = Path(spec.path).parent if spec.path else Path.cwd()
         self.looked[spec.name] = (time.time(), _file_stats(spec.files, base))
-        return cache.KeyMaterial(
+        material = cache.KeyMaterial(
             code=self.code[spec.name], files=file_fingerprint(spec.files, base) if spec.files else {},
             env=cache.env_digests(self.stage_env(spec)),
             inputs={name: self.fingerprints[name] for name in spec.inputs},
             schemas={name: ds.schema_to_text(schema) for name, schema in sorted(spec.schemas.items())},
             outputs=tuple(spec.outputs), ranks=spec.request.ranks)
+        return material if spec.map_over is None else self._map_material(spec, material, base)
 
     def _check_values_workers_see(self, spec: StageSpec, code: Mapping[str, str]) -> None:
         """Refuse a stage that reads a global its script sets only where its ranks never execute it (the
@@ -661,6 +697,9 @@ class Orchestrator:
             self.store.event(session, self.run_id, "task", str(enqueue.task), "QUEUED", reason=enqueue.reason)
 
     def _cancel(self, cancel: CancelTask) -> None:
+        if cancel.task.stage in self.maps:
+            self._cancel_map(self.maps[cancel.task.stage], cancel)
+            return
         text = str(cancel.task)
         if cancel.running:
             if self.backend is not None:
@@ -730,16 +769,22 @@ class Orchestrator:
                             stdout=files.stdout, stderr=files.stderr)
         return live, launch
 
-    def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str]) -> AttemptFiles:
-        """The attempt's directory and spec; its outputs' directories emptied (nothing through a symlink)."""
+    def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str], *,
+                    chunk: str | None = None, items: Sequence[Mapping[str, Any]] = ()) -> AttemptFiles:
+        """The attempt's directory and spec; its outputs' directories emptied (nothing through a symlink).
+
+        ``chunk`` (a map stage's chunk task, ``c<n>``) with its ``items``: the items write to their own
+        directories, and the outputs are left as they are until the map's end assembles them."""
         stage_dir = self._private_dir(self.run_dir / "stages" / spec.name)
-        files = AttemptFiles(private_dir(stage_dir / f"attempt-{task.attempt}", base=stage_dir))
+        name = f"attempt-{task.attempt}" if chunk is None else f"attempt-{task.attempt}-{chunk}"
+        files = AttemptFiles(private_dir(stage_dir / name, base=stage_dir))
         self._private_dir(stage_dir / "checkpoints")
         outputs = {}
         for name in spec.outputs:
             target = self._private_dir(self.run_dir / "datasets" / name)
-            self._refuse_if_reused(spec.name, name, target)
-            ds.uncommit(target)
+            if chunk is None:
+                self._refuse_if_reused(spec.name, name, target)
+                ds.uncommit(target)
             outputs[name] = str(target)
         base = Path(spec.path).parent if spec.path else Path.cwd()
         shipped = self.shipped.get(spec.name)
@@ -757,6 +802,8 @@ class Orchestrator:
             gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
             node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
+            items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
+            item_timeout=spec.timeout if chunk is not None else None,
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 
@@ -796,9 +843,12 @@ class Orchestrator:
     # --------------------------------------------------------------- outcome
     def _finish(self, live: _Live, outcome: TaskOutcome) -> None:
         """An attempt ended: diagnose it, commit its outputs, record it, and tell the plan and scheduler."""
-        text = str(live.task)
+        text = live.id
         if self.live.pop(text, None) is None:
             return  # already recorded as cancelled by stop()
+        if live.chunk is not None:
+            self._finish_chunk(live, outcome)
+            return
         if outcome.lost_nodes:  # before the retry is queued: it must not go back there
             self._lose_nodes(outcome.lost_nodes)
         spec = self.stages[live.stage]
@@ -865,7 +915,7 @@ class Orchestrator:
 
     def _failure(self, spec: StageSpec, live: _Live, outcome: TaskOutcome,
                  ranks: list[RankResult | None]) -> Failure | None:
-        if str(live.task) in self.cut_off:
+        if live.id in self.cut_off:
             return Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
                            f"({self.pilot.walltime}s); resume the run in a new allocation")
         failure = diagnose(spec.name, spec.timeout, outcome, ranks, AttemptFiles(live.attempt_dir),

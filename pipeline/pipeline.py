@@ -19,7 +19,7 @@ from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 from hetflow.tasks.shipping import ships_by_value
 
-from .declaration import StageSpec, check_env, check_name
+from .declaration import StageSpec, check_env, check_map, check_max_failures, check_name
 from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption,
                      store_argv)
 
@@ -113,7 +113,8 @@ class Pipeline:
               duration: float | None = None, inputs: Sequence[str] = (), outputs: Sequence[str] = (),
               params: Mapping[str, Any] | None = None, retries: int = 0,
               timeout: float | None = None, schemas: Mapping[str, Any] | None = None,
-              files: Sequence[str] = (), env: Sequence[str] = ()) -> Any:
+              files: Sequence[str] = (), env: Sequence[str] = (), map_over: Any = None,
+              max_failures: int | float = 0) -> Any:
         """Declare a stage; the function is called once per rank as ``func(ctx, *inputs)``.
 
         It returns ``{output name: pa.Table | None}`` with this rank's partition
@@ -134,6 +135,16 @@ class Pipeline:
         notebook cell, the prompt, ``python -c``, stdin), the function is shipped to its
         workers by value (:mod:`hetflow.tasks.shipping`), and declaring a stage of the
         same name again replaces it, as re-running a cell does.
+
+        ``map_over`` makes a map stage, run once per item, each item a task with this
+        resource request and its own cache key (docs/fanout.md): ``"files"`` (each file
+        ``files=`` names; ``ctx.item`` is its path), ``"rows:NAME"`` (each row of input
+        NAME; ``ctx.item`` is the row as a dict), ``"partitions:NAME"`` (each partition
+        of input NAME, passed as that input's table) or a grid ``{name: [values]}`` (the
+        cross product; ``ctx.params`` holds each point).  Each output is one dataset of
+        the items' partitions in item order.  ``retries`` then counts per item, and
+        ``max_failures`` (a count, or a fraction of the items) lets the stage succeed
+        with that many failed items left out of its outputs.
         """
         def register(fn: F) -> F:
             stage_name = name or getattr(fn, "__name__", None)
@@ -166,6 +177,11 @@ class Pipeline:
             if isinstance(files, str) or not all(isinstance(f, str) and f for f in files):
                 raise PipelineError(f"{where}: files must be a list of paths or globs, got {files!r}")
             declared_env = check_env(env, where=where)
+            mapped = check_map(map_over, inputs=tuple(inputs), files=tuple(files), where=where)
+            failures_allowed = check_max_failures(max_failures, where=where)
+            if mapped is None and max_failures:
+                raise PipelineError(f"{where}: max_failures is for map stages (map_over=...); a plain stage "
+                                    "has one task, which fails or not")
             if not os.environ.get(WORKER_ENV):  # a worker executes a script the run checked when it started
                 _check_signature(fn, tuple(inputs), where)
             if not isinstance(retries, int) or retries < 0:
@@ -189,7 +205,8 @@ class Pipeline:
             self.stages[stage_name] = StageSpec(name=stage_name, func=fn, request=request, inputs=tuple(inputs),
                                                 outputs=tuple(outputs), params=dict(params or {}),
                                                 retries=retries, timeout=timeout, schemas=dict(schemas or {}),
-                                                files=tuple(files), env=declared_env)
+                                                files=tuple(files), env=declared_env, map_over=mapped,
+                                                max_failures=failures_allowed)
             self._producers.update((dataset, stage_name) for dataset in outputs)
             return fn
 
@@ -220,6 +237,9 @@ class Pipeline:
                     check_files(spec.files, Path(spec.path).parent if spec.path else Path.cwd())
                 except ValueError as exc:
                     raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: {exc}") from None
+            if spec.map_over is not None and pilot.backend == "radical":
+                raise PipelineError(f"pipeline {self.name!r}, stage {spec.name!r}: map stages (map_over=) run on the "
+                                    "local, slurm, parsl and dask backends, not on radical")
             try:
                 if shaped:
                     check_request(spec.request, pilot, what=f"stage {spec.name!r}")

@@ -237,6 +237,9 @@ class Progress:
                 line = old.last_line if old else ""
                 slots = old.slots if old else ""
                 ranks = old.ranks if old else spec.request.ranks
+            mapped = getattr(orchestrator, "maps", {}).get(name)
+            if mapped is not None:  # a map stage: its items' count, not one chunk's report
+                progress = mapped.progress_text()
             elapsed = None if times[0] is None else (times[1] or now) - times[0]
             self._rows[name] = StageRow(name, state, ranks, slots, elapsed, progress, line)
         return changed

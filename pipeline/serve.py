@@ -156,6 +156,11 @@ def stage_progress(log_dir: str | None) -> dict[str, Any] | None:
     ranks have reported none.  Kept once the stage has ended: its last count and loss stay readable."""
     if log_dir is None:
         return None
+    try:  # a map stage: its items' counts (hetflow.mapshell)
+        mapped = json.loads((Path(log_dir) / "map-progress.json").read_text())
+        return {"text": str(mapped["text"]), "items": dict(mapped["items"]), "total": int(mapped["total"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
     reports = AttemptFiles(Path(log_dir)).read_progress()
     if not reports:
         return None

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from hetflow.operators.dataset import Dataset
 
 from .errors import RunFailed
-from .store import DatasetRecord, RunRecord, StageRecord, Store, TaskRecord, iso
+from .store import DatasetRecord, MapItemRecord, RunRecord, StageRecord, Store, TaskRecord, iso
 from .terminal import visible
 
 
@@ -45,6 +45,8 @@ class StageStatus:
     cache_reason: str | None = None
     log_dir: str | None = None
     """The directory of the latest attempt: ``rank-<r>.log`` per rank, the launcher's ``stdout.log``/``stderr.log``."""
+    items: dict[str, int] | None = None
+    """A map stage's items by state (``{"DONE": 997, "CACHED": 3}``); ``None`` for a plain stage."""
 
     def logs(self) -> dict[str, Any] | None:
         """The latest attempt's log files (``None``: the stage never started)."""
@@ -64,6 +66,7 @@ class StageStatus:
                 "failed_rank": self.failed_rank, "signal": self.signal, "traceback": self.traceback,
                 "cached_from": self.cached_from, "outputs": list(self.outputs),
                 "cache": {"hit": self.cache_hit, "from_run": self.cached_from, "reason": self.cache_reason},
+                **({} if self.items is None else {"items": dict(self.items)}),
                 "logs": self.logs()}
 
 
@@ -149,6 +152,11 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
         run = session.get(RunRecord, found.id)
         assert run is not None
         stages = []
+        counted: dict[str, dict[str, int]] = {}
+        for stage_name, state, count in session.execute(
+                select(MapItemRecord.stage, MapItemRecord.state, func.count()).where(MapItemRecord.run_id == run.id)
+                .group_by(MapItemRecord.stage, MapItemRecord.state)):
+            counted.setdefault(stage_name, {})[state] = count
         for record in session.scalars(select(StageRecord).where(StageRecord.run_id == run.id)
                                       .order_by(StageRecord.order)):
             tasks = list(session.scalars(select(TaskRecord).where(TaskRecord.stage_id == record.id)
@@ -165,8 +173,74 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
                 failed_rank=attempt.failed_rank if attempt else None,
                 signal=attempt.signal if attempt else None, cached_from=record.cached_from,
                 outputs=tuple(record.outputs), cache_reason=record.cache_reason,
-                cache_hit=record.cache_hit, log_dir=attempt.attempt_dir if attempt else None))
+                cache_hit=record.cache_hit, log_dir=attempt.attempt_dir if attempt else None,
+                items=counted.get(record.name)))
         datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
         return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
                          ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets,
                          script=run.script, error=run.error, rerun=tuple(run.rerun or ()))
+
+
+def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
+    """The items of map stage ``stage`` of run ``run_id`` (``hetflow status RUN STAGE --items``): each item's
+    index, label, state, tries and error.  A stage reused whole from another run lists that run's items.
+    ``KeyError`` when the run has no such stage, ``ValueError`` when it is not a map stage with items."""
+    found = store.resolve_run(run_id)
+    with store.session() as session:
+        record = session.scalars(select(StageRecord).where(StageRecord.run_id == found.id,
+                                                           StageRecord.name == stage)).first()
+        if record is None:
+            names = list(session.scalars(select(StageRecord.name).where(StageRecord.run_id == found.id)
+                                         .order_by(StageRecord.order)))
+            raise KeyError(f"run {found.id} has no stage {stage!r} (stages: {names})")
+        source = found.id
+        rows = list(session.scalars(select(MapItemRecord).where(MapItemRecord.run_id == source,
+                                                                MapItemRecord.stage == stage)
+                                    .order_by(MapItemRecord.index)))
+        if not rows and record.cached_from:
+            source = record.cached_from
+            rows = list(session.scalars(select(MapItemRecord).where(MapItemRecord.run_id == source,
+                                                                    MapItemRecord.stage == stage)
+                                        .order_by(MapItemRecord.index)))
+        if not rows:
+            raise ValueError(f"stage {stage!r} of run {found.id} has no items recorded (a plain stage, or a map "
+                             "stage that has not run)")
+        counts: dict[str, int] = {}
+        for row in rows:
+            counts[row.state] = counts.get(row.state, 0) + 1
+        return {"run": found.id, "stage": stage, "items_of_run": source, "counts": counts,
+                "items": [{"index": r.index, "label": r.label, "state": r.state, "tries": r.tries,
+                           "error": r.error, "cached_from": r.cached_from, "started": iso(r.started),
+                           "ended": iso(r.ended)} for r in rows]}
+
+
+def item_log(store: Store, run_id: str | None, stage: str, index: int) -> tuple[str, str]:
+    """``(what, text)``: what item ``index`` of map stage ``stage`` printed (``hetflow logs RUN STAGE --item K``).
+
+    A reused item's output is the one it printed when it ran, in the run that ran it.  ``KeyError`` names
+    what is missing (the stage, the item, its output)."""
+    view = map_items(store, run_id, stage)
+    by_index = {item["index"]: item for item in view["items"]}
+    if index not in by_index:
+        raise KeyError(f"stage {stage!r} of run {view['run']} has no item {index} (items 0 to {len(by_index) - 1})")
+    with store.session() as session:
+        record = session.scalars(select(MapItemRecord).where(MapItemRecord.run_id == view["items_of_run"],
+                                                             MapItemRecord.stage == stage,
+                                                             MapItemRecord.index == index)).first()
+        assert record is not None
+        ran: MapItemRecord | None = record
+        if record.log is None:  # reused: the run that ran it has its output
+            ran = session.scalars(select(MapItemRecord).where(MapItemRecord.key == record.key,
+                                                              MapItemRecord.log.is_not(None))
+                                  .order_by(MapItemRecord.id.desc()).limit(1)).first()
+        if ran is None or not ran.log:
+            raise KeyError(f"item {index} ({record.label}) of stage {stage!r} has no recorded output")
+        path, start, end = ran.log
+        what = f"item {index} ({record.label}) of stage {stage!r}, run {ran.run_id}: {path}"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(int(start))
+            data = fh.read(max(0, int(end) - int(start)))
+    except OSError as exc:
+        raise KeyError(f"{what}: cannot read it ({exc.strerror or exc})") from None
+    return what, data.decode(errors="replace")

@@ -178,6 +178,32 @@ class PartitionRecord(Base):
     dataset: Mapped[DatasetRecord] = relationship(back_populates="partitions")
 
 
+class MapItemRecord(Base):
+    """One item of a map stage in one run (:mod:`hetflow.mapping`): its key, its outcome, its output partitions.
+
+    An item whose key matches a ``DONE`` or ``CACHED`` record with intact partition files is reused.
+    ``outputs`` maps each output to the item's partitions (``PartitionInfo`` JSON; ``file`` relative to
+    ``directory``/<output name>); ``label`` names the item for people (a file, a row, a grid point)."""
+
+    __tablename__ = "map_items"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    stage: Mapped[str] = mapped_column(String(256))
+    index: Mapped[int] = mapped_column(Integer)
+    key: Mapped[str] = mapped_column(String(128), index=True)
+    label: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="PENDING")
+    tries: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    directory: Mapped[str] = mapped_column(Text)
+    outputs: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    cached_from: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    started: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ended: Mapped[float | None] = mapped_column(Float, nullable=True)
+    log: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    """``[log file, start, end]``: the bytes of its rank-0 log the item's output is (``hetflow logs --item``)."""
+
+
 class EventRecord(Base):
     __tablename__ = "events"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -125,6 +125,12 @@ class StageContext:
     files: tuple[Path, ...] = ()
     env: Mapping[str, str | None] = field(default_factory=dict)
     inputs: Mapping[str, Any] = field(default_factory=dict)
+    item: Any = None
+    """A map stage's item (``map_over=``): the file's ``Path``, the row as a dict, the partition's index,
+    or the grid point as a dict; ``None`` in a plain stage."""
+    item_index: int | None = None
+    """The item's place among the map stage's items (0, 1, ...); ``None`` in a plain stage.  Its results
+    should not depend on it: an item's cache key is its content, not its place."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, TrackedParams):

@@ -206,6 +206,13 @@ class WorkerSpec:
     env: Mapping[str, str | None] = field(default_factory=dict)
     argv: tuple[str, ...] = ()
     script_sha256: str | None = None
+    items: tuple[Mapping[str, Any], ...] = ()
+    """A map stage's items for this task (:mod:`hetflow.tasks.mapitems`): each ``{"index", "key",
+    "outputs": {name: directory}}`` and one of ``"file"`` (a path), ``"row"`` or ``"partition"`` (an index
+    into input ``map_input``) or ``"point"`` (a dict of parameters).  Empty: a plain stage."""
+    map_input: str | None = None
+    item_timeout: float | None = None
+    """Seconds an item of a one-rank map task may run before its process is killed (the stage's ``timeout``)."""
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -225,6 +232,21 @@ class WorkerSpec:
             if not _ENV_NAME.fullmatch(name) or not (value is None or isinstance(value, str)) or "\0" in (value or ""):
                 raise ProtocolError(f"stage {self.stage!r}: env {name!r}={value!r} (expected a variable name and "
                                     "a string without NUL, or null)")
+        if self.item_timeout is not None and (isinstance(self.item_timeout, bool) or
+                                              not isinstance(self.item_timeout, (int, float)) or
+                                              not self.item_timeout > 0):
+            raise ProtocolError(f"stage {self.stage!r}: item_timeout={self.item_timeout!r} (expected seconds > 0, "
+                                "or null)")
+        for item in self.items:
+            if not isinstance(item.get("index"), int) or not isinstance(item.get("key"), str) or \
+                    not isinstance(item.get("outputs"), Mapping) or \
+                    not all(isinstance(k, str) and isinstance(v, str) and os.path.isabs(v)
+                            for k, v in item["outputs"].items()) or \
+                    sum(k in item for k in ("file", "row", "partition", "point")) != 1:
+                raise ProtocolError(f"stage {self.stage!r}: item {str(item)[:80]} (expected index, key, outputs "
+                                    "as absolute directories and one of file, row, partition, point)")
+            if set(item) - {"index", "key", "outputs", "file", "row", "partition", "point", "label"}:
+                raise ProtocolError(f"stage {self.stage!r}: item {str(item)[:80]} has unknown fields")
         relative = [f for f in self.files if not os.path.isabs(f)]
         if relative:
             raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths, got {relative[0]!r}")
@@ -239,7 +261,8 @@ class WorkerSpec:
                 "verify": self.verify, "schemas": dict(self.schemas), "files": list(self.files),
                 "gpu_vendor": self.gpu_vendor, "memory_per_rank": self.memory_per_rank,
                 "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv),
-                "script_sha256": self.script_sha256}
+                "script_sha256": self.script_sha256, "items": [dict(item) for item in self.items],
+                "map_input": self.map_input, "item_timeout": self.item_timeout}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -268,7 +291,10 @@ class WorkerSpec:
                       "node_local_dir": top.get("node_local_dir", (str, type(None)), "a string or null", None),
                       "env": dict(top.get("env", (dict,), "an object of strings or nulls", {})),
                       "argv": top.items("argv", str, "strings", ()),
-                      "script_sha256": top.get("script_sha256", (str, type(None)), "a string or null", None)}
+                      "script_sha256": top.get("script_sha256", (str, type(None)), "a string or null", None),
+                      "items": tuple(top.items("items", dict, "objects", ())),
+                      "map_input": top.get("map_input", (str, type(None)), "a string or null", None),
+                      "item_timeout": top.get("item_timeout", (int, float, type(None)), "a number or null", None)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:
@@ -440,6 +466,27 @@ class AttemptFiles:
 
     def rank_result(self, rank: int) -> Path:
         return self.directory / f"rank-{rank}.json"
+
+    def item_results(self, rank: int) -> Path:
+        """Rank ``rank``'s results of a map stage's items, one JSON object a line, appended as each ends."""
+        return self.directory / f"items-{rank}.jsonl"
+
+    def read_item_results(self, rank: int = 0) -> dict[int, dict[str, Any]]:
+        """``{item index: result}`` from :meth:`item_results` (a line cut short by a crash is skipped)."""
+        found: dict[int, dict[str, Any]] = {}
+        try:
+            text = self.item_results(rank).read_text()
+        except OSError:
+            return found
+        for line in text.splitlines():
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(data, dict) and isinstance(data.get("index"), int) and \
+                    data.get("status") in ("ok", "error"):
+                found[data["index"]] = data
+        return found
 
     def rank_pid(self, rank: int) -> Path:
         return self.directory / f"rank-{rank}.pid"

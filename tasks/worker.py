@@ -445,7 +445,12 @@ def run(spec_path: str) -> int:
             return mpi_comm
 
     own_output(AttemptFiles(spec.attempt_dir), rank)
-    record, comm = run_rank(spec, rank, size, get_comm)
+    if spec.items:  # a map stage's items, one after another (hetflow.tasks.mapitems)
+        from .mapitems import run_items
+
+        record, comm = run_items(spec, rank, size, get_comm)
+    else:
+        record, comm = run_rank(spec, rank, size, get_comm)
     if record.status != "ok":
         sys.stderr.flush()
         if size > 1 and comm is not None:

@@ -1,0 +1,400 @@
+"""Map stages (``map_over=``): their items, each item's cache key, and one execution's bookkeeping.
+
+The run plan sees a map stage as one stage with one task per attempt; the
+orchestrator carries that task out as several *chunk* tasks, each with the
+stage's resource request and some of its items (:mod:`hetflow.tasks.mapitems`
+runs them).  This module holds what that needs and does no scheduling:
+
+- :func:`list_items`: the items, in order, each with its identity and key.  An
+  item's key is the stage's key without what the items split (the mapped files'
+  or input's content) plus the stage's parameters and the item's identity: the
+  file's path and content hash, the partition's checksum, the row's values, the
+  grid point.  Adding a file adds one key, editing one changes one, a code change
+  changes all.
+- :class:`MapRun`: one execution's items (cached, pending, running, done,
+  failed), its chunks, per-item retries and the failures it may accept.
+- :func:`reusable` and :func:`assemble`: items reused from an intact earlier
+  output, and the stage's output datasets made of the items' partitions in item
+  order (hard links, so an earlier run's files are shared, not copied).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import stat
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetflow.operators import dataset as ds
+
+from .declaration import StageSpec
+
+CHUNK_ITEMS = 256
+"""At most this many items in one chunk task: a crash or a retry re-runs no more than that."""
+
+CHUNKS_PER_SLOT = 2
+"""Chunk tasks per place the stage fits on the pilot at once, so a slow chunk does not hold the map's end."""
+
+FAILURES_SHOWN = 3
+"""Failed items a stage's error names (the rest are counted)."""
+
+
+@dataclass
+class Item:
+    """One item of a map stage in one execution."""
+
+    index: int
+    key: str
+    label: str
+    """For people: the file (relative to the script), the row, ``partition 3``, the grid point."""
+    where: tuple[str, Any]
+    """What the worker gets (:attr:`WorkerSpec.items`): ``("file", path)``, ``("row", i)``, ``("partition", i)``,
+    ``("point", {...})``."""
+    directory: str = ""
+    state: str = "PENDING"
+    tries: int = 0
+    error: str | None = None
+    outputs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    cached_from: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    log: list[Any] | None = None
+    """``[rank 0's log file, start, end]``: the span of the file the item's output is in."""
+
+    def to_spec(self, outputs: Sequence[str]) -> dict[str, Any]:
+        return {"index": self.index, "key": self.key, self.where[0]: self.where[1],
+                "outputs": {name: os.path.join(self.directory, name) for name in outputs}}
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], params: Mapping[str, Any],
+               inputs: Mapping[str, str], items_dir: Path) -> list[Item]:
+    """The items of map stage ``spec`` now, in order, with their keys.
+
+    ``stage_key`` is the stage's key material without the mapped part; ``inputs`` maps each input to its
+    committed dataset's directory; each item's outputs go under ``items_dir``/<key>.
+    """
+    mapped = spec.map_over
+    assert mapped is not None
+    common = {"stage": stage_key, "params": dict(params)}
+    found: list[tuple[str, tuple[str, Any], Any]] = []  # (label, field, identity)
+    if mapped.kind == "files":
+        from .fingerprint import resolve_files
+
+        for path in resolve_files(spec.files, base):
+            shown = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
+            found.append((shown, ("file", str(path)), {"file": shown, "content": _file_digest(path)}))
+    elif mapped.kind == "grid":
+        for point in mapped.points():
+            found.append((json.dumps(point, sort_keys=True), ("point", point), {"point": point}))
+    elif mapped.kind == "partitions":
+        assert mapped.input is not None
+        manifest = ds.read_manifest(inputs[mapped.input])
+        schema = ds.schema_to_text(manifest.schema)
+        for i, part in enumerate(manifest.partitions):
+            found.append((f"partition {i}", ("partition", i),
+                          {"partition": f"{part.checksum}:{part.rows}:{part.bytes}", "schema": schema}))
+    else:
+        assert mapped.input is not None
+        table = ds.Dataset(inputs[mapped.input]).to_table()
+        schema = ds.schema_to_text(table.schema)
+        for i, row in enumerate(table.to_pylist()):
+            text = json.dumps(row, sort_keys=True, default=str)
+            found.append((text, ("row", i), {"row": text, "schema": schema}))
+    items = []
+    seen: dict[str, int] = {}
+    for index, (label, where, identity) in enumerate(found):
+        text = json.dumps(identity, sort_keys=True, default=str)
+        seen[text] = seen.get(text, -1) + 1  # equal items (two equal rows) are told apart by their turn
+        key = _digest({**common, "kind": mapped.kind, "item": identity, "turn": seen[text]})
+        items.append(Item(index, key, label, where, directory=str(items_dir / key[:32])))
+    return items
+
+
+def items_digest(items: Sequence[Item]) -> str:
+    """One digest of every item's key in order: a map stage's key changes when any item does."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(item.key.encode())
+    return digest.hexdigest()
+
+
+def allowed_failures(spec: StageSpec, total: int) -> int:
+    """How many failed items the stage accepts (``max_failures``: a count, or a fraction of ``total``)."""
+    limit = spec.max_failures
+    return int(limit) if isinstance(limit, int) else math.floor(limit * total)
+
+
+def capacity(spec: StageSpec, cores: int, gpus: int) -> int:
+    """How many of the stage's tasks fit on the pilot at once (at least one)."""
+    request = spec.request
+    fits = cores // max(1, request.ranks * request.cores_per_rank)
+    if request.gpus_per_rank:
+        fits = min(fits, gpus // (request.ranks * request.gpus_per_rank))
+    return max(1, int(fits))
+
+
+def _intact(item: Item) -> bool:
+    """Every partition file of the item is there, a regular file of its size and checksum."""
+    for name, parts in item.outputs.items():
+        for part in parts:
+            path = os.path.join(item.directory, name, part["file"])
+            try:
+                info = os.lstat(path)
+            except OSError:
+                return False
+            if not stat.S_ISREG(info.st_mode) or info.st_size != part["bytes"]:
+                return False
+            crc = 0
+            with open(path, "rb", buffering=0) as fh:
+                while chunk := fh.read(8 << 20):
+                    crc = zlib.crc32(chunk, crc)
+            if f"crc32:{crc:08x}" != part["checksum"]:
+                return False
+    return True
+
+
+def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id: str) -> None:
+    """Mark CACHED each item that an earlier record (``earlier[key]``: records with ``directory``,
+    ``outputs``, ``run_id``, ``cached_from``) produced with intact files, this run's own first."""
+    for item in items:
+        for record in sorted(earlier.get(item.key, ()), key=lambda r: r.run_id != run_id):
+            candidate = Item(item.index, item.key, item.label, item.where, directory=record.directory,
+                             outputs=dict(record.outputs or {}))
+            if _intact(candidate):
+                item.state, item.directory, item.outputs = "CACHED", record.directory, candidate.outputs
+                item.cached_from = record.cached_from or (None if record.run_id == run_id else record.run_id)
+                break
+
+
+class MapRun:
+    """One execution (plan attempt) of a map stage: its items and its chunk tasks."""
+
+    def __init__(self, spec: StageSpec, task: Any, items: list[Item]) -> None:
+        self.spec = spec
+        self.task = task
+        self.items = items
+        self.chunks: dict[str, list[int]] = {}
+        """Chunk task id -> the indices of its items, while it is queued or running."""
+        self.started = False
+        self.stopped: tuple[str, str] | None = None
+        """(state, reason) when the map was cancelled or cut off: nothing more is started."""
+        self.made = 0
+        self.before: dict[str, str] = {}
+        """``{label: key}`` of the items of the stage's latest earlier execution (to say what changed)."""
+        self.progress_file: Path | None = None
+        """Where the items' counts are written for ``hetflow serve`` (set when the first chunk starts)."""
+        self.tally: dict[str, int] = {}
+        """Items by state, kept as they change: the live view reads it at every step, whatever the map's size."""
+        self.recount()
+
+    def recount(self) -> None:
+        self.tally = {}
+        for item in self.items:
+            self.tally[item.state] = self.tally.get(item.state, 0) + 1
+
+    def set_state(self, item: Item, state: str) -> None:
+        self.tally[item.state] -= 1
+        self.tally[state] = self.tally.get(state, 0) + 1
+        item.state = state
+
+    def progress_text(self) -> str:
+        """``items 412/1,000 (3 cached), 8 running, 2 failed``: what the live view shows on the stage's row."""
+        done = self.tally.get("DONE", 0) + self.tally.get("CACHED", 0)
+        text = f"items {done:,}/{len(self.items):,}"
+        if self.tally.get("CACHED"):
+            text += f" ({self.tally['CACHED']:,} cached)"
+        if self.tally.get("RUNNING"):
+            text += f", {self.tally['RUNNING']:,} running"
+        if self.tally.get("FAILED"):
+            text += f", {self.tally['FAILED']:,} failed"
+        return text
+
+    def pending(self) -> list[Item]:
+        if not self.tally.get("PENDING"):
+            return []
+        return [item for item in self.items if item.state == "PENDING"]
+
+    def split(self, fits: int) -> list[tuple[str, list[Item]]]:
+        """New chunk tasks for the pending items (ids ``<task>/c<n>``), recorded as queued."""
+        pending = self.pending()
+        if not pending or self.stopped is not None:
+            return []
+        count = min(len(pending), max(fits * CHUNKS_PER_SLOT, math.ceil(len(pending) / CHUNK_ITEMS)))
+        size = math.ceil(len(pending) / count)
+        made = []
+        for start in range(0, len(pending), size):
+            chunk = pending[start:start + size]
+            chunk_id = f"{self.task}/c{self.made}"
+            self.made += 1
+            for item in chunk:
+                self.set_state(item, "QUEUED")
+            self.chunks[chunk_id] = [item.index for item in chunk]
+            made.append((chunk_id, chunk))
+        return made
+
+    def chunk_ended(self, chunk_id: str, lines: Mapping[int, Mapping[str, Any]], failure: str | None,
+                    final: str | None = None) -> None:
+        """A chunk task ended: its items' results (``lines``; several ranks' merged), and its own
+        failure when it did not end well.  ``final``: a state (CANCELLED, WALLTIME) that stops the map."""
+        indices = self.chunks.pop(chunk_id, [])
+        if final is not None and self.stopped is None:
+            self.stopped = (final, failure or final)
+        missing = []
+        for index in indices:
+            item = self.items[index]
+            line = lines.get(index)
+            if line is None:
+                missing.append(item)
+                continue
+            item.started, item.ended, item.log = line.get("started"), line.get("ended"), line.get("log")
+            if line["status"] == "ok":
+                self.set_state(item, "DONE")
+                item.error, item.outputs = None, dict(line["outputs"])
+                item.tries += 1
+            else:
+                self._failed(item, str(line.get("error") or "failed"))
+        if not missing:
+            return
+        if self.stopped is not None:
+            for item in missing:
+                self.set_state(item, "PENDING")  # never started: a resume runs it
+            return
+        # the task died: the item it was running is the first without a result; with none at all, it
+        # may have died before its first item (an import error), so every item is charged
+        charged = missing if len(missing) == len(indices) else missing[:1]
+        for item in missing:
+            if item in charged:
+                self._failed(item, failure or "its task ended before the item's result was written")
+            else:
+                self.set_state(item, "PENDING")
+
+    def _failed(self, item: Item, error: str) -> None:
+        item.tries += 1
+        item.error = error
+        self.set_state(item, "PENDING" if item.tries <= self.spec.retries else "FAILED")
+
+    def running(self) -> bool:
+        return bool(self.chunks)
+
+    def failed(self) -> list[Item]:
+        if not self.tally.get("FAILED"):
+            return []
+        return [item for item in self.items if item.state == "FAILED"]
+
+    def counts(self) -> dict[str, int]:
+        return {state: count for state, count in self.tally.items() if count}
+
+    def summary(self, changes: str = "") -> str:
+        """``map 1,000 items: 997 cached, 3 ran (data/obs-0412.csv added)``."""
+        counts = self.counts()
+        parts = [f"{counts.get('CACHED', 0):,} cached", f"{counts.get('DONE', 0):,} ran"]
+        if counts.get("FAILED"):
+            parts.append(f"{counts['FAILED']:,} failed")
+        rest = len(self.items) - sum(counts.get(s, 0) for s in ("CACHED", "DONE", "FAILED"))
+        if rest:
+            parts.append(f"{rest:,} not run")
+        text = f"map {len(self.items):,} items: " + ", ".join(parts)
+        return text + (f" ({changes})" if changes else "")
+
+    def failure_text(self) -> str:
+        failed = self.failed()
+        shown = "; ".join(f"item {item.index} ({item.label}): {(item.error or '').splitlines()[0] if item.error else ''}"
+                          for item in failed[:FAILURES_SHOWN])
+        more = f"; and {len(failed) - FAILURES_SHOWN} more" if len(failed) > FAILURES_SHOWN else ""
+        return f"{len(failed):,} of {len(self.items):,} items failed: {shown}{more}"
+
+
+def describe_changes(before: Mapping[str, str], items: Sequence[Item], most: int = 3) -> str:
+    """What changed in the items since an earlier execution (``before``: label -> key): added, changed, removed."""
+    if not before:
+        return ""
+    now = {item.label: item.key for item in items}
+    added = [label for label in now if label not in before]
+    changed = [label for label in now if label in before and before[label] != now[label]]
+    removed = [label for label in before if label not in now]
+    words = [f"{label} added" for label in added] + [f"{label} changed" for label in changed] + \
+        [f"{label} removed" for label in removed]
+    if not words:
+        return ""
+    return ", ".join(words[:most]) + (f" and {len(words) - most} more" if len(words) > most else "")
+
+
+def assemble(spec: StageSpec, items: Sequence[Item], datasets_dir: Path, producer: Mapping[str, Any]
+             ) -> dict[str, ds.Manifest]:
+    """Commit each output of ``spec`` as one dataset of the succeeded items' partitions in item order.
+
+    The partition files are hard links to the items' files (a copy where the file system refuses);
+    an output for which no item returned a table is committed empty when the stage declares its schema.
+    """
+    import shutil
+
+    committed = {}
+    for name in spec.outputs:
+        target = datasets_dir / name
+        infos: list[ds.PartitionInfo] = []
+        schema_text: str | None = None
+        first: Item | None = None
+        position = 0
+        for item in items:
+            if item.state not in ("DONE", "CACHED"):
+                continue
+            for part in sorted(item.outputs.get(name) or (), key=lambda p: p.get("rank", 0)):
+                text = part.get("schema")
+                if schema_text is None:
+                    schema_text, first = text, item
+                elif text != schema_text:
+                    assert first is not None
+                    raise ValueError(f"stage {spec.name!r}, output {name!r}: item {item.index} ({item.label}) "
+                                     f"returned a schema that differs from item {first.index}'s ({first.label}); "
+                                     "every item must return the same columns and types, or None")
+                file = f"part-{item.index:08d}-{int(part.get('rank', 0)):04d}.arrow"
+                source = os.path.join(item.directory, name, part["file"])
+                dest = target / file
+                try:
+                    os.unlink(dest)
+                except FileNotFoundError:
+                    pass
+                try:
+                    os.link(source, dest, follow_symlinks=False)
+                except OSError:
+                    shutil.copyfile(source, dest, follow_symlinks=False)
+                infos.append(ds.PartitionInfo(file=file, rows=int(part["rows"]), bytes=int(part["bytes"]),
+                                              checksum=str(part["checksum"]), node=str(part.get("node", "")),
+                                              rank=position))
+                position += 1
+        if schema_text is None:
+            if name not in spec.schemas:
+                raise ValueError(f"stage {spec.name!r}, output {name!r}: no item returned a table "
+                                 f"({len(items)} items); declare its schema (schemas=) to allow an empty output")
+            schema = spec.schemas[name]
+        else:
+            schema = ds.schema_from_text(schema_text)
+        committed[name] = ds.commit(target, name, schema, infos, producer={**producer, "ranks": max(1, position)})
+    return committed
+
+
+def chunk_dirs(directory: Path) -> list[Path]:
+    """``directory``, and when it is a map stage's chunk (``attempt-<n>-c<k>``) every chunk of that attempt."""
+    head, _, chunk = directory.name.rpartition("-c")
+    if not head.startswith("attempt-") or not chunk.isdigit():
+        return [directory]
+    found = [p for p in directory.parent.glob(f"{head}-c*") if p.name[len(head) + 2:].isdigit()]
+    return sorted(set(found) | {directory})

@@ -1,0 +1,345 @@
+"""The orchestrator's part for map stages: chunk tasks out, item results in, the outputs assembled.
+
+The run plan gives a map stage one task per attempt (its retries are the
+items', so the plan's are none).  When the plan enqueues it, the items are
+looked up one by one (:func:`hetflow.mapping.reusable`); those left are split
+into chunk tasks (``<task>/c<n>``) that the scheduler places like any task with
+the stage's request.  The plan's task starts with the first chunk and ends
+when the last has ended and no item has a retry left: DONE with the outputs
+assembled from every succeeded item (when no more than ``max_failures`` failed),
+else FAILED naming the failed items.  The items' records
+(:class:`~hetflow.store.MapItemRecord`) are what later runs reuse and what
+``hetflow status RUN STAGE --items`` lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hetflow.operators import dataset as ds
+from hetflow.tasks.backends.base import LaunchSpec, TaskOutcome
+from hetflow.tasks.protocol import AttemptFiles
+from hetflow.tasks.scheduler import RejectTask, StartTask, TaskCancelled, TasksSubmitted, TaskSubmitted
+from sqlalchemy import delete, insert, select
+
+from . import cache, mapping
+from .declaration import StageSpec
+from .mapping import MapRun
+from .plan import AttemptEnded, CancelTask, TaskId, TaskRejected, TaskStarted
+from .store import AttemptRecord, MapItemRecord, TaskRecord
+
+log = logging.getLogger(__name__)
+
+LOOK_UP_BATCH = 500
+"""Item keys looked up in the store in one query."""
+
+PROGRESS_FILE = "map-progress.json"
+"""In the directory the attempt's record names (its first chunk's): the items' counts, replaced as chunks end,
+for ``hetflow serve`` (:func:`hetflow.serve.stage_progress`), which reads no state held in the orchestrator."""
+
+
+class MapShell:
+    """Mixed into :class:`~hetflow.orchestrator.Orchestrator`; uses its store, scheduler, backend and records."""
+
+    # ------------------------------------------------------------------ key
+    def _map_material(self: Any, spec: StageSpec, material: cache.KeyMaterial, base: Path) -> cache.KeyMaterial:
+        """The stage's key material without what its items split, plus one digest of the items' keys."""
+        mapped = spec.map_over
+        assert mapped is not None
+        common = material
+        if mapped.kind == "files":
+            common = dataclasses.replace(common, files={})
+        if mapped.input is not None:
+            common = dataclasses.replace(common, inputs={name: ("mapped" if name == mapped.input else value)
+                                                         for name, value in common.inputs.items()})
+        try:
+            items = mapping.list_items(spec, base=base, stage_key=common.to_json(), params=self.stage_params(spec),
+                                       inputs=self.dataset_paths, items_dir=self.run_dir / "items" / spec.name)
+        except (ds.DatasetError, OSError) as exc:
+            raise ValueError(f"its items ({spec.map_over}) cannot be listed: {exc}") from None
+        self.map_items[spec.name] = items
+        return dataclasses.replace(material, items=mapping.items_digest(items))
+
+    def _note_map_hit(self: Any, stage: str) -> None:
+        """A map stage whose whole output was reused: its status line counts its items as cached."""
+        count = len(self.map_items.get(stage, ()))
+        with self.store.session() as session:
+            record = self._stage_record(session, stage)
+            record.cache_reason = f"map {count:,} items: {count:,} cached, 0 ran ({record.cache_reason})"
+
+    # ---------------------------------------------------------------- start
+    def _start_map(self: Any, task: TaskId, ready: list[MapRun]) -> tuple[TaskSubmitted, ...]:
+        """The plan enqueued map stage ``task``: reuse what items can be, submit chunks for the rest."""
+        spec = self.stages[task.stage]
+        items = [dataclasses.replace(item, outputs={}) for item in self.map_items.get(spec.name, ())]
+        run = MapRun(spec, task, items)
+        self.maps[spec.name] = run
+        earlier: dict[str, list[Any]] = {}
+        keys = [item.key for item in items]
+        with self.store.session() as session:
+            for start in range(0, len(keys), LOOK_UP_BATCH):
+                for record in session.scalars(select(MapItemRecord).where(
+                        MapItemRecord.key.in_(keys[start:start + LOOK_UP_BATCH]),
+                        MapItemRecord.state.in_(("DONE", "CACHED")))):
+                    earlier.setdefault(record.key, []).append(record)
+            run.before = self._labels_before(session, spec.name)
+        if spec.name not in self.rerun:  # --rerun: every item runs again, whatever the items' cache says
+            mapping.reusable(items, earlier, self.run_id)
+        run.recount()  # the items' directories are made by their ranks as they write (write_partition)
+        submitted: tuple[TaskSubmitted, ...] = self._submit_chunks(run)
+        if not submitted:
+            ready.append(run)
+        return submitted
+
+    def _labels_before(self: Any, session: Any, stage: str) -> dict[str, str]:
+        """``{label: key}`` of the stage's items in its latest earlier execution (to say what changed)."""
+        latest = session.scalars(select(MapItemRecord.run_id).where(MapItemRecord.stage == stage)
+                                 .order_by(MapItemRecord.id.desc()).limit(1)).first()
+        if latest is None:
+            return {}
+        return dict(session.execute(select(MapItemRecord.label, MapItemRecord.key).where(
+            MapItemRecord.run_id == latest, MapItemRecord.stage == stage)).all())
+
+    def _submit_chunks(self: Any, run: MapRun) -> tuple[TaskSubmitted, ...]:
+        if self.plan.abandoned is not None or self.plan.draining:
+            return ()
+        spec = run.spec
+        cores = self.pilot.nodes * (self.pilot.cores_per_node or 1)
+        gpus = self.pilot.nodes * (self.pilot.gpus_per_node or 0)
+        now = time.time()
+        submitted = []
+        for chunk_id, _ in run.split(mapping.capacity(spec, cores, gpus)):
+            self.chunk_of[chunk_id] = run
+            submitted.append(TaskSubmitted(chunk_id, spec.request, now, self.priority[spec.name],
+                                           self._preferred_nodes(spec.name), self.branch[spec.name]))
+        return tuple(submitted)
+
+    # --------------------------------------------------------------- launch
+    def _apply_chunk(self: Any, instruction: Any) -> tuple[Any, LaunchSpec] | None:
+        """The scheduler placed (or rejected) a chunk: its spec written, the map's task RUNNING with the first."""
+        chunk_id = instruction.task_id
+        run = self.chunk_of[chunk_id]
+        spec = run.spec
+        if isinstance(instruction, RejectTask):
+            if not run.started:  # the request never fits: the plan's task is rejected, as a plain stage's
+                for other in list(run.chunks):
+                    self.chunk_of.pop(other, None)
+                    if other != chunk_id:
+                        self.scheduler.handle_event(TaskCancelled(other, time.time()))
+                run.chunks.clear()
+                del self.maps[spec.name]
+                self._end_task(str(run.task), "REJECTED", instruction.reason)
+                self._feed(TaskRejected(run.task, instruction.reason,
+                                        walltime=instruction.cause in ("walltime", "drain")))
+                return None
+            self._chunk_gone(chunk_id, {}, instruction.reason, "WALLTIME" if instruction.cause in
+                             ("walltime", "drain") else None)
+            return None
+        assert isinstance(instruction, StartTask)
+        from .orchestrator import _Live
+
+        indices = run.chunks[chunk_id]
+        items = [run.items[i] for i in indices]
+        for item in items:
+            run.set_state(item, "RUNNING")
+        nodes = self.backend.node_names()
+        files = self._write_spec(spec, run.task, instruction, nodes, chunk=chunk_id.rsplit("/", 1)[1],
+                                 items=[item.to_spec(spec.outputs) for item in items])
+        if not run.started:
+            run.started = True
+            run.progress_file = files.directory / PROGRESS_FILE
+            now = time.time()
+            with self.store.session() as session:
+                record = session.get(TaskRecord, str(run.task))
+                if record is not None:
+                    record.state = "RUNNING"
+                    record.slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus),
+                                     "node_name": nodes[s.node]} for s in instruction.slots]
+                    session.add(AttemptRecord(task_id=str(run.task), stage_id=record.stage_id,
+                                              number=run.task.attempt, state="RUNNING", started=now,
+                                              attempt_dir=str(files.directory)))
+                self.store.event(session, self.run_id, "task", str(run.task), "RUNNING", items=len(run.items))
+            self._feed(TaskStarted(run.task))
+        live = self.live[chunk_id] = _Live(run.task, files.directory, instruction.slots, chunk=chunk_id)
+        # each one-rank item is ended at the stage's timeout by its task (hetflow.tasks.mapitems); the task's
+        # own limit is a backstop, and the limit of a multi-rank task's items, which share their processes
+        timeout = None if spec.timeout is None else spec.timeout * len(items) + 10.0
+        launch = LaunchSpec(task_id=chunk_id, argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
+                            slots=instruction.slots, cwd=files.directory, timeout=timeout,
+                            stdout=files.stdout, stderr=files.stderr)
+        return live, launch
+
+    # -------------------------------------------------------------- outcome
+    def _finish_chunk(self: Any, live: Any, outcome: TaskOutcome) -> None:
+        """A chunk task ended: its items' results into the map, retries or the map's end."""
+        run = self.chunk_of.get(live.chunk)
+        if run is None:
+            return
+        spec = run.spec
+        files = AttemptFiles(live.attempt_dir)
+        ranks = files.read_results(len(live.slots))
+        failure = self._failure(spec, live, outcome, ranks)
+        lines = _merge(files, len(live.slots))
+        final = failure.state if failure is not None and failure.state in ("CANCELLED", "WALLTIME") else None
+        if failure is not None and final is None and run.stopped is not None:
+            final = run.stopped[0]
+        self._chunk_gone(live.chunk, lines, None if failure is None else failure.message, final)
+
+    def _chunk_gone(self: Any, chunk_id: str, lines: Mapping[int, Mapping[str, Any]], failure: str | None,
+                    final: str | None) -> None:
+        run = self.chunk_of.pop(chunk_id, None)
+        if run is None:
+            return
+        indices = list(run.chunks.get(chunk_id, ()))
+        run.chunk_ended(chunk_id, lines, failure, final)
+        self._record_items_done(run, indices)
+        _write_progress(run)
+        more = () if run.stopped is not None else self._submit_chunks(run)
+        if more or run.running():
+            if self.scheduler is not None:
+                self._apply(self.scheduler.handle_event(TasksSubmitted(more, time.time(), (chunk_id,))))
+            return
+        self._complete_map(run, finished=chunk_id)
+
+    def _complete_map(self: Any, run: MapRun, finished: str | None = None) -> None:
+        """Every chunk has ended: assemble the outputs (or fail, naming the items), record, tell the plan."""
+        spec = run.spec
+        self.maps.pop(spec.name, None)
+        if not run.started:
+            run.started = True
+            self._feed(TaskStarted(run.task))
+        state, error = "DONE", None
+        committed: dict[str, ds.Manifest] = {}
+        failed = run.failed()
+        if run.stopped is not None:
+            state, error = run.stopped
+        elif len(failed) > mapping.allowed_failures(spec, len(run.items)):
+            state, error = "FAILED", f"stage {spec.name!r}: {run.failure_text()}"
+        else:
+            try:
+                for name in spec.outputs:
+                    target = self._private_dir(self.run_dir / "datasets" / name)
+                    self._refuse_if_reused(spec.name, name, target)
+                    ds.uncommit(target)
+                producer = {"run": self.run_id, "stage": spec.name, "attempt": run.task.attempt,
+                            "items": len(run.items)}
+                committed = mapping.assemble(spec, run.items, self.run_dir / "datasets", producer)
+            except (ds.DatasetError, ValueError, OSError) as exc:
+                state, error = "FAILED", f"{type(exc).__name__}: {exc}"
+        self._record_map(run, state, error, committed)
+        if state != "DONE":
+            log.warning("stage %s: %s", spec.name, error)
+        self._feed(AttemptEnded(run.task, state, error), finished=finished)
+
+    def _record_map(self: Any, run: MapRun, state: str, error: str | None,
+                    committed: Mapping[str, ds.Manifest]) -> None:
+        spec = run.spec
+        now = time.time()
+        summary = run.summary(mapping.describe_changes(getattr(run, "before", {}), run.items))
+        if state == "DONE" and run.failed():
+            summary += f"; {run.failure_text()} (accepted: max_failures={spec.max_failures})"
+        with self.store.session() as session:
+            task = session.get(TaskRecord, str(run.task))
+            if task is not None:
+                task.state = state
+                if task.attempt is not None:
+                    task.attempt.state, task.attempt.ended, task.attempt.error = state, now, error
+            for name, manifest in committed.items():
+                self._record_dataset(session, name, manifest)
+            record = self._stage_record(session, spec.name)
+            record.cache_reason = summary
+            material = self.material.get(spec.name)
+            if state == "DONE" and not run.failed() and material is not None:
+                # the whole map's key only when every item is in its output: else a rerun runs the failed ones
+                record.cache_key, record.cache_material = material.key(), material.to_json()
+                record.params_read = None
+            session.execute(delete(MapItemRecord).where(MapItemRecord.run_id == self.run_id,
+                                                        MapItemRecord.stage == spec.name))
+            rows = [_row(self.run_id, spec.name, item) for item in run.items]
+            if rows:
+                session.execute(insert(MapItemRecord), rows)
+            self.store.event(session, self.run_id, "task", str(run.task), state, error=error,
+                             items=run.counts())
+
+    def _record_items_done(self: Any, run: MapRun, indices: list[int]) -> None:
+        """The items of a chunk that succeeded, recorded as it ends (with the loop step's transaction): an
+        orchestrator killed before the map's end leaves them reusable, so its resume runs only the rest."""
+        done = [run.items[i] for i in indices if run.items[i].state == "DONE"]
+        if not done:
+            return
+        with self.store.session() as session:
+            session.execute(insert(MapItemRecord), [_row(self.run_id, run.spec.name, item) for item in done])
+
+    # --------------------------------------------------------------- cancel
+    def _cancel_map(self: Any, run: MapRun, cancel: CancelTask) -> None:
+        """Stop a map: queued chunks withdrawn, running ones cancelled; it ends when they have."""
+        reason_state = "CANCELLED"
+        if run.stopped is None:
+            run.stopped = (reason_state, cancel.reason)
+        for chunk_id in list(run.chunks):
+            if chunk_id in self.live:
+                if self.backend is not None:
+                    self.backend.cancel(chunk_id)
+            else:
+                if self.scheduler is not None:
+                    self.scheduler.handle_event(TaskCancelled(chunk_id, time.time()))
+                self.chunk_of.pop(chunk_id, None)
+                run.chunk_ended(chunk_id, {}, cancel.reason, reason_state)
+        if cancel.running and not run.running():  # nothing left to wait for: it ends now
+            self._complete_map(run)
+            return
+        if not cancel.running:  # the plan has dropped the task: record its end, nothing more to tell it
+            self.maps.pop(run.spec.name, None)
+            self._end_task(str(run.task), "CANCELLED", cancel.reason)
+
+
+def _row(run_id: str, stage: str, item: Any) -> dict[str, Any]:
+    """``item`` as a :class:`MapItemRecord`'s columns."""
+    return {"run_id": run_id, "stage": stage, "index": item.index, "key": item.key, "label": item.label,
+            "state": item.state, "tries": item.tries, "error": item.error, "directory": item.directory,
+            "outputs": item.outputs or None, "cached_from": item.cached_from, "started": item.started,
+            "ended": item.ended, "log": item.log}
+
+
+def _write_progress(run: MapRun) -> None:
+    path = run.progress_file
+    if path is None:
+        return
+    try:
+        ds.write_json_atomic(path, {"text": run.progress_text(), "items": run.counts(), "total": len(run.items),
+                                    "time": time.time()}, durable=False)
+    except OSError as exc:  # only the display misses it
+        log.warning("stage %s: map progress not recorded (%s)", run.spec.name, exc)
+
+
+def _merge(files: AttemptFiles, ranks: int) -> dict[int, dict[str, Any]]:
+    """Each item's result from every rank's lines: ``ok`` with every rank's partitions when every rank's
+    line is ``ok``, else the first error; items a rank has no line for are left out."""
+    per_rank = [files.read_item_results(rank) for rank in range(ranks)]
+    merged: dict[int, dict[str, Any]] = {}
+    for index, first in per_rank[0].items():
+        lines = [lines.get(index) for lines in per_rank]
+        if any(line is None for line in lines):
+            errors = [line for line in lines if line is not None and line["status"] != "ok"]
+            if errors:
+                merged[index] = dict(errors[0])
+            continue
+        bad = [line for line in lines if line is not None and line["status"] != "ok"]
+        if bad:
+            merged[index] = dict(bad[0])
+            continue
+        outputs: dict[str, list[dict[str, Any]]] = {}
+        for line in lines:
+            assert line is not None
+            for name, part in (line.get("outputs") or {}).items():
+                outputs.setdefault(name, [])
+                if part is not None:
+                    outputs[name].append({**part["partition"], "schema": part["schema"]})
+        merged[index] = {**first, "outputs": outputs}
+    return merged

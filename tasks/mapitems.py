@@ -1,0 +1,273 @@
+"""The items of a map stage, run by one task (a worker's ranks) one after another.
+
+A map stage (``map_over=``) is split by the orchestrator into tasks of one or
+more items each; every task has the stage's resource request.  Its ranks load
+the stage function and the inputs it does not map over once, then run each
+item of :attr:`WorkerSpec.items <hetflow.tasks.protocol.WorkerSpec.items>` in
+order: ``ctx.item`` and ``ctx.item_index`` say which, each output goes to the
+item's own directory, and one line per item is appended to
+``items-<rank>.jsonl`` (:meth:`AttemptFiles.item_results
+<hetflow.tasks.protocol.AttemptFiles.item_results>`) as it ends, so what ended
+before a crash is kept.
+
+Isolation (decision): a one-rank task forks a child per item from the loaded
+rank, so what one item does to its process (module globals, the environment,
+the working directory, open files) is gone before the next starts, and an item
+that crashes ends only itself.  The child does not use MPI: its ``ctx.comm`` is
+the rank's world of one, which a one-rank item only asks for its rank and size.
+The ranks of a multi-rank task stay one MPI world for all their items and run
+them in the same processes, one after another; an item that fails there ends
+the task (the orchestrator runs the items it did not reach again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .protocol import AttemptFiles, RankResult, WorkerSpec
+
+
+def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]) -> tuple[RankResult, Any]:
+    """Run the items of ``spec`` on this rank; the rank's own result says whether the loop itself ran."""
+    import dataclasses
+
+    from .protocol import RankError
+    from .worker import _load_function, _pin, error_message
+
+    files = AttemptFiles(spec.attempt_dir)
+    log = logging.getLogger(f"hetflow.stage.{spec.stage}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [{spec.stage} rank {rank}/{size}] %(levelname)s "
+                                           "%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    result = RankResult(rank=rank, size=size, pid=os.getpid(), host=socket.gethostname(), started=time.time())
+    files.write_pid(rank, os.getpid())
+    comm: Any = None
+    failed = False
+    try:
+        comm = get_comm()
+        slot = spec.slots[rank]
+        _pin(list(slot.cores), list(slot.gpus), spec.gpu_vendor, log)
+        func = _load_function(spec)
+        for name, value in spec.env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shared = _Shared(spec, rank, size, comm, func, log)
+        if size == 1:
+            import gc
+
+            # what is loaded now is shared with every item's child: kept out of the children's collections,
+            # which would otherwise touch (and so copy) every page of it
+            import pyarrow as pa
+
+            import hetflow.operators.settings  # noqa: F401 - what each item's run imports: once here
+
+            pa.table({"x": [0]})  # pyarrow loads pandas on a table's first making: once here, not per child
+            gc.collect()
+            gc.freeze()
+        sink = os.open(files.item_results(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            log_path = str(files.rank_log(rank))
+            for item in spec.items:
+                start = _log_size()
+                if size == 1:
+                    line = _forked(shared, item)
+                else:
+                    line = shared.run(item)
+                line["log"] = [log_path, start, _log_size()]  # what the item printed: that span of the rank's log
+                os.write(sink, (json.dumps(line) + "\n").encode())
+                if size > 1 and line["status"] != "ok":
+                    failed = True  # the other ranks may wait in a collective: the task ends here
+                    break
+        finally:
+            os.close(sink)
+        result = dataclasses.replace(result, status="error" if failed else "ok", error=RankError(
+            "ItemFailed", "an item failed; the task's other items are run again by another task", "")
+            if failed else None)
+    except BaseException as exc:  # noqa: BLE001 - recorded before the abort, as run_rank does
+        result = dataclasses.replace(result, status="error", error=RankError(
+            type=type(exc).__name__, message=error_message(exc, spec.files), traceback=traceback.format_exc()))
+        log.error("failed: %s: %s", type(exc).__name__, exc)
+    finally:
+        log.removeHandler(handler)
+    result = dataclasses.replace(result, ended=time.time())
+    result.write(files.rank_result(rank))
+    return result, comm
+
+
+def _log_size() -> int:
+    """Where this rank's output (file descriptor 1, its ``rank-<r>.log``) ends now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        return os.fstat(1).st_size
+    except OSError:
+        return 0
+
+
+class _Shared:
+    """What every item of one task shares: the function, the inputs it does not map over, the context's parts."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, size: int, comm: Any, func: Callable[..., Any],
+                 log: logging.Logger) -> None:
+        from hetflow.operators.dataset import Dataset, schema_from_text
+
+        from .worker import _open_input
+
+        self.spec, self.rank, self.size, self.comm, self.func, self.log = spec, rank, size, comm, func, log
+        self.declared = {name: schema_from_text(text) for name, text in spec.schemas.items()}
+        self.inputs: list[Any] = []
+        self.mapped_at: int | None = None
+        self.mapped: Any = None
+        for position, (name, path) in enumerate(spec.inputs):
+            if name == spec.map_input:
+                self.mapped_at, self.mapped = position, Dataset(path, verify=spec.verify)
+                self.inputs.append(None)
+            else:
+                self.inputs.append(_open_input(path, rank, size, spec.verify))
+        self.rows: Any = None
+        if self.mapped is not None and any("row" in item for item in spec.items):
+            self.rows = self.mapped.to_table()  # once, before the items' children are forked
+
+    def _mapped_table(self, item: Mapping[str, Any]) -> Any:
+        if "partition" in item:
+            table = self.mapped.partition(int(item["partition"]))
+        else:
+            if self.rows is None:
+                self.rows = self.mapped.to_table()
+            table = self.rows.slice(int(item["row"]), 1)
+        if self.size > 1:  # the item's rows shared among its ranks, in order
+            share, extra = divmod(table.num_rows, self.size)
+            start = self.rank * share + min(self.rank, extra)
+            table = table.slice(start, share + (1 if self.rank < extra else 0))
+        return table
+
+    def run(self, item: Mapping[str, Any]) -> dict[str, Any]:
+        """Run one item; its result line (never raises)."""
+        from hetflow.operators import dataset as ds
+
+        from .context import StageContext
+        from .worker import _agree_on_schemas, _check_result, check_schema, error_message, operator_settings
+
+        spec = self.spec
+        started = time.time()
+        line: dict[str, Any] = {"index": item["index"], "key": item["key"], "started": started}
+        try:
+            inputs = list(self.inputs)
+            value: Any
+            params = dict(spec.params)
+            if "file" in item:
+                value = Path(item["file"])
+            elif "point" in item:
+                value = dict(item["point"])
+                params.update(value)
+            else:
+                assert self.mapped_at is not None
+                table = self._mapped_table(item)
+                name = spec.map_input
+                if name in self.declared:
+                    check_schema(spec.stage, "input", name, table.schema, self.declared[name])
+                inputs[self.mapped_at] = table
+                value = int(item["partition"]) if "partition" in item else \
+                    (self.rows.slice(int(item["row"]), 1).to_pylist()[0])
+            for (name, _), table in zip(spec.inputs, inputs):
+                if name in self.declared and name != spec.map_input:
+                    check_schema(spec.stage, "input", name, table.schema, self.declared[name])
+            slot = spec.slots[self.rank]
+            ctx = StageContext(comm=self.comm, stage=spec.stage, run_id=spec.run_id, attempt=spec.attempt,
+                               params=params, workdir=spec.attempt_dir, checkpoint_dir=spec.checkpoint_dir,
+                               cores=slot.cores, gpus=slot.gpus, node=spec.nodes[slot.node], log=self.log,
+                               # a file item's key covers its own file only: so do its ctx.files
+                               files=(value,) if "file" in item else tuple(Path(f) for f in spec.files),
+                               env=spec.env, item=value, item_index=int(item["index"]),
+                               inputs={name: table for (name, _), table in zip(spec.inputs, inputs)})
+            with operator_settings(spec):
+                tables = _check_result(spec.stage, self.func(ctx, *inputs), list(spec.outputs))
+            for name, out in tables.items():
+                if out is not None and name in self.declared:
+                    check_schema(spec.stage, "output", name, out.schema, self.declared[name])
+            if self.size > 1:
+                _agree_on_schemas(self.comm, spec.stage, tables)
+            import pyarrow as pa
+
+            outputs: dict[str, Any] = {}
+            for name, out in tables.items():
+                if out is None:
+                    outputs[name] = None
+                    continue
+                info = ds.write_partition(item["outputs"][name], self.rank,
+                                          out if isinstance(out, pa.Table) else iter(out), schema=out.schema,
+                                          rank=self.rank, node=ctx.node, durable=False)
+                outputs[name] = {"partition": info.to_json(), "schema": ds.schema_to_text(out.schema)}
+            line.update(status="ok", outputs=outputs)
+        except BaseException as exc:  # noqa: BLE001 - an item's failure is its result, not the task's
+            line.update(status="error", error=f"{type(exc).__name__}: {error_message(exc, spec.files)}",
+                        traceback=traceback.format_exc())
+            self.log.error("item %s failed: %s: %s", item["index"], type(exc).__name__, exc)
+        line["ended"] = time.time()
+        return line
+
+
+def _forked(shared: _Shared, item: Mapping[str, Any]) -> dict[str, Any]:
+    """Run ``item`` in a child of this rank; its result line, or why the child ended without one."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: run the item, hand its line back, end without the parent's teardown
+        code = 1
+        try:
+            os.close(read_end)
+            data = json.dumps(shared.run(item)).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(write_end, view):]
+            code = 0
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    os.close(write_end)
+    chunks = []
+    timeout = shared.spec.item_timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([pipe], [], [], wait)[0]:
+                os.kill(pid, signal.SIGKILL)  # past the stage's timeout: this item ends, the next one starts
+                timed_out = True
+                break
+            chunk = pipe.read(1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    try:
+        if timed_out:
+            raise ValueError("timed out")
+        found: dict[str, Any] = json.loads(b"".join(chunks))
+        return found
+    except ValueError:
+        how = f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else \
+            f"exit code {os.WEXITSTATUS(status)}"
+        if timed_out:
+            how = f"it exceeded the stage's timeout of {timeout:g}s and was killed"
+        return {"index": item["index"], "key": item["key"], "status": "error", "started": time.time(),
+                "ended": time.time(), "error": f"the item's process ended without a result ({how})"}
