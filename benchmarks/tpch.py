@@ -368,7 +368,7 @@ def summarize(scale: float, report: dict[str, Any], engines: list[str], queries:
         summary[name] = {"total_s": total, "queries_ok": len(ok), "geomean_ratio_to_duckdb": geo, "hetflow_faster_on": wins,
                          "not_timed": missing}
         print(f"{name:>10} {total:>9.3f} {len(ok):>4} {geo if geo is not None else float('nan'):>8.2f} "
-              f"{wins if name != 'hetflow' else '':>8}   {' '.join(f'Q{n}:{v}' for n, v in missing.items())}")
+              f"{wins if name != 'hetflow' and wins is not None else '':>8}   {' '.join(f'Q{n}:{v}' for n, v in missing.items())}")
     return summary
 
 
