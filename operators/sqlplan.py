@@ -146,6 +146,9 @@ def _optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str]
         if t.name.lower() not in known and t.name.lower() not in ctes:
             raise SQLError(f"unknown table {t.name!r}{_where(t, query)} (tables: {sorted(schemas)})")
     names = _name_outputs(tree)
+    columns = {n.lower(): set(s.names) for n, s in schemas.items() if n.lower() not in ctes}
+    for select in list(tree.find_all(exp.Select)):
+        _exists_to_joins(select, columns)
     used = {t.name.lower() for t in tree.find_all(exp.Table)}
     schema: dict[str, object] = {name: _duck_types(s) for name, s in schemas.items() if name.lower() in used}
     try:
@@ -154,6 +157,79 @@ def _optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str]
         raise SQLError(f"{str(exc).rstrip('.')} (in the query)") from exc
     except SqlglotError as exc:
         raise SQLError(f"cannot plan the query: {exc}") from exc
+
+
+_INEQUALITIES = ("NEQ", "GT", "GTE", "LT", "LTE")
+
+
+def _exists_to_joins(node: Any, columns: dict[str, set[str]]) -> None:
+    """Rewrite, in place, ``[NOT] EXISTS (SELECT ... FROM t AS x WHERE c)`` conjuncts of ``node``'s WHERE
+    whose correlation has an equality and an inequality (TPC-H Q21's ``l2.l_suppkey <> l1.l_suppkey``)
+    into ``SEMI``/``ANTI JOIN t AS x ON c``: sqlglot decorrelates such subqueries into ``ARRAY_AGG``
+    per key and lambda filters over the lists, where a join on the equality with the rest of ``c`` as
+    its residual does the same work once.  Only the plain shape is rewritten (one table with its own
+    alias in the subquery, an input table rather than a CTE (sqlglot would drop a CTE only a join
+    of this kind reads), every column of ``c`` qualified, no aggregate, limit or nested subquery;
+    inner or comma joins outside, no ``*``, no unqualified outer column that ``t`` also has);
+    equality-only correlations are left to sqlglot, whose plan for them is already a join."""
+    exp = _exp()
+    where = node.args.get("where")
+    if where is None or any(j.side or (j.kind or "").lower() not in ("", "inner", "cross") for j in node.args.get("joins") or []):
+        return
+    if any(isinstance(e, exp.Star) or (isinstance(e, exp.Column) and isinstance(e.this, exp.Star)) for e in node.expressions):
+        return
+    outer = {t.alias_or_name for t in [node.args["from_"].this if node.args.get("from_") else None,
+                                       *(j.this for j in node.args.get("joins") or [])] if isinstance(t, exp.Table)}
+    mine = [c for c in node.find_all(exp.Column) if c.find_ancestor(exp.Select) is node]
+    unqualified = {c.name.lower() for c in mine if not c.table}
+    keep, added = [], []
+    for cond in conjuncts(where):
+        negated = isinstance(cond, exp.Not)
+        ex = cond.this if negated else cond
+        ex = ex.this if isinstance(ex, exp.Paren) else ex
+        sub = ex.this if isinstance(ex, exp.Exists) else None
+        join = _semi_join_of(sub, outer | {a for a, _ in added}, unqualified, columns) if isinstance(sub, exp.Select) else None
+        if join is None:
+            keep.append(cond)
+            continue
+        table, on = join
+        added.append((table.alias_or_name, exp.Join(this=table, kind="ANTI" if negated else "SEMI", on=on)))
+    if not added:
+        return
+    for _, j in added:
+        node.append("joins", j)
+    node.set("where", exp.Where(this=exp.and_(*keep)) if keep else None)
+
+
+def _semi_join_of(sub: Any, outer: set[str], unqualified: set[str], columns: dict[str, set[str]]) -> tuple[Any, Any] | None:
+    """(the table, the join condition) of an ``EXISTS`` subquery ``_exists_to_joins`` rewrites, or ``None``."""
+    exp = _exp()
+    from_, where = sub.args.get("from_"), sub.args.get("where")
+    if from_ is None or where is None or not isinstance(from_.this, exp.Table) or not from_.this.alias:
+        return None
+    if any(sub.args.get(k) for k in ("joins", "group", "having", "limit", "offset", "distinct", "qualify", "laterals", "with_")):
+        return None
+    if any(True for _ in where.find_all(exp.Subquery, exp.Exists, exp.AggFunc, exp.Window, exp.Select)):
+        return None
+    table = from_.this
+    alias, name = table.alias, table.name.lower()
+    if alias in outer or name not in columns or unqualified & {c.lower() for c in columns[name]}:
+        return None
+    cols = list(where.find_all(exp.Column))
+    if any(not c.table or c.table not in outer | {alias} for c in cols):
+        return None
+    eq = ineq = False
+    for c in conjuncts(where):
+        sides = aliases(c)
+        if alias in sides and sides - {alias}:
+            if isinstance(c, exp.EQ) and aliases(c.left) and aliases(c.right) and len(aliases(c.left) | aliases(c.right)) == 2 \
+                    and len(aliases(c.left)) == 1 and len(aliases(c.right)) == 1:
+                eq = True
+            elif c.key.upper() in _INEQUALITIES:
+                ineq = True
+    if not (eq and ineq):
+        return None
+    return table.copy(), where.this.copy()
 
 
 def _name_outputs(tree: Any) -> list[str] | None:
@@ -574,6 +650,10 @@ class Executor:
         for c in node.find_all(exp.Column):
             if c.table:
                 needed.setdefault(c.table, set()).add(c.name)
+        plain = [j for j in joins if self._how(j) == "inner" and not j.side]
+        if all(self._how(j) in ("inner", "semi", "anti") for j in joins):
+            # semi and anti joins add no columns: they commute with the inner joins, which go first
+            joins = plain + [j for j in joins if not any(j is k for k in plain)]
         first = 0
         while first < len(joins) and self._how(joins[first]) == "inner" and not joins[first].side:
             first += 1

@@ -75,3 +75,14 @@ def test_parquet_paths_and_globs_as_tables(tpch: Any) -> None:
     got = sql(comm, query, orders=glob, lineitem=paths["lineitem"]).gather()
     if comm.Get_rank() == 0:
         _sqlcheck.assert_same(got, _answer(query, paths), ordered=True, ctx="Q4 over Parquet paths")
+
+
+def test_inequality_correlated_exists_runs_as_semi_and_anti_joins(tpch: Any) -> None:
+    """Q21's EXISTS and NOT EXISTS, correlated on l_orderkey equal and l_suppkey unequal, run as a semi
+    and an anti join on l_orderkey with the inequality in the join (sqlglot alone makes lists per order)."""
+    from hetflow.operators import sql
+
+    comm, tables, _ = tpch
+    plan = sql(comm, _tpch.QUERIES[21], **tables).explain()
+    assert "semi join" in plan and "anti join" in plan, plan
+
