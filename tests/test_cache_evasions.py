@@ -374,3 +374,53 @@ def test_a_retry_after_an_edit_while_the_stage_ran_is_keyed_by_the_new_content(t
     assert shown["uses"]["attempts"] == 2 and value(shown, "uses") == 102, shown["uses"]
     again = run(tmp_path)
     assert again["uses"]["state"] == "CACHED" and value(again, "uses") == 102
+
+
+SET_LITERAL = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("sets")
+
+
+@pipe.stage(outputs=["cols"])
+def pick(ctx):
+    names = ["ra", "dec", "z", "mag_g", "mag_r", "id"]
+    return {"cols": pa.table({"kept": [c for c in names if c in {"ra", "dec", "z", "mag_g", "mag_r"}]})}
+'''
+
+
+def test_a_set_literal_in_a_stage_does_not_make_it_rerun_on_every_run(tmp_path: Path) -> None:
+    """The fourth red team: a set literal of strings compiles to a frozenset constant whose order follows
+    the process's hash seed, and its repr was in the key, so the stage ran again on most runs ("code of
+    pick() changed").  Each run is a fresh process with its own seed (they are set here so that they differ)."""
+    (tmp_path / "p.py").write_text(SET_LITERAL)
+    for seed in ("1", "2", "3", "4"):
+        shown = run(tmp_path, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert shown["pick"]["state"] == ("DONE" if seed == "1" else "CACHED"), (seed, shown["pick"])
+
+
+NESTED = '''
+import pandas as pd
+import pyarrow as pa
+import hetflow as hf
+
+HITS = pa.table({"hits": [[1, 2], [3]]}).to_pandas(types_mapper=pd.ArrowDtype)
+pipe = hf.Pipeline("nested")
+
+
+@pipe.stage(outputs=["n"])
+def count(ctx):
+    return {"n": pa.table({"n": [sum(len(h) for h in HITS["hits"])]})}
+'''
+
+
+def test_a_frame_of_nested_arrow_values_is_keyed_by_content(tmp_path: Path) -> None:
+    """The fourth red team: pandas cannot hash a column of nested Arrow lists, and the run died before any
+    stage with a raw TypeError; such a column is now keyed element by element."""
+    (tmp_path / "p.py").write_text(NESTED)
+    assert value(run(tmp_path), "n", "n") == 3
+    assert states(run(tmp_path)) == {"count": "CACHED"}
+    edit(tmp_path / "p.py", "[3]]", "[3, 4]]")
+    again = run(tmp_path)
+    assert states(again) == {"count": "DONE"} and value(again, "n", "n") == 4
