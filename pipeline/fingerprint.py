@@ -687,7 +687,10 @@ class _Walker:
             head += f" categories {self.pandas_values(dtype.categories, stack)} ordered {dtype.ordered}"
         if dtype == object or isinstance(data, pd.MultiIndex):
             return f"{head} {_sha(self.value(list(data), stack))}"
-        hashed = pd.util.hash_pandas_object(data, index=False).to_numpy()
+        try:
+            hashed = pd.util.hash_pandas_object(data, index=False).to_numpy()
+        except (TypeError, ValueError):  # values pandas cannot hash (nested Arrow lists): element by element
+            return f"{head} {_sha(self.value(list(data), stack))}"
         return f"{head} {_sha(hashed.tobytes())}"
 
 
@@ -1306,8 +1309,21 @@ def _is_code_like(obj: Any) -> bool:
     return isinstance(obj, (types.FunctionType, type, types.ModuleType, types.MethodType, functools.partial))
 
 
+def _const_text(const: Any) -> str:
+    """A code constant as text that is the same in every process: a ``frozenset`` constant (what a set
+    literal of constants compiles to, ``x in {"ra", "dec"}``) iterates in an order that depends on the
+    interpreter's hash seed, which ``repr`` would copy, so its members are sorted."""
+    if isinstance(const, types.CodeType):
+        return _code_text(const)
+    if isinstance(const, frozenset):
+        return f"frozenset{{{', '.join(sorted(_const_text(c) for c in const))}}}"
+    if isinstance(const, tuple):
+        return f"tuple({', '.join(_const_text(c) for c in const)})"
+    return f"{type(const).__name__}:{const!r}"
+
+
 def _code_text(code: types.CodeType) -> str:
-    consts = [_code_text(c) if isinstance(c, types.CodeType) else f"{type(c).__name__}:{c!r}" for c in code.co_consts]
+    consts = [_const_text(c) for c in code.co_consts]
     return (f"{code.co_code.hex()} consts={consts} names={code.co_names} vars={code.co_varnames} "
             f"free={code.co_freevars} cell={code.co_cellvars} args={code.co_argcount},"
             f"{code.co_posonlyargcount},{code.co_kwonlyargcount} flags={code.co_flags}")

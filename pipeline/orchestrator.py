@@ -769,6 +769,33 @@ class Orchestrator(MapShell):
                             stdout=files.stdout, stderr=files.stderr)
         return live, launch
 
+    def _checkpoints_of_this_key(self, spec: StageSpec, directory: Path) -> None:
+        """Leave in ``ctx.checkpoint_dir`` only checkpoints written under the stage's current key.
+
+        A resumed run keeps its stages' checkpoint directories, so a training stage picks up where an
+        interrupted attempt stopped; but after an edit of what the key covers (its code, a value it
+        reads, a parameter), continuing from those checkpoints would finish the old computation and
+        store it under the new key.  The key is written beside them (``KEY``); checkpoints under
+        another key are moved aside (``checkpoints-stale-<time>``), and the stage starts afresh."""
+        material = self.material.get(spec.name)
+        if material is None:
+            return
+        key = material.key()
+        marker = directory / "KEY"
+        try:
+            held: str | None = marker.read_text()
+        except FileNotFoundError:
+            held = None
+        if held is not None and held != key and any(p.name != "KEY" for p in directory.iterdir()):
+            aside = directory.with_name(f"checkpoints-stale-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+            directory.rename(aside)
+            private_dir(directory)
+            log.warning("stage %s: the checkpoints in %s were written before what its cache key covers changed "
+                        "(its code, a value it reads, a parameter); set aside in %s, the stage starts afresh",
+                        spec.name, directory, aside)
+        if held != key:
+            marker.write_text(key)
+
     def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str], *,
                     chunk: str | None = None, items: Sequence[Mapping[str, Any]] = ()) -> AttemptFiles:
         """The attempt's directory and spec; its outputs' directories emptied (nothing through a symlink).
@@ -778,7 +805,7 @@ class Orchestrator(MapShell):
         stage_dir = self._private_dir(self.run_dir / "stages" / spec.name)
         name = f"attempt-{task.attempt}" if chunk is None else f"attempt-{task.attempt}-{chunk}"
         files = AttemptFiles(private_dir(stage_dir / name, base=stage_dir))
-        self._private_dir(stage_dir / "checkpoints")
+        self._checkpoints_of_this_key(spec, self._private_dir(stage_dir / "checkpoints"))
         outputs = {}
         for name in spec.outputs:
             target = self._private_dir(self.run_dir / "datasets" / name)

@@ -9,6 +9,7 @@ why) and that its dataset holds the new value, never the old one.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -374,3 +375,117 @@ def test_a_retry_after_an_edit_while_the_stage_ran_is_keyed_by_the_new_content(t
     assert shown["uses"]["attempts"] == 2 and value(shown, "uses") == 102, shown["uses"]
     again = run(tmp_path)
     assert again["uses"]["state"] == "CACHED" and value(again, "uses") == 102
+
+
+SET_LITERAL = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("sets")
+
+
+@pipe.stage(outputs=["cols"])
+def pick(ctx):
+    names = ["ra", "dec", "z", "mag_g", "mag_r", "id"]
+    return {"cols": pa.table({"kept": [c for c in names if c in {"ra", "dec", "z", "mag_g", "mag_r"}]})}
+'''
+
+
+def test_a_set_literal_in_a_stage_does_not_make_it_rerun_on_every_run(tmp_path: Path) -> None:
+    """The fourth red team: a set literal of strings compiles to a frozenset constant whose order follows
+    the process's hash seed, and its repr was in the key, so the stage ran again on most runs ("code of
+    pick() changed").  Each run is a fresh process with its own seed (they are set here so that they differ)."""
+    (tmp_path / "p.py").write_text(SET_LITERAL)
+    for seed in ("1", "2", "3", "4"):
+        shown = run(tmp_path, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert shown["pick"]["state"] == ("DONE" if seed == "1" else "CACHED"), (seed, shown["pick"])
+
+
+NESTED = '''
+import pandas as pd
+import pyarrow as pa
+import hetflow as hf
+
+HITS = pa.table({"hits": [[1, 2], [3]]}).to_pandas(types_mapper=pd.ArrowDtype)
+pipe = hf.Pipeline("nested")
+
+
+@pipe.stage(outputs=["n"])
+def count(ctx):
+    return {"n": pa.table({"n": [sum(len(h) for h in HITS["hits"])]})}
+'''
+
+
+def test_a_frame_of_nested_arrow_values_is_keyed_by_content(tmp_path: Path) -> None:
+    """The fourth red team: pandas cannot hash a column of nested Arrow lists, and the run died before any
+    stage with a raw TypeError; such a column is now keyed element by element."""
+    (tmp_path / "p.py").write_text(NESTED)
+    assert value(run(tmp_path), "n", "n") == 3
+    assert states(run(tmp_path)) == {"count": "CACHED"}
+    edit(tmp_path / "p.py", "[3]]", "[3, 4]]")
+    again = run(tmp_path)
+    assert states(again) == {"count": "DONE"} and value(again, "n", "n") == 4
+
+
+TRAINING = '''
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+
+LR = 0.001
+pipe = hf.Pipeline("training")
+
+
+@pipe.stage(outputs=["fit"], params={"hold": ""})
+def fit(ctx):
+    saved = Path(ctx.checkpoint_dir) / "state.txt"
+    if saved.exists():  # resume from the checkpoint, as hf.ml.fit does
+        lr = float(saved.read_text())
+    else:
+        lr = LR
+        saved.write_text(str(lr))
+        (Path(ctx.params["hold"]).parent / "holding").touch()
+        while Path(ctx.params["hold"]).exists():
+            time.sleep(0.1)
+    return {"fit": pa.table({"lr": [lr]})}
+'''
+
+
+@pytest.mark.parametrize("edited", [True, False])
+def test_a_resume_after_an_edit_does_not_continue_from_checkpoints_of_the_old_key(tmp_path: Path,
+                                                                                  edited: bool) -> None:
+    """The fourth red team: an ``hf.ml.fit`` stage stopped by SIGTERM, ``LR`` edited, ``hetflow resume``:
+    training went on from the old checkpoint (the old LR) and stored it under the new key.  Checkpoints
+    are kept for a resume under the same key only; under another they are set aside."""
+    (tmp_path / "p.py").write_text(TRAINING)
+    hold = tmp_path / "hold"
+    hold.touch()
+    proc = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--param", f"hold={hold}",
+                             "--workdir", str(tmp_path / "work")], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "holding").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    run_id = status(tmp_path)["_run"]["id"]
+    hold.unlink()
+    if edited:
+        edit(tmp_path / "p.py", "LR = 0.001", "LR = 0.1")
+    resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress", "--workdir", str(tmp_path / "work")],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    shown = status(tmp_path, run_id)
+    assert value(shown, "fit", "lr") == (0.1 if edited else 0.001)  # not edited: resumed from its checkpoint
+    aside = list((tmp_path / "work" / "runs" / run_id / "stages" / "fit").glob("checkpoints-stale-*"))
+    assert len(aside) == (1 if edited else 0)
+    if edited:
+        assert (aside[0] / "state.txt").read_text() == "0.001"
