@@ -45,3 +45,18 @@ def test_task_cpu_benchmark_reports_cpu_per_task_for_each_installation(tmp_path:
     for row in rows:
         own, total = float(row[3]), float(row[7])
         assert 0 < own < total, row  # the stages' processes cost something beyond the orchestrator
+
+
+@pytest.mark.timeout(600)
+def test_map_scale_benchmark_reports_items_per_second_memory_store_and_status_latency(tmp_path: Path) -> None:
+    """``benchmarks/map_scale.py`` at CI size: a map stage of N items, then the same script all cached."""
+    out = tmp_path / "map.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "map_scale.py"), "--items", "12", "--out",
+                           str(out)], check=False, capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["items"] == 12 and data["store_mib"] > 0
+    assert data["first run"]["items_per_second"] > 0 and data["first run"]["orchestrator_max_rss_mib"] > 0
+    assert data["again (all cached)"]["seconds"] > 0
+    for name in ("status_seconds", "status_items_seconds"):
+        assert 0 < data[name]["min"] <= data[name]["median"] <= data[name]["max"], name

@@ -1,0 +1,117 @@
+"""A map stage of many items at scale: time to plan and run, the orchestrator's memory, the store's size, and
+how fast ``status`` answers.
+
+    python benchmarks/map_scale.py [--items 100000] [--out FILE.json]
+    python benchmarks/map_scale.py --items 2000            # a quick look
+
+One map stage over a grid of N points (``map_over={"i": range(N)}``), each item a
+trivial one-rank task making a 1 KB table, then a downstream stage reading the one
+output dataset (N partitions). Measured in a fresh ``python script.py`` process and
+work directory: the wall time from ``pipe.run()`` to the first item's start (planning:
+the declaration checks, the cache look-ups of N items, the store's records), the whole
+run and its items per second, the orchestrator's peak RSS (``ru_maxrss``), the store's
+size on disk, then the wall time of ``hetflow status`` (the run's view) and of
+``hetflow status RUN STAGE --items --json`` (every item), median of 3 each; then the
+same script again (every item cached: the look-up of N items).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+SCRIPT = '''
+import resource, time
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("map-scale", pilot=hf.PilotDescription(name="two-cores", cores_per_node=2,
+                                                          memory_per_node=2**33))
+
+
+@pipe.stage(map_over={{"i": list(range({n}))}}, outputs=["out"])
+def items(ctx):
+    return {{"out": pa.table({{"x": pa.array(range(128), pa.int64()), "i": pa.array([ctx.params["i"]] * 128)}})}}
+
+
+@pipe.stage(inputs=["out"], outputs=["total"])
+def total(ctx, out):
+    return {{"total": pa.table({{"rows": [out.num_rows], "sum_i": [pa.compute.sum(out["i"]).as_py()]}})}}
+
+
+if __name__ == "__main__":
+    started = time.perf_counter()
+    run = pipe.run(progress=False)
+    print("SECONDS", time.perf_counter() - started, run.state, run.id)
+    print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+'''
+
+
+def _epoch(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _run(argv: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProcess[str]]:
+    started = time.perf_counter()
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
+    return time.perf_counter() - started, done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=100_000)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.items < 1:
+        parser.error("--items must be >= 1")
+    hetflow = str(Path(sys.executable).parent / "hetflow")
+    result: dict[str, object] = {"items": args.items, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="hf-map-scale-") as tmp:
+        work = Path(tmp)
+        (work / "flow.py").write_text(textwrap.dedent(SCRIPT.format(n=args.items)))
+        for label in ("first run", "again (all cached)"):
+            wall, done = _run([sys.executable, "flow.py"], work)
+            lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+            if done.returncode != 0 or "SECONDS" not in lines or " DONE " not in lines["SECONDS"] + " ":
+                print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"map-scale: the {label} failed")
+            seconds, _, run_id = lines["SECONDS"].split()
+            status = json.loads(_run([hetflow, "status", run_id, "--json"], work)[1].stdout)
+            started = min((_epoch(s["started"]) for s in status["stages"] if s["name"] == "items" and s.get("started")),
+                          default=None)
+            entry = {"run": run_id, "seconds": float(seconds), "process_seconds": wall,
+                     "items_per_second": args.items / float(seconds),
+                     "orchestrator_max_rss_mib": int(lines["MAXRSS_KB"]) / 1024}
+            if started is not None and status.get("started"):
+                entry["plan_seconds"] = started - _epoch(status["started"])
+            result[label] = entry
+        db = work / ".hetflow" / "hetflow.db"
+        result["store_mib"] = db.stat().st_size / 2**20 if db.exists() else None
+        run_id = result["first run"]["run"]  # type: ignore[index]
+        for name, command in (("status_seconds", [hetflow, "status", run_id]),
+                              ("status_items_seconds", [hetflow, "status", run_id, "items", "--items", "--json"])):
+            times = []
+            for _ in range(3):
+                seconds, done = _run(command, work)
+                if done.returncode not in (0, 1):
+                    raise SystemExit(f"map-scale: {' '.join(command[1:])} failed: {done.stderr[-2000:]}")
+                times.append(seconds)
+            result[name] = {"median": statistics.median(times), "min": min(times), "max": max(times)}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
