@@ -794,7 +794,9 @@ class Orchestrator(MapShell):
                         "(its code, a value it reads, a parameter); set aside in %s, the stage starts afresh",
                         spec.name, directory, aside)
         if held != key:
-            marker.write_text(key)
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)  # private, as the run
+            with os.fdopen(fd, "w") as out:
+                out.write(key)
 
     def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str], *,
                     chunk: str | None = None, items: Sequence[Mapping[str, Any]] = ()) -> AttemptFiles:

@@ -37,14 +37,16 @@ def test_bad_arguments_are_one_clear_line() -> None:
 def test_task_cpu_benchmark_reports_cpu_per_task_for_each_installation(tmp_path: Path) -> None:
     """``benchmarks/task_cpu.py``: the orchestrator's and all processes' CPU per task, here against itself."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "task_cpu.py"), "--styles", "loop", "--small",
-                           "2", "--large", "5", "--repeats", "1", "--against", sys.executable],
+                           "2", "--large", "8", "--repeats", "1", "--against", sys.executable],
                           check=False, capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("loop ")]
     assert [row[1] for row in rows] == ["this", "against"], proc.stdout
     for row in rows:
         own, total = float(row[3]), float(row[7])
-        assert 0 < own < total, row  # the stages' processes cost something beyond the orchestrator
+        # the orchestrator's own marginal is a few ms and may come out below zero at this size (its CPU
+        # varies by more between two runs); a task's processes cost tens of ms each, far above that noise
+        assert total > 0 and total > own, row
 
 
 @pytest.mark.timeout(600)
