@@ -903,11 +903,7 @@ class Executor:
                 part = r.gather(part)
                 r.plan("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
                        shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
-            sql = f"SELECT {', '.join(gcols + final)} FROM __p{gby}"
-            if not keys and r.rank != 0:
-                sql = f"SELECT * FROM ({sql}) LIMIT 0"
-            grouped = tuple((g, str(part.schema.field(g).type)) for g in gcols) if keys else None
-            return {"__p": part}, f"({sql})", mapping, grouped
+            return _final_aggregate(part, gcols + final, gby, keys, gcols, r.rank, mapping)
         if r.p == 1:  # one rank: the aggregate in one fragment
             r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
@@ -917,11 +913,8 @@ class Executor:
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
         r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
                shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
-        sql = f"SELECT {', '.join(gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])} FROM __p{gby}"
-        if not keys and r.rank != 0:
-            sql = f"SELECT * FROM ({sql}) LIMIT 0"
-        grouped = tuple((g, str(pre.schema.field(g).type)) for g in gcols) if keys else None
-        return {"__p": pre}, f"({sql})", mapping, grouped
+        return _final_aggregate(pre, gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)], gby, keys, gcols,
+                                r.rank, mapping)
 
     def window_exchange(self, cur: pa.Table, windows: list[Any]) -> pa.Table:
         """Bring each window partition onto one rank: hash shuffle on the common ``PARTITION BY``, else gather."""
@@ -1008,3 +1001,14 @@ class Executor:
                 raise SQLError(f"ORDER BY of a set operation must name an output column, got {sql_of(e)}")
             order.append((name, bool(o.args.get("desc")), bool(o.args.get("nulls_first"))))
         return self.order_limit(out, order, _int(node.args.get("limit"), "LIMIT"), _int(node.args.get("offset"), "OFFSET"), top)
+
+
+def _final_aggregate(part: pa.Table, columns: list[str], gby: str, keys: Sequence[Any], gcols: list[str], rank: int,
+                     mapping: Any) -> tuple[dict[str, pa.Table], str, Any, tuple[tuple[str, str], ...] | None]:
+    """The aggregate's last fragment over the exchanged rows ``part`` (``__p``): by the keys, or, without
+    keys, on rank 0 only (the others return no row); with the key columns' types when grouped."""
+    sql = f"SELECT {', '.join(columns)} FROM __p{gby}"
+    if not keys and rank != 0:
+        sql = f"SELECT * FROM ({sql}) LIMIT 0"
+    grouped = tuple((g, str(part.schema.field(g).type)) for g in gcols) if keys else None
+    return {"__p": part}, f"({sql})", mapping, grouped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import functools
 import inspect
 import os
 import re
@@ -74,9 +75,9 @@ class StageSpec:
     def module(self) -> str:
         return str(getattr(self.func, "__module__", "__main__"))
 
-    @property
+    @functools.cached_property
     def path(self) -> str | None:
-        """The file that defines the stage function: for one wrapped by a decorator that says what it wraps
+        """The file that defines the stage function (found once: the run reads it for every task): for one wrapped by a decorator that says what it wraps
         (``functools.wraps``: ``__wrapped__``), the wrapped function's, where ``__module__`` points too.
         ``None`` for a function that has no file a worker could execute (a notebook cell, stdin, ``-c``):
         it is shipped by value (:mod:`hetflow.tasks.shipping`)."""

@@ -1452,11 +1452,12 @@ def file_fingerprint(patterns: Sequence[str], base: Path) -> dict[str, str]:
             continue
         path = path.absolute()
         key = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
-        result[key] = _blake2b(path)
+        result[key] = file_digest(path)
     return dict(sorted(result.items()))
 
 
-def _blake2b(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """The content digest of a declared file (also a map item's file: :mod:`hetflow.mapping`)."""
     digest = hashlib.blake2b(digest_size=32)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

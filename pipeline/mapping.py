@@ -34,6 +34,7 @@ from typing import Any
 from hetflow.operators import dataset as ds
 
 from .declaration import StageSpec
+from .fingerprint import file_digest
 
 CHUNK_ITEMS = 256
 """At most this many items in one chunk task: a crash or a retry re-runs no more than that."""
@@ -76,14 +77,6 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], params: Mapping[str, Any],
                inputs: Mapping[str, str], items_dir: Path) -> list[Item]:
     """The items of map stage ``spec`` now, in order, with their keys.
@@ -100,7 +93,7 @@ def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], par
 
         for path in resolve_files(spec.files, base):
             shown = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
-            found.append((shown, ("file", str(path)), {"file": shown, "content": _file_digest(path)}))
+            found.append((shown, ("file", str(path)), {"file": shown, "content": file_digest(path)}))
     elif mapped.kind == "grid":
         for point in mapped.points():
             found.append((json.dumps(point, sort_keys=True), ("point", point), {"point": point}))
