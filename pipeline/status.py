@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from hetflow.operators.dataset import Dataset
 
 from .errors import RunFailed
-from .store import DatasetRecord, MapItemRecord, RunRecord, StageRecord, Store, TaskRecord, iso
+from .store import AttemptRecord, DatasetRecord, MapItemRecord, RunRecord, StageRecord, Store, TaskRecord, iso
 from .terminal import visible
 
 
@@ -157,17 +157,21 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
                 select(MapItemRecord.stage, MapItemRecord.state, func.count()).where(MapItemRecord.run_id == run.id)
                 .group_by(MapItemRecord.stage, MapItemRecord.state)):
             counted.setdefault(stage_name, {})[state] = count
+        # per stage: how many of its tasks were launched and the last of them, in two statements (a map
+        # stage has a task per chunk: loading them all, and each one's attempt, made status O(items))
+        launched = dict(session.execute(
+            select(AttemptRecord.stage_id, func.count()).join(StageRecord, StageRecord.id == AttemptRecord.stage_id)
+            .where(StageRecord.run_id == run.id).group_by(AttemptRecord.stage_id)).all())
         for record in session.scalars(select(StageRecord).where(StageRecord.run_id == run.id)
                                       .order_by(StageRecord.order)):
-            tasks = list(session.scalars(select(TaskRecord).where(TaskRecord.stage_id == record.id)
-                                         .order_by(TaskRecord.submitted)))
-            launched = [t for t in tasks if t.attempt is not None]
-            last = launched[-1] if launched else None
+            last = session.scalars(select(TaskRecord).join(AttemptRecord, AttemptRecord.task_id == TaskRecord.id)
+                                   .where(TaskRecord.stage_id == record.id)
+                                   .order_by(TaskRecord.submitted.desc(), AttemptRecord.id.desc()).limit(1)).first()
             slots = tuple(SlotView(s.get("node_name", str(s["node"])), tuple(s["cores"]), tuple(s["gpus"]))
                           for s in (last.slots if last else []))
             attempt = last.attempt if last else None
             stages.append(StageStatus(
-                name=record.name, state=record.state, attempts=len(launched), started=record.started,
+                name=record.name, state=record.state, attempts=launched.get(record.id, 0), started=record.started,
                 ended=record.ended, slots=slots, error=record.error,
                 traceback=attempt.traceback if attempt else None,
                 failed_rank=attempt.failed_rank if attempt else None,
