@@ -16,7 +16,7 @@ import runpy
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import yaml
 
@@ -24,10 +24,13 @@ from hetflow.tasks.errors import ConfigError, HetflowError, TaskFailed
 
 from . import __version__
 from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
-from .pipeline import Pipeline, RunOptions, default_workdir, run_options
+from .filesystem import default_workdir
 from .status import RunStatus, run_status
 from .store import Store, iso, unreadable
 from .terminal import visible
+
+if TYPE_CHECKING:  # the orchestrator (and pyarrow) load when a command runs a pipeline, not for status
+    from .pipeline import RunOptions
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 RUN_STATES = ("RUNNING", "DONE", "FAILED", "INTERRUPTED", "CANCELLED", "STOPPED")
@@ -212,6 +215,8 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     if not path.is_file():
         raise UsageError(f"pipeline script {script!r} does not exist")
     import dataclasses
+
+    from .pipeline import Pipeline, run_options
 
     options = dataclasses.replace(options, script=str(path.resolve()))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -656,6 +661,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler.setFormatter(_VisibleFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     try:
+        if args.command in ("run", "resume"):
+            from .pipeline import RunOptions
         if args.command == "run":
             if args.run_id is not None:
                 from .submit import check_run_id

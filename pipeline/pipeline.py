@@ -20,6 +20,7 @@ from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 from hetflow.tasks.shipping import ships_by_value
 
 from .declaration import StageSpec, check_env, check_map, check_max_failures, check_name
+from .filesystem import default_workdir
 from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption,
                      store_argv)
 
@@ -81,10 +82,6 @@ def run_options(options: RunOptions) -> Iterator[list[RunStatus]]:
         yield runs
     finally:
         _overrides.pop()
-
-
-def default_workdir() -> Path:
-    return Path(os.environ.get("HETFLOW_WORKDIR", ".hetflow"))
 
 
 class Pipeline:

@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
-
-from hetflow.operators.dataset import Dataset
 
 from .errors import RunFailed
 from .store import AttemptRecord, DatasetRecord, MapItemRecord, RunRecord, StageRecord, Store, TaskRecord, iso
 from .terminal import visible
+
+if TYPE_CHECKING:
+    from hetflow.operators.dataset import Dataset
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ class RunStatus:
         (``.to_table()``, ``.partitions()``); ``KeyError`` if the run committed no such dataset."""
         if name not in self.datasets:
             raise KeyError(f"run {self.id} has no committed dataset {name!r} (datasets: {sorted(self.datasets)})")
+        from hetflow.operators.dataset import Dataset   # pyarrow: not loaded by `hetflow status`
+
         return Dataset(self.datasets[name])
 
     def raise_for_state(self, where: Sequence[str] = ()) -> None:

@@ -55,3 +55,18 @@ def test_status_reads_the_store_in_statements_that_do_not_grow_with_the_tasks(tm
     assert [s.cores for s in items.slots] == [(299 % 2,)]
     total = many.stage("total")   # type: ignore[attr-defined]
     assert total.attempts == 0 and total.log_dir is None and total.slots == ()
+
+
+def test_status_from_the_shell_loads_neither_pyarrow_nor_the_orchestrator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    store = _store_with(tmp_path, 3)
+    probe = ("import sys\nfrom hetflow.cli import main\n"
+             "try:\n    main(['status', 'r1', '--db', sys.argv[1]])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('pyarrow', 'numpy', 'hetflow.pipeline', 'hetflow.orchestrator') "
+             "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, str(store.url)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert "items" in done.stdout, done.stdout + done.stderr   # it did print the run's table
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
