@@ -375,7 +375,8 @@ def test_the_kernels_interrupt_stops_a_run_as_interrupted_and_it_resumes_from_th
     run_id = re.search(r"run (\S+) interrupted", printed[1])
     assert run_id is not None, printed
     assert printed[1] == (f"RunInterrupted run {run_id[1]} interrupted; running tasks were stopped; "
-                          f"resume it with: pipe.run(run_id={run_id[1]!r}) from the same code\n")
+                          f"resume it with: pipe.run(run_id={run_id[1]!r}) from the same code, "
+                          f"or from a shell: hetflow resume {run_id[1]} --workdir w\n")
     assert printed[2] == "['INTERRUPTED']\n"
     assert printed[3] == "DONE [('first', 'DONE', 1), ('second', 'DONE', 2)]\n"
 
