@@ -46,7 +46,9 @@ def write_serve_note(workdir: Path, host: str, port: int, store_url: str, run_id
     from hetflow.tasks.paths import write_private_file
 
     note = {"pid": os.getpid(), "host": host, "port": port, "store": store_digest(store_url), "run": run_id}
-    return write_private_file(Path(workdir) / SERVE_NOTE, json.dumps(note).encode(), base=workdir)
+    path = Path(workdir) / SERVE_NOTE
+    write_private_file(path, json.dumps(note).encode(), base=workdir)
+    return path
 
 
 def remove_serve_note(workdir: Path) -> None:
@@ -118,8 +120,8 @@ def _items(stage: "StageStatus") -> str:
 def run_text(status: "RunStatus", *, handle: bool = False) -> str:
     """The run as plain lines: a header, then one line per stage."""
     now = time.time()
-    head = f"{'RunHandle' if handle else 'RunStatus'}({status.id!r}, pipeline={status.pipeline!r}, state={status.state})"
-    lines = [head]
+    kind = "RunHandle" if handle else "RunStatus"
+    lines = [f"{kind}({status.id!r}, pipeline={status.pipeline!r}, state={status.state})"]
     for stage in status.stages:
         parts = [f"  {stage.name:<16} {stage.state + _items(stage):<12} {_duration(stage, now):>8}"]
         decision, reason = _decision(stage), _reason(stage)

@@ -377,9 +377,9 @@ class Pipeline:
                 raise PipelineError(f"pipeline {self.name!r}: cannot start run {the_id}: {where(exc)}") from None
             # from here on the run is ours and RUNNING: however it ends, it ends recorded
             if orchestrator.script is None:  # no script for `hetflow resume` to execute: the stages instead
-                from .recorded import record
+                from .recorded import record as record_stages
 
-                started.recorded = record(orchestrator.run_dir, self.name, orchestrator.stages, description,
+                started.recorded = record_stages(orchestrator.run_dir, self.name, orchestrator.stages, description,
                                           orchestrator.base_dir)
             if wait:
                 return started.execute()

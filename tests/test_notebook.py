@@ -286,7 +286,14 @@ def test_the_example_notebook_runs_reruns_what_an_edited_cell_changes_and_replac
         "combine: DONE (input events changed)\ntotal: 234\n",
         "generate: CACHED (unchanged since run ...)\ngrid: CACHED (unchanged since run ...)\n"
         "combine: DONE (code of combine() changed)\ntotal: 25\n",
+        "generate: CACHED (unchanged since run ...)\ngrid: CACHED (unchanged since run ...)\n"
+        "combine: DONE (forced)\ntotal: 25\n",
     ]
+    # the background run's handle, shown at once, and the run it ended as: tables of their stages
+    started, ended = (notebook.cells[-2].outputs[0]["data"], notebook.cells[-1].outputs[-1]["data"])
+    assert started["text/plain"].startswith("RunHandle('notebook-") and "generate" in started["text/html"]
+    assert re.search(r"<td[^>]*>combine</td><td[^>]*><span[^>]*>DONE</span></td><td[^>]*>ran</td>"
+                     r"<td[^>]*>forced</td>", ended["text/html"]), ended["text/html"]
 
 
 def _execute(cells: list[str], where: Path) -> list[str]:

@@ -286,7 +286,8 @@ def test_a_stage_name_from_the_store_is_shown_as_text() -> None:
             "<td style=\"text-align:left\">1.5s</td><td style=\"text-align:left\">1</td>") in page
     assert "<b>run r&lt;1&gt;</b> (pipeline p&amp;q)" in page and "<div>&lt;i&gt;why&lt;/i&gt;</div>" in page
     assert run_text(status) == ("RunStatus('r<1>', pipeline='p&q', state=FAILED)\n"
-                                "  <script>alert(1)</script> FAILED           1.5s  ran (<b onmouseover=\"x\">boom</b>)\n"
+                                "  <script>alert(1)</script> FAILED           1.5s  "
+                                "ran (<b onmouseover=\"x\">boom</b>)\n"
                                 "  <i>why</i>")
 
 
