@@ -24,7 +24,7 @@ from hetflow.tasks.errors import ConfigError, HetflowError, TaskFailed
 
 from . import __version__
 from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
-from .pipeline import Pipeline, RunOptions, default_workdir, run_options
+from .pipeline import Pipeline, RunOptions, default_workdir, run_options, wait_for_background
 from .status import RunStatus, run_status
 from .store import Store, iso, unreadable
 from .terminal import visible
@@ -222,6 +222,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
         with run_options(options) as runs:
             try:
                 namespace = runpy.run_path(str(path.resolve()), run_name="__main__")
+                wait_for_background()
                 if not runs:
                     pipelines = [v for v in namespace.values() if isinstance(v, Pipeline)]
                     if not pipelines:

@@ -71,18 +71,31 @@ class Declared(BaseException):
         self.pipeline = pipeline
 
 
-_overrides: list[tuple[RunOptions, list[RunStatus]]] = []
+_overrides: list[tuple[RunOptions, list[RunStatus], list[RunHandle]]] = []
 
 
 @contextmanager
 def run_options(options: RunOptions) -> Iterator[list[RunStatus]]:
     """Apply ``options`` to every ``Pipeline.run()`` inside the block; yields the list of runs made."""
     runs: list[RunStatus] = []
-    _overrides.append((options, runs))
+    _overrides.append((options, runs, []))
     try:
         yield runs
     finally:
         _overrides.pop()
+
+
+def wait_for_background() -> None:
+    """Inside :func:`run_options` (``hetflow run``/``resume``): wait for the runs the script started with
+    ``wait=False`` and left going, so that they are in its runs (and summary) and are not started again
+    as the runs of a script that ran none.  A run that ended other than DONE is in the runs as such."""
+    if not _overrides:
+        return
+    for handle in _overrides[-1][2]:
+        try:
+            handle.wait()
+        except RunFailed:
+            pass
 
 
 def default_workdir() -> Path:
@@ -302,7 +315,7 @@ class Pipeline:
         from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
         from .store import Store
 
-        options, made = _overrides[-1] if _overrides else (RunOptions(), [])
+        options, made = _overrides[-1][:2] if _overrides else (RunOptions(), [])
         chosen_pilot = options.pilot or pilot or self.pilot
         description = load_pilot(chosen_pilot).resolve()  # type: ignore[arg-type]
         configured = description.backend
@@ -386,7 +399,10 @@ class Pipeline:
             from .handle import RunHandle
 
             orchestrator.fix_code()
-            return RunHandle(started)
+            handle = RunHandle(started)
+            if _overrides:
+                _overrides[-1][2].append(handle)
+            return handle
 
 
 _running: set[str] = set()

@@ -420,3 +420,36 @@ def test_hetflow_resume_refuses_stages_another_user_recorded(tmp_path: Path) -> 
     done = _resume(tmp_path, run_id)
     assert done.returncode == 2
     assert f"file {recorded}: it is owned by uid 65534, not by this user (uid 0)" in done.stderr
+
+
+LEFT_GOING = '''
+import pyarrow as pa, hetflow as hf
+pipe = hf.Pipeline("left-going")
+
+@pipe.stage(outputs=["a"])
+def only(ctx):
+    return {"a": pa.table({"value": [1]})}
+
+handle = pipe.run(wait=False)
+print("started", handle.run_id, flush=True)
+'''
+
+
+def test_hetflow_run_of_a_script_that_leaves_a_background_run_going_waits_for_it_and_runs_it_once(
+        tmp_path: Path) -> None:
+    """``hetflow run`` runs the pipelines of a script that ran none: a run left going in the background is
+    one, waited for and summarized, not started a second time (nor interrupted by the exit)."""
+    (tmp_path / "left.py").write_text(LEFT_GOING)
+    done = subprocess.run([HETFLOW, "run", "left.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    started = re.search(r"^started (\S+)$", done.stdout, re.MULTILINE)
+    assert started is not None, done.stdout
+    assert re.search(rf"^run {started[1]}: DONE in ", done.stdout, re.MULTILINE), done.stdout
+    from hetflow.store import Store
+
+    store = Store.for_workdir(tmp_path / ".hetflow")
+    try:
+        assert [(run.id, run.state) for run in store.runs()] == [(started[1], "DONE")]
+    finally:
+        store.close()
