@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence, TypeVar, overload
 
 from hetflow.operators.dataset import Dataset
 from hetflow.tasks.description import ResourceRequest
@@ -278,6 +278,20 @@ class Pipeline:
             visit(name, [])
 
     # ------------------------------------------------------------ running
+    @overload
+    def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = ...,
+            workdir: "str | os.PathLike[str] | None" = ..., params: Mapping[str, Any] | None = ...,
+            db: str | None = ..., backend: str | None = ..., run_id: str | None = ...,
+            progress: bool | None = ..., check: bool = ..., rerun: Sequence[str] = ...,
+            wait: Literal[True] = ...) -> RunStatus: ...
+
+    @overload
+    def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = ...,
+            workdir: "str | os.PathLike[str] | None" = ..., params: Mapping[str, Any] | None = ...,
+            db: str | None = ..., backend: str | None = ..., run_id: str | None = ...,
+            progress: bool | None = ..., check: bool = ..., rerun: Sequence[str] = ...,
+            wait: Literal[False]) -> RunHandle: ...
+
     def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = None,
             workdir: "str | os.PathLike[str] | None" = None, params: Mapping[str, Any] | None = None,
             db: str | None = None, backend: str | None = None, run_id: str | None = None,
