@@ -216,7 +216,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
         raise UsageError(f"pipeline script {script!r} does not exist")
     import dataclasses
 
-    from .pipeline import Pipeline, run_options
+    from .pipeline import Pipeline, run_options, wait_for_background
 
     options = dataclasses.replace(options, script=str(path.resolve()))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -227,6 +227,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
         with run_options(options) as runs:
             try:
                 namespace = runpy.run_path(str(path.resolve()), run_name="__main__")
+                wait_for_background()
                 if not runs:
                     pipelines = [v for v in namespace.values() if isinstance(v, Pipeline)]
                     if not pipelines:
@@ -237,6 +238,44 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
                 pass  # the run is in `runs`: its summary below says what failed and how to resume
     finally:
         sys.argv, sys.path = saved_argv, saved_path
+    for status in runs:
+        _print_summary(status, args, since=began)
+    return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
+
+
+def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
+    """``hetflow resume`` of a run started from Python code (a notebook, the prompt): its stages as the run
+    recorded them (:mod:`hetflow.recorded`), resumed from the directory it was started in."""
+    from hetflow.tasks.errors import UnsafeShippedFunction
+
+    from . import recorded
+    from .pipeline import Pipeline, RunOptions, run_options
+
+    workdir = str(_workdir(args).resolve())  # the store's place as typed here, before the move to the run's
+    db = args.db
+    if db and db.startswith("sqlite:///") and not os.path.isabs(db[len("sqlite:///"):]):
+        db = "sqlite:///" + os.path.abspath(db[len("sqlite:///"):])
+    saved_cwd, saved_path = os.getcwd(), sys.path[:]
+    began = time.time()
+    try:
+        try:
+            found = recorded.load(record.id, record.run_dir)
+        except (UnsafeShippedFunction, OSError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+        pipe = Pipeline(found.name)
+        pipe.stages = dict(found.stages)
+        pipe._producers = {out: spec.name for spec in pipe.stages.values() for out in spec.outputs}
+        options = RunOptions(pilot=args.pilot, workdir=workdir, params=dict(record.params), db=db, run_id=record.id,
+                             progress=False if args.no_progress else None, rerun=tuple(args.rerun),
+                             stream_logs=args.verbose > 0)
+        with run_options(options) as runs:
+            try:
+                pipe.run(pilot=found.pilot)
+            except RunFailed:
+                pass  # the run is in `runs`: its summary below says what failed and how to resume
+    finally:
+        os.chdir(saved_cwd)
+        sys.path[:] = saved_path
     for status in runs:
         _print_summary(status, args, since=began)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
@@ -284,9 +323,10 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, si
         if status.error and not any(s.error for s in status.stages if s.state not in ("DONE", "CACHED")):
             print("  " + error_text(status.error).replace("\n", "\n  "))
         if status.script is None:
-            from .errors import resume_hint
+            from .errors import recorded_in, resume_hint
 
-            print(f"  {resume_hint(status.id, script=False)} (after fixing the cause; finished stages are not run again)")
+            hint = resume_hint(status.id, script=False, where=_where(args), shell=recorded_in(status.run_dir))
+            print(f"  {hint} (after fixing the cause; finished stages are not run again)")
         elif batch := batch_resume_command():  # a job hetflow submit made: resumed by its batch script
             print(f"  resume it with: {batch}  (from a login node, after fixing the cause; finished stages "
                   f"are not run again)")
@@ -461,6 +501,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     host, port = server.server_address[:2]
     host = host.decode() if isinstance(host, bytes) else host
+    from .display import remove_serve_note, write_serve_note
+
+    workdir = _workdir(args).resolve()
+    try:  # where a run of this store is shown in a notebook, it links here
+        write_serve_note(workdir, host, port, store.url, run_id)
+    except OSError as exc:
+        logging.getLogger(__name__).info("serve: no note in %s (%s)", workdir, exc)
     print(f"serving {'run ' + run_id if run_id else 'the latest run'} at http://{host}:{port}/ (Ctrl-C to stop)",
           flush=True)
     try:
@@ -469,6 +516,7 @@ def _serve(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
+        remove_serve_note(workdir)
     return EXIT_OK
 
 
@@ -522,7 +570,7 @@ def _cancel(args: argparse.Namespace) -> int:
     import socket
     import time
 
-    from .errors import resume_hint
+    from .errors import recorded_in, resume_hint
 
     store = _open_store(args)
     run = store.resolve_run(args.run)
@@ -538,8 +586,9 @@ def _cancel(args: argparse.Namespace) -> int:
         store.reconcile_dead_runs()
         now = store.resolve_run(run.id)
         if now.state != "RUNNING":
+            shell = now.script is None and recorded_in(now.run_dir)
             print(visible(f"run {run.id} {now.state}; "
-                          f"{resume_hint(run.id, script=now.script is not None, where=_where(args))}"))
+                          f"{resume_hint(run.id, script=now.script is not None, where=_where(args), shell=shell)}"))
             return EXIT_OK
         time.sleep(0.5)
     print(visible(f"hetflow: run {run.id} is still running {args.timeout:g} s after the cancel request "
@@ -679,8 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = _open_store(args)
             record = store.resolve_run(args.run)
             if not record.script:
-                raise UsageError(f"run {record.id} was started from Python code, not a script; resume it with "
-                                 f"pipe.run(run_id={record.id!r}) from the same code")
+                return _resume_recorded(record, args)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  run_id=record.id, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0)

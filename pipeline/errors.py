@@ -53,15 +53,26 @@ def hetflow_command(verb: str, run_id: str, where: Sequence[str] = ()) -> str:
     return shlex.join(["hetflow", verb, run_id, *where])
 
 
-def resume_hint(run_id: str, *, script: bool = True, where: Sequence[str] = ()) -> str:
+def resume_hint(run_id: str, *, script: bool = True, where: Sequence[str] = (), shell: bool = False) -> str:
     """How to go on with a run: ``hetflow resume`` for a script's run, with the store arguments ``where``
     (:func:`store_argv`) the run was given (:func:`batch_resume_command` in a submitted job),
-    ``pipe.run(run_id=...)`` otherwise."""
+    ``pipe.run(run_id=...)`` otherwise; ``shell``: a run without a script whose stages are recorded in it
+    (:mod:`hetflow.recorded`), which ``hetflow resume`` can resume too."""
     if script and (batch := batch_resume_command()):
         return f"resume it with: {batch}"
     if script:
         return f"resume it with: {hetflow_command('resume', run_id, where)}"
+    if shell:
+        return (f"resume it with: pipe.run(run_id={run_id!r}) from the same code, "
+                f"or from a shell: {hetflow_command('resume', run_id, where)}")
     return f"resume it with: pipe.run(run_id={run_id!r}) from the same code"
+
+
+def recorded_in(run_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether the run in ``run_dir`` recorded its stages for ``hetflow resume`` (:mod:`hetflow.recorded`)."""
+    from .recorded import RECORDED
+
+    return run_dir is not None and os.path.isfile(os.path.join(run_dir, RECORDED))
 
 
 ERROR_LINES = 20
@@ -97,15 +108,18 @@ class RunFailed(TaskFailed, RuntimeError):
             parts.append("stage " + ", stage ".join(failed))
         if skipped:
             parts.append(f"skipped: {', '.join(skipped)}")
-        parts.append(resume_hint(status.id, script=status.script is not None, where=where))
+        parts.append(resume_hint(status.id, script=status.script is not None, where=where,
+                                 shell=status.script is None and recorded_in(status.run_dir)))
         super().__init__(visible("; ".join(parts)))  # the errors are the run's text: no control characters
 
 
 class RunAborted(HetflowError, RuntimeError):
     """A run could not go on (no launcher, a missing extra, a full or read-only disk); it is recorded FAILED."""
 
-    def __init__(self, run_id: str, reason: str, where: Sequence[str] = (), *, script: bool = True) -> None:
-        super().__init__(f"run {run_id} failed: {reason}; {resume_hint(run_id, script=script, where=where)}")
+    def __init__(self, run_id: str, reason: str, where: Sequence[str] = (), *, script: bool = True,
+                 shell: bool = False) -> None:
+        super().__init__(f"run {run_id} failed: {reason}; "
+                         f"{resume_hint(run_id, script=script, where=where, shell=shell)}")
         self.run_id, self.reason = run_id, reason
 
 
@@ -127,9 +141,9 @@ def interruption(exc: BaseException) -> str:
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM (or a notebook kernel's interrupt) stopped a run; it is recorded INTERRUPTED and can
     be resumed.  ``script``: whether the run has a script ``hetflow resume`` can execute (the hint says
-    ``pipe.run(run_id=...)`` otherwise)."""
+    ``pipe.run(run_id=...)`` otherwise, and ``shell``: ``hetflow resume`` too)."""
 
-    def __init__(self, run_id: str, where: Sequence[str] = (), *, script: bool = True) -> None:
+    def __init__(self, run_id: str, where: Sequence[str] = (), *, script: bool = True, shell: bool = False) -> None:
         super().__init__(f"run {run_id} interrupted; running tasks were stopped; "
-                         f"{resume_hint(run_id, script=script, where=where)}")
+                         f"{resume_hint(run_id, script=script, where=where, shell=shell)}")
         self.run_id = run_id

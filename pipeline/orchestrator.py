@@ -137,7 +137,12 @@ class LeaseLost(HetflowError, RuntimeError):
 
 
 class CancelRequested(HetflowError, RuntimeError):
-    """``hetflow cancel`` asked (through the store) to stop this run: it ends CANCELLED, resumable."""
+    """``hetflow cancel`` asked (through the store), or :meth:`Orchestrator.ask_stop` (a run handle, the end
+    of the process that started the run in the background), to stop this run: it ends ``state``, resumable."""
+
+    def __init__(self, reason: str, state: str = "CANCELLED") -> None:
+        super().__init__(reason)
+        self.state = state
 
 
 @dataclass
@@ -175,8 +180,11 @@ class Orchestrator(MapShell):
     def __init__(self, *, name: str, stages: Mapping[str, StageSpec], pilot: PilotDescription, run_id: str,
                  run_dir: Path, store: Store, params: Mapping[str, Any], script: str | None,
                  progress: bool | None, verify: str = "checksum", rerun: Sequence[str] = (),
-                 stream_logs: bool = False) -> None:
+                 stream_logs: bool = False, base_dir: Path | None = None) -> None:
         self.name = name
+        self.base_dir = Path.cwd() if base_dir is None else base_dir
+        """Where the files and local modules of stages without a script file are looked up: the working
+        directory when the run was made (a kernel running other cells may change it meanwhile)."""
         self.stages = dict(stages)
         self.pilot = pilot
         self.run_id = run_id
@@ -232,6 +240,31 @@ class Orchestrator(MapShell):
         """Each map stage's items as its key was made."""
         self.made_dirs: set[Path] = set()
         """Directories of this run this orchestrator has made (or checked) already: made once, not per attempt."""
+        self.stop_asked: tuple[str, str] | None = None
+        """``(state, reason)`` once :meth:`ask_stop` was called: the loop stops the run so."""
+
+    def ask_stop(self, state: str, reason: str) -> None:
+        """Ask the loop (running in another thread) to stop the run, recorded ``state`` (CANCELLED,
+        INTERRUPTED) with ``reason``: its tasks are cancelled as for ``hetflow cancel``; it can be resumed.
+        Nothing happens to a run that has ended."""
+        self.stop_asked = (state, reason)
+
+    def fix_code(self) -> None:
+        """Make every stage's code fingerprint now, from what its function reaches now.
+
+        A run started in the background (``pipe.run(wait=False)``) makes its keys while the kernel runs
+        other cells, which may rebind the helpers and values a stage reads; the functions were pickled
+        when the run started (``shipped``), and the keys must be made from the same versions.  A stage
+        whose fingerprint cannot be made is left to :meth:`_material`, which fails it in its place."""
+        from .fingerprint import code_fingerprint
+
+        for spec in self.stages.values():
+            try:
+                code = code_fingerprint(spec.func)
+                self._check_values_workers_see(spec, code)
+            except Exception:  # noqa: BLE001 - raised again where the key is made, failing that stage
+                continue
+            self.code[spec.name] = code
 
     @property
     def states(self) -> Mapping[str, str]:
@@ -332,6 +365,8 @@ class Orchestrator(MapShell):
             with self._batch():
                 self._feed(Begin(forced=self.rerun, reason=self.rerun_reason))
             while self.final is None:
+                if self.stop_asked is not None:
+                    raise CancelRequested(self.stop_asked[1], self.stop_asked[0])
                 self._watch_walltime()
                 if time.time() - last_look >= 1.0:
                     self._watch_lone_deaths()
@@ -359,8 +394,8 @@ class Orchestrator(MapShell):
             self.stop(interruption(interrupt), "INTERRUPTED")
             raise
         except CancelRequested as cancel:
-            self.stop(str(cancel), "CANCELLED")
-            return "CANCELLED"
+            self.stop(str(cancel), cancel.state)
+            return cancel.state
         except LeaseLost:
             for live in list(self.live.values()):  # ours to stop; the record is the new owner's now
                 backend.cancel(live.id)
@@ -551,7 +586,7 @@ class Orchestrator(MapShell):
         if spec.name not in self.code:
             self.code[spec.name] = code_fingerprint(spec.func)
             self._check_values_workers_see(spec, self.code[spec.name])
-        base = Path(spec.path).parent if spec.path else Path.cwd()
+        base = Path(spec.path).parent if spec.path else self.base_dir
         self.looked[spec.name] = (time.time(), _file_stats(spec.files, base))
         material = cache.KeyMaterial(
             code=self.code[spec.name], files=file_fingerprint(spec.files, base) if spec.files else {},
@@ -724,7 +759,7 @@ class Orchestrator(MapShell):
         looked = self.looked.get(spec.name)
         if looked is None or time.time() - looked[0] < RECHECK_AFTER or spec.name not in self.code:
             return
-        base = Path(spec.path).parent if spec.path else Path.cwd()
+        base = Path(spec.path).parent if spec.path else self.base_dir
         what = None
         if _file_stats(spec.files, base) != looked[1]:  # touched: its content decides
             from .fingerprint import file_fingerprint
@@ -815,7 +850,7 @@ class Orchestrator(MapShell):
                 self._refuse_if_reused(spec.name, name, target)
                 ds.uncommit(target)
             outputs[name] = str(target)
-        base = Path(spec.path).parent if spec.path else Path.cwd()
+        base = Path(spec.path).parent if spec.path else self.base_dir
         shipped = self.shipped.get(spec.name)
         if shipped is not None:  # no script file to execute: the function as the run started, pickled
             shipping.write(files.function, shipped)
@@ -907,7 +942,7 @@ class Orchestrator(MapShell):
         looked = self.looked.get(spec.name)
         if material is None or code is None or looked is None:
             return None
-        base = Path(spec.path).parent if spec.path else Path.cwd()
+        base = Path(spec.path).parent if spec.path else self.base_dir
         changed: list[str] = []
         if spec.files and _file_stats(spec.files, base) != looked[1]:  # touched: its content decides
             from .fingerprint import file_fingerprint

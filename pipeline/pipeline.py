@@ -6,11 +6,12 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence, TypeVar, overload
 
 from hetflow.operators.dataset import Dataset
 from hetflow.tasks.description import ResourceRequest
@@ -20,13 +21,14 @@ from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 from hetflow.tasks.shipping import ships_by_value
 
 from .declaration import StageSpec, check_env, check_map, check_max_failures, check_name
+from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, RunLocked, Terminated,
+                     interruption, store_argv)
 from .filesystem import default_workdir
-from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption,
-                     store_argv)
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
 
+    from .handle import RunHandle
     from .status import RunStatus
 
 log = logging.getLogger(__name__)
@@ -70,18 +72,31 @@ class Declared(BaseException):
         self.pipeline = pipeline
 
 
-_overrides: list[tuple[RunOptions, list[RunStatus]]] = []
+_overrides: list[tuple[RunOptions, list[RunStatus], list[RunHandle]]] = []
 
 
 @contextmanager
 def run_options(options: RunOptions) -> Iterator[list[RunStatus]]:
     """Apply ``options`` to every ``Pipeline.run()`` inside the block; yields the list of runs made."""
     runs: list[RunStatus] = []
-    _overrides.append((options, runs))
+    _overrides.append((options, runs, []))
     try:
         yield runs
     finally:
         _overrides.pop()
+
+
+def wait_for_background() -> None:
+    """Inside :func:`run_options` (``hetflow run``/``resume``): wait for the runs the script started with
+    ``wait=False`` and left going, so that they are in its runs (and summary) and are not started again
+    as the runs of a script that ran none.  A run that ended other than DONE is in the runs as such."""
+    if not _overrides:
+        return
+    for handle in _overrides[-1][2]:
+        try:
+            handle.wait()
+        except RunFailed:
+            pass
 
 
 class Pipeline:
@@ -260,10 +275,25 @@ class Pipeline:
             visit(name, [])
 
     # ------------------------------------------------------------ running
+    @overload
+    def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = ...,
+            workdir: "str | os.PathLike[str] | None" = ..., params: Mapping[str, Any] | None = ...,
+            db: str | None = ..., backend: str | None = ..., run_id: str | None = ...,
+            progress: bool | None = ..., check: bool = ..., rerun: Sequence[str] = ...,
+            wait: Literal[True] = ...) -> RunStatus: ...
+
+    @overload
+    def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = ...,
+            workdir: "str | os.PathLike[str] | None" = ..., params: Mapping[str, Any] | None = ...,
+            db: str | None = ..., backend: str | None = ..., run_id: str | None = ...,
+            progress: bool | None = ..., check: bool = ..., rerun: Sequence[str] = ...,
+            wait: Literal[False]) -> RunHandle: ...
+
     def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = None,
             workdir: "str | os.PathLike[str] | None" = None, params: Mapping[str, Any] | None = None,
             db: str | None = None, backend: str | None = None, run_id: str | None = None,
-            progress: bool | None = None, check: bool = True, rerun: Sequence[str] = ()) -> RunStatus:
+            progress: bool | None = None, check: bool = True, rerun: Sequence[str] = (),
+            wait: bool = True) -> "RunStatus | RunHandle":
         """Run the pipeline to the end and return its status.
 
         Stages whose inputs are ready run at the same time on disjoint slots.
@@ -280,21 +310,23 @@ class Pipeline:
         the status (``exc.status``) and names the failed stages and the resume command;
         ``check=False`` returns the status instead.  Uncaught in a script, it prints that
         one line (no traceback) and the script exits 1 (:func:`_report_uncaught`).
+
+        ``wait=False`` returns a :class:`~hetflow.handle.RunHandle` as soon as the run is recorded
+        RUNNING; the run goes on in a thread of this process (a notebook's kernel stays free for
+        other cells) and ``handle.wait()`` returns or raises what ``run()`` would have.  What the
+        stages read is taken when ``run()`` is called, as for a blocking run.  Its live view is off
+        unless ``progress=True``.
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
         if _overrides and _overrides[-1][0].declare_only:
             raise Declared(self)
-        from hetflow.tasks.backends import get_backend
         from hetflow.tasks.paths import private_dir
         from hetflow.tasks.pilot import load_pilot
         from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
-        from .status import run_status
-        from sqlalchemy.exc import SQLAlchemyError
-
         from .store import Store
 
-        options, made = _overrides[-1] if _overrides else (RunOptions(), [])
+        options, made = _overrides[-1][:2] if _overrides else (RunOptions(), [])
         chosen_pilot = options.pilot or pilot or self.pilot
         description = load_pilot(chosen_pilot).resolve()  # type: ignore[arg-type]
         configured = description.backend
@@ -351,44 +383,124 @@ class Pipeline:
         run_params.update(options.params)
         run_params.update(from_command_line(options.param_text, self.stages.values()))
         show = options.progress if options.progress is not None else progress  # None: live view on a terminal,
-        # plain lines otherwise
+        # plain lines otherwise; off in the background, where it would write into whatever cell runs then
+        if not wait and show is None:
+            show = False
         orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
                                     run_dir=root / "runs" / the_id, store=store, params=run_params,
                                     script=options.script or _script_path(self.stages), progress=show,
                                     stream_logs=options.stream_logs,
                                     rerun=tuple(options.rerun) + tuple(rerun))
-        try:
-            orchestrator.prepare(resume=resume_id is not None)
-        except OSError as exc:
-            from .orchestrator import where
+        started = _Started(self.name, orchestrator, description, store, given, made, check)
+        with _claimed(the_id):
+            try:
+                orchestrator.prepare(resume=resume_id is not None)
+            except OSError as exc:
+                from .orchestrator import where
 
-            raise PipelineError(f"pipeline {self.name!r}: cannot start run {the_id}: {where(exc)}") from None
-        # from here on the run is ours and RUNNING: however it ends, it ends recorded
-        try:
-            backend_cls = get_backend(description.backend)
-            with _sigterm_interrupts(), backend_cls(description, orchestrator.run_dir) as engine:
-                orchestrator.execute(engine)
-        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (scancel)
-            if orchestrator.final is None:
-                orchestrator.stop(interruption(interrupt), "INTERRUPTED")
-            _report_uncaught()
-            raise RunInterrupted(the_id, given, script=orchestrator.script is not None) from None
-        except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
-            from .orchestrator import where
+                raise PipelineError(f"pipeline {self.name!r}: cannot start run {the_id}: {where(exc)}") from None
+            # from here on the run is ours and RUNNING: however it ends, it ends recorded
+            if orchestrator.script is None:  # no script for `hetflow resume` to execute: the stages instead
+                from .recorded import record as record_stages
 
-            reason = where(exc)
-            if isinstance(exc, SQLAlchemyError):  # a full disk under SQLite, a lost database server
-                cause = getattr(exc, "orig", None) or exc
-                reason = f"the state store {store.url} could not be written ({cause})"
-            if orchestrator.final is None:
-                orchestrator.stop(reason, "FAILED")
-            _report_uncaught()
-            raise RunAborted(the_id, reason, given, script=orchestrator.script is not None) from exc
-        status = run_status(store, the_id)
-        store.close()
-        made.append(status)
+                started.recorded = record_stages(orchestrator.run_dir, self.name, orchestrator.stages, description,
+                                          orchestrator.base_dir)
+            if wait:
+                return started.execute()
+            from .handle import RunHandle
+
+            orchestrator.fix_code()
+            handle = RunHandle(started)
+            if _overrides:
+                _overrides[-1][2].append(handle)
+            return handle
+
+
+_running: set[str] = set()
+"""The runs an orchestrator of this process executes now (:func:`_claimed`)."""
+_running_lock = threading.Lock()
+
+
+@contextmanager
+def _claimed(run_id: str) -> Iterator[None]:
+    """Hold ``run_id`` for this process while its run is prepared; the run's thread releases it
+    (:meth:`_Started.execute`) when the run has ended.
+
+    The store refuses a run whose owner is another live process, but the owner is the process: two
+    runs of one kernel (``wait=False``, then ``run(run_id=...)`` of the same run) would both take it.
+    """
+    with _running_lock:
+        if run_id in _running:
+            raise RunLocked(f"run {run_id} is running in this process already (started with wait=False): "
+                            "wait for it with handle.wait(), or stop it with handle.cancel(), before resuming it")
+        _running.add(run_id)
+    try:
+        yield
+    except BaseException:
+        _release(run_id)
+        raise
+
+
+def _release(run_id: str) -> None:
+    with _running_lock:
+        _running.discard(run_id)
+
+
+@dataclass
+class _Started:
+    """A run recorded RUNNING, ready to execute: here (``pipe.run()``) or in a thread (``wait=False``)."""
+
+    pipeline: str
+    orchestrator: Any
+    description: Any
+    store: Any
+    given: tuple[str, ...]
+    made: list[Any]
+    check: bool
+    recorded: bool = False
+    """Whether the stages are recorded in the run for ``hetflow resume`` (a run without a script)."""
+
+    @property
+    def run_id(self) -> str:
+        return str(self.orchestrator.run_id)
+
+    def execute(self) -> RunStatus:
+        """Run to the end; the status, or the error ``pipe.run()`` raises.  Releases the run's claim."""
+        from hetflow.tasks.backends import get_backend
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from .status import run_status
+
+        orchestrator, store, the_id, given = self.orchestrator, self.store, self.run_id, self.given
+        script = orchestrator.script is not None
+        try:
+            try:
+                backend_cls = get_backend(self.description.backend)
+                with _sigterm_interrupts(), backend_cls(self.description, orchestrator.run_dir) as engine:
+                    orchestrator.execute(engine)
+            except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (scancel)
+                if orchestrator.final is None:
+                    orchestrator.stop(interruption(interrupt), "INTERRUPTED")
+                _report_uncaught()
+                raise RunInterrupted(the_id, given, script=script, shell=self.recorded) from None
+            except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
+                from .orchestrator import where
+
+                reason = where(exc)
+                if isinstance(exc, SQLAlchemyError):  # a full disk under SQLite, a lost database server
+                    cause = getattr(exc, "orig", None) or exc
+                    reason = f"the state store {store.url} could not be written ({cause})"
+                if orchestrator.final is None:
+                    orchestrator.stop(reason, "FAILED")
+                _report_uncaught()
+                raise RunAborted(the_id, reason, given, script=script, shell=self.recorded) from exc
+            status = run_status(store, the_id)
+            store.close()
+        finally:
+            _release(the_id)
+        self.made.append(status)
         log.info("run %s ended %s", status.id, status.state)
-        if check and not status.ok:
+        if self.check and not status.ok:
             _report_uncaught()
             status.raise_for_state(given)
         return status

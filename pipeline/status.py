@@ -71,9 +71,11 @@ class StageStatus:
                 "logs": self.logs()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RunStatus:
-    """A run as recorded: ``id``, ``state`` and one :class:`StageStatus` per stage."""
+    """A run as recorded: ``id``, ``state`` and one :class:`StageStatus` per stage.
+
+    Its ``repr`` is a line per stage; in a notebook it shows as a table (:mod:`hetflow.display`)."""
 
     id: str
     pipeline: str
@@ -91,6 +93,21 @@ class RunStatus:
     rerun: tuple[str, ...] = ()
     """The stages ``--rerun`` forced in this run (and downstream of them); every resume keeps forcing those
     that have not run in it yet."""
+    store_url: str | None = None
+    """The state store it was read from (a ``hetflow serve`` of that store is linked where it is shown)."""
+
+    def __repr__(self) -> str:
+        from .display import run_text
+
+        return run_text(self)
+
+    def _repr_html_(self) -> str:
+        from .display import run_html, serve_link
+
+        link = None
+        if self.store_url is not None:
+            link = serve_link(Path(self.run_dir).parent.parent, self.store_url, self.id)
+        return run_html(self, link=link)
 
     @property
     def ok(self) -> bool:
@@ -185,7 +202,7 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
         datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
         return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
                          ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets,
-                         script=run.script, error=run.error, rerun=tuple(run.rerun or ()))
+                         script=run.script, error=run.error, rerun=tuple(run.rerun or ()), store_url=str(store.url))
 
 
 def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
