@@ -453,3 +453,39 @@ def test_hetflow_run_of_a_script_that_leaves_a_background_run_going_waits_for_it
         assert [(run.id, run.state) for run in store.runs()] == [(started[1], "DONE")]
     finally:
         store.close()
+
+
+LIVE = '''
+import time, pyarrow as pa, hetflow as hf
+pipe = hf.Pipeline("live")
+
+@pipe.stage(outputs=["a"])
+def slow(ctx):
+    print("working <on> it")
+    time.sleep(2)
+    return {"a": pa.table({"value": [1]})}
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def after(ctx, a):
+    return {"b": a}
+'''
+
+
+def test_a_blocking_run_in_a_notebook_shows_its_live_table_as_one_display_updated_in_place(
+        tmp_path: Path, kernel: Kernel) -> None:
+    kernel.run(LIVE)
+    import nbformat
+
+    cell = nbformat.v4.new_code_cell("run = pipe.run(workdir='w')")
+    kernel.notebook.cells.append(cell)
+    kernel.client.execute_cell(cell, len(kernel.notebook.cells) - 1)
+    outputs = cell["outputs"]
+    live = [o for o in outputs if "hetflow-live" in o.get("data", {}).get("text/html", "")]
+    assert len(live) == 1, outputs    # one display, redrawn in place, not a table per refresh
+    page = live[0]["data"]["text/html"]
+    # drawn first with both stages waiting, it shows their last state: updated in place (nbclient applies
+    # update_display_data to the output of its display id); the stage's printed line escaped
+    assert re.search(r"<td[^>]*>slow</td><td[^>]*>DONE</td>", page), page
+    assert re.search(r"<td[^>]*>after</td><td[^>]*>DONE</td>", page), page
+    assert "<on>" not in page and "working &lt;on&gt; it" in page
+    assert not any("hetflow: [" in o.get("text", "") for o in outputs)   # no plain progress lines in the cell
