@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from . import ipcfile
+from . import ipcfile, safeio
 from .communicator import Communicator
 from .errors import InputError, InvalidOptionError, SchemaMismatchError
 from .location import Location, is_object_store, is_uri, redact, resolve, storage_error
@@ -322,18 +322,25 @@ def csv_partition(comm: Communicator, paths: Paths, *, schema: pa.Schema | None 
 
 
 def write_partitions(comm: Communicator, table: pa.Table, directory: str | os.PathLike[str],
-                     fmt: WriteFormat) -> list[str]:
+                     fmt: WriteFormat, *, filesystem: pafs.FileSystem | None = None) -> list[str]:
     """Write this rank's partition as ``part-<rank>.<ext>``; returns every rank's file (rank order).
 
     ``directory`` is a local path (the file is written to a temporary name, fsynced and renamed) or an
     object-store URI (the file is serialized in memory, then uploaded as one object: S3 makes an
     object visible only when its PUT or multipart upload completes, so a failed or killed writer
-    leaves nothing under the final key).
+    leaves nothing under the final key).  With ``filesystem``, ``directory`` is a path on it, written
+    the object-store way.
     """
     if fmt not in _EXT:
         raise InvalidOptionError("format", fmt, list(_EXT))
+    name = f"part-{comm.Get_rank():05d}.{_EXT[fmt]}"
+    if filesystem is not None:
+        key = f"{os.fspath(directory).rstrip('/')}/{name}"
+        _upload(Location(filesystem, key, key, False), _serialized(table, fmt))
+        comm.Barrier()
+        return [str(p) for p in comm.allgather(key)]
     if is_uri(os.fspath(directory)):
-        where = resolve(os.fspath(directory)).join(f"part-{comm.Get_rank():05d}.{_EXT[fmt]}")
+        where = resolve(os.fspath(directory)).join(name)
         if where.is_local:
             return write_partitions(comm, table, Path(where.path).parent, fmt)
         _upload(where, _serialized(table, fmt))
@@ -341,28 +348,16 @@ def write_partitions(comm: Communicator, table: pa.Table, directory: str | os.Pa
         return [str(u) for u in comm.allgather(where.uri)]
     d = Path(directory)
     if comm.Get_rank() == 0:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.close(safeio.open_dir_nofollow(d, create=True))   # 0700 when made here; a symlink is refused
     comm.Barrier()
-    path = d / f"part-{comm.Get_rank():05d}.{_EXT[fmt]}"
-    tmp = d / f".{path.name}.tmp{os.getpid()}"
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        pq.write_table(table, tmp)
-    else:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
-    os.chmod(tmp, 0o600)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    path = d / name
+    safeio.atomic_write(path, lambda sink: _write_file(table, fmt, sink))   # temp, fsync, rename: 0600
     comm.Barrier()
     return [str(p) for p in comm.allgather(str(path))]
 
 
-def _serialized(table: pa.Table, fmt: str) -> pa.Buffer:
-    """``table`` as the bytes of one Parquet or Arrow IPC file."""
-    sink = pa.BufferOutputStream()
+def _write_file(table: pa.Table, fmt: str, sink: Any) -> None:
+    """``table`` as one Parquet or Arrow IPC file, written to ``sink`` (a file object or pyarrow stream)."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -370,6 +365,12 @@ def _serialized(table: pa.Table, fmt: str) -> pa.Buffer:
     else:
         with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
+
+
+def _serialized(table: pa.Table, fmt: str) -> pa.Buffer:
+    """``table`` as the bytes of one Parquet or Arrow IPC file."""
+    sink = pa.BufferOutputStream()
+    _write_file(table, fmt, sink)
     return sink.getvalue()
 
 
