@@ -346,14 +346,13 @@ def write_partitions(comm: Communicator, table: pa.Table, directory: str | os.Pa
         _upload(where, _serialized(table, fmt))
         comm.Barrier()
         return [str(u) for u in comm.allgather(where.uri)]
-    d = Path(directory)
+    d = Path(os.path.realpath(directory))   # the user's path, resolved once; below it nothing is followed
     if comm.Get_rank() == 0:
-        os.close(safeio.open_dir_nofollow(d, create=True))   # 0700 when made here; a symlink is refused
+        os.close(safeio.open_dir_nofollow(d, create=True))   # 0700 when made here
     comm.Barrier()
-    path = d / name
-    safeio.atomic_write(path, lambda sink: _write_file(table, fmt, sink))   # temp, fsync, rename: 0600
+    safeio.atomic_write(d / name, lambda sink: _write_file(table, fmt, sink))   # temp, fsync, rename: 0600
     comm.Barrier()
-    return [str(p) for p in comm.allgather(str(path))]
+    return [str(p) for p in comm.allgather(str(Path(directory) / name))]
 
 
 def _write_file(table: pa.Table, fmt: str, sink: Any) -> None:

@@ -247,3 +247,15 @@ def test_the_ipc_layout_is_read_from_footer_and_headers_alone(tmp_path: Path) ->
         assert ipcfile.batch_rows(source, path.stat().st_size) == want
     with pytest.raises(ValueError, match="no ARROW1 magic"):
         ipcfile.blocks(pa.BufferReader(b"x" * 64), 64)
+
+
+def test_writing_to_a_missing_bucket_names_it_and_leaves_nothing(comm: Any, s3_env: S3Server) -> None:
+    from hetflow.operators import DTable
+    from hetflow.operators.location import StorageError
+
+    with pytest.raises(StorageError) as caught:
+        DTable(comm, _table(0)).write_parquet("s3://no-such-bucket-hf/out")
+    assert str(caught.value) == ("cannot write s3://no-such-bucket-hf/out/part-00000.parquet (bucket "
+                                 "'no-such-bucket-hf', key 'out/part-00000.parquet'): the bucket does not exist "
+                                 "(hetflow never creates buckets)")
+    assert "no-such-bucket-hf" not in [b["Name"] for b in s3_env.client().list_buckets()["Buckets"]]
