@@ -198,9 +198,9 @@ def test_duckdb_threads_are_joined_before_interpreter_teardown(tmp_path: Path) -
 def test_write_parquet_into_a_symlinked_directory_writes_through_the_link_the_user_gave(tmp_path: Path) -> None:
     """The user's directory is resolved once (a link to scratch space is fine); the part file itself is
     never written through a link planted in its place."""
-    from mpi4py import MPI
-
     from hetflow.operators import DTable
+    from hetflow.operators.safeio import UnsafePath
+    from mpi4py import MPI
 
     comm = MPI.COMM_SELF.Dup()
     real = tmp_path / "scratch"
@@ -213,8 +213,6 @@ def test_write_parquet_into_a_symlinked_directory_writes_through_the_link_the_us
     victim.write_text("keep")
     (real / "part-00000.parquet").unlink()
     (real / "part-00000.parquet").symlink_to(victim)
-    from hetflow.operators.safeio import UnsafePath
-
     with pytest.raises(UnsafePath, match="part-00000.parquet"):
         DTable(comm, pa.table({"x": [1]})).write_parquet(str(tmp_path / "out"))
     assert victim.read_text() == "keep"
