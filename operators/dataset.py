@@ -26,7 +26,6 @@ module creates are 0700, whatever the umask.
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import mmap
 import os
@@ -39,19 +38,20 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import pyarrow as pa
 
+from . import safeio
+from .errors import OperatorError
+from .safeio import UnsafePath
+
 MANIFEST = "_manifest.json"
 FORMAT_VERSION = 1
 Verify = Literal["checksum", "size", "none"]
 _CHUNK = 8 << 20
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted as a manifest must not block the reader
-_LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)
+_O_NOFOLLOW, _O_DIRECTORY, _O_PATH, _O_NONBLOCK = safeio.O_NOFOLLOW, safeio.O_DIRECTORY, safeio.O_PATH, safeio.O_NONBLOCK
+_LINK_ERRNOS = safeio.LINK_ERRNOS
 
 
-class DatasetError(Exception):
-    """Root of dataset errors."""
+class DatasetError(OperatorError):
+    """Root of dataset errors (under the operators' root, :class:`~hetflow.operators.OperatorError`)."""
 
 
 class DatasetNotFound(DatasetError, FileNotFoundError):
@@ -62,15 +62,9 @@ class CorruptDataset(DatasetError, ValueError):
     """A partition or manifest does not match what the manifest promises."""
 
 
-class UnsafeDatasetPath(DatasetError, OSError):
-    """A dataset path that is a symlink (or not what it must be): refused, never followed."""
-
-    def __init__(self, path: "str | os.PathLike[str]", problem: str) -> None:
-        super().__init__(errno.ELOOP, f"refusing {os.fspath(path)}: {problem}")
-        self.path = os.fspath(path)
-
-    def __str__(self) -> str:
-        return str(self.strerror)
+class UnsafeDatasetPath(DatasetError, UnsafePath):
+    """A dataset path that is a symlink (or not what it must be): refused, never followed.  An
+    :class:`~hetflow.operators.safeio.UnsafePath`, as every refusal of hetflow's safe file I/O."""
 
 
 def entry_problem(entry: Any) -> str | None:
@@ -216,49 +210,7 @@ class _ChecksumFile:
 
 
 # -------------------------------------------------------- directories, safely
-def _open_dir(directory: Path, *, create: bool = False) -> int:
-    """A read fd on ``directory``, opened with ``O_NOFOLLOW``: a symlink there is refused.
-
-    With ``create``, missing components are made 0700 (fixed through the fd if
-    the umask took bits away); existing ones keep their mode.
-    """
-    try:
-        return os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW)
-    except FileNotFoundError:
-        if not create:
-            raise
-    except OSError as exc:
-        if exc.errno in _LINK_ERRNOS:
-            raise _refusal(directory) from None
-        raise
-    missing = []
-    probe = directory
-    while not os.path.lexists(probe):
-        missing.append(probe)
-        probe = probe.parent
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            continue  # made meanwhile: checked when opened below
-        fd = os.open(folder, _O_PATH | _O_DIRECTORY | _O_NOFOLLOW)
-        try:
-            if not stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise _refusal(folder)
-            if stat.S_IMODE(os.fstat(fd).st_mode) != 0o700:
-                _fchmod(fd, 0o700)
-        finally:
-            os.close(fd)
-    return _open_dir(directory)
-
-
-def _fchmod(fd: int, mode: int) -> None:
-    try:
-        os.fchmod(fd, mode)
-    except OSError:  # an O_PATH fd: chmod what it refers to, through /proc (never by name)
-        os.chmod(f"/proc/self/fd/{fd}", mode)
-
-
+# The safe file I/O is hetflow's one copy (safeio); these names keep the dataset's wording of a refusal.
 def _refusal(path: "str | os.PathLike[str]") -> UnsafeDatasetPath:
     try:
         is_link = stat.S_ISLNK(os.lstat(path).st_mode)
@@ -270,50 +222,25 @@ def _refusal(path: "str | os.PathLike[str]") -> UnsafeDatasetPath:
     return UnsafeDatasetPath(path, "it is not a directory or regular file as a dataset needs")
 
 
-def _entry_mode(dfd: int, name: str) -> int | None:
-    try:
-        return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
-    except FileNotFoundError:
-        return None
+def _open_dir(directory: Path, *, create: bool = False) -> int:
+    """A read fd on ``directory``, opened with ``O_NOFOLLOW``: a symlink there is refused
+    (:func:`safeio.open_dir_nofollow`)."""
+    return safeio.open_dir_nofollow(directory, create=create, refuse=_refusal)
 
 
 def _refuse_link(dfd: int, directory: Path, name: str) -> None:
-    mode = _entry_mode(dfd, name)
-    if mode is not None and not stat.S_ISREG(mode):
-        raise _refusal(directory / name)
+    safeio.refuse_non_regular(dfd, directory, name, refuse=_refusal)
 
 
 def _open_entry(dfd: int, directory: Path, name: str) -> int:
     """Open regular file ``name`` of the dataset directory for reading, never through a symlink."""
-    try:
-        fd = os.open(name, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK, dir_fd=dfd)
-    except OSError as exc:
-        if exc.errno in _LINK_ERRNOS:
-            raise _refusal(directory / name) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise _refusal(directory / name)
-    return fd
+    return safeio.open_entry(dfd, directory, name, refuse=_refusal)
 
 
-def _create_temp(dfd: int, name: str) -> tuple[str, int]:
-    """A new 0600 temp file beside ``name`` (O_EXCL, so never an existing file or link)."""
-    tmp = f".{name}.tmp-{os.getpid()}"
-    try:
-        os.unlink(tmp, dir_fd=dfd)  # left by a crashed writer with our pid; unlink never follows
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, 0o600, dir_fd=dfd)
-    os.fchmod(fd, 0o600)  # the umask may have taken bits of 0600 away
-    return tmp, fd
-
-
-def _unlink_quiet(dfd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except FileNotFoundError:
-        pass
+_fchmod = safeio.fchmod
+_entry_mode = safeio.entry_mode
+_create_temp = safeio.create_temp
+_unlink_quiet = safeio.unlink_quiet
 
 
 # ----------------------------------------------------------------- writing
@@ -442,28 +369,12 @@ def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
 
 
 def _write_json_at(dfd: int, directory: Path, name: str, data: Any, *, durable: bool = True) -> None:
-    _refuse_link(dfd, directory, name)
-    tmp, fd = _create_temp(dfd, name)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True, default=str)
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        _unlink_quiet(dfd, tmp)
-        raise
-    if durable:
-        os.fsync(dfd)
+    text = json.dumps(data, indent=1, sort_keys=True, default=str).encode()
+    safeio.write_at(dfd, directory, name, text, durable=durable, refuse=_refusal)
 
 
 def fsync_dir(directory: Path) -> None:
-    fd = _open_dir(Path(directory))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    safeio.fsync_dir(directory, refuse=_refusal)
 
 
 @_full_paths

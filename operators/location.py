@@ -33,13 +33,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
+from .errors import OperatorError
+
 OBJECT_SCHEMES = ("s3",)
 """URI schemes hetflow treats as object stores (no rename, no directories, the manifest is the commit)."""
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-class StorageError(OSError):
+class StorageError(OperatorError, OSError):
     """An object-store request failed; the message names bucket, key, action and cause."""
 
     def __init__(self, message: str, *, uri: str, cause: str) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import yaml
 
-from hetflow.tasks.errors import ConfigError, HetflowError, TaskFailed
+from hetflow.tasks.errors import ConfigError, HetflowError
 
 from . import __version__
 from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
@@ -755,7 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _pilot(args)
         if args.command == "report":
             return _report(args)
-    except (TaskFailed, RunAborted) as exc:
+    except (RunFailed, RunAborted) as exc:
         print(f"hetflow: {visible(str(exc))}", file=sys.stderr)
         if isinstance(exc, RunAborted):
             _summary_after(exc.run_id, args)

@@ -88,8 +88,11 @@ def error_text(text: str, limit: int = ERROR_LINES) -> str:
     return "\n".join(kept[:1] + [f"  {line}" for line in kept[1:]])
 
 
-class RunFailed(TaskFailed, RuntimeError):
+class RunFailed(HetflowError, RuntimeError):
     """A run ended other than DONE; ``status`` is its :class:`~hetflow.RunStatus`.
+
+    Not a :class:`TaskFailed` (a run is not a task): ``except hetflow.RunFailed`` or
+    ``except hetflow.HetflowError`` catches it.
 
     The message names the run, its state, each stage that did not finish (with its error,
     up to :data:`ERROR_LINES` lines) and the resume command.

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
+from hetflow.operators import safeio
 from hetflow.tasks import shipping
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome, node_indices
 from hetflow.tasks.paths import UnsafePath, private_dir
@@ -829,9 +830,7 @@ class Orchestrator(MapShell):
                         "(its code, a value it reads, a parameter); set aside in %s, the stage starts afresh",
                         spec.name, directory, aside)
         if held != key:
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)  # private, as the run
-            with os.fdopen(fd, "w") as out:
-                out.write(key)
+            safeio.atomic_write(marker, key.encode(), durable=False)  # private (0600), never through a symlink
 
     def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str], *,
                     chunk: str | None = None, items: Sequence[Mapping[str, Any]] = ()) -> AttemptFiles:

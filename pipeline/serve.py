@@ -47,6 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from hetflow.tasks.errors import HetflowError
 from hetflow.tasks.protocol import AttemptFiles
 
 from .progress import progress_text
@@ -112,7 +113,7 @@ class RunView:
         return page
 
 
-class BadRequest(ValueError):
+class BadRequest(HetflowError, ValueError):
     """A query value outside what the server takes (the message names the parameter and the range)."""
 
 

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from .errors import HetflowError
 from .protocol import FORK_SERVER
 
 log = logging.getLogger(__name__)
@@ -567,7 +568,7 @@ class ForkServer:
         self._reader.join(timeout=10.0)
 
 
-class ForkServerGone(RuntimeError):
+class ForkServerGone(HetflowError, RuntimeError):
     """The fork server cannot start a task (it has ended); the caller starts the task cold."""
 
 

@@ -28,10 +28,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hetflow.operators import safeio
+
 from .errors import ShippingFailed, UnsafeShippedFunction
 
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NOFOLLOW = safeio.O_NOFOLLOW
+_O_DIRECTORY = safeio.O_DIRECTORY
 
 
 def ships_by_value(func: Callable[..., Any]) -> bool:

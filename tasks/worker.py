@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from . import shm
+from .errors import HetflowError
 from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
 from .protocol import WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec
 
@@ -159,7 +160,7 @@ def _schema_text(value: Any) -> str | None:
     return None if value is None else schema_to_text(value.schema)
 
 
-class SchemaMismatch(TypeError):
+class SchemaMismatch(HetflowError, TypeError):
     """A dataset's schema differs from what a stage declared."""
 
 
@@ -186,7 +187,7 @@ def check_schema(stage: str, kind: str, name: str, actual: Any, expected: Any) -
                              + "\n  ".join(diff))
 
 
-class SchemaDisagreement(TypeError):
+class SchemaDisagreement(HetflowError, TypeError):
     """Ranks returned different schemas for one output; ``ranks`` are those whose schema is the odd one
     out (every rank that returned one, when no schema is returned by more ranks than every other)."""
 
