@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-MAX_NODES = 100_000
+MAX_NODES = 20_000
 """Objects walked in one snapshot at most (elements of flat lists of numbers and strings count too)."""
 
 MAX_BYTES = 64 << 20
@@ -82,10 +82,16 @@ def user_module(module: Any) -> bool:
     path = getattr(module, "__file__", None)
     if not isinstance(path, str):
         return False
-    real = os.path.realpath(path)
-    if "site-packages" in real or "dist-packages" in real:
-        return False
-    return not any(real == d or real.startswith(d + os.sep) for d in _INSTALLED)
+    found = _USER_FILES.get(path)
+    if found is None:
+        real = os.path.realpath(path)
+        found = _USER_FILES[path] = not ("site-packages" in real or "dist-packages" in real or
+                                         any(real == d or real.startswith(d + os.sep) for d in _INSTALLED))
+    return found
+
+
+_USER_FILES: dict[str, bool] = {}
+"""Module files seen, and whether each is the user's (a ``realpath`` per file once, not per check)."""
 
 
 class _Walk:
@@ -194,7 +200,8 @@ class Snapshot:
     """What :func:`take` saw: per watched module, each global's identity and digest; the process's state."""
 
     modules: dict[str, dict[str, Any]]
-    loaded: frozenset[str]
+    loaded: set[str]
+    """The modules loaded then, and those of installed packages loaded since (not state: they are added)."""
     cwd: str
     environ: dict[str, str]
     sys_path: tuple[str, ...]
@@ -220,7 +227,7 @@ def take(modules: Iterable[types.ModuleType] = ()) -> Snapshot:
     user module loaded now.  :class:`TooLarge` when that is more than a check after each item should walk."""
     watched = _watched(modules)
     walk = _Walk(frozenset(m.__name__ for m in watched))
-    return Snapshot(modules={m.__name__: _module_state(walk, m) for m in watched}, loaded=frozenset(sys.modules),
+    return Snapshot(modules={m.__name__: _module_state(walk, m) for m in watched}, loaded=set(sys.modules),
                     cwd=os.getcwd(), environ=dict(os.environ), sys_path=tuple(sys.path),
                     threads=threading.active_count())
 
@@ -236,7 +243,13 @@ def changed(before: Snapshot) -> str | None:
         return "sys.path changed"
     if threading.active_count() > before.threads:
         return "a thread it started is still running"
-    new = [name for name in set(sys.modules) - before.loaded if user_module(sys.modules.get(name))]
+    new = []
+    if len(sys.modules) != len(before.loaded):
+        for name in set(sys.modules) - before.loaded:
+            if user_module(sys.modules.get(name)):
+                new.append(name)
+            else:
+                before.loaded.add(name)  # what an item imports from an installed package is not its state
     if new:
         return f"it imported the module {sorted(new)[0]!r}, whose state later items would share"
     walk = _Walk(frozenset(before.modules))
@@ -250,20 +263,22 @@ def changed(before: Snapshot) -> str | None:
                 continue
             for key in sorted(set(now) | set(state)):
                 if key not in now:
-                    return f"{_shown(name)} global {key!r} was deleted"
+                    return f"{_global(name, key)} was deleted"
                 if key not in state:
-                    return f"{_shown(name)} global {key!r} was added"
+                    return f"{_global(name, key)} was added"
                 if now[key][0] != state[key][0]:
-                    return f"{_shown(name)} global {key!r} was reassigned"
+                    return f"{_global(name, key)} was reassigned"
                 if now[key] != state[key]:
-                    return f"{_shown(name)} global {key!r} was changed in place"
+                    return f"{_global(name, key)} was changed in place"
     except TooLarge as exc:
         return str(exc)
     return None
 
 
-def _shown(module: str) -> str:
-    return "the script's" if module == "__hetflow_script__" or module == "__main__" else f"module {module!r}'s"
+def _global(module: str, name: str) -> str:
+    if module in ("__hetflow_script__", "__main__"):
+        return f"the script's global {name!r}"
+    return f"global {name!r} of module {module!r}"
 
 
 class RandomState:
