@@ -189,7 +189,7 @@ class _Walk:
 
 def _filled(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        cell.cell_contents  # noqa: B018 - an empty cell raises
     except ValueError:
         return False
     return True
@@ -251,7 +251,7 @@ def changed(before: Snapshot) -> str | None:
             else:
                 before.loaded.add(name)  # what an item imports from an installed package is not its state
     if new:
-        return f"it imported the module {sorted(new)[0]!r}, whose state later items would share"
+        return f"it imported the module {min(new)!r}, whose state later items would share"
     walk = _Walk(frozenset(before.modules))
     try:
         for name, state in before.modules.items():

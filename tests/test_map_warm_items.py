@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hetflow import PipelineError, Pipeline
+from hetflow import Pipeline, PipelineError
 from hetflow.operators.dataset import Dataset
 from hetflow.tasks import itemstate
 
@@ -157,6 +156,8 @@ def test_an_item_that_changes_a_global_makes_the_later_items_run_as_forked_ones_
     assert f"changed what later items would read ({what}): the items after it ran in a process each" in reason
     assert reason.count("changed what later items would read") == 1
     assert stages["_stderr"].count("changed what later items would read") == 1  # said once in the run's log
+    listed = hetflow(project, "status", stages["_run"]["id"], "work", "--items")
+    assert listed.stdout.count(f"({what}): the items after it ran in a process each") == 1, listed.stdout
 
 
 CRASH = HEAD + '''
