@@ -61,12 +61,12 @@ class TooLarge(Exception):
 
 
 def _installed_dirs() -> tuple[str, ...]:
-    found = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    found = {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = sysconfig.get_paths().get(key)
         if path:
-            found.add(os.path.realpath(path))
-    return tuple(sorted(found))
+            found.add(path)
+    return tuple(sorted(found | {os.path.realpath(p) for p in found}))
 
 
 _INSTALLED = _installed_dirs()
@@ -84,10 +84,18 @@ def user_module(module: Any) -> bool:
         return False
     found = _USER_FILES.get(path)
     if found is None:
-        real = os.path.realpath(path)
-        found = _USER_FILES[path] = not ("site-packages" in real or "dist-packages" in real or
-                                         any(real == d or real.startswith(d + os.sep) for d in _INSTALLED))
+        found = _USER_FILES[path] = not (_installed(path) or _installed(os.path.realpath(path)))
     return found
+
+
+def _installed(path: str) -> bool:
+    """Under the Python installation, an installed package, or ``hetflow.tasks``' folder."""
+    return "site-packages" in path or "dist-packages" in path or \
+        any(path.startswith(d + os.sep) for d in _INSTALLED + _HETFLOW)
+
+
+_HETFLOW = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.realpath(__file__)))
+"""``hetflow.tasks``' folder: the worker (and the fork server) may run as ``__main__``."""
 
 
 _USER_FILES: dict[str, bool] = {}

@@ -86,7 +86,8 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
             import hetflow.operators.settings  # noqa: F401 - what each item's run imports: once here
 
             pa.table({"x": [0]})  # pyarrow loads pandas on a table's first making: once here, not per child
-            gc.collect()
+            if spec.item_isolation == "fork":  # a child per item: what is garbage now is not copied into each
+                gc.collect()
             gc.freeze()
         sink = os.open(files.item_results(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
