@@ -331,7 +331,8 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
     if running:  # the item in flight ended its runner
         line = _no_result(items[done], how)
         line["started"], line["log"] = started, [log_path, log_start, _log_size()]
-        os.write(sink, (json.dumps(line) + "\n").encode())
+        # on a line of its own, whatever the runner was writing when it ended (a cut line is skipped)
+        os.write(sink, ("\n" + json.dumps(line) + "\n").encode())
         done += 1
     elif why is None and done < len(items):
         why = f"their runner process ended between items ({how})"
