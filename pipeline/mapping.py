@@ -264,6 +264,8 @@ class MapRun:
             if line.get("isolation") and self.isolated is None:
                 self.isolated = f"item {item.index} ({item.label}) changed what later items would read " \
                                 f"({line['isolation']}): the items after it ran in a process each"
+            elif line.get("forked") and self.isolated is None:
+                self.isolated = f"the items from item {item.index} on ran in a process each ({line['forked']})"
             if line["status"] == "ok":
                 self.set_state(item, "DONE")
                 item.error, item.outputs = None, dict(line["outputs"])

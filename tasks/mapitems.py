@@ -243,24 +243,28 @@ def _one_rank(shared: _Shared, items: list[Mapping[str, Any]], sink: int, log_pa
             snapshot = itemstate.take([sys.modules[shared.func.__module__]] if shared.func.__module__ in sys.modules
                                       else [])
         except itemstate.TooLarge as exc:
-            why = f"{exc}, more than a check after each item walks"
+            why = f"{exc}, too many to check after each item"
+        noted = False  # said on the line of the item that changed state
         while items and why is None:
-            items, why = _runner(shared, items, snapshot, sink, log_path)
+            items, why, noted = _runner(shared, items, snapshot, sink, log_path)
         if why is not None and items:
             shared.log.warning("the %d item(s) from item %s on run in a process each: %s", len(items),
                                items[0]["index"], why)
-    for item in items:
+    for position, item in enumerate(items):
         start = _log_size()
         line = _forked(shared, item)
         line["log"] = [log_path, start, _log_size()]  # what the item printed: that span of the rank's log
+        if position == 0 and why is not None and not noted:
+            line["forked"] = why  # the orchestrator says it once
         os.write(sink, (json.dumps(line) + "\n").encode())
 
 
 def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink: int, log_path: str
-            ) -> tuple[list[Mapping[str, Any]], str | None]:
+            ) -> tuple[list[Mapping[str, Any]], str | None, bool]:
     """Run ``items`` one after another in one child of this rank (the *runner*), each checked against
-    ``snapshot`` after it ends; the items it did not reach, and why they must run in a process each
-    (``None``: the runner was ended by an item, which is recorded as failed, and another may go on).
+    ``snapshot`` after it ends; the items it did not reach, why they must run in a process each
+    (``None``: the runner was ended by an item, which is recorded as failed, and another may go on),
+    and whether an item's line says so already (the item that changed state).
 
     The runner appends each item's line to ``sink`` itself and tells this rank on a pipe when an item
     starts (``S <index>``) and ends (``D <index>``, or ``L <index> <what it changed>``, after which it
@@ -285,6 +289,7 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
                 line["log"] = [log_path, start, _log_size()]
                 what = itemstate.changed(snapshot)
                 if what is not None:
+                    what = " ".join(what.split())  # one line on the pipe, whatever a path holds
                     line["isolation"] = what  # the orchestrator says it once, and forks the stage's later items
                 os.write(sink, (json.dumps(line) + "\n").encode())
                 if what is not None:
@@ -335,8 +340,8 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
         os.write(sink, ("\n" + json.dumps(line) + "\n").encode())
         done += 1
     elif why is None and done < len(items):
-        why = f"their runner process ended between items ({how})"
-    return items[done:], why
+        return items[done:], f"their runner process ended between items ({how})", False
+    return items[done:], why, why is not None
 
 
 def _how(status: int, timeout: float | None) -> str:

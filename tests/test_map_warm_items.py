@@ -160,6 +160,29 @@ def test_an_item_that_changes_a_global_makes_the_later_items_run_as_forked_ones_
     assert listed.stdout.count(f"({what}): the items after it ran in a process each") == 1, listed.stdout
 
 
+BIG = HEAD + '''
+ROWS = [[i] for i in range(30_000)]  # more than the check after each item walks
+
+
+@pipe.stage(map_over={"n": list(range(4))}, outputs=["out"])
+def work(ctx):
+    return {"out": pa.table({"n": [ctx.params["n"] + len(ROWS)], "pid": [os.getpid()]})}
+
+
+pipe.run()
+'''
+
+
+def test_state_too_large_to_check_runs_the_items_in_a_process_each_and_says_so(project: Path) -> None:
+    stages = run(project, BIG)
+    out = rows(stages, "out")
+    assert [r["n"] for r in out] == [30_000 + n for n in range(4)]
+    assert len({r["pid"] for r in out}) == 4
+    assert stages["work"]["cache"]["reason"].endswith(
+        "; the items from item 0 on ran in a process each (the user's modules hold more than 20,000 objects, "
+        "too many to check after each item)")
+
+
 CRASH = HEAD + '''
 
 @pipe.stage(map_over={"n": list(range(8))}, retries=1, outputs=["out"])
