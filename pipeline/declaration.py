@@ -183,6 +183,15 @@ def check_map(map_over: Any, *, inputs: tuple[str, ...], files: tuple[str, ...],
     raise PipelineError(f"{where}: map_over={map_over!r} is not one of {list(MAP_KINDS)}")
 
 
+def check_map_isolation(value: Any, *, mapped: bool, where: str) -> str:
+    """``map_isolation=``: one of :data:`MAP_ISOLATION`, other than the default only on a map stage."""
+    if value not in MAP_ISOLATION:
+        raise PipelineError(f"{where}: map_isolation={value!r} is not one of {list(MAP_ISOLATION)}")
+    if not mapped and value != "checked":
+        raise PipelineError(f"{where}: map_isolation is for map stages (map_over=...)")
+    return str(value)
+
+
 def check_max_failures(value: Any, *, where: str) -> int | float:
     """``max_failures=``: a count of items (an int >= 0) or a fraction of them (a float in [0, 1))."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -19,7 +19,7 @@ from hetflow.tasks.sizes import parse_bytes
 from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 from hetflow.tasks.shipping import ships_by_value
 
-from .declaration import MAP_ISOLATION, StageSpec, check_env, check_map, check_max_failures, check_name
+from .declaration import StageSpec, check_env, check_map, check_max_failures, check_name
 from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption,
                      store_argv)
 
@@ -185,10 +185,9 @@ class Pipeline:
             if mapped is None and max_failures:
                 raise PipelineError(f"{where}: max_failures is for map stages (map_over=...); a plain stage "
                                     "has one task, which fails or not")
-            if map_isolation not in MAP_ISOLATION:
-                raise PipelineError(f"{where}: map_isolation={map_isolation!r} is not one of {list(MAP_ISOLATION)}")
-            if mapped is None and map_isolation != "checked":
-                raise PipelineError(f"{where}: map_isolation is for map stages (map_over=...)")
+            from .declaration import check_map_isolation
+
+            check_map_isolation(map_isolation, mapped=mapped is not None, where=where)
             if not os.environ.get(WORKER_ENV):  # a worker executes a script the run checked when it started
                 _check_signature(fn, tuple(inputs), where)
             if not isinstance(retries, int) or retries < 0:
