@@ -355,6 +355,8 @@ def _status_items(store: Any, args: argparse.Namespace) -> int:
 
     counts = ", ".join(f"{n:,} {state.lower()}" for state, n in sorted(view["counts"].items()))
     print(visible(f"{view['stage']} of run {view['run']}: {len(view['items']):,} items: {counts}", newlines=False))
+    if view["summary"]:
+        print(visible(f"  {view['summary']}", newlines=False))
     for item in view["items"]:
         line = f"  {item['index']:>6}  {item['state']:<8} tries={item['tries']}  {item['label']}"
         if item["error"]:

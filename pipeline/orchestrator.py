@@ -833,11 +833,13 @@ class Orchestrator(MapShell):
             safeio.atomic_write(marker, key.encode(), durable=False)  # private (0600), never through a symlink
 
     def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str], *,
-                    chunk: str | None = None, items: Sequence[Mapping[str, Any]] = ()) -> AttemptFiles:
+                    chunk: str | None = None, items: Sequence[Mapping[str, Any]] = (),
+                    isolation: str = "checked") -> AttemptFiles:
         """The attempt's directory and spec; its outputs' directories emptied (nothing through a symlink).
 
         ``chunk`` (a map stage's chunk task, ``c<n>``) with its ``items``: the items write to their own
-        directories, and the outputs are left as they are until the map's end assembles them."""
+        directories, and the outputs are left as they are until the map's end assembles them; ``isolation``
+        is how a one-rank chunk keeps its items apart (:attr:`WorkerSpec.item_isolation`)."""
         stage_dir = self._private_dir(self.run_dir / "stages" / spec.name)
         name = f"attempt-{task.attempt}" if chunk is None else f"attempt-{task.attempt}-{chunk}"
         files = AttemptFiles(private_dir(stage_dir / name, base=stage_dir))
@@ -866,7 +868,7 @@ class Orchestrator(MapShell):
             node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
             items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
-            item_timeout=spec.timeout if chunk is not None else None,
+            item_timeout=spec.timeout if chunk is not None else None, item_isolation=isolation,
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 

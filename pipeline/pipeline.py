@@ -126,7 +126,7 @@ class Pipeline:
               params: Mapping[str, Any] | None = None, retries: int = 0,
               timeout: float | None = None, schemas: Mapping[str, Any] | None = None,
               files: Sequence[str] = (), env: Sequence[str] = (), map_over: Any = None,
-              max_failures: int | float = 0) -> Any:
+              max_failures: int | float = 0, map_isolation: str = "checked") -> Any:
         """Declare a stage; the function is called once per rank as ``func(ctx, *inputs)``.
 
         It returns ``{output name: pa.Table | None}`` with this rank's partition
@@ -156,7 +156,10 @@ class Pipeline:
         cross product; ``ctx.params`` holds each point).  Each output is one dataset of
         the items' partitions in item order.  ``retries`` then counts per item, and
         ``max_failures`` (a count, or a fraction of the items) lets the stage succeed
-        with that many failed items left out of its outputs.
+        with that many failed items left out of its outputs.  ``map_isolation`` says how a
+        one-rank item is kept from the next: ``"checked"`` (one after another in a warm
+        process, checked after each for state a later item would read; the rest run in a
+        process each once one changed it) or ``"fork"`` (a process each).
         """
         def register(fn: F) -> F:
             stage_name = name or getattr(fn, "__name__", None)
@@ -194,6 +197,9 @@ class Pipeline:
             if mapped is None and max_failures:
                 raise PipelineError(f"{where}: max_failures is for map stages (map_over=...); a plain stage "
                                     "has one task, which fails or not")
+            from .declaration import check_map_isolation
+
+            check_map_isolation(map_isolation, mapped=mapped is not None, where=where)
             if not os.environ.get(WORKER_ENV):  # a worker executes a script the run checked when it started
                 _check_signature(fn, tuple(inputs), where)
             if not isinstance(retries, int) or retries < 0:
@@ -218,7 +224,7 @@ class Pipeline:
                                                 outputs=tuple(outputs), params=dict(params or {}),
                                                 retries=retries, timeout=timeout, schemas=dict(schemas or {}),
                                                 files=tuple(files), env=declared_env, map_over=mapped,
-                                                max_failures=failures_allowed)
+                                                max_failures=failures_allowed, map_isolation=map_isolation)
             self._producers.update((dataset, stage_name) for dataset in outputs)
             return fn
 

@@ -207,7 +207,8 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
 
 def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
     """The items of map stage ``stage`` of run ``run_id`` (``hetflow status RUN STAGE --items``): each item's
-    index, label, state, tries and error.  A stage reused whole from another run lists that run's items.
+    index, label, state, tries and error; ``summary``, the stage's line (``map 1,000 items: ...``, and why its
+    items ran in a process each when one changed state, :mod:`hetflow.tasks.mapitems`).  A stage reused whole from another run lists that run's items.
     ``KeyError`` when the run has no such stage, ``ValueError`` when it is not a map stage with items."""
     found = store.resolve_run(run_id)
     with store.session() as session:
@@ -233,6 +234,7 @@ def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
         for row in rows:
             counts[row.state] = counts.get(row.state, 0) + 1
         return {"run": found.id, "stage": stage, "items_of_run": source, "counts": counts,
+                "summary": record.cache_reason,
                 "items": [{"index": r.index, "label": r.label, "state": r.state, "tries": r.tries,
                            "error": r.error, "cached_from": r.cached_from, "started": iso(r.started),
                            "ended": iso(r.ended)} for r in rows]}
