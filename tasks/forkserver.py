@@ -92,6 +92,11 @@ SINGLETON_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "shm"}
 so its ``MPI_Init`` probes no network (the PyPI MPICH's default, UCX, does: several times slower) and
 nothing listens on a network address."""
 
+NO_PROVIDER_DIR = {"FI_PROVIDER_PATH": os.devnull}
+"""With libfabric's ``shm`` provider (built into libfabric) chosen, no directory to load other providers from:
+libfabric would otherwise load its dynamic ones (EFA, verbs, PSM2) and their libraries in every rank's
+``MPI_Init``, to use none of them."""
+
 BOOT = ("import importlib, sys\n"
         "if sys.path and sys.path[0] == '': del sys.path[0]\n"
         "importlib.import_module(sys.argv[1]).main()")
@@ -428,6 +433,9 @@ def _become_task(job: Job) -> None:
     os.environ.update(job.env)
     for name, value in SINGLETON_ENV.items():  # unless the user chose a transport for their MPI
         os.environ.setdefault(name, value)
+    if os.environ.get("FI_PROVIDER") == "shm":
+        for name, value in NO_PROVIDER_DIR.items():
+            os.environ.setdefault(name, value)
     _fresh_random_state()
     from hetflow.tasks import worker
 

@@ -33,7 +33,8 @@ def lineage(ctx):
         "starter_is_parent": [started_by is not None and started_by.pid == parent.pid],
         "session_leader": [os.getsid(0) in (os.getpid(), parent.pid)], "mpi_comm": [isinstance(ctx.comm, MPI.Comm)],
         "size": [ctx.comm.Get_size()], "gathered": [gathered], "blas_threads": [os.environ.get("OMP_NUM_THREADS")],
-        "cwd": [os.getcwd()], "stdin_null": [os.path.realpath("/proc/self/fd/0") == "/dev/null"]})}
+        "cwd": [os.getcwd()], "stdin_null": [os.path.realpath("/proc/self/fd/0") == "/dev/null"],
+        "fi_provider_path": [os.environ.get("FI_PROVIDER_PATH")]})}
 
 
 def prints(ctx):

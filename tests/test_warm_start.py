@@ -57,6 +57,7 @@ def test_a_one_rank_stage_starts_warm_with_a_real_communicator_and_more_ranks_st
     assert one["starter_is_parent"], one  # one fork per task: the server is the rank's parent and witness
     assert one["session_leader"] and one["mpi_comm"] and one["size"] == 1 and one["gathered"] == [0], one
     assert one["blas_threads"] == "1" and one["stdin_null"], one
+    assert one["fi_provider_path"] == os.devnull, one  # libfabric's shm only: no dynamic provider is loaded
     assert Path(one["cwd"]) == Path(run.run_dir) / "stages" / "lineage" / "attempt-1"
     two = _lineage(run, "lineage2")
     assert len(two) == 2 and all("hydra_pmi_proxy" in r["starter"] and r["size"] == 2 for r in two), two
