@@ -13,7 +13,8 @@ a ``rank-<r>.json`` result.  The orchestrator commits the manifests after every
 rank has succeeded.  A rank that fails writes its traceback and aborts the
 whole communicator, so no other rank waits forever in a collective.  Each rank
 runs as the child of a witness process that records how the rank ended if it
-died by itself (:mod:`hetflow.tasks.witness`).
+died by itself (:mod:`hetflow.tasks.witness`); a rank started warm is the fork
+server's child, and the server is its witness (:mod:`hetflow.tasks.forkserver`).
 
 The spec and the result are the typed JSON files of
 :mod:`hetflow.tasks.protocol`, in a private run directory; nothing here
