@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pyarrow.fs import FileType
-
 from hetflow.operators.location import is_object_store, is_uri, redact, resolve, storage_error
+from pyarrow.fs import FileType
 
 from .errors import PipelineError
 
@@ -41,7 +40,7 @@ def check_data_dir(data_dir: str, *, what: str) -> str:
         where = resolve(data_dir)
     except ValueError as exc:
         raise PipelineError(f"{what}: {exc}") from None
-    return where.uri
+    return str(where.uri)
 
 
 def reachable(data_dir: str, *, pipeline: str) -> None:
@@ -70,7 +69,7 @@ class RunDatasets:
     @property
     def remote(self) -> bool:
         """Whether the datasets are on an object store (no memory map, no rename, no directories)."""
-        return is_object_store(self.data_dir)
+        return bool(is_object_store(self.data_dir))
 
     @property
     def root(self) -> str:
