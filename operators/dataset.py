@@ -14,6 +14,11 @@ and renamed, so a crash leaves either the old file or the new one.
 Consumers with another rank count get rows split evenly by :meth:`Dataset.rows_for_rank`
 (zero-copy slices of the mapped partitions).
 
+A dataset may also live on an object store (``s3://bucket/.../name``): every public function here
+takes the URI too, and :mod:`hetflow.operators.objectdataset` keeps the same promises there without
+a rename (partitions under unique keys, the manifest written last and never over a committed one;
+partitions read whole, as there is no memory map).
+
 Nothing is followed through a symlink: the dataset directory itself and every
 entry in it are opened with ``O_NOFOLLOW`` (entries relative to the directory's
 file descriptor), and a symlink is refused with :class:`UnsafeDatasetPath`

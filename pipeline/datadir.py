@@ -66,6 +66,12 @@ class RunDatasets:
     data_dir: str
     run_id: str
 
+    @classmethod
+    def of_run(cls, run_id: str, run_dir: str | os.PathLike[str], data_dir: str | None) -> RunDatasets:
+        """Where the datasets of a recorded run are: its ``data_dir`` (the pilot's, as recorded), else the
+        work directory its run directory is in (``<workdir>/runs/<id>``)."""
+        return cls(data_dir or str(Path(run_dir).parent.parent), run_id)
+
     @property
     def remote(self) -> bool:
         """Whether the datasets are on an object store (no memory map, no rename, no directories)."""
@@ -86,11 +92,3 @@ def join(base: str, *names: str) -> str:
     if is_uri(base):
         return "/".join([base.rstrip("/"), *names])
     return os.path.join(base, *names)
-
-
-def dataset_root_of(path: str) -> str | None:
-    """The run's ``.../runs/<id>/datasets`` a dataset path or URI lies in, or None when it has not that shape."""
-    parts = path.rstrip("/").split("/")
-    if len(parts) >= 4 and parts[-2] == "datasets" and parts[-4] == "runs":
-        return "/".join(parts[:-1])
-    return None

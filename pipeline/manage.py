@@ -118,13 +118,13 @@ def _remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool, where: 
             result.runs.append(run.id)
             kept = {p: users for p, users in used.items() if _inside(p, run.run_dir)}
             result.kept.update(kept)
+            datasets = RunDatasets.of_run(run.id, run.run_dir, (run.pilot or {}).get("data_dir"))
             if kept:
-                result.paths.extend(_run_dir_parts(Path(run.run_dir), set(kept)))
+                result.paths.extend(_run_dir_parts(Path(run.run_dir), datasets.root, set(kept)))
             elif os.path.lexists(run.run_dir):
                 result.paths.append(run.run_dir)
-            data_dir = (run.pilot or {}).get("data_dir")
-            if data_dir and not _inside(RunDatasets(data_dir, run.id).root, run.run_dir):
-                for path in _dataset_dirs(RunDatasets(data_dir, run.id).root):
+            if not _inside(datasets.root, run.run_dir):  # elsewhere: each dataset no kept run uses
+                for path in _dataset_dirs(datasets.root):
                     if path in used:
                         result.kept[path] = used[path]
                     else:
@@ -178,15 +178,15 @@ def _remove(path: str) -> None:
         _remove_tree(Path(path))
 
 
-def _run_dir_parts(run_dir: Path, kept: set[str]) -> list[str]:
-    """Everything in ``run_dir`` but the kept dataset directories."""
+def _run_dir_parts(run_dir: Path, datasets_root: str, kept: set[str]) -> list[str]:
+    """Everything in ``run_dir`` but the kept dataset directories (in ``datasets_root``, when that is in it)."""
     parts: list[str] = []
     try:
         children = sorted(run_dir.iterdir())
     except OSError:
         return []
     for child in children:
-        if child.name == "datasets" and child.is_dir() and not child.is_symlink():
+        if str(child) == datasets_root and child.is_dir() and not child.is_symlink():
             parts.extend(str(d) for d in sorted(child.iterdir()) if str(d) not in kept)
         else:
             parts.append(str(child))

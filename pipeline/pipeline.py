@@ -385,7 +385,7 @@ class Pipeline:
         # plain lines otherwise
         orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
                                     run_dir=root / "runs" / the_id, store=store, params=run_params,
-                                    datasets=RunDatasets(description.data_dir or str(root), the_id),
+                                    datasets=RunDatasets.of_run(the_id, root / "runs" / the_id, description.data_dir),
                                     script=options.script or _script_path(self.stages), progress=show,
                                     stream_logs=options.stream_logs,
                                     rerun=tuple(options.rerun) + tuple(rerun))
