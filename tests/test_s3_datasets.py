@@ -252,9 +252,10 @@ def test_two_commits_of_one_dataset_never_make_a_mixed_dataset(s3_bucket: str) -
     assert Dataset(where).producer == {"stage": "a"}
 
 
-def test_a_partial_upload_is_never_committed(s3_bucket: str) -> None:
+def test_a_partial_upload_is_never_committed(s3_server: S3Server, s3_bucket: str) -> None:
     where = f"s3://{s3_bucket}/partial/out"
     part = ds.write_partition(where, 0, pa.table({"x": list(range(100))}))
+    assert keys(s3_server, s3_bucket, "partial/out/") == [f"partial/out/{part.file}"]  # on the store, uncommitted
     with pytest.raises(ds.DatasetNotFound):
         Dataset(where)  # partitions without a manifest are not a dataset
     cut = ds.PartitionInfo(file=part.file, rows=part.rows, bytes=part.bytes + 1, checksum=part.checksum)
