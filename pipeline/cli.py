@@ -378,6 +378,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _datasets(args: argparse.Namespace) -> int:
     from hetflow.operators.dataset import DatasetError, read_manifest
+    from hetflow.operators.location import StorageError
 
     store = _open_store(args)
     status = run_status(store, args.run)
@@ -385,7 +386,7 @@ def _datasets(args: argparse.Namespace) -> int:
     for name, path in sorted(status.datasets.items()):
         try:
             manifest = read_manifest(path)
-        except DatasetError as exc:  # listed with what is wrong; a rerun recomputes it
+        except (DatasetError, StorageError) as exc:  # listed with what is wrong; a rerun recomputes it
             rows.append({"name": name, "rows": None, "bytes": None, "partitions": None, "producer": None,
                          "path": path, "schema": [], "damaged": str(exc)})
             continue
