@@ -9,6 +9,7 @@ Each run is a subprocess with the server's AWS environment; what it committed is
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -329,3 +330,16 @@ def test_the_data_dir_of_a_pilot_config_is_used(script: Path, s3_server: S3Serve
     assert data["datasets"]["total"] == f"s3://{s3_bucket}/from-config/runs/{data['id']}/datasets/total"
     # the store and the run directory stay local: only datasets are in the bucket
     assert all(k.startswith(f"from-config/runs/{data['id']}/datasets/") for k in keys(s3_server, s3_bucket))
+
+
+def test_a_local_data_dir_holds_the_datasets_and_rm_removes_them_there(script: Path, tmp_path: Path) -> None:
+    env = dict(os.environ)
+    data = tmp_path / "shared" / "data"
+    run(script, "--data-dir", str(data), env=env)
+    done = status(script, env)
+    assert done["datasets"]["total"] == str(data / "runs" / done["id"] / "datasets" / "total")
+    assert Dataset(done["datasets"]["total"]).to_table().to_pylist() == [{"rows": 1000, "sum": 499500}]
+    assert not (script / "work" / "runs" / done["id"] / "datasets").exists()
+    removed = hetflow(script, "rm", done["id"], env=env)
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert not (data / "runs" / done["id"]).exists()
