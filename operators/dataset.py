@@ -14,6 +14,11 @@ and renamed, so a crash leaves either the old file or the new one.
 Consumers with another rank count get rows split evenly by :meth:`Dataset.rows_for_rank`
 (zero-copy slices of the mapped partitions).
 
+A dataset may also live on an object store (``s3://bucket/.../name``): every public function here
+takes the URI too, and :mod:`hetflow.operators.objectdataset` keeps the same promises there without
+a rename (partitions under unique keys, the manifest written last and never over a committed one;
+partitions read whole, as there is no memory map).
+
 Nothing is followed through a symlink: the dataset directory itself and every
 entry in it are opened with ``O_NOFOLLOW`` (entries relative to the directory's
 file descriptor), and a symlink is refused with :class:`UnsafeDatasetPath`
@@ -38,8 +43,9 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import pyarrow as pa
 
-from . import safeio
+from . import objectdataset, safeio
 from .errors import OperatorError
+from .location import StorageError, is_object_store, resolve
 from .safeio import UnsafePath
 
 MANIFEST = "_manifest.json"
@@ -60,6 +66,10 @@ class DatasetNotFound(DatasetError, FileNotFoundError):
 
 class CorruptDataset(DatasetError, ValueError):
     """A partition or manifest does not match what the manifest promises."""
+
+
+class DatasetCommitted(DatasetError):
+    """A commit found the dataset committed already (by another writer): a manifest is never overwritten."""
 
 
 class UnsafeDatasetPath(DatasetError, UnsafePath):
@@ -273,13 +283,11 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     never needs its whole output in memory); ``schema`` is required for an
     iterable.  ``node`` is the name recorded for the node holding the file:
     a pilot passes its own name for the node (the one its placement uses);
-    left out, this host's name.  ``durable=False`` leaves out the ``fsync`` of the file and its
+    left out, this host's name.  On an object store (``s3://...``) the partition goes to a key of
+    its own (:mod:`hetflow.operators.objectdataset`).  ``durable=False`` leaves out the ``fsync`` of the file and its
     directory: for writers whose partitions are checked against their checksums before any reuse
     (a map stage's items), where one flush per tiny file would cost more than the item.
     """
-    directory = Path(directory)
-    name = partition_name(index)
-    final = directory / name
     if isinstance(data, pa.Table):
         schema = data.schema
         batches: Iterable[pa.RecordBatch] = data.to_batches()
@@ -287,6 +295,11 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
         if schema is None:
             raise ValueError("write_partition: a schema is required when data is an iterable of batches")
         batches = data
+    if is_object_store(directory):  # no rename there: a key of its own, named by the manifest
+        return objectdataset.write_partition(resolve(directory), index, batches, schema, rank=rank, node=node)
+    directory = Path(directory)
+    name = partition_name(index)
+    final = directory / name
     rows = 0
     dfd = _open_dir(directory, create=True)
     try:
@@ -327,7 +340,12 @@ def _is_part(name: str) -> bool:
 @_full_paths
 def commit(directory: "str | os.PathLike[str]", name: str, schema: pa.Schema,
            partitions: Iterable[PartitionInfo], *, producer: Mapping[str, Any] | None = None) -> Manifest:
-    """Publish a dataset: check the partitions exist, remove strays, write the manifest last."""
+    """Publish a dataset: check the partitions exist, remove strays, write the manifest last.
+
+    On an object store the manifest is written only where none is committed yet
+    (:func:`hetflow.operators.objectdataset.commit`; :class:`DatasetCommitted` otherwise)."""
+    if is_object_store(directory):
+        return objectdataset.commit(resolve(directory), name, schema, partitions, producer=producer)
     directory = Path(directory)
     parts = tuple(sorted(partitions, key=lambda p: p.file))
     dfd = _open_dir(directory)
@@ -382,8 +400,11 @@ def uncommit(directory: "str | os.PathLike[str]") -> None:
     """Withdraw a dataset (manifest first, so it stops existing before its files go).
 
     A symlink as the directory, the manifest or a partition is refused before
-    anything is removed.
+    anything is removed.  On an object store every object under the dataset goes.
     """
+    if is_object_store(directory):
+        objectdataset.uncommit(resolve(directory))
+        return
     directory = Path(directory)
     try:
         dfd = _open_dir(directory)
@@ -404,6 +425,9 @@ def uncommit(directory: "str | os.PathLike[str]") -> None:
 
 # ----------------------------------------------------------------- reading
 def read_manifest(directory: "str | os.PathLike[str]") -> Manifest:
+    if is_object_store(directory):
+        where = resolve(directory)
+        return _manifest_from(objectdataset.read_manifest_data(where), where.uri, where.join(MANIFEST).uri)
     directory = Path(directory)
     path = directory / MANIFEST
     missing = DatasetNotFound(f"no committed dataset at {directory} (no {MANIFEST}; "
@@ -424,6 +448,10 @@ def read_manifest(directory: "str | os.PathLike[str]") -> Manifest:
             data = json.loads(fh.read())
     except (OSError, ValueError) as exc:
         raise CorruptDataset(f"{path}: unreadable manifest ({exc})") from None
+    return _manifest_from(data, directory, path)
+
+
+def _manifest_from(data: Any, directory: "str | os.PathLike[str]", path: "str | os.PathLike[str]") -> Manifest:
     if isinstance(data, dict) and isinstance(data.get("partitions"), list):
         for entry in data["partitions"]:
             if isinstance(entry, dict) and "file" in entry:
@@ -432,11 +460,15 @@ def read_manifest(directory: "str | os.PathLike[str]") -> Manifest:
 
 
 class Dataset:
-    """A committed dataset opened for reading; partitions are memory-mapped, not copied."""
+    """A committed dataset opened for reading; partitions are memory-mapped, not copied.
+
+    On an object store (``s3://...``, no memory map there) each partition is read whole into memory
+    when first used, with the same checks."""
 
     def __init__(self, directory: "str | os.PathLike[str]", *, verify: Verify = "checksum") -> None:
-        self.path = Path(directory)
-        self.manifest = read_manifest(self.path)
+        self.remote = resolve(directory) if is_object_store(directory) else None
+        self.path: "Path | str" = Path(directory) if self.remote is None else self.remote.uri
+        self.manifest = read_manifest(self.path if self.remote is None else directory)
         self.verify = verify
         self._cache: dict[int, pa.Table] = {}
 
@@ -464,6 +496,9 @@ class Dataset:
             return self._cache[index]
         info = self.manifest.partitions[index]
         name = check_entry(self.path, info.file)
+        if self.remote is not None:
+            return self._remote_partition(index, info, name)
+        assert isinstance(self.path, Path)
         path = self.path / name
         where = f"{path} (dataset {self.manifest.name!r}, produced by {_producer_text(self.producer)})"
         try:
@@ -483,11 +518,23 @@ class Dataset:
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # the map outlives the fd
         finally:
             os.close(fd)
-        source = pa.BufferReader(pa.py_buffer(mapped))
+        return self._checked(index, info, pa.py_buffer(mapped), where)
+
+    def _remote_partition(self, index: int, info: PartitionInfo, name: str) -> pa.Table:
+        assert self.remote is not None
+        place = self.remote.join(name)
+        where = f"{place.uri} (dataset {self.manifest.name!r}, produced by {_producer_text(self.producer)})"
+        if info.bytes == 0:
+            raise CorruptDataset(f"{where}: empty object, not a readable Arrow IPC file")
+        return self._checked(index, info, objectdataset.read_partition_bytes(place, info, where), where)
+
+    def _checked(self, index: int, info: PartitionInfo, buffer: pa.Buffer, where: str) -> pa.Table:
+        """The partition in ``buffer`` (of the manifest's size), checked against the manifest and cached."""
+        source = pa.BufferReader(buffer)
         if self.verify == "checksum":
             crc = 0
-            view = memoryview(mapped)
-            for start in range(0, size, 64 << 20):
+            view = memoryview(buffer)
+            for start in range(0, len(view), 64 << 20):
                 crc = zlib.crc32(view[start:start + (64 << 20)], crc)
             view.release()
             if f"crc32:{crc:08x}" != info.checksum:
@@ -545,3 +592,46 @@ def _producer_text(producer: Mapping[str, Any]) -> str:
 def open_dataset(path: "str | os.PathLike[str]", *, verify: Verify = "checksum") -> Dataset:
     """Open a committed dataset: ``.to_table()`` for all of it, ``.partitions()`` to iterate."""
     return Dataset(path, verify=verify)
+
+
+def damage(directory: "str | os.PathLike[str]", *, fingerprint: str | None = None,
+           checksum_up_to: int = 0) -> str | None:
+    """Why the committed dataset at ``directory`` cannot be reused as it is, or ``None`` when it is intact.
+
+    Checked: the manifest is there (and has ``fingerprint`` when one is given: it was not rewritten),
+    every partition it names is there as a regular file (an object) of its size, and, when the dataset
+    is at most ``checksum_up_to`` bytes, of its checksum.  One line naming the file at fault.
+    """
+    remote = is_object_store(directory)
+    try:
+        manifest = read_manifest(directory)
+        shown = resolve(directory).uri if remote else str(directory)
+        if fingerprint is not None and manifest.fingerprint() != fingerprint:
+            return f"{shown}/{MANIFEST} no longer describes what was committed (it was rewritten)"
+        check = manifest.num_bytes <= checksum_up_to
+        if remote:
+            return objectdataset.damage(resolve(directory), manifest, checksum=check)
+    except (DatasetError, StorageError) as exc:  # an unreachable store: not reused, as a missing file
+        return str(exc)
+    path = Path(directory)
+    for part in manifest.partitions:
+        file = path / part.file
+        try:
+            info = os.lstat(file)
+        except OSError:
+            return f"partition file {file} is missing"
+        if not stat.S_ISREG(info.st_mode):
+            return f"partition {file} is not a regular file"
+        if info.st_size != part.bytes:
+            return f"partition file {file} has {info.st_size} bytes, the manifest says {part.bytes}"
+        if check and _file_crc32(file) != part.checksum:
+            return f"partition file {file} does not match its checksum {part.checksum}"
+    return None
+
+
+def _file_crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb", buffering=0) as fh:
+        while chunk := fh.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"

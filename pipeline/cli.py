@@ -55,6 +55,11 @@ PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable); a KEY no s
               "007 are text)")
 
 
+DATA_DIR_HELP = ("where the datasets go: a path or s3://BUCKET/PREFIX (credentials and endpoint from the AWS "
+                 "environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE); default: "
+                 "the pilot's data_dir, else the work directory")
+
+
 def _raw_param(text: str) -> str:
     _param(text)  # checked here, parsed by the job's hetflow run
     return text
@@ -77,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="path to a Python file that declares a hetflow.Pipeline")
     run.add_argument("--pilot", help="a shipped pilot config name or a path to a .yaml config")
     run.add_argument("--backend", help="override the pilot's backend (local, radical, parsl, dask)")
+    run.add_argument("--data-dir", help=DATA_DIR_HELP)
     run.add_argument("--param", action="append", default=[], type=_param, metavar="KEY=VALUE", help=PARAM_HELP)
     run.add_argument("--rerun", action="append", default=[], metavar="STAGE",
                      help="run STAGE again whatever the cache says, and every stage downstream of it "
@@ -92,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(nodes, walltime, queue, account of the job)")
     submit.add_argument("--param", action="append", default=[], type=_raw_param, metavar="KEY=VALUE",
                         help="a parameter passed to every stage's ctx.params (repeatable)")
+    submit.add_argument("--data-dir", help=DATA_DIR_HELP)
     submit.add_argument("--chain", type=int, default=0, metavar="N",
                         help="when the walltime drain stops the run, the job submits a successor that resumes it "
                              "(afterany dependency), up to N further jobs")
@@ -103,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="resume a failed or interrupted run")
     resume.add_argument("run", help="run id (or a unique prefix)")
     resume.add_argument("--pilot", help="a pilot config for the new allocation")
+    resume.add_argument("--data-dir", help=DATA_DIR_HELP + " (default: where the run began)")
     resume.add_argument("--rerun", action="append", default=[], metavar="STAGE",
                         help="run STAGE (and what is downstream) again whatever the cache says (repeatable)")
     resume.add_argument("--no-progress", action="store_true")
@@ -417,6 +425,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _datasets(args: argparse.Namespace) -> int:
     from hetflow.operators.dataset import DatasetError, read_manifest
+    from hetflow.operators.location import StorageError
 
     store = _open_store(args)
     status = run_status(store, args.run)
@@ -424,7 +433,7 @@ def _datasets(args: argparse.Namespace) -> int:
     for name, path in sorted(status.datasets.items()):
         try:
             manifest = read_manifest(path)
-        except DatasetError as exc:  # listed with what is wrong; a rerun recomputes it
+        except (DatasetError, StorageError) as exc:  # listed with what is wrong; a rerun recomputes it
             rows.append({"name": name, "rows": None, "bytes": None, "partitions": None, "producer": None,
                          "path": path, "schema": [], "damaged": str(exc)})
             continue
@@ -656,7 +665,7 @@ def _submit(args: argparse.Namespace) -> int:
         if walltime <= 0:
             raise UsageError(f"--walltime {args.walltime!r}: expected a positive duration")
     done = submit(args.script, pilot=args.pilot, params=args.param, workdir=_workdir(args), db=args.db,
-                  chain=args.chain, walltime=walltime)
+                  chain=args.chain, walltime=walltime, data_dir=args.data_dir)
     print(f"submitted batch job {done.job_id}: run {done.run_id}")
     print(f"  batch script {done.script}; log {str(done.log).replace('%j', done.job_id)}")
     from .errors import hetflow_command, store_argv
@@ -720,6 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 check_run_id(args.run_id)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, param_text=dict(args.param), db=args.db,
+                                 data_dir=args.data_dir,
                                  backend=args.backend, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0, run_id=args.run_id,
                                  new_run_ok=args.run_id is not None)
@@ -732,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not record.script:
                 return _resume_recorded(record, args)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
+                                 data_dir=args.data_dir,
                                  run_id=record.id, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
             return _run_script(record.script, options, args, argv=record.argv or ())

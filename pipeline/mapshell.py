@@ -228,12 +228,12 @@ class MapShell:
         else:
             try:
                 for name in spec.outputs:
-                    target = self._private_dir(self.run_dir / "datasets" / name)
-                    self._refuse_if_reused(spec.name, name, target)
+                    target = self._private_dir(Path(self.datasets.path(name)))  # a path: Pipeline.run refuses
+                    self._refuse_if_reused(spec.name, name, str(target))  # map stages on an object store
                     ds.uncommit(target)
                 producer = {"run": self.run_id, "stage": spec.name, "attempt": run.task.attempt,
                             "items": len(run.items)}
-                committed = mapping.assemble(spec, run.items, self.run_dir / "datasets", producer)
+                committed = mapping.assemble(spec, run.items, Path(self.datasets.root), producer)
             except (ds.DatasetError, ValueError, OSError) as exc:
                 state, error = "FAILED", f"{type(exc).__name__}: {exc}"
         self._record_map(run, state, error, committed)

@@ -29,6 +29,7 @@ from typing import Any
 
 from hetflow.operators import dataset as ds
 from hetflow.operators import safeio
+from hetflow.operators.location import StorageError
 from hetflow.tasks import shipping
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome, node_indices
 from hetflow.tasks.paths import UnsafePath, private_dir
@@ -56,6 +57,7 @@ from hetflow.tasks.scheduler import (
 from sqlalchemy import select
 
 from . import __version__, cache
+from .datadir import RunDatasets
 from .declaration import StageSpec
 from .errors import HetflowError, PipelineError, interruption
 from .fingerprint import (
@@ -180,7 +182,7 @@ def where(exc: BaseException) -> str:
 class Orchestrator(MapShell):
     def __init__(self, *, name: str, stages: Mapping[str, StageSpec], pilot: PilotDescription, run_id: str,
                  run_dir: Path, store: Store, params: Mapping[str, Any], script: str | None,
-                 progress: bool | None, verify: str = "checksum", rerun: Sequence[str] = (),
+                 progress: bool | None, datasets: RunDatasets, verify: str = "checksum", rerun: Sequence[str] = (),
                  stream_logs: bool = False, base_dir: Path | None = None) -> None:
         self.name = name
         self.base_dir = Path.cwd() if base_dir is None else base_dir
@@ -190,6 +192,8 @@ class Orchestrator(MapShell):
         self.pilot = pilot
         self.run_id = run_id
         self.run_dir = run_dir
+        self.datasets = datasets
+        """Where this run's datasets live (:mod:`hetflow.datadir`): the one place that says it."""
         self.store = store
         self.params = dict(params)
         self.script = script
@@ -499,12 +503,13 @@ class Orchestrator(MapShell):
 
     def _withdraw(self, stage: str) -> None:
         for name in self.stages[stage].outputs:
-            target = self.run_dir / "datasets" / name
+            target = self.datasets.path(name)
             if self._reused_by(name, target):
                 continue  # never rewritten (the stage was refused): what other runs read stays
             try:
                 ds.uncommit(target)
-            except (UnsafePath, ds.UnsafeDatasetPath) as exc:  # refused: nothing is deleted through a link
+            except (UnsafePath, ds.UnsafeDatasetPath, StorageError) as exc:  # refused: nothing is deleted through a
+                # link; or the object store is unreachable (the stage's record is withdrawn all the same)
                 log.warning("stage %s: output %r not withdrawn: %s", stage, name, exc)
 
     def _apply(self, instructions: list[Any]) -> None:
@@ -522,8 +527,8 @@ class Orchestrator(MapShell):
             if isinstance(instruction, StartTask):
                 try:
                     launches.append(self._launch(task, instruction))
-                except (UnsafePath, ds.DatasetError, ChangedSinceLookUp) as exc:  # a planted symlink, a damaged
-                    # output dir, what the stage reads edited while it waited
+                except (UnsafePath, ds.DatasetError, ChangedSinceLookUp, StorageError) as exc:  # a planted symlink, a damaged
+                    # output dir, what the stage reads edited while it waited, an unreachable object store
                     self._feed(TaskStarted(task))
                     self._end_task(str(task), "FAILED", str(exc))
                     self._feed(AttemptEnded(task, "FAILED", f"stage {task.stage!r} not started: {exc}"))
@@ -706,7 +711,7 @@ class Orchestrator(MapShell):
         for dataset in self.stages[stage].inputs:
             try:
                 manifest = ds.read_manifest(self.dataset_paths[dataset])
-            except ds.DatasetError:
+            except (ds.DatasetError, StorageError):
                 continue
             held.update(p.node for p in manifest.partitions)
         found: frozenset[int] = node_indices(names, held)
@@ -846,11 +851,13 @@ class Orchestrator(MapShell):
         self._checkpoints_of_this_key(spec, self._private_dir(stage_dir / "checkpoints"))
         outputs = {}
         for name in spec.outputs:
-            target = self._private_dir(self.run_dir / "datasets" / name)
+            target = self.datasets.path(name)
+            if not self.datasets.remote:
+                self._private_dir(Path(target))
             if chunk is None:
                 self._refuse_if_reused(spec.name, name, target)
                 ds.uncommit(target)
-            outputs[name] = str(target)
+            outputs[name] = target
         base = Path(spec.path).parent if spec.path else self.base_dir
         shipped = self.shipped.get(spec.name)
         if shipped is not None:  # no script file to execute: the function as the run started, pickled
@@ -872,16 +879,16 @@ class Orchestrator(MapShell):
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 
-    def _reused_by(self, name: str, target: Path) -> list[str]:
+    def _reused_by(self, name: str, target: str) -> list[str]:
         """The other runs whose records point at this run's committed dataset ``name`` (at ``target``);
         only a dataset committed before this session of the run can have any."""
         if name not in self.committed_before:
             return []
         with self.store.session() as session:
             return sorted(set(session.scalars(select(DatasetRecord.run_id).where(
-                DatasetRecord.path == str(target), DatasetRecord.run_id != self.run_id))))
+                DatasetRecord.path == target, DatasetRecord.run_id != self.run_id))))
 
-    def _refuse_if_reused(self, stage: str, name: str, target: Path) -> None:
+    def _refuse_if_reused(self, stage: str, name: str, target: str) -> None:
         """A resume re-runs ``stage``, whose committed output ``name`` other runs reuse (their records point
         at ``target``): writing over it would change what those runs read, so the stage is not started."""
         users = self._reused_by(name, target)
@@ -925,7 +932,7 @@ class Orchestrator(MapShell):
         if failure is None:
             try:
                 committed = self._commit_outputs(spec, live, ranks)
-            except (ds.DatasetError, ValueError) as exc:
+            except (ds.DatasetError, ValueError, StorageError) as exc:
                 failure = Failure("FAILED", f"{type(exc).__name__}: {exc}")
         self._record_attempt(live, outcome, failure, committed, ranks)
         if failure is not None and failure.state not in ("WALLTIME", "TIMED_OUT", "CANCELLED"):
@@ -1024,11 +1031,11 @@ class Orchestrator(MapShell):
                                  "(every rank returned None)")
             schema = ds.schema_from_text(parts[0].schema)
             infos = [ds.PartitionInfo.from_json(dict(p.partition)) for p in parts]
-            committed[name] = ds.commit(self.run_dir / "datasets" / name, name, schema, infos, producer=producer)
+            committed[name] = ds.commit(self.datasets.path(name), name, schema, infos, producer=producer)
         return committed
 
     def _record_dataset(self, session: Any, name: str, manifest: ds.Manifest) -> None:
-        path = str(self.run_dir / "datasets" / name)
+        path = self.datasets.path(name)
         self._forget(session, [name])
         record = DatasetRecord(run_id=self.run_id, name=name, path=path, producer_stage=manifest.producer["stage"],
                                producer_attempt=manifest.producer["attempt"], num_rows=manifest.num_rows,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence, TypeVar, overload
 
 from hetflow.operators.dataset import Dataset
+from hetflow.operators.location import is_object_store
 from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import ConfigError, UnsatisfiableRequest
 from hetflow.tasks.sizes import parse_bytes
@@ -45,6 +46,8 @@ class RunOptions:
     param_text: Mapping[str, str] = field(default_factory=dict)
     """``--param`` values as typed; each gets its type by :mod:`hetflow.params`."""
     db: str | None = None
+    data_dir: str | None = None
+    """``--data-dir``: where the datasets go (:mod:`hetflow.datadir`), over the script's and the pilot's."""
     backend: str | None = None
     run_id: str | None = None
     new_run_ok: bool = False
@@ -108,11 +111,15 @@ class Pipeline:
     """
 
     def __init__(self, name: str, *, pilot: "str | os.PathLike[str] | PilotDescription" = "local",
-                 workdir: "str | os.PathLike[str] | None" = None, db: str | None = None) -> None:
+                 workdir: "str | os.PathLike[str] | None" = None, db: str | None = None,
+                 data_dir: "str | os.PathLike[str] | None" = None) -> None:
         self.name = check_name("pipeline", name, where="Pipeline")
         self.pilot = pilot
         self.workdir = None if workdir is None else Path(workdir)
         self.db = db
+        self.data_dir = None if data_dir is None else os.fspath(data_dir)
+        """Where the datasets go (a path or ``s3://bucket/prefix``; :mod:`hetflow.datadir`); None: the pilot's
+        ``data_dir``, else the work directory."""
         self.stages: dict[str, StageSpec] = {}
         self._producers: dict[str, str] = {}  # output dataset -> the stage declared to make it
 
@@ -286,20 +293,20 @@ class Pipeline:
             workdir: "str | os.PathLike[str] | None" = ..., params: Mapping[str, Any] | None = ...,
             db: str | None = ..., backend: str | None = ..., run_id: str | None = ...,
             progress: bool | None = ..., check: bool = ..., rerun: Sequence[str] = ...,
-            wait: Literal[True] = ...) -> RunStatus: ...
+            wait: Literal[True] = ..., data_dir: "str | os.PathLike[str] | None" = ...) -> RunStatus: ...
 
     @overload
     def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = ...,
             workdir: "str | os.PathLike[str] | None" = ..., params: Mapping[str, Any] | None = ...,
             db: str | None = ..., backend: str | None = ..., run_id: str | None = ...,
             progress: bool | None = ..., check: bool = ..., rerun: Sequence[str] = ...,
-            wait: Literal[False]) -> RunHandle: ...
+            wait: Literal[False], data_dir: "str | os.PathLike[str] | None" = ...) -> RunHandle: ...
 
     def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = None,
             workdir: "str | os.PathLike[str] | None" = None, params: Mapping[str, Any] | None = None,
             db: str | None = None, backend: str | None = None, run_id: str | None = None,
             progress: bool | None = None, check: bool = True, rerun: Sequence[str] = (),
-            wait: bool = True) -> "RunStatus | RunHandle":
+            wait: bool = True, data_dir: "str | os.PathLike[str] | None" = None) -> "RunStatus | RunHandle":
         """Run the pipeline to the end and return its status.
 
         Stages whose inputs are ready run at the same time on disjoint slots.
@@ -311,6 +318,8 @@ class Pipeline:
         everything downstream of them.  ``params`` override the defaults the
         stages declare in ``params=``; a key no stage declares is refused
         (:class:`~hetflow.PipelineError`), as ``--param`` refuses it.
+        ``data_dir`` (a path or ``s3://bucket/prefix``) is where the datasets go, over the
+        pipeline's and the pilot's ``data_dir``; by default the work directory (docs/object-storage.md).
 
         A run that does not end DONE raises :class:`~hetflow.RunFailed`, which carries
         the status (``exc.status``) and names the failed stages and the resume command;
@@ -378,6 +387,24 @@ class Pipeline:
                 the_id = store.resolve_run(resume_id).id
         else:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        import dataclasses
+
+        from .datadir import RunDatasets, check_data_dir, reachable
+
+        chosen_data = options.data_dir or (None if data_dir is None else os.fspath(data_dir)) or self.data_dir \
+            or description.data_dir
+        if chosen_data is None and resume_id is not None:  # a resume writes where the run began
+            previous = store.find_run(the_id)
+            chosen_data = ((previous.pilot or {}) if previous is not None else {}).get("data_dir")
+        if chosen_data is not None:
+            what = "--data-dir" if options.data_dir else "data_dir"
+            description = dataclasses.replace(description, data_dir=check_data_dir(chosen_data, what=what))
+            remote = is_object_store(description.data_dir or "")
+            mapped = [s.name for s in self.stages.values() if s.map_over is not None]
+            if remote and mapped:
+                raise PipelineError(f"pipeline {self.name!r}: map stage {mapped[0]!r} cannot write to the object "
+                                    f"store {description.data_dir} (map stages need a file system data directory)")
+            reachable(description.data_dir or "", pipeline=self.name)
         from .params import declared_params, from_command_line, undeclared
 
         declared = declared_params(self.stages.values())
@@ -394,6 +421,7 @@ class Pipeline:
             show = False
         orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
                                     run_dir=root / "runs" / the_id, store=store, params=run_params,
+                                    datasets=RunDatasets.of_run(the_id, root / "runs" / the_id, description.data_dir),
                                     script=options.script or _script_path(self.stages), progress=show,
                                     stream_logs=options.stream_logs,
                                     rerun=tuple(options.rerun) + tuple(rerun))
@@ -588,5 +616,6 @@ def _script_path(stages: Mapping[str, StageSpec]) -> str | None:
 
 
 def open_dataset(path: "str | os.PathLike[str]", *, verify: str = "checksum") -> Dataset:
-    """Open a committed dataset directory: ``.to_table()`` or iterate ``.partitions()``."""
+    """Open a committed dataset directory, or its URI on an object store (``s3://bucket/.../name``):
+    ``.to_table()`` or iterate ``.partitions()``."""
     return Dataset(path, verify=verify)  # type: ignore[arg-type]
