@@ -42,6 +42,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import HetflowError
+
 MAX_NODES = 20_000
 """Objects walked in one snapshot at most (elements of flat lists of numbers and strings count too)."""
 
@@ -56,7 +58,7 @@ _SKIPPED_ATTRIBUTES = frozenset({"__dict__", "__weakref__", "__doc__", "__module
                                  "__static_attributes__", "__type_params__"})
 
 
-class TooLarge(Exception):
+class TooLarge(HetflowError):
     """The user's modules hold more than a snapshot walks: the items run in a process each."""
 
 
