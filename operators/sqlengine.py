@@ -51,7 +51,8 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     :param query: one ``SELECT`` (``WITH``, joins, subqueries, ``GROUP BY``, windows, set
         operations, ``ORDER BY``/``LIMIT``).
     :param tables: each name the query uses: a :class:`DTable` over ``comm``, or a Parquet file,
-        directory or glob (read in parallel, only the columns the query names).
+        directory or glob, local or on an object store (``s3://bucket/prefix/``), read in parallel,
+        only the columns the query names.
     :returns: the result, distributed over the ranks of ``comm``; with ``ORDER BY`` it is
         ordered across ranks (all of it on rank 0).  Columns are named as the query spells them
         (``*``: as the inputs do); an unaliased expression by its SQL text.  ``explain()`` shows
@@ -89,19 +90,21 @@ def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[s
         elif isinstance(value, (str, os.PathLike)):
             from . import io
             from .errors import InputError
+            from .location import redact
             from .readers import read_parquet
 
             try:
-                files = io._expand(value, "parquet")
+                files = io._locate(value, "parquet")   # local, or on an object store (s3://bucket/prefix/)
             except InputError:
                 files = []
-            if not files or not all(os.path.exists(f) for f in files):
-                raise SQLError(f"table {name!r}: no Parquet file matches {os.fspath(value)!r}")
+            if not files:
+                raise SQLError(f"table {name!r}: no Parquet file matches {redact(os.fspath(value))!r}")
             import pyarrow.parquet as pq
 
-            schema = pq.read_schema(files[0])
+            with files[0].open() as source:
+                schema = pq.read_schema(source)
             cols = [c for c in schema.names if names is None or c.lower() in names]
-            out[name] = read_parquet(comm, files, columns=cols or schema.names[:1])
+            out[name] = read_parquet(comm, value, columns=cols or schema.names[:1])
         else:
             raise SQLError(f"table {name!r} must be a DTable or a Parquet path/glob, got {type(value).__name__}")
     return out

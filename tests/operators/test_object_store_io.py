@@ -259,3 +259,24 @@ def test_writing_to_a_missing_bucket_names_it_and_leaves_nothing(comm: Any, s3_e
                                  "'no-such-bucket-hf', key 'out/part-00000.parquet'): the bucket does not exist "
                                  "(hetflow never creates buckets)")
     assert "no-such-bucket-hf" not in [b["Name"] for b in s3_env.client().list_buckets()["Buckets"]]
+
+
+@pytest.mark.mpi
+def test_sql_reads_a_table_from_an_s3_prefix_and_matches_duckdb_on_the_local_copy(comm: Any, store: Store) -> None:
+    import duckdb
+
+    from hetflow.operators import sql
+
+    query = "SELECT count(*) AS n, sum(id) AS total, count(DISTINCT name) AS names FROM t WHERE id % 3 = 0"
+    got = sql(comm, query, t=f"s3://{store.bucket}/data/parquet/").gather(root=0)
+    if comm.Get_rank() == 0:
+        files = [str(p) for p in sorted((store.local / "parquet").iterdir())]
+        want = duckdb.sql(query.replace("FROM t", f"FROM read_parquet({files!r})")).to_arrow_table()
+        assert got.to_pylist() == want.to_pylist()
+
+
+def test_sql_names_an_s3_prefix_that_holds_no_parquet(comm: Any, s3_bucket: str) -> None:
+    from hetflow.operators import SQLError, sql
+
+    with pytest.raises(SQLError, match=rf"table 't': no Parquet file matches 's3://{s3_bucket}/nothing/'"):
+        sql(comm, "SELECT 1 FROM t", t=f"s3://{s3_bucket}/nothing/")
