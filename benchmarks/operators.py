@@ -143,7 +143,7 @@ def phase_worker(rows: int, repeats: int) -> None:
     from mpi4py import MPI
 
     from hetflow.operators import aggregate, hashjoin, kernels, sorting
-    from hetflow.operators import comm as tc
+    from hetflow.operators import collectives as tc
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()

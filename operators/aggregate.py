@@ -34,11 +34,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .communicator import Communicator
-from . import comm as tc
+from . import collectives as tc
 from . import arrowtypes, kernels, partition, sorting
 from .costmodel import Plan, group_by_costs, hockney
 from .errors import AggregateOverflowError, InvalidOptionError, UnsupportedAggregationError
-from .typing import DECOMPOSABLE_AGGS, GroupByAlgorithm
+from .optiontypes import DECOMPOSABLE_AGGS, GroupByAlgorithm
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from . import aggregate, arrowtypes, hashjoin, io, kernels, memory, partition, sorting, spilling
-from . import comm as tc
+from . import aggregate, arrowtypes, filesplit, hashjoin, kernels, memory, overbudget, partition, sorting
+from . import collectives as tc
 from .communicator import Communicator
 from .costmodel import Cost, Plan, hockney, join_costs, shuffle_cost, sort_cost
 from .errors import ColumnNotFoundError, InvalidOptionError, KeyTypeMismatchError, SchemaMismatchError
-from .options import check_orderable, join_key_type, key_list, sort_keys
-from .typing import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS, NULL_PLACEMENTS, ROLLING_AGG_NAMES,
+from .optioncheck import check_orderable, join_key_type, key_list, sort_keys
+from .optiontypes import (GROUPBY_ALGORITHMS, JOIN_ALGORITHMS, JOIN_HOWS, NULL_PLACEMENTS, ROLLING_AGG_NAMES,
                      Aggregation, GroupByAlgorithm, JoinAlgorithm, JoinHow, Keys, NullPlacement, SortKey)
 
 log = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class DTable:
         :param suffix: appended to a right column whose name a left column already has.
         :param algorithm: ``auto`` (cheapest by the Hockney cost model: hash-shuffle both sides or
             broadcast the smaller one; out of core when the inputs are over ``settings.memory_budget``,
-            see ``spilling``), ``hash``, ``broadcast`` or ``sort`` (range-partition both sides).
+            see ``overbudget``), ``hash``, ``broadcast`` or ``sort`` (range-partition both sides).
         :returns: the joined table, distributed over the same ranks.
         :raises ColumnNotFoundError: a key column that one side does not have.
         :raises KeyTypeMismatchError: a left and right key of different types.
@@ -326,8 +326,8 @@ class DTable:
             for a, b in zip(lk, rk):
                 check_orderable(self.schema.field(a), "join algorithm 'sort'")
                 check_orderable(right.schema.field(b), "join algorithm 'sort'")
-        if algorithm == "auto" and spilling.needed(self._comm, self._table.nbytes + right._table.nbytes):
-            return self._derive(*spilling.join(self._comm, self._table, right._table, lk, rk, how, suffix))
+        if algorithm == "auto" and overbudget.needed(self._comm, self._table.nbytes + right._table.nbytes):
+            return self._derive(*overbudget.join(self._comm, self._table, right._table, lk, rk, how, suffix))
         p = self._comm.Get_size()
         target = kernels.join_schema(self.schema, right.schema, rk, how, suffix)[0]
         lt, rt = arrowtypes.to_kernel(self._table), arrowtypes.to_kernel(right._table)
@@ -374,7 +374,7 @@ class DTable:
     # ------------------------------------------------------------------ sort / rolling
     def sort_by(self, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end") -> "DTable":
         """Sort globally across ranks (rank 0 holds the first rows); stable, except out of core (inputs
-        over ``settings.memory_budget``, see ``spilling``), where ties keep no particular order.
+        over ``settings.memory_budget``, see ``overbudget``), where ties keep no particular order.
 
         :param sorting_: a column name, ``(name, "ascending" | "descending")``, or a list of them.
         :param nulls: ``at_end`` or ``at_start``.
@@ -387,8 +387,8 @@ class DTable:
         self._check_columns([c for c, _ in by], "sort_by")
         for c, _ in by:
             check_orderable(self.schema.field(c), "sort_by")
-        if spilling.needed(self._comm, self._table.nbytes):
-            return self._derive(*spilling.sort_by(self._comm, self._table, by, nulls))
+        if overbudget.needed(self._comm, self._table.nbytes):
+            return self._derive(*overbudget.sort_by(self._comm, self._table, by, nulls))
         p = self._comm.Get_size()
         table = arrowtypes.to_kernel(self._table)
         est = self._sort_estimate(table, by)
@@ -541,12 +541,12 @@ class DTable:
         :returns: every rank's file path (or URI), in rank order, on every rank.
         :raises StorageError: the object store refused or could not be reached (names bucket, key, cause).
         """
-        return io.write_partitions(self._comm, self._table, directory, "parquet", filesystem=filesystem)
+        return filesplit.write_partitions(self._comm, self._table, directory, "parquet", filesystem=filesystem)
 
     def write_ipc(self, directory: str) -> list[str]:
         """Like :meth:`write_parquet`, as Arrow IPC files ``part-<rank>.arrow`` (readable zero-copy
         with :func:`~hetflow.operators.read_ipc`)."""
-        return io.write_partitions(self._comm, self._table, directory, "ipc")
+        return filesplit.write_partitions(self._comm, self._table, directory, "ipc")
 
 
 #: ``("*", "count")`` counts rows (SQL ``count(*)``); its result is named ``count``
@@ -643,7 +643,7 @@ class GroupBy:
             ``("*", "count")`` counts the group's rows (SQL ``count(*)``) into a column named ``count``.
         :param algorithm: ``auto`` (combine-shuffle-reduce when few groups are estimated, else a
             range or hash shuffle; out of core when the inputs are over ``settings.memory_budget``,
-            see ``spilling``), ``combine``, ``shuffle`` or ``range`` (one integer key without nulls).
+            see ``overbudget``), ``combine``, ``shuffle`` or ``range`` (one integer key without nulls).
         :raises UnsupportedAggregationError: an unknown aggregation, one not defined for the column's
             type, or ``combine`` with a non-decomposable one (``count_distinct``, ``first``, ``last``, ``list``).
         :raises AggregateOverflowError: an integer sum outside int64/uint64 (raised on every rank).
@@ -658,7 +658,7 @@ class GroupBy:
             return out.rename({f"{_STAR_COLUMN}_count": "count"})
         dt._check_columns([c for c, _ in aggs], "aggregate")
         work = dt.to_arrow().select(list(dict.fromkeys(self._keys + [c for c, _ in aggs])))
-        if algorithm == "auto" and spilling.needed(dt.comm, work.nbytes):
-            return dt._derive(*spilling.group_aggregate(dt.comm, work, self._keys, list(aggs)))
+        if algorithm == "auto" and overbudget.needed(dt.comm, work.nbytes):
+            return dt._derive(*overbudget.group_aggregate(dt.comm, work, self._keys, list(aggs)))
         out, plan = aggregate.group_aggregate(dt.comm, dt.to_arrow(), self._keys, list(aggs), algorithm)
         return dt._derive(out, plan)

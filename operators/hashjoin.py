@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .communicator import Communicator
-from . import comm as tc
+from . import collectives as tc
 from . import arrowtypes, kernels, partition, settings
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from . import intkeys
 from .partition import canonical_floats
 from . import arrowtypes, settings
 from .errors import AggregateOverflowError, UnsupportedAggregationError
-from .typing import AGG_NAMES
+from .optiontypes import AGG_NAMES
 
 log = logging.getLogger(__name__)
 

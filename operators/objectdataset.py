@@ -28,15 +28,14 @@ import secrets
 import socket
 import zlib
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from .datasetformat import (MANIFEST, CorruptDataset, DatasetCommitted, DatasetNotFound, Manifest, PartitionInfo,
+                            _is_part, check_entry)
 from .location import Location, storage_error
-
-if TYPE_CHECKING:
-    from .dataset import Manifest, PartitionInfo
 
 
 def unique_partition_name(index: int) -> str:
@@ -86,7 +85,6 @@ def _delete_quiet(where: Location) -> None:
 def write_partition(directory: Location, index: int, batches: Iterable[pa.RecordBatch], schema: pa.Schema, *,
                     rank: int, node: str | None) -> PartitionInfo:
     """Stream one partition to a fresh key under ``directory``; return what the manifest records."""
-    from .dataset import PartitionInfo
 
     name = unique_partition_name(index)
     where = directory.join(name)
@@ -127,7 +125,6 @@ def commit(directory: Location, name: str, schema: pa.Schema, partitions: Iterab
     :raises CorruptDataset: a partition is missing or has another size.
     :raises DatasetCommitted: a manifest is there already (committed by another writer): never overwritten.
     """
-    from .dataset import MANIFEST, CorruptDataset, DatasetCommitted, Manifest, _is_part, check_entry
 
     parts = tuple(sorted(partitions, key=lambda p: p.file))
     present = _sizes(directory)
@@ -155,7 +152,6 @@ def commit(directory: Location, name: str, schema: pa.Schema, partitions: Iterab
 
 def uncommit(directory: Location) -> None:
     """Withdraw a dataset: the manifest first (it stops existing), then every object under it."""
-    from .dataset import MANIFEST
 
     manifest = directory.join(MANIFEST)
     try:
@@ -187,7 +183,6 @@ def exists(directory: Location) -> bool:
 
 def read_manifest_data(directory: Location) -> Any:
     """The manifest's JSON, or :class:`DatasetNotFound` when there is none."""
-    from .dataset import MANIFEST, CorruptDataset, DatasetNotFound
 
     target = directory.join(MANIFEST)
     try:
@@ -206,7 +201,6 @@ def read_manifest_data(directory: Location) -> Any:
 
 def read_partition_bytes(where: Location, info: PartitionInfo, describe: str) -> pa.Buffer:
     """The partition object at ``where``, whole, checked to have the manifest's size."""
-    from .dataset import CorruptDataset
 
     try:
         with where.filesystem.open_input_file(where.path) as source:

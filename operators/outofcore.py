@@ -5,7 +5,7 @@ written a batch at a time, so neither side has to fit in memory: a hetflow
 dataset (one partition per rank, manifest last; ``Scan``'s methods return a
 ``Scan`` of it) or, with ``local=True``, only this rank's partition file in a
 directory private to the rank (the node-local spill directory of a ``DTable``
-operator over its budget, see ``spilling``).  Every function is collective and
+operator over its budget, see ``overbudget``).  Every function is collective and
 returns what it did (buckets, runs, bytes spilled, the spill directory).
 
 * **join, group-by: grace hash.**  Each chunk is hashed on its keys into
@@ -30,7 +30,7 @@ runs and the merge window are the other fractions below; what the budget
 bounds is the operator's working memory above the process's baseline
 (interpreter, pyarrow, DuckDB loaded).  Spill files live in a private
 directory under ``spill_dir`` (the node-local directory) removed on return,
-failure or interrupt (``spill.SpillDir``).
+failure or interrupt (``spilldir.SpillDir``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import arrowtypes, kernels, partition, sorting, spill
-from . import comm as tc
+from . import arrowtypes, kernels, partition, sorting, spilldir
+from . import collectives as tc
 from . import dataset as ds
 from .communicator import Communicator
 from .errors import (
@@ -58,9 +58,9 @@ from .errors import (
     OperatorError,
     UnsupportedAggregationError,
 )
-from .options import check_orderable, join_key_type, key_list, sort_keys
+from .optioncheck import check_orderable, join_key_type, key_list, sort_keys
 from .shares import Share, Slice
-from .typing import JOIN_HOWS, NULL_PLACEMENTS, JoinHow, Keys, NullPlacement, SortKey
+from .optiontypes import JOIN_HOWS, NULL_PLACEMENTS, JoinHow, Keys, NullPlacement, SortKey
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,12 @@ def _duckdb_flush_threshold(nbytes: int) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- grace hash partitioning
 def _partition(scan: Share, keys: Sequence[str], buckets: int, directory: Path, name: str, budget: int,
-               prepare: Callable[[pa.Table], pa.Table]) -> spill.Buckets:
+               prepare: Callable[[pa.Table], pa.Table]) -> spilldir.Buckets:
     """Hash-shuffle ``scan`` a chunk at a time and append every row to its bucket's spill file (collective)."""
     comm = scan.comm
     p = comm.Get_size()
     schema = prepare(scan.schema.empty_table()).schema
-    out = spill.Buckets(directory, name, schema, buckets)
+    out = spilldir.Buckets(directory, name, schema, buckets)
     chunks = scan.chunks(_chunk_rows(scan, budget))
     try:
         for i in range(_max(comm, len(chunks))):
@@ -137,7 +137,7 @@ def _partition(scan: Share, keys: Sequence[str], buckets: int, directory: Path, 
             for bucket, piece in enumerate(partition.split_by_ids(table, ids, buckets)):
                 out.write(bucket, piece)
             del table, ids
-            spill.release()
+            spilldir.release()
     finally:
         out.close()
     return out
@@ -225,7 +225,7 @@ def join(left: Share, right: Share, keys: Keys, *, right_keys: Keys | None = Non
     total = sum(comm.allgather(left.local_bytes + right.local_bytes))
     buckets = bucket_count(total / comm.Get_size(), budget * JOIN_BUCKET_FRACTION)
     out_rows = _chunk_rows(left, budget)
-    with spill.SpillDir(spill_dir) as directory, _duckdb_flush_threshold(budget // 16):
+    with spilldir.SpillDir(spill_dir) as directory, _duckdb_flush_threshold(budget // 16):
         lb = _partition(left, lk, buckets, directory, "left", budget, arrowtypes.to_kernel)
         rb = _partition(right, rk, buckets, directory, "right", budget, arrowtypes.to_kernel)
         spilled = sum(lb.bytes) + sum(rb.bytes)
@@ -238,7 +238,7 @@ def join(left: Share, right: Share, keys: Keys, *, right_keys: Keys | None = Non
                     del lt, rt
                     yield joined
                     del joined
-                spill.release()
+                spilldir.release()
 
         stats = {"operator": "join", "buckets": buckets, "spilled_bytes": spilled, "spill_dir": str(directory)}
         return _write_output(comm, output, target, _batches(produce(), out_rows), f"join {how} on {lk}", stats, local)
@@ -273,7 +273,7 @@ def group_aggregate(scan: Share, keys: list[str], aggs: list[tuple[str, str]], *
     def prepare(t: pa.Table) -> pa.Table:
         return partition.canonical_floats(arrowtypes.to_kernel(t), keys)  # -0.0 and 0.0 are one group
 
-    with spill.SpillDir(spill_dir) as directory, _duckdb_flush_threshold(budget // 16):
+    with spilldir.SpillDir(spill_dir) as directory, _duckdb_flush_threshold(budget // 16):
         parts = _partition(work, keys, buckets, directory, "rows", budget, prepare)
 
         def produce() -> Iterator[pa.Table]:
@@ -284,7 +284,7 @@ def group_aggregate(scan: Share, keys: list[str], aggs: list[tuple[str, str]], *
                     del rows
                     yield res
                     del res
-                spill.release()
+                spilldir.release()
 
         stats = {"operator": "group_by", "buckets": buckets, "spilled_bytes": sum(parts.bytes),
                  "spill_dir": str(directory)}
@@ -338,7 +338,7 @@ def _upper_bound(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str, key
 def _sort(table: pa.Table, by: Sequence[tuple[str, str]], nulls: str) -> pa.Table:
     """``table`` sorted (ties in no particular order) by kernels whose scratch is handed back when freed
     (numpy's for one integer-like key without nulls: a stable sort that merges presorted runs, as the merge
-    window is made of; else Arrow's, whose pool ``spill.release`` empties).  The in-memory kernels'
+    window is made of; else Arrow's, whose pool ``spilldir.release`` empties).  The in-memory kernels'
     (polars, the packed radix sort) stays resident in their allocators and would count against the budget."""
     if table.num_rows <= 1:
         return table
@@ -393,7 +393,7 @@ def _merge(runs: list[Iterator[pa.Table]], by: list[tuple[str, str]], nulls: str
         if pieces:
             yield _sort(pa.concat_tables(pieces), by, nulls)
         del pieces
-        spill.release()
+        spilldir.release()
 
 
 def sort_by(scan: Share, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPlacement = "at_end",
@@ -415,7 +415,7 @@ def sort_by(scan: Share, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPl
     chunks = scan.chunks(_chunk_rows(scan, budget))
     prepare = arrowtypes.to_kernel
     run_bytes = budget * RUN_FRACTION
-    with spill.SpillDir(spill_dir) as directory:
+    with spilldir.SpillDir(spill_dir) as directory:
         spl = _splitters(scan, chunks, by, nulls, prepare)
         runs: list[Path] = []
         expected_runs = max(1, math.ceil(sum(comm.allgather(scan.local_bytes)) / p / run_bytes))
@@ -431,11 +431,11 @@ def sort_by(scan: Share, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPl
             run = _sort(pa.concat_tables(held).combine_chunks(), by, nulls)
             held, held_bytes = [], 0
             path = directory / f"run-{len(runs):05d}.arrow"
-            spill.write_run(path, run, run_batch_rows)
+            spilldir.write_run(path, run, run_batch_rows)
             runs.append(path)
             spilled += int(run.nbytes)
             del run
-            spill.release()
+            spilldir.release()
 
         for i in range(_max(comm, len(chunks))):
             table = prepare(scan.read(chunks[i]) if i < len(chunks) else scan.schema.empty_table())
@@ -455,12 +455,12 @@ def sort_by(scan: Share, sorting_: SortKey | Sequence[SortKey], *, nulls: NullPl
             del received
             if held_bytes >= run_bytes:
                 flush()
-            spill.release()
+            spilldir.release()
         flush()
         out_rows = _chunk_rows(scan, budget)
 
         def produce() -> Iterator[pa.Table]:
-            for piece in _merge([spill.read_run(r) for r in runs], by, nulls):
+            for piece in _merge([spilldir.read_run(r) for r in runs], by, nulls):
                 yield arrowtypes.restore(piece, target)
 
         stats = {"operator": "sort", "runs": len(runs), "spilled_bytes": spilled, "spill_dir": str(directory)}

@@ -1,5 +1,5 @@
-"""Reading files into a ``DTable`` (layer 3, the facade over ``io``): each rank reads its share of
-the files (``io.*_partition``), then the rows are rebalanced so every rank holds an equal,
+"""Reading files into a ``DTable`` (layer 3, the facade over ``filesplit``): each rank reads its share of
+the files (``filesplit.*_partition``), then the rows are rebalanced so every rank holds an equal,
 order-preserving share (file order, then row order)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from . import io
+from . import filesplit
 from .communicator import Communicator
 from .dtable import DTable
-from .io import Paths
+from .filesplit import Paths
 
 
 def read_parquet(comm: Communicator, paths: Paths, *, columns: Sequence[str] | None = None,
@@ -35,7 +35,7 @@ def read_parquet(comm: Communicator, paths: Paths, *, columns: Sequence[str] | N
     :raises StorageError: the object store refused or could not be reached (names bucket, key, cause).
     :raises SchemaMismatchError: the files' schemas cannot be unified.
     """
-    return DTable(comm, io.parquet_partition(comm, paths, columns=columns, filesystem=filesystem),
+    return DTable(comm, filesplit.parquet_partition(comm, paths, columns=columns, filesystem=filesystem),
                   _checked=True).rebalance()
 
 
@@ -52,7 +52,7 @@ def read_ipc(comm: Communicator, paths: Paths, *, columns: Sequence[str] | None 
     :raises InputError: no file matches, or a listed file does not exist.
     :raises StorageError: the object store refused or could not be reached (names bucket, key, cause).
     """
-    return DTable(comm, io.ipc_partition(comm, paths, columns=columns, filesystem=filesystem),
+    return DTable(comm, filesplit.ipc_partition(comm, paths, columns=columns, filesystem=filesystem),
                   _checked=True).rebalance()
 
 
@@ -74,5 +74,5 @@ def read_csv(comm: Communicator, paths: Paths, *, schema: pa.Schema | None = Non
     :raises StorageError: the object store refused or could not be reached (names bucket, key, cause).
     :raises SchemaMismatchError: the files' inferred types cannot be unified.
     """
-    return DTable(comm, io.csv_partition(comm, paths, schema=schema, filesystem=filesystem, **read_options),
+    return DTable(comm, filesplit.csv_partition(comm, paths, schema=schema, filesystem=filesystem, **read_options),
                   _checked=True).rebalance()

@@ -23,10 +23,10 @@ from . import outofcore
 from .communicator import Communicator
 from .dtable import DTable
 from .errors import ColumnNotFoundError, InputError, SchemaMismatchError
-from .io import _assign, _expand, _File, _locate, ipc_layout
+from .filesplit import _assign, _expand, _File, _locate, ipc_layout
 from .location import is_uri, resolve
 from .shares import Share, Slice, slices_of
-from .typing import Aggregation, JoinHow, Keys, NullPlacement, SortKey
+from .optiontypes import Aggregation, JoinHow, Keys, NullPlacement, SortKey
 
 
 def _files(paths: Any) -> list[_File]:

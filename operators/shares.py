@@ -2,7 +2,7 @@
 
 A ``Share`` lists this rank's rows as slices of the files' record batches and
 reads them a chunk at a time through a memory map that is closed after each
-read (``spill.read_slice``), so a file larger than memory is never resident.
+read (``spilldir.read_slice``), so a file larger than memory is never resident.
 The out-of-core operators (``outofcore``) take shares; ``Scan`` (``scan``) is
 the user-facing one with the operators as methods.
 """
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
-from . import spill
+from . import spilldir
 from .communicator import Communicator
 from .errors import ColumnNotFoundError
 
@@ -66,7 +66,7 @@ def read_chunk(chunk: Sequence[Slice], schema: pa.Schema, columns: Sequence[str]
         else:
             merged.append(s)
     want = schema if columns is None else pa.schema([schema.field(c) for c in columns])
-    batches = [spill.read_slice(s.path, s.batch, s.offset, s.length, columns) for s in merged]
+    batches = [spilldir.read_slice(s.path, s.batch, s.offset, s.length, columns) for s in merged]
     return pa.Table.from_batches(batches, schema=want) if batches else want.empty_table()
 
 

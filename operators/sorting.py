@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from .communicator import Communicator
-from . import comm as tc
+from . import collectives as tc
 from . import arrowtypes, kernels, memory
 
 SAMPLES_PER_RANK = 32

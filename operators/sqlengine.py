@@ -34,7 +34,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import comm as tc
+from . import collectives as tc
 from . import kernels, partition
 from .communicator import Communicator
 from .costmodel import Cost, Plan, hockney
@@ -88,13 +88,13 @@ def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[s
                 raise SQLError(f"table {name!r} is distributed over {value.comm.Get_size()} rank(s), the query over {comm.Get_size()}")
             out[name] = value
         elif isinstance(value, (str, os.PathLike)):
-            from . import io
+            from . import filesplit
             from .errors import InputError
             from .location import redact
             from .readers import read_parquet
 
             try:
-                files = io._locate(value, "parquet")   # local, or on an object store (s3://bucket/prefix/)
+                files = filesplit._locate(value, "parquet")   # local, or on an object store (s3://bucket/prefix/)
             except InputError:
                 files = []
             if not files:

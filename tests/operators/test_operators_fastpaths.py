@@ -39,7 +39,7 @@ def _fixed_table(seed: int, rank: int, size: int, layout: str, null_on_rank: int
 def test_raw_shuffle_equals_ipc_shuffle(comm: Any, layout: str, nulls_somewhere: bool, block: int | None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``block=7``: the int32 index lists and the blockwise takes cross many block boundaries."""
-    from hetflow.operators import comm as tc, memory, partition
+    from hetflow.operators import collectives as tc, memory, partition
 
     if block is not None:
         monkeypatch.setattr(memory, "BLOCK", block)
@@ -60,7 +60,7 @@ def test_raw_shuffle_equals_ipc_shuffle(comm: Any, layout: str, nulls_somewhere:
 @pytest.mark.parametrize("layout", D.LAYOUTS)
 def test_int64_fast_hash_and_general_hash_both_colocate(comm: Any, layout: str) -> None:
     """Each hash sends every key of two tables to one rank; together the parts are the input."""
-    from hetflow.operators import comm as tc, partition
+    from hetflow.operators import collectives as tc, partition
 
     rank, size = comm.Get_rank(), comm.Get_size()
     seed = 9200 + D.LAYOUTS.index(layout)

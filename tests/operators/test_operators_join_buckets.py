@@ -150,7 +150,7 @@ def test_bucket_groups_leave_null_keys_out(monkeypatch: pytest.MonkeyPatch, rank
 def test_permuted_columns_match_bucket_order(monkeypatch: pytest.MonkeyPatch, ranks: int, buckets: int, block: int) -> None:
     """The blockwise counting sort puts every row where ``bucket_order``'s indices say (same partitions,
     ascending row order within each), for columns of several widths."""
-    from hetflow.operators import comm as tc
+    from hetflow.operators import collectives as tc
     from hetflow.operators import hashjoin
 
     monkeypatch.setattr(hashjoin, "_PERMUTE_BLOCK", block)

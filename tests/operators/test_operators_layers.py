@@ -100,10 +100,10 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_cycle_between_operator_modules() -> None:
     graph = _graph()
-    assert {"aggregate", "dtable", "io", "scan", "outofcore"} <= set(graph)
+    assert {"aggregate", "dtable", "filesplit", "scan", "outofcore"} <= set(graph)
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
     # the facade sits on top: the functions it wraps never import it
-    for module in ("aggregate", "io", "hashjoin", "sorting", "outofcore", "comm"):
+    for module in ("aggregate", "filesplit", "hashjoin", "sorting", "outofcore", "collectives"):
         assert "dtable" not in graph[module], f"{module} imports dtable"
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from hetflow.operators import scan_ipc, spill
+from hetflow.operators import scan_ipc, spilldir
 from hetflow.operators.errors import AggregateOverflowError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,12 +99,12 @@ CTRL_C = """
 import sys
 from mpi4py import MPI
 import time
-from hetflow.operators import scan_ipc, spill
-real_write_run = spill.write_run
+from hetflow.operators import scan_ipc, spilldir
+real_write_run = spilldir.write_run
 def write_run_then_wait(*args, **kwargs):  # the signal finds the sort mid-way however slow this machine is
     real_write_run(*args, **kwargs)
     time.sleep(120)
-spill.write_run = write_run_then_wait
+spilldir.write_run = write_run_then_wait
 scan_ipc(MPI.COMM_WORLD, sys.argv[1]).sort_by("v", output=sys.argv[2], memory_budget=1 << 20, spill_dir=sys.argv[3])
 """
 
@@ -121,7 +121,7 @@ def test_ctrl_c_removes_spill_files(tmp_path: Path) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not any(p.name.startswith(spill.PREFIX) and any(p.iterdir()) for p in base.iterdir()):
+        while not any(p.name.startswith(spilldir.PREFIX) and any(p.iterdir()) for p in base.iterdir()):
             assert proc.poll() is None, f"the sort ended before it spilled: {proc.communicate()}"
             assert time.monotonic() < deadline, "no spill file appeared"
             time.sleep(0.05)
@@ -140,15 +140,15 @@ def test_orphans_of_dead_processes_are_removed(tmp_path: Path) -> None:
     one of a live process stays."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
     pid = int(dead.stdout)
-    host = spill._host()
-    orphan = tmp_path / f"{spill.PREFIX}{host}-{pid}-abc"
+    host = spilldir._host()
+    orphan = tmp_path / f"{spilldir.PREFIX}{host}-{pid}-abc"
     orphan.mkdir()
     (orphan / "left-00000.arrows").write_bytes(b"x" * 100)
-    live = tmp_path / f"{spill.PREFIX}{host}-{os.getppid()}-def"
+    live = tmp_path / f"{spilldir.PREFIX}{host}-{os.getppid()}-def"
     live.mkdir()
     other = tmp_path / "not-ours"
     other.mkdir()
-    with spill.SpillDir(tmp_path) as mine:
+    with spilldir.SpillDir(tmp_path) as mine:
         assert mine.is_dir() and oct(mine.stat().st_mode & 0o777) == "0o700"
         assert not orphan.exists()
         assert live.exists() and other.exists()

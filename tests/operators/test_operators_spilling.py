@@ -1,4 +1,4 @@
-"""``DTable`` operators over ``settings.memory_budget`` run out of core (``operators/spilling.py``) at any
+"""``DTable`` operators over ``settings.memory_budget`` run out of core (``operators/overbudget.py``) at any
 rank count: the same rows as in memory, the plan says so and names the spill directory, which is gone
 afterwards; under the budget, or with none, nothing changes.  The stage wiring is tested end to end
 in ``tests/test_stage_spill.py``."""

@@ -44,7 +44,7 @@ def _suite(comm: Any, out: Path) -> None:
     from mpi4py import MPI
 
     from hetflow.operators import DTable
-    from hetflow.operators import comm as tc
+    from hetflow.operators import collectives as tc
 
     rank, size = comm.Get_rank(), comm.Get_size()
     res: dict[str, Any] = {"rank": rank, "size": size}

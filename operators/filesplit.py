@@ -29,7 +29,7 @@ from .communicator import Communicator
 from .errors import InputError, InvalidOptionError, SchemaMismatchError
 from .location import Location, is_object_store, is_uri, redact, resolve, storage_error
 from .shares import batch_lengths
-from .typing import WriteFormat
+from .optiontypes import WriteFormat
 
 Paths = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
 

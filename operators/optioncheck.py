@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from . import arrowtypes
 from .errors import InvalidOptionError, UnsupportedTypeError
-from .typing import SORT_ORDERS, Keys, SortKey, SortOrder
+from .optiontypes import SORT_ORDERS, Keys, SortKey, SortOrder
 
 
 def key_list(keys: Keys) -> list[str]:

@@ -5,7 +5,7 @@ and the inputs of a join, sort or group-by would need more than the budget in me
 ``DTable.join``, ``sort_by`` and ``group_by(...).aggregate`` (``algorithm="auto"``) run the
 out-of-core operators of ``outofcore`` instead.  "Would need more": the largest rank's
 input bytes times ``IN_MEMORY_GROWTH``, the in-memory operators' peak growth over their
-input (docs/spill.md, "Measured").  With no budget nothing here runs, not even a
+input (docs/spilldir.md, "Measured").  With no budget nothing here runs, not even a
 collective, so the in-memory path is exactly what it was.
 
 Each rank works in its own private directory under ``settings.spill_dir`` (the pilot's
@@ -30,18 +30,18 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import comm as tc
+from . import collectives as tc
 from . import dataset as ds
-from . import outofcore, settings, spill
+from . import outofcore, settings, spilldir
 from .communicator import Communicator
 from .costmodel import Cost, Plan
 from .errors import UnsupportedAggregationError
 from .shares import SLICE_ROWS, Share, batch_lengths, slices_of
-from .typing import JoinHow, NullPlacement, SortOrder
+from .optiontypes import JoinHow, NullPlacement, SortOrder
 
 log = logging.getLogger(__name__)
 
-#: the in-memory join, sort and group-by peak at about 3-5x their input per rank (docs/spill.md, "Measured")
+#: the in-memory join, sort and group-by peak at about 3-5x their input per rank (docs/spilldir.md, "Measured")
 IN_MEMORY_GROWTH = 5
 
 
@@ -58,7 +58,7 @@ def _share(comm: Communicator, table: pa.Table, path: Path, budget: int) -> Shar
     """``table`` written to the IPC file ``path`` and shared out as this rank's rows only (collective), in
     slices no larger than the operator's chunk (a chunk is whole slices: with a budget of a few MB the
     default slice would be larger than the chunk)."""
-    spill.write_run(path, table, SLICE_ROWS)
+    spilldir.write_run(path, table, SLICE_ROWS)
     schema, lengths = batch_lengths(str(path))
     row_bytes = max(1.0, path.stat().st_size / table.num_rows if table.num_rows else 1.0)
     rows = max(1024, min(SLICE_ROWS, int(budget * outofcore.CHUNK_FRACTION / row_bytes)))
@@ -84,7 +84,7 @@ def join(comm: Communicator, left: pa.Table, right: pa.Table, keys: Sequence[str
     """``DTable.join`` out of core (grace hash join, ``outofcore.join``); the result partition and the plan."""
     budget = settings.current().memory_budget
     assert budget is not None
-    with spill.SpillDir(settings.current().spill_dir) as directory:
+    with spilldir.SpillDir(settings.current().spill_dir) as directory:
         stats = outofcore.join(_share(comm, left, directory / "left.arrow", budget),
                                _share(comm, right, directory / "right.arrow", budget),
                                list(keys), right_keys=list(right_keys), how=how, suffix=suffix, output=directory,
@@ -101,7 +101,7 @@ def sort_by(comm: Communicator, table: pa.Table, by: Sequence[tuple[str, SortOrd
     """``DTable.sort_by`` out of core (sample sort, external merge sort, ``outofcore.sort_by``)."""
     budget = settings.current().memory_budget
     assert budget is not None
-    with spill.SpillDir(settings.current().spill_dir) as directory:
+    with spilldir.SpillDir(settings.current().spill_dir) as directory:
         stats = outofcore.sort_by(_share(comm, table, directory / "input.arrow", budget), list(by), nulls=nulls,
                                   output=directory, memory_budget=budget, spill_dir=directory.parent, local=True)
         out = _mapped(directory, comm.Get_rank())
@@ -124,7 +124,7 @@ def group_aggregate(comm: Communicator, table: pa.Table, keys: Sequence[str],
                 "(raise the stage's memory_per_rank, or pass algorithm='shuffle' to aggregate in memory)")
     needed_columns = list(dict.fromkeys(list(keys) + [c for c, _ in aggs]))
     work = table.select(needed_columns)
-    with spill.SpillDir(settings.current().spill_dir) as directory:
+    with spilldir.SpillDir(settings.current().spill_dir) as directory:
         stats = outofcore.group_aggregate(_share(comm, work, directory / "input.arrow", budget), list(keys), list(aggs),
                                           output=directory, memory_budget=budget, spill_dir=directory.parent,
                                           local=True)
