@@ -190,6 +190,7 @@ SHARED_GROUPS = {
     "tests/backends/test_engines.py": "radical",
     "tests/backends/test_interrupt.py": "radical",
     "tests/backends/test_radical_raptor.py": "radical",
+    "tests/backends/test_radical_shipped.py": "radical",
 }
 """Test files (or folders, ending in /) that share one group, by the group's name."""
 
