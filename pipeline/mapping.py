@@ -339,18 +339,24 @@ def describe_changes(before: Mapping[str, str], items: Sequence[Item], most: int
     return ", ".join(words[:most]) + (f" and {len(words) - most} more" if len(words) > most else "")
 
 
-def assemble(spec: StageSpec, items: Sequence[Item], datasets_dir: Path, producer: Mapping[str, Any]
+def assemble(spec: StageSpec, items: Sequence[Item], datasets_dir: str, producer: Mapping[str, Any]
              ) -> dict[str, ds.Manifest]:
     """Commit each output of ``spec`` as one dataset of the succeeded items' partitions in item order.
 
-    The partition files are hard links to the items' files (a copy where the file system refuses);
-    an output for which no item returned a table is committed empty when the stage declares its schema.
+    The partition files are hard links to the items' files (a copy where the file system refuses); under
+    an object-store data directory (``s3://...``) each is uploaded to a key of its own, and the manifest,
+    written last, commits them as for any dataset there.  An output for which no item returned a table is
+    committed empty when the stage declares its schema.
     """
+    import secrets
     import shutil
 
+    from hetflow.operators.location import is_object_store, resolve, storage_error
+
+    remote = is_object_store(datasets_dir)
     committed = {}
     for name in spec.outputs:
-        target = datasets_dir / name
+        target = f"{datasets_dir.rstrip('/')}/{name}" if remote else Path(datasets_dir) / name
         infos: list[ds.PartitionInfo] = []
         schema_text: str | None = None
         first: Item | None = None
@@ -369,15 +375,26 @@ def assemble(spec: StageSpec, items: Sequence[Item], datasets_dir: Path, produce
                                      "every item must return the same columns and types, or None")
                 file = f"part-{item.index:08d}-{int(part.get('rank', 0)):04d}.arrow"
                 source = os.path.join(item.directory, name, part["file"])
-                dest = target / file
-                try:
-                    os.unlink(dest)
-                except FileNotFoundError:
-                    pass
-                try:
-                    os.link(source, dest, follow_symlinks=False)
-                except OSError:
-                    shutil.copyfile(source, dest, follow_symlinks=False)
+                if remote:  # a key no other write of this dataset uses; the manifest names it
+                    file = f"part-{item.index:08d}-{int(part.get('rank', 0)):04d}-{secrets.token_hex(6)}.arrow"
+                    where = resolve(f"{target}/{file}")
+                    try:
+                        with open(source, "rb") as local, where.filesystem.open_output_stream(where.path) as out:
+                            shutil.copyfileobj(local, out, 8 << 20)
+                    except OSError as exc:
+                        if isinstance(exc, FileNotFoundError) and not os.path.exists(source):
+                            raise
+                        raise storage_error(exc, where, "write") from exc
+                else:
+                    dest = Path(target) / file
+                    try:
+                        os.unlink(dest)
+                    except FileNotFoundError:
+                        pass
+                    try:
+                        os.link(source, dest, follow_symlinks=False)
+                    except OSError:
+                        shutil.copyfile(source, dest, follow_symlinks=False)
                 infos.append(ds.PartitionInfo(file=file, rows=int(part["rows"]), bytes=int(part["bytes"]),
                                               checksum=str(part["checksum"]), node=str(part.get("node", "")),
                                               rank=position))

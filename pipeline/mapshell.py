@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
+from hetflow.operators.location import is_object_store
 from hetflow.tasks.backends.base import LaunchSpec, TaskOutcome
 from hetflow.tasks.protocol import AttemptFiles
 from hetflow.tasks.scheduler import RejectTask, StartTask, TaskCancelled, TasksSubmitted, TaskSubmitted
@@ -228,12 +229,13 @@ class MapShell:
         else:
             try:
                 for name in spec.outputs:
-                    target = self._private_dir(Path(self.datasets.path(name)))  # a path: Pipeline.run refuses
-                    self._refuse_if_reused(spec.name, name, str(target))  # map stages on an object store
+                    where = self.datasets.path(name)
+                    target = where if is_object_store(where) else str(self._private_dir(Path(where)))
+                    self._refuse_if_reused(spec.name, name, target)
                     ds.uncommit(target)
                 producer = {"run": self.run_id, "stage": spec.name, "attempt": run.task.attempt,
                             "items": len(run.items)}
-                committed = mapping.assemble(spec, run.items, Path(self.datasets.root), producer)
+                committed = mapping.assemble(spec, run.items, self.datasets.root, producer)
             except (ds.DatasetError, ValueError, OSError) as exc:
                 state, error = "FAILED", f"{type(exc).__name__}: {exc}"
         self._record_map(run, state, error, committed)

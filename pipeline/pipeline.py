@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence, TypeVar, overload
 
 from hetflow.operators.dataset import Dataset
-from hetflow.operators.location import is_object_store
 from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import ConfigError, UnsatisfiableRequest
 from hetflow.tasks.sizes import parse_bytes
@@ -399,11 +398,6 @@ class Pipeline:
         if chosen_data is not None:
             what = "--data-dir" if options.data_dir else "data_dir"
             description = dataclasses.replace(description, data_dir=check_data_dir(chosen_data, what=what))
-            remote = is_object_store(description.data_dir or "")
-            mapped = [s.name for s in self.stages.values() if s.map_over is not None]
-            if remote and mapped:
-                raise PipelineError(f"pipeline {self.name!r}: map stage {mapped[0]!r} cannot write to the object "
-                                    f"store {description.data_dir} (map stages need a file system data directory)")
             reachable(description.data_dir or "", pipeline=self.name)
         from .params import declared_params, from_command_line, undeclared
 

@@ -343,3 +343,51 @@ def test_a_local_data_dir_holds_the_datasets_and_rm_removes_them_there(script: P
     removed = hetflow(script, "rm", done["id"], env=env)
     assert removed.returncode == 0, removed.stdout + removed.stderr
     assert not (data / "runs" / done["id"]).exists()
+
+
+MAP_SCRIPT = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("s3map")
+
+
+@pipe.stage(map_over={"lr": LRS}, outputs=["scores"])
+def fit(ctx):
+    with open(RAN, "a") as fh:
+        fh.write(f"{ctx.params['lr']}\\n")
+    return {"scores": pa.table({"lr": [ctx.params["lr"]], "score": [ctx.params["lr"] * 10]})}
+
+
+@pipe.stage(inputs=["scores"], outputs=["best"])
+def best(ctx, scores):
+    return {"best": scores.sort_by([("score", "descending")]).slice(0, 1)}
+'''
+
+
+def test_a_map_stage_commits_its_items_partitions_on_the_store_and_caches_them_per_item(
+        tmp_path: Path, s3_env: S3Server) -> None:
+    s3_server = s3_env   # its AWS environment is this process's too, for reading back
+    bucket = s3_server.make_bucket()
+    env = s3_environ(s3_server)
+    script = MAP_SCRIPT.replace("RAN", repr(str(tmp_path / "ran.txt")))
+    (tmp_path / "p.py").write_text(script.replace("LRS", "[0.1, 0.2, 0.3]"))
+    run(tmp_path, "--data-dir", f"s3://{bucket}/hf", env=env)
+    first = status(tmp_path, env)
+    assert states(first) == {"fit": "DONE", "best": "DONE"}
+    scores = first["datasets"]["scores"]
+    assert scores.startswith(f"s3://{bucket}/hf/runs/")
+    assert sorted(Dataset(scores).to_table()["lr"].to_pylist()) == [0.1, 0.2, 0.3]
+    assert Dataset(first["datasets"]["best"]).to_table()["lr"].to_pylist() == [0.3]
+    assert len([k for k in keys(s3_server, bucket) if "/datasets/scores/part-" in k]) == 3
+    ran = (tmp_path / "ran.txt").read_text().split()
+    assert sorted(ran) == ["0.1", "0.2", "0.3"]
+
+    # one grid point more: three items reused, one runs; the new dataset on the store holds four partitions
+    (tmp_path / "ran.txt").unlink()
+    (tmp_path / "p.py").write_text(script.replace("LRS", "[0.1, 0.2, 0.3, 0.05]"))
+    run(tmp_path, "--data-dir", f"s3://{bucket}/hf", env=env)
+    second = status(tmp_path, env)
+    assert (tmp_path / "ran.txt").read_text().split() == ["0.05"]
+    assert Dataset(second["datasets"]["scores"]).to_table()["lr"].to_pylist() == [0.1, 0.2, 0.3, 0.05]
+    assert Dataset(second["datasets"]["best"]).to_table()["lr"].to_pylist() == [0.3]
