@@ -118,7 +118,9 @@ def _items(stage: "StageStatus") -> str:
 
 
 def run_text(status: "RunStatus", *, handle: bool = False) -> str:
-    """The run as plain lines: a header, then one line per stage."""
+    """The run as plain lines: a header, then one line per stage; every text from the run made visible
+    (:func:`~hetflow.terminal.visible`: a stage's error cannot retitle or clear the terminal it is printed on)."""
+    status = status.for_terminal()
     now = time.time()
     kind = "RunHandle" if handle else "RunStatus"
     lines = [f"{kind}({status.id!r}, pipeline={status.pipeline!r}, state={status.state})"]

@@ -91,6 +91,7 @@ def load(run_id: str, run_dir: str) -> Recorded:
     if not os.path.isdir(cwd):
         raise ValueError(f"run {run_id} was started in {cwd}, which is no longer a directory; its stages "
                          "import their modules and read their files from there")
+    _check_session_dir(run_id, cwd)
     os.chdir(cwd)
     sys.path.insert(0, cwd)
     try:
@@ -99,3 +100,24 @@ def load(run_id: str, run_dir: str) -> Recorded:
         raise ValueError(f"run {run_id}: its recorded stages cannot be loaded here ({type(exc).__name__}: "
                          f"{exc}); resume it with pipe.run(run_id={run_id!r}) from the same code") from None
     return Recorded(name=outer["name"], stages=body["stages"], pilot=body["pilot"], cwd=cwd)
+
+
+def _check_session_dir(run_id: str, cwd: str) -> None:
+    """Refuse to import from the run's working directory when another user could have put a module there
+    since (owned by someone else, or writable by group or others: a shared ``/tmp``): the stages are
+    unpickled with it first on ``sys.path``.  :class:`~hetflow.tasks.errors.UnsafeShippedFunction`."""
+    import stat
+
+    from hetflow.tasks.errors import UnsafeShippedFunction
+
+    info = os.stat(cwd)
+    problems = []
+    if info.st_uid != os.geteuid():
+        problems.append(f"it is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problems.append(f"its mode {stat.S_IMODE(info.st_mode):04o} lets group or others write it")
+    if problems:
+        raise UnsafeShippedFunction(
+            f"run {run_id} was started in {cwd}, and {' and '.join(problems)}: a module put there by someone else "
+            f"would be imported when its stages are loaded; resume it with pipe.run(run_id={run_id!r}) from the "
+            "same session, or start runs from a directory only you can write")

@@ -489,3 +489,45 @@ def test_a_blocking_run_in_a_notebook_shows_its_live_table_as_one_display_update
     assert re.search(r"<td[^>]*>after</td><td[^>]*>DONE</td>", page), page
     assert "<on>" not in page and "working &lt;on&gt; it" in page
     assert not any("hetflow: [" in o.get("text", "") for o in outputs)   # no plain progress lines in the cell
+
+
+def test_a_run_printed_as_text_shows_control_characters_of_its_errors_not_their_effect() -> None:
+    """``print(handle.status())`` on a terminal: a stage's error (from a shared store, another user's run)
+    cannot retitle, clear or rewrite the terminal."""
+    from hetflow.display import run_text
+    from hetflow.status import RunStatus, StageStatus
+
+    hostile = "\x1b]0;owned\x07\x1b[2Jboom\rfake line"
+    stage = StageStatus(name="s", state="FAILED", attempts=1, started=1.0, ended=2.0, slots=(), error=hostile,
+                        cache_hit=False)
+    status = RunStatus(id="r1", pipeline="p", state="FAILED", created=0.0, started=1.0, ended=3.0,
+                       run_dir="/nonexistent/runs/r1", stages=(stage,), error=hostile)
+    text = run_text(status)
+    assert "\x1b" not in text and "\x07" not in text and "\r" not in text
+    assert "boom" in text and "fake line" in text
+
+
+def test_hetflow_resume_refuses_a_session_directory_others_can_write(tmp_path: Path) -> None:
+    """A run started from ``python -`` in a shared directory (mode 1777, as /tmp): a module planted there
+    afterwards would be imported when ``hetflow resume`` loads the stages from elsewhere."""
+    session = tmp_path / "shared"
+    session.mkdir()
+    run_id, _ = _failed_stdin_run(session)
+    os.chmod(session, 0o1777)
+    (session / "statistics.py").write_text(f"open({str(tmp_path / 'PLANTED')!r}, 'w').close()\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([HETFLOW, "resume", run_id, "--workdir", str(session / "w"), "--no-progress"],
+                          cwd=elsewhere, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FIXED": "1"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == (f"hetflow: error: run {run_id} was started in {session}, and its mode 1777 lets group "
+                           "or others write it: a module put there by someone else would be imported when its "
+                           f"stages are loaded; resume it with pipe.run(run_id={run_id!r}) from the same session, "
+                           "or start runs from a directory only you can write\n")
+    assert not (tmp_path / "PLANTED").exists()
+    os.chmod(session, 0o700)
+    (session / "statistics.py").unlink()
+    assert subprocess.run([HETFLOW, "resume", run_id, "--workdir", str(session / "w"), "--no-progress"],
+                          cwd=elsewhere, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FIXED": "1"}).returncode == 0
