@@ -18,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from hetflow.operators.location import is_object_store, is_uri, redact, resolve, storage_error
-from pyarrow.fs import FileType
+from pyarrow.fs import FileSelector, FileType
 
 from .errors import PipelineError
 
@@ -57,6 +57,23 @@ def reachable(data_dir: str, *, pipeline: str) -> None:
     if not found:
         missing = storage_error(OSError("NO_SUCH_BUCKET"), where, "use")
         raise PipelineError(f"pipeline {pipeline!r}: data directory: {missing}")
+
+
+def unclaimed(data_dir: str, run_id: str, *, pipeline: str) -> None:
+    """Refuse a new run whose id already has datasets under ``data_dir``: a data directory two work
+    directories share (an object store, a shared path) could hold another store's run of the same id
+    (``--run-id``), whose datasets this run's stages would withdraw and replace."""
+    root = RunDatasets(data_dir, run_id).root
+    where = resolve(root)
+    try:
+        found = where.filesystem.get_file_info(FileSelector(where.path, recursive=True,
+                                                            allow_not_found=True))
+    except OSError as exc:
+        raise PipelineError(f"pipeline {pipeline!r}: data directory: {storage_error(exc, where, 'list')}") from None
+    if any(info.type == FileType.File for info in found):
+        raise PipelineError(f"pipeline {pipeline!r}: run {run_id} is new in this store, but {where.uri} already holds "
+                            f"datasets (another work directory's run of that id shares the data directory); "
+                            f"choose another --run-id, or resume that run from its own work directory")
 
 
 @dataclass(frozen=True)

@@ -388,7 +388,7 @@ class Pipeline:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         import dataclasses
 
-        from .datadir import RunDatasets, check_data_dir, reachable
+        from .datadir import RunDatasets, check_data_dir, reachable, unclaimed
 
         chosen_data = options.data_dir or (None if data_dir is None else os.fspath(data_dir)) or self.data_dir \
             or description.data_dir
@@ -399,6 +399,8 @@ class Pipeline:
             what = "--data-dir" if options.data_dir else "data_dir"
             description = dataclasses.replace(description, data_dir=check_data_dir(chosen_data, what=what))
             reachable(description.data_dir or "", pipeline=self.name)
+            if resume_id is None:
+                unclaimed(description.data_dir or "", the_id, pipeline=self.name)
         from .params import declared_params, from_command_line, undeclared
 
         declared = declared_params(self.stages.values())

@@ -282,6 +282,28 @@ def test_two_runs_committing_the_same_dataset_names_at_once_keep_their_own(scrip
     assert totals == [2 * 499500, 3 * 499500]
 
 
+def test_a_new_run_whose_id_has_datasets_in_a_shared_data_dir_is_refused(script: Path, s3_env: S3Server,
+                                                                         s3_bucket: str) -> None:
+    """Two work directories, one data directory, the same --run-id: the second run would withdraw and replace
+    the first one's datasets (and its rm delete them); it is refused before it starts."""
+    env = s3_environ(s3_env)
+    data_dir = f"s3://{s3_bucket}/shared"
+    done = hetflow(script, "run", "p.py", "--no-progress", "--data-dir", data_dir, "--run-id", "exp1",
+                   "--param", "scale=1", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = status(script, env, "exp1")
+    other = script / "other"
+    other.mkdir()
+    (other / "p.py").write_text(SCRIPT)
+    done = hetflow(other, "run", "p.py", "--no-progress", "--data-dir", data_dir, "--run-id", "exp1",
+                   "--param", "scale=4", env=env)
+    assert done.returncode != 0
+    assert (f"run exp1 is new in this store, but {data_dir}/runs/exp1/datasets already holds datasets (another "
+            "work directory's run of that id shares the data directory); choose another --run-id, or resume that "
+            "run from its own work directory") in done.stderr, done.stderr
+    assert Dataset(first["datasets"]["total"]).to_table()["sum"].to_pylist() == [499500]   # the first run's, whole
+
+
 def test_rm_and_gc_remove_the_objects(script: Path, s3_server: S3Server, s3_bucket: str) -> None:
     env = s3_environ(s3_server)
     data_dir = f"s3://{s3_bucket}/gc"
