@@ -113,7 +113,7 @@ def _listed(where: Location, fmt: str) -> list[_File]:
         if glob_at >= 0:
             base = path[:glob_at].rsplit("/", 1)[0]
             infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-            found = sorted((i for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, path)),
+            found = sorted((i for i in infos if i.type == pafs.FileType.File and _glob_match(path, i.path)),
                            key=lambda i: i.path)
             if not found:
                 raise InputError(f"no {fmt} files match {where.uri}{_bucket_key(where)}")
@@ -136,6 +136,16 @@ def _listed(where: Location, fmt: str) -> list[_File]:
         raise storage_error(exc, where, "list") from exc
     base_uri = where.uri[: len(where.uri) - len(where.path)] if where.uri.endswith(where.path) else ""
     return [_File(Location(fs, i.path, base_uri + i.path, where.is_local), int(i.size or 0)) for i in found]
+
+
+def _glob_match(pattern: str, path: str) -> bool:
+    """Whether ``path`` matches ``pattern`` as :func:`glob.glob` matches a local path: segment by segment
+    (``*`` and ``?`` never cross a ``/``), and a segment starting with ``.`` only where the pattern's does."""
+    parts, names = pattern.split("/"), path.split("/")
+    if len(parts) != len(names):
+        return False
+    return all(fnmatch.fnmatchcase(name, part) and (part.startswith(".") or not name.startswith("."))
+               for part, name in zip(parts, names))
 
 
 def _check_bucket(where: Location) -> None:

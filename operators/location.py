@@ -160,18 +160,42 @@ def resolve(target: str | os.PathLike[str] | Location) -> Location:
     bucket = parts.netloc.rsplit("@", 1)[-1]
     if not bucket:
         raise ValueError(f"{shown}: no bucket (expected s3://BUCKET/PREFIX)")
-    path = (bucket + "/" + parts.path.strip("/")).rstrip("/")
-    if parts.query or "@" in parts.netloc:
+    options = _options(uri)
+    # the key is everything after the bucket, as written: '?' (a glob) and '#' are characters of keys, unless
+    # what follows a '?' is pyarrow's options (endpoint_override=..., region=...)
+    key = uri.split("://", 1)[1].split("/", 1)[1] if "/" in uri.split("://", 1)[1] else ""
+    if options is not None:
+        key = key.split("?", 1)[0]
+    path = (bucket + "/" + key.strip("/")).rstrip("/")
+    if options is not None or "@" in parts.netloc:
         # options or credentials written into the URI: pyarrow's own parser honours them
         try:
             fs, path = pafs.FileSystem.from_uri(uri)
         except (OSError, ValueError, TypeError) as error:
             raise ValueError(f"{shown}: {_scrub(str(error), uri)}") from None
-        if "endpoint_override" not in parts.query and s3_endpoint():
+        if "endpoint_override" not in (options or "") and s3_endpoint():
             raise ValueError(f"{shown}: options in the URI replace the AWS environment; add "
                              f"endpoint_override=... to the URI too (AWS_ENDPOINT_URL is set)")
         return Location(fs, path.rstrip("/"), shown.split("?", 1)[0], False)
     return Location(s3_filesystem(), path, f"{scheme}://{path}", False)
+
+
+_URI_OPTIONS = {"access_key", "secret_key", "session_token", "region", "scheme", "endpoint_override",
+                "allow_bucket_creation", "allow_bucket_deletion", "role_arn", "session_name", "external_id",
+                "load_frequency", "anonymous", "request_timeout", "connect_timeout", "background_writes",
+                "force_virtual_addressing", "tls_ca_file_path"}
+
+
+def _options(uri: str) -> str | None:
+    """The query of ``uri`` when it is pyarrow's S3 options (``key=value`` pairs of known keys), else None:
+    a ``?`` in a key or a glob is not a query."""
+    if "?" not in uri:
+        return None
+    query = uri.split("?", 1)[1]
+    pairs = [item.split("=", 1)[0] for item in query.split("&") if item]
+    if pairs and all("=" in item for item in query.split("&") if item) and set(pairs) <= _URI_OPTIONS:
+        return query
+    return None
 
 
 _CAUSES = (

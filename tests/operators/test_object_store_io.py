@@ -280,3 +280,25 @@ def test_sql_names_an_s3_prefix_that_holds_no_parquet(comm: Any, s3_bucket: str)
 
     with pytest.raises(SQLError, match=rf"table 't': no Parquet file matches 's3://{s3_bucket}/nothing/'"):
         sql(comm, "SELECT 1 FROM t", t=f"s3://{s3_bucket}/nothing/")
+
+
+def test_a_glob_on_s3_matches_what_the_same_glob_matches_locally(comm: Any, s3_bucket: str, s3_env: S3Server,
+                                                                  tmp_path: Path) -> None:
+    """``*`` never crosses a ``/`` and skips dot files, as :func:`glob.glob`; ``#`` and ``?`` written in a key
+    are characters of the key, not a URI's fragment or query."""
+    from hetflow.operators import read_parquet
+
+    client = s3_env.client()
+    names = ["a.parquet", "sub/b.parquet", ".hidden.parquet", "c d#1.parquet"]
+    for i, name in enumerate(names):
+        local = tmp_path / "in" / name
+        local.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"file": [i]}), local)
+        client.upload_file(str(local), s3_bucket, f"in/{name}")
+    got = read_parquet(comm, f"s3://{s3_bucket}/in/*.parquet").gather(root=0)
+    want = read_parquet(comm, str(tmp_path / "in" / "*.parquet")).gather(root=0)
+    if comm.Get_rank() == 0:
+        assert sorted(got["file"].to_pylist()) == sorted(want["file"].to_pylist()) == [0, 3]
+    one = read_parquet(comm, f"s3://{s3_bucket}/in/c d#1.parquet").gather(root=0)
+    if comm.Get_rank() == 0:
+        assert one["file"].to_pylist() == [3]
