@@ -54,7 +54,7 @@ from hetflow.tasks.scheduler import (
 )
 from sqlalchemy import select
 
-from . import __version__, cache
+from . import __version__, cache, observed
 from .declaration import StageSpec
 from .errors import HetflowError, PipelineError, interruption
 from .fingerprint import (
@@ -221,6 +221,8 @@ class Orchestrator(MapShell):
         self.late_values: dict[str, frozenset[str]] = {}
         self.looked: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
         """When each stage's key was made, and its declared files' sizes and times then."""
+        self.observed_start: Mapping[str, str] = observed.latest()
+        """What the script's top level left when the run started (:mod:`hetflow.observed`)."""
         self.recorded: set[str] = set()
         """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.committed_before: frozenset[str] = frozenset()
@@ -621,7 +623,7 @@ class Orchestrator(MapShell):
                         params: dict[str, Any]) -> CacheChecked:
         with self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
-                                                params=params, outputs=spec.outputs)
+                                                params=params, outputs=spec.outputs, now=self.observed_start)
             for problem in damaged:
                 log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
             record = self._stage_record(session, spec.name)
@@ -646,6 +648,8 @@ class Orchestrator(MapShell):
                 reason = f"unchanged since run {from_run}"
                 record.cached_from, record.params = from_run, params
             record.cache_key, record.cache_material = key, material.to_json()
+            if (hit.cache_material or {}).get("observed"):  # a later run served from this record checks it too
+                record.cache_material = {**record.cache_material, "observed": hit.cache_material["observed"]}
             record.params_read, record.cache_reason, record.cache_hit = hit.params_read, reason, True
         return CacheChecked(spec.name, True, reason, from_run)
 
@@ -822,7 +826,8 @@ class Orchestrator(MapShell):
         WorkerSpec(
             run_id=self.run_id, stage=spec.name, attempt=task.attempt,
             function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
-            sys_path=(str(base),) if spec.path or shipped is not None else (), params=self.stage_params(spec),
+            sys_path=_worker_sys_path(spec, base) if spec.path or shipped is not None else (),
+            params=self.stage_params(spec),
             inputs=tuple((name, self.dataset_paths[name]) for name in spec.inputs), outputs=outputs,
             attempt_dir=files.directory, checkpoint_dir=stage_dir / "checkpoints", slots=tuple(start.slots),
             nodes=tuple(nodes), verify=self.verify,  # type: ignore[arg-type]
@@ -885,6 +890,8 @@ class Orchestrator(MapShell):
         failure = self._failure(spec, live, outcome, ranks)
         if failure is None:
             failure = self._changed_while_running(spec)
+        if failure is None:
+            failure = self._observed_differently(spec, ranks)
         committed: dict[str, ds.Manifest] = {}
         if failure is None:
             try:
@@ -927,6 +934,29 @@ class Orchestrator(MapShell):
         return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed while the stage ran; its result "
                        "may come from the earlier content, so it was not committed: run the script again (or "
                        "resume the run) to compute it from what is there now")
+
+    def _observed_differently(self, spec: StageSpec, ranks: list[RankResult | None]) -> Failure | None:
+        """A rank that executed a helper module or read a file at the script's top other than the one this run's
+        key was made from (it changed after the run started, while the stage waited) computed something the key
+        does not describe: it is not committed."""
+        changed = sorted({what for r in ranks if r is not None and r.observed
+                          for what in observed.refused(r.observed, self.observed_start)})
+        if not changed:
+            return None
+        return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed after the run started, so the "
+                       "stage computed from other content than its cache key was made from; it was not committed: "
+                       "run the script again (or resume the run) to compute it from what is there now")
+
+    def _observed_record(self, spec: StageSpec, ranks: list[RankResult | None]) -> dict[str, str]:
+        """What is recorded with a committed stage and must still hold when it is served (:func:`observed.stale`)."""
+        from .fingerprint import _local_installs
+
+        editable, installed = _local_installs()  # counted by the key as it reaches them
+        found: dict[str, str] = {}
+        for rank in ranks:
+            if rank is not None and rank.observed:
+                found.update(observed.to_record(rank.observed, self.observed_start, editable + installed))
+        return found
 
     def _lose_nodes(self, lost: Mapping[str, str]) -> None:
         """Nodes the backend found lost: recorded once each, and out of the scheduler's placement."""
@@ -974,6 +1004,9 @@ class Orchestrator(MapShell):
                 record = self._stage_record(session, live.stage)
                 record.cache_key = material.key() if uncacheable(material.code) is None else None
                 record.cache_material, record.params_read = material.to_json(), _params_read(ranks)
+                seen = self._observed_record(self.stages[live.stage], ranks)
+                if seen:  # outside the key's material: it cannot be known before the stage ran
+                    record.cache_material = {**record.cache_material, "observed": seen}
             self.store.event(session, self.run_id, "task", str(live.task), state,
                              returncode=outcome.returncode, signal=None if failure is None else failure.signal,
                              error=None if failure is None else failure.message)
@@ -1036,6 +1069,23 @@ class Orchestrator(MapShell):
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
+
+
+def _worker_sys_path(spec: StageSpec, base: Path) -> tuple[str, ...]:
+    """Where a stage's rank imports from, as Python would for the script: the folder that holds the top of the
+    stage's package (``lib/flow.py`` declaring ``lib.flow``'s stages is imported as ``lib.flow``), the
+    running script's folder (``sys.path[0]`` of ``python p.py``), then the stage file's own folder."""
+    found = []
+    if spec.path and spec.module not in ("__main__", ""):
+        top = Path(spec.path).parent
+        for _ in range(spec.module.count(".") + (Path(spec.path).name == "__init__.py")):
+            top = top.parent
+        found.append(str(top))
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(main, str) and spec.module != "__main__":
+        found.append(str(Path(main).resolve().parent))
+    found.append(str(base))
+    return tuple(dict.fromkeys(found))
 
 
 def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int]]:

@@ -288,6 +288,9 @@ class Pipeline:
             raise ScriptImportStop()
         if _overrides and _overrides[-1][0].declare_only:
             raise Declared(self)
+        from . import observed
+
+        observed.take()  # what the script's top level left, before this process does anything else
         from hetflow.tasks.backends import get_backend
         from hetflow.tasks.paths import private_dir
         from hetflow.tasks.pilot import load_pilot
