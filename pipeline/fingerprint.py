@@ -123,6 +123,7 @@ import random
 import re
 import sys
 import sysconfig
+import threading
 import types
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -227,13 +228,26 @@ class _Walker:
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
         self.module_values()
         for key, kinds in self.uncacheable.items():
-            self.parts[f"{UNCACHEABLE}{key}"] = {f"holds a {' and a '.join(sorted(kinds))} whose text form is shortened"}
+            cut = sorted(k for k in kinds if not k.startswith(_OPAQUE))
+            opaque = sorted(k[len(_OPAQUE):] for k in kinds if k.startswith(_OPAQUE))
+            said = ([f"a {' and a '.join(cut)} whose text form is shortened"] if cut else []) + \
+                ([f"a {' and a '.join(opaque)} whose text form is only its type and address, with no state hetflow "
+                  "can read"] if opaque else [])
+            self.parts[f"{UNCACHEABLE}{key}"] = {f"holds {' and '.join(said)}"}
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
 
     def module_values(self) -> None:
         """The values, as they are now, of the globals of reached user modules that the reached code names:
         however the script changed one (``d["k"] = v`` through any name or function, ``d |= …``,
         ``operator.setitem``), the key has what the stage will read."""
+        script = getattr(_target(self.func), "__globals__", None)
+        if ANY_NAME in self.names and isinstance(script, dict) and script.get("__name__") == self.home:
+            # a function or class picked by a name built at run time (globals()["norm_" + method]): every one
+            # the script defines counts, and what it reaches
+            for value in list(script.values()):
+                if isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == self.home:
+                    self.follow(value)
+            self.drain()
         for key in [k for k in self.parts if k.startswith("module ")]:
             name = key[len("module "):]
             module = sys.modules.get(name)
@@ -505,6 +519,22 @@ class _Walker:
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 self.globals_of(const, namespace)
+            elif isinstance(const, str):
+                self.named_in_text(const, namespace)
+
+    def named_in_text(self, text: str, namespace: Mapping[str, Any]) -> None:
+        """Globals a string names for a library that looks them up by name: ``@THRESH`` in a pandas
+        ``query``/``eval`` expression, and a frame, table or array a DuckDB query names (``FROM CATALOG``: its
+        replacement scan reads the caller's variables)."""
+        if "@" in text:
+            for name in _AT_NAME.findall(text):
+                if name in namespace:
+                    self.global_value(name, namespace)
+        if " " in text:
+            for name in set(_IDENTIFIER.findall(text)):
+                value = namespace.get(name, _ABSENT)
+                if value is not _ABSENT and type(value).__module__.partition(".")[0] in _SCANNED:
+                    self.global_value(name, namespace)
 
     def global_value(self, key: str, namespace: Mapping[str, Any]) -> None:
         value = namespace[key]
@@ -514,6 +544,8 @@ class _Walker:
         label = self.label(key, namespace)
         if label not in self.parts:
             self.add(label, _sha(self.value(value)))
+            if isinstance(value, str):  # QUERY = "flux > @THRESH", read by df.query(QUERY)
+                self.named_in_text(value, namespace)
 
     def label(self, key: str, namespace: Mapping[str, Any]) -> str:
         module = namespace.get("__name__")
@@ -657,7 +689,24 @@ class _Walker:
             except RecursionError:  # a structure too deep to follow: not digested, so not cached
                 self.shortened.add(kind)
                 return f"<shortened {kind}>"
-        return f"<unhashable {kind}>"
+        return self.opaque(obj, kind, inner)
+
+    def opaque(self, obj: Any, kind: str, stack: tuple[int, ...]) -> str:
+        """An object whose text form is its type and address (``ConfigParser``, ``string.Template``, a pandas
+        ``groupby``, a ``DataLoader``): by its state, never by its type alone; a lock by its type (it holds no
+        value a result depends on); one with no state to read makes its component uncacheable."""
+        if type(obj).__module__.partition(".")[0] == "torch" and type(obj).__name__ == "Generator":
+            try:
+                return f"{kind} {_sha(obj.get_state().numpy().tobytes())}"
+            except Exception:  # noqa: BLE001 - a generator whose state cannot be read: not digested
+                pass
+        if isinstance(obj, _LOCKS):
+            return f"<lock {kind}>"
+        state = _instance_state(obj)
+        if state is not None:
+            return f"{kind} state {self.value(state, stack)}"
+        self.shortened.add(f"{_OPAQUE}{kind}")
+        return f"<opaque {kind}>"
 
     def pandas(self, obj: Any, stack: tuple[int, ...]) -> str | None:
         """A pandas frame, series or index by its content: labels, dtypes, names, ``attrs`` and every value
@@ -1268,6 +1317,16 @@ def _data_text(obj: Any) -> str | None:
             data = obj.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
             return f"{kind} {obj.dtype} {tuple(obj.shape)} grad={obj.requires_grad} {_sha(data)}"
     return None
+
+
+_AT_NAME = re.compile(r"@([A-Za-z_][A-Za-z0-9_]*)")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SCANNED = frozenset({"pandas", "pyarrow", "polars", "numpy"})
+"""The libraries whose frames, tables and arrays DuckDB's replacement scan finds by a name in a query."""
+
+_OPAQUE = "opaque "
+"""In :attr:`_Walker.shortened`: a type whose value has no text form and no state hetflow can read."""
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))
 
 
 def _instance_state(obj: Any) -> dict[str, Any] | None:

@@ -56,7 +56,7 @@ from sqlalchemy import select
 
 from . import __version__, cache, observed
 from .declaration import StageSpec
-from .errors import HetflowError, PipelineError, interruption
+from .errors import HetflowError, PipelineError, ResumeRefused, interruption
 from .fingerprint import (
     ANY_GLOBAL_SET,
     UNCACHEABLE,
@@ -219,6 +219,8 @@ class Orchestrator(MapShell):
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
         self.late_values: dict[str, frozenset[str]] = {}
+        self.resuming_done = False
+        """This session resumes a DONE run and has changed nothing of it yet (:meth:`_refuse_resume`)."""
         self.looked: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
         """When each stage's key was made, and its declared files' sizes and times then."""
         self.observed_start: Mapping[str, str] = observed.latest()
@@ -260,6 +262,7 @@ class Orchestrator(MapShell):
             id=self.run_id, pipeline=self.name, created=time.time(), run_dir=str(self.run_dir), script=self.script,
             pilot=self.pilot.to_mapping(), params=self.params, hetflow_version=__version__, argv=sys.argv[1:]),
             detail={"resume": resume})
+        self.resuming_done = claim.previous_state == "DONE"  # refused resumes leave it DONE (_refuse_resume)
         if claim.previous_reason:
             log.warning("run %s: taking over from %s (%s)", self.run_id, claim.previous_owner, claim.previous_reason)
         with self.store.session() as session:
@@ -363,6 +366,9 @@ class Orchestrator(MapShell):
         except CancelRequested as cancel:
             self.stop(str(cancel), "CANCELLED")
             return "CANCELLED"
+        except ResumeRefused as refused:  # nothing of the run was changed: it ends as it was
+            self._close("DONE")
+            raise
         except LeaseLost:
             for live in list(self.live.values()):  # ours to stop; the record is the new owner's now
                 backend.cancel(live.id)
@@ -626,6 +632,8 @@ class Orchestrator(MapShell):
                                                 params=params, outputs=spec.outputs, now=self.observed_start)
             for problem in damaged:
                 log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
+            if hit is None:
+                self._refuse_resume(spec)
             record = self._stage_record(session, spec.name)
             if hit is None:
                 reason = cache.why_run(session, pipeline=self.name, run_id=self.run_id, stage=spec.name,
@@ -684,6 +692,8 @@ class Orchestrator(MapShell):
     def _record_task(self, enqueue: Enqueue) -> None:
         """A new attempt: its task record, and the stage's key withdrawn until its outputs commit."""
         spec = self.stages[enqueue.task.stage]
+        self._refuse_resume(spec)
+        self.resuming_done = False  # from here on this session changes the run
         if spec.name not in self.material:  # forced: never looked up
             try:
                 self.material[spec.name] = self._material(spec)
@@ -849,6 +859,20 @@ class Orchestrator(MapShell):
         with self.store.session() as session:
             return sorted(set(session.scalars(select(DatasetRecord.run_id).where(
                 DatasetRecord.path == str(target), DatasetRecord.run_id != self.run_id))))
+
+    def _refuse_resume(self, spec: StageSpec) -> None:
+        """A resume of a DONE run that must re-run ``spec``, whose committed outputs other runs reuse, is refused
+        before it changes anything (the first stage it re-runs): the run stays DONE, not FAILED."""
+        if not self.resuming_done:
+            return
+        for name in spec.outputs:
+            target = self.run_dir / "datasets" / name
+            users = self._reused_by(name, target)
+            if users:
+                raise ResumeRefused(f"resume of run {self.run_id} refused: stage {spec.name!r} would have to run "
+                                    f"again and rewrite its output {name!r}, which run(s) {', '.join(users)} reuse; a "
+                                    "resume never changes what another run has read, and the run stays DONE as it "
+                                    "was: run the script again for a new run instead (it reuses what is unchanged)")
 
     def _refuse_if_reused(self, stage: str, name: str, target: Path) -> None:
         """A resume re-runs ``stage``, whose committed output ``name`` other runs reuse (their records point

@@ -20,8 +20,8 @@ from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 from hetflow.tasks.shipping import ships_by_value
 
 from .declaration import StageSpec, check_env, check_map, check_max_failures, check_name
-from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, Terminated, interruption,
-                     store_argv)
+from .errors import (HetflowError, PipelineError, ResumeRefused, RunAborted, RunFailed, RunInterrupted, Terminated,
+                     interruption, store_argv)
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
@@ -379,6 +379,9 @@ class Pipeline:
                 orchestrator.stop(interruption(interrupt), "INTERRUPTED")
             _report_uncaught()
             raise RunInterrupted(the_id, given, script=orchestrator.script is not None) from None
+        except ResumeRefused:  # the run was left as it was (DONE)
+            _report_uncaught()
+            raise
         except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
             from .orchestrator import where
 

@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from test_cache_stale import HETFLOW, edit, run, states, status, value
 
 HELPER = '''
@@ -188,3 +190,106 @@ def test_stages_declared_in_a_package_beside_the_script_run_in_their_ranks(tmp_p
     (tmp_path / "lib" / "values.py").write_text("K = 2\n")
     edited = run(tmp_path)
     assert states(edited) == {"first": "DONE"} and value(edited, "k") == 2
+
+
+REUSED = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("reused")
+
+
+@pipe.stage(outputs=["a"])
+def first(ctx):
+    return {"a": pa.table({"v": [1]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def second(ctx, a):
+    return {"b": pa.table({"v": [2]})}
+'''
+
+
+def test_a_refused_resume_of_a_done_run_leaves_it_done(tmp_path: Path) -> None:
+    """A resume that must re-run a stage whose output a later run reuses is refused; it marked the DONE run
+    FAILED (and its stage), though it had changed nothing."""
+    from test_cache_stale import hetflow
+
+    (tmp_path / "p.py").write_text(REUSED)
+    done = run(tmp_path)
+    later = run(tmp_path)
+    assert states(later) == {"first": "CACHED", "second": "CACHED"}
+    edit(tmp_path / "p.py", "[2]", "[3]")
+    refused = hetflow("resume", done["_run"]["id"], "--no-progress", cwd=tmp_path)
+    assert refused.returncode != 0
+    assert f"which run(s) {later['_run']['id']} reuse" in refused.stderr and "stays DONE" in refused.stderr
+    after = status(tmp_path, done["_run"]["id"])
+    assert after["_run"]["state"] == "DONE" and states(after) == {"first": "DONE", "second": "DONE"}
+    assert value(after, "b") == 2 and value(status(tmp_path, later["_run"]["id"]), "b") == 2
+
+
+NAMED = '''
+import configparser
+import string
+
+import duckdb
+import pandas as pd
+import pyarrow as pa
+import hetflow as hf
+
+THRESH = 1
+CATALOG = pd.DataFrame({"flux": [1, 2, 3]})
+CFG = configparser.ConfigParser()
+CFG.read_string("[fit]\\nscale = 10\\n")
+LABEL = string.Template("n=$n")
+METHOD = "a"
+
+pipe = hf.Pipeline("named")
+
+
+def norm_a(x):
+    return x * 1
+
+
+@pipe.stage(outputs=["query"])
+def query(ctx):
+    return {"query": pa.table({"v": [len(CATALOG.query("flux > @THRESH"))]})}
+
+
+@pipe.stage(outputs=["sql"])
+def sql(ctx):
+    return {"sql": pa.table({"v": [int(duckdb.sql("SELECT sum(flux) AS s FROM CATALOG").fetchall()[0][0])]})}
+
+
+@pipe.stage(outputs=["picked"])
+def picked(ctx):
+    return {"picked": pa.table({"v": [globals()["norm_" + METHOD](5)]})}
+
+
+@pipe.stage(outputs=["config"])
+def config(ctx):
+    return {"config": pa.table({"v": [CFG.getint("fit", "scale")]})}
+
+
+@pipe.stage(outputs=["label"])
+def label(ctx):
+    return {"label": pa.table({"v": [LABEL.substitute(n=1)]})}
+'''
+
+
+@pytest.mark.parametrize("old, new, stage, now", [
+    ("THRESH = 1", "THRESH = 2", "query", 1), ('"flux": [1, 2, 3]', '"flux": [1, 2, 4]', "sql", 7),
+    ("x * 1", "x * 2", "picked", 10), ("scale = 10", "scale = 20", "config", 20), ('"n=$n"', '"m=$n"', "label", "m=1"),
+], ids=["query-at-name", "duckdb-frame", "globals-built-name", "configparser", "string-template"])
+def test_globals_named_in_strings_picked_by_a_built_name_or_shown_only_by_address_rerun_what_reads_them(
+        tmp_path: Path, old: str, new: str, stage: str, now: object) -> None:
+    """``df.query("@THRESH")``, a DuckDB query naming a global frame, ``globals()["norm_" + m]``, a
+    ``ConfigParser`` and a ``string.Template`` (whose text form is an address): an edit was served CACHED."""
+    (tmp_path / "p.py").write_text(NAMED)
+    first = run(tmp_path)
+    assert [value(first, n) for n in ("query", "sql", "picked", "config", "label")] == [2, 6, 5, 10, "n=1"]
+    edit(tmp_path / "p.py", old, new)
+    again = run(tmp_path)
+    assert again[stage]["state"] == "DONE", again[stage]["cache"]
+    assert value(again, stage) == now
+    assert states(run(tmp_path))[stage] == "CACHED"
