@@ -256,6 +256,8 @@ class _Walker:
                     or not self.is_user(self.realpath(path)):
                 continue
             for attr, value in list(vars(module).items()):
+                if isinstance(value, type) and value.__module__ == name and not attr.startswith("__"):
+                    self.class_values(name, value)
                 if attr.startswith("__") or not self.reads(attr) or isinstance(value, (types.ModuleType, type)) \
                         or _is_code_like(value):
                     continue
@@ -267,6 +269,16 @@ class _Walker:
                         or type(value).__module__.partition(".")[0] == "hetflow" or attr in self.parts:
                     continue
                 self.add(attr, _sha(self.value(value)))
+
+    def class_values(self, module: str, cls: type) -> None:
+        """The values, as they are now, of a reached module's class attributes that the reached code names: its
+        source counts already, but not what the script's top set there since (``Model.configure(3)``, a
+        classmethod setting ``cls.SCALE``)."""
+        for attr, value in list(vars(cls).items()):
+            if attr.startswith("__") or not self.reads(attr) or _is_code_like(value) or \
+                    isinstance(value, (staticmethod, classmethod, property, functools.cached_property)):
+                continue
+            self.add(f"{module}.{cls.__qualname__}.{attr}", _sha(self.value(value)))
 
     def reads(self, attr: str) -> bool:
         """Whether the reached code may read a name: it names it, or reads names computed at run time."""
@@ -520,12 +532,17 @@ class _Walker:
             if isinstance(const, types.CodeType):
                 self.globals_of(const, namespace)
             elif isinstance(const, str):
-                self.named_in_text(const, namespace)
+                self.named_in_text(const, namespace, evaluated="eval" in code.co_names or "exec" in code.co_names)
 
-    def named_in_text(self, text: str, namespace: Mapping[str, Any]) -> None:
+    def named_in_text(self, text: str, namespace: Mapping[str, Any], evaluated: bool = False) -> None:
         """Globals a string names for a library that looks them up by name: ``@THRESH`` in a pandas
         ``query``/``eval`` expression, and a frame, table or array a DuckDB query names (``FROM CATALOG``: its
-        replacement scan reads the caller's variables)."""
+        replacement scan reads the caller's variables); with ``evaluated`` (the code calls ``eval``/``exec``),
+        every global the text names."""
+        if evaluated:
+            for name in set(_IDENTIFIER.findall(text)):
+                if name in namespace:
+                    self.global_value(name, namespace)
         if "@" in text:
             for name in _AT_NAME.findall(text):
                 if name in namespace:

@@ -221,10 +221,10 @@ def test_a_refused_resume_of_a_done_run_leaves_it_done(tmp_path: Path) -> None:
     assert states(later) == {"first": "CACHED", "second": "CACHED"}
     edit(tmp_path / "p.py", "[2]", "[3]")
     refused = hetflow("resume", done["_run"]["id"], "--no-progress", cwd=tmp_path)
-    assert refused.returncode != 0
-    assert f"which run(s) {later['_run']['id']} reuse" in refused.stderr and "stays DONE" in refused.stderr
     after = status(tmp_path, done["_run"]["id"])
     assert after["_run"]["state"] == "DONE" and states(after) == {"first": "DONE", "second": "DONE"}
+    assert refused.returncode != 0
+    assert f"which run(s) {later['_run']['id']} reuse" in refused.stderr and "stays DONE" in refused.stderr
     assert value(after, "b") == 2 and value(status(tmp_path, later["_run"]["id"]), "b") == 2
 
 
@@ -288,6 +288,53 @@ def test_globals_named_in_strings_picked_by_a_built_name_or_shown_only_by_addres
     (tmp_path / "p.py").write_text(NAMED)
     first = run(tmp_path)
     assert [value(first, n) for n in ("query", "sql", "picked", "config", "label")] == [2, 6, 5, 10, "n=1"]
+    edit(tmp_path / "p.py", old, new)
+    again = run(tmp_path)
+    assert again[stage]["state"] == "DONE", again[stage]["cache"]
+    assert value(again, stage) == now
+    assert states(run(tmp_path))[stage] == "CACHED"
+
+
+CONFIGURED = '''
+import pyarrow as pa
+import hetflow as hf
+from shapes import Model
+
+Model.configure(3)
+THRESH = 2
+
+pipe = hf.Pipeline("configured")
+
+
+@pipe.stage(outputs=["scaled"])
+def scaled(ctx):
+    return {"scaled": pa.table({"v": [Model.SCALE]})}
+
+
+@pipe.stage(outputs=["evaluated"])
+def evaluated(ctx):
+    return {"evaluated": pa.table({"v": [eval("THRESH + 1")]})}
+'''
+
+SHAPES = '''
+class Model:
+    SCALE = 1
+
+    @classmethod
+    def configure(cls, scale):
+        cls.SCALE = scale
+'''
+
+
+@pytest.mark.parametrize("old, new, stage, now", [
+    ("Model.configure(3)", "Model.configure(4)", "scaled", 4), ("THRESH = 2", "THRESH = 5", "evaluated", 6),
+], ids=["classmethod-sets-class-attribute", "global-read-in-eval"])
+def test_a_class_attribute_a_classmethod_sets_and_a_global_read_in_eval_rerun_what_reads_them(
+        tmp_path: Path, old: str, new: str, stage: str, now: int) -> None:
+    (tmp_path / "shapes.py").write_text(SHAPES)
+    (tmp_path / "p.py").write_text(CONFIGURED)
+    first = run(tmp_path)
+    assert value(first, "scaled") == 3 and value(first, "evaluated") == 3
     edit(tmp_path / "p.py", old, new)
     again = run(tmp_path)
     assert again[stage]["state"] == "DONE", again[stage]["cache"]
