@@ -200,6 +200,8 @@ class _Walker:
         """Every name the reached code reads (names and string constants in code, identifiers in sources)."""
         self.external_tops: set[str] = set()
         """The top-level names of the external packages the reached code uses."""
+        self.script_by_name = False
+        """The reached code of the script reads its own namespace by a computed name (``globals()[...]``)."""
         self.shortened: set[str] = set()
         """Types of the values met since the last component whose text form is shortened (``...``)."""
         self.uncacheable: dict[str, set[str]] = {}
@@ -241,7 +243,7 @@ class _Walker:
         however the script changed one (``d["k"] = v`` through any name or function, ``d |= …``,
         ``operator.setitem``), the key has what the stage will read."""
         script = getattr(_target(self.func), "__globals__", None)
-        if ANY_NAME in self.names and isinstance(script, dict) and script.get("__name__") == self.home:
+        if self.script_by_name and isinstance(script, dict) and script.get("__name__") == self.home:
             # a function or class picked by a name built at run time (globals()["norm_" + method]): every one
             # the script defines counts, and what it reaches
             for value in list(script.values()):
@@ -513,6 +515,8 @@ class _Walker:
         instructions = list(dis.get_instructions(code))
         if _reads_computed_names(instructions):  # getattr(consts, "K" + which): any name may be read
             self.names.add(ANY_NAME)
+            if namespace.get("__name__") == self.home and ("globals" in code.co_names or "modules" in code.co_names):
+                self.script_by_name = True
         if _NAMESPACE_READERS & set(code.co_names):  # globals()["K"], getattr(sys.modules[__name__], "K")
             for const in code.co_consts:
                 if isinstance(const, str) and const.isidentifier() and const in namespace:

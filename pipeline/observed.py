@@ -145,10 +145,12 @@ def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None 
     neither read again nor returned.  With ``before`` (module names), only the modules imported since, and
     ``exclude`` does not apply: a module the stage imported while it ran (by a name in a string) counts
     wherever it lies."""
+    from hetflow.tasks.script import is_deferred
+
     skip = _EXTERNAL + _hetflow_dirs() + (tuple(exclude) if before is None else ())
     found: dict[str, str] = {}
     for name, module in list(sys.modules.items()):
-        if before is not None and name in before:
+        if (before is not None and name in before) or is_deferred(module):  # looking would load it
             continue
         path = getattr(module, "__file__", None)
         if not isinstance(path, str) or not path.endswith(".py") or name.partition(".")[0] == "hetflow" \
@@ -190,15 +192,17 @@ def states() -> dict[str, str]:
     found["state decimal"] = _sha(f"{context.prec} {context.rounding} {context.Emin} {context.Emax} "
                                   f"{context.capitals} {context.clamp} "
                                   f"{sorted(k.__name__ for k, v in context.traps.items() if v)}".encode())
+    from hetflow.tasks.script import is_deferred
+
     numpy = sys.modules.get("numpy")
-    if numpy is not None:
+    if numpy is not None and not is_deferred(numpy):
         try:
             kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
             found["state numpy.random"] = _sha(f"{kind} {pos} {has_gauss} {gauss!r} ".encode() + keys.tobytes())
         except Exception:  # noqa: BLE001 - a numpy without the legacy generator: nothing to observe
             pass
     torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "random") and hasattr(torch, "get_default_dtype"):
+    if torch is not None and not is_deferred(torch) and hasattr(torch, "random") and hasattr(torch, "get_default_dtype"):
         try:
             found["state torch.random"] = _sha(torch.random.get_rng_state().numpy().tobytes())
             found["state torch.dtype"] = _sha(str(torch.get_default_dtype()).encode())
