@@ -136,12 +136,13 @@ def _crc32(path: Path) -> str:
 
 
 def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[str, Any],
-            outputs: Sequence[str], now: Mapping[str, str] | None = None,
+            outputs: Sequence[str], now: Mapping[str, str] | None = None, observed: bool = False,
             ) -> tuple[StageRecord | None, dict[str, DatasetRecord], list[str]]:
     """The newest committed execution under ``key`` whose read parameters match, whose outputs are intact
     and whose recorded observations (:func:`hetflow.observed.stale`) still hold ``now``, run ``run_id``'s
     own first (a resume keeps what it committed); and the damage found on the way (one line per
-    passed-over candidate)."""
+    passed-over candidate).  With ``observed``, a commit that recorded no observations (by a hetflow
+    before them) is not served: what its ranks depended on beyond the key is unknown."""
     from .observed import stale
 
     damaged: list[str] = []
@@ -151,6 +152,8 @@ def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[
                                  .order_by((StageRecord.run_id == run_id).desc(), StageRecord.ended.desc()))
     for hit in candidates:
         if params_match(hit.params_read, hit.params or {}, params):
+            continue
+        if observed and "observed" not in (hit.cache_material or {}):
             continue
         changed = stale((hit.cache_material or {}).get("observed") or {}, now) if now is not None else []
         if changed:  # said once: the older candidates under the same key usually share the reason

@@ -629,7 +629,8 @@ class Orchestrator(MapShell):
                         params: dict[str, Any]) -> CacheChecked:
         with self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
-                                                params=params, outputs=spec.outputs, now=self.observed_start)
+                                                params=params, outputs=spec.outputs, now=self.observed_start,
+                                                observed=spec.map_over is None)
             for problem in damaged:
                 log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
             if hit is None:
@@ -656,7 +657,7 @@ class Orchestrator(MapShell):
                 reason = f"unchanged since run {from_run}"
                 record.cached_from, record.params = from_run, params
             record.cache_key, record.cache_material = key, material.to_json()
-            if (hit.cache_material or {}).get("observed"):  # a later run served from this record checks it too
+            if "observed" in (hit.cache_material or {}):  # a later run served from this record checks it too
                 record.cache_material = {**record.cache_material, "observed": hit.cache_material["observed"]}
             record.params_read, record.cache_reason, record.cache_hit = hit.params_read, reason, True
         return CacheChecked(spec.name, True, reason, from_run)
@@ -1028,9 +1029,9 @@ class Orchestrator(MapShell):
                 record = self._stage_record(session, live.stage)
                 record.cache_key = material.key() if uncacheable(material.code) is None else None
                 record.cache_material, record.params_read = material.to_json(), _params_read(ranks)
-                seen = self._observed_record(self.stages[live.stage], ranks)
-                if seen:  # outside the key's material: it cannot be known before the stage ran
-                    record.cache_material = {**record.cache_material, "observed": seen}
+                # outside the key's material: it cannot be known before the stage ran
+                record.cache_material = {**record.cache_material,
+                                         "observed": self._observed_record(self.stages[live.stage], ranks)}
             self.store.event(session, self.run_id, "task", str(live.task), state,
                              returncode=outcome.returncode, signal=None if failure is None else failure.signal,
                              error=None if failure is None else failure.message)

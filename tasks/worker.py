@@ -129,14 +129,16 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     and the modules imported by then."""
     from hetflow import observed
 
+    from .script import is_deferred
+
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),
                              files=spec.function.module == "__main__")  # only a script's top level is recorded
-    return found, frozenset(sys.modules)
+    return found, frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
 
 
 def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]) -> dict[str, str]:
-    """The modules the stage imported while it ran, added, wherever they lie (those it had are recorded as
-    they were executed)."""
+    """The modules the stage imported while it ran (or whose deferred import it loaded), added, wherever they
+    lie (those it had are recorded as they were executed)."""
     from hetflow import observed
 
     return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1])}

@@ -25,20 +25,22 @@ import helperlib
 pipe = hf.Pipeline("helper")
 
 
-@pipe.stage(outputs=["k"])
+@pipe.stage(ranks=RANKS, outputs=["k"])
 def uses_helper(ctx):
     return {"k": pa.table({"v": [helperlib.K]})}
 '''
 
 
-def test_a_helper_module_outside_the_scripts_folder_reruns_its_stage_when_edited(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_helper_module_outside_the_scripts_folder_reruns_its_stage_when_edited(tmp_path: Path, ranks: int) -> None:
     """A ``scripts/`` + ``src/`` layout: the helper is reached through PYTHONPATH, outside the script's folder,
-    without a version; it was left out of the key, and an edit was served CACHED."""
+    without a version; it was left out of the key, and an edit was served CACHED.  Two ranks start cold under
+    mpiexec, where the script's import of the helper is deferred until the stage reads it."""
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "helperlib.py").write_text("K = 1\n")
     project = tmp_path / "scripts"
     project.mkdir()
-    (project / "p.py").write_text(HELPER)
+    (project / "p.py").write_text(HELPER.replace("RANKS", str(ranks)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "src"),
                                                                      os.environ.get("PYTHONPATH")]))}
     assert value(run(project, env=env), "k") == 1
