@@ -67,7 +67,7 @@ Decisions, for :func:`code_fingerprint`:
   every plain value of ``m`` that is read.  Not seen: a value set through an
   expression (``sys.modules["m"].K = 2``, a loop variable holding the module),
   a value a called function changes in place (``m.configure()`` filling
-  ``m.CONFIG``), a classmethod that sets its class's attributes, and the
+  ``m.CONFIG``), and the
   standard library's modules (``os.environ``: declare ``env=``).  Values the
   script's ``__main__`` block sets are refused by the orchestrator
   (:func:`values_set_after_declaring`), not hashed.
@@ -96,8 +96,16 @@ Decisions, for :func:`code_fingerprint`:
   a torch tensor) cannot stand for the value, so the component that holds it is
   marked :data:`UNCACHEABLE` and its stage is never served from the cache nor
   stored in it (:func:`uncacheable`), rather than keyed by a text that misses a
-  change.  An object with no such ``repr`` counts as ``<unhashable
-  module.Type>`` only (a lock, a connection: a change inside it is not seen).
+  change.  An object whose ``repr`` is only its type and address counts by its
+  instance state (``ConfigParser``, ``string.Template``, a ``DataLoader``; a
+  ``torch.Generator`` by ``get_state()``), a lock by its type; one with no state
+  to read (a connection) makes its component uncacheable the same way.  Strings
+  in reached code name globals too: ``@THRESH`` (pandas ``query``/``eval``), a
+  frame, table or array a DuckDB query names, and, in code that calls
+  ``eval``/``exec``, every global its strings name.  A stage that reads the
+  script's namespace by a computed name (``globals()["norm_" + m]``) counts every
+  function and class of the script; the attributes of a reached local module's
+  classes count by their value now (a classmethod the script's top calls sets them).
   A function, class or module met inside a value is recorded by name and
   followed.
 """
