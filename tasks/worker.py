@@ -131,8 +131,9 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
 
     from .script import is_deferred
 
-    found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),
-                             files=spec.function.module == "__main__")  # only a script's top level is recorded
+    observed.recording(False)  # on since hetflow's import in this process; the stage's own reads are not observed
+    found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
+                             files=spec.function.module == "__main__" and bool(spec.function.path))
     return found, frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
 
 
