@@ -8,6 +8,7 @@ that its dataset holds the new value (see :mod:`hetflow.observed`).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -342,3 +343,20 @@ def test_a_class_attribute_a_classmethod_sets_and_a_global_read_in_eval_rerun_wh
     assert again[stage]["state"] == "DONE", again[stage]["cache"]
     assert value(again, stage) == now
     assert states(run(tmp_path))[stage] == "CACHED"
+
+
+def test_a_commit_recorded_without_observations_is_not_served(tmp_path: Path) -> None:
+    """A stage committed by a hetflow that did not observe its ranks (an upgrade): what it depended on beyond
+    its key is unknown, so it runs once more instead of being served."""
+    import sqlite3
+
+    (tmp_path / "p.py").write_text(UNSEEDED)
+    assert states(run(tmp_path)) == {"one": "DONE"}
+    with sqlite3.connect(tmp_path / "work" / "hetflow.db") as db:
+        rows = db.execute("SELECT id, cache_material FROM stages").fetchall()
+        for row_id, material in rows:
+            older = {k: v for k, v in json.loads(material).items() if k != "observed"}
+            db.execute("UPDATE stages SET cache_material = ? WHERE id = ?", (json.dumps(older), row_id))
+    again = run(tmp_path)
+    assert states(again) == {"one": "DONE"}, again["one"]["cache"]
+    assert states(run(tmp_path)) == {"one": "CACHED"}
