@@ -25,23 +25,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from hetflow.ml.errors import CheckpointError
-
-from hetflow.operators.dataset import fsync_dir
+from hetflow.operators import safeio
 
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
 STATE_FILE = "state.pt"
 _PREFIX = "ckpt-"
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoint_name(step: int) -> str:
@@ -87,15 +77,11 @@ def save_checkpoint(root: str | os.PathLike[str], state: Mapping[str, Any], *, e
                 raise CheckpointError(f"checkpoint {stale} is already committed")
             shutil.rmtree(stale)
     tmp.mkdir(mode=0o700)
-    with open(tmp / STATE_FILE, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as fh:
-        torch.save(dict(state), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    fsync_dir(tmp)
+    safeio.atomic_write(tmp / STATE_FILE, lambda fh: torch.save(dict(state), fh))   # 0600, fsynced, dir too
     os.rename(tmp, final)
-    fsync_dir(base)
-    _write_file(final / COMMIT_MARKER, json.dumps({"epoch": epoch, "step": step}).encode())
-    fsync_dir(final)
+    safeio.fsync_dir(base)
+    # the marker is the commit: written atomically, so a crash never leaves a partial one that counts
+    safeio.atomic_write(final / COMMIT_MARKER, json.dumps({"epoch": epoch, "step": step}).encode())
     log.info("checkpoint %s committed (epoch %d, step %d)", final, epoch, step)
     for old in committed_checkpoints(base)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .errors import (
         AggregateOverflowError,
         ColumnNotFoundError,
+        HetflowError,
         InputError,
         InvalidOptionError,
         KeyTypeMismatchError,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         UnsupportedAggregationError,
         UnsupportedTypeError,
     )
+    from .location import StorageError
     from .readers import read_csv, read_ipc, read_parquet
     from .scan import Scan, scan_ipc
     from .sqlengine import sql
@@ -42,6 +44,7 @@ __all__ = [
     "Communicator",
     "DTable",
     "GroupBy",
+    "HetflowError",
     "InputError",
     "InvalidOptionError",
     "KeyTypeMismatchError",
@@ -49,6 +52,7 @@ __all__ = [
     "Scan",
     "SchemaMismatchError",
     "SQLError",
+    "StorageError",
     "UnsupportedAggregationError",
     "UnsupportedTypeError",
     "read_csv",
@@ -59,7 +63,8 @@ __all__ = [
 ]
 
 _LAZY = {"Communicator": "communicator", "DTable": "dtable", "GroupBy": "dtable", "read_parquet": "readers", "read_csv": "readers", "read_ipc": "readers",
-         "Scan": "scan", "scan_ipc": "scan", "sql": "sqlengine", **{name: "errors" for name in __all__ if name.endswith("Error")}}
+         "Scan": "scan", "scan_ipc": "scan", "sql": "sqlengine", **{name: "errors" for name in __all__ if name.endswith("Error")},
+         "StorageError": "location"}
 
 
 def __dir__() -> list[str]:

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from . import safeio
 from .communicator import Communicator
 
 log = logging.getLogger(__name__)
@@ -211,14 +212,9 @@ def _load(path: Path) -> dict[str, Any]:
 
 def _store(path: Path, key: str, value: Hockney) -> None:
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         data = _load(path)
         data[key] = {"alpha": value.alpha, "beta": value.beta, "measured_at": time.time()}
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-        os.replace(tmp, path)
+        safeio.atomic_write(path, json.dumps(data, indent=1).encode(), durable=False, create_parent=True)
     except OSError as exc:  # a read-only home must not break an operator
         log.warning("could not cache Hockney parameters in %s: %s", path, exc)
 

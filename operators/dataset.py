@@ -14,6 +14,11 @@ and renamed, so a crash leaves either the old file or the new one.
 Consumers with another rank count get rows split evenly by :meth:`Dataset.rows_for_rank`
 (zero-copy slices of the mapped partitions).
 
+A dataset may also live on an object store (``s3://bucket/.../name``): every public function here
+takes the URI too, and :mod:`hetflow.operators.objectdataset` keeps the same promises there without
+a rename (partitions under unique keys, the manifest written last and never over a committed one;
+partitions read whole, as there is no memory map).
+
 Nothing is followed through a symlink: the dataset directory itself and every
 entry in it are opened with ``O_NOFOLLOW`` (entries relative to the directory's
 file descriptor), and a symlink is refused with :class:`UnsafeDatasetPath`
@@ -26,7 +31,6 @@ module creates are 0700, whatever the umask.
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import mmap
 import os
@@ -39,19 +43,21 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import pyarrow as pa
 
+from . import objectdataset, safeio
+from .errors import OperatorError
+from .location import StorageError, is_object_store, resolve
+from .safeio import UnsafePath
+
 MANIFEST = "_manifest.json"
 FORMAT_VERSION = 1
 Verify = Literal["checksum", "size", "none"]
 _CHUNK = 8 << 20
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted as a manifest must not block the reader
-_LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)
+_O_NOFOLLOW, _O_DIRECTORY, _O_PATH, _O_NONBLOCK = safeio.O_NOFOLLOW, safeio.O_DIRECTORY, safeio.O_PATH, safeio.O_NONBLOCK
+_LINK_ERRNOS = safeio.LINK_ERRNOS
 
 
-class DatasetError(Exception):
-    """Root of dataset errors."""
+class DatasetError(OperatorError):
+    """Root of dataset errors (under the operators' root, :class:`~hetflow.operators.OperatorError`)."""
 
 
 class DatasetNotFound(DatasetError, FileNotFoundError):
@@ -62,15 +68,13 @@ class CorruptDataset(DatasetError, ValueError):
     """A partition or manifest does not match what the manifest promises."""
 
 
-class UnsafeDatasetPath(DatasetError, OSError):
-    """A dataset path that is a symlink (or not what it must be): refused, never followed."""
+class DatasetCommitted(DatasetError):
+    """A commit found the dataset committed already (by another writer): a manifest is never overwritten."""
 
-    def __init__(self, path: "str | os.PathLike[str]", problem: str) -> None:
-        super().__init__(errno.ELOOP, f"refusing {os.fspath(path)}: {problem}")
-        self.path = os.fspath(path)
 
-    def __str__(self) -> str:
-        return str(self.strerror)
+class UnsafeDatasetPath(DatasetError, UnsafePath):
+    """A dataset path that is a symlink (or not what it must be): refused, never followed.  An
+    :class:`~hetflow.operators.safeio.UnsafePath`, as every refusal of hetflow's safe file I/O."""
 
 
 def entry_problem(entry: Any) -> str | None:
@@ -216,49 +220,7 @@ class _ChecksumFile:
 
 
 # -------------------------------------------------------- directories, safely
-def _open_dir(directory: Path, *, create: bool = False) -> int:
-    """A read fd on ``directory``, opened with ``O_NOFOLLOW``: a symlink there is refused.
-
-    With ``create``, missing components are made 0700 (fixed through the fd if
-    the umask took bits away); existing ones keep their mode.
-    """
-    try:
-        return os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW)
-    except FileNotFoundError:
-        if not create:
-            raise
-    except OSError as exc:
-        if exc.errno in _LINK_ERRNOS:
-            raise _refusal(directory) from None
-        raise
-    missing = []
-    probe = directory
-    while not os.path.lexists(probe):
-        missing.append(probe)
-        probe = probe.parent
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            continue  # made meanwhile: checked when opened below
-        fd = os.open(folder, _O_PATH | _O_DIRECTORY | _O_NOFOLLOW)
-        try:
-            if not stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise _refusal(folder)
-            if stat.S_IMODE(os.fstat(fd).st_mode) != 0o700:
-                _fchmod(fd, 0o700)
-        finally:
-            os.close(fd)
-    return _open_dir(directory)
-
-
-def _fchmod(fd: int, mode: int) -> None:
-    try:
-        os.fchmod(fd, mode)
-    except OSError:  # an O_PATH fd: chmod what it refers to, through /proc (never by name)
-        os.chmod(f"/proc/self/fd/{fd}", mode)
-
-
+# The safe file I/O is hetflow's one copy (safeio); these names keep the dataset's wording of a refusal.
 def _refusal(path: "str | os.PathLike[str]") -> UnsafeDatasetPath:
     try:
         is_link = stat.S_ISLNK(os.lstat(path).st_mode)
@@ -270,50 +232,25 @@ def _refusal(path: "str | os.PathLike[str]") -> UnsafeDatasetPath:
     return UnsafeDatasetPath(path, "it is not a directory or regular file as a dataset needs")
 
 
-def _entry_mode(dfd: int, name: str) -> int | None:
-    try:
-        return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
-    except FileNotFoundError:
-        return None
+def _open_dir(directory: Path, *, create: bool = False) -> int:
+    """A read fd on ``directory``, opened with ``O_NOFOLLOW``: a symlink there is refused
+    (:func:`safeio.open_dir_nofollow`)."""
+    return safeio.open_dir_nofollow(directory, create=create, refuse=_refusal)
 
 
 def _refuse_link(dfd: int, directory: Path, name: str) -> None:
-    mode = _entry_mode(dfd, name)
-    if mode is not None and not stat.S_ISREG(mode):
-        raise _refusal(directory / name)
+    safeio.refuse_non_regular(dfd, directory, name, refuse=_refusal)
 
 
 def _open_entry(dfd: int, directory: Path, name: str) -> int:
     """Open regular file ``name`` of the dataset directory for reading, never through a symlink."""
-    try:
-        fd = os.open(name, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK, dir_fd=dfd)
-    except OSError as exc:
-        if exc.errno in _LINK_ERRNOS:
-            raise _refusal(directory / name) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise _refusal(directory / name)
-    return fd
+    return safeio.open_entry(dfd, directory, name, refuse=_refusal)
 
 
-def _create_temp(dfd: int, name: str) -> tuple[str, int]:
-    """A new 0600 temp file beside ``name`` (O_EXCL, so never an existing file or link)."""
-    tmp = f".{name}.tmp-{os.getpid()}"
-    try:
-        os.unlink(tmp, dir_fd=dfd)  # left by a crashed writer with our pid; unlink never follows
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, 0o600, dir_fd=dfd)
-    os.fchmod(fd, 0o600)  # the umask may have taken bits of 0600 away
-    return tmp, fd
-
-
-def _unlink_quiet(dfd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except FileNotFoundError:
-        pass
+_fchmod = safeio.fchmod
+_entry_mode = safeio.entry_mode
+_create_temp = safeio.create_temp
+_unlink_quiet = safeio.unlink_quiet
 
 
 # ----------------------------------------------------------------- writing
@@ -346,13 +283,11 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     never needs its whole output in memory); ``schema`` is required for an
     iterable.  ``node`` is the name recorded for the node holding the file:
     a pilot passes its own name for the node (the one its placement uses);
-    left out, this host's name.  ``durable=False`` leaves out the ``fsync`` of the file and its
+    left out, this host's name.  On an object store (``s3://...``) the partition goes to a key of
+    its own (:mod:`hetflow.operators.objectdataset`).  ``durable=False`` leaves out the ``fsync`` of the file and its
     directory: for writers whose partitions are checked against their checksums before any reuse
     (a map stage's items), where one flush per tiny file would cost more than the item.
     """
-    directory = Path(directory)
-    name = partition_name(index)
-    final = directory / name
     if isinstance(data, pa.Table):
         schema = data.schema
         batches: Iterable[pa.RecordBatch] = data.to_batches()
@@ -360,6 +295,11 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
         if schema is None:
             raise ValueError("write_partition: a schema is required when data is an iterable of batches")
         batches = data
+    if is_object_store(directory):  # no rename there: a key of its own, named by the manifest
+        return objectdataset.write_partition(resolve(directory), index, batches, schema, rank=rank, node=node)
+    directory = Path(directory)
+    name = partition_name(index)
+    final = directory / name
     rows = 0
     dfd = _open_dir(directory, create=True)
     try:
@@ -400,7 +340,12 @@ def _is_part(name: str) -> bool:
 @_full_paths
 def commit(directory: "str | os.PathLike[str]", name: str, schema: pa.Schema,
            partitions: Iterable[PartitionInfo], *, producer: Mapping[str, Any] | None = None) -> Manifest:
-    """Publish a dataset: check the partitions exist, remove strays, write the manifest last."""
+    """Publish a dataset: check the partitions exist, remove strays, write the manifest last.
+
+    On an object store the manifest is written only where none is committed yet
+    (:func:`hetflow.operators.objectdataset.commit`; :class:`DatasetCommitted` otherwise)."""
+    if is_object_store(directory):
+        return objectdataset.commit(resolve(directory), name, schema, partitions, producer=producer)
     directory = Path(directory)
     parts = tuple(sorted(partitions, key=lambda p: p.file))
     dfd = _open_dir(directory)
@@ -442,28 +387,12 @@ def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
 
 
 def _write_json_at(dfd: int, directory: Path, name: str, data: Any, *, durable: bool = True) -> None:
-    _refuse_link(dfd, directory, name)
-    tmp, fd = _create_temp(dfd, name)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True, default=str)
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        _unlink_quiet(dfd, tmp)
-        raise
-    if durable:
-        os.fsync(dfd)
+    text = json.dumps(data, indent=1, sort_keys=True, default=str).encode()
+    safeio.write_at(dfd, directory, name, text, durable=durable, refuse=_refusal)
 
 
 def fsync_dir(directory: Path) -> None:
-    fd = _open_dir(Path(directory))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    safeio.fsync_dir(directory, refuse=_refusal)
 
 
 @_full_paths
@@ -471,8 +400,11 @@ def uncommit(directory: "str | os.PathLike[str]") -> None:
     """Withdraw a dataset (manifest first, so it stops existing before its files go).
 
     A symlink as the directory, the manifest or a partition is refused before
-    anything is removed.
+    anything is removed.  On an object store every object under the dataset goes.
     """
+    if is_object_store(directory):
+        objectdataset.uncommit(resolve(directory))
+        return
     directory = Path(directory)
     try:
         dfd = _open_dir(directory)
@@ -493,6 +425,9 @@ def uncommit(directory: "str | os.PathLike[str]") -> None:
 
 # ----------------------------------------------------------------- reading
 def read_manifest(directory: "str | os.PathLike[str]") -> Manifest:
+    if is_object_store(directory):
+        where = resolve(directory)
+        return _manifest_from(objectdataset.read_manifest_data(where), where.uri, where.join(MANIFEST).uri)
     directory = Path(directory)
     path = directory / MANIFEST
     missing = DatasetNotFound(f"no committed dataset at {directory} (no {MANIFEST}; "
@@ -513,6 +448,10 @@ def read_manifest(directory: "str | os.PathLike[str]") -> Manifest:
             data = json.loads(fh.read())
     except (OSError, ValueError) as exc:
         raise CorruptDataset(f"{path}: unreadable manifest ({exc})") from None
+    return _manifest_from(data, directory, path)
+
+
+def _manifest_from(data: Any, directory: "str | os.PathLike[str]", path: "str | os.PathLike[str]") -> Manifest:
     if isinstance(data, dict) and isinstance(data.get("partitions"), list):
         for entry in data["partitions"]:
             if isinstance(entry, dict) and "file" in entry:
@@ -521,11 +460,15 @@ def read_manifest(directory: "str | os.PathLike[str]") -> Manifest:
 
 
 class Dataset:
-    """A committed dataset opened for reading; partitions are memory-mapped, not copied."""
+    """A committed dataset opened for reading; partitions are memory-mapped, not copied.
+
+    On an object store (``s3://...``, no memory map there) each partition is read whole into memory
+    when first used, with the same checks."""
 
     def __init__(self, directory: "str | os.PathLike[str]", *, verify: Verify = "checksum") -> None:
-        self.path = Path(directory)
-        self.manifest = read_manifest(self.path)
+        self.remote = resolve(directory) if is_object_store(directory) else None
+        self.path: "Path | str" = Path(directory) if self.remote is None else self.remote.uri
+        self.manifest = read_manifest(self.path if self.remote is None else directory)
         self.verify = verify
         self._cache: dict[int, pa.Table] = {}
 
@@ -553,6 +496,9 @@ class Dataset:
             return self._cache[index]
         info = self.manifest.partitions[index]
         name = check_entry(self.path, info.file)
+        if self.remote is not None:
+            return self._remote_partition(index, info, name)
+        assert isinstance(self.path, Path)
         path = self.path / name
         where = f"{path} (dataset {self.manifest.name!r}, produced by {_producer_text(self.producer)})"
         try:
@@ -572,11 +518,23 @@ class Dataset:
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # the map outlives the fd
         finally:
             os.close(fd)
-        source = pa.BufferReader(pa.py_buffer(mapped))
+        return self._checked(index, info, pa.py_buffer(mapped), where)
+
+    def _remote_partition(self, index: int, info: PartitionInfo, name: str) -> pa.Table:
+        assert self.remote is not None
+        place = self.remote.join(name)
+        where = f"{place.uri} (dataset {self.manifest.name!r}, produced by {_producer_text(self.producer)})"
+        if info.bytes == 0:
+            raise CorruptDataset(f"{where}: empty object, not a readable Arrow IPC file")
+        return self._checked(index, info, objectdataset.read_partition_bytes(place, info, where), where)
+
+    def _checked(self, index: int, info: PartitionInfo, buffer: pa.Buffer, where: str) -> pa.Table:
+        """The partition in ``buffer`` (of the manifest's size), checked against the manifest and cached."""
+        source = pa.BufferReader(buffer)
         if self.verify == "checksum":
             crc = 0
-            view = memoryview(mapped)
-            for start in range(0, size, 64 << 20):
+            view = memoryview(buffer)
+            for start in range(0, len(view), 64 << 20):
                 crc = zlib.crc32(view[start:start + (64 << 20)], crc)
             view.release()
             if f"crc32:{crc:08x}" != info.checksum:
@@ -634,3 +592,46 @@ def _producer_text(producer: Mapping[str, Any]) -> str:
 def open_dataset(path: "str | os.PathLike[str]", *, verify: Verify = "checksum") -> Dataset:
     """Open a committed dataset: ``.to_table()`` for all of it, ``.partitions()`` to iterate."""
     return Dataset(path, verify=verify)
+
+
+def damage(directory: "str | os.PathLike[str]", *, fingerprint: str | None = None,
+           checksum_up_to: int = 0) -> str | None:
+    """Why the committed dataset at ``directory`` cannot be reused as it is, or ``None`` when it is intact.
+
+    Checked: the manifest is there (and has ``fingerprint`` when one is given: it was not rewritten),
+    every partition it names is there as a regular file (an object) of its size, and, when the dataset
+    is at most ``checksum_up_to`` bytes, of its checksum.  One line naming the file at fault.
+    """
+    remote = is_object_store(directory)
+    try:
+        manifest = read_manifest(directory)
+        shown = resolve(directory).uri if remote else str(directory)
+        if fingerprint is not None and manifest.fingerprint() != fingerprint:
+            return f"{shown}/{MANIFEST} no longer describes what was committed (it was rewritten)"
+        check = manifest.num_bytes <= checksum_up_to
+        if remote:
+            return objectdataset.damage(resolve(directory), manifest, checksum=check)
+    except (DatasetError, StorageError) as exc:  # an unreachable store: not reused, as a missing file
+        return str(exc)
+    path = Path(directory)
+    for part in manifest.partitions:
+        file = path / part.file
+        try:
+            info = os.lstat(file)
+        except OSError:
+            return f"partition file {file} is missing"
+        if not stat.S_ISREG(info.st_mode):
+            return f"partition {file} is not a regular file"
+        if info.st_size != part.bytes:
+            return f"partition file {file} has {info.st_size} bytes, the manifest says {part.bytes}"
+        if check and _file_crc32(file) != part.checksum:
+            return f"partition file {file} does not match its checksum {part.checksum}"
+    return None
+
+
+def _file_crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb", buffering=0) as fh:
+        while chunk := fh.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"

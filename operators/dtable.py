@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 
 from . import aggregate, arrowtypes, hashjoin, io, kernels, memory, partition, sorting, spilling
 from . import comm as tc
@@ -526,15 +527,21 @@ class DTable:
         return self._set_op(other, "difference")
 
     # ------------------------------------------------------------------ output
-    def write_parquet(self, directory: str) -> list[str]:
+    def write_parquet(self, directory: str, *, filesystem: pafs.FileSystem | None = None) -> list[str]:
         """Write each rank's partition as ``<directory>/part-<rank>.parquet`` (five-digit rank).
 
-        Each file is written to a temporary name, fsynced and renamed, so a reader never sees a
-        partial file; ``directory`` is created (mode 0700) if missing.
+        A local ``directory`` is created (mode 0700) if missing, and each file is written to a
+        temporary name, fsynced and renamed, so a reader never sees a partial file.  An object-store
+        URI (``s3://bucket/prefix``, through :mod:`hetflow.operators.location`), or a path on
+        ``filesystem`` (a ``pyarrow.fs.FileSystem``), gets one object per rank, serialized first and
+        then uploaded: an object becomes visible only once its upload completes, so a failed or
+        killed writer leaves nothing under the final name (it may leave an incomplete multipart
+        upload, which the store's lifecycle rules clean up).
 
-        :returns: every rank's file path, in rank order, on every rank.
+        :returns: every rank's file path (or URI), in rank order, on every rank.
+        :raises StorageError: the object store refused or could not be reached (names bucket, key, cause).
         """
-        return io.write_partitions(self._comm, self._table, directory, "parquet")
+        return io.write_partitions(self._comm, self._table, directory, "parquet", filesystem=filesystem)
 
     def write_ipc(self, directory: str) -> list[str]:
         """Like :meth:`write_parquet`, as Arrow IPC files ``part-<rank>.arrow`` (readable zero-copy

@@ -1,8 +1,11 @@
-"""Errors raised by hetflow.operators.
+"""Errors raised by hetflow.operators, and the root of every hetflow error.
 
-``OperatorError`` is the root; each error also subclasses the matching builtin
-(``KeyError``, ``TypeError``, ``ValueError``) so generic handlers keep working.
-Messages name the bad value and the allowed ones.
+``HetflowError`` is defined here, in the bottom layer, so that every package of hetflow (and a user's
+``except hetflow.HetflowError``) shares one root; ``hetflow.tasks.errors`` and ``hetflow`` re-export
+it.  ``OperatorError`` is the operators' root (datasets, object storage, safe file I/O and the TCP
+communicator's errors included); each error also subclasses the matching builtin (``KeyError``,
+``TypeError``, ``ValueError``, ``OSError``) so generic handlers keep working.  Messages name the bad
+value and the allowed ones.
 """
 
 from __future__ import annotations
@@ -10,7 +13,12 @@ from __future__ import annotations
 from typing import Iterable
 
 
-class OperatorError(Exception):
+class HetflowError(Exception):
+    """Root of all hetflow errors: ``except hetflow.HetflowError`` catches every error hetflow raises
+    for a user to see (an interrupt, ``KeyboardInterrupt``, is not an error and is not under it)."""
+
+
+class OperatorError(HetflowError):
     """Root of all errors of the distributed dataframe operators."""
 
 

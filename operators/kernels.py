@@ -104,15 +104,23 @@ def q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+_FRAGMENT = compile("__hf_out = __hf_con.sql(__hf_sql).to_arrow_table()", "<hetflow fragment>", "exec")
+
+
 def _duck_query(sql: str, **tables: pa.Table) -> pa.Table:
-    con = _duck()
-    try:
-        for name, t in tables.items():
-            con.register(name, t)
-        return con.sql(sql).to_arrow_table()
-    finally:
-        for name in tables:
-            con.unregister(name)
+    """Run ``sql`` on this thread's DuckDB connection over ``tables`` (Arrow, by name).
+
+    The tables reach DuckDB through its replacement scan of the calling frame's names: the query runs
+    in a frame whose locals are exactly ``tables``, instead of ``register``/``unregister`` around it,
+    since each change of the catalog made DuckDB do more work per query than the query itself on the
+    small fragments of a distributed plan (docs/benchmarks.md, TPC-H).
+    """
+    if any(name.startswith("__hf_") for name in tables):
+        raise ValueError(f"table names starting with __hf_ are reserved: {sorted(tables)}")
+    scope: dict[str, Any] = {**tables, "__hf_con": _duck(), "__hf_sql": sql}
+    exec(_FRAGMENT, {"__builtins__": {}}, scope)  # noqa: S102 - fixed code; the SQL is data to DuckDB
+    out: pa.Table = scope["__hf_out"]
+    return out
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

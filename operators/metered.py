@@ -172,3 +172,109 @@ class MeteredComm:
 
     def allreduce(self, obj: Any, op: Any = MPI.SUM) -> Any:
         return self._call("allreduce", _pickled(obj) if self.Get_size() > 1 else 0, 0, self._comm.allreduce, obj, op=op)
+
+
+# ------------------------------------------------------------------------------- file system
+@dataclass
+class ReadMeter:
+    """What a :func:`metered_filesystem` read: bytes returned to the reader and read calls."""
+
+    bytes: int = 0
+    reads: int = 0
+
+
+class _MeteredFile:
+    """A file object over a pyarrow ``NativeFile`` that adds what each ``read`` returns to a meter."""
+
+    def __init__(self, raw: Any, meter: ReadMeter) -> None:
+        self._raw = raw
+        self._meter = meter
+
+    def read(self, nbytes: int = -1) -> bytes:
+        data: bytes = self._raw.read() if nbytes is None or nbytes < 0 else self._raw.read(nbytes)
+        self._meter.bytes += len(data)
+        self._meter.reads += 1
+        return data
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        return int(self._raw.seek(position, whence))
+
+    def tell(self) -> int:
+        return int(self._raw.tell())
+
+    def size(self) -> int:
+        return int(self._raw.size())
+
+    def close(self) -> None:
+        self._raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._raw.closed)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return bool(self._raw.seekable())
+
+    def writable(self) -> bool:
+        return False
+
+
+def metered_filesystem(fs: Any) -> tuple[Any, ReadMeter]:
+    """``fs`` (a ``pyarrow.fs.FileSystem``) behind a wrapper that counts the bytes read through it, and
+    the meter it adds to: the reads an operator asks of the storage (ranged reads on an object
+    store), as the storage returns them.  Writes, listings and the rest pass through unmetered."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    meter = ReadMeter()
+
+    class Handler(pafs.FileSystemHandler):   # type: ignore[misc]
+        def get_type_name(self) -> str:
+            return f"metered-{fs.type_name}"
+
+        def normalize_path(self, path: str) -> str:
+            return str(fs.normalize_path(path))
+
+        def get_file_info(self, paths: list[str]) -> list[Any]:
+            return list(fs.get_file_info(paths))
+
+        def get_file_info_selector(self, selector: Any) -> list[Any]:
+            return list(fs.get_file_info(selector))
+
+        def create_dir(self, path: str, recursive: bool) -> None:
+            fs.create_dir(path, recursive=recursive)
+
+        def delete_dir(self, path: str) -> None:
+            fs.delete_dir(path)
+
+        def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+            fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+        def delete_root_dir_contents(self) -> None:
+            raise OSError("a metered file system never deletes its root")
+
+        def delete_file(self, path: str) -> None:
+            fs.delete_file(path)
+
+        def move(self, src: str, dest: str) -> None:
+            fs.move(src, dest)
+
+        def copy_file(self, src: str, dest: str) -> None:
+            fs.copy_file(src, dest)
+
+        def open_input_stream(self, path: str) -> Any:
+            return pa.PythonFile(_MeteredFile(fs.open_input_stream(path, compression=None), meter), mode="r")
+
+        def open_input_file(self, path: str) -> Any:
+            return pa.PythonFile(_MeteredFile(fs.open_input_file(path), meter), mode="r")
+
+        def open_output_stream(self, path: str, metadata: Any) -> Any:
+            return fs.open_output_stream(path, metadata=metadata)
+
+        def open_append_stream(self, path: str, metadata: Any) -> Any:
+            return fs.open_append_stream(path, metadata=metadata)
+
+    return pafs.PyFileSystem(Handler()), meter

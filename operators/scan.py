@@ -18,27 +18,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from . import dataset as ds
 from . import outofcore
 from .communicator import Communicator
 from .dtable import DTable
 from .errors import ColumnNotFoundError, InputError, SchemaMismatchError
-from .io import _assign, _expand
-from .shares import Share, Slice, batch_lengths, slices_of
+from .io import _assign, _expand, _File, _locate, ipc_layout
+from .location import is_uri, resolve
+from .shares import Share, Slice, slices_of
 from .typing import Aggregation, JoinHow, Keys, NullPlacement, SortKey
 
 
-def _files(paths: Any) -> list[str]:
+def _files(paths: Any) -> list[_File]:
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    out: list[str] = []
+    out: list[_File] = []
     for item in items:
+        if is_uri(os.fspath(item)):
+            out += _locate([item], "ipc")
+            continue
         d = Path(item)
         if d.is_dir() and (d / ds.MANIFEST).exists():
-            out += [str(d / p.file) for p in ds.read_manifest(d).partitions]
+            names = [str(d / p.file) for p in ds.read_manifest(d).partitions]
         else:
-            out += _expand([item], "ipc")
+            names = _expand([item], "ipc")
+        out += [_File(resolve(f), os.path.getsize(f)) for f in names]
     return out
 
 
@@ -113,24 +116,22 @@ def _written(comm: Communicator, output: str | os.PathLike[str], stats: dict[str
 
 
 def scan_ipc(comm: Communicator, paths: Any, *, columns: Sequence[str] | None = None) -> Scan:
-    """Arrow IPC files (a path, directory, glob, list, or a hetflow dataset directory) as a ``Scan``:
-    footers are read, rows are not (collective: every rank lists the same files)."""
+    """Arrow IPC files (a path, directory, glob, list, or a hetflow dataset directory; or object-store
+    URIs, ``s3://bucket/prefix/``) as a ``Scan``: footers and batch headers are read, rows are not
+    (collective: every rank lists the same files).  On an object store each chunk is read as the byte
+    ranges of its record batches."""
     files = _files(paths)
-    schema: pa.Schema | None = None
+    layout = ipc_layout(comm, files)
+    schema = layout[0][0] if layout else None
     slices: list[Slice] = []
-    total_bytes = 0
-    for f in files:
-        try:
-            file_schema, lengths = batch_lengths(f)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise InputError(f"scan_ipc: {f!r} is not a readable Arrow IPC file: {exc}") from exc
-        if schema is None:
-            schema = file_schema
-        elif not file_schema.remove_metadata().equals(schema.remove_metadata()):
-            raise SchemaMismatchError(f"scan_ipc: {f!r} has schema {file_schema}, the first file has {schema}")
-        total_bytes += os.path.getsize(f)
-        slices += slices_of(f, lengths)
-    assert schema is not None
+    for f, (file_schema, lengths) in zip(files, layout):
+        assert schema is not None
+        if not file_schema.remove_metadata().equals(schema.remove_metadata()):
+            raise SchemaMismatchError(f"scan_ipc: {f.where.uri!r} has schema {file_schema}, the first file has {schema}")
+        slices += slices_of(f.where.uri, lengths)
+    total_bytes = sum(f.size for f in files)
+    if schema is None:
+        raise InputError(f"scan_ipc: no Arrow IPC files in {paths!r}")
     total_rows = sum(s.length for s in slices)
     mine = _assign([s.length for s in slices], comm.Get_rank(), comm.Get_size())
     row_bytes = total_bytes / total_rows if total_rows else 1.0

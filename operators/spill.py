@@ -30,6 +30,8 @@ from types import TracebackType
 
 import pyarrow as pa
 
+from .location import is_uri, resolve, storage_error
+
 log = logging.getLogger(__name__)
 
 PREFIX = "hetflow-spill-"
@@ -145,7 +147,16 @@ def copy_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 def read_slice(path: str, batch: int, offset: int, length: int, columns: Sequence[str] | None = None) -> pa.RecordBatch:
     """Rows ``offset:offset+length`` of record batch ``batch`` of the IPC file ``path``, copied out of a
-    memory map that is closed before returning (only those rows' pages are touched)."""
+    memory map that is closed before returning (only those rows' pages are touched).  ``path`` may be
+    an object-store URI: then the footer and that batch's byte range are read."""
+    if is_uri(path):
+        where = resolve(path)
+        try:
+            with where.filesystem.open_input_file(where.path) as remote:
+                rb = pa.ipc.open_file(remote).get_batch(batch).slice(offset, length)
+        except OSError as exc:
+            raise storage_error(exc, where, "read") from exc
+        return rb if columns is None else rb.select(list(columns))
     with pa.memory_map(path, "r") as source:
         rb = pa.ipc.open_file(source).get_batch(batch).slice(offset, length)
         if columns is not None:

@@ -10,6 +10,7 @@ columns are named ``alias.column``, so every local fragment is plain DuckDB SQL 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -67,8 +68,10 @@ def parse(query: str) -> Any:
     return tree
 
 
-def referenced_columns(query: str) -> set[str] | None:
-    """Lower-cased names of every column the query mentions, or ``None`` when it selects ``*``."""
+@functools.lru_cache(maxsize=256)
+def referenced_columns(query: str) -> frozenset[str] | None:
+    """Lower-cased names of every column the query mentions, or ``None`` when it selects ``*``
+    (memoized by the text: parsing costs more than running a small query)."""
     exp = _exp()
     try:
         tree = parse(query)
@@ -76,7 +79,7 @@ def referenced_columns(query: str) -> set[str] | None:
         return None
     if any(True for _ in tree.find_all(exp.Star)) and not all(isinstance(s.parent, exp.Count) for s in tree.find_all(exp.Star)):
         return None
-    return {c.name.lower() for c in tree.find_all(exp.Column)}
+    return frozenset(c.name.lower() for c in tree.find_all(exp.Column))
 
 
 _TYPES_MEMO: dict[str, dict[str, str]] = {}
@@ -286,7 +289,7 @@ def phys(e: Any) -> Any:
             return exp.column(f"{n.table}.{n.name}", quoted=True)
         return n
 
-    return e.copy().transform(fn)
+    return e.transform(fn)  # transform works on a copy
 
 
 def sql_of(e: Any) -> str:
@@ -301,7 +304,7 @@ def replace_exprs(e: Any, mapping: dict[str, str]) -> Any:
         name = mapping.get(sql_of(n)) if isinstance(n, exp.Expression) else None
         return exp.column(name, quoted=True) if name is not None else n
 
-    return e.copy().transform(fn)
+    return e.transform(fn)  # transform works on a copy
 
 
 def _int(node: Any, what: str) -> int | None:

@@ -60,6 +60,9 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
+from . import safeio
+from .errors import OperatorError
+
 log = logging.getLogger(__name__)
 
 ANY_TAG = -1
@@ -76,7 +79,7 @@ _ABORT_GRACE = 0.5  # seconds a rank that lost a peer waits for an abort frame b
 OnFailure = Literal["exit", "raise"]
 
 
-class TcpCommError(ConnectionError):
+class TcpCommError(OperatorError, ConnectionError):
     """Root of the TCP communicator's errors."""
 
 
@@ -672,11 +675,7 @@ def write_secret(path: str | os.PathLike[str]) -> bytes:
 
 
 def _publish(path: Path, host: str, port: int) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"host": host, "port": port}, fh)
-    os.replace(tmp, path)
+    safeio.atomic_write(path, json.dumps({"host": host, "port": port}).encode(), durable=False)
 
 
 def _wait_address(path: Path, deadline: float, rank: int) -> tuple[str, int]:

@@ -34,6 +34,7 @@ from .errors import (ConfigError, HetflowError, MissingExtraError, PipelineError
                      RunLocked, TaskFailed, UnknownRun, UnsatisfiableRequest)
 
 if TYPE_CHECKING:  # the orchestrator, the store and SQLAlchemy load on first use (see __getattr__)
+    from .handle import RunHandle
     from .pipeline import Pipeline, RunOptions, open_dataset, run_options
     from .status import RunStatus, StageStatus, run_status
 
@@ -45,7 +46,7 @@ _observed.install()  # the files a script's top level reads, until its pipe.run(
 _observed.recording(True)
 
 __all__ = [
-    "__version__", "Pipeline", "RunOptions", "run_options", "open_dataset", "RunStatus", "StageStatus",
+    "__version__", "Pipeline", "RunOptions", "run_options", "open_dataset", "RunHandle", "RunStatus", "StageStatus",
     "run_status", "StageContext", "ResourceRequest", "PilotDescription", "load_pilot", "HetflowError",
     "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "PipelineError", "RunFailed", "RunLocked",
     "TaskFailed", "UnknownRun", "ml", "operators",
@@ -56,7 +57,7 @@ __all__ = [
 # hetflow.tasks.worker, and with it this package) does not pay for SQLAlchemy and the
 # orchestrator on every rank start.
 _LAZY = {"Pipeline": "pipeline", "RunOptions": "pipeline", "run_options": "pipeline", "open_dataset": "pipeline",
-         "RunStatus": "status", "StageStatus": "status", "run_status": "status"}
+         "RunHandle": "handle", "RunStatus": "status", "StageStatus": "status", "run_status": "status"}
 
 
 def __dir__() -> list[str]:

@@ -25,12 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import stat
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
@@ -103,36 +99,9 @@ def params_match(read: Sequence[str] | None, then: Mapping[str, Any], now: Mappi
 
 
 def damage(record: DatasetRecord) -> str | None:
-    """Why the committed dataset ``record`` cannot be served as it is, or ``None`` if it is intact."""
-    path = Path(record.path)
-    try:
-        manifest = ds.read_manifest(path)
-    except ds.DatasetError as exc:
-        return str(exc)
-    if manifest.fingerprint() != record.fingerprint:
-        return f"{path / ds.MANIFEST} no longer describes what was committed (it was rewritten)"
-    check = manifest.num_bytes <= CHECKSUM_BYTES
-    for part in manifest.partitions:
-        file = path / part.file
-        try:
-            info = os.lstat(file)
-        except OSError:
-            return f"partition file {file} is missing"
-        if not stat.S_ISREG(info.st_mode):
-            return f"partition {file} is not a regular file"
-        if info.st_size != part.bytes:
-            return f"partition file {file} has {info.st_size} bytes, the manifest says {part.bytes}"
-        if check and _crc32(file) != part.checksum:
-            return f"partition file {file} does not match its checksum {part.checksum}"
-    return None
-
-
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb", buffering=0) as fh:
-        while chunk := fh.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return f"crc32:{crc:08x}"
+    """Why the committed dataset ``record`` cannot be served as it is, or ``None`` if it is intact
+    (:func:`hetflow.operators.dataset.damage`: on a file system or an object store alike)."""
+    return ds.damage(record.path, fingerprint=record.fingerprint, checksum_up_to=CHECKSUM_BYTES)
 
 
 def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[str, Any],

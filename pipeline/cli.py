@@ -16,18 +16,21 @@ import runpy
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import yaml
 
-from hetflow.tasks.errors import ConfigError, HetflowError, TaskFailed
+from hetflow.tasks.errors import ConfigError, HetflowError
 
 from . import __version__
 from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
-from .pipeline import Pipeline, RunOptions, default_workdir, run_options
+from .filesystem import default_workdir
 from .status import RunStatus, run_status
 from .store import Store, iso, unreadable
 from .terminal import visible
+
+if TYPE_CHECKING:  # the orchestrator (and pyarrow) load when a command runs a pipeline, not for status
+    from .pipeline import RunOptions
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 RUN_STATES = ("RUNNING", "DONE", "FAILED", "INTERRUPTED", "CANCELLED", "STOPPED")
@@ -52,6 +55,11 @@ PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable); a KEY no s
               "007 are text)")
 
 
+DATA_DIR_HELP = ("where the datasets go: a path or s3://BUCKET/PREFIX (credentials and endpoint from the AWS "
+                 "environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE); default: "
+                 "the pilot's data_dir, else the work directory")
+
+
 def _raw_param(text: str) -> str:
     _param(text)  # checked here, parsed by the job's hetflow run
     return text
@@ -74,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="path to a Python file that declares a hetflow.Pipeline")
     run.add_argument("--pilot", help="a shipped pilot config name or a path to a .yaml config")
     run.add_argument("--backend", help="override the pilot's backend (local, radical, parsl, dask)")
+    run.add_argument("--data-dir", help=DATA_DIR_HELP)
     run.add_argument("--param", action="append", default=[], type=_param, metavar="KEY=VALUE", help=PARAM_HELP)
     run.add_argument("--rerun", action="append", default=[], metavar="STAGE",
                      help="run STAGE again whatever the cache says, and every stage downstream of it "
@@ -89,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(nodes, walltime, queue, account of the job)")
     submit.add_argument("--param", action="append", default=[], type=_raw_param, metavar="KEY=VALUE",
                         help="a parameter passed to every stage's ctx.params (repeatable)")
+    submit.add_argument("--data-dir", help=DATA_DIR_HELP)
     submit.add_argument("--chain", type=int, default=0, metavar="N",
                         help="when the walltime drain stops the run, the job submits a successor that resumes it "
                              "(afterany dependency), up to N further jobs")
@@ -100,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="resume a failed or interrupted run")
     resume.add_argument("run", help="run id (or a unique prefix)")
     resume.add_argument("--pilot", help="a pilot config for the new allocation")
+    resume.add_argument("--data-dir", help=DATA_DIR_HELP + " (default: where the run began)")
     resume.add_argument("--rerun", action="append", default=[], metavar="STAGE",
                         help="run STAGE (and what is downstream) again whatever the cache says (repeatable)")
     resume.add_argument("--no-progress", action="store_true")
@@ -213,6 +224,8 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
         raise UsageError(f"pipeline script {script!r} does not exist")
     import dataclasses
 
+    from .pipeline import Pipeline, run_options, wait_for_background
+
     options = dataclasses.replace(options, script=str(path.resolve()))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     began = time.time()
@@ -222,6 +235,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
         with run_options(options) as runs:
             try:
                 namespace = runpy.run_path(str(path.resolve()), run_name="__main__")
+                wait_for_background()
                 if not runs:
                     pipelines = [v for v in namespace.values() if isinstance(v, Pipeline)]
                     if not pipelines:
@@ -232,6 +246,44 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
                 pass  # the run is in `runs`: its summary below says what failed and how to resume
     finally:
         sys.argv, sys.path = saved_argv, saved_path
+    for status in runs:
+        _print_summary(status, args, since=began)
+    return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
+
+
+def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
+    """``hetflow resume`` of a run started from Python code (a notebook, the prompt): its stages as the run
+    recorded them (:mod:`hetflow.recorded`), resumed from the directory it was started in."""
+    from hetflow.tasks.errors import UnsafeShippedFunction
+
+    from . import recorded
+    from .pipeline import Pipeline, RunOptions, run_options
+
+    workdir = str(_workdir(args).resolve())  # the store's place as typed here, before the move to the run's
+    db = args.db
+    if db and db.startswith("sqlite:///") and not os.path.isabs(db[len("sqlite:///"):]):
+        db = "sqlite:///" + os.path.abspath(db[len("sqlite:///"):])
+    saved_cwd, saved_path = os.getcwd(), sys.path[:]
+    began = time.time()
+    try:
+        try:
+            found = recorded.load(record.id, record.run_dir)
+        except (UnsafeShippedFunction, OSError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+        pipe = Pipeline(found.name)
+        pipe.stages = dict(found.stages)
+        pipe._producers = {out: spec.name for spec in pipe.stages.values() for out in spec.outputs}
+        options = RunOptions(pilot=args.pilot, workdir=workdir, params=dict(record.params), db=db, run_id=record.id,
+                             progress=False if args.no_progress else None, rerun=tuple(args.rerun),
+                             stream_logs=args.verbose > 0)
+        with run_options(options) as runs:
+            try:
+                pipe.run(pilot=found.pilot)
+            except RunFailed:
+                pass  # the run is in `runs`: its summary below says what failed and how to resume
+    finally:
+        os.chdir(saved_cwd)
+        sys.path[:] = saved_path
     for status in runs:
         _print_summary(status, args, since=began)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
@@ -279,9 +331,10 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, si
         if status.error and not any(s.error for s in status.stages if s.state not in ("DONE", "CACHED")):
             print("  " + error_text(status.error).replace("\n", "\n  "))
         if status.script is None:
-            from .errors import resume_hint
+            from .errors import recorded_in, resume_hint
 
-            print(f"  {resume_hint(status.id, script=False)} (after fixing the cause; finished stages are not run again)")
+            hint = resume_hint(status.id, script=False, where=_where(args), shell=recorded_in(status.run_dir))
+            print(f"  {hint} (after fixing the cause; finished stages are not run again)")
         elif batch := batch_resume_command():  # a job hetflow submit made: resumed by its batch script
             print(f"  resume it with: {batch}  (from a login node, after fixing the cause; finished stages "
                   f"are not run again)")
@@ -310,6 +363,8 @@ def _status_items(store: Any, args: argparse.Namespace) -> int:
 
     counts = ", ".join(f"{n:,} {state.lower()}" for state, n in sorted(view["counts"].items()))
     print(visible(f"{view['stage']} of run {view['run']}: {len(view['items']):,} items: {counts}", newlines=False))
+    if view["summary"]:
+        print(visible(f"  {view['summary']}", newlines=False))
     for item in view["items"]:
         line = f"  {item['index']:>6}  {item['state']:<8} tries={item['tries']}  {item['label']}"
         if item["error"]:
@@ -370,6 +425,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _datasets(args: argparse.Namespace) -> int:
     from hetflow.operators.dataset import DatasetError, read_manifest
+    from hetflow.operators.location import StorageError
 
     store = _open_store(args)
     status = run_status(store, args.run)
@@ -377,7 +433,7 @@ def _datasets(args: argparse.Namespace) -> int:
     for name, path in sorted(status.datasets.items()):
         try:
             manifest = read_manifest(path)
-        except DatasetError as exc:  # listed with what is wrong; a rerun recomputes it
+        except (DatasetError, StorageError) as exc:  # listed with what is wrong; a rerun recomputes it
             rows.append({"name": name, "rows": None, "bytes": None, "partitions": None, "producer": None,
                          "path": path, "schema": [], "damaged": str(exc)})
             continue
@@ -456,6 +512,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     host, port = server.server_address[:2]
     host = host.decode() if isinstance(host, bytes) else host
+    from .display import remove_serve_note, write_serve_note
+
+    workdir = _workdir(args).resolve()
+    try:  # where a run of this store is shown in a notebook, it links here
+        write_serve_note(workdir, host, port, store.url, run_id)
+    except OSError as exc:
+        logging.getLogger(__name__).info("serve: no note in %s (%s)", workdir, exc)
     print(f"serving {'run ' + run_id if run_id else 'the latest run'} at http://{host}:{port}/ (Ctrl-C to stop)",
           flush=True)
     try:
@@ -464,6 +527,7 @@ def _serve(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
+        remove_serve_note(workdir)
     return EXIT_OK
 
 
@@ -517,7 +581,7 @@ def _cancel(args: argparse.Namespace) -> int:
     import socket
     import time
 
-    from .errors import resume_hint
+    from .errors import recorded_in, resume_hint
 
     store = _open_store(args)
     run = store.resolve_run(args.run)
@@ -533,8 +597,9 @@ def _cancel(args: argparse.Namespace) -> int:
         store.reconcile_dead_runs()
         now = store.resolve_run(run.id)
         if now.state != "RUNNING":
+            shell = now.script is None and recorded_in(now.run_dir)
             print(visible(f"run {run.id} {now.state}; "
-                          f"{resume_hint(run.id, script=now.script is not None, where=_where(args))}"))
+                          f"{resume_hint(run.id, script=now.script is not None, where=_where(args), shell=shell)}"))
             return EXIT_OK
         time.sleep(0.5)
     print(visible(f"hetflow: run {run.id} is still running {args.timeout:g} s after the cancel request "
@@ -600,7 +665,7 @@ def _submit(args: argparse.Namespace) -> int:
         if walltime <= 0:
             raise UsageError(f"--walltime {args.walltime!r}: expected a positive duration")
     done = submit(args.script, pilot=args.pilot, params=args.param, workdir=_workdir(args), db=args.db,
-                  chain=args.chain, walltime=walltime)
+                  chain=args.chain, walltime=walltime, data_dir=args.data_dir)
     print(f"submitted batch job {done.job_id}: run {done.run_id}")
     print(f"  batch script {done.script}; log {str(done.log).replace('%j', done.job_id)}")
     from .errors import hetflow_command, store_argv
@@ -656,12 +721,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler.setFormatter(_VisibleFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     try:
+        if args.command in ("run", "resume"):
+            from .pipeline import RunOptions
         if args.command == "run":
             if args.run_id is not None:
                 from .submit import check_run_id
 
                 check_run_id(args.run_id)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, param_text=dict(args.param), db=args.db,
+                                 data_dir=args.data_dir,
                                  backend=args.backend, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0, run_id=args.run_id,
                                  new_run_ok=args.run_id is not None)
@@ -672,9 +740,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = _open_store(args)
             record = store.resolve_run(args.run)
             if not record.script:
-                raise UsageError(f"run {record.id} was started from Python code, not a script; resume it with "
-                                 f"pipe.run(run_id={record.id!r}) from the same code")
+                return _resume_recorded(record, args)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
+                                 data_dir=args.data_dir,
                                  run_id=record.id, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
             return _run_script(record.script, options, args, argv=record.argv or ())
@@ -700,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _pilot(args)
         if args.command == "report":
             return _report(args)
-    except (TaskFailed, RunAborted) as exc:
+    except (RunFailed, RunAborted) as exc:
         print(f"hetflow: {visible(str(exc))}", file=sys.stderr)
         if isinstance(exc, RunAborted):
             _summary_after(exc.run_id, args)

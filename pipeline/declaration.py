@@ -70,6 +70,8 @@ class StageSpec:
     """A map stage's items (:class:`MapSpec`); ``None``: a plain stage, one task."""
     max_failures: int | float = 0
     """A map stage still succeeds with up to this many failed items (a float: this fraction of its items)."""
+    map_isolation: str = "checked"
+    """How a map stage's one-rank items are kept apart (:data:`MAP_ISOLATION`, :mod:`hetflow.tasks.mapitems`)."""
 
     @property
     def module(self) -> str:
@@ -106,6 +108,10 @@ class StageSpec:
         return (f"StageSpec(name={self.name!r}, inputs={list(self.inputs)}, outputs={list(self.outputs)}, "
                 f"request=ResourceRequest({self.request}), retries={self.retries}, timeout={self.timeout})")
 
+
+MAP_ISOLATION = ("checked", "fork")
+"""``map_isolation=``: items one after another in a warm process, checked for state they leave (``checked``), or
+a process each (``fork``)."""
 
 MAP_KINDS = ("files", "rows:NAME", "partitions:NAME", "a grid {name: [values]}")
 
@@ -175,6 +181,15 @@ def check_map(map_over: Any, *, inputs: tuple[str, ...], files: tuple[str, ...],
                                 f"{list(inputs)}")
         return MapSpec(kind, input=name)
     raise PipelineError(f"{where}: map_over={map_over!r} is not one of {list(MAP_KINDS)}")
+
+
+def check_map_isolation(value: Any, *, mapped: bool, where: str) -> str:
+    """``map_isolation=``: one of :data:`MAP_ISOLATION`, other than the default only on a map stage."""
+    if value not in MAP_ISOLATION:
+        raise PipelineError(f"{where}: map_isolation={value!r} is not one of {list(MAP_ISOLATION)}")
+    if not mapped and value != "checked":
+        raise PipelineError(f"{where}: map_isolation is for map stages (map_over=...)")
+    return str(value)
 
 
 def check_max_failures(value: Any, *, where: str) -> int | float:

@@ -53,15 +53,26 @@ def hetflow_command(verb: str, run_id: str, where: Sequence[str] = ()) -> str:
     return shlex.join(["hetflow", verb, run_id, *where])
 
 
-def resume_hint(run_id: str, *, script: bool = True, where: Sequence[str] = ()) -> str:
+def resume_hint(run_id: str, *, script: bool = True, where: Sequence[str] = (), shell: bool = False) -> str:
     """How to go on with a run: ``hetflow resume`` for a script's run, with the store arguments ``where``
     (:func:`store_argv`) the run was given (:func:`batch_resume_command` in a submitted job),
-    ``pipe.run(run_id=...)`` otherwise."""
+    ``pipe.run(run_id=...)`` otherwise; ``shell``: a run without a script whose stages are recorded in it
+    (:mod:`hetflow.recorded`), which ``hetflow resume`` can resume too."""
     if script and (batch := batch_resume_command()):
         return f"resume it with: {batch}"
     if script:
         return f"resume it with: {hetflow_command('resume', run_id, where)}"
+    if shell:
+        return (f"resume it with: pipe.run(run_id={run_id!r}) from the same code, "
+                f"or from a shell: {hetflow_command('resume', run_id, where)}")
     return f"resume it with: pipe.run(run_id={run_id!r}) from the same code"
+
+
+def recorded_in(run_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether the run in ``run_dir`` recorded its stages for ``hetflow resume`` (:mod:`hetflow.recorded`)."""
+    from .recorded import RECORDED
+
+    return run_dir is not None and os.path.isfile(os.path.join(run_dir, RECORDED))
 
 
 ERROR_LINES = 20
@@ -77,8 +88,11 @@ def error_text(text: str, limit: int = ERROR_LINES) -> str:
     return "\n".join(kept[:1] + [f"  {line}" for line in kept[1:]])
 
 
-class RunFailed(TaskFailed, RuntimeError):
+class RunFailed(HetflowError, RuntimeError):
     """A run ended other than DONE; ``status`` is its :class:`~hetflow.RunStatus`.
+
+    Not a :class:`TaskFailed` (a run is not a task): ``except hetflow.RunFailed`` or
+    ``except hetflow.HetflowError`` catches it.
 
     The message names the run, its state, each stage that did not finish (with its error,
     up to :data:`ERROR_LINES` lines) and the resume command.
@@ -97,7 +111,8 @@ class RunFailed(TaskFailed, RuntimeError):
             parts.append("stage " + ", stage ".join(failed))
         if skipped:
             parts.append(f"skipped: {', '.join(skipped)}")
-        parts.append(resume_hint(status.id, script=status.script is not None, where=where))
+        parts.append(resume_hint(status.id, script=status.script is not None, where=where,
+                                 shell=status.script is None and recorded_in(status.run_dir)))
         super().__init__(visible("; ".join(parts)))  # the errors are the run's text: no control characters
 
 
@@ -109,8 +124,10 @@ class ResumeRefused(PipelineError):
 class RunAborted(HetflowError, RuntimeError):
     """A run could not go on (no launcher, a missing extra, a full or read-only disk); it is recorded FAILED."""
 
-    def __init__(self, run_id: str, reason: str, where: Sequence[str] = (), *, script: bool = True) -> None:
-        super().__init__(f"run {run_id} failed: {reason}; {resume_hint(run_id, script=script, where=where)}")
+    def __init__(self, run_id: str, reason: str, where: Sequence[str] = (), *, script: bool = True,
+                 shell: bool = False) -> None:
+        super().__init__(f"run {run_id} failed: {reason}; "
+                         f"{resume_hint(run_id, script=script, where=where, shell=shell)}")
         self.run_id, self.reason = run_id, reason
 
 
@@ -132,9 +149,9 @@ def interruption(exc: BaseException) -> str:
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM (or a notebook kernel's interrupt) stopped a run; it is recorded INTERRUPTED and can
     be resumed.  ``script``: whether the run has a script ``hetflow resume`` can execute (the hint says
-    ``pipe.run(run_id=...)`` otherwise)."""
+    ``pipe.run(run_id=...)`` otherwise, and ``shell``: ``hetflow resume`` too)."""
 
-    def __init__(self, run_id: str, where: Sequence[str] = (), *, script: bool = True) -> None:
+    def __init__(self, run_id: str, where: Sequence[str] = (), *, script: bool = True, shell: bool = False) -> None:
         super().__init__(f"run {run_id} interrupted; running tasks were stopped; "
-                         f"{resume_hint(run_id, script=script, where=where)}")
+                         f"{resume_hint(run_id, script=script, where=where, shell=shell)}")
         self.run_id = run_id

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 JournalMode = Literal["WAL", "DELETE"]
@@ -72,3 +72,8 @@ def journal_mode_for(path: str) -> tuple[JournalMode, str | None]:
         return "WAL", None
     fstype = mount_type(os.path.realpath(path), text)
     return journal_mode(fstype), fstype
+
+
+def default_workdir() -> Path:
+    """Where hetflow keeps its runs and store unless told otherwise: ``$HETFLOW_WORKDIR``, else ``./.hetflow``."""
+    return Path(os.environ.get("HETFLOW_WORKDIR", ".hetflow"))

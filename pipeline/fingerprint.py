@@ -189,6 +189,12 @@ def _default_roots(func: Callable[..., Any]) -> list[str]:
     return [root]
 
 
+_USER_MODULES: dict[tuple[tuple[str, ...], ...], dict[str, tuple[Any, str, bool]]] = {}
+"""Whether each imported module is user code (:meth:`_Walker.user_namespaces`), by the walk's roots: a module
+object is classified once by its file's real path, not again by every stage's walk (each walk looks at every
+module in ``sys.modules``).  A module imported again (a new object) or from another file is classified anew."""
+
+
 class _Walker:
     """Follows the stage function through the user code it reaches; fills ``parts``."""
 
@@ -414,12 +420,16 @@ class _Walker:
         if isinstance(script, dict) and isinstance(script.get("__file__"), str) and self.home:
             found[self.home] = (self.home, script["__file__"], script)
         unresolved = tuple(os.path.join(d, "") for d in (sys.prefix, sys.base_prefix, sys.exec_prefix) if d)
+        known = _USER_MODULES.setdefault((self.roots, self.external, self.installed_local), {})
         for name, module in list(sys.modules.items()):
             path = getattr(module, "__file__", None)
             if (name in found or not isinstance(path, str) or not path.endswith(".py") or path.startswith(unresolved)
                     or "site-packages" in path or "dist-packages" in path):
                 continue
-            if self.is_user(self.realpath(path)):
+            seen = known.get(name)
+            if seen is None or seen[0] is not module or seen[1] != path:
+                seen = known[name] = (module, path, self.is_user(self.realpath(path)))
+            if seen[2]:
                 found[name] = (name, path, vars(module))
         return list(found.values())
 

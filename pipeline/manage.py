@@ -10,6 +10,10 @@ kept run reads, resumes from or serves from the cache is ever deleted.
 Records go first (one transaction), files after: a crash in between leaves
 directories no record names, which ``gc`` removes later; never a record naming
 a deleted directory.
+
+A run whose data directory is elsewhere (``--data-dir``, a path or ``s3://...``; :mod:`hetflow.datadir`)
+has its datasets under ``<data dir>/runs/<id>/datasets/``: each one no kept run uses is removed there,
+objects and all, as its directory would be.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from pathlib import Path
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from hetflow.operators import objectdataset
+from hetflow.operators.location import StorageError, is_object_store, resolve, storage_error
+
+from .datadir import RunDatasets
 from .errors import HetflowError, RunLocked, hetflow_command
 from .store import (
     AttemptRecord,
@@ -110,15 +118,22 @@ def _remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool, where: 
             result.runs.append(run.id)
             kept = {p: users for p, users in used.items() if _inside(p, run.run_dir)}
             result.kept.update(kept)
+            datasets = RunDatasets.of_run(run.id, run.run_dir, (run.pilot or {}).get("data_dir"))
             if kept:
-                result.paths.extend(_run_dir_parts(Path(run.run_dir), set(kept)))
+                result.paths.extend(_run_dir_parts(Path(run.run_dir), datasets.root, set(kept)))
             elif os.path.lexists(run.run_dir):
                 result.paths.append(run.run_dir)
+            if not _inside(datasets.root, run.run_dir):  # elsewhere: each dataset no kept run uses
+                for path in _dataset_dirs(datasets.root):
+                    if path in used:
+                        result.kept[path] = used[path]
+                    else:
+                        result.paths.append(path)
         # datasets the removed runs reused from a run removed before: theirs to remove now, unless a kept
         # run uses them too or they sit in a kept run's directory
         for path in sorted(reused):
             if path in used or any(_inside(path, d) for d in kept_dirs) or \
-                    any(_inside(path, r.run_dir) for r in runs) or not os.path.lexists(path):
+                    any(_inside(path, r.run_dir) for r in runs) or path in result.paths or not _exists(path):
                 continue
             result.paths.append(path)
         result.paths = [p for p in result.paths if _hetflow_path(Path(p))]
@@ -127,19 +142,51 @@ def _remove_runs(store: Store, run_ids: Sequence[str], *, dry_run: bool, where: 
             return result
         _delete_records(session, doomed)
     for path in result.paths:
-        _remove_tree(Path(path))
+        _remove(path)
     return result
 
 
-def _run_dir_parts(run_dir: Path, kept: set[str]) -> list[str]:
-    """Everything in ``run_dir`` but the kept dataset directories."""
+def _dataset_dirs(root: str) -> list[str]:
+    """The dataset directories (or URI prefixes) under a run's datasets ``root``."""
+    if not is_object_store(root):
+        try:
+            return sorted(str(child) for child in Path(root).iterdir())
+        except OSError:
+            return []
+    from pyarrow.fs import FileSelector, FileType
+
+    where = resolve(root)
+    try:
+        infos = where.filesystem.get_file_info(FileSelector(where.path, allow_not_found=True))
+    except OSError as exc:
+        raise HetflowError(str(storage_error(exc, where, "list"))) from None
+    return sorted(where.join(info.base_name).uri for info in infos if info.type == FileType.Directory)
+
+
+def _exists(path: str) -> bool:
+    return objectdataset.exists(resolve(path)) if is_object_store(path) else os.path.lexists(path)
+
+
+def _remove(path: str) -> None:
+    """Remove a dataset or run directory, or every object under an object-store prefix."""
+    if is_object_store(path):
+        try:
+            objectdataset.remove(resolve(path))
+        except StorageError as exc:
+            raise HetflowError(f"{exc} (its records are removed already; the objects under it are left)") from None
+    else:
+        _remove_tree(Path(path))
+
+
+def _run_dir_parts(run_dir: Path, datasets_root: str, kept: set[str]) -> list[str]:
+    """Everything in ``run_dir`` but the kept dataset directories (in ``datasets_root``, when that is in it)."""
     parts: list[str] = []
     try:
         children = sorted(run_dir.iterdir())
     except OSError:
         return []
     for child in children:
-        if child.name == "datasets" and child.is_dir() and not child.is_symlink():
+        if str(child) == datasets_root and child.is_dir() and not child.is_symlink():
             parts.extend(str(d) for d in sorted(child.iterdir()) if str(d) not in kept)
         else:
             parts.append(str(child))

@@ -196,6 +196,9 @@ class MapRun:
         """Where the items' counts are written for ``hetflow serve`` (set when the first chunk starts)."""
         self.tally: dict[str, int] = {}
         """Items by state, kept as they change: the live view reads it at every step, whatever the map's size."""
+        self.isolated: str | None = None
+        """Why the map's one-rank items run in a process each from now on: the first item seen to change
+        state that later items would read (:mod:`hetflow.tasks.mapitems`), or ``None``."""
         self.recount()
 
     def recount(self) -> None:
@@ -258,6 +261,11 @@ class MapRun:
                 missing.append(item)
                 continue
             item.started, item.ended, item.log = line.get("started"), line.get("ended"), line.get("log")
+            if line.get("isolation") and self.isolated is None:
+                self.isolated = f"item {item.index} ({item.label}) changed what later items would read " \
+                                f"({line['isolation']}): the items after it ran in a process each"
+            elif line.get("forked") and self.isolated is None:
+                self.isolated = f"the items from item {item.index} on ran in a process each ({line['forked']})"
             if line["status"] == "ok":
                 self.set_state(item, "DONE")
                 item.error, item.outputs = None, dict(line["outputs"])
@@ -305,7 +313,8 @@ class MapRun:
         if rest:
             parts.append(f"{rest:,} not run")
         text = f"map {len(self.items):,} items: " + ", ".join(parts)
-        return text + (f" ({changes})" if changes else "")
+        text += f" ({changes})" if changes else ""
+        return text + (f"; {self.isolated}" if self.isolated else "")
 
     def failure_text(self) -> str:
         failed = self.failed()

@@ -150,7 +150,8 @@ class MapShell:
             run.set_state(item, "RUNNING")
         nodes = self.backend.node_names()
         files = self._write_spec(spec, run.task, instruction, nodes, chunk=chunk_id.rsplit("/", 1)[1],
-                                 items=[item.to_spec(spec.outputs) for item in items])
+                                 items=[item.to_spec(spec.outputs) for item in items],
+                                 isolation="fork" if run.isolated is not None else spec.map_isolation)
         if not run.started:
             run.started = True
             run.progress_file = files.directory / PROGRESS_FILE
@@ -197,7 +198,10 @@ class MapShell:
         if run is None:
             return
         indices = list(run.chunks.get(chunk_id, ()))
+        isolated = run.isolated
         run.chunk_ended(chunk_id, lines, failure, final)
+        if run.isolated is not None and isolated is None:  # said once; the map's later chunks fork each item
+            log.warning("stage %s: %s", run.spec.name, run.isolated)
         self._record_items_done(run, indices)
         _write_progress(run)
         more = () if run.stopped is not None else self._submit_chunks(run)
@@ -224,12 +228,12 @@ class MapShell:
         else:
             try:
                 for name in spec.outputs:
-                    target = self._private_dir(self.run_dir / "datasets" / name)
-                    self._refuse_if_reused(spec.name, name, target)
+                    target = self._private_dir(Path(self.datasets.path(name)))  # a path: Pipeline.run refuses
+                    self._refuse_if_reused(spec.name, name, str(target))  # map stages on an object store
                     ds.uncommit(target)
                 producer = {"run": self.run_id, "stage": spec.name, "attempt": run.task.attempt,
                             "items": len(run.items)}
-                committed = mapping.assemble(spec, run.items, self.run_dir / "datasets", producer)
+                committed = mapping.assemble(spec, run.items, Path(self.datasets.root), producer)
             except (ds.DatasetError, ValueError, OSError) as exc:
                 state, error = "FAILED", f"{type(exc).__name__}: {exc}"
         self._record_map(run, state, error, committed)

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
+from hetflow.operators import safeio
+from hetflow.operators.location import StorageError
 from hetflow.tasks import shipping
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome, node_indices
 from hetflow.tasks.paths import UnsafePath, private_dir
@@ -55,6 +57,7 @@ from hetflow.tasks.scheduler import (
 from sqlalchemy import select
 
 from . import __version__, cache, observed
+from .datadir import RunDatasets
 from .declaration import StageSpec
 from .errors import HetflowError, PipelineError, ResumeRefused, interruption
 from .fingerprint import (
@@ -137,7 +140,12 @@ class LeaseLost(HetflowError, RuntimeError):
 
 
 class CancelRequested(HetflowError, RuntimeError):
-    """``hetflow cancel`` asked (through the store) to stop this run: it ends CANCELLED, resumable."""
+    """``hetflow cancel`` asked (through the store), or :meth:`Orchestrator.ask_stop` (a run handle, the end
+    of the process that started the run in the background), to stop this run: it ends ``state``, resumable."""
+
+    def __init__(self, reason: str, state: str = "CANCELLED") -> None:
+        super().__init__(reason)
+        self.state = state
 
 
 @dataclass
@@ -174,13 +182,18 @@ def where(exc: BaseException) -> str:
 class Orchestrator(MapShell):
     def __init__(self, *, name: str, stages: Mapping[str, StageSpec], pilot: PilotDescription, run_id: str,
                  run_dir: Path, store: Store, params: Mapping[str, Any], script: str | None,
-                 progress: bool | None, verify: str = "checksum", rerun: Sequence[str] = (),
-                 stream_logs: bool = False) -> None:
+                 progress: bool | None, datasets: RunDatasets, verify: str = "checksum", rerun: Sequence[str] = (),
+                 stream_logs: bool = False, base_dir: Path | None = None) -> None:
         self.name = name
+        self.base_dir = Path.cwd() if base_dir is None else base_dir
+        """Where the files and local modules of stages without a script file are looked up: the working
+        directory when the run was made (a kernel running other cells may change it meanwhile)."""
         self.stages = dict(stages)
         self.pilot = pilot
         self.run_id = run_id
         self.run_dir = run_dir
+        self.datasets = datasets
+        """Where this run's datasets live (:mod:`hetflow.datadir`): the one place that says it."""
         self.store = store
         self.params = dict(params)
         self.script = script
@@ -236,6 +249,31 @@ class Orchestrator(MapShell):
         """Each map stage's items as its key was made."""
         self.made_dirs: set[Path] = set()
         """Directories of this run this orchestrator has made (or checked) already: made once, not per attempt."""
+        self.stop_asked: tuple[str, str] | None = None
+        """``(state, reason)`` once :meth:`ask_stop` was called: the loop stops the run so."""
+
+    def ask_stop(self, state: str, reason: str) -> None:
+        """Ask the loop (running in another thread) to stop the run, recorded ``state`` (CANCELLED,
+        INTERRUPTED) with ``reason``: its tasks are cancelled as for ``hetflow cancel``; it can be resumed.
+        Nothing happens to a run that has ended."""
+        self.stop_asked = (state, reason)
+
+    def fix_code(self) -> None:
+        """Make every stage's code fingerprint now, from what its function reaches now.
+
+        A run started in the background (``pipe.run(wait=False)``) makes its keys while the kernel runs
+        other cells, which may rebind the helpers and values a stage reads; the functions were pickled
+        when the run started (``shipped``), and the keys must be made from the same versions.  A stage
+        whose fingerprint cannot be made is left to :meth:`_material`, which fails it in its place."""
+        from .fingerprint import code_fingerprint
+
+        for spec in self.stages.values():
+            try:
+                code = code_fingerprint(spec.func)
+                self._check_values_workers_see(spec, code)
+            except Exception:  # noqa: BLE001 - raised again where the key is made, failing that stage
+                continue
+            self.code[spec.name] = code
 
     @property
     def states(self) -> Mapping[str, str]:
@@ -337,6 +375,8 @@ class Orchestrator(MapShell):
             with self._batch():
                 self._feed(Begin(forced=self.rerun, reason=self.rerun_reason))
             while self.final is None:
+                if self.stop_asked is not None:
+                    raise CancelRequested(self.stop_asked[1], self.stop_asked[0])
                 self._watch_walltime()
                 if time.time() - last_look >= 1.0:
                     self._watch_lone_deaths()
@@ -364,9 +404,9 @@ class Orchestrator(MapShell):
             self.stop(interruption(interrupt), "INTERRUPTED")
             raise
         except CancelRequested as cancel:
-            self.stop(str(cancel), "CANCELLED")
-            return "CANCELLED"
-        except ResumeRefused as refused:  # nothing of the run was changed: it ends as it was
+            self.stop(str(cancel), cancel.state)
+            return cancel.state
+        except ResumeRefused:  # nothing of the run was changed: it ends as it was
             self._close("DONE")
             raise
         except LeaseLost:
@@ -471,12 +511,13 @@ class Orchestrator(MapShell):
 
     def _withdraw(self, stage: str) -> None:
         for name in self.stages[stage].outputs:
-            target = self.run_dir / "datasets" / name
+            target = self.datasets.path(name)
             if self._reused_by(name, target):
                 continue  # never rewritten (the stage was refused): what other runs read stays
             try:
                 ds.uncommit(target)
-            except (UnsafePath, ds.UnsafeDatasetPath) as exc:  # refused: nothing is deleted through a link
+            except (UnsafePath, ds.UnsafeDatasetPath, StorageError) as exc:  # refused: nothing is deleted through a
+                # link; or the object store is unreachable (the stage's record is withdrawn all the same)
                 log.warning("stage %s: output %r not withdrawn: %s", stage, name, exc)
 
     def _apply(self, instructions: list[Any]) -> None:
@@ -494,8 +535,8 @@ class Orchestrator(MapShell):
             if isinstance(instruction, StartTask):
                 try:
                     launches.append(self._launch(task, instruction))
-                except (UnsafePath, ds.DatasetError, ChangedSinceLookUp) as exc:  # a planted symlink, a damaged
-                    # output dir, what the stage reads edited while it waited
+                except (UnsafePath, ds.DatasetError, ChangedSinceLookUp, StorageError) as exc:  # a planted symlink, a damaged
+                    # output dir, what the stage reads edited while it waited, an unreachable object store
                     self._feed(TaskStarted(task))
                     self._end_task(str(task), "FAILED", str(exc))
                     self._feed(AttemptEnded(task, "FAILED", f"stage {task.stage!r} not started: {exc}"))
@@ -559,7 +600,7 @@ class Orchestrator(MapShell):
         if spec.name not in self.code:
             self.code[spec.name] = code_fingerprint(spec.func)
             self._check_values_workers_see(spec, self.code[spec.name])
-        base = Path(spec.path).parent if spec.path else Path.cwd()
+        base = Path(spec.path).parent if spec.path else self.base_dir
         self.looked[spec.name] = (time.time(), _file_stats(spec.files, base))
         material = cache.KeyMaterial(
             code=self.code[spec.name], files=file_fingerprint(spec.files, base) if spec.files else {},
@@ -683,7 +724,7 @@ class Orchestrator(MapShell):
         for dataset in self.stages[stage].inputs:
             try:
                 manifest = ds.read_manifest(self.dataset_paths[dataset])
-            except ds.DatasetError:
+            except (ds.DatasetError, StorageError):
                 continue
             held.update(p.node for p in manifest.partitions)
         found: frozenset[int] = node_indices(names, held)
@@ -739,7 +780,7 @@ class Orchestrator(MapShell):
         looked = self.looked.get(spec.name)
         if looked is None or time.time() - looked[0] < RECHECK_AFTER or spec.name not in self.code:
             return
-        base = Path(spec.path).parent if spec.path else Path.cwd()
+        base = Path(spec.path).parent if spec.path else self.base_dir
         what = None
         if _file_stats(spec.files, base) != looked[1]:  # touched: its content decides
             from .fingerprint import file_fingerprint
@@ -809,28 +850,30 @@ class Orchestrator(MapShell):
                         "(its code, a value it reads, a parameter); set aside in %s, the stage starts afresh",
                         spec.name, directory, aside)
         if held != key:
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)  # private, as the run
-            with os.fdopen(fd, "w") as out:
-                out.write(key)
+            safeio.atomic_write(marker, key.encode(), durable=False)  # private (0600), never through a symlink
 
     def _write_spec(self, spec: StageSpec, task: TaskId, start: StartTask, nodes: Sequence[str], *,
-                    chunk: str | None = None, items: Sequence[Mapping[str, Any]] = ()) -> AttemptFiles:
+                    chunk: str | None = None, items: Sequence[Mapping[str, Any]] = (),
+                    isolation: str = "checked") -> AttemptFiles:
         """The attempt's directory and spec; its outputs' directories emptied (nothing through a symlink).
 
         ``chunk`` (a map stage's chunk task, ``c<n>``) with its ``items``: the items write to their own
-        directories, and the outputs are left as they are until the map's end assembles them."""
+        directories, and the outputs are left as they are until the map's end assembles them; ``isolation``
+        is how a one-rank chunk keeps its items apart (:attr:`WorkerSpec.item_isolation`)."""
         stage_dir = self._private_dir(self.run_dir / "stages" / spec.name)
         name = f"attempt-{task.attempt}" if chunk is None else f"attempt-{task.attempt}-{chunk}"
         files = AttemptFiles(private_dir(stage_dir / name, base=stage_dir))
         self._checkpoints_of_this_key(spec, self._private_dir(stage_dir / "checkpoints"))
         outputs = {}
         for name in spec.outputs:
-            target = self._private_dir(self.run_dir / "datasets" / name)
+            target = self.datasets.path(name)
+            if not self.datasets.remote:
+                self._private_dir(Path(target))
             if chunk is None:
                 self._refuse_if_reused(spec.name, name, target)
                 ds.uncommit(target)
-            outputs[name] = str(target)
-        base = Path(spec.path).parent if spec.path else Path.cwd()
+            outputs[name] = target
+        base = Path(spec.path).parent if spec.path else self.base_dir
         shipped = self.shipped.get(spec.name)
         if shipped is not None:  # no script file to execute: the function as the run started, pickled
             shipping.write(files.function, shipped)
@@ -848,18 +891,18 @@ class Orchestrator(MapShell):
             node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
             items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
-            item_timeout=spec.timeout if chunk is not None else None,
+            item_timeout=spec.timeout if chunk is not None else None, item_isolation=isolation,
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 
-    def _reused_by(self, name: str, target: Path) -> list[str]:
+    def _reused_by(self, name: str, target: str) -> list[str]:
         """The other runs whose records point at this run's committed dataset ``name`` (at ``target``);
         only a dataset committed before this session of the run can have any."""
         if name not in self.committed_before:
             return []
         with self.store.session() as session:
             return sorted(set(session.scalars(select(DatasetRecord.run_id).where(
-                DatasetRecord.path == str(target), DatasetRecord.run_id != self.run_id))))
+                DatasetRecord.path == target, DatasetRecord.run_id != self.run_id))))
 
     def _refuse_resume(self, spec: StageSpec) -> None:
         """A resume of a DONE run that must re-run ``spec``, whose committed outputs other runs reuse, is refused
@@ -867,15 +910,14 @@ class Orchestrator(MapShell):
         if not self.resuming_done:
             return
         for name in spec.outputs:
-            target = self.run_dir / "datasets" / name
-            users = self._reused_by(name, target)
+            users = self._reused_by(name, self.datasets.path(name))
             if users:
                 raise ResumeRefused(f"resume of run {self.run_id} refused: stage {spec.name!r} would have to run "
                                     f"again and rewrite its output {name!r}, which run(s) {', '.join(users)} reuse; a "
                                     "resume never changes what another run has read, and the run stays DONE as it "
                                     "was: run the script again for a new run instead (it reuses what is unchanged)")
 
-    def _refuse_if_reused(self, stage: str, name: str, target: Path) -> None:
+    def _refuse_if_reused(self, stage: str, name: str, target: str) -> None:
         """A resume re-runs ``stage``, whose committed output ``name`` other runs reuse (their records point
         at ``target``): writing over it would change what those runs read, so the stage is not started."""
         users = self._reused_by(name, target)
@@ -921,7 +963,7 @@ class Orchestrator(MapShell):
         if failure is None:
             try:
                 committed = self._commit_outputs(spec, live, ranks)
-            except (ds.DatasetError, ValueError) as exc:
+            except (ds.DatasetError, ValueError, StorageError) as exc:
                 failure = Failure("FAILED", f"{type(exc).__name__}: {exc}")
         self._record_attempt(live, outcome, failure, committed, ranks)
         if failure is not None and failure.state not in ("WALLTIME", "TIMED_OUT", "CANCELLED"):
@@ -939,7 +981,7 @@ class Orchestrator(MapShell):
         looked = self.looked.get(spec.name)
         if material is None or code is None or looked is None:
             return None
-        base = Path(spec.path).parent if spec.path else Path.cwd()
+        base = Path(spec.path).parent if spec.path else self.base_dir
         changed: list[str] = []
         if spec.files and _file_stats(spec.files, base) != looked[1]:  # touched: its content decides
             from .fingerprint import file_fingerprint
@@ -1046,11 +1088,11 @@ class Orchestrator(MapShell):
                                  "(every rank returned None)")
             schema = ds.schema_from_text(parts[0].schema)
             infos = [ds.PartitionInfo.from_json(dict(p.partition)) for p in parts]
-            committed[name] = ds.commit(self.run_dir / "datasets" / name, name, schema, infos, producer=producer)
+            committed[name] = ds.commit(self.datasets.path(name), name, schema, infos, producer=producer)
         return committed
 
     def _record_dataset(self, session: Any, name: str, manifest: ds.Manifest) -> None:
-        path = str(self.run_dir / "datasets" / name)
+        path = self.datasets.path(name)
         self._forget(session, [name])
         record = DatasetRecord(run_id=self.run_id, name=name, path=path, producer_stage=manifest.producer["stage"],
                                producer_attempt=manifest.producer["attempt"], num_rows=manifest.num_rows,

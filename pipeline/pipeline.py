@@ -6,13 +6,15 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence, TypeVar, overload
 
 from hetflow.operators.dataset import Dataset
+from hetflow.operators.location import is_object_store
 from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import ConfigError, UnsatisfiableRequest
 from hetflow.tasks.sizes import parse_bytes
@@ -20,12 +22,14 @@ from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 from hetflow.tasks.shipping import ships_by_value
 
 from .declaration import StageSpec, check_env, check_map, check_max_failures, check_name
-from .errors import (HetflowError, PipelineError, ResumeRefused, RunAborted, RunFailed, RunInterrupted, Terminated,
-                     interruption, store_argv)
+from .errors import (HetflowError, PipelineError, ResumeRefused, RunAborted, RunFailed, RunInterrupted, RunLocked,
+                     Terminated, interruption, store_argv)
+from .filesystem import default_workdir
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
 
+    from .handle import RunHandle
     from .status import RunStatus
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,8 @@ class RunOptions:
     param_text: Mapping[str, str] = field(default_factory=dict)
     """``--param`` values as typed; each gets its type by :mod:`hetflow.params`."""
     db: str | None = None
+    data_dir: str | None = None
+    """``--data-dir``: where the datasets go (:mod:`hetflow.datadir`), over the script's and the pilot's."""
     backend: str | None = None
     run_id: str | None = None
     new_run_ok: bool = False
@@ -69,22 +75,31 @@ class Declared(BaseException):
         self.pipeline = pipeline
 
 
-_overrides: list[tuple[RunOptions, list[RunStatus]]] = []
+_overrides: list[tuple[RunOptions, list[RunStatus], list[RunHandle]]] = []
 
 
 @contextmanager
 def run_options(options: RunOptions) -> Iterator[list[RunStatus]]:
     """Apply ``options`` to every ``Pipeline.run()`` inside the block; yields the list of runs made."""
     runs: list[RunStatus] = []
-    _overrides.append((options, runs))
+    _overrides.append((options, runs, []))
     try:
         yield runs
     finally:
         _overrides.pop()
 
 
-def default_workdir() -> Path:
-    return Path(os.environ.get("HETFLOW_WORKDIR", ".hetflow"))
+def wait_for_background() -> None:
+    """Inside :func:`run_options` (``hetflow run``/``resume``): wait for the runs the script started with
+    ``wait=False`` and left going, so that they are in its runs (and summary) and are not started again
+    as the runs of a script that ran none.  A run that ended other than DONE is in the runs as such."""
+    if not _overrides:
+        return
+    for handle in _overrides[-1][2]:
+        try:
+            handle.wait()
+        except RunFailed:
+            pass
 
 
 class Pipeline:
@@ -96,11 +111,15 @@ class Pipeline:
     """
 
     def __init__(self, name: str, *, pilot: "str | os.PathLike[str] | PilotDescription" = "local",
-                 workdir: "str | os.PathLike[str] | None" = None, db: str | None = None) -> None:
+                 workdir: "str | os.PathLike[str] | None" = None, db: str | None = None,
+                 data_dir: "str | os.PathLike[str] | None" = None) -> None:
         self.name = check_name("pipeline", name, where="Pipeline")
         self.pilot = pilot
         self.workdir = None if workdir is None else Path(workdir)
         self.db = db
+        self.data_dir = None if data_dir is None else os.fspath(data_dir)
+        """Where the datasets go (a path or ``s3://bucket/prefix``; :mod:`hetflow.datadir`); None: the pilot's
+        ``data_dir``, else the work directory."""
         self.stages: dict[str, StageSpec] = {}
         self._producers: dict[str, str] = {}  # output dataset -> the stage declared to make it
 
@@ -114,7 +133,7 @@ class Pipeline:
               params: Mapping[str, Any] | None = None, retries: int = 0,
               timeout: float | None = None, schemas: Mapping[str, Any] | None = None,
               files: Sequence[str] = (), env: Sequence[str] = (), map_over: Any = None,
-              max_failures: int | float = 0) -> Any:
+              max_failures: int | float = 0, map_isolation: str = "checked") -> Any:
         """Declare a stage; the function is called once per rank as ``func(ctx, *inputs)``.
 
         It returns ``{output name: pa.Table | None}`` with this rank's partition
@@ -144,7 +163,10 @@ class Pipeline:
         cross product; ``ctx.params`` holds each point).  Each output is one dataset of
         the items' partitions in item order.  ``retries`` then counts per item, and
         ``max_failures`` (a count, or a fraction of the items) lets the stage succeed
-        with that many failed items left out of its outputs.
+        with that many failed items left out of its outputs.  ``map_isolation`` says how a
+        one-rank item is kept from the next: ``"checked"`` (one after another in a warm
+        process, checked after each for state a later item would read; the rest run in a
+        process each once one changed it) or ``"fork"`` (a process each).
         """
         def register(fn: F) -> F:
             stage_name = name or getattr(fn, "__name__", None)
@@ -182,6 +204,9 @@ class Pipeline:
             if mapped is None and max_failures:
                 raise PipelineError(f"{where}: max_failures is for map stages (map_over=...); a plain stage "
                                     "has one task, which fails or not")
+            from .declaration import check_map_isolation
+
+            check_map_isolation(map_isolation, mapped=mapped is not None, where=where)
             if not os.environ.get(WORKER_ENV):  # a worker executes a script the run checked when it started
                 _check_signature(fn, tuple(inputs), where)
             if not isinstance(retries, int) or retries < 0:
@@ -206,7 +231,7 @@ class Pipeline:
                                                 outputs=tuple(outputs), params=dict(params or {}),
                                                 retries=retries, timeout=timeout, schemas=dict(schemas or {}),
                                                 files=tuple(files), env=declared_env, map_over=mapped,
-                                                max_failures=failures_allowed)
+                                                max_failures=failures_allowed, map_isolation=map_isolation)
             self._producers.update((dataset, stage_name) for dataset in outputs)
             return fn
 
@@ -263,10 +288,25 @@ class Pipeline:
             visit(name, [])
 
     # ------------------------------------------------------------ running
+    @overload
+    def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = ...,
+            workdir: "str | os.PathLike[str] | None" = ..., params: Mapping[str, Any] | None = ...,
+            db: str | None = ..., backend: str | None = ..., run_id: str | None = ...,
+            progress: bool | None = ..., check: bool = ..., rerun: Sequence[str] = ...,
+            wait: Literal[True] = ..., data_dir: "str | os.PathLike[str] | None" = ...) -> RunStatus: ...
+
+    @overload
+    def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = ...,
+            workdir: "str | os.PathLike[str] | None" = ..., params: Mapping[str, Any] | None = ...,
+            db: str | None = ..., backend: str | None = ..., run_id: str | None = ...,
+            progress: bool | None = ..., check: bool = ..., rerun: Sequence[str] = ...,
+            wait: Literal[False], data_dir: "str | os.PathLike[str] | None" = ...) -> RunHandle: ...
+
     def run(self, *, pilot: "str | os.PathLike[str] | PilotDescription | None" = None,
             workdir: "str | os.PathLike[str] | None" = None, params: Mapping[str, Any] | None = None,
             db: str | None = None, backend: str | None = None, run_id: str | None = None,
-            progress: bool | None = None, check: bool = True, rerun: Sequence[str] = ()) -> RunStatus:
+            progress: bool | None = None, check: bool = True, rerun: Sequence[str] = (),
+            wait: bool = True, data_dir: "str | os.PathLike[str] | None" = None) -> "RunStatus | RunHandle":
         """Run the pipeline to the end and return its status.
 
         Stages whose inputs are ready run at the same time on disjoint slots.
@@ -278,11 +318,19 @@ class Pipeline:
         everything downstream of them.  ``params`` override the defaults the
         stages declare in ``params=``; a key no stage declares is refused
         (:class:`~hetflow.PipelineError`), as ``--param`` refuses it.
+        ``data_dir`` (a path or ``s3://bucket/prefix``) is where the datasets go, over the
+        pipeline's and the pilot's ``data_dir``; by default the work directory (docs/object-storage.md).
 
         A run that does not end DONE raises :class:`~hetflow.RunFailed`, which carries
         the status (``exc.status``) and names the failed stages and the resume command;
         ``check=False`` returns the status instead.  Uncaught in a script, it prints that
         one line (no traceback) and the script exits 1 (:func:`_report_uncaught`).
+
+        ``wait=False`` returns a :class:`~hetflow.handle.RunHandle` as soon as the run is recorded
+        RUNNING; the run goes on in a thread of this process (a notebook's kernel stays free for
+        other cells) and ``handle.wait()`` returns or raises what ``run()`` would have.  What the
+        stages read is taken when ``run()`` is called, as for a blocking run.  Its live view is off
+        unless ``progress=True``.
         """
         if os.environ.get(WORKER_ENV):
             raise ScriptImportStop()
@@ -291,16 +339,12 @@ class Pipeline:
         from . import observed
 
         observed.take()  # what the script's top level left, before this process does anything else
-        from hetflow.tasks.backends import get_backend
         from hetflow.tasks.paths import private_dir
         from hetflow.tasks.pilot import load_pilot
         from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
-        from .status import run_status
-        from sqlalchemy.exc import SQLAlchemyError
-
         from .store import Store
 
-        options, made = _overrides[-1] if _overrides else (RunOptions(), [])
+        options, made = _overrides[-1][:2] if _overrides else (RunOptions(), [])
         chosen_pilot = options.pilot or pilot or self.pilot
         description = load_pilot(chosen_pilot).resolve()  # type: ignore[arg-type]
         configured = description.backend
@@ -346,6 +390,24 @@ class Pipeline:
                 the_id = store.resolve_run(resume_id).id
         else:
             the_id = f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        import dataclasses
+
+        from .datadir import RunDatasets, check_data_dir, reachable
+
+        chosen_data = options.data_dir or (None if data_dir is None else os.fspath(data_dir)) or self.data_dir \
+            or description.data_dir
+        if chosen_data is None and resume_id is not None:  # a resume writes where the run began
+            previous = store.find_run(the_id)
+            chosen_data = ((previous.pilot or {}) if previous is not None else {}).get("data_dir")
+        if chosen_data is not None:
+            what = "--data-dir" if options.data_dir else "data_dir"
+            description = dataclasses.replace(description, data_dir=check_data_dir(chosen_data, what=what))
+            remote = is_object_store(description.data_dir or "")
+            mapped = [s.name for s in self.stages.values() if s.map_over is not None]
+            if remote and mapped:
+                raise PipelineError(f"pipeline {self.name!r}: map stage {mapped[0]!r} cannot write to the object "
+                                    f"store {description.data_dir} (map stages need a file system data directory)")
+            reachable(description.data_dir or "", pipeline=self.name)
         from .params import declared_params, from_command_line, undeclared
 
         declared = declared_params(self.stages.values())
@@ -357,47 +419,128 @@ class Pipeline:
         run_params.update(options.params)
         run_params.update(from_command_line(options.param_text, self.stages.values()))
         show = options.progress if options.progress is not None else progress  # None: live view on a terminal,
-        # plain lines otherwise
+        # plain lines otherwise; off in the background, where it would write into whatever cell runs then
+        if not wait and show is None:
+            show = False
         orchestrator = Orchestrator(name=self.name, stages=self.stages, pilot=description, run_id=the_id,
                                     run_dir=root / "runs" / the_id, store=store, params=run_params,
+                                    datasets=RunDatasets.of_run(the_id, root / "runs" / the_id, description.data_dir),
                                     script=options.script or _script_path(self.stages), progress=show,
                                     stream_logs=options.stream_logs,
                                     rerun=tuple(options.rerun) + tuple(rerun))
-        try:
-            orchestrator.prepare(resume=resume_id is not None)
-        except OSError as exc:
-            from .orchestrator import where
+        started = _Started(self.name, orchestrator, description, store, given, made, check)
+        with _claimed(the_id):
+            try:
+                orchestrator.prepare(resume=resume_id is not None)
+            except OSError as exc:
+                from .orchestrator import where
 
-            raise PipelineError(f"pipeline {self.name!r}: cannot start run {the_id}: {where(exc)}") from None
-        # from here on the run is ours and RUNNING: however it ends, it ends recorded
-        try:
-            backend_cls = get_backend(description.backend)
-            with _sigterm_interrupts(), backend_cls(description, orchestrator.run_dir) as engine:
-                orchestrator.execute(engine)
-        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (scancel)
-            if orchestrator.final is None:
-                orchestrator.stop(interruption(interrupt), "INTERRUPTED")
-            _report_uncaught()
-            raise RunInterrupted(the_id, given, script=orchestrator.script is not None) from None
-        except ResumeRefused:  # the run was left as it was (DONE)
-            _report_uncaught()
-            raise
-        except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
-            from .orchestrator import where
+                raise PipelineError(f"pipeline {self.name!r}: cannot start run {the_id}: {where(exc)}") from None
+            # from here on the run is ours and RUNNING: however it ends, it ends recorded
+            if orchestrator.script is None:  # no script for `hetflow resume` to execute: the stages instead
+                from .recorded import record as record_stages
 
-            reason = where(exc)
-            if isinstance(exc, SQLAlchemyError):  # a full disk under SQLite, a lost database server
-                cause = getattr(exc, "orig", None) or exc
-                reason = f"the state store {store.url} could not be written ({cause})"
-            if orchestrator.final is None:
-                orchestrator.stop(reason, "FAILED")
-            _report_uncaught()
-            raise RunAborted(the_id, reason, given, script=orchestrator.script is not None) from exc
-        status = run_status(store, the_id)
-        store.close()
-        made.append(status)
+                started.recorded = record_stages(orchestrator.run_dir, self.name, orchestrator.stages, description,
+                                          orchestrator.base_dir)
+            if wait:
+                return started.execute()
+            from .handle import RunHandle
+
+            orchestrator.fix_code()
+            handle = RunHandle(started)
+            if _overrides:
+                _overrides[-1][2].append(handle)
+            return handle
+
+
+_running: set[str] = set()
+"""The runs an orchestrator of this process executes now (:func:`_claimed`)."""
+_running_lock = threading.Lock()
+
+
+@contextmanager
+def _claimed(run_id: str) -> Iterator[None]:
+    """Hold ``run_id`` for this process while its run is prepared; the run's thread releases it
+    (:meth:`_Started.execute`) when the run has ended.
+
+    The store refuses a run whose owner is another live process, but the owner is the process: two
+    runs of one kernel (``wait=False``, then ``run(run_id=...)`` of the same run) would both take it.
+    """
+    with _running_lock:
+        if run_id in _running:
+            raise RunLocked(f"run {run_id} is running in this process already (started with wait=False): "
+                            "wait for it with handle.wait(), or stop it with handle.cancel(), before resuming it")
+        _running.add(run_id)
+    try:
+        yield
+    except BaseException:
+        _release(run_id)
+        raise
+
+
+def _release(run_id: str) -> None:
+    with _running_lock:
+        _running.discard(run_id)
+
+
+@dataclass
+class _Started:
+    """A run recorded RUNNING, ready to execute: here (``pipe.run()``) or in a thread (``wait=False``)."""
+
+    pipeline: str
+    orchestrator: Any
+    description: Any
+    store: Any
+    given: tuple[str, ...]
+    made: list[Any]
+    check: bool
+    recorded: bool = False
+    """Whether the stages are recorded in the run for ``hetflow resume`` (a run without a script)."""
+
+    @property
+    def run_id(self) -> str:
+        return str(self.orchestrator.run_id)
+
+    def execute(self) -> RunStatus:
+        """Run to the end; the status, or the error ``pipe.run()`` raises.  Releases the run's claim."""
+        from hetflow.tasks.backends import get_backend
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from .status import run_status
+
+        orchestrator, store, the_id, given = self.orchestrator, self.store, self.run_id, self.given
+        script = orchestrator.script is not None
+        try:
+            try:
+                backend_cls = get_backend(self.description.backend)
+                with _sigterm_interrupts(), backend_cls(self.description, orchestrator.run_dir) as engine:
+                    orchestrator.execute(engine)
+            except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (scancel)
+                if orchestrator.final is None:
+                    orchestrator.stop(interruption(interrupt), "INTERRUPTED")
+                _report_uncaught()
+                raise RunInterrupted(the_id, given, script=script, shell=self.recorded) from None
+            except ResumeRefused:  # the run was left as it was (DONE)
+                _report_uncaught()
+                raise
+            except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
+                from .orchestrator import where
+
+                reason = where(exc)
+                if isinstance(exc, SQLAlchemyError):  # a full disk under SQLite, a lost database server
+                    cause = getattr(exc, "orig", None) or exc
+                    reason = f"the state store {store.url} could not be written ({cause})"
+                if orchestrator.final is None:
+                    orchestrator.stop(reason, "FAILED")
+                _report_uncaught()
+                raise RunAborted(the_id, reason, given, script=script, shell=self.recorded) from exc
+            status = run_status(store, the_id)
+            store.close()
+        finally:
+            _release(the_id)
+        self.made.append(status)
         log.info("run %s ended %s", status.id, status.state)
-        if check and not status.ok:
+        if self.check and not status.ok:
             _report_uncaught()
             status.raise_for_state(given)
         return status
@@ -479,5 +622,6 @@ def _script_path(stages: Mapping[str, StageSpec]) -> str | None:
 
 
 def open_dataset(path: "str | os.PathLike[str]", *, verify: str = "checksum") -> Dataset:
-    """Open a committed dataset directory: ``.to_table()`` or iterate ``.partitions()``."""
+    """Open a committed dataset directory, or its URI on an object store (``s3://bucket/.../name``):
+    ``.to_table()`` or iterate ``.partitions()``."""
     return Dataset(path, verify=verify)  # type: ignore[arg-type]

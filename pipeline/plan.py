@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hetflow.tasks.errors import HetflowError
+
 SUCCESS = frozenset({"DONE", "CACHED"})
 FAILURE = frozenset({"FAILED", "TIMED_OUT", "SKIPPED", "CANCELLED", "WALLTIME"})
 TERMINAL = SUCCESS | FAILURE
@@ -168,7 +170,7 @@ class RunEnded:
 Instruction = LookUpCache | Enqueue | CancelTask | StageChanged | Withdraw | RunEnded
 
 
-class PlanError(ValueError):
+class PlanError(HetflowError, ValueError):
     """An event that does not fit the plan's state (a bug in the shell)."""
 
 

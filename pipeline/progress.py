@@ -6,18 +6,21 @@ loss) and the last line a rank printed.  Everything is read from the attempt
 directories of the running stages (:class:`~hetflow.tasks.protocol.AttemptFiles`),
 never from the state store, so a refresh costs a few small file reads.
 
-Modes: ``live`` (a rich table redrawn in place, on a terminal), ``plain`` (one
-line per stage state change and, every :data:`PLAIN_INTERVAL` seconds, one per
-running stage: what a CI log can keep) and ``off``.  With ``stream_logs``
+Modes: ``live`` (a rich table redrawn in place, on a terminal), ``notebook`` (the
+same table as HTML, one display of the cell updated in place, in a Jupyter kernel),
+``plain`` (one line per stage state change and, every :data:`PLAIN_INTERVAL`
+seconds, one per running stage: what a CI log can keep) and ``off``.  With ``stream_logs``
 (``hetflow run -v``) every line the ranks and launchers write is printed as
 it comes, labelled ``[stage rank r]`` (see :mod:`hetflow.logs`).
 """
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +37,9 @@ PLAIN_INTERVAL_ENV = "HETFLOW_PROGRESS_INTERVAL"
 PLAIN_INTERVAL = 30.0
 """Seconds between the plain progress lines of running stages (``$HETFLOW_PROGRESS_INTERVAL``)."""
 
-Mode = Literal["live", "plain", "off"]
+Mode = Literal["live", "notebook", "plain", "off"]
+NOTEBOOK_REFRESH = 0.5
+"""Seconds between two redraws of the notebook display (each one is a message to the notebook's front end)."""
 FINISHED = ("DONE", "CACHED", "FAILED", "TIMED_OUT", "SKIPPED", "CANCELLED", "INTERRUPTED", "WALLTIME", "REJECTED")
 _STYLE = {"RUNNING": "bold blue", "DONE": "green", "CACHED": "green", "FAILED": "bold red", "TIMED_OUT": "bold red",
           "CANCELLED": "yellow", "SKIPPED": "yellow", "INTERRUPTED": "yellow"}
@@ -135,10 +140,23 @@ def plain_interval(text: str | None) -> float:
 
 
 def choose_mode(requested: bool | None, stream: TextIO) -> Mode:
-    """``False``: off; otherwise a live table on a terminal and plain lines elsewhere."""
+    """``False``: off; otherwise a live table on a terminal, a display updated in place in a notebook's cell
+    (a Jupyter kernel, the run started from its main thread: a cell's code), and plain lines elsewhere."""
     if requested is False:
         return "off"
-    return "live" if stream.isatty() else "plain"
+    if stream.isatty():
+        return "live"
+    return "notebook" if in_notebook() and threading.current_thread() is threading.main_thread() else "plain"
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (IPython with a kernel: what shows rich displays)."""
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 class Progress:
@@ -159,6 +177,7 @@ class Progress:
         self._rows: dict[str, StageRow] = {}
         self._tail = LogTail()
         self._following: dict[str, AttemptLogs] = {}
+        self._display: Any = None  # the notebook's display handle (mode "notebook")
 
     # ---------------------------------------------------------------- loop
     def start(self, orchestrator: Any) -> None:
@@ -175,6 +194,10 @@ class Progress:
             self._live = Live(self.render(orchestrator), console=self._console, refresh_per_second=4,
                               transient=False, redirect_stdout=False, redirect_stderr=False)
             self._live.start()
+        elif self.mode == "notebook":
+            from IPython.display import HTML, display
+
+            self._display = display(HTML(self.html(orchestrator)), display_id=True)
         elif self.mode == "plain":
             self._say(f"hetflow: run {orchestrator.run_id} started ({len(orchestrator.stages)} stages)")
 
@@ -186,6 +209,9 @@ class Progress:
         if self.mode == "live" and self._live is not None and (changed or now - self._last_draw >= 0.25):
             self._last_draw = now
             self._live.update(self.render(orchestrator, scheduler))
+        elif self.mode == "notebook" and self._display is not None and now - self._last_draw >= NOTEBOOK_REFRESH:
+            self._last_draw = now
+            self._redraw(orchestrator, scheduler)
         elif self.mode == "plain":
             for name in changed:
                 self._plain_change(name, now)
@@ -205,6 +231,9 @@ class Progress:
                     self._plain_change(name, time.time())
             if self._live is not None:
                 self._live.update(self.render(orchestrator, getattr(orchestrator, "scheduler", None)))
+            if self._display is not None:
+                self._redraw(orchestrator, getattr(orchestrator, "scheduler", None))
+        self._display = None
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -285,11 +314,12 @@ class Progress:
             text += f" in {elapsed_text(row.elapsed)}"
         return text
 
-    def render(self, orchestrator: Any, scheduler: Any = None) -> Any:
-        """The live table (a rich renderable)."""
-        from rich.table import Table
-        from rich.text import Text
+    def _redraw(self, orchestrator: Any, scheduler: Any) -> None:
+        from IPython.display import HTML
 
+        self._display.update(HTML(self.html(orchestrator, scheduler)))
+
+    def _title(self, orchestrator: Any, scheduler: Any) -> str:
         pilot = orchestrator.pilot
         total_cores = len(pilot.usable_cores()) * pilot.nodes
         total_gpus = (pilot.gpus_per_node or 0) * pilot.nodes
@@ -298,8 +328,29 @@ class Progress:
             for slots in scheduler.running.values():
                 used_cores += sum(len(s.cores) for s in slots)
                 used_gpus += sum(len(s.gpus) for s in slots)
-        title = (f"hetflow run {orchestrator.run_id}  {elapsed_text(time.time() - self._started)}  "
-                 f"cores {used_cores}/{total_cores}" + (f"  GPUs {used_gpus}/{total_gpus}" if total_gpus else ""))
+        return (f"hetflow run {orchestrator.run_id}  {elapsed_text(time.time() - self._started)}  "
+                f"cores {used_cores}/{total_cores}" + (f"  GPUs {used_gpus}/{total_gpus}" if total_gpus else ""))
+
+    def html(self, orchestrator: Any, scheduler: Any = None) -> str:
+        """The live table as HTML, for a notebook's display; every text from the run escaped."""
+        e = html.escape
+        cells = ("stage", "state", "ranks", "slots", "elapsed", "progress", "last output")
+        head = "".join(f'<th style="text-align:left">{name}</th>' for name in cells)
+        rows = []
+        for row in self.rows():
+            values = (row.name, row.state, str(row.ranks), row.slots, elapsed_text(row.elapsed), row.progress,
+                      row.last_line[:120])
+            rows.append("<tr>" + "".join(f'<td style="text-align:left">{e(visible(v, newlines=False))}</td>'
+                                         for v in values) + "</tr>")
+        return (f'<div class="hetflow-live"><b>{e(self._title(orchestrator, scheduler))}</b>'
+                f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
+
+    def render(self, orchestrator: Any, scheduler: Any = None) -> Any:
+        """The live table (a rich renderable)."""
+        from rich.table import Table
+        from rich.text import Text
+
+        title = self._title(orchestrator, scheduler)
         table = Table(title=Text(title, style="bold"), title_justify="left", expand=False, pad_edge=False)
         for column, kwargs in (("stage", {}), ("state", {}), ("ranks", {"justify": "right"}), ("slots", {}),
                                ("elapsed", {"justify": "right"}), ("progress", {}),

@@ -8,7 +8,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from hetflow.tasks.pilot import PilotDescription
-from hetflow.tasks.timeline import Interval, render_timeline
+from hetflow.tasks.timeline import Interval, StageRow, render_timeline
 
 from .store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
 
@@ -43,6 +43,21 @@ def run_intervals(store: Store, run_id: str | None) -> tuple[RunRecord, list[Int
     return found, intervals
 
 
+def stage_rows(store: Store, run_id: str) -> list[StageRow]:
+    """The report's table: one row per stage; a map stage's row counts its items by state."""
+    from .status import run_status
+
+    rows = []
+    for stage in run_status(store, run_id).stages:
+        seconds = f"{stage.ended - stage.started:.2f}" if stage.started and stage.ended else ""
+        items = ""
+        if stage.items:
+            total = sum(stage.items.values())
+            items = f"{total:,} items: " + ", ".join(f"{n:,} {state.lower()}" for state, n in sorted(stage.items.items()))
+        rows.append(StageRow(stage.name, stage.state, str(stage.attempts), seconds, items, stage.cache_reason or ""))
+    return rows
+
+
 def write_report(store: Store, run_id: str | None, html_path: Path | None = None) -> tuple[Path, Path | None]:
     """Write ``report.html`` (and ``.png``) 0600, never through a symlink.
 
@@ -56,5 +71,6 @@ def write_report(store: Store, run_id: str | None, html_path: Path | None = None
     png = html.with_suffix(".png")
     base = run_dir.parent.parent if html_path is None else None
     pilot = PilotDescription.from_mapping(run.pilot, source=f"run {run.id}")
-    render_timeline(intervals, pilot, html, png, title=f"hetflow run {run.id} ({run.state})", base=base)
+    render_timeline(intervals, pilot, html, png, title=f"hetflow run {run.id} ({run.state})", base=base,
+                    stages=stage_rows(store, run.id))
     return html, png if png.exists() else None

@@ -47,10 +47,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from hetflow.tasks.errors import HetflowError
 from hetflow.tasks.protocol import AttemptFiles
 
 from .progress import progress_text
-from .report import run_intervals
+from .report import run_intervals, stage_rows
 from .status import run_status
 from .store import Store
 
@@ -107,11 +108,12 @@ class RunView:
 
         run, intervals = run_intervals(self.store, self.run_id)
         pilot = PilotDescription.from_mapping(run.pilot, source=f"run {run.id}")
-        page: str = timeline_page(intervals, pilot, title=f"hetflow run {run.id} ({run.state})")
+        page: str = timeline_page(intervals, pilot, title=f"hetflow run {run.id} ({run.state})",
+                                  stages=stage_rows(self.store, run.id))
         return page
 
 
-class BadRequest(ValueError):
+class BadRequest(HetflowError, ValueError):
     """A query value outside what the server takes (the message names the parameter and the range)."""
 
 

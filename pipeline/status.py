@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 
-from hetflow.operators.dataset import Dataset
-
 from .errors import RunFailed
-from .store import DatasetRecord, MapItemRecord, RunRecord, StageRecord, Store, TaskRecord, iso
+from .store import AttemptRecord, DatasetRecord, MapItemRecord, RunRecord, StageRecord, Store, TaskRecord, iso
 from .terminal import visible
+
+if TYPE_CHECKING:
+    from hetflow.operators.dataset import Dataset
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,11 @@ class StageStatus:
                 "logs": self.logs()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RunStatus:
-    """A run as recorded: ``id``, ``state`` and one :class:`StageStatus` per stage."""
+    """A run as recorded: ``id``, ``state`` and one :class:`StageStatus` per stage.
+
+    Its ``repr`` is a line per stage; in a notebook it shows as a table (:mod:`hetflow.display`)."""
 
     id: str
     pipeline: str
@@ -90,6 +93,21 @@ class RunStatus:
     rerun: tuple[str, ...] = ()
     """The stages ``--rerun`` forced in this run (and downstream of them); every resume keeps forcing those
     that have not run in it yet."""
+    store_url: str | None = None
+    """The state store it was read from (a ``hetflow serve`` of that store is linked where it is shown)."""
+
+    def __repr__(self) -> str:
+        from .display import run_text
+
+        return run_text(self)
+
+    def _repr_html_(self) -> str:
+        from .display import run_html, serve_link
+
+        link = None
+        if self.store_url is not None:
+            link = serve_link(Path(self.run_dir).parent.parent, self.store_url, self.id)
+        return run_html(self, link=link)
 
     @property
     def ok(self) -> bool:
@@ -108,6 +126,8 @@ class RunStatus:
         (``.to_table()``, ``.partitions()``); ``KeyError`` if the run committed no such dataset."""
         if name not in self.datasets:
             raise KeyError(f"run {self.id} has no committed dataset {name!r} (datasets: {sorted(self.datasets)})")
+        from hetflow.operators.dataset import Dataset   # pyarrow: not loaded by `hetflow status`
+
         return Dataset(self.datasets[name])
 
     def raise_for_state(self, where: Sequence[str] = ()) -> None:
@@ -157,17 +177,21 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
                 select(MapItemRecord.stage, MapItemRecord.state, func.count()).where(MapItemRecord.run_id == run.id)
                 .group_by(MapItemRecord.stage, MapItemRecord.state)):
             counted.setdefault(stage_name, {})[state] = count
+        # per stage: how many of its tasks were launched and the last of them, in two statements (a map
+        # stage has a task per chunk: loading them all, and each one's attempt, made status O(items))
+        launched = dict(session.execute(
+            select(AttemptRecord.stage_id, func.count()).join(StageRecord, StageRecord.id == AttemptRecord.stage_id)
+            .where(StageRecord.run_id == run.id).group_by(AttemptRecord.stage_id)).all())
         for record in session.scalars(select(StageRecord).where(StageRecord.run_id == run.id)
                                       .order_by(StageRecord.order)):
-            tasks = list(session.scalars(select(TaskRecord).where(TaskRecord.stage_id == record.id)
-                                         .order_by(TaskRecord.submitted)))
-            launched = [t for t in tasks if t.attempt is not None]
-            last = launched[-1] if launched else None
+            last = session.scalars(select(TaskRecord).join(AttemptRecord, AttemptRecord.task_id == TaskRecord.id)
+                                   .where(TaskRecord.stage_id == record.id)
+                                   .order_by(TaskRecord.submitted.desc(), AttemptRecord.id.desc()).limit(1)).first()
             slots = tuple(SlotView(s.get("node_name", str(s["node"])), tuple(s["cores"]), tuple(s["gpus"]))
                           for s in (last.slots if last else []))
             attempt = last.attempt if last else None
             stages.append(StageStatus(
-                name=record.name, state=record.state, attempts=len(launched), started=record.started,
+                name=record.name, state=record.state, attempts=launched.get(record.id, 0), started=record.started,
                 ended=record.ended, slots=slots, error=record.error,
                 traceback=attempt.traceback if attempt else None,
                 failed_rank=attempt.failed_rank if attempt else None,
@@ -178,12 +202,13 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
         datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
         return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
                          ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets,
-                         script=run.script, error=run.error, rerun=tuple(run.rerun or ()))
+                         script=run.script, error=run.error, rerun=tuple(run.rerun or ()), store_url=str(store.url))
 
 
 def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
     """The items of map stage ``stage`` of run ``run_id`` (``hetflow status RUN STAGE --items``): each item's
-    index, label, state, tries and error.  A stage reused whole from another run lists that run's items.
+    index, label, state, tries and error; ``summary``, the stage's line (``map 1,000 items: ...``, and why its
+    items ran in a process each when one changed state, :mod:`hetflow.tasks.mapitems`).  A stage reused whole from another run lists that run's items.
     ``KeyError`` when the run has no such stage, ``ValueError`` when it is not a map stage with items."""
     found = store.resolve_run(run_id)
     with store.session() as session:
@@ -209,6 +234,7 @@ def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
         for row in rows:
             counts[row.state] = counts.get(row.state, 0) + 1
         return {"run": found.id, "stage": stage, "items_of_run": source, "counts": counts,
+                "summary": record.cache_reason,
                 "items": [{"index": r.index, "label": r.label, "state": r.state, "tries": r.tries,
                            "error": r.error, "cached_from": r.cached_from, "started": iso(r.started),
                            "ended": iso(r.ended)} for r in rows]}

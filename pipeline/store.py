@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import psutil
 from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
-                        event, func, select, text, update)
+                        event, func, insert, select, text, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
@@ -403,6 +403,31 @@ def _writable(directory: Path) -> bool:
         return False
 
 
+PINNED = "hetflow.pinned"
+"""``Session.info`` key: the records a :meth:`Store.batch` session has loaded, held for the batch's life."""
+
+
+def _pin_in_batch(session: Session, instance: Any) -> None:
+    """Hold every record a batch loads until the batch ends: a session keeps only weak references to the
+    records it loaded, so one that nothing else holds is dropped after a flush, and the next ``get`` of it
+    in the same batch (a stage's record, read again by each step of its task) would query it again."""
+    pinned = session.info.get(PINNED)
+    if pinned is not None:
+        pinned.append(instance)
+
+
+EVENTS = "hetflow.events"
+"""``Session.info`` key: the events a :meth:`Store.batch` has recorded and not written yet."""
+
+
+def _write_events(session: Session) -> None:
+    """Write the events a batch has recorded, in one INSERT of many rows (not one ORM object each)."""
+    pending = session.info.get(EVENTS)
+    if pending:
+        session.execute(insert(EventRecord), list(pending))
+        pending.clear()
+
+
 def default_url(workdir: Path) -> str:
     return f"sqlite:///{(workdir / 'hetflow.db').resolve()}"
 
@@ -450,6 +475,7 @@ class Store:
             except SQLAlchemyError as exc:  # a damaged file, a server that does not answer: one line
                 raise StoreUnreadable(unreadable(url, exc)) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        event.listen(self._sessions, "loaded_as_persistent", _pin_in_batch)
         self._batch = threading.local()
         self._path = path
 
@@ -505,9 +531,12 @@ class Store:
             yield
             return
         session = self._sessions()
+        session.info[PINNED] = []
+        session.info[EVENTS] = []
         self._batch.session = session
         try:
             yield
+            _write_events(session)
             session.commit()
         except BaseException:
             session.rollback()
@@ -520,6 +549,7 @@ class Store:
         """Commit the current :meth:`batch` now (the batch goes on in a new transaction); nothing outside one."""
         batch = getattr(self._batch, "session", None)
         if batch is not None:
+            _write_events(batch)
             batch.commit()
 
     def close(self) -> None:
@@ -562,8 +592,15 @@ class Store:
     # ------------------------------------------------------------ helpers
     @staticmethod
     def event(session: Session, run_id: str, kind: str, name: str, state: str, **detail: Any) -> None:
-        session.add(EventRecord(run_id=run_id, time=time.time(), kind=kind, name=name, state=state,
-                          detail=json.loads(json.dumps(detail, default=str))))
+        """Record an event; inside a :meth:`batch`, written with the batch's other events in one statement
+        when it commits (events are only read by other sessions, never by the batch that writes them)."""
+        row = {"run_id": run_id, "time": time.time(), "kind": kind, "name": name, "state": state,
+               "detail": json.loads(json.dumps(detail, default=str))}
+        pending = session.info.get(EVENTS)
+        if pending is not None:
+            pending.append(row)
+        else:
+            session.add(EventRecord(**row))
 
     def runs(self) -> list[RunRecord]:
         """All runs, oldest first, after :meth:`reconcile_dead_runs`: none is RUNNING without a live owner."""

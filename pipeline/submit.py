@@ -36,6 +36,7 @@ from hetflow.tasks.batch import batch_script, parse_job_id, sbatch_argv
 from hetflow.tasks.errors import ConfigError, HetflowError
 from hetflow.tasks.pilot import PilotDescription, load_pilot
 
+from .datadir import check_data_dir
 from .pipeline import Declared, Pipeline, RunOptions, run_options
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -77,12 +78,14 @@ def check_run_id(run_id: str) -> str:
 
 
 def job_command(script: Path, *, pilot: str, run_id: str, workdir: Path, db: str | None,
-                params: Sequence[str]) -> list[str]:
+                params: Sequence[str], data_dir: str | None = None) -> list[str]:
     """The ``hetflow run`` argv the job executes (this Python, so the same installation runs it)."""
     argv = [sys.executable, "-m", "hetflow.cli", "run", str(script), "--pilot", pilot, "--backend", "slurm",
             "--run-id", run_id, "--workdir", str(workdir), "--no-progress"]
     if db is not None:
         argv += ["--db", db]
+    if data_dir is not None:
+        argv += ["--data-dir", data_dir]
     for param in params:  # KEY=VALUE as the user typed it: the job parses it as hetflow run does
         argv += ["--param", param]
     return argv
@@ -214,12 +217,13 @@ def partition_shape(sinfo: str, *, queue: str | None) -> tuple[int, int] | None:
 
 
 def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db: str | None,
-           chain: int = 0, walltime: float | None = None) -> Submitted:
+           chain: int = 0, walltime: float | None = None, data_dir: str | None = None) -> Submitted:
     """Write the batch script for ``script`` on ``pilot`` and submit it; raises :class:`SubmitError`.
 
     ``chain``: how many more jobs may follow, each submitted by its predecessor when the
     walltime drain stopped the run (:func:`submit_successor`).  ``walltime`` (seconds) replaces
-    the config's; a pilot with neither is refused.
+    the config's; a pilot with neither is refused.  ``data_dir`` (``--data-dir``) is where the job's
+    datasets go (:mod:`hetflow.datadir`), checked here.
     """
     path = Path(script)
     if not path.is_file():
@@ -230,6 +234,8 @@ def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db:
     if description.walltime is None:
         raise ConfigError(f"pilot {description.name!r} has no walltime: the job would get the partition's "
                           "default time limit; set walltime: 'HH:MM:SS' in the config or pass --walltime HH:MM:SS")
+    if data_dir is not None:
+        data_dir = check_data_dir(data_dir, what="--data-dir")
     shaped = job_shape(description)
     for pipe in declared_pipelines(path):  # what would fail in the job fails here, before the queue
         pipe.validate(shaped)
@@ -244,7 +250,8 @@ def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db:
     folder = workdir / "submit"
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     log = folder / f"{run_id}-%j.out"
-    command = job_command(path.resolve(), pilot=pilot_arg, run_id=run_id, workdir=workdir, db=db, params=params)
+    command = job_command(path.resolve(), pilot=pilot_arg, run_id=run_id, workdir=workdir, db=db, params=params,
+                          data_dir=data_dir)
     batch = folder / f"{run_id}.sbatch"
     text = batch_script(description, command, job_name=f"hetflow-{run_id}"[:128], output=log, chdir=Path.cwd(),
                         successor=successor_command(run_id, batch, workdir=workdir, db=db), chain=chain,

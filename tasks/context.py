@@ -190,13 +190,11 @@ class StageContext:
             except (TypeError, ValueError):
                 values[key] = str(value)
         path = AttemptFiles(self.workdir).progress(self.rank)
-        temp = path.with_name(f".{path.name}.{os.getpid()}")
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump({"done": float(done), "total": None if total is None else float(total), "unit": unit,
-                           "metrics": values, "time": now}, fh)
-            os.replace(temp, path)
+            from hetflow.operators import safeio
+
+            safeio.atomic_write(path, json.dumps({"done": float(done), "total": None if total is None else float(total),
+                                                  "unit": unit, "metrics": values, "time": now}).encode(), durable=False)
         except OSError as exc:  # only the display misses it: a full disk or a context without a directory
             if not getattr(self, "_progress_failed", False):  # must not end a stage that is otherwise fine
                 object.__setattr__(self, "_progress_failed", True)

@@ -1,14 +1,16 @@
 """Errors raised by the task layer (descriptions, pilots, scheduling, launching).
 
-``HetflowError`` is the root of every hetflow error; the user API re-exports it.
+``HetflowError``, the root of every hetflow error, is defined in the bottom layer
+(``hetflow.operators.errors``) and re-exported here and by the user API.
 Errors about bad values also subclass ``ValueError`` so generic handlers work.
 """
 
 from __future__ import annotations
 
+from hetflow.operators.errors import HetflowError
 
-class HetflowError(Exception):
-    """Root of all hetflow errors."""
+__all__ = ["HetflowError", "ConfigError", "UnsatisfiableRequest", "MissingExtraError", "TaskFailed", "ProtocolError",
+           "UnsafeShippedFunction", "ShippingFailed"]
 
 
 class ConfigError(HetflowError, ValueError):

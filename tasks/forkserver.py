@@ -28,18 +28,30 @@ The child is what ``mpiexec -n 1 python -m hetflow.tasks.worker SPEC`` would
 have been: the leader of a new session (so the backend's timeout, cancel and
 Ctrl-C kill its process group as before), stdin from ``/dev/null``, stdout and
 stderr appended to the attempt's logs, the task's working directory and
-environment (less a launcher's ``PMI_*`` variables), then :func:`worker.main
-<hetflow.tasks.worker.main>`, which forks the rank below its witness as
-usual; MPI starts in the rank as a singleton, so the stage's communicator is
-a real MPI communicator of size 1.  The child leaves the server's loop by
-returning from it and ends as an interpreter does (threads joined, ``atexit``
-handlers run, MPI finalized, streams flushed) but without tearing down every
-module the server imported, which would double what a short stage costs.
+environment (less a launcher's ``PMI_*`` variables), then :func:`worker.run
+<hetflow.tasks.worker.run>`: the child is the rank itself, one fork per task.
+MPI starts in the rank as a singleton, so the stage's communicator is a real
+MPI communicator of size 1.  The child leaves the server's loop by returning
+from it and ends as an interpreter does (threads joined, ``atexit`` handlers
+run, MPI finalized, streams flushed) but without tearing down every module the
+server imported, which would double what a short stage costs.
+
+The server is the witness of its children (what :mod:`hetflow.tasks.witness`
+is to a rank started by a launcher), since it is their parent anyway: when a
+child ends abnormally it writes the child's ``ended-<pid>.json`` (and removes
+its recorded MPICH segments) before it reports the end.  Nothing a rank starts
+outlives it: each child is a subreaper, so what its descendants orphan stays
+below it, and it ends every descendant before it exits; a child that dies
+without doing so (a signal, ``os._exit``) leaves its descendants to the
+server, itself a subreaper, which ends them (SIGTERM, SIGKILL after the
+witness's grace) before it reports that child's end.  While it does, the
+server forks nothing: only a rank killed while it had left something running
+makes it wait.
 
 Protocol, one JSON object per line: the backend writes ``{"id", "spec",
 "cwd", "env", "stdout", "stderr"}``; the server answers ``{"id", "pid"}``
 once the child is forked (or ``{"id", "error"}``) and ``{"pid", "status"}``
-(the wait status) when a child has ended.  The server ends when its stdin
+(the wait status, after the witness's work) when a child has ended.  The server ends when its stdin
 closes; children still running carry on, orphaned, like a launcher's ranks
 when the orchestrator is gone.
 """
@@ -57,11 +69,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from .errors import HetflowError
 from .protocol import FORK_SERVER
 
 log = logging.getLogger(__name__)
@@ -78,6 +92,11 @@ SINGLETON_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "shm"}
 """A warm rank is an MPI world of one: MPICH's OFI module with libfabric's shared-memory provider only,
 so its ``MPI_Init`` probes no network (the PyPI MPICH's default, UCX, does: several times slower) and
 nothing listens on a network address."""
+
+NO_PROVIDER_DIR = {"FI_PROVIDER_PATH": os.devnull}
+"""With libfabric's ``shm`` provider (built into libfabric) chosen, no directory to load other providers from:
+libfabric would otherwise load its dynamic ones (EFA, verbs, PSM2) and their libraries in every rank's
+``MPI_Init``, to use none of them."""
 
 BOOT = ("import importlib, sys\n"
         "if sys.path and sys.path[0] == '': del sys.path[0]\n"
@@ -119,7 +138,12 @@ def _reply(message: Mapping[str, Any]) -> None:
         data = data[os.write(1, data):]
 
 
+_tasks: dict[int, str] = {}
+"""The children this server forked for tasks (their ranks), by pid: each one's attempt directory."""
+
+
 def _reap() -> None:
+    """Report every task child that has ended, as its witness would (:func:`_witness`)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -127,7 +151,70 @@ def _reap() -> None:
             return
         if pid == 0:
             return
-        _reply({"pid": pid, "status": status})
+        _witness(pid, status)
+
+
+def _witness(pid: int, status: int) -> None:
+    """What a rank's witness does (:mod:`hetflow.tasks.witness`), here for a task child ``pid`` that has
+    ended: an abnormal end is recorded in its attempt directory (and its MPICH segments removed), what it
+    left behind is ended, and only then is its wait status reported.  A child that is not a task is one
+    of the orphans :func:`_end_orphans` ends: nothing to report."""
+    attempt_dir = _tasks.pop(pid, None)
+    if attempt_dir is None:
+        return
+    if status != 0:
+        from hetflow.tasks import shm
+        from hetflow.tasks.protocol import AttemptFiles
+        from hetflow.tasks.witness import record_end
+
+        record_end(Path(attempt_dir), pid, status)
+        shm.remove_recorded(AttemptFiles(Path(attempt_dir)).shm_segments(pid))
+    _end_orphans()
+    _reply({"pid": pid, "status": status})
+
+
+def _end_orphans() -> None:
+    """End every child of this server that is not a task, with what it started: SIGTERM, SIGKILL after the
+    witness's grace; return when none is left.
+
+    Each task child is a subreaper (:func:`_become_task`): while it runs, what its descendants orphan
+    becomes its own child, and it ends them all before it exits (:func:`_exit`).  So a child of this
+    server that is not a task was orphaned by a task child that died without doing so (a signal,
+    ``os._exit``), and belongs to a task that has ended."""
+    from hetflow.tasks.witness import KILL_GRACE
+
+    orphans = _orphans()
+    if not orphans:
+        return
+    from hetflow.tasks.proctree import descendants
+
+    deadline = time.monotonic() + KILL_GRACE
+    termed: set[int] = set()
+    while orphans:
+        late = time.monotonic() >= deadline
+        for pid in [p for orphan in orphans for p in (orphan, *descendants(orphan))]:
+            if late or pid not in termed:
+                try:
+                    os.kill(pid, signal.SIGKILL if late else signal.SIGTERM)
+                    if not late:
+                        os.kill(pid, signal.SIGCONT)  # a stopped process must run to see SIGTERM
+                except ProcessLookupError:
+                    pass
+                termed.add(pid)
+        for pid in orphans:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        time.sleep(0.005)
+        orphans = _orphans()  # what an ended orphan started is ours now
+
+
+def _orphans() -> list[int]:
+    """This server's children that are not tasks (zombies included, until they are reaped)."""
+    from hetflow.tasks.proctree import children
+
+    return [pid for pid in children(os.getpid()) if pid not in _tasks]
 
 
 NO_SCRIPTS = "--no-scripts"
@@ -255,9 +342,10 @@ def _preload_stage(job: Job) -> bool:
 
 def _restart(pending: bytes) -> NoReturn:
     """Replace this process by a server that loads no script's imports: same pid, pipes and children;
-    ``pending`` (requests read but not served yet) is handed to it."""
+    ``pending`` (requests read but not served yet) and the running tasks are handed to it."""
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-c", BOOT, FORK_SERVER, NO_SCRIPTS, pending.hex()])
+    os.execv(sys.executable, [sys.executable, "-c", BOOT, FORK_SERVER, NO_SCRIPTS, pending.hex(),
+                              json.dumps(_tasks)])
 
 
 def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
@@ -310,7 +398,9 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                     signal.set_wakeup_fd(-1)
                     os.close(wake_r)
                     os.close(wake_w)
+                    _tasks.clear()
                     return job
+                _tasks[pid] = str(Path(job.spec).parent)  # the worker's attempt directory
                 _reply({"id": job.id, "pid": pid})
     finally:
         if os.getpid() == _server_pid:
@@ -326,6 +416,9 @@ def _open_log(path: str | None) -> int:
 def _become_task(job: Job) -> None:
     """In the child: take the task's session, files, directory and environment, as a launcher would."""
     os.setsid()
+    from hetflow.tasks.witness import become_subreaper
+
+    become_subreaper()  # what its descendants orphan stays below it, for _exit to end
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -341,6 +434,9 @@ def _become_task(job: Job) -> None:
     os.environ.update(job.env)
     for name, value in SINGLETON_ENV.items():  # unless the user chose a transport for their MPI
         os.environ.setdefault(name, value)
+    if os.environ.get("FI_PROVIDER") == "shm":
+        for name, value in NO_PROVIDER_DIR.items():
+            os.environ.setdefault(name, value)
     _fresh_random_state()
     from hetflow.tasks import worker
 
@@ -385,7 +481,7 @@ _server_pid = 0
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    """The server; in each forked child, the task (the witness and its rank both come back here to end)."""
+    """The server; in each forked child, the task's rank, which comes back here to end."""
     global _server_pid
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == FORK_SERVER:  # started by BOOT: the module's name comes first
@@ -393,21 +489,28 @@ def main(argv: list[str] | None = None) -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the orchestrator's to handle
     _preload()
     _server_pid = os.getpid()
+    from hetflow.tasks.witness import become_subreaper
+
+    become_subreaper()  # a task child that dies leaves its orphans to this server (_end_orphans)
     scripts = not (args and args[0] == NO_SCRIPTS)
+    if not scripts and len(args) > 2:  # the tasks of the server this one replaced
+        _tasks.update({int(pid): str(attempt) for pid, attempt in json.loads(args[2]).items()})
     job = serve(preload=scripts, pending=b"" if scripts else bytes.fromhex(args[1] if len(args) > 1 else ""))
     if job is None:  # the backend is done: nothing here needs tearing down
         _exit(0)
     _become_task(job)
     from hetflow.tasks import worker
 
-    _exit(worker.main([job.spec]))  # MPI starts in the rank (see worker.run)
+    _exit(worker.run(job.spec), task=True)  # the rank itself: this server is its witness; MPI starts here
 
 
-def _exit(code: int) -> NoReturn:
+def _exit(code: int, task: bool = False) -> NoReturn:
     """End a child as the interpreter would, less the teardown of every module the server imported.
 
     Non-daemon threads are waited for, ``atexit`` handlers run (MPI is finalized) and the standard
-    streams are flushed, as at a normal exit; objects still alive are not finalized one by one.
+    streams are flushed, as at a normal exit; objects still alive are not finalized one by one.  A
+    ``task`` (a rank) then ends every descendant still there, as its witness would, so nothing it
+    started outlives it.
     """
     import atexit
 
@@ -420,6 +523,10 @@ def _exit(code: int) -> NoReturn:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        if task:
+            from hetflow.tasks.witness import end_descendants
+
+            end_descendants()
         os._exit(code)
 
 
@@ -567,7 +674,7 @@ class ForkServer:
         self._reader.join(timeout=10.0)
 
 
-class ForkServerGone(RuntimeError):
+class ForkServerGone(HetflowError, RuntimeError):
     """The fork server cannot start a task (it has ended); the caller starts the task cold."""
 
 

@@ -10,10 +10,20 @@ item's own directory, and one line per item is appended to
 <hetflow.tasks.protocol.AttemptFiles.item_results>`) as it ends, so what ended
 before a crash is kept.
 
-Isolation (decision): a one-rank task forks a child per item from the loaded
-rank, so what one item does to its process (module globals, the environment,
-the working directory, open files) is gone before the next starts, and an item
-that crashes ends only itself.  The child does not use MPI: its ``ctx.comm`` is
+Isolation (decision): a one-rank task runs its items in a *runner*, a child
+forked from the loaded rank, one after another in that process (an item costs
+its work, not a process), and checks after each item that it left nothing a
+later item would read (:mod:`hetflow.tasks.itemstate`: the user's modules'
+globals, followed into their values; the working directory, the environment,
+``sys.path``, threads, newly imported user modules).  An item that changed such
+state still counts (it ran from the same state as every other); the items after
+it run in a child each, forked from the clean rank, and its line says why
+(``isolation``), which the orchestrator reports once.  An item that ends the
+runner (a crash, ``os._exit``, a signal) or runs past the stage's timeout (its
+runner is killed) fails alone: the lines written before stay, and a new runner
+goes on with the next item.  With ``item_isolation="fork"`` (the stage's
+``map_isolation``) every item runs in a child of its own, as each runner's
+items do once one changed state.  A child does not use MPI: its ``ctx.comm`` is
 the rank's world of one, which a one-rank item only asks for its rank and size.
 The ranks of a multi-rank task stay one MPI world for all their items and run
 them in the same processes, one after another; an item that fails there ends
@@ -76,20 +86,20 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
             import hetflow.operators.settings  # noqa: F401 - what each item's run imports: once here
 
             pa.table({"x": [0]})  # pyarrow loads pandas on a table's first making: once here, not per child
-            gc.collect()
+            if spec.item_isolation == "fork":  # a child per item: what is garbage now is not copied into each
+                gc.collect()
             gc.freeze()
         sink = os.open(files.item_results(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             log_path = str(files.rank_log(rank))
-            for item in spec.items:
+            if size == 1:
+                _one_rank(shared, list(spec.items), sink, log_path)
+            for item in spec.items if size > 1 else ():
                 start = _log_size()
-                if size == 1:
-                    line = _forked(shared, item)
-                else:
-                    line = shared.run(item)
+                line = shared.run(item)
                 line["log"] = [log_path, start, _log_size()]  # what the item printed: that span of the rank's log
                 os.write(sink, (json.dumps(line) + "\n").encode())
-                if size > 1 and line["status"] != "ok":
+                if line["status"] != "ok":
                     failed = True  # the other ranks may wait in a collective: the task ends here
                     break
         finally:
@@ -221,6 +231,133 @@ class _Shared:
         return line
 
 
+def _one_rank(shared: _Shared, items: list[Mapping[str, Any]], sink: int, log_path: str) -> None:
+    """Run a one-rank task's items, each line appended to ``sink``: in a runner process while no item changes
+    what a later one would read (``item_isolation="checked"``), the rest (or all, ``"fork"``) in a child each."""
+    spec = shared.spec
+    why: str | None = None
+    if spec.item_isolation == "checked":
+        from . import itemstate
+
+        try:
+            snapshot = itemstate.take([sys.modules[shared.func.__module__]] if shared.func.__module__ in sys.modules
+                                      else [])
+        except itemstate.TooLarge as exc:
+            why = f"{exc}, too many to check after each item"
+        noted = False  # said on the line of the item that changed state
+        while items and why is None:
+            items, why, noted = _runner(shared, items, snapshot, sink, log_path)
+        if why is not None and items:
+            shared.log.warning("the %d item(s) from item %s on run in a process each: %s", len(items),
+                               items[0]["index"], why)
+    for position, item in enumerate(items):
+        start = _log_size()
+        line = _forked(shared, item)
+        line["log"] = [log_path, start, _log_size()]  # what the item printed: that span of the rank's log
+        if position == 0 and why is not None and not noted:
+            line["forked"] = why  # the orchestrator says it once
+        os.write(sink, (json.dumps(line) + "\n").encode())
+
+
+def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink: int, log_path: str
+            ) -> tuple[list[Mapping[str, Any]], str | None, bool]:
+    """Run ``items`` one after another in one child of this rank (the *runner*), each checked against
+    ``snapshot`` after it ends; the items it did not reach, why they must run in a process each
+    (``None``: the runner was ended by an item, which is recorded as failed, and another may go on),
+    and whether an item's line says so already (the item that changed state).
+
+    The runner appends each item's line to ``sink`` itself and tells this rank on a pipe when an item
+    starts (``S <index>``) and ends (``D <index>``, or ``L <index> <what it changed>``, after which it
+    stops); so an item that runs past the stage's timeout is killed with its runner, and one that ends
+    its process (``os._exit``, a signal, a crash) is named, without losing the lines written before."""
+    from . import itemstate
+
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the runner
+        code = 1
+        try:
+            os.close(read_end)
+            randoms = itemstate.RandomState()
+            for item in items:
+                os.write(write_end, f"S {item['index']}\n".encode())
+                randoms.restore()
+                start = _log_size()
+                line = shared.run(item)
+                line["log"] = [log_path, start, _log_size()]
+                what = itemstate.changed(snapshot)
+                if what is not None:
+                    what = " ".join(what.split())  # one line on the pipe, whatever a path holds
+                    line["isolation"] = what  # the orchestrator says it once, and forks the stage's later items
+                os.write(sink, (json.dumps(line) + "\n").encode())
+                if what is not None:
+                    os.write(write_end, f"L {item['index']} {what}\n".encode())
+                    break
+                os.write(write_end, f"D {item['index']}\n".encode())
+            code = 0
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    os.close(write_end)
+    timeout = shared.spec.item_timeout
+    done, running, started, log_start = 0, False, 0.0, 0
+    deadline: float | None = None
+    why: str | None = None
+    timed_out = False
+    pending = b""
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([pipe], [], [], wait)[0]:
+                os.kill(pid, signal.SIGKILL)  # past the stage's timeout: the item ends with its runner
+                timed_out = True
+                break
+            chunk = pipe.read(1 << 16)
+            if not chunk:
+                break
+            *messages, pending = (pending + chunk).split(b"\n")
+            for message in messages:
+                kind, _, rest = message.decode().partition(" ")
+                if kind == "S":
+                    running, started, log_start = True, time.time(), _log_size()
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                else:
+                    running, deadline, done = False, None, done + 1
+                    if kind == "L":
+                        why = f"item {rest.partition(' ')[0]} changed what later items would read: " \
+                              f"{rest.partition(' ')[2]}"
+    _, status = os.waitpid(pid, 0)
+    how = _how(status, timeout if timed_out else None)
+    if running:  # the item in flight ended its runner
+        line = _no_result(items[done], how)
+        line["started"], line["log"] = started, [log_path, log_start, _log_size()]
+        # on a line of its own, whatever the runner was writing when it ended (a cut line is skipped)
+        os.write(sink, ("\n" + json.dumps(line) + "\n").encode())
+        done += 1
+    elif why is None and done < len(items):
+        return items[done:], f"their runner process ended between items ({how})", False
+    return items[done:], why, why is not None
+
+
+def _how(status: int, timeout: float | None) -> str:
+    """How a process ended, from its wait status (``timeout``: it was killed for running past it)."""
+    if timeout is not None:
+        return f"it exceeded the stage's timeout of {timeout:g}s and was killed"
+    return f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else \
+        f"exit code {os.WEXITSTATUS(status)}"
+
+
+def _no_result(item: Mapping[str, Any], how: str) -> dict[str, Any]:
+    now = time.time()
+    return {"index": item["index"], "key": item["key"], "status": "error", "started": now, "ended": now,
+            "error": f"the item's process ended without a result ({how})"}
+
+
 def _forked(shared: _Shared, item: Mapping[str, Any]) -> dict[str, Any]:
     """Run ``item`` in a child of this rank; its result line, or why the child ended without one."""
     read_end, write_end = os.pipe()
@@ -259,15 +396,10 @@ def _forked(shared: _Shared, item: Mapping[str, Any]) -> dict[str, Any]:
                 break
             chunks.append(chunk)
     _, status = os.waitpid(pid, 0)
-    try:
-        if timed_out:
-            raise ValueError("timed out")
-        found: dict[str, Any] = json.loads(b"".join(chunks))
-        return found
-    except ValueError:
-        how = f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else \
-            f"exit code {os.WEXITSTATUS(status)}"
-        if timed_out:
-            how = f"it exceeded the stage's timeout of {timeout:g}s and was killed"
-        return {"index": item["index"], "key": item["key"], "status": "error", "started": time.time(),
-                "ended": time.time(), "error": f"the item's process ended without a result ({how})"}
+    if not timed_out:
+        try:
+            found: dict[str, Any] = json.loads(b"".join(chunks))
+            return found
+        except ValueError:
+            pass
+    return _no_result(item, _how(status, timeout if timed_out else None))

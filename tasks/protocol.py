@@ -55,6 +55,8 @@ class ScriptImportStop(BaseException):
 log = logging.getLogger(__name__)
 
 VERIFY = ("checksum", "size", "none")
+ITEM_ISOLATION = ("checked", "fork")
+"""How a one-rank map task runs its items: :mod:`hetflow.tasks.mapitems`."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 STATUSES = ("ok", "error", "running")
 _REQUIRED: Any = object()
@@ -213,6 +215,9 @@ class WorkerSpec:
     map_input: str | None = None
     item_timeout: float | None = None
     """Seconds an item of a one-rank map task may run before its process is killed (the stage's ``timeout``)."""
+    item_isolation: Literal["checked", "fork"] = "checked"
+    """How a one-rank map task isolates its items (:mod:`hetflow.tasks.mapitems`): one after another in one
+    process, checked after each for state a later item would read (``checked``), or a process each (``fork``)."""
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -237,6 +242,9 @@ class WorkerSpec:
                                               not self.item_timeout > 0):
             raise ProtocolError(f"stage {self.stage!r}: item_timeout={self.item_timeout!r} (expected seconds > 0, "
                                 "or null)")
+        if self.item_isolation not in ITEM_ISOLATION:
+            raise ProtocolError(f"stage {self.stage!r}: item_isolation={self.item_isolation!r} (allowed: "
+                                f"{list(ITEM_ISOLATION)})")
         for item in self.items:
             if not isinstance(item.get("index"), int) or not isinstance(item.get("key"), str) or \
                     not isinstance(item.get("outputs"), Mapping) or \
@@ -262,7 +270,8 @@ class WorkerSpec:
                 "gpu_vendor": self.gpu_vendor, "memory_per_rank": self.memory_per_rank,
                 "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv),
                 "script_sha256": self.script_sha256, "items": [dict(item) for item in self.items],
-                "map_input": self.map_input, "item_timeout": self.item_timeout}
+                "map_input": self.map_input, "item_timeout": self.item_timeout,
+                "item_isolation": self.item_isolation}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -294,7 +303,8 @@ class WorkerSpec:
                       "script_sha256": top.get("script_sha256", (str, type(None)), "a string or null", None),
                       "items": tuple(top.items("items", dict, "objects", ())),
                       "map_input": top.get("map_input", (str, type(None)), "a string or null", None),
-                      "item_timeout": top.get("item_timeout", (int, float, type(None)), "a number or null", None)}
+                      "item_timeout": top.get("item_timeout", (int, float, type(None)), "a number or null", None),
+                      "item_isolation": top.text("item_isolation", "checked")}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .errors import HetflowError
+
 _LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader)
 """Loaders whose modules can be executed later (a C extension is created when it is found)."""
 
@@ -114,7 +116,7 @@ def prepare(path: str, source: bytes) -> None:
 SCRIPT_MODULE = "__hetflow_script__"
 """The name a worker gives the pipeline script it executes."""
 
-class ScriptChanged(RuntimeError):
+class ScriptChanged(HetflowError, RuntimeError):
     """The script's file is not the version its run started with."""
 
 

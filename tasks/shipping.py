@@ -28,10 +28,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hetflow.operators import safeio
+
 from .errors import ShippingFailed, UnsafeShippedFunction
 
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NOFOLLOW = safeio.O_NOFOLLOW
+_O_DIRECTORY = safeio.O_DIRECTORY
 
 
 def ships_by_value(func: Callable[..., Any]) -> bool:
@@ -110,6 +112,19 @@ def load(path: Path, stage: str) -> Callable[..., Any]:
     """
     import pickle
 
+    data = read_checked(path, f"stage {stage!r}", "its shipped function", "the attempt directory hetflow made",
+                        "for this attempt")
+    func = pickle.loads(data)  # checked: only this user could have written it
+    if not callable(func):
+        raise UnsafeShippedFunction(f"stage {stage!r}: {path} holds a {type(func).__name__}, not a function")
+    return func  # type: ignore[no-any-return]
+
+
+def read_checked(path: Path, who: str, what: str, directory_made: str, written: str) -> bytes:
+    """The bytes of ``path``, a pickle of ``who`` (``"stage 'x'"``, ``"run R"``) holding ``what``, once it is
+    known that only this user could have written it: a regular file, no symbolic link, owned by this user
+    and not writable by group or others, in a directory with the same properties (``directory_made`` and
+    ``written`` say, in the message, which one hetflow made).  :class:`UnsafeShippedFunction` otherwise."""
     path = Path(path)
     user = os.geteuid()
     directory = path.parent
@@ -117,28 +132,24 @@ def load(path: Path, stage: str) -> Callable[..., Any]:
         dfd = os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW)
     except OSError as exc:
         problem = "it is a symbolic link" if os.path.islink(directory) else (exc.strerror or str(exc))
-        raise UnsafeShippedFunction(f"stage {stage!r}: refusing the directory {directory} of its shipped function: "
-                                    f"{problem} (expected the attempt directory hetflow made)") from None
+        raise UnsafeShippedFunction(f"{who}: refusing the directory {directory} of {what}: "
+                                    f"{problem} (expected {directory_made})") from None
     try:
-        _check(stage, directory, os.fstat(dfd), user, "directory", stat.S_ISDIR)
+        _check(who, what, directory, os.fstat(dfd), user, "directory", stat.S_ISDIR)
         try:
             fd = os.open(path.name, os.O_RDONLY | _O_NOFOLLOW, dir_fd=dfd)
         except OSError as exc:
             problem = "it is a symbolic link" if os.path.islink(path) else (exc.strerror or str(exc))
-            raise UnsafeShippedFunction(f"stage {stage!r}: refusing its shipped function {path}: {problem} "
-                                        "(expected a regular file hetflow wrote for this attempt)") from None
+            raise UnsafeShippedFunction(f"{who}: refusing {what} {path}: {problem} "
+                                        f"(expected a regular file hetflow wrote {written})") from None
     finally:
         os.close(dfd)
     with os.fdopen(fd, "rb") as fh:
-        _check(stage, path, os.fstat(fh.fileno()), user, "file", stat.S_ISREG)
-        data = fh.read()
-    func = pickle.loads(data)  # checked above: only this user could have written it
-    if not callable(func):
-        raise UnsafeShippedFunction(f"stage {stage!r}: {path} holds a {type(func).__name__}, not a function")
-    return func  # type: ignore[no-any-return]
+        _check(who, what, path, os.fstat(fh.fileno()), user, "file", stat.S_ISREG)
+        return fh.read()
 
 
-def _check(stage: str, path: Path, info: os.stat_result, user: int, kind: str,
+def _check(who: str, what: str, path: Path, info: os.stat_result, user: int, kind: str,
            is_kind: Callable[[int], bool]) -> None:
     problems = []
     if not is_kind(info.st_mode):
@@ -149,5 +160,5 @@ def _check(stage: str, path: Path, info: os.stat_result, user: int, kind: str,
         problems.append(f"its mode {stat.S_IMODE(info.st_mode):04o} lets group or others write it")
     if problems:
         raise UnsafeShippedFunction(
-            f"stage {stage!r}: refusing to unpickle its shipped function: {kind} {path}: {'; '.join(problems)} "
+            f"{who}: refusing to unpickle {what}: {kind} {path}: {'; '.join(problems)} "
             f"(expected a {kind} owned by this user that group and others cannot write)")

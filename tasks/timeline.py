@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .paths import write_private_file
 from .pilot import PilotDescription
@@ -55,6 +55,19 @@ class Interval:
     def __post_init__(self) -> None:
         if self.end < self.start:
             raise ValueError(f"interval of task {self.task_id!r} ends ({self.end}) before it starts ({self.start})")
+
+
+class StageRow(NamedTuple):
+    """One stage in the report's table: texts as they are shown."""
+
+    stage: str
+    state: str
+    attempts: str
+    seconds: str
+    items: str
+    """A map stage's items by state (``1,000 items: 997 cached, 3 done``); empty for a plain stage."""
+    why: str
+    """Why the stage ran or was reused (the cache's reason)."""
 
 
 def critical_path(intervals: Iterable[Interval]) -> list[str]:
@@ -126,15 +139,20 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
                     png_path: str | os.PathLike[str] | None = None, *, title: str = "hetflow timeline",
                     utilization: Sequence[tuple[float, float, float]] | None = None,
                     max_nodes: int = 32, max_bars: int = 20_000,
-                    base: str | os.PathLike[str] | None = None) -> dict[str, int]:
+                    base: str | os.PathLike[str] | None = None,
+                    stages: Sequence[StageRow] = ()) -> dict[str, int]:
     """Write the report; returns counts ``{"bars", "nodes", "critical"}`` of what was drawn.
+
+    ``stages``: one row per stage for the table above the chart (a map stage is one row with its
+    items' counts, however many chunk tasks drew its bars).
 
     Directories below ``base`` are never followed through a symlink (missing
     ones are made 0700); by default ``base`` is the nearest existing directory
     above each output, i.e. the part of the path the caller named and that
     exists is taken as given.  An output that is a symlink is refused.
     """
-    page, summary, png = _draw(intervals, pilot, title, utilization, max_nodes, max_bars, png_path is not None)
+    page, summary, png = _draw(intervals, pilot, title, utilization, max_nodes, max_bars, png_path is not None,
+                               stages)
     write_private_file(html_path, page.encode("utf-8"), base=_base_for(html_path, base))
     if png_path is not None and png is not None:
         write_private_file(png_path, png, base=_base_for(png_path, base))
@@ -143,14 +161,23 @@ def render_timeline(intervals: Sequence[Interval], pilot: PilotDescription, html
 
 
 def timeline_page(intervals: Sequence[Interval], pilot: PilotDescription, *, title: str = "hetflow timeline",
-                  max_nodes: int = 32, max_bars: int = 20_000) -> str:
+                  max_nodes: int = 32, max_bars: int = 20_000, stages: Sequence[StageRow] = ()) -> str:
     """The report's HTML page as text (what :func:`render_timeline` writes), for ``hetflow serve``."""
-    return _draw(intervals, pilot, title, None, max_nodes, max_bars, False)[0]
+    return _draw(intervals, pilot, title, None, max_nodes, max_bars, False, stages)[0]
+
+
+def _stage_table(stages: Sequence[StageRow]) -> str:
+    """The stages as an HTML table, every text escaped (stage names and reasons are the user's)."""
+    if not stages:
+        return ""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in StageRow._fields)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in stages)
+    return f'<h2>Stages</h2>\n<table id="stages"><tr>{head}</tr>{rows}</table>'
 
 
 def _draw(intervals: Sequence[Interval], pilot: PilotDescription, title: str,
           utilization: Sequence[tuple[float, float, float]] | None, max_nodes: int, max_bars: int,
-          want_png: bool) -> tuple[str, dict[str, int], bytes | None]:
+          want_png: bool, stages: Sequence[StageRow] = ()) -> tuple[str, dict[str, int], bytes | None]:
     pilot = pilot.resolve()
     node_names = sorted({iv.node for iv in intervals})
     shown = node_names[:max_nodes]
@@ -211,6 +238,7 @@ def _draw(intervals: Sequence[Interval], pilot: PilotDescription, title: str,
         note = (f"<p class='note'>Gantt chart limited to {len(shown)} of {len(node_names)} nodes and "
                 f"{len(bars)} bars; utilisation covers the whole run.</p>")
     page = _PAGE.format(title=html.escape(title), shape=html.escape(pilot.shape()), legend=legend, note=note,
+                        stages=_stage_table(stages),
                         gantt=gantt, util=util, path=path_rows, expected=json.dumps(summary),
                         duration=f"{span:,.1f}", width=LEFT + WIDTH + 10)
     png = _render_png(bars, shown, core_lane, gpus, curve, t0, path, title, colors) if want_png else None
@@ -327,6 +355,8 @@ polyline {{ fill: none; stroke-width: 1.5; }}
 polyline.cores {{ stroke: #4e79a7; }} polyline.gpus {{ stroke: #e15759; }}
 .key {{ margin-right: 12px; }} .key i {{ display: inline-block; width: 10px; height: 10px; margin-right: 4px; }}
 .note {{ color: #666; }}
+#stages {{ border-collapse: collapse; margin-bottom: 1em; }}
+#stages td, #stages th {{ border: 1px solid #ddd; padding: 2px 8px; text-align: left; }}
 </style>
 <script>
 window.hetflowErrors = [];
@@ -338,6 +368,7 @@ window.addEventListener("error", function (e) {{ window.hetflowErrors.push(Strin
 Bars with a black outline are on the critical path.</p>
 <p>{legend}</p>
 {note}
+{stages}
 <h2>Utilisation (<span style="color:#4e79a7">cores</span>, <span style="color:#e15759">GPUs</span>)</h2>
 {util}
 <h2>Tasks per node</h2>

@@ -72,7 +72,7 @@ def witnessed(attempt_dir: Path, work: Callable[[], int]) -> int:
     if not hasattr(os, "fork"):
         return work()
     parent = os.getpid()
-    _become_subreaper()
+    become_subreaper()
     sys.stdout.flush()
     sys.stderr.flush()  # nothing buffered may be written twice
     child = os.fork()
@@ -84,7 +84,7 @@ def witnessed(attempt_dir: Path, work: Callable[[], int]) -> int:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     status = _wait_for(child)
     if status != 0:
-        _record(attempt_dir, child, status)
+        record_end(attempt_dir, child, status)
         shm.remove_recorded(AttemptFiles(attempt_dir).shm_segments(child))  # it never ran MPI_Finalize
     end_descendants()
     if os.WIFSIGNALED(status):
@@ -138,7 +138,7 @@ def _children_left() -> bool:
             return True
 
 
-def _become_subreaper() -> None:
+def become_subreaper() -> None:
     """Linux: orphaned descendants of the rank become this process's children, not init's."""
     if not sys.platform.startswith("linux"):
         return
@@ -150,7 +150,8 @@ def _become_subreaper() -> None:
         return
 
 
-def _record(attempt_dir: Path, pid: int, status: int) -> None:
+def record_end(attempt_dir: Path, pid: int, status: int) -> None:
+    """Write ``ended-<pid>.json``: rank ``pid`` ended by itself with wait status ``status``."""
     data = json.dumps({"pid": pid, "status": status, "ended": time.time()}).encode()
     try:
         fd = os.open(AttemptFiles(attempt_dir).ended(pid), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -13,7 +13,8 @@ a ``rank-<r>.json`` result.  The orchestrator commits the manifests after every
 rank has succeeded.  A rank that fails writes its traceback and aborts the
 whole communicator, so no other rank waits forever in a collective.  Each rank
 runs as the child of a witness process that records how the rank ended if it
-died by itself (:mod:`hetflow.tasks.witness`).
+died by itself (:mod:`hetflow.tasks.witness`); a rank started warm is the fork
+server's child, and the server is its witness (:mod:`hetflow.tasks.forkserver`).
 
 The spec and the result are the typed JSON files of
 :mod:`hetflow.tasks.protocol`, in a private run directory; nothing here
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from . import shm
+from .errors import HetflowError
 from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
 from .protocol import WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec
 
@@ -190,7 +192,7 @@ def _schema_text(value: Any) -> str | None:
     return None if value is None else schema_to_text(value.schema)
 
 
-class SchemaMismatch(TypeError):
+class SchemaMismatch(HetflowError, TypeError):
     """A dataset's schema differs from what a stage declared."""
 
 
@@ -217,7 +219,7 @@ def check_schema(stage: str, kind: str, name: str, actual: Any, expected: Any) -
                              + "\n  ".join(diff))
 
 
-class SchemaDisagreement(TypeError):
+class SchemaDisagreement(HetflowError, TypeError):
     """Ranks returned different schemas for one output; ``ranks`` are those whose schema is the odd one
     out (every rank that returned one, when no schema is returned by more ranks than every other)."""
 

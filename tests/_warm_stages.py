@@ -12,18 +12,29 @@ import psutil
 import pyarrow as pa
 
 
+def starter(pid: int | None = None) -> psutil.Process | None:
+    """What started rank ``pid`` (this one): a warm rank leads its own session, and its parent, the fork
+    server, is its witness; any other rank's parent is a witness, whose parent started it."""
+    rank = psutil.Process(pid)
+    parent = rank.parent()
+    return parent if os.getsid(rank.pid) == rank.pid or parent is None else parent.parent()
+
+
 def lineage(ctx):
-    """Who started this rank: the command lines of its witness's parent, and its communicator."""
+    """Who started this rank: the command line of its starter (:func:`starter`), whether that is its own
+    parent (one fork: no witness between them), and its communicator."""
     from mpi4py import MPI
 
-    witness = psutil.Process(os.getppid())
-    starter = witness.parent()
+    parent = psutil.Process(os.getppid())
+    started_by = starter()
     gathered = ctx.comm.allgather(ctx.rank)
     return {"lineage": pa.table({
-        "rank": [ctx.rank], "starter": [" ".join(starter.cmdline()) if starter else ""],
-        "session_leader": [os.getsid(0) == witness.pid], "mpi_comm": [isinstance(ctx.comm, MPI.Comm)],
+        "rank": [ctx.rank], "starter": [" ".join(started_by.cmdline()) if started_by else ""],
+        "starter_is_parent": [started_by is not None and started_by.pid == parent.pid],
+        "session_leader": [os.getsid(0) in (os.getpid(), parent.pid)], "mpi_comm": [isinstance(ctx.comm, MPI.Comm)],
         "size": [ctx.comm.Get_size()], "gathered": [gathered], "blas_threads": [os.environ.get("OMP_NUM_THREADS")],
-        "cwd": [os.getcwd()], "stdin_null": [os.path.realpath("/proc/self/fd/0") == "/dev/null"]})}
+        "cwd": [os.getcwd()], "stdin_null": [os.path.realpath("/proc/self/fd/0") == "/dev/null"],
+        "fi_provider_path": [os.environ.get("FI_PROVIDER_PATH")]})}
 
 
 def prints(ctx):
@@ -57,3 +68,17 @@ def lineage2(ctx):
 
 def lineage_after(ctx, table):
     return lineage(ctx)
+
+
+def daemon_then_killed(ctx):
+    """Leaves a daemon (``setsid`` and a double fork) and then dies by SIGKILL, so it cannot end the daemon."""
+    import _fault_stages as F
+
+    F._leave_child(ctx, "daemon")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleeps_beside(ctx):
+    """Runs while the other stage dies, and returns: its end is not its neighbour's."""
+    time.sleep(3.0)
+    return {"beside": pa.table({"pid": [os.getpid()]})}

@@ -49,6 +49,7 @@ import tempfile
 from typing import Any
 
 import pytest
+from _s3 import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures: a real S3-compatible server)
 
 
 def _world_size() -> int:

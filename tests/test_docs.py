@@ -31,7 +31,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARKER = re.compile(r"^<!--\s*(.*?)\s*-->$")
 #: pages whose blocks run pipelines: they must leave runs behind, all DONE
-PIPELINE_PAGES = {"README.md", "quickstart.md", "ml.md", "sql.md"}
+PIPELINE_PAGES = {"README.md", "quickstart.md", "ml.md", "sql.md", "object-storage.md"}
+#: pages whose blocks talk to an S3-compatible server: they get the AWS environment of the tests' moto server
+S3_PAGES = {"object-storage.md"}
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,11 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if _runnable(p)], ids=lambda p: p.name)
-def test_the_code_blocks_of_a_page_run(page: Path, tmp_path: Path) -> None:
+def test_the_code_blocks_of_a_page_run(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     assert ROOT not in tmp_path.resolve().parents, "blocks must run outside the source tree"
     env = _env()
+    if page.name in S3_PAGES:  # the page's own setup, as its reader would export it
+        env.update(request.getfixturevalue("s3_server").env)
     for n, block in enumerate(_runnable(page)):
         where = f"{block.page}:{block.line}"
         if block.lang == "python":

@@ -364,3 +364,39 @@ def test_tensors_models_tables_and_generators_count_by_their_content(tmp_path: P
     fp = fingerprint(tmp_path / "a", TENSORS, "stage")
     assert not any(k.startswith("uncacheable ") for k in fp), fp
     assert describe_change(fp, fingerprint(tmp_path / "b", edit(TENSORS, old, new), "stage")) == changed
+
+
+
+def test_each_imported_module_is_classified_once_not_by_every_stage_s_walk(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every walk looks at every module in ``sys.modules`` for values set on user modules; whether a module is
+    user code (its file's real path) is worked out once per module, not again by each stage of the run."""
+    where = tmp_path / "run"
+    first = fingerprint(where, stage="other")  # the first stage: every imported module classified
+    resolved: list[str] = []
+    real = os.path.realpath
+
+    def counted(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        resolved.append(os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", counted)
+    before = set(sys.modules)
+    sys.path.insert(0, str(where))
+    try:  # the next stage of the same script
+        spec = importlib.util.spec_from_file_location("__hetflow_script__", where / "pipeline.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        again = code_fingerprint(module.other)
+        transform = code_fingerprint(module.transform)
+    finally:
+        sys.path.remove(str(where))
+        for added in set(sys.modules) - before:
+            if str(getattr(sys.modules[added], "__file__", "")).startswith(str(where)):
+                del sys.modules[added]
+    assert again == first and "module mylib" in transform, sorted(transform)
+    imported = {getattr(m, "__file__", None) for m in list(sys.modules.values())} - {None}
+    # what the walk reaches (numpy, as a value's type) is looked at as before; the other modules are not
+    outside = [p for p in resolved if p in imported and not p.startswith(str(tmp_path)) and "site-packages" not in p]
+    assert outside == [], outside[:5]

@@ -286,7 +286,14 @@ def test_the_example_notebook_runs_reruns_what_an_edited_cell_changes_and_replac
         "combine: DONE (input events changed)\ntotal: 234\n",
         "generate: CACHED (unchanged since run ...)\ngrid: CACHED (unchanged since run ...)\n"
         "combine: DONE (code of combine() changed)\ntotal: 25\n",
+        "generate: CACHED (unchanged since run ...)\ngrid: CACHED (unchanged since run ...)\n"
+        "combine: DONE (forced)\ntotal: 25\n",
     ]
+    # the background run's handle, shown at once, and the run it ended as: tables of their stages
+    started, ended = (notebook.cells[-2].outputs[0]["data"], notebook.cells[-1].outputs[-1]["data"])
+    assert started["text/plain"].startswith("RunHandle('notebook-") and "generate" in started["text/html"]
+    assert re.search(r"<td[^>]*>combine</td><td[^>]*><span[^>]*>DONE</span></td><td[^>]*>ran</td>"
+                     r"<td[^>]*>forced</td>", ended["text/html"]), ended["text/html"]
 
 
 def _execute(cells: list[str], where: Path) -> list[str]:
@@ -375,7 +382,8 @@ def test_the_kernels_interrupt_stops_a_run_as_interrupted_and_it_resumes_from_th
     run_id = re.search(r"run (\S+) interrupted", printed[1])
     assert run_id is not None, printed
     assert printed[1] == (f"RunInterrupted run {run_id[1]} interrupted; running tasks were stopped; "
-                          f"resume it with: pipe.run(run_id={run_id[1]!r}) from the same code\n")
+                          f"resume it with: pipe.run(run_id={run_id[1]!r}) from the same code, "
+                          f"or from a shell: hetflow resume {run_id[1]} --workdir w\n")
     assert printed[2] == "['INTERRUPTED']\n"
     assert printed[3] == "DONE [('first', 'DONE', 1), ('second', 'DONE', 2)]\n"
 

@@ -54,8 +54,10 @@ def test_a_one_rank_stage_starts_warm_with_a_real_communicator_and_more_ranks_st
     assert run.ok, run
     (one,) = _lineage(run)
     assert "hetflow.tasks.forkserver" in one["starter"], one
+    assert one["starter_is_parent"], one  # one fork per task: the server is the rank's parent and witness
     assert one["session_leader"] and one["mpi_comm"] and one["size"] == 1 and one["gathered"] == [0], one
     assert one["blas_threads"] == "1" and one["stdin_null"], one
+    assert one["fi_provider_path"] == os.devnull, one  # libfabric's shm only: no dynamic provider is loaded
     assert Path(one["cwd"]) == Path(run.run_dir) / "stages" / "lineage" / "attempt-1"
     two = _lineage(run, "lineage2")
     assert len(two) == 2 and all("hydra_pmi_proxy" in r["starter"] and r["size"] == 2 for r in two), two
@@ -67,7 +69,7 @@ def test_warm_start_off_starts_one_rank_with_mpiexec(tmp_path: Path) -> None:
     pipe.stage(ranks=1, outputs=["lineage"])(W.lineage)
     run = pipe.run()
     (one,) = _lineage(run)
-    assert "hydra_pmi_proxy" in one["starter"] and one["size"] == 1, one
+    assert "hydra_pmi_proxy" in one["starter"] and not one["starter_is_parent"] and one["size"] == 1, one
     assert not (Path(run.run_dir) / "forkserver.log").exists()
 
 
@@ -126,6 +128,25 @@ def test_what_a_warm_rank_leaves_behind_ends_with_its_stage(tmp_path: Path, how:
     assert _alive([child]) == []
 
 
+def test_what_a_killed_warm_rank_leaves_behind_is_ended_by_its_server_and_its_neighbour_runs_on(
+        tmp_path: Path) -> None:
+    """A warm rank that dies by SIGKILL cannot end its daemon: the fork server, its witness, does, and
+    records the death; the other stage it forked meanwhile runs to its end untouched."""
+    pipe = hf.Pipeline("orphans", pilot=PILOT, workdir=tmp_path)
+    pipe.stage(ranks=1, timeout=30, retries=0)(W.daemon_then_killed)
+    pipe.stage(ranks=1, timeout=30, outputs=["beside"])(W.sleeps_beside)
+    started = time.time()
+    run = pipe.run(check=False)
+    assert time.time() - started < 20
+    killed = run.stage("daemon_then_killed")
+    assert killed.state == "FAILED" and killed.signal == 9, killed
+    attempt = Path(run.run_dir) / "stages" / "daemon_then_killed" / "attempt-1"
+    rank = int((attempt / "rank-0.pid").read_text())
+    assert (attempt / f"ended-{rank}.json").exists()  # the server's record, as a witness's
+    assert _alive([int((attempt / "child-0.pid").read_text())]) == []
+    assert run.stage("sleeps_beside").state == "DONE", run.stage("sleeps_beside")
+
+
 def test_a_killed_fork_server_fails_its_running_stage_and_the_retry_starts_cold(tmp_path: Path) -> None:
     pipe = hf.Pipeline("lost", pilot=PILOT, workdir=tmp_path)
     pipe.stage(outputs=["slept"], retries=1)(W.sleeps)
@@ -137,7 +158,7 @@ def test_a_killed_fork_server_fails_its_running_stage_and_the_retry_starts_cold(
             flags = list(tmp_path.glob("runs/*/stages/sleeps/attempt-1/sleeping"))
             if flags:
                 rank = int((flags[0].parent / "rank-0.pid").read_text())
-                server = psutil.Process(rank).parent().parent()  # rank <- witness <- fork server
+                server = W.starter(rank)
                 assert "hetflow.tasks.forkserver" in server.cmdline()
                 server.kill()
                 return
@@ -215,7 +236,8 @@ pipe = hf.Pipeline("shadowed")
 
 
 def _who(ctx):
-    starter = psutil.Process(os.getppid()).parent()
+    rank = psutil.Process()
+    starter = rank.parent() if os.getsid(0) == rank.pid else rank.parent().parent()  # a warm rank has no witness
     return pa.table({"rank": [ctx.rank], "hetflow": [hf.__file__], "pipeline": [hasattr(hf, "Pipeline")],
                      "starter": [" ".join(starter.cmdline()) if starter else ""]})
 

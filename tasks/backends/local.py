@@ -10,8 +10,8 @@ its part: :mod:`hetflow.tasks.proctree`).  Nothing outlives
 
 A one-rank task on one core without GPUs is started warm, by a fork server
 that has the worker's imports done (:mod:`hetflow.tasks.forkserver`): the
-same worker in a child that leads its own session, so timeouts, cancels, the
-witness and the tree watch work on it as on ``mpiexec``.  A pilot turns this
+same worker in a child that leads its own session, so timeouts, cancels and
+the tree watch work on it as on ``mpiexec`` (the server is its witness).  A pilot turns this
 off with ``options.local.warm_start: false``; a fork server that has ended
 leaves the tasks after it to ``mpiexec``.
 

@@ -182,7 +182,8 @@ def resource_config(pilot: PilotDescription, run_dir: Path) -> dict[str, Any] | 
             "default_schema": "batch",
             "schemas": {"batch": {"job_manager_endpoint": endpoint, "filesystem_endpoint": "file://localhost/"}},
             "default_queue": pilot.queue or "",
-            "default_remote_workdir": pilot.data_dir or str(run_dir / "radical"),
+            "default_remote_workdir": pilot.data_dir if pilot.data_dir and "://" not in pilot.data_dir \
+            else str(run_dir / "radical"),  # an s3:// data directory holds datasets only
             "resource_manager": manager,
             "agent_config": "default",
             "agent_scheduler": "CONTINUOUS",

@@ -45,6 +45,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from hetflow.tasks.errors import HetflowError
+
 if TYPE_CHECKING:
     from hetflow.tasks.protocol import RankResult, WorkerSpec
 
@@ -56,7 +58,7 @@ WORKER_MODULE = "hetflow.tasks.worker"
 _WORKER: dict[str, str] = {}  # inside a Raptor worker: its RP uid (RP_TASK_ID names the task during a call)
 
 
-class StageFailed(RuntimeError):
+class StageFailed(HetflowError, RuntimeError):
     """A stage rank failed inside a Raptor worker (its ``rank-<r>.json`` holds the error)."""
 
 

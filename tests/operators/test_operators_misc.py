@@ -193,3 +193,27 @@ def test_duckdb_threads_are_joined_before_interpreter_teardown(tmp_path: Path) -
     rows, running, before, left = int(joined[1]), int(joined[3]), int(joined[5]), int(teardown[-1])
     assert rows == 3 and running > before + 2, out  # DuckDB ran with its own threads
     assert left <= before + 2, out  # left for teardown: the interpreter's and pyarrow's allocator thread
+
+
+def test_write_parquet_into_a_symlinked_directory_writes_through_the_link_the_user_gave(tmp_path: Path) -> None:
+    """The user's directory is resolved once (a link to scratch space is fine); the part file itself is
+    never written through a link planted in its place."""
+    from hetflow.operators import DTable
+    from hetflow.operators.safeio import UnsafePath
+    from mpi4py import MPI
+
+    comm = MPI.COMM_SELF.Dup()
+    real = tmp_path / "scratch"
+    real.mkdir()
+    (tmp_path / "out").symlink_to(real)
+    files = DTable(comm, pa.table({"x": [1, 2, 3]})).write_parquet(str(tmp_path / "out"))
+    assert files == [str(tmp_path / "out" / "part-00000.parquet")] and (real / "part-00000.parquet").is_file()
+    assert oct((real / "part-00000.parquet").stat().st_mode & 0o777) == "0o600"
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (real / "part-00000.parquet").unlink()
+    (real / "part-00000.parquet").symlink_to(victim)
+    with pytest.raises(UnsafePath, match="part-00000.parquet"):
+        DTable(comm, pa.table({"x": [1]})).write_parquet(str(tmp_path / "out"))
+    assert victim.read_text() == "keep"
+    comm.Free()

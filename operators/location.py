@@ -1,0 +1,224 @@
+"""Where a file or dataset lives: a local path or an object-store URI (``s3://bucket/prefix``), as one
+``pyarrow.fs`` file system and a path on it.
+
+This is the one place that turns a user's text into a file system, so every reader, writer and
+dataset of hetflow sees object storage the same way:
+
+- **Configuration the AWS way.** Credentials, region and profile come from the standard
+  environment and files (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``~/.aws/...``), which pyarrow reads.
+  The endpoint of an S3-compatible server comes from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``
+  (the AWS SDKs' standard variables): pyarrow does not read them itself (apache/arrow#49643), so
+  :func:`s3_filesystem` passes them on. Options written into a URI's query
+  (``s3://b/p?endpoint_override=...&region=...``) win over the environment, as in pyarrow.
+- **Secrets never travel.** :func:`redact` removes a key or secret written into a URI; every
+  message of this module and every :attr:`Location.uri` is redacted, so run records and logs never
+  hold them.
+- **Failures say what failed.** :func:`storage_error` turns pyarrow's ``OSError`` into a
+  :class:`StorageError` whose one line names the bucket, the key, the action and the cause in a
+  user's words (no credentials, no such bucket, access denied, endpoint down).
+
+Local paths stay plain paths (:attr:`Location.is_local`): the dataset code keeps its descriptor-based
+safe I/O for them (no symlinks followed, directories fsynced), which ``pyarrow.fs`` cannot give.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pyarrow.fs as pafs
+
+from .errors import OperatorError
+
+OBJECT_SCHEMES = ("s3",)
+"""URI schemes hetflow treats as object stores (no rename, no directories, the manifest is the commit)."""
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+class StorageError(OperatorError, OSError):
+    """An object-store request failed; the message names bucket, key, action and cause."""
+
+    def __init__(self, message: str, *, uri: str, cause: str) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.cause = cause   # one of: no-credentials, no-bucket, access-denied, endpoint-down, not-found, other
+
+
+def is_uri(target: str | os.PathLike[str]) -> bool:
+    """Whether ``target`` is a URI (``scheme://...``) rather than a local path; ``file://`` counts as a URI."""
+    return isinstance(target, str) and bool(_URI.match(target))
+
+
+def is_object_store(target: str | os.PathLike[str]) -> bool:
+    """Whether ``target`` is a URI of an object store (:data:`OBJECT_SCHEMES`)."""
+    return is_uri(target) and str(target).split("://", 1)[0].lower() in OBJECT_SCHEMES
+
+
+def redact(uri: str) -> str:
+    """``uri`` without a user name/password (``s3://KEY:SECRET@bucket/p`` -> ``s3://bucket/p``) or a
+    secret written into its query."""
+    if not is_uri(uri):
+        return uri
+    parts = urlsplit(uri)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    query = "&".join(item for item in parts.query.split("&")
+                     if item and item.split("=", 1)[0].lower() not in {"access_key", "secret_key", "session_token"})
+    if netloc == parts.netloc and query == parts.query:
+        return uri
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def s3_endpoint() -> str | None:
+    """The S3 endpoint the AWS environment names (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``), or None."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+_FILESYSTEMS: dict[tuple[str, ...], pafs.FileSystem] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+_ENV_KEYS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+             "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+def s3_filesystem() -> pafs.FileSystem:
+    """The S3 file system of the current AWS environment (one per distinct environment and process).
+
+    The endpoint of :func:`s3_endpoint` is passed to pyarrow; everything else pyarrow finds itself.
+    Buckets are never created or deleted by hetflow.
+    """
+    key = tuple(os.environ.get(name, "") for name in _ENV_KEYS)
+    with _FILESYSTEMS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            options: dict[str, Any] = {}
+            endpoint = s3_endpoint()
+            if endpoint:
+                options["endpoint_override"] = endpoint
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            if region:
+                options["region"] = region
+            fs = _FILESYSTEMS[key] = pafs.S3FileSystem(**options)
+        return fs
+
+
+@dataclass(frozen=True)
+class Location:
+    """A place for files: ``filesystem`` and ``path`` on it; ``uri`` is what to show a user (redacted)."""
+
+    filesystem: pafs.FileSystem
+    path: str
+    uri: str
+    is_local: bool
+
+    def join(self, *names: str) -> Location:
+        """The location ``names`` below this one (``/``-joined on object stores)."""
+        if self.is_local:
+            path = str(Path(self.path, *names))
+            return Location(self.filesystem, path, path, True)
+        path = "/".join([self.path.rstrip("/"), *names])
+        return Location(self.filesystem, path, "/".join([self.uri.rstrip("/"), *names]), False)
+
+    @property
+    def bucket(self) -> str | None:
+        """The bucket of an object-store location, else None."""
+        return None if self.is_local else self.path.split("/", 1)[0]
+
+    @property
+    def key(self) -> str:
+        """The key (path inside the bucket) of an object-store location, else the path."""
+        return self.path if self.is_local else (self.path.split("/", 1) + [""])[1]
+
+    def __str__(self) -> str:
+        return self.uri
+
+
+def resolve(target: str | os.PathLike[str] | Location) -> Location:
+    """The :class:`Location` of a local path, a ``file://`` URI or an object-store URI.
+
+    :raises ValueError: an unsupported scheme or a URI without a bucket, naming the URI.
+    """
+    if isinstance(target, Location):
+        return target
+    if not is_uri(target):
+        path = os.fspath(target)
+        return Location(pafs.LocalFileSystem(), path, path, True)
+    uri = str(target)
+    scheme = uri.split("://", 1)[0].lower()
+    shown = redact(uri)
+    if scheme == "file":
+        path = urlsplit(uri).path
+        return Location(pafs.LocalFileSystem(), path, path, True)
+    if scheme not in OBJECT_SCHEMES:
+        raise ValueError(f"{shown}: unsupported storage scheme {scheme!r} (expected a path, file:// or s3://)")
+    parts = urlsplit(uri)
+    bucket = parts.netloc.rsplit("@", 1)[-1]
+    if not bucket:
+        raise ValueError(f"{shown}: no bucket (expected s3://BUCKET/PREFIX)")
+    path = (bucket + "/" + parts.path.strip("/")).rstrip("/")
+    if parts.query or "@" in parts.netloc:
+        # options or credentials written into the URI: pyarrow's own parser honours them
+        try:
+            fs, path = pafs.FileSystem.from_uri(uri)
+        except (OSError, ValueError, TypeError) as error:
+            raise ValueError(f"{shown}: {_scrub(str(error), uri)}") from None
+        if "endpoint_override" not in parts.query and s3_endpoint():
+            raise ValueError(f"{shown}: options in the URI replace the AWS environment; add "
+                             f"endpoint_override=... to the URI too (AWS_ENDPOINT_URL is set)")
+        return Location(fs, path.rstrip("/"), shown.split("?", 1)[0], False)
+    return Location(s3_filesystem(), path, f"{scheme}://{path}", False)
+
+
+_CAUSES = (
+    ("no-credentials", ("NO_CREDENTIALS", "Unable to find credentials", "No credentials", "MISSING_AUTHENTICATION")),
+    ("no-bucket", ("NO_SUCH_BUCKET", "bucket does not exist")),
+    ("access-denied", ("ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH",
+                       "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden", "403")),
+    ("endpoint-down", ("NETWORK_CONNECTION", "Could not connect", "Could not resolve", "Connection refused",
+                       "curlCode: 7", "curlCode: 6", "curlCode: 28", "Timeout")),
+)
+_WORDS = {
+    "no-credentials": "no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
+    "no-bucket": "the bucket does not exist (hetflow never creates buckets)",
+    "access-denied": "access denied (check the credentials and the bucket's policy)",
+    "endpoint-down": "the storage endpoint cannot be reached",
+    "not-found": "no such object",
+}
+
+
+def _scrub(text: str, uri: str) -> str:
+    """``text`` with any secret of ``uri`` and the request ids of AWS messages taken out."""
+    parts = urlsplit(uri) if is_uri(uri) else None
+    if parts is not None and "@" in parts.netloc:
+        for secret in re.split(r"[:@]", parts.netloc.rsplit("@", 1)[0]):
+            if secret:
+                text = text.replace(secret, "***")
+    return re.sub(r"\s*\(Request ID: [^)]*\)", "", text).strip()
+
+
+def storage_error(error: BaseException, location: Location | str, action: str) -> StorageError:
+    """A :class:`StorageError` for ``error`` raised while doing ``action`` (``"write"``, ``"read"``, ``"list"``,
+    ...) at ``location``: one line naming bucket, key, action and cause, with no secret in it."""
+    loc = location if isinstance(location, Location) else None
+    uri = loc.uri if loc is not None else redact(str(location))
+    text = _scrub(str(error), str(location) if loc is None else loc.uri)
+    cause = "not-found" if isinstance(error, FileNotFoundError) else "other"
+    if cause == "other":
+        for name, needles in _CAUSES:
+            if any(needle in text for needle in needles):
+                cause = name
+                break
+    where = uri
+    if loc is not None and not loc.is_local:
+        where = f"{uri} (bucket {loc.bucket!r}, key {loc.key!r})"
+    endpoint = s3_endpoint()
+    if cause == "endpoint-down" and endpoint:
+        words = f"{_WORDS[cause]} ({redact(endpoint)})"
+    else:
+        words = _WORDS.get(cause, text)
+    return StorageError(f"cannot {action} {where}: {words}", uri=uri, cause=cause)
