@@ -697,9 +697,10 @@ class Orchestrator(MapShell):
             else:
                 reason = f"unchanged since run {from_run}"
                 record.cached_from, record.params = from_run, params
+            seen = (hit.cache_material or {}).get("observed")  # before: on a resume, hit is this record
             record.cache_key, record.cache_material = key, material.to_json()
-            if "observed" in (hit.cache_material or {}):  # a later run served from this record checks it too
-                record.cache_material = {**record.cache_material, "observed": hit.cache_material["observed"]}
+            if seen is not None:  # a later run served from this record checks it too
+                record.cache_material = {**record.cache_material, "observed": seen}
             record.params_read, record.cache_reason, record.cache_hit = hit.params_read, reason, True
         return CacheChecked(spec.name, True, reason, from_run)
 
