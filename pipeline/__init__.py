@@ -42,8 +42,9 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 from . import observed as _observed  # noqa: E402
 
-_observed.install()  # the files a script's top level reads, until its pipe.run() (hetflow.observed)
-_observed.recording(True)
+if not _observed.in_hetflow_process():  # a rank installs it around its script's top level only
+    _observed.install()  # the files a script's top level reads, until its pipe.run() (hetflow.observed)
+    _observed.recording(True)
 
 __all__ = [
     "__version__", "Pipeline", "RunOptions", "run_options", "open_dataset", "RunHandle", "RunStatus", "StageStatus",

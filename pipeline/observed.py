@@ -66,19 +66,14 @@ def _external_dirs() -> tuple[str, ...]:
 _EXTERNAL = _external_dirs()
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=2)
 def _hetflow_dirs() -> tuple[str, ...]:
     """hetflow's own package folders (``pipeline/``, ``tasks/``, ... in an editable install): counted by version."""
-    import importlib.util
-
     found = set()
-    for name in ("hetflow", "hetflow.tasks", "hetflow.operators", "hetflow.ml"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        if spec is not None and spec.origin:
-            found.add(os.path.join(os.path.dirname(os.path.realpath(spec.origin)), ""))
+    for name in ("hetflow", "hetflow.tasks", "hetflow.operators", "hetflow.ml"):  # those imported (cached once)
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(path, str):
+            found.add(os.path.join(os.path.dirname(os.path.realpath(path)), ""))
     return tuple(found)
 
 
@@ -94,11 +89,17 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
     if mode is None and flags & (os.O_WRONLY | os.O_RDWR):
         return
     try:
-        text = os.path.abspath(os.fsdecode(path))
+        text = os.fsdecode(path)
     except (TypeError, ValueError):
         return
     if len(_Recorder.paths) < MAX_FILES and not text.endswith(_CODE_SUFFIXES):
-        _Recorder.paths[text] = None
+        _Recorder.paths[os.path.abspath(text)] = None
+
+
+def in_hetflow_process() -> bool:
+    """Whether this process is one of hetflow's own (a rank's worker, the fork server, a witness), started
+    as ``python -m hetflow.tasks...``: there no user script's top level runs before ``import hetflow``."""
+    return any(arg.startswith("hetflow.tasks.") for arg in getattr(sys, "orig_argv", ())[1:4])
 
 
 def install() -> None:
@@ -184,20 +185,22 @@ def files_read(exclude: Iterable[str] = ()) -> dict[str, str]:
 def states() -> dict[str, str]:
     """``{"state NAME": digest}`` of the process-wide state a script's top can set by a call (module docstring);
     a library that is not imported is not imported for it."""
-    import decimal
-    import random
-
-    found = {"state random": _sha(repr(random.getstate()).encode())}
-    context = decimal.getcontext()
-    found["state decimal"] = _sha(f"{context.prec} {context.rounding} {context.Emin} {context.Emax} "
-                                  f"{context.capitals} {context.clamp} "
-                                  f"{sorted(k.__name__ for k, v in context.traps.items() if v)}".encode())
     from hetflow.tasks.script import is_deferred
 
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and not is_deferred(numpy):
+    found = {}
+    random = sys.modules.get("random")  # not imported: nothing at the top set it
+    if random is not None:
+        found["state random"] = _sha(repr(random.getstate()).encode())
+    decimal = sys.modules.get("decimal")
+    if decimal is not None and not is_deferred(decimal):
+        context = decimal.getcontext()
+        found["state decimal"] = _sha(f"{context.prec} {context.rounding} {context.Emin} {context.Emax} "
+                                      f"{context.capitals} {context.clamp} "
+                                      f"{sorted(k.__name__ for k, v in context.traps.items() if v)}".encode())
+    generator = sys.modules.get("numpy.random")  # not imported: nothing at the top seeded it
+    if generator is not None and not is_deferred(generator):
         try:
-            kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+            kind, keys, pos, has_gauss, gauss = generator.get_state()
             found["state numpy.random"] = _sha(f"{kind} {pos} {has_gauss} {gauss!r} ".encode() + keys.tobytes())
         except Exception:  # noqa: BLE001 - a numpy without the legacy generator: nothing to observe
             pass

@@ -103,6 +103,7 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
 
         sys.argv = [path, *spec.argv[1:]]  # what the script saw when its run started (itself by full path)
         check_unchanged(path, spec.script_sha256, spec.stage)
+        observed.install()
         observed.recording(True)  # the files its top level reads (hetflow.observed)
         try:
             module = import_script(path, SCRIPT_MODULE)
