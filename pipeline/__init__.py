@@ -40,6 +40,12 @@ if TYPE_CHECKING:  # the orchestrator, the store and SQLAlchemy load on first us
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
+from . import observed as _observed  # noqa: E402
+
+if not _observed.in_hetflow_process():  # a rank installs it around its script's top level only
+    _observed.install()  # the files a script's top level reads, until its pipe.run() (hetflow.observed)
+    _observed.recording(True)
+
 __all__ = [
     "__version__", "Pipeline", "RunOptions", "run_options", "open_dataset", "RunHandle", "RunStatus", "StageStatus",
     "run_status", "StageContext", "ResourceRequest", "PilotDescription", "load_pilot", "HetflowError",

@@ -105,16 +105,30 @@ def damage(record: DatasetRecord) -> str | None:
 
 
 def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[str, Any],
-            outputs: Sequence[str]) -> tuple[StageRecord | None, dict[str, DatasetRecord], list[str]]:
-    """The newest committed execution under ``key`` whose read parameters match and whose outputs are
-    intact, run ``run_id``'s own first (a resume keeps what it committed); and the damage found on the way
-    (one line per passed-over candidate)."""
+            outputs: Sequence[str], now: Mapping[str, str] | None = None, observed: bool = False,
+            ) -> tuple[StageRecord | None, dict[str, DatasetRecord], list[str]]:
+    """The newest committed execution under ``key`` whose read parameters match, whose outputs are intact
+    and whose recorded observations (:func:`hetflow.observed.stale`) still hold ``now``, run ``run_id``'s
+    own first (a resume keeps what it committed); and the damage found on the way (one line per
+    passed-over candidate).  With ``observed``, a commit that recorded no observations (by a hetflow
+    before them) is not served: what its ranks depended on beyond the key is unknown."""
+    from .observed import stale
+
     damaged: list[str] = []
+    stale_said = False
     candidates = session.scalars(select(StageRecord).where(StageRecord.cache_key == key,
                                                            StageRecord.state.in_(SUCCESS))
                                  .order_by((StageRecord.run_id == run_id).desc(), StageRecord.ended.desc()))
     for hit in candidates:
         if params_match(hit.params_read, hit.params or {}, params):
+            continue
+        if observed and "observed" not in (hit.cache_material or {}):
+            continue
+        changed = stale((hit.cache_material or {}).get("observed") or {}, now) if now is not None else []
+        if changed:  # said once: the older candidates under the same key usually share the reason
+            if not stale_said:
+                damaged.append(f"{'; '.join(changed[:3])} since run {hit.run_id}")
+            stale_said = True
             continue
         found = {d.name: d for d in session.scalars(select(DatasetRecord).where(
             DatasetRecord.run_id == hit.run_id, DatasetRecord.name.in_(list(outputs))))}

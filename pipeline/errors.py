@@ -116,6 +116,11 @@ class RunFailed(HetflowError, RuntimeError):
         super().__init__(visible("; ".join(parts)))  # the errors are the run's text: no control characters
 
 
+class ResumeRefused(PipelineError):
+    """A resume of a DONE run would rewrite an output other runs reuse; refused before it changed anything, so
+    the run stays DONE as it was."""
+
+
 class RunAborted(HetflowError, RuntimeError):
     """A run could not go on (no launcher, a missing extra, a full or read-only disk); it is recorded FAILED."""
 

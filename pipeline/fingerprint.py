@@ -67,7 +67,7 @@ Decisions, for :func:`code_fingerprint`:
   every plain value of ``m`` that is read.  Not seen: a value set through an
   expression (``sys.modules["m"].K = 2``, a loop variable holding the module),
   a value a called function changes in place (``m.configure()`` filling
-  ``m.CONFIG``), a classmethod that sets its class's attributes, and the
+  ``m.CONFIG``), and the
   standard library's modules (``os.environ``: declare ``env=``).  Values the
   script's ``__main__`` block sets are refused by the orchestrator
   (:func:`values_set_after_declaring`), not hashed.
@@ -96,8 +96,16 @@ Decisions, for :func:`code_fingerprint`:
   a torch tensor) cannot stand for the value, so the component that holds it is
   marked :data:`UNCACHEABLE` and its stage is never served from the cache nor
   stored in it (:func:`uncacheable`), rather than keyed by a text that misses a
-  change.  An object with no such ``repr`` counts as ``<unhashable
-  module.Type>`` only (a lock, a connection: a change inside it is not seen).
+  change.  An object whose ``repr`` is only its type and address counts by its
+  instance state (``ConfigParser``, ``string.Template``, a ``DataLoader``; a
+  ``torch.Generator`` by ``get_state()``), a lock by its type; one with no state
+  to read (a connection) makes its component uncacheable the same way.  Strings
+  in reached code name globals too: ``@THRESH`` (pandas ``query``/``eval``), a
+  frame, table or array a DuckDB query names, and, in code that calls
+  ``eval``/``exec``, every global its strings name.  A stage that reads the
+  script's namespace by a computed name (``globals()["norm_" + m]``) counts every
+  function and class of the script; the attributes of a reached local module's
+  classes count by their value now (a classmethod the script's top calls sets them).
   A function, class or module met inside a value is recorded by name and
   followed.
 """
@@ -123,6 +131,7 @@ import random
 import re
 import sys
 import sysconfig
+import threading
 import types
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -205,6 +214,8 @@ class _Walker:
         """Every name the reached code reads (names and string constants in code, identifiers in sources)."""
         self.external_tops: set[str] = set()
         """The top-level names of the external packages the reached code uses."""
+        self.script_by_name = False
+        """The reached code of the script reads its own namespace by a computed name (``globals()[...]``)."""
         self.shortened: set[str] = set()
         """Types of the values met since the last component whose text form is shortened (``...``)."""
         self.uncacheable: dict[str, set[str]] = {}
@@ -233,13 +244,26 @@ class _Walker:
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
         self.module_values()
         for key, kinds in self.uncacheable.items():
-            self.parts[f"{UNCACHEABLE}{key}"] = {f"holds a {' and a '.join(sorted(kinds))} whose text form is shortened"}
+            cut = sorted(k for k in kinds if not k.startswith(_OPAQUE))
+            opaque = sorted(k[len(_OPAQUE):] for k in kinds if k.startswith(_OPAQUE))
+            said = ([f"a {' and a '.join(cut)} whose text form is shortened"] if cut else []) + \
+                ([f"a {' and a '.join(opaque)} whose text form is only its type and address, with no state hetflow "
+                  "can read"] if opaque else [])
+            self.parts[f"{UNCACHEABLE}{key}"] = {f"holds {' and '.join(said)}"}
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
 
     def module_values(self) -> None:
         """The values, as they are now, of the globals of reached user modules that the reached code names:
         however the script changed one (``d["k"] = v`` through any name or function, ``d |= …``,
         ``operator.setitem``), the key has what the stage will read."""
+        script = getattr(_target(self.func), "__globals__", None)
+        if self.script_by_name and isinstance(script, dict) and script.get("__name__") == self.home:
+            # a function or class picked by a name built at run time (globals()["norm_" + method]): every one
+            # the script defines counts, and what it reaches
+            for value in list(script.values()):
+                if isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == self.home:
+                    self.follow(value)
+            self.drain()
         for key in [k for k in self.parts if k.startswith("module ")]:
             name = key[len("module "):]
             module = sys.modules.get(name)
@@ -248,6 +272,8 @@ class _Walker:
                     or not self.is_user(self.realpath(path)):
                 continue
             for attr, value in list(vars(module).items()):
+                if isinstance(value, type) and value.__module__ == name and not attr.startswith("__"):
+                    self.class_values(name, value)
                 if attr.startswith("__") or not self.reads(attr) or isinstance(value, (types.ModuleType, type)) \
                         or _is_code_like(value):
                     continue
@@ -259,6 +285,16 @@ class _Walker:
                         or type(value).__module__.partition(".")[0] == "hetflow" or attr in self.parts:
                     continue
                 self.add(attr, _sha(self.value(value)))
+
+    def class_values(self, module: str, cls: type) -> None:
+        """The values, as they are now, of a reached module's class attributes that the reached code names: its
+        source counts already, but not what the script's top set there since (``Model.configure(3)``, a
+        classmethod setting ``cls.SCALE``)."""
+        for attr, value in list(vars(cls).items()):
+            if attr.startswith("__") or not self.reads(attr) or _is_code_like(value) or \
+                    isinstance(value, (staticmethod, classmethod, property, functools.cached_property)):
+                continue
+            self.add(f"{module}.{cls.__qualname__}.{attr}", _sha(self.value(value)))
 
     def reads(self, attr: str) -> bool:
         """Whether the reached code may read a name: it names it, or reads names computed at run time."""
@@ -497,6 +533,8 @@ class _Walker:
         instructions = list(dis.get_instructions(code))
         if _reads_computed_names(instructions):  # getattr(consts, "K" + which): any name may be read
             self.names.add(ANY_NAME)
+            if namespace.get("__name__") == self.home and ("globals" in code.co_names or "modules" in code.co_names):
+                self.script_by_name = True
         if _NAMESPACE_READERS & set(code.co_names):  # globals()["K"], getattr(sys.modules[__name__], "K")
             for const in code.co_consts:
                 if isinstance(const, str) and const.isidentifier() and const in namespace:
@@ -515,6 +553,27 @@ class _Walker:
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 self.globals_of(const, namespace)
+            elif isinstance(const, str):
+                self.named_in_text(const, namespace, evaluated="eval" in code.co_names or "exec" in code.co_names)
+
+    def named_in_text(self, text: str, namespace: Mapping[str, Any], evaluated: bool = False) -> None:
+        """Globals a string names for a library that looks them up by name: ``@THRESH`` in a pandas
+        ``query``/``eval`` expression, and a frame, table or array a DuckDB query names (``FROM CATALOG``: its
+        replacement scan reads the caller's variables); with ``evaluated`` (the code calls ``eval``/``exec``),
+        every global the text names."""
+        if evaluated:
+            for name in set(_IDENTIFIER.findall(text)):
+                if name in namespace:
+                    self.global_value(name, namespace)
+        if "@" in text:
+            for name in _AT_NAME.findall(text):
+                if name in namespace:
+                    self.global_value(name, namespace)
+        if " " in text:
+            for name in set(_IDENTIFIER.findall(text)):
+                value = namespace.get(name, _ABSENT)
+                if value is not _ABSENT and type(value).__module__.partition(".")[0] in _SCANNED:
+                    self.global_value(name, namespace)
 
     def global_value(self, key: str, namespace: Mapping[str, Any]) -> None:
         value = namespace[key]
@@ -524,6 +583,8 @@ class _Walker:
         label = self.label(key, namespace)
         if label not in self.parts:
             self.add(label, _sha(self.value(value)))
+            if isinstance(value, str):  # QUERY = "flux > @THRESH", read by df.query(QUERY)
+                self.named_in_text(value, namespace)
 
     def label(self, key: str, namespace: Mapping[str, Any]) -> str:
         module = namespace.get("__name__")
@@ -667,7 +728,24 @@ class _Walker:
             except RecursionError:  # a structure too deep to follow: not digested, so not cached
                 self.shortened.add(kind)
                 return f"<shortened {kind}>"
-        return f"<unhashable {kind}>"
+        return self.opaque(obj, kind, inner)
+
+    def opaque(self, obj: Any, kind: str, stack: tuple[int, ...]) -> str:
+        """An object whose text form is its type and address (``ConfigParser``, ``string.Template``, a pandas
+        ``groupby``, a ``DataLoader``): by its state, never by its type alone; a lock by its type (it holds no
+        value a result depends on); one with no state to read makes its component uncacheable."""
+        if type(obj).__module__.partition(".")[0] == "torch" and type(obj).__name__ == "Generator":
+            try:
+                return f"{kind} {_sha(obj.get_state().numpy().tobytes())}"
+            except Exception:  # noqa: BLE001 - a generator whose state cannot be read: not digested
+                pass
+        if isinstance(obj, _LOCKS):
+            return f"<lock {kind}>"
+        state = _instance_state(obj)
+        if state is not None:
+            return f"{kind} state {self.value(state, stack)}"
+        self.shortened.add(f"{_OPAQUE}{kind}")
+        return f"<opaque {kind}>"
 
     def pandas(self, obj: Any, stack: tuple[int, ...]) -> str | None:
         """A pandas frame, series or index by its content: labels, dtypes, names, ``attrs`` and every value
@@ -1278,6 +1356,16 @@ def _data_text(obj: Any) -> str | None:
             data = obj.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
             return f"{kind} {obj.dtype} {tuple(obj.shape)} grad={obj.requires_grad} {_sha(data)}"
     return None
+
+
+_AT_NAME = re.compile(r"@([A-Za-z_][A-Za-z0-9_]*)")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SCANNED = frozenset({"pandas", "pyarrow", "polars", "numpy"})
+"""The libraries whose frames, tables and arrays DuckDB's replacement scan finds by a name in a query."""
+
+_OPAQUE = "opaque "
+"""In :attr:`_Walker.shortened`: a type whose value has no text form and no state hetflow can read."""
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))
 
 
 def _instance_state(obj: Any) -> dict[str, Any] | None:

@@ -56,10 +56,10 @@ from hetflow.tasks.scheduler import (
 )
 from sqlalchemy import select
 
-from . import __version__, cache
+from . import __version__, cache, observed
 from .datadir import RunDatasets
 from .declaration import StageSpec
-from .errors import HetflowError, PipelineError, interruption
+from .errors import HetflowError, PipelineError, ResumeRefused, interruption
 from .fingerprint import (
     ANY_GLOBAL_SET,
     UNCACHEABLE,
@@ -232,8 +232,12 @@ class Orchestrator(MapShell):
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
         self.late_values: dict[str, frozenset[str]] = {}
+        self.resuming_done = False
+        """This session resumes a DONE run and has changed nothing of it yet (:meth:`_refuse_resume`)."""
         self.looked: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
         """When each stage's key was made, and its declared files' sizes and times then."""
+        self.observed_start: Mapping[str, str] = observed.latest()
+        """What the script's top level left when the run started (:mod:`hetflow.observed`)."""
         self.recorded: set[str] = set()
         """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.committed_before: frozenset[str] = frozenset()
@@ -296,6 +300,7 @@ class Orchestrator(MapShell):
             id=self.run_id, pipeline=self.name, created=time.time(), run_dir=str(self.run_dir), script=self.script,
             pilot=self.pilot.to_mapping(), params=self.params, hetflow_version=__version__, argv=sys.argv[1:]),
             detail={"resume": resume})
+        self.resuming_done = claim.previous_state == "DONE"  # refused resumes leave it DONE (_refuse_resume)
         if claim.previous_reason:
             log.warning("run %s: taking over from %s (%s)", self.run_id, claim.previous_owner, claim.previous_reason)
         with self.store.session() as session:
@@ -401,6 +406,9 @@ class Orchestrator(MapShell):
         except CancelRequested as cancel:
             self.stop(str(cancel), cancel.state)
             return cancel.state
+        except ResumeRefused:  # nothing of the run was changed: it ends as it was
+            self._close("DONE")
+            raise
         except LeaseLost:
             for live in list(self.live.values()):  # ours to stop; the record is the new owner's now
                 backend.cancel(live.id)
@@ -662,9 +670,12 @@ class Orchestrator(MapShell):
                         params: dict[str, Any]) -> CacheChecked:
         with self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
-                                                params=params, outputs=spec.outputs)
+                                                params=params, outputs=spec.outputs, now=self.observed_start,
+                                                observed=spec.map_over is None)
             for problem in damaged:
                 log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
+            if hit is None:
+                self._refuse_resume(spec)
             record = self._stage_record(session, spec.name)
             if hit is None:
                 reason = cache.why_run(session, pipeline=self.name, run_id=self.run_id, stage=spec.name,
@@ -686,7 +697,10 @@ class Orchestrator(MapShell):
             else:
                 reason = f"unchanged since run {from_run}"
                 record.cached_from, record.params = from_run, params
+            seen = (hit.cache_material or {}).get("observed")  # before: on a resume, hit is this record
             record.cache_key, record.cache_material = key, material.to_json()
+            if seen is not None:  # a later run served from this record checks it too
+                record.cache_material = {**record.cache_material, "observed": seen}
             record.params_read, record.cache_reason, record.cache_hit = hit.params_read, reason, True
         return CacheChecked(spec.name, True, reason, from_run)
 
@@ -721,6 +735,8 @@ class Orchestrator(MapShell):
     def _record_task(self, enqueue: Enqueue) -> None:
         """A new attempt: its task record, and the stage's key withdrawn until its outputs commit."""
         spec = self.stages[enqueue.task.stage]
+        self._refuse_resume(spec)
+        self.resuming_done = False  # from here on this session changes the run
         if spec.name not in self.material:  # forced: never looked up
             try:
                 self.material[spec.name] = self._material(spec)
@@ -865,7 +881,8 @@ class Orchestrator(MapShell):
         WorkerSpec(
             run_id=self.run_id, stage=spec.name, attempt=task.attempt,
             function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
-            sys_path=(str(base),) if spec.path or shipped is not None else (), params=self.stage_params(spec),
+            sys_path=_worker_sys_path(spec, base) if spec.path or shipped is not None else (),
+            params=self.stage_params(spec),
             inputs=tuple((name, self.dataset_paths[name]) for name in spec.inputs), outputs=outputs,
             attempt_dir=files.directory, checkpoint_dir=stage_dir / "checkpoints", slots=tuple(start.slots),
             nodes=tuple(nodes), verify=self.verify,  # type: ignore[arg-type]
@@ -887,6 +904,19 @@ class Orchestrator(MapShell):
         with self.store.session() as session:
             return sorted(set(session.scalars(select(DatasetRecord.run_id).where(
                 DatasetRecord.path == target, DatasetRecord.run_id != self.run_id))))
+
+    def _refuse_resume(self, spec: StageSpec) -> None:
+        """A resume of a DONE run that must re-run ``spec``, whose committed outputs other runs reuse, is refused
+        before it changes anything (the first stage it re-runs): the run stays DONE, not FAILED."""
+        if not self.resuming_done:
+            return
+        for name in spec.outputs:
+            users = self._reused_by(name, self.datasets.path(name))
+            if users:
+                raise ResumeRefused(f"resume of run {self.run_id} refused: stage {spec.name!r} would have to run "
+                                    f"again and rewrite its output {name!r}, which run(s) {', '.join(users)} reuse; a "
+                                    "resume never changes what another run has read, and the run stays DONE as it "
+                                    "was: run the script again for a new run instead (it reuses what is unchanged)")
 
     def _refuse_if_reused(self, stage: str, name: str, target: str) -> None:
         """A resume re-runs ``stage``, whose committed output ``name`` other runs reuse (their records point
@@ -928,6 +958,8 @@ class Orchestrator(MapShell):
         failure = self._failure(spec, live, outcome, ranks)
         if failure is None:
             failure = self._changed_while_running(spec)
+        if failure is None:
+            failure = self._observed_differently(spec, ranks)
         committed: dict[str, ds.Manifest] = {}
         if failure is None:
             try:
@@ -970,6 +1002,29 @@ class Orchestrator(MapShell):
         return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed while the stage ran; its result "
                        "may come from the earlier content, so it was not committed: run the script again (or "
                        "resume the run) to compute it from what is there now")
+
+    def _observed_differently(self, spec: StageSpec, ranks: list[RankResult | None]) -> Failure | None:
+        """A rank that executed a helper module or read a file at the script's top other than the one this run's
+        key was made from (it changed after the run started, while the stage waited) computed something the key
+        does not describe: it is not committed."""
+        changed = sorted({what for r in ranks if r is not None and r.observed
+                          for what in observed.refused(r.observed, self.observed_start)})
+        if not changed:
+            return None
+        return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed after the run started, so the "
+                       "stage computed from other content than its cache key was made from; it was not committed: "
+                       "run the script again (or resume the run) to compute it from what is there now")
+
+    def _observed_record(self, spec: StageSpec, ranks: list[RankResult | None]) -> dict[str, str]:
+        """What is recorded with a committed stage and must still hold when it is served (:func:`observed.stale`)."""
+        from .fingerprint import _local_installs
+
+        editable, installed = _local_installs()  # counted by the key as it reaches them
+        found: dict[str, str] = {}
+        for rank in ranks:
+            if rank is not None and rank.observed:
+                found.update(observed.to_record(rank.observed, self.observed_start, editable + installed))
+        return found
 
     def _lose_nodes(self, lost: Mapping[str, str]) -> None:
         """Nodes the backend found lost: recorded once each, and out of the scheduler's placement."""
@@ -1017,6 +1072,9 @@ class Orchestrator(MapShell):
                 record = self._stage_record(session, live.stage)
                 record.cache_key = material.key() if uncacheable(material.code) is None else None
                 record.cache_material, record.params_read = material.to_json(), _params_read(ranks)
+                # outside the key's material: it cannot be known before the stage ran
+                record.cache_material = {**record.cache_material,
+                                         "observed": self._observed_record(self.stages[live.stage], ranks)}
             self.store.event(session, self.run_id, "task", str(live.task), state,
                              returncode=outcome.returncode, signal=None if failure is None else failure.signal,
                              error=None if failure is None else failure.message)
@@ -1079,6 +1137,23 @@ class Orchestrator(MapShell):
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
+
+
+def _worker_sys_path(spec: StageSpec, base: Path) -> tuple[str, ...]:
+    """Where a stage's rank imports from, as Python would for the script: the folder that holds the top of the
+    stage's package (``lib/flow.py`` declaring ``lib.flow``'s stages is imported as ``lib.flow``), the
+    running script's folder (``sys.path[0]`` of ``python p.py``), then the stage file's own folder."""
+    found = []
+    if spec.path and spec.module not in ("__main__", ""):
+        top = Path(spec.path).parent
+        for _ in range(spec.module.count(".") + (Path(spec.path).name == "__init__.py")):
+            top = top.parent
+        found.append(str(top))
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(main, str) and spec.module != "__main__":
+        found.append(str(Path(main).resolve().parent))
+    found.append(str(base))
+    return tuple(dict.fromkeys(found))
 
 
 def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int]]:

@@ -21,8 +21,8 @@ from hetflow.tasks.protocol import WORKER_ENV, ScriptImportStop
 from hetflow.tasks.shipping import ships_by_value
 
 from .declaration import StageSpec, check_env, check_map, check_max_failures, check_name
-from .errors import (HetflowError, PipelineError, RunAborted, RunFailed, RunInterrupted, RunLocked, Terminated,
-                     interruption, store_argv)
+from .errors import (HetflowError, PipelineError, ResumeRefused, RunAborted, RunFailed, RunInterrupted, RunLocked,
+                     Terminated, interruption, store_argv)
 from .filesystem import default_workdir
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
@@ -335,6 +335,9 @@ class Pipeline:
             raise ScriptImportStop()
         if _overrides and _overrides[-1][0].declare_only:
             raise Declared(self)
+        from . import observed
+
+        observed.take()  # what the script's top level left, before this process does anything else
         from hetflow.tasks.paths import private_dir
         from hetflow.tasks.pilot import load_pilot
         from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
@@ -513,6 +516,9 @@ class _Started:
                     orchestrator.stop(interruption(interrupt), "INTERRUPTED")
                 _report_uncaught()
                 raise RunInterrupted(the_id, given, script=script, shell=self.recorded) from None
+            except ResumeRefused:  # the run was left as it was (DONE)
+                _report_uncaught()
+                raise
             except (HetflowError, OSError, ImportError, SQLAlchemyError) as exc:
                 from .orchestrator import where
 

@@ -373,6 +373,9 @@ class RankResult:
     visible_devices: Mapping[str, str] | None = None
     params_read: list[str] | None = None
     raptor: Mapping[str, Any] | None = None
+    observed: Mapping[str, str] | None = None
+    """What the rank could depend on beyond its key, as :mod:`hetflow.observed` digests it (``None``: not
+    observed, the rank failed before its script's top level ended)."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -395,7 +398,7 @@ class RankResult:
                          if not (k == "at_fault" and not v)}
             elif isinstance(value, tuple):
                 value = list(value)
-            elif f.name in ("raptor", "visible_devices"):
+            elif f.name in ("raptor", "visible_devices", "observed"):
                 value = dict(value)
             data[f.name] = value
         return data
@@ -427,7 +430,9 @@ class RankResult:
                       "cores": top.items("cores", int, "integers", None), "gpus": top.items("gpus", int, "integers", None),
                       "visible_devices": visible,
                       "params_read": None if params_read is None else list(params_read),
-                      "raptor": None if raptor is None else dict(raptor)}
+                      "raptor": None if raptor is None else dict(raptor),
+                      "observed": top.text_map("observed") if top.get("observed", (dict, type(None)), "an object",
+                                                                      None) is not None else None}
         return _construct(cls, where, fields)
 
     def write(self, path: Path) -> None:

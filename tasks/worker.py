@@ -97,14 +97,20 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
 
             shipped = load(AttemptFiles(spec.attempt_dir).function, spec.stage)
             return getattr(shipped, "__wrapped_stage__", shipped)  # type: ignore[no-any-return]
+        from hetflow import observed
+
         from .script import SCRIPT_MODULE, check_unchanged, import_script
 
         sys.argv = [path, *spec.argv[1:]]  # what the script saw when its run started (itself by full path)
         check_unchanged(path, spec.script_sha256, spec.stage)
+        observed.install()
+        observed.recording(True)  # the files its top level reads (hetflow.observed)
         try:
             module = import_script(path, SCRIPT_MODULE)
         except ScriptImportStop:
             module = sys.modules[SCRIPT_MODULE]
+        finally:
+            observed.recording(False)
     func = _registered(module, spec.stage, name)
     if func is None:
         func = getattr(module, name, None)
@@ -114,6 +120,32 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
                            "(declare stages at import time, not inside a function the script calls)")
     wrapped: Callable[..., Any] = getattr(func, "__wrapped_stage__", func)
     return wrapped
+
+
+def _run_folder(spec: WorkerSpec) -> str:
+    """The run's folder (``<run>/stages/<stage>/attempt-<n>``'s top): what the run writes is not observed."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(spec.attempt_dir)))), "")
+
+
+def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
+    """What the rank could depend on beyond its key once its script's top level ran (:mod:`hetflow.observed`),
+    and the modules imported by then."""
+    from hetflow import observed
+
+    from .script import is_deferred
+
+    observed.recording(False)  # on since hetflow's import in this process; the stage's own reads are not observed
+    found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
+                             files=spec.function.module == "__main__" and bool(spec.function.path))
+    return found, frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
+
+
+def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]) -> dict[str, str]:
+    """The modules the stage imported while it ran (or whose deferred import it loaded), added, wherever they
+    lie (those it had are recorded as they were executed)."""
+    from hetflow import observed
+
+    return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1])}
 
 
 def _open_input(path: str, rank: int, size: int, verify: str) -> Any:
@@ -302,6 +334,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
     files.write_pid(rank, os.getpid())
     comm: Any = None
     params_read: Any = None
+    seen: dict[str, str] | None = None
     placed: dict[str, Any] = {}
     outputs: dict[str, RankOutput | None] = {}
     try:
@@ -322,6 +355,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
 
         pa.set_cpu_count(max(1, len(cpus)))
         func = _load_function(spec)
+        top = _observe(spec)
         named_inputs = list(spec.inputs)  # declaration order
         inputs = [_open_input(path, rank, size, spec.verify) for _, path in named_inputs]
         declared = {name: ds.schema_from_text(text) for name, text in spec.schemas.items()}
@@ -341,6 +375,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
                            inputs={name: table for (name, _), table in zip(named_inputs, inputs)})
         with operator_settings(spec):
             tables = _check_result(stage, func(ctx, *inputs), list(spec.outputs))
+        seen = _observe_after(spec, top)
         for name, value in tables.items():
             if value is not None and name in declared:
                 check_schema(stage, "output", name, value.schema, declared[name])
@@ -362,7 +397,7 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
         log.error("failed: %s: %s", type(exc).__name__, exc)
     finally:
         log.removeHandler(handler)
-    result = dataclasses.replace(result, ended=time.time(), outputs=outputs, **placed,
+    result = dataclasses.replace(result, ended=time.time(), outputs=outputs, **placed, observed=seen,
                                  params_read=None if params_read is None else [str(k) for k in params_read])
     result.write(files.rank_result(rank))
     return result, comm

@@ -1,0 +1,314 @@
+"""What a stage's rank could depend on that its key does not name, observed where it ran.
+
+The key (:mod:`hetflow.fingerprint`) is made in the orchestrator from what it
+can follow statically.  Three things escape that walk, and each is observed
+instead, as the script's top level left it, in the orchestrator (when
+``pipe.run()`` starts: :func:`take`) and in each rank (after its top level ran,
+and the modules again after the stage returned: :func:`in_rank`):
+
+* ``module PATH``: the source of every imported module that is neither under the
+  stage's own directory (those the key hashes as it reaches them), nor part of
+  the standard library, ``site-packages`` or hetflow: a helper module reached
+  through ``sys.path``/``PYTHONPATH`` from outside the script's directory, a
+  package installed with ``pip install -e``, a module a stage imports by a name
+  in a string.  They count whole, for every stage of a script that imports them.
+* ``file PATH``: the files (not code) the top level opened for reading, by
+  content (by size and time above :data:`CONTENT_LIMIT`).  Only compared: the
+  rank's must be what the orchestrator's top level read when it made the key
+  (``TABLE = pd.read_csv(...)`` edited while a stage waited for its slot), or the
+  result is not committed.  The key already holds what a stage reads of them.
+* ``state NAME``: process-wide state that calls at the top set without assigning
+  a global: the ``random`` and numpy global generators, torch's default
+  generator and default dtype, the ``decimal`` context.  A state the rank and the
+  orchestrator agree on was set by the top level (``np.random.seed(SEED)``) and
+  counts; one they do not agree on was not seeded and is left out.
+
+The orchestrator refuses to commit a result whose ``module``/``file``
+observations differ from its own (they changed after the run started), records
+the ``module``/``state`` observations with the stage's output, and serves that
+output again only while its own observations at the start of a later run match
+them (:func:`stale`).  Files are seen through an audit hook (``open`` events)
+that records only while :func:`recording` is on; it does nothing otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import stat
+import sys
+import sysconfig
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+CONTENT_LIMIT = 256 << 20
+"""Files read at the top up to this size are compared by content, larger ones by size and modification time."""
+
+MAX_FILES = 10_000
+"""At most this many files are recorded per top level (a notebook that opens many stops recording there)."""
+
+_SKIP_PREFIXES = ("/proc/", "/sys/", "/dev/", "/etc/", "/run/")
+_CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".pyd", ".pth")
+
+
+class _Recorder:
+    on = False
+    paths: dict[str, None] = {}
+    skip: tuple[str, ...] = ()
+
+
+def _external_dirs() -> tuple[str, ...]:
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+_EXTERNAL = _external_dirs()
+
+
+@functools.lru_cache(maxsize=2)
+def _hetflow_dirs() -> tuple[str, ...]:
+    """hetflow's own package folders (``pipeline/``, ``tasks/``, ... in an editable install): counted by version."""
+    found = set()
+    for name in ("hetflow", "hetflow.tasks", "hetflow.operators", "hetflow.ml"):  # those imported (cached once)
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(path, str):
+            found.add(os.path.join(os.path.dirname(os.path.realpath(path)), ""))
+    return tuple(found)
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if not _Recorder.on or event != "open":
+        return
+    path, mode = args[0], args[1]
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return  # a file descriptor
+    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+    if isinstance(mode, str) and any(c in mode for c in "wax+"):
+        return
+    if mode is None and flags & (os.O_WRONLY | os.O_RDWR):
+        return
+    try:
+        text = os.fsdecode(path)
+    except (TypeError, ValueError):
+        return
+    if len(_Recorder.paths) < MAX_FILES and not text.endswith(_CODE_SUFFIXES):
+        _Recorder.paths[os.path.abspath(text)] = None
+
+
+def in_hetflow_process() -> bool:
+    """Whether this process is one of hetflow's own (a rank's worker, the fork server, a witness), started
+    as ``python -m hetflow.tasks...``: there no user script's top level runs before ``import hetflow``."""
+    return any(arg.startswith("hetflow.tasks.") for arg in getattr(sys, "orig_argv", ())[1:4])
+
+
+def install() -> None:
+    """Add the audit hook (once per process; it cannot be removed, so it does nothing while not recording)."""
+    if not getattr(sys, "_hetflow_observed_hook", False):
+        sys.addaudithook(_audit)
+        sys._hetflow_observed_hook = True  # type: ignore[attr-defined]
+
+
+def recording(on: bool) -> None:
+    """Start (forgetting what was recorded) or stop recording the files opened for reading."""
+    if on:
+        _Recorder.paths = {}
+    _Recorder.on = on
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_entry(path: str) -> str | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return "<missing>"
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    if info.st_size > CONTENT_LIMIT:
+        return f"size {info.st_size} mtime {info.st_mtime_ns}"
+    digest = hashlib.blake2b(digest_size=32)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return "<unreadable>"
+    return digest.hexdigest()
+
+
+def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None = None,
+                   before: frozenset[str] | None = None) -> dict[str, str]:
+    """``{"module PATH": sha256}`` of the imported modules outside the standard library, ``site-packages``,
+    hetflow and the folders in ``exclude`` (``os.path.join(folder, "")`` each); those in ``known`` are
+    neither read again nor returned.  With ``before`` (module names), only the modules imported since, and
+    ``exclude`` does not apply: a module the stage imported while it ran (by a name in a string) counts
+    wherever it lies."""
+    from hetflow.tasks.script import is_deferred
+
+    skip = _EXTERNAL + _hetflow_dirs() + (tuple(exclude) if before is None else ())
+    found: dict[str, str] = {}
+    for name, module in list(sys.modules.items()):
+        if (before is not None and name in before) or is_deferred(module):  # looking would load it
+            continue
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or not path.endswith(".py") or name.partition(".")[0] == "hetflow" \
+                or path.startswith(skip) or "site-packages" in path or "dist-packages" in path:
+            continue
+        real = os.path.realpath(path)
+        if real.startswith(skip) or (known is not None and f"module {real}" in known):
+            continue
+        try:
+            with open(real, "rb") as f:
+                found[f"module {real}"] = _sha(f.read())
+        except OSError:
+            found[f"module {real}"] = "<missing>"
+    return found
+
+
+def files_read(exclude: Iterable[str] = ()) -> dict[str, str]:
+    """``{"file PATH": digest}`` of the files recorded while :func:`recording` was on, less those under
+    the external folders, hetflow and ``exclude``."""
+    skip = _EXTERNAL + _hetflow_dirs() + _SKIP_PREFIXES + tuple(exclude)
+    found: dict[str, str] = {}
+    for path in list(_Recorder.paths):
+        if path.startswith(skip) or "site-packages" in path or "dist-packages" in path or "/." in path:
+            continue  # ... and under a hidden folder (~/.cache, ~/.config): what libraries keep, not data
+        entry = _file_entry(path)
+        if entry is not None:
+            found[f"file {path}"] = entry
+    return found
+
+
+def states() -> dict[str, str]:
+    """``{"state NAME": digest}`` of the process-wide state a script's top can set by a call (module docstring);
+    a library that is not imported is not imported for it."""
+    from hetflow.tasks.script import is_deferred
+
+    found = {}
+    random = sys.modules.get("random")  # not imported: nothing at the top set it
+    if random is not None:
+        found["state random"] = _sha(repr(random.getstate()).encode())
+    decimal = sys.modules.get("decimal")
+    if decimal is not None and not is_deferred(decimal):
+        context = decimal.getcontext()
+        found["state decimal"] = _sha(f"{context.prec} {context.rounding} {context.Emin} {context.Emax} "
+                                      f"{context.capitals} {context.clamp} "
+                                      f"{sorted(k.__name__ for k, v in context.traps.items() if v)}".encode())
+    generator = sys.modules.get("numpy.random")  # not imported: nothing at the top seeded it
+    if generator is not None and not is_deferred(generator):
+        try:
+            kind, keys, pos, has_gauss, gauss = generator.get_state()
+            found["state numpy.random"] = _sha(f"{kind} {pos} {has_gauss} {gauss!r} ".encode() + keys.tobytes())
+        except Exception:  # noqa: BLE001 - a numpy without the legacy generator: nothing to observe
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None and not is_deferred(torch) and hasattr(torch, "random") and hasattr(torch, "get_default_dtype"):
+        try:
+            found["state torch.random"] = _sha(torch.random.get_rng_state().numpy().tobytes())
+            found["state torch.dtype"] = _sha(str(torch.get_default_dtype()).encode())
+        except Exception:  # noqa: BLE001 - a torch build without these: nothing to observe
+            pass
+    return found
+
+
+class _Start:
+    taken: dict[str, str] | None = None
+
+
+def take() -> dict[str, str]:
+    """The orchestrator's observations when ``pipe.run()`` starts (the script's top level has run); kept for
+    :func:`latest`.  Recording of opened files stops here."""
+    recording(False)
+    _Start.taken = {**module_sources(), **files_read(), **states()}
+    return _Start.taken
+
+
+def latest() -> dict[str, str]:
+    """What :func:`take` found last (taken now when it was never called: a run started another way)."""
+    return _Start.taken if _Start.taken is not None else take()
+
+
+def stage_root(path: str | None) -> str | None:
+    """The folder whose modules a stage's key hashes as it reaches them (the stage file's folder, or the top of
+    its package), as ``os.path.join(folder, "")``; None without a file."""
+    if not path:
+        return None
+    root = os.path.dirname(os.path.realpath(path))
+    while os.path.exists(os.path.join(root, "__init__.py")) and os.path.dirname(root) != root:
+        root = os.path.dirname(root)
+    return os.path.join(root, "")
+
+
+def in_rank(script: str | None, exclude: Iterable[str] = (), *, files: bool = True) -> dict[str, str]:
+    """A rank's observations (module docstring), less the stage's own folder and ``exclude`` (its run folder);
+    ``files``: whether its files were recorded (a script's top level ran in this rank)."""
+    root = stage_root(script)
+    skip = tuple(exclude) + ((root,) if root else ())
+    return {**module_sources(skip), **(files_read(exclude) if files else {}), **states()}
+
+
+def refused(rank: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
+    """What a rank observed of modules and files that differs from the orchestrator's start, as ``"helper
+    module PATH"`` / ``"file PATH"``: it changed after the key was made, so the result is not the key's."""
+    return [_label(key) for key, value in sorted(rank.items())
+            if key.partition(" ")[0] in ("module", "file") and key in start and start[key] != value]
+
+
+def to_record(rank: Mapping[str, str], start: Mapping[str, str], covered: tuple[str, ...] = ()) -> dict[str, str]:
+    """What is recorded with a committed stage: its modules, less those under ``covered`` (what the key hashes
+    as it reaches it: an editable or local-directory install), and the states the rank and the orchestrator
+    agree on (a state they differ on was not seeded: left out)."""
+    kept = {}
+    for key, value in rank.items():
+        kind, _, name = key.partition(" ")
+        if kind == "module" and not (covered and name.startswith(covered)):
+            kept[key] = value
+        elif kind == "state" and start.get(key) == value:
+            kept[key] = value
+    return dict(sorted(kept.items()))
+
+
+def stale(recorded: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
+    """The recorded observations that no longer hold now (``start``; a module the orchestrator has not
+    imported is read now), as one-line reasons; empty when the committed output may be served."""
+    found = []
+    for key, value in sorted(recorded.items()):
+        kind, _, name = key.partition(" ")
+        if kind == "module":
+            now = start.get(key)
+            if now is None:
+                try:
+                    with open(name, "rb") as f:
+                        now = _sha(f.read())
+                except OSError:
+                    now = "<missing>"
+            if now != value:
+                found.append(f"{_label(key)} changed")
+        elif kind == "state" and start.get(key) != value:
+            found.append(f"{_label(key)} changed")
+    return found
+
+
+def _label(key: str) -> str:
+    kind, _, name = key.partition(" ")
+    if kind == "module":
+        return f"helper module {_short(name)}"
+    if kind == "file":
+        return f"file {_short(name)} read at the script's top"
+    return {"random": "the random module's global state set at the script's top (random.seed)",
+            "numpy.random": "numpy's global random state set at the script's top (np.random.seed)",
+            "torch.random": "torch's default generator set at the script's top (torch.manual_seed)",
+            "torch.dtype": "torch's default dtype set at the script's top",
+            "decimal": "the decimal context set at the script's top"}.get(name, name)
+
+
+def _short(path: str) -> str:
+    """A path relative to the working directory when that is shorter (``../src/lib.py``)."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        return path
+    return relative if len(relative) < len(path) else path

@@ -1,0 +1,362 @@
+"""What a stage's ranks could depend on beyond its key, observed where they ran (issue 25, fourth red team).
+
+Each test writes a small pipeline, runs it with the ``hetflow`` command (real
+subprocess, real mpiexec, real SQLite), changes what the stage depends on the
+way the attack did, runs again and checks that the stage RAN, says why, and
+that its dataset holds the new value (see :mod:`hetflow.observed`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from test_cache_stale import HETFLOW, edit, run, states, status, value
+
+HELPER = '''
+import pyarrow as pa
+import hetflow as hf
+import helperlib
+
+pipe = hf.Pipeline("helper")
+
+
+@pipe.stage(ranks=RANKS, outputs=["k"])
+def uses_helper(ctx):
+    return {"k": pa.table({"v": [helperlib.K]})}
+'''
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_helper_module_outside_the_scripts_folder_reruns_its_stage_when_edited(tmp_path: Path, ranks: int) -> None:
+    """A ``scripts/`` + ``src/`` layout: the helper is reached through PYTHONPATH, outside the script's folder,
+    without a version; it was left out of the key, and an edit was served CACHED.  Two ranks start cold under
+    mpiexec, where the script's import of the helper is deferred until the stage reads it."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "helperlib.py").write_text("K = 1\n")
+    project = tmp_path / "scripts"
+    project.mkdir()
+    (project / "p.py").write_text(HELPER.replace("RANKS", str(ranks)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "src"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    assert value(run(project, env=env), "k") == 1
+    (tmp_path / "src" / "helperlib.py").write_text("K = 2\n")
+    edited = run(project, env=env)
+    assert states(edited) == {"uses_helper": "DONE"}, edited["uses_helper"]["cache"]
+    assert edited["uses_helper"]["cache"]["reason"].startswith("helper module ../src/helperlib.py changed")
+    assert value(edited, "k") == 2
+    assert states(run(project, env=env)) == {"uses_helper": "CACHED"}
+
+
+SEEDED = '''
+import random
+
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+SEED = 1
+np.random.seed(SEED)
+random.seed(SEED)
+
+pipe = hf.Pipeline("seeded")
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())], "w": [random.random()]})}
+'''
+
+
+def test_a_seed_set_at_the_scripts_top_reruns_the_stages_when_it_changes(tmp_path: Path) -> None:
+    """``np.random.seed(SEED)`` at the top sets no global the stage reads: the key did not change with SEED."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SEEDED)
+    np.random.seed(1)
+    assert value(run(tmp_path), "draw") == float(np.random.rand())
+    edit(tmp_path / "p.py", "SEED = 1", "SEED = 2")
+    edited = run(tmp_path)
+    assert states(edited) == {"draw": "DONE"}
+    assert "numpy's global random state set at the script's top (np.random.seed) changed" in \
+        edited["draw"]["cache"]["reason"]
+    np.random.seed(2)
+    assert value(edited, "draw") == float(np.random.rand())
+    assert states(run(tmp_path)) == {"draw": "CACHED"}
+
+
+UNSEEDED = '''
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("unseeded")
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"v": [1]})}
+'''
+
+
+def test_an_unseeded_generator_does_not_make_a_stage_run_every_time(tmp_path: Path) -> None:
+    (tmp_path / "p.py").write_text(UNSEEDED)
+    assert states(run(tmp_path)) == {"one": "DONE"}
+    assert states(run(tmp_path)) == {"one": "CACHED"}
+
+
+TOP_READ = '''
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+
+HERE = Path(__file__).resolve().parent
+TABLE = int((HERE / "table.txt").read_text())
+pipe = hf.Pipeline("topread", pilot=hf.PilotDescription(name="two", cores_per_node=2, memory_per_node=2**33))
+
+
+@pipe.stage(cores_per_rank=2, outputs=["slow"])
+def slow(ctx):  # holds both cores until the test says go
+    (HERE / "started").touch()
+    while not (HERE / "go").exists():
+        time.sleep(0.1)
+    return {"slow": pa.table({"v": [0]})}
+
+
+@pipe.stage(cores_per_rank=2, outputs=["uses"])
+def uses(ctx):
+    return {"uses": pa.table({"v": [TABLE]})}
+'''
+
+
+def test_data_read_at_the_scripts_top_and_edited_while_a_stage_waits_is_not_committed_under_the_old_key(
+        tmp_path: Path) -> None:
+    """The key held TABLE = 1 (read when the run started); the rank read 2 when it started: its result was
+    stored under the key of 1, and served CACHED once the file held 1 again."""
+    (tmp_path / "table.txt").write_text("1")
+    (tmp_path / "p.py").write_text(TOP_READ)
+    proc = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--workdir", str(tmp_path / "work")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        (tmp_path / "table.txt").write_text("2")
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    shown = status(tmp_path)
+    assert shown["uses"]["state"] == "FAILED", (out, err)
+    assert "file table.txt read at the script's top changed after the run started" in shown["uses"]["error"]
+    (tmp_path / "go").unlink()
+    (tmp_path / "table.txt").write_text("1")
+    (tmp_path / "go").touch()
+    again = run(tmp_path)
+    assert states(again) == {"slow": "CACHED", "uses": "DONE"} and value(again, "uses") == 1
+
+
+PACKAGE_FLOW = '''
+import pyarrow as pa
+import hetflow as hf
+
+from .values import K
+
+pipe = hf.Pipeline("pkgflow")
+
+
+@pipe.stage(outputs=["k"])
+def first(ctx):
+    return {"k": pa.table({"v": [K]})}
+'''
+
+
+def test_stages_declared_in_a_package_beside_the_script_run_in_their_ranks(tmp_path: Path) -> None:
+    """``from lib.flow import pipe`` in the script: the ranks imported ``lib.flow`` with only ``lib/`` on
+    sys.path (ModuleNotFoundError: No module named 'lib'); Python puts the script's folder there."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "values.py").write_text("K = 1\n")
+    (tmp_path / "lib" / "flow.py").write_text(PACKAGE_FLOW)
+    (tmp_path / "p.py").write_text("from lib.flow import pipe\n\npipe.run()\n")
+    first = run(tmp_path)
+    assert states(first) == {"first": "DONE"} and value(first, "k") == 1
+    (tmp_path / "lib" / "values.py").write_text("K = 2\n")
+    edited = run(tmp_path)
+    assert states(edited) == {"first": "DONE"} and value(edited, "k") == 2
+
+
+REUSED = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("reused")
+
+
+@pipe.stage(outputs=["a"])
+def first(ctx):
+    return {"a": pa.table({"v": [1]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def second(ctx, a):
+    return {"b": pa.table({"v": [2]})}
+'''
+
+
+def test_a_refused_resume_of_a_done_run_leaves_it_done(tmp_path: Path) -> None:
+    """A resume that must re-run a stage whose output a later run reuses is refused; it marked the DONE run
+    FAILED (and its stage), though it had changed nothing."""
+    from test_cache_stale import hetflow
+
+    (tmp_path / "p.py").write_text(REUSED)
+    done = run(tmp_path)
+    later = run(tmp_path)
+    assert states(later) == {"first": "CACHED", "second": "CACHED"}
+    edit(tmp_path / "p.py", "[2]", "[3]")
+    refused = hetflow("resume", done["_run"]["id"], "--no-progress", cwd=tmp_path)
+    after = status(tmp_path, done["_run"]["id"])
+    assert after["_run"]["state"] == "DONE" and states(after) == {"first": "DONE", "second": "DONE"}
+    assert refused.returncode != 0
+    assert f"which run(s) {later['_run']['id']} reuse" in refused.stderr and "stays DONE" in refused.stderr
+    assert value(after, "b") == 2 and value(status(tmp_path, later["_run"]["id"]), "b") == 2
+
+
+NAMED = '''
+import configparser
+import string
+
+import duckdb
+import pandas as pd
+import pyarrow as pa
+import hetflow as hf
+
+THRESH = 1
+CATALOG = pd.DataFrame({"flux": [1, 2, 3]})
+CFG = configparser.ConfigParser()
+CFG.read_string("[fit]\\nscale = 10\\n")
+LABEL = string.Template("n=$n")
+METHOD = "a"
+
+pipe = hf.Pipeline("named")
+
+
+def norm_a(x):
+    return x * 1
+
+
+@pipe.stage(outputs=["query"])
+def query(ctx):
+    return {"query": pa.table({"v": [len(CATALOG.query("flux > @THRESH"))]})}
+
+
+@pipe.stage(outputs=["sql"])
+def sql(ctx):
+    return {"sql": pa.table({"v": [int(duckdb.sql("SELECT sum(flux) AS s FROM CATALOG").fetchall()[0][0])]})}
+
+
+@pipe.stage(outputs=["picked"])
+def picked(ctx):
+    return {"picked": pa.table({"v": [globals()["norm_" + METHOD](5)]})}
+
+
+@pipe.stage(outputs=["config"])
+def config(ctx):
+    return {"config": pa.table({"v": [CFG.getint("fit", "scale")]})}
+
+
+@pipe.stage(outputs=["label"])
+def label(ctx):
+    return {"label": pa.table({"v": [LABEL.substitute(n=1)]})}
+'''
+
+
+@pytest.mark.parametrize("old, new, stage, now", [
+    ("THRESH = 1", "THRESH = 2", "query", 1), ('"flux": [1, 2, 3]', '"flux": [1, 2, 4]', "sql", 7),
+    ("x * 1", "x * 2", "picked", 10), ("scale = 10", "scale = 20", "config", 20), ('"n=$n"', '"m=$n"', "label", "m=1"),
+], ids=["query-at-name", "duckdb-frame", "globals-built-name", "configparser", "string-template"])
+def test_globals_named_in_strings_picked_by_a_built_name_or_shown_only_by_address_rerun_what_reads_them(
+        tmp_path: Path, old: str, new: str, stage: str, now: object) -> None:
+    """``df.query("@THRESH")``, a DuckDB query naming a global frame, ``globals()["norm_" + m]``, a
+    ``ConfigParser`` and a ``string.Template`` (whose text form is an address): an edit was served CACHED."""
+    (tmp_path / "p.py").write_text(NAMED)
+    first = run(tmp_path)
+    assert [value(first, n) for n in ("query", "sql", "picked", "config", "label")] == [2, 6, 5, 10, "n=1"]
+    edit(tmp_path / "p.py", old, new)
+    again = run(tmp_path)
+    assert again[stage]["state"] == "DONE", again[stage]["cache"]
+    assert value(again, stage) == now
+    assert states(run(tmp_path))[stage] == "CACHED"
+
+
+CONFIGURED = '''
+import pyarrow as pa
+import hetflow as hf
+from shapes import Model
+
+Model.configure(3)
+THRESH = 2
+
+pipe = hf.Pipeline("configured")
+
+
+@pipe.stage(outputs=["scaled"])
+def scaled(ctx):
+    return {"scaled": pa.table({"v": [Model.SCALE]})}
+
+
+@pipe.stage(outputs=["evaluated"])
+def evaluated(ctx):
+    return {"evaluated": pa.table({"v": [eval("THRESH + 1")]})}
+'''
+
+SHAPES = '''
+class Model:
+    SCALE = 1
+
+    @classmethod
+    def configure(cls, scale):
+        cls.SCALE = scale
+'''
+
+
+@pytest.mark.parametrize("old, new, stage, now", [
+    ("Model.configure(3)", "Model.configure(4)", "scaled", 4), ("THRESH = 2", "THRESH = 5", "evaluated", 6),
+], ids=["classmethod-sets-class-attribute", "global-read-in-eval"])
+def test_a_class_attribute_a_classmethod_sets_and_a_global_read_in_eval_rerun_what_reads_them(
+        tmp_path: Path, old: str, new: str, stage: str, now: int) -> None:
+    (tmp_path / "shapes.py").write_text(SHAPES)
+    (tmp_path / "p.py").write_text(CONFIGURED)
+    first = run(tmp_path)
+    assert value(first, "scaled") == 3 and value(first, "evaluated") == 3
+    edit(tmp_path / "p.py", old, new)
+    again = run(tmp_path)
+    assert again[stage]["state"] == "DONE", again[stage]["cache"]
+    assert value(again, stage) == now
+    assert states(run(tmp_path))[stage] == "CACHED"
+
+
+def test_a_commit_recorded_without_observations_is_not_served(tmp_path: Path) -> None:
+    """A stage committed by a hetflow that did not observe its ranks (an upgrade): what it depended on beyond
+    its key is unknown, so it runs once more instead of being served."""
+    import sqlite3
+
+    (tmp_path / "p.py").write_text(UNSEEDED)
+    assert states(run(tmp_path)) == {"one": "DONE"}
+    with sqlite3.connect(tmp_path / "work" / "hetflow.db") as db:
+        rows = db.execute("SELECT id, cache_material FROM stages").fetchall()
+        for row_id, material in rows:
+            older = {k: v for k, v in json.loads(material).items() if k != "observed"}
+            db.execute("UPDATE stages SET cache_material = ? WHERE id = ?", (json.dumps(older), row_id))
+    again = run(tmp_path)
+    assert states(again) == {"one": "DONE"}, again["one"]["cache"]
+    assert states(run(tmp_path)) == {"one": "CACHED"}
