@@ -38,6 +38,7 @@ import datetime
 import decimal
 import functools
 import hashlib
+import io
 import marshal
 import os
 import random
@@ -83,12 +84,13 @@ class Uncheckable(Unchecked):
     filled ``functools.lru_cache``, a C object without ``__dict__``)."""
 
 
-_IMMUTABLE = (re.Pattern, re.Match, datetime.date, datetime.time, datetime.timedelta, datetime.tzinfo,
+_BY_IDENTITY = (io.IOBase, re.Pattern, re.Match, datetime.date, datetime.time, datetime.timedelta, datetime.tzinfo,
               decimal.Decimal, uuid.UUID, types.CodeType, types.GenericAlias, types.UnionType,
               types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType,
               types.GetSetDescriptorType, types.MemberDescriptorType, type(_thread.allocate_lock()),
               type(threading.RLock()), types.MappingProxyType)
-"""Types whose objects count by identity: they cannot change in place (a lock's state is not data an item reads)."""
+"""Types whose objects count by identity: they cannot change in place, or what they change is outside the
+process (a file, which a forked item shares too); a lock's state is not data an item reads."""
 
 _HEAPTYPE = 1 << 9
 """``Py_TPFLAGS_HEAPTYPE``: a class defined in Python, whose instances keep their state in ``__dict__`` or slots."""
@@ -206,7 +208,7 @@ class _Walk:
             if obj in _reseeded() or isinstance(obj, random.SystemRandom):
                 return ("random", ident)  # reseeded before each item; the system's draws have no state
             return ("random", ident, self.value(obj.getstate()), self._state(obj))
-        if isinstance(obj, _IMMUTABLE):
+        if isinstance(obj, _BY_IDENTITY):
             return ("immutable", ident)
         module = getattr(kind, "__module__", "") or ""
         if any(module == p or module.startswith(p + ".") for p in _OPAQUE_PREFIXES):

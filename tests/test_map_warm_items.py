@@ -363,3 +363,29 @@ def test_itemstate_refuses_state_too_large_to_check(module: Any) -> None:
         itemstate.take([module])
     module.BIG = list(range(itemstate.MAX_NODES // 2))  # flat: hashed at once, still counted
     assert itemstate.changed(itemstate.take([module])) is None
+
+
+def test_itemstate_reads_a_plain_scripts_state_without_false_changes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "plain_mod.py").write_text(
+        "import datetime, enum, logging, math, re, threading\nfrom random import random as draw\n"
+        "import numpy as np, pandas as pd, pyarrow as pa\n\n"
+        "log = logging.getLogger(__name__)\nPAT = re.compile('a+')\nWHEN = datetime.datetime(2020, 1, 1)\n"
+        "LOCK = threading.Lock()\nsqrt = math.sqrt\nSCALE = np.float64(2.0)\nTABLE = pa.table({'a': [1]})\n"
+        "FRAME = pd.DataFrame({'a': [1, 2], 's': ['x', 'y'], 't': pd.to_datetime(['2020-01-01', '2021-01-01'])})\n"
+        "NAMES = {-1, 'x'}\n\n\nclass Level(enum.IntEnum):\n    LOW = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("plain_mod")
+    try:
+        before = itemstate.take([mod])
+        mod.draw()  # Python's global generator is reseeded before each item: not state
+        mod.FRAME["a"].sum()
+        assert itemstate.changed(before) is None
+        mod.NAMES.discard(-1)
+        mod.NAMES.add(-2)  # hash(-1) == hash(-2): read by value
+        assert itemstate.changed(before) == "global 'NAMES' of module 'plain_mod' was changed in place"
+        before = itemstate.take([mod])
+        mod.FRAME.iloc[1, 1] = "z"
+        assert itemstate.changed(before) == "global 'FRAME' of module 'plain_mod' was changed in place"
+    finally:
+        sys.modules.pop("plain_mod", None)
