@@ -5,25 +5,34 @@ The one-rank items of a map stage run one after another in one warm process
 would read.  :func:`take` records, before the first item, what is reachable from
 the user's modules (the stage's script and every module loaded from outside the
 Python installation and its packages): for each module global its identity and a
-digest of its value, followed through containers, functions (defaults, closure
-cells, attributes), the user's classes (their attributes) and instances (their
-``__dict__`` and slots) and numpy arrays (their bytes); and, for the process, its
-working directory, environment, ``sys.path``, live threads and loaded user
-modules.  :func:`changed` says, in a few words, what an item changed, or
-``None``.
+digest of its value, followed through containers (numbers and strings by value
+and type), functions (defaults, closure cells, attributes), partials, the user's
+classes (their attributes) and instances (their ``__dict__`` and slots), numpy
+arrays and ``array.array`` (their bytes), pandas frames (their blocks and axes)
+and random generators (their state); and, for the process, its working
+directory, environment, ``sys.path``, live threads (raw ``_thread`` ones too)
+and loaded user modules.  :func:`changed` says, in a few words, what an item
+changed, or ``None``.
 
 Decisions:
 
 * Checked by identity and digest, not by a deep copy kept aside: an item
   never pays for a copy of the script's state, and the check after an item
   walks only what the user's modules hold.
-* Not looked into: objects of installed packages that have no ``__dict__``
-  (a C extension's object), Arrow data (immutable) and hetflow's own objects (the
-  pipeline the script declares); the state of installed packages and of the
-  standard library (``pandas.set_option``): a map whose items change such state
-  is declared with ``map_isolation="fork"``.  Python's, numpy's and torch's
-  global random generators are not checked but set before each item as a
-  process of its own would have them (:func:`RandomState`).
+* An item runs in the task's process only when everything reachable can be
+  read: a value the walk cannot digest faithfully (a generator, an iterator, an
+  ``itertools`` object, a ``functools`` cache holding values, an instance of a
+  C-defined class that keeps its state out of Python attributes) raises
+  :class:`Uncheckable`, naming the global that holds it, and the items fork;
+  never "unreadable, so unchanged".
+* Counted by identity: what cannot change in place or changes only outside the
+  process (files, patterns, dates, locks, numpy scalars and dtypes), Arrow data
+  (immutable) and hetflow's own objects (the pipeline the script declares).
+  Not looked into: the state of installed packages and of the standard library
+  (``pandas.set_option``): a map whose items change such state is declared with
+  ``map_isolation="fork"``.  Python's, numpy's and torch's global random
+  generators are not checked but set before each item as a process of its own
+  would have them (:class:`RandomState`).
 * What is too large to walk at each item (more than :data:`MAX_NODES` objects or
   :data:`MAX_BYTES` of array data) is not guessed at: :func:`take` raises
   :class:`TooLarge` and the task's items run in a process each.
