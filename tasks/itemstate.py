@@ -202,7 +202,7 @@ class _Walk:
                     self.value(obj.__kwdefaults__), cells, self.value(obj.__dict__))
         if isinstance(obj, (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)):
             owner = getattr(obj, "__self__", None)
-            if owner is None or isinstance(owner, types.ModuleType) or owner in _reseeded():
+            if owner is None or isinstance(owner, types.ModuleType) or _reseeded(owner):
                 return ("builtin", ident)
             return ("method", ident, self.value(getattr(obj, "__func__", None)), self.value(owner))
         if isinstance(obj, functools.partial):
@@ -214,7 +214,7 @@ class _Walk:
             return ("class", ident, tuple((k, self.value(v)) for k, v in vars(obj).items()
                                           if k not in _SKIPPED_ATTRIBUTES))
         if isinstance(obj, random.Random):
-            if obj in _reseeded() or isinstance(obj, random.SystemRandom):
+            if _reseeded(obj) or isinstance(obj, random.SystemRandom):
                 return ("random", ident)  # reseeded before each item; the system's draws have no state
             return ("random", ident, self.value(obj.getstate()), self._state(obj))
         if isinstance(obj, _BY_IDENTITY):
@@ -236,8 +236,8 @@ class _Walk:
                 if obj is _numpy_global(numpy):
                     return ("random", ident)  # set before each item as a process of its own has it
                 return ("randomstate", ident, self.value(obj.get_state(legacy=False)))
-        pandas = sys.modules.get("pandas")
-        if pandas is not None and isinstance(obj, pandas.core.internals.managers.BaseBlockManager):
+        managers = getattr(sys.modules.get("pandas.core.internals.managers"), "BaseBlockManager", None)
+        if managers is not None and isinstance(obj, managers):
             return ("frame", ident, tuple(self._array(numpy, _ndarray(numpy, block.values)) for block in obj.blocks),
                     tuple((type(axis).__name__, self._array(numpy, _ndarray(numpy, axis))) for axis in obj.axes))
         if isinstance(obj, weakref.ReferenceType):
@@ -328,10 +328,10 @@ def _numpy_global(numpy: Any) -> Any:
     return getattr(getattr(numpy.random, "mtrand", None), "_rand", None)
 
 
-def _reseeded() -> tuple[Any, ...]:
-    """The global generators :class:`RandomState` sets before each item: not the items' state."""
+def _reseeded(obj: Any) -> bool:
+    """Whether ``obj`` is a global generator :class:`RandomState` sets before each item: not the items' state."""
     numpy = sys.modules.get("numpy")
-    return (random._inst,) + ((_numpy_global(numpy),) if numpy is not None else ())
+    return obj is random._inst or (numpy is not None and obj is _numpy_global(numpy))  # type: ignore[attr-defined]
 
 
 def _filled(cell: Any) -> bool:
@@ -379,6 +379,7 @@ def _watched(extra: Iterable[types.ModuleType]) -> list[types.ModuleType]:
 def take(modules: Iterable[types.ModuleType] = ()) -> Snapshot:
     """The state an item could change: ``modules`` (the stage's own, wherever it was loaded from) and every
     user module loaded now.  :class:`TooLarge` when that is more than a check after each item should walk."""
+    _count_raw_threads()
     watched = _watched(modules)
     walk = _Walk(frozenset(m.__name__ for m in watched))
     return Snapshot(modules={m.__name__: _module_state(walk, m) for m in watched}, loaded=set(sys.modules),
@@ -430,8 +431,38 @@ def changed(before: Snapshot) -> str | None:
 
 
 def _threads() -> int:
-    """Live threads, those started with ``_thread.start_new_thread`` (which ``threading`` does not list) too."""
-    return threading.active_count() + _thread._count()
+    """Live threads, those started with ``_thread.start_new_thread`` (which ``threading`` does not list) too:
+    counted by :func:`_count_raw_threads` as they are started, since ``_thread._count()`` counts a new thread
+    only once it runs."""
+    return threading.active_count() + _thread._count() + _RAW_THREADS[0]
+
+
+_RAW_THREADS = [0]
+"""Threads started through ``_thread.start_new_thread`` since :func:`take` that have not returned."""
+
+
+def _count_raw_threads() -> None:
+    """Wrap ``_thread.start_new_thread`` (once per process) so that a thread counts from the call that starts it."""
+    start = _thread.start_new_thread
+    if getattr(start, "__hetflow_counted__", False):
+        return
+
+    def counted(function: Any, args: Any, kwargs: Any = None) -> int:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _RAW_THREADS[0] -= 1
+
+        _RAW_THREADS[0] += 1
+        try:
+            return start(run, args, {} if kwargs is None else kwargs)
+        except BaseException:
+            _RAW_THREADS[0] -= 1
+            raise
+
+    counted.__hetflow_counted__ = True  # type: ignore[attr-defined]
+    _thread.start_new_thread = _thread.start_new = counted  # type: ignore[assignment]
 
 
 def _global(module: str, name: str) -> str:
