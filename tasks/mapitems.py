@@ -242,8 +242,8 @@ def _one_rank(shared: _Shared, items: list[Mapping[str, Any]], sink: int, log_pa
         try:
             snapshot = itemstate.take([sys.modules[shared.func.__module__]] if shared.func.__module__ in sys.modules
                                       else [])
-        except itemstate.TooLarge as exc:
-            why = f"{exc}, too many to check after each item"
+        except itemstate.Unchecked as exc:
+            why = str(exc)
         noted = False  # said on the line of the item that changed state
         while items and why is None:
             items, why, noted = _runner(shared, items, snapshot, sink, log_path)

@@ -183,6 +183,70 @@ def test_state_too_large_to_check_runs_the_items_in_a_process_each_and_says_so(p
         "too many to check after each item)")
 
 
+HIDDEN = HEAD + '''
+import _thread, array, collections, functools, itertools, random, time
+import numpy as np
+
+SETUP
+
+
+@pipe.stage(map_over={"n": list(range(4))}, outputs=["out"]ISOLATION)
+def work(ctx):
+    return {"out": pa.table({"n": [ctx.params["n"]], "v": [repr(READ)], "pid": [os.getpid()]})}
+
+
+pipe.run()
+'''
+
+_SLOTS = "class Counter:\n    __slots__ = 'n'\n\n    def __init__(self):\n        self.n = 0\n\n\nC = Counter()"
+_PARTIAL = "def _acc(seen, x):\n    seen.append(x)\n    return len(seen)\n\n\nacc = functools.partial(_acc, [])"
+_THREAD = ("STATE = {'flag': 0}\n\n\ndef bump():\n    time.sleep(0.3)\n    STATE['flag'] += 1\n\n\n"
+           "def read():\n    time.sleep(0.6)\n    flag = STATE['flag']\n    _thread.start_new_thread(bump, ())\n"
+           "    return flag")
+
+
+@pytest.mark.parametrize("setup, read, what", [
+    ("rng = np.random.default_rng(42)", "float(rng.random())",
+     "item 0 ({\"n\": 0}) changed what later items would read (the script's global 'rng' was changed in place)"),
+    ("prng = random.Random(7)", "prng.random()", "(the script's global 'prng' was changed in place)"),
+    ("legacy = np.random.RandomState(3)", "legacy.rand()", "(the script's global 'legacy' was changed in place)"),
+    ("@functools.cache\ndef names():\n    return []", "(lambda kept: (len(kept), kept.append(1)))(names())[0]",
+     "(the script's global 'names' holds a functools cache holding 1 value(s), which a check cannot read)"),
+    ("ids = itertools.count()", "next(ids)", ("the items from item 0 on ran in a process each (the script's "
+                                              "global 'ids' holds an itertools.count, whose state a check cannot "
+                                              "read)")),
+    ("gen = (i for i in range(9))", "next(gen)", ("from item 0 on ran in a process each (the script's global 'gen' "
+                                                 "holds a builtins.generator, whose state a check cannot read)")),
+    ("recent = collections.deque(maxlen=3)", "(recent.append(1), len(recent))[1]",
+     "(the script's global 'recent' was changed in place)"),
+    (_PARTIAL, "acc(1)", "(the script's global 'acc' was changed in place)"),
+    ("arr = array.array('i', [0])", "(arr.__setitem__(0, arr[0] + 1), arr[0])[1]",
+     "(the script's global 'arr' was changed in place)"),
+    (_SLOTS, "(setattr(C, 'n', C.n + 1), C.n)[1]", "(the script's global 'C' was changed in place)"),
+    ("FLAT = [-1]", "(FLAT[0], FLAT.__setitem__(0, -2))[0]", "(the script's global 'FLAT' was changed in place)"),
+    ("from hetflow_helpers import Running\nacc = Running()", "acc.add(1)",
+     "(the script's global 'acc' was changed in place)"),
+    (_THREAD, "read()", "(a thread it started is still running)"),
+], ids=["default_rng", "random.Random", "RandomState", "functools.cache", "itertools.count", "generator", "deque",
+        "partial", "array", "string-slots", "int-by-value", "user-module-named-like-hetflow", "raw-thread"])
+def test_state_the_check_cannot_read_or_once_missed_makes_the_items_run_as_forked_ones_would(
+        project: Path, setup: str, read: str, what: str) -> None:
+    (project / "hetflow_helpers.py").write_text(
+        "class Running:\n    def __init__(self):\n        self.seen = []\n\n"
+        "    def add(self, x):\n        self.seen.append(x)\n        return len(self.seen)\n")
+    script = HIDDEN.replace("SETUP", setup).replace("READ", read)
+    stages = run(project, script.replace("ISOLATION", ""))
+    out = rows(stages, "out")
+    assert [r["n"] for r in out] == list(range(4))
+    # a process per item: each item reads the state the script was loaded with
+    assert len({r["v"] for r in out}) == 1, [r["v"] for r in out]
+    reason = stages["work"]["cache"]["reason"]
+    assert what in reason and reason.count("ran in a process each") == 1, reason
+    if setup.startswith("rng"):  # the same values as map_isolation="fork" gives
+        forked = run(project, script.replace("ISOLATION", ', map_isolation="fork"').replace("repr(", "str("))
+        assert [r["v"] for r in rows(forked, "out")] == [r["v"] for r in out]
+
+
 CRASH = HEAD + '''
 
 @pipe.stage(map_over={"n": list(range(8))}, retries=1, outputs=["out"])
@@ -299,3 +363,29 @@ def test_itemstate_refuses_state_too_large_to_check(module: Any) -> None:
         itemstate.take([module])
     module.BIG = list(range(itemstate.MAX_NODES // 2))  # flat: hashed at once, still counted
     assert itemstate.changed(itemstate.take([module])) is None
+
+
+def test_itemstate_reads_a_plain_scripts_state_without_false_changes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "plain_mod.py").write_text(
+        "import datetime, enum, logging, math, re, threading\nfrom random import random as draw\n"
+        "import numpy as np, pandas as pd, pyarrow as pa\n\n"
+        "log = logging.getLogger(__name__)\nPAT = re.compile('a+')\nWHEN = datetime.datetime(2020, 1, 1)\n"
+        "LOCK = threading.Lock()\nsqrt = math.sqrt\nSCALE = np.float64(2.0)\nTABLE = pa.table({'a': [1]})\n"
+        "FRAME = pd.DataFrame({'a': [1, 2], 's': ['x', 'y'], 't': pd.to_datetime(['2020-01-01', '2021-01-01'])})\n"
+        "NAMES = {-1, 'x'}\n\n\nclass Level(enum.IntEnum):\n    LOW = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("plain_mod")
+    try:
+        before = itemstate.take([mod])
+        mod.draw()  # Python's global generator is reseeded before each item: not state
+        mod.FRAME["a"].sum()
+        assert itemstate.changed(before) is None
+        mod.NAMES.discard(-1)
+        mod.NAMES.add(-2)  # hash(-1) == hash(-2): read by value
+        assert itemstate.changed(before) == "global 'NAMES' of module 'plain_mod' was changed in place"
+        before = itemstate.take([mod])
+        mod.FRAME.iloc[1, 1] = "z"
+        assert itemstate.changed(before) == "global 'FRAME' of module 'plain_mod' was changed in place"
+    finally:
+        sys.modules.pop("plain_mod", None)
