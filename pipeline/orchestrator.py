@@ -102,6 +102,7 @@ from .store import (
     TaskRecord,
     owner_id,
 )
+from .terminal import visible
 
 log = logging.getLogger(__name__)
 
@@ -1011,6 +1012,9 @@ class Orchestrator(MapShell):
                           for what in observed.refused(r.observed, self.observed_start)})
         if not changed:
             return None
+        # file names are the user's bytes: not UTF-8 (the store could not record them) or holding a newline
+        changed = [visible(what.encode("utf-8", "backslashreplace").decode("utf-8"), newlines=False)
+                   for what in changed]
         return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed after the run started, so the "
                        "stage computed from other content than its cache key was made from; it was not committed: "
                        "run the script again (or resume the run) to compute it from what is there now")

@@ -360,3 +360,28 @@ def test_a_commit_recorded_without_observations_is_not_served(tmp_path: Path) ->
     again = run(tmp_path)
     assert states(again) == {"one": "DONE"}, again["one"]["cache"]
     assert states(run(tmp_path)) == {"one": "CACHED"}
+
+
+def test_a_file_name_that_is_not_utf8_or_holds_a_newline_fails_its_stage_legibly(tmp_path: Path) -> None:
+    """The refusal names the file: a name the store cannot encode (bytes that are not UTF-8) killed the
+    orchestrator with a UnicodeEncodeError and left the stage RUNNING; a newline in it faked a line of output."""
+    odd = os.fsdecode(b"caf\xe9\nfake line.txt")
+    (tmp_path / odd).write_text("1")
+    (tmp_path / "p.py").write_text(TOP_READ.replace('(HERE / "table.txt")', f'(HERE / {odd!r})'))
+    proc = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--workdir", str(tmp_path / "work")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        (tmp_path / odd).write_text("2")
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in err, err
+    shown = status(tmp_path)
+    assert shown["uses"]["state"] == "FAILED", (out, err)
+    assert "file caf\\udce9\\nfake line.txt read at the script's top changed" in shown["uses"]["error"]
