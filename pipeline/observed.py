@@ -55,6 +55,9 @@ _CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".pyd", ".pth")
 class _Recorder:
     on = False
     paths: dict[str, None] = {}
+    written: set[str] = set()
+    """Files the top level opened for writing: its own state (a run counter, a cache it fills), not an input
+    the key must hold; every process that runs the top level changes them."""
     skip: tuple[str, ...] = ()
 
 
@@ -84,13 +87,14 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
     if not isinstance(path, (str, bytes, os.PathLike)):
         return  # a file descriptor
     flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
-    if isinstance(mode, str) and any(c in mode for c in "wax+"):
-        return
-    if mode is None and flags & (os.O_WRONLY | os.O_RDWR):
-        return
     try:
         text = os.fsdecode(path)
     except (TypeError, ValueError):
+        return
+    if (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+            (mode is None and flags & (os.O_WRONLY | os.O_RDWR)):
+        if len(_Recorder.written) < MAX_FILES:
+            _Recorder.written.add(os.path.abspath(text))
         return
     if len(_Recorder.paths) < MAX_FILES and not text.endswith(_CODE_SUFFIXES):
         _Recorder.paths[os.path.abspath(text)] = None
@@ -113,6 +117,7 @@ def recording(on: bool) -> None:
     """Start (forgetting what was recorded) or stop recording the files opened for reading."""
     if on:
         _Recorder.paths = {}
+        _Recorder.written = set()
     _Recorder.on = on
 
 
@@ -174,6 +179,8 @@ def files_read(exclude: Iterable[str] = ()) -> dict[str, str]:
     skip = _EXTERNAL + _hetflow_dirs() + _SKIP_PREFIXES + tuple(exclude)
     found: dict[str, str] = {}
     for path in list(_Recorder.paths):
+        if path in _Recorder.written:
+            continue  # the top level writes it too: see _Recorder.written
         if path.startswith(skip) or "site-packages" in path or "dist-packages" in path or "/." in path:
             continue  # ... and under a hidden folder (~/.cache, ~/.config): what libraries keep, not data
         entry = _file_entry(path)

@@ -385,3 +385,32 @@ def test_a_file_name_that_is_not_utf8_or_holds_a_newline_fails_its_stage_legibly
     shown = status(tmp_path)
     assert shown["uses"]["state"] == "FAILED", (out, err)
     assert "file caf\\udce9\\nfake line.txt read at the script's top changed" in shown["uses"]["error"]
+
+
+COUNTER = '''
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+
+HERE = Path(__file__).resolve().parent
+counter = HERE / "counter.txt"
+RUNS = int(counter.read_text()) + 1 if counter.exists() else 1   # every process running the top counts
+counter.write_text(str(RUNS))
+pipe = hf.Pipeline("counter")
+
+
+@pipe.stage(outputs=["one"], params={"k": 1})
+def one(ctx):
+    return {"one": pa.table({"v": [ctx.params["k"]]})}
+'''
+
+
+def test_a_file_the_scripts_top_reads_and_writes_is_its_own_state_not_an_input(tmp_path: Path) -> None:
+    """A run counter kept at the script's top: each process that runs the top (the orchestrator, each rank)
+    changes it, so comparing it failed every run of the script, whatever changed."""
+    (tmp_path / "p.py").write_text(COUNTER)
+    assert states(run(tmp_path)) == {"one": "DONE"}
+    (tmp_path / "p.py").write_text(COUNTER.replace('{"k": 1}', '{"k": 2}'))
+    again = run(tmp_path)
+    assert states(again) == {"one": "DONE"} and value(again, "one") == 2
