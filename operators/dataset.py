@@ -43,7 +43,7 @@ import pyarrow as pa
 
 from . import objectdataset, safeio
 from .datasetformat import (  # noqa: F401 - the format's names, re-exported from here
-    FORMAT_VERSION, MANIFEST, ChecksumSink, CorruptDataset, DatasetCommitted, DatasetError, DatasetNotFound, Manifest,
+    FORMAT_VERSION, MANIFEST, CorruptDataset, DatasetCommitted, DatasetError, DatasetNotFound, Manifest,
     PartitionInfo, UnsafeDatasetPath, _is_part, check_entry, entry_problem, partition_name, schema_from_text,
     schema_to_text)
 from .location import StorageError, is_object_store, resolve
@@ -55,6 +55,38 @@ _LINK_ERRNOS = safeio.LINK_ERRNOS
 
 
 # ----------------------------------------------------------------- writing
+class _ChecksumFile:
+    """A binary sink that keeps a running crc32 and byte count of what passes through."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.crc = 0
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        self.raw.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+
 # -------------------------------------------------------- directories, safely
 # The safe file I/O is hetflow's one copy (safeio); these names keep the dataset's wording of a refusal.
 def _refusal(path: "str | os.PathLike[str]") -> UnsafeDatasetPath:
@@ -143,7 +175,7 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
         tmp, fd = _create_temp(dfd, name)
         try:
             with os.fdopen(fd, "wb", buffering=_CHUNK) as raw:
-                sink = ChecksumSink(raw)
+                sink = _ChecksumFile(raw)
                 with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
                     for batch in batches:
                         if batch.schema != schema:

@@ -153,38 +153,3 @@ def partition_name(index: int) -> str:
 
 def _is_part(name: str) -> bool:
     return "part-" in name and ".arrow" in name.split("part-", 1)[1]
-
-
-class ChecksumSink:
-    """A binary sink that keeps a running crc32 and byte count of what passes through to ``raw`` (a partition
-    being written, to a file or an object store); ``flushes=False`` for a stream whose flush would upload."""
-
-    def __init__(self, raw: Any, *, flushes: bool = True) -> None:
-        self.raw = raw
-        self.flushes = flushes
-        self.crc = 0
-        self.size = 0
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += view.nbytes
-        self.raw.write(view)
-        return view.nbytes
-
-    def flush(self) -> None:
-        if self.flushes:
-            self.raw.flush()
-
-    def close(self) -> None:
-        self.closed = True
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.size
