@@ -311,6 +311,19 @@ def test_an_item_past_the_timeout_is_killed_and_the_next_go_on_warm(project: Pat
 
 
 # ----------------------------------------------------------------------------- itemstate on real modules
+@pytest.fixture(autouse=True)
+def _only_this_tests_modules(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a runner, :func:`itemstate.take` watches every user module loaded; under pytest that is every test
+    module this worker imported, whatever test ran before (one holds a functools cache: uncheckable, as it
+    should be).  The itemstate tests below watch the modules they write, in their own ``tmp_path``."""
+    if not request.node.name.startswith("test_itemstate_"):
+        return
+    here = str(request.getfixturevalue("tmp_path"))
+    mine = itemstate.user_module
+    monkeypatch.setattr(itemstate, "user_module",
+                        lambda m: mine(m) and str(getattr(m, "__file__", None) or "").startswith(here))
+
+
 @pytest.fixture
 def module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     (tmp_path / "leaky_mod.py").write_text(
