@@ -321,6 +321,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             {"train >= 0.9": ratios["train"] >= 0.9, "copy >= 0.8": ratios["copy"] >= 0.8}}
 
 
+def profile(args: argparse.Namespace, directory: Path) -> None:
+    """One ``fit`` and one ``predict`` of hetflow's side under cProfile: where the host's time goes.
+
+    Writes ``fit.txt`` and ``predict.txt`` (the top functions by own time and by cumulative time) and the
+    raw ``.prof`` files into ``directory``.  Not part of the figures: the profiler slows Python code.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hetflow-bench-ml-profile-") as tmp:
+        root = Path(tmp)
+        table = mapped(make_table(args.rows, args.features), root)
+        small = table.slice(0, min(table.num_rows, 4 * args.batch_size))
+        train_hetflow(small, args, root / "warm-fit")  # imports and CUDA's start-up, not profiled
+        infer_hetflow(small, args, root / "warm-predict")
+        for name, fn in [("fit", lambda: train_hetflow(table, args, root / "fit")),
+                         ("predict", lambda: infer_hetflow(table, args, root / "predict"))]:
+            profiler = cProfile.Profile()
+            start = time.perf_counter()
+            profiler.runcall(fn)
+            seconds = time.perf_counter() - start
+            profiler.dump_stats(str(directory / f"{name}.prof"))
+            text = io.StringIO()
+            text.write(f"{name}: {seconds:.2f} s under cProfile ({args.rows:,} rows, batch {args.batch_size})\n")
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(40)
+            (directory / f"{name}.txt").write_text(text.getvalue())
+            print(f"profile of {name}: {seconds:.2f} s, {directory / (name + '.txt')}")
+
+
 def report(data: dict[str, Any]) -> str:
     r = data["results"]
     a = data["args"]
@@ -365,6 +397,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-per-row", dest="per_row", action="store_false",
                         help="skip the per-row DataLoader epoch")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="instead of the benchmark: one fit and one predict of hetflow under cProfile, "
+                             "their top functions written to DIR")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     for key, value in preset.items():
@@ -382,6 +417,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.profile is not None:
+        profile(args, args.profile)
+        return 0
     data = run(args)
     print(report(data))
     if args.out is not None:

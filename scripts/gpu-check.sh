@@ -142,6 +142,9 @@ if [ "$DEVICE" = cuda ]; then
         "$PY" benchmarks/ml.py --device cuda --out "$OUT/bench-ml.json"
     wants pipeline && step "photo-z train and predict on the GPU through hetflow" "$OUT/pipeline.txt" \
         "$PY" scripts/gpu_check_pipeline.py --device cuda --workdir "$WORK/photoz" --out "$OUT/pipeline.json"
+    # not in the default steps: STEPS=profile (where fit's and predict's host time goes, cProfile)
+    wants profile && step "cProfile of hf.ml.fit and predict on the GPU" "$OUT/profile.txt" \
+        "$PY" benchmarks/ml.py --device cuda --epochs 2 --profile "$OUT/profile"
 else
     wants bench && step "benchmarks/ml.py (dry run: --quick on CPU)" "$OUT/bench-ml.txt" \
         "$PY" benchmarks/ml.py --device cpu --quick --out "$OUT/bench-ml.json"
