@@ -18,7 +18,14 @@ Decisions, for :func:`code_fingerprint`:
   PEP 610: ``pip install -e ./mylib`` or ``pip install ./mylib``) is user code
   whatever its version: an editable install's project directory counts as a
   root, a plain install's installed files count where they lie.  hetflow itself
-  counts by its version (a part of every key).
+  counts by its version (a part of every key).  A module reached that was
+  loaded from a file outside the roots and outside the installation (a
+  ``PYTHONPATH`` folder elsewhere, a zip archive, a file of any name given to
+  ``SourceFileLoader``, an extension module, a module ``exec_module`` made
+  without ``sys.modules``) counts by that file's content whatever its loader
+  and its version (``"module fastlab"``; the zip member as the archive holds
+  it now; above :data:`MODULE_CONTENT_LIMIT` by size and time), and the imports
+  in its source are followed; it is not walked as user code.
 * Functions of the stage's own module (the script) are hashed one by one, by
   **bytecode** (``co_code``, constants, names, argument layout; nested code
   objects recursively), so comments, formatting, line numbers, other stages and
@@ -102,12 +109,21 @@ Decisions, for :func:`code_fingerprint`:
   to read (a connection) makes its component uncacheable the same way.  Strings
   in reached code name globals too: ``@THRESH`` (pandas ``query``/``eval``), a
   frame, table or array a DuckDB query names, and, in code that calls
-  ``eval``/``exec``, every global its strings name.  A stage that reads the
+  ``eval``/``exec``, every global its strings name; code that calls the builtin
+  ``eval``/``exec`` counts every global of its module besides (the text may
+  come from a parameter: ``eval(ctx.params["expr"])`` reading ``SCALE``).  A stage that reads the
   script's namespace by a computed name (``globals()["norm_" + m]``) counts every
   function and class of the script; the attributes of a reached local module's
   classes count by their value now (a classmethod the script's top calls sets them).
   A function, class or module met inside a value is recorded by name and
   followed.
+* **Library settings.**  numpy's print options and floating-point error
+  handling, pandas options and polars' ``Config``, for each of them imported,
+  count where they differ from the library's defaults (``"pandas settings"``):
+  a call at the script's top sets them without assigning a value the walk
+  could follow, and they change what a stage outputs.  polars' random seed
+  cannot be read back: each ``set_random_seed(...)`` call in the script's
+  source counts by its text, and the globals it names by value.
 """
 
 from __future__ import annotations
@@ -248,8 +264,9 @@ class _Walker:
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
                                                          if not k.startswith("__")})
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
+        self.library_settings()  # a formatter function in a setting, a global a seed call names: followed
+        self.drain()
         self.module_values()
-        self.library_settings()
         for key, kinds in self.uncacheable.items():
             cut = sorted(k for k in kinds if not k.startswith(_OPAQUE))
             opaque = sorted(k[len(_OPAQUE):] for k in kinds if k.startswith(_OPAQUE))
