@@ -326,7 +326,9 @@ class _Walker:
             if changed:
                 self.add(f"{name} settings", _sha(self.value(changed)))
         script = getattr(_target(self.func), "__globals__", None)
-        path = script.get("__file__") if isinstance(script, dict) and script.get("__name__") == self.home else None
+        if not isinstance(script, dict) or script.get("__name__") != self.home:
+            return
+        path = script.get("__file__")
         if not isinstance(path, str):
             return
         try:
@@ -958,10 +960,8 @@ def _numpy_settings(np: types.ModuleType) -> dict[str, Any]:
     changed: dict[str, Any] = {}
     for kind, read, defaults in (("print", "get_printoptions", _NUMPY_PRINT_DEFAULTS),
                                  ("err", "geterr", _NUMPY_ERR_DEFAULTS)):
-        try:
-            now = getattr(np, read)()
-        except Exception:  # noqa: BLE001 - a numpy without it: nothing to read
-            continue
+        getter = getattr(np, read, None)
+        now = getter() if callable(getter) else {}
         changed.update({f"{kind} {k}": v for k, v in now.items() if _differs(v, defaults.get(k, _ABSENT))})
     return changed
 
@@ -975,14 +975,19 @@ def _pandas_settings(pd: types.ModuleType) -> dict[str, Any]:
         return {}
     changed: dict[str, Any] = {}
     for key, option in list(getattr(config, "_registered_options", {}).items()):
-        try:
-            root, leaf = config._get_root(key)
-            value = root[leaf]
-        except Exception:  # noqa: BLE001 - an option pandas keeps elsewhere: not read
-            continue
-        if _differs(value, getattr(option, "defval", _ABSENT)):
+        value = _pandas_option(config, key)
+        if value is not _ABSENT and _differs(value, getattr(option, "defval", _ABSENT)):
             changed[key] = value
     return changed
+
+
+def _pandas_option(config: types.ModuleType, key: str) -> Any:
+    """An option's value as pandas keeps it, or ``_ABSENT`` when it keeps it elsewhere."""
+    try:
+        root, leaf = config._get_root(key)
+        return root[leaf]
+    except Exception:  # noqa: BLE001 - an option pandas keeps elsewhere: not read
+        return _ABSENT
 
 
 def _polars_settings(pl: types.ModuleType) -> dict[str, Any]:

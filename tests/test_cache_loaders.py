@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 import zipfile
 from pathlib import Path
@@ -26,7 +25,6 @@ import pytest
 from test_cache_stale import edit, run, states, value
 
 ZIPPED = '''
-import sys
 sys.path.insert(0, LIB + "/tools.zip")
 import pyarrow as pa
 import hetflow as hf
@@ -71,7 +69,6 @@ def make(ctx):
 '''
 
 EXTENSION = '''
-import sys
 sys.path.insert(0, LIB)
 import pyarrow as pa
 import hetflow as hf
