@@ -443,7 +443,11 @@ class _Walker:
             namespace = vars(module) if isinstance(module, types.ModuleType) and not _deferred(module) else None
         if self.outside(name, namespace):
             return
-        version = getattr(sys.modules.get(top), "__version__", None)
+        package = sys.modules.get(top)
+        if top != name and isinstance(package, types.ModuleType) and not _deferred(package) and \
+                self.outside(top, vars(package)):
+            return  # a part without a file of a package loaded from outside: the package counts by content
+        version = getattr(package, "__version__", None)
         if isinstance(version, str):
             self.parts[f"module {top}"] = {version}
 
