@@ -25,6 +25,7 @@ import pytest
 from test_cache_stale import edit, run, states, value
 
 ZIPPED = '''
+import sys
 sys.path.insert(0, LIB + "/tools.zip")
 import pyarrow as pa
 import hetflow as hf
@@ -69,6 +70,7 @@ def make(ctx):
 '''
 
 EXTENSION = '''
+import sys
 sys.path.insert(0, LIB)
 import pyarrow as pa
 import hetflow as hf
