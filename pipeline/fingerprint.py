@@ -971,27 +971,28 @@ def _numpy_settings(np: types.ModuleType) -> dict[str, Any]:
 
 
 def _pandas_settings(pd: types.ModuleType) -> dict[str, Any]:
-    """The pandas options whose value is not their registered default (read without ``get_option``, which warns
-    about deprecated ones)."""
+    """The pandas options whose value is not their registered default (read from pandas' own table of values,
+    not through ``get_option``, which warns about deprecated ones)."""
     try:
         from pandas._config import config
     except ImportError:
         return {}
+    values: dict[str, Any] = {}
+    _flatten(getattr(config, "_global_config", {}), "", values)
     changed: dict[str, Any] = {}
     for key, option in list(getattr(config, "_registered_options", {}).items()):
-        value = _pandas_option(config, key)
+        value = values.get(key, _ABSENT)
         if value is not _ABSENT and _differs(value, getattr(option, "defval", _ABSENT)):
             changed[key] = value
     return changed
 
 
-def _pandas_option(config: types.ModuleType, key: str) -> Any:
-    """An option's value as pandas keeps it, or ``_ABSENT`` when it keeps it elsewhere."""
-    try:
-        root, leaf = config._get_root(key)
-        return root[leaf]
-    except Exception:  # noqa: BLE001 - an option pandas keeps elsewhere: not read
-        return _ABSENT
+def _flatten(tree: Mapping[str, Any], prefix: str, into: dict[str, Any]) -> None:
+    for key, value in list(tree.items()):
+        if isinstance(value, dict):
+            _flatten(value, f"{prefix}{key}.", into)
+        else:
+            into[f"{prefix}{key}"] = value
 
 
 def _polars_settings(pl: types.ModuleType) -> dict[str, Any]:
