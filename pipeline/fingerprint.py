@@ -18,7 +18,14 @@ Decisions, for :func:`code_fingerprint`:
   PEP 610: ``pip install -e ./mylib`` or ``pip install ./mylib``) is user code
   whatever its version: an editable install's project directory counts as a
   root, a plain install's installed files count where they lie.  hetflow itself
-  counts by its version (a part of every key).
+  counts by its version (a part of every key).  A module reached that was
+  loaded from a file outside the roots and outside the installation (a
+  ``PYTHONPATH`` folder elsewhere, a zip archive, a file of any name given to
+  ``SourceFileLoader``, an extension module, a module ``exec_module`` made
+  without ``sys.modules``) counts by that file's content whatever its loader
+  and its version (``"module fastlab"``; the zip member as the archive holds
+  it now; above :data:`MODULE_CONTENT_LIMIT` by size and time), and the imports
+  in its source are followed; it is not walked as user code.
 * Functions of the stage's own module (the script) are hashed one by one, by
   **bytecode** (``co_code``, constants, names, argument layout; nested code
   objects recursively), so comments, formatting, line numbers, other stages and
@@ -102,12 +109,21 @@ Decisions, for :func:`code_fingerprint`:
   to read (a connection) makes its component uncacheable the same way.  Strings
   in reached code name globals too: ``@THRESH`` (pandas ``query``/``eval``), a
   frame, table or array a DuckDB query names, and, in code that calls
-  ``eval``/``exec``, every global its strings name.  A stage that reads the
+  ``eval``/``exec``, every global its strings name; code that calls the builtin
+  ``eval``/``exec`` counts every global of its module besides (the text may
+  come from a parameter: ``eval(ctx.params["expr"])`` reading ``SCALE``).  A stage that reads the
   script's namespace by a computed name (``globals()["norm_" + m]``) counts every
   function and class of the script; the attributes of a reached local module's
   classes count by their value now (a classmethod the script's top calls sets them).
   A function, class or module met inside a value is recorded by name and
   followed.
+* **Library settings.**  numpy's print options and floating-point error
+  handling, pandas options and polars' ``Config``, for each of them imported,
+  count where they differ from the library's defaults (``"pandas settings"``):
+  a call at the script's top sets them without assigning a value the walk
+  could follow, and they change what a stage outputs.  polars' random seed
+  cannot be read back: each ``set_random_seed(...)`` call in the script's
+  source counts by its text, and the globals it names by value.
 """
 
 from __future__ import annotations
@@ -134,6 +150,8 @@ import sysconfig
 import threading
 import types
 import uuid
+import zipfile
+import zipimport
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import Any
@@ -220,6 +238,10 @@ class _Walker:
         """Types of the values met since the last component whose text form is shortened (``...``)."""
         self.uncacheable: dict[str, set[str]] = {}
         """``{component: types}`` of the components that hold such a value (see :func:`uncacheable`)."""
+        self.evaluated: set[int] = set()
+        """The namespaces whose every global counts (:meth:`every_global`), by identity."""
+        self.outsiders: dict[str, bool] = {}
+        """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
     def run(self) -> dict[str, str]:
         if isinstance(self.func, types.FunctionType):
@@ -242,6 +264,8 @@ class _Walker:
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
                                                          if not k.startswith("__")})
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
+        self.library_settings()  # a formatter function in a setting, a global a seed call names: followed
+        self.drain()
         self.module_values()
         for key, kinds in self.uncacheable.items():
             cut = sorted(k for k in kinds if not k.startswith(_OPAQUE))
@@ -285,6 +309,39 @@ class _Walker:
                         or type(value).__module__.partition(".")[0] == "hetflow" or attr in self.parts:
                     continue
                 self.add(attr, _sha(self.value(value)))
+
+    def library_settings(self) -> None:
+        """Process-wide settings of numpy, pandas and polars that differ from the library's defaults (print
+        options, floating-point error handling, pandas options, polars' ``Config``), for each of them that is
+        imported: the script's top level sets them with a call (``np.set_printoptions(precision=2)``,
+        ``pd.set_option(...)``) that assigns no global, and they change what a stage outputs (the text of its
+        numbers, a warning that raises).  Settings left at their defaults add nothing to the key.  polars'
+        random seed cannot be read back: each ``set_random_seed(...)`` call in the script's source counts by its
+        text and the values of the globals it names."""
+        for name, read in (("numpy", _numpy_settings), ("pandas", _pandas_settings), ("polars", _polars_settings)):
+            module = sys.modules.get(name)
+            if not isinstance(module, types.ModuleType) or _deferred(module):
+                continue
+            changed = read(module)
+            if changed:
+                self.add(f"{name} settings", _sha(self.value(changed)))
+        script = getattr(_target(self.func), "__globals__", None)
+        if not isinstance(script, dict) or script.get("__name__") != self.home:
+            return
+        path = script.get("__file__")
+        if not isinstance(path, str):
+            return
+        try:
+            source = Path(path).read_bytes()
+        except OSError:
+            return
+        calls = _seed_calls(source, path)
+        if calls:
+            for _, names in calls:
+                for name in names:
+                    if name in script:
+                        self.global_value(name, script)
+            self.add("set_random_seed calls", _sha(repr(sorted(text for text, _ in calls))))
 
     def class_values(self, module: str, cls: type) -> None:
         """The values, as they are now, of a reached module's class attributes that the reached code names: its
@@ -362,8 +419,8 @@ class _Walker:
         if isinstance(obj, types.ModuleType):
             if self.is_user(getattr(obj, "__file__", None)):
                 self.queue.append(obj)
-            else:
-                self.external_module(obj.__name__)
+            else:  # the module object itself: one loaded without sys.modules (exec_module) is known only so
+                self.external_module(obj.__name__, vars(obj) if not _deferred(obj) else None)
             return f"module {obj.__name__}"
         if self.is_user_object(obj):
             if obj.__module__ == self.home or self.module_of(obj) is None:
@@ -371,17 +428,57 @@ class _Walker:
             else:
                 self.queue.append(self.module_of(obj))  # hashed whole, with everything in it
             return self.name(obj)
-        self.external_module(obj.__module__ or "")
+        self.external_module(obj.__module__ or "", obj.__globals__ if isinstance(obj, types.FunctionType) else None)
         return f"{obj.__module__}.{getattr(obj, '__qualname__', '?')}"
 
-    def external_module(self, name: str) -> None:
+    def external_module(self, name: str, namespace: Mapping[str, Any] | None = None) -> None:
+        """A module that is not user code: one loaded from a file outside the installation counts by content
+        (:meth:`outside`), a package with a version by its version, the standard library not at all."""
         top = name.partition(".")[0]
         if top in sys.stdlib_module_names or top in ("builtins", ""):
             return
         self.external_tops.add(top)
-        version = getattr(sys.modules.get(top), "__version__", None)
+        if namespace is None:
+            module = sys.modules.get(name)
+            namespace = vars(module) if isinstance(module, types.ModuleType) and not _deferred(module) else None
+        if self.outside(name, namespace):
+            return
+        package = sys.modules.get(top)
+        if top != name and isinstance(package, types.ModuleType) and not _deferred(package) and \
+                self.outside(top, vars(package)):
+            return  # a part without a file of a package loaded from outside: the package counts by content
+        version = getattr(package, "__version__", None)
         if isinstance(version, str):
             self.parts[f"module {top}"] = {version}
+
+    def outside(self, name: str, namespace: Mapping[str, Any] | None) -> bool:
+        """Whether module ``name`` (its namespace, or its spec and file) was loaded from a file outside the
+        roots and outside the installation (a ``sys.path``/``PYTHONPATH`` folder elsewhere, a zip archive, a
+        file of any name given to ``SourceFileLoader``, an extension module, a module ``exec_module`` made
+        without ``sys.modules``); if so it counts by that file's content, whatever its version, and the
+        imports in its source are followed.  hetflow counts by its version."""
+        if namespace is None or name.partition(".")[0] == "hetflow":
+            return False
+        if name in self.outsiders:
+            return self.outsiders[name]
+        path, archive = _module_file(namespace)
+        where = self.realpath(archive or path) if path else None
+        self.outsiders[name] = counted = where is not None and not where.startswith(self.external) and \
+            "site-packages" not in where and "dist-packages" not in where
+        if not counted or path is None:
+            return False
+        content = _module_content(path, archive)
+        if content is None:
+            self.parts[f"{UNCACHEABLE}module {name}"] = {f"is loaded from {path}, which hetflow cannot read"}
+            return True
+        digest, source = content
+        self.add(f"module {name}", digest)
+        if source is not None:  # Python source, whatever the file's name: its names and imports count
+            self.names.update(_source_names(source, path))
+            package = name if namespace.get("__path__") is not None else name.rpartition(".")[0]
+            for level, module, names in _source_imports(source, path):
+                self.imported(module, level, names, package)
+        return True
 
     # ------------------------------------------------------------ values set from outside a module
     def patch_sites(self) -> list[tuple[Any, str]]:
@@ -459,8 +556,10 @@ class _Walker:
 
     def visit_module(self, module: types.ModuleType) -> None:
         path = getattr(module, "__file__", None)
-        source = Path(path).read_bytes() if path else b""
-        self.add(f"module {module.__name__}", _sha(source) if path else "<no file>")
+        content = _module_content(path, _module_file(vars(module))[1]) if path else None
+        source = content[1] or b"" if content is not None else b""
+        self.add(f"module {module.__name__}", content[0] if content is not None else
+                 "<unreadable>" if path else "<no file>")
         if path:
             self.names.update(_source_names(source, path))
             self.module_imports(module.__name__, path, source, hasattr(module, "__path__"))
@@ -539,12 +638,15 @@ class _Walker:
             for const in code.co_consts:
                 if isinstance(const, str) and const.isidentifier() and const in namespace:
                     self.global_value(const, namespace)
+        evaluates = False
         for i, ins in enumerate(instructions):
             if ins.opname in _LOAD_OPS and isinstance(ins.argval, str):
                 if ins.argval in namespace:
                     self.global_value(ins.argval, namespace)
                 elif ins.argval not in builtins:
                     self.add(self.label(ins.argval, namespace), "<undefined>")
+                elif ins.argval in ("eval", "exec"):
+                    evaluates = True
             elif ins.opname == "IMPORT_NAME":
                 level = instructions[i - 2].argval if i >= 2 and isinstance(instructions[i - 2].argval, int) else 0
                 fromlist = instructions[i - 1].argval if i >= 1 else None
@@ -555,6 +657,21 @@ class _Walker:
                 self.globals_of(const, namespace)
             elif isinstance(const, str):
                 self.named_in_text(const, namespace, evaluated="eval" in code.co_names or "exec" in code.co_names)
+        if evaluates:
+            self.every_global(namespace)
+
+    def every_global(self, namespace: Mapping[str, Any]) -> None:
+        """Code that calls the builtin ``eval``/``exec`` may read any global of its module by a name in a text
+        the key cannot see (a parameter, a file, ``eval(ctx.params["expr"])`` reading ``SCALE``): every global
+        of that module counts, values by value, functions, classes and modules as they are followed."""
+        if id(namespace) in self.evaluated:
+            return
+        self.evaluated.add(id(namespace))
+        for key, value in list(namespace.items()):
+            if key.startswith("__") or type(value).__module__.partition(".")[0] == "hetflow" or \
+                    (isinstance(value, types.ModuleType) and value.__name__.partition(".")[0] == "hetflow"):
+                continue
+            self.global_value(key, namespace)
 
     def named_in_text(self, text: str, namespace: Mapping[str, Any], evaluated: bool = False) -> None:
         """Globals a string names for a library that looks them up by name: ``@THRESH`` in a pandas
@@ -636,7 +753,8 @@ class _Walker:
         if found is not None and found.has_location and found.origin and self.is_user(os.path.realpath(found.origin)):
             self.queue.append(_Located(name, found.origin, found.submodule_search_locations is not None))
         else:
-            self.external_module(name)
+            self.external_module(name, {"__spec__": found, "__file__": found.origin,
+                                        "__path__": found.submodule_search_locations} if found is not None else None)
 
     def locate(self, name: str) -> importlib.machinery.ModuleSpec | None:
         """A module's spec, found without importing it or its packages (so none of their code runs)."""
@@ -780,6 +898,130 @@ class _Walker:
         except (TypeError, ValueError):  # values pandas cannot hash (nested Arrow lists): element by element
             return f"{head} {_sha(self.value(list(data), stack))}"
         return f"{head} {_sha(hashed.tobytes())}"
+
+
+MODULE_CONTENT_LIMIT = 64 << 20
+"""A module's file up to this size counts by its content, a larger one (an extension module) by size and time."""
+
+
+def _deferred(module: types.ModuleType) -> bool:
+    """Whether ``module`` is a deferred import not loaded yet (reading its namespace would load it)."""
+    lazy = getattr(importlib.util, "_LazyModule", None)
+    return lazy is not None and isinstance(module, lazy)
+
+
+def _module_file(namespace: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """``(the file a module was loaded from, the zip archive holding it or None)``: its spec's origin (what
+    any file loader read: a ``SourceFileLoader``'s ``settings.conf``, an extension's ``.so``), else its
+    ``__file__``; ``(None, None)`` for a module without a file."""
+    spec = namespace.get("__spec__")
+    origin = getattr(spec, "origin", None) if getattr(spec, "has_location", False) else None
+    path = origin if isinstance(origin, str) and origin else namespace.get("__file__")
+    if not isinstance(path, str) or not path:
+        return None, None
+    loader = getattr(spec, "loader", None) or namespace.get("__loader__")
+    archive = getattr(loader, "archive", None) if isinstance(loader, zipimport.zipimporter) else None
+    return path, archive if isinstance(archive, str) else None
+
+
+def _module_content(path: str, archive: str | None) -> tuple[str, bytes | None] | None:
+    """``(digest, Python source or None)`` of a module's file: the sha256 of its bytes (a zip archive's member
+    read from the archive as it is now), size and modification time above :data:`MODULE_CONTENT_LIMIT`;
+    the source is None for an extension module or bytecode.  None when it cannot be read."""
+    try:
+        if archive is not None:
+            member = os.path.relpath(path, archive).replace(os.sep, "/")
+            with zipfile.ZipFile(archive) as zipped:
+                data = zipped.read(member)
+        else:
+            info = os.stat(path)
+            if info.st_size > MODULE_CONTENT_LIMIT:
+                return f"size {info.st_size} mtime {info.st_mtime_ns}", None
+            data = Path(path).read_bytes()
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return None
+    binary = path.endswith((*importlib.machinery.EXTENSION_SUFFIXES, ".pyc", ".pyo", ".pyd"))
+    return _sha(data), None if binary else data
+
+
+_NUMPY_PRINT_DEFAULTS = {"edgeitems": 3, "threshold": 1000, "floatmode": "maxprec", "precision": 8, "suppress": False,
+                         "linewidth": 75, "nanstr": "nan", "infstr": "inf", "sign": "-", "formatter": None,
+                         "legacy": False, "override_repr": None}
+_NUMPY_ERR_DEFAULTS = {"divide": "warn", "over": "warn", "under": "ignore", "invalid": "warn"}
+_POLARS_DEFAULTS = {"set_fmt_float": "mixed", "set_float_precision": None, "set_thousands_separator": "",
+                    "set_decimal_separator": ".", "set_trim_decimal_zeros": False}
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return value is not default and bool(value != default)
+    except Exception:  # noqa: BLE001 - a value that does not compare to a plain bool: taken as changed
+        return True
+
+
+def _numpy_settings(np: types.ModuleType) -> dict[str, Any]:
+    """numpy's print options and floating-point error handling that differ from numpy's defaults."""
+    changed: dict[str, Any] = {}
+    for kind, read, defaults in (("print", "get_printoptions", _NUMPY_PRINT_DEFAULTS),
+                                 ("err", "geterr", _NUMPY_ERR_DEFAULTS)):
+        getter = getattr(np, read, None)
+        now = getter() if callable(getter) else {}
+        changed.update({f"{kind} {k}": v for k, v in now.items() if _differs(v, defaults.get(k, _ABSENT))})
+    return changed
+
+
+def _pandas_settings(pd: types.ModuleType) -> dict[str, Any]:
+    """The pandas options whose value is not their registered default (read from pandas' own table of values,
+    not through ``get_option``, which warns about deprecated ones)."""
+    try:
+        from pandas._config import config
+    except ImportError:
+        return {}
+    values: dict[str, Any] = {}
+    _flatten(getattr(config, "_global_config", {}), "", values)
+    changed: dict[str, Any] = {}
+    for key, option in list(getattr(config, "_registered_options", {}).items()):
+        value = values.get(key, _ABSENT)
+        if value is not _ABSENT and _differs(value, getattr(option, "defval", _ABSENT)):
+            changed[key] = value
+    return changed
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str, into: dict[str, Any]) -> None:
+    for key, value in list(tree.items()):
+        if isinstance(value, dict):
+            _flatten(value, f"{prefix}{key}.", into)
+        else:
+            into[f"{prefix}{key}"] = value
+
+
+def _polars_settings(pl: types.ModuleType) -> dict[str, Any]:
+    """polars' ``Config`` that is set: its environment variables and the formatting it keeps itself."""
+    try:
+        state = pl.Config.state(if_set=True)
+    except Exception:  # noqa: BLE001 - a polars without it: nothing to read
+        return {}
+    return {k: v for k, v in state.items() if _differs(v, _POLARS_DEFAULTS.get(k, _ABSENT))}
+
+
+_SEEDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+
+
+def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``(the call's text, the names it loads)`` for every call of a function named ``set_random_seed``
+    (``pl.set_random_seed(SEED)``) in a module's source: a seed that no library lets hetflow read back."""
+    key = hashlib.sha256(source).hexdigest()
+    if key not in _SEEDS:
+        found = []
+        for node in ast.walk(_parse(source, path)):
+            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == "set_random_seed" or
+                                               getattr(node.func, "id", None) == "set_random_seed"):
+                names = tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
+                found.append((ast.unparse(node), names))
+        if len(_SEEDS) > 4096:
+            _SEEDS.clear()
+        _SEEDS[key] = tuple(found)
+    return _SEEDS[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1459,17 +1701,16 @@ def sources_changed(code: Mapping[str, str]) -> list[str]:
         if not key.startswith("module ") or len(digest) != 64:  # a version, "<no file>"
             continue
         name = key[len("module "):]
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if not isinstance(path, str):
+        module = sys.modules.get(name)
+        path, archive = _module_file(vars(module)) if isinstance(module, types.ModuleType) and \
+            not _deferred(module) else (None, None)
+        if path is None:
             found = _locate(name)
             path = found.origin if found is not None and found.has_location else None
         if not isinstance(path, str):
             continue
-        try:
-            now = _sha(Path(path).read_bytes())
-        except OSError:
-            now = "<missing>"
-        if now != digest:
+        content = _module_content(path, archive)
+        if content is None or content[0] != digest:
             changed.append(path)
     return sorted(changed)
 
