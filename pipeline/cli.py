@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("run", nargs="?", help="run id (or a unique prefix; default: the latest run, at each request)")
     serve.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free one)")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (default 127.0.0.1: this machine only; the page has no login)")
+                       help="address to listen on (default 127.0.0.1: this machine only; every request needs the "
+                            "token of the address it prints)")
     serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                        help="also answer requests whose Host header is NAME (repeatable); by default only the "
                             "--host address, localhost, 127.0.0.1 and [::1] are answered, anything else gets 421")
@@ -515,12 +516,12 @@ def _serve(args: argparse.Namespace) -> int:
     from .display import remove_serve_note, write_serve_note
 
     workdir = _workdir(args).resolve()
-    try:  # where a run of this store is shown in a notebook, it links here
-        write_serve_note(workdir, host, port, store.url, run_id)
+    try:  # where a run of this store is shown in a notebook, it links here (with the token: the note is 0600)
+        write_serve_note(workdir, host, port, store.url, run_id, server.token)
     except OSError as exc:
         logging.getLogger(__name__).info("serve: no note in %s (%s)", workdir, exc)
-    print(f"serving {'run ' + run_id if run_id else 'the latest run'} at http://{host}:{port}/ (Ctrl-C to stop)",
-          flush=True)
+    address = f"http://{f'[{host}]' if ':' in host else host}:{port}/?token={server.token}"
+    print(f"serving {'run ' + run_id if run_id else 'the latest run'} at {address} (Ctrl-C to stop)", flush=True)
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
