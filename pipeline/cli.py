@@ -23,7 +23,7 @@ import yaml
 from hetflow.tasks.errors import ConfigError, HetflowError
 
 from . import __version__
-from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
+from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable, absolute_db
 from .filesystem import default_workdir
 from .status import RunStatus, run_status
 from .store import Store, iso, unreadable
@@ -228,7 +228,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     from .pipeline import Pipeline, run_options, wait_for_background
 
     options = dataclasses.replace(options, script=str(path.resolve()))
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     began = time.time()
     sys.argv = [str(path), *argv]  # a resume: the arguments the run's script was started with
     sys.path.insert(0, str(path.resolve().parent))
@@ -247,6 +247,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
                 pass  # the run is in `runs`: its summary below says what failed and how to resume
     finally:
         sys.argv, sys.path = saved_argv, saved_path
+        os.chdir(saved_cwd)  # a script's top level may have moved (os.chdir): the summary's paths are from here
     for status in runs:
         _print_summary(status, args, since=began)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
@@ -261,9 +262,7 @@ def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
     from .pipeline import Pipeline, RunOptions, run_options
 
     workdir = str(_workdir(args).resolve())  # the store's place as typed here, before the move to the run's
-    db = args.db
-    if db and db.startswith("sqlite:///") and not os.path.isabs(db[len("sqlite:///"):]):
-        db = "sqlite:///" + os.path.abspath(db[len("sqlite:///"):])
+    db = None if args.db is None else absolute_db(args.db, os.getcwd())
     saved_cwd, saved_path = os.getcwd(), sys.path[:]
     began = time.time()
     try:
@@ -733,7 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  data_dir=args.data_dir,
                                  backend=args.backend, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0, run_id=args.run_id,
-                                 new_run_ok=args.run_id is not None)
+                                 new_run_ok=args.run_id is not None, cwd=os.getcwd())
             return _run_script(args.script, options, args)
         if args.command == "submit":
             return _submit(args)
@@ -745,7 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  data_dir=args.data_dir,
                                  run_id=record.id, progress=False if args.no_progress else None,
-                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
+                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0, cwd=os.getcwd())
             return _run_script(record.script, options, args, argv=record.argv or ())
         if args.command == "status":
             return _status(args)
