@@ -275,7 +275,7 @@ def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
         pipe._producers = {out: spec.name for spec in pipe.stages.values() for out in spec.outputs}
         options = RunOptions(pilot=args.pilot, workdir=workdir, params=dict(record.params), db=db, run_id=record.id,
                              progress=False if args.no_progress else None, rerun=tuple(args.rerun),
-                             stream_logs=args.verbose > 0)
+                             stream_logs=args.verbose > 0, cwd=saved_cwd)
         with run_options(options) as runs:
             try:
                 pipe.run(pilot=found.pilot)
