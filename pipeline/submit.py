@@ -13,8 +13,12 @@ the script is executed as ``hetflow run`` executes it, up to its first
 ``pipe.run()`` (which runs nothing, :func:`declared_pipelines`), so a
 SyntaxError or a bad declaration is refused at once; each pipeline is
 validated against the pilot, shaped by the config or else by ``sinfo`` for
-the job's partition (:func:`job_shape`); and a pilot without a walltime is
-refused (the job would get the partition's default time limit, whatever it is).
+the job's partition (:func:`job_shape`); each ``--param`` is checked against
+the stages' declarations as ``hetflow run`` checks it; and a pilot without a
+walltime is refused (the job would get the partition's default time limit,
+whatever it is).  Every path is read from the directory the command was typed
+in, before the script's top level runs (it may ``os.chdir``), and the job
+starts there.
 """
 
 from __future__ import annotations
