@@ -66,11 +66,11 @@ class RunOptions:
 
     def pinned(self) -> "RunOptions":
         """These options with the relative paths of the command line (``--workdir``, a ``--pilot`` file, a
-        SQLite ``--db``, a ``--data-dir`` path) made absolute against :attr:`cwd`, the default work
-        directory too (:attr:`workdir` stays ``None``: the script's own ``workdir=`` still wins over it, see
-        :meth:`Pipeline.run`).  A script's top level may change directory (``os.chdir(DATA)``) before its
-        ``pipe.run()`` reads them: what was typed names files as seen from where it was typed.  Unchanged
-        without :attr:`cwd`."""
+        SQLite ``--db``, a ``--data-dir`` path) made absolute against :attr:`cwd`.  A script's top level may
+        change directory (``os.chdir(DATA)``) before its ``pipe.run()`` reads them: what was typed names
+        files as seen from where it was typed.  The default work directory is taken from :attr:`cwd` by
+        :meth:`Pipeline.run` (``workdir`` stays ``None`` here: the script's own ``workdir=`` still wins over
+        the default).  Unchanged without :attr:`cwd`."""
         if self.cwd is None:
             return self
         import dataclasses
