@@ -23,7 +23,7 @@ import yaml
 from hetflow.tasks.errors import ConfigError, HetflowError
 
 from . import __version__
-from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
+from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable, absolute_db
 from .filesystem import default_workdir
 from .status import RunStatus, run_status
 from .store import Store, iso, unreadable
@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("run", nargs="?", help="run id (or a unique prefix; default: the latest run, at each request)")
     serve.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free one)")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (default 127.0.0.1: this machine only; the page has no login)")
+                       help="address to listen on (default 127.0.0.1: this machine only; every request needs the "
+                            "token of the address it prints)")
     serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                        help="also answer requests whose Host header is NAME (repeatable); by default only the "
                             "--host address, localhost, 127.0.0.1 and [::1] are answered, anything else gets 421")
@@ -227,7 +228,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     from .pipeline import Pipeline, run_options, wait_for_background
 
     options = dataclasses.replace(options, script=str(path.resolve()))
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     began = time.time()
     sys.argv = [str(path), *argv]  # a resume: the arguments the run's script was started with
     sys.path.insert(0, str(path.resolve().parent))
@@ -246,6 +247,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
                 pass  # the run is in `runs`: its summary below says what failed and how to resume
     finally:
         sys.argv, sys.path = saved_argv, saved_path
+        os.chdir(saved_cwd)  # a script's top level may have moved (os.chdir): the summary's paths are from here
     for status in runs:
         _print_summary(status, args, since=began)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
@@ -260,9 +262,7 @@ def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
     from .pipeline import Pipeline, RunOptions, run_options
 
     workdir = str(_workdir(args).resolve())  # the store's place as typed here, before the move to the run's
-    db = args.db
-    if db and db.startswith("sqlite:///") and not os.path.isabs(db[len("sqlite:///"):]):
-        db = "sqlite:///" + os.path.abspath(db[len("sqlite:///"):])
+    db = None if args.db is None else absolute_db(args.db, os.getcwd())
     saved_cwd, saved_path = os.getcwd(), sys.path[:]
     began = time.time()
     try:
@@ -275,7 +275,7 @@ def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
         pipe._producers = {out: spec.name for spec in pipe.stages.values() for out in spec.outputs}
         options = RunOptions(pilot=args.pilot, workdir=workdir, params=dict(record.params), db=db, run_id=record.id,
                              progress=False if args.no_progress else None, rerun=tuple(args.rerun),
-                             stream_logs=args.verbose > 0)
+                             stream_logs=args.verbose > 0, cwd=saved_cwd)
         with run_options(options) as runs:
             try:
                 pipe.run(pilot=found.pilot)
@@ -515,12 +515,12 @@ def _serve(args: argparse.Namespace) -> int:
     from .display import remove_serve_note, write_serve_note
 
     workdir = _workdir(args).resolve()
-    try:  # where a run of this store is shown in a notebook, it links here
-        write_serve_note(workdir, host, port, store.url, run_id)
+    try:  # where a run of this store is shown in a notebook, it links here (with the token: the note is 0600)
+        write_serve_note(workdir, host, port, store.url, run_id, server.token)
     except OSError as exc:
         logging.getLogger(__name__).info("serve: no note in %s (%s)", workdir, exc)
-    print(f"serving {'run ' + run_id if run_id else 'the latest run'} at http://{host}:{port}/ (Ctrl-C to stop)",
-          flush=True)
+    address = f"http://{f'[{host}]' if ':' in host else host}:{port}/?token={server.token}"
+    print(f"serving {'run ' + run_id if run_id else 'the latest run'} at {address} (Ctrl-C to stop)", flush=True)
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
@@ -732,7 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  data_dir=args.data_dir,
                                  backend=args.backend, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0, run_id=args.run_id,
-                                 new_run_ok=args.run_id is not None)
+                                 new_run_ok=args.run_id is not None, cwd=os.getcwd())
             return _run_script(args.script, options, args)
         if args.command == "submit":
             return _submit(args)
@@ -744,7 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  data_dir=args.data_dir,
                                  run_id=record.id, progress=False if args.no_progress else None,
-                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
+                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0, cwd=os.getcwd())
             return _run_script(record.script, options, args, argv=record.argv or ())
         if args.command == "status":
             return _status(args)

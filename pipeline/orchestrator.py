@@ -41,6 +41,7 @@ from hetflow.tasks.protocol import (
     StageFunction,
     WorkerSpec,
     diagnose,
+    env_digest,
     reap_orphans,
 )
 from hetflow.tasks.scheduler import (
@@ -285,6 +286,11 @@ class Orchestrator(MapShell):
         if spec.name not in self.env:
             self.env[spec.name] = {name: os.environ.get(name) for name in spec.env}
         return self.env[spec.name]
+
+    def launch_env(self, spec: StageSpec) -> dict[str, str]:
+        """The declared variables that are set, for the environment of the stage's processes (``LaunchSpec.env``):
+        the one place their values go, never a file (the worker spec holds their digests)."""
+        return {name: value for name, value in self.stage_env(spec).items() if value is not None}
 
     def stage_params(self, spec: StageSpec) -> dict[str, Any]:
         merged = dict(spec.params)
@@ -824,7 +830,7 @@ class Orchestrator(MapShell):
         live = self.live[str(task)] = _Live(task, files.directory, start.slots)
         launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
                             slots=start.slots, cwd=files.directory, timeout=spec.timeout,
-                            stdout=files.stdout, stderr=files.stderr)
+                            stdout=files.stdout, stderr=files.stderr, env=self.launch_env(spec))
         return live, launch
 
     def _checkpoints_of_this_key(self, spec: StageSpec, directory: Path) -> None:
@@ -890,7 +896,8 @@ class Orchestrator(MapShell):
             schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
             gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
-            node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
+            node_local_dir=self.pilot.node_local_dir, argv=tuple(sys.argv),
+            env={name: env_digest(value) for name, value in self.stage_env(spec).items()},  # values: launch_env
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
             items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
             item_timeout=spec.timeout if chunk is not None else None, item_isolation=isolation,
