@@ -165,6 +165,14 @@ class StageFunction:
     path: str | None = None
 
 
+
+def declared_file(text: str) -> Path | str:
+    """A declared file as a stage sees it (``ctx.files``, a file item's ``ctx.item``): a local ``Path``, or the
+    URI of an object on a store (``s3://bucket/key``) as a ``str``, which no ``Path`` can hold."""
+    from hetflow.operators.location import is_object_store
+
+    return text if is_object_store(text) else Path(text)
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every rank of one stage attempt is told (``spec.json``).
@@ -210,7 +218,7 @@ class WorkerSpec:
     script_sha256: str | None = None
     items: tuple[Mapping[str, Any], ...] = ()
     """A map stage's items for this task (:mod:`hetflow.tasks.mapitems`): each ``{"index", "key",
-    "outputs": {name: directory}}`` and one of ``"file"`` (a path), ``"row"`` or ``"partition"`` (an index
+    "outputs": {name: directory}}`` and one of ``"file"`` (a path or an object's URI), ``"row"`` or ``"partition"`` (an index
     into input ``map_input``) or ``"point"`` (a dict of parameters).  Empty: a plain stage."""
     map_input: str | None = None
     item_timeout: float | None = None
@@ -255,9 +263,12 @@ class WorkerSpec:
                                     "as absolute directories and one of file, row, partition, point)")
             if set(item) - {"index", "key", "outputs", "file", "row", "partition", "point", "label"}:
                 raise ProtocolError(f"stage {self.stage!r}: item {str(item)[:80]} has unknown fields")
-        relative = [f for f in self.files if not os.path.isabs(f)]
+        from hetflow.operators.location import is_object_store
+
+        relative = [f for f in self.files if not os.path.isabs(f) and not is_object_store(f)]
         if relative:
-            raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths, got {relative[0]!r}")
+            raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths or object URIs "
+                                f"(s3://...), got {relative[0]!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "stage": self.stage, "attempt": self.attempt,
