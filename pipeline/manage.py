@@ -18,6 +18,7 @@ objects and all, as its directory would be.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -45,6 +46,8 @@ from .store import (
     TaskRecord,
     owner_gone,
 )
+
+log = logging.getLogger(__name__)
 
 RESUMABLE = frozenset({"FAILED", "INTERRUPTED", "CANCELLED", "STOPPED"})
 """Ended runs that did not finish: what ``gc`` removes (all but each pipeline's latest)."""
@@ -251,9 +254,15 @@ def collect_garbage(store: Store, runs_dir: Path | None, *, dry_run: bool = Fals
     result = remove_runs(store, doomed, dry_run=dry_run) if doomed else Removal()
     result.paths += _leftover_objects(store, set(doomed), dry_run=dry_run,
                                       grace=OBJECT_GRACE if grace is None else grace)
-    if runs_dir is None or not runs_dir.is_dir():
-        return result
-    gone = set(doomed) if dry_run else set()
+    if runs_dir is not None and runs_dir.is_dir():
+        _orphan_dirs(store, runs_dir, set(doomed) if dry_run else set(), result, dry_run=dry_run,
+                     grace=ORPHAN_GRACE if grace is None else grace)
+    return result
+
+
+def _orphan_dirs(store: Store, runs_dir: Path, gone: set[str], result: Removal, *, dry_run: bool,
+                 grace: float) -> None:
+    """Remove (or list) the directories under ``runs_dir`` that no record names, older than ``grace`` seconds."""
     with store.session() as session:
         known = {d for i, d in session.execute(select(RunRecord.id, RunRecord.run_dir)) if i not in gone}
         used = {p for i, p in session.execute(select(DatasetRecord.run_id, DatasetRecord.path)) if i not in gone}
@@ -263,14 +272,13 @@ def collect_garbage(store: Store, runs_dir: Path | None, *, dry_run: bool = Fals
         if name in known or name in result.paths or any(_inside(p, name) for p in used):
             continue
         try:
-            if now - child.lstat().st_mtime < (ORPHAN_GRACE if grace is None else grace):
+            if now - child.lstat().st_mtime < grace:
                 continue
         except OSError:
             continue
         result.paths.append(name)
         if not dry_run:
             _remove_tree(child)
-    return result
 
 
 def _leftover_objects(store: Store, removed: set[str], *, dry_run: bool, grace: float) -> list[str]:
@@ -297,18 +305,14 @@ def _leftover_objects(store: Store, removed: set[str], *, dry_run: bool, grace: 
         try:
             stray = [where for path in _dataset_dirs(datasets.root)
                      for where in objectdataset.leftovers(resolve(path), before=before)]
-        except StorageError as exc:
-            raise HetflowError(str(exc)) from None
-        if not stray:
-            continue
-        if not dry_run:
-            with store.session() as session:
-                run = session.get(RunRecord, run_id)
-                if run is None or _live(run):   # resumed (or removed) since: its uploads are its own
-                    continue
-            try:
+            if stray and not dry_run:
+                with store.session() as session:
+                    run = session.get(RunRecord, run_id)
+                    if run is None or _live(run):   # resumed (or removed) since: its uploads are its own
+                        continue
                 objectdataset.delete(stray)
-            except StorageError as exc:
-                raise HetflowError(f"{exc} (gc stopped there)") from None
+        except (StorageError, HetflowError) as exc:   # a bucket gone or a store down: the other runs go on
+            log.warning("run %s: leftover objects not removed: %s", run_id, exc)
+            continue
         found += [where.uri for where in stray]
     return found

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,3 +130,30 @@ def test_gc_removes_the_uploads_of_a_crashed_attempt_but_not_while_the_run_is_in
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     after = json.loads(hetflow(tmp_path, "status", crashed["id"], "--json", env=env).stdout)
     assert Dataset(after["datasets"]["a"]).to_table() == pa.table({"x": [1]})
+
+
+
+def test_gc_goes_on_past_a_data_directory_it_cannot_list(tmp_path: Path, s3_server: S3Server, s3_bucket: str) -> None:
+    """A kept run whose store is down (or refuses the credentials) must not make every gc fail: it is named
+    on stderr, and what else there is to collect is collected."""
+    env = s3_environ(s3_server)
+    (tmp_path / "p.py").write_text(SCRIPT)
+    done = hetflow(tmp_path, "run", "p.py", "--no-progress", "--data-dir", f"s3://{s3_bucket}/down", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_id = json.loads(hetflow(tmp_path, "status", "--json", env=env).stdout)["id"]
+    leftover = tmp_path / ".hetflow" / "runs" / "gcs3-19990101-000000-dead"
+    leftover.mkdir()
+    os.utime(leftover, (time.time() - 3600, time.time() - 3600))
+    down = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}"}
+    collected = hetflow(tmp_path, "gc", env=down)
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    assert collected.stdout.strip() == f"removed {leftover}"
+    assert f"run {run_id}: leftover objects not removed: cannot list s3://{s3_bucket}/down/runs/{run_id}/datasets " \
+        f"(bucket '{s3_bucket}', key 'down/runs/{run_id}/datasets'): the storage endpoint cannot be reached" \
+        in collected.stderr, collected.stderr
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
