@@ -48,6 +48,17 @@ def _param(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _seconds(text: str) -> float:
+    """A duration in seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number, 0 or more), got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds (a number, 0 or more), got {text!r}")
+    return value
+
+
 PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable); a KEY no stage declares in params= is "
               "refused. The value takes the type of the default a stage declares for KEY in params= (int, "
               "float, bool: true/false, str: as typed); for another default (None): an integer or decimal "
@@ -154,10 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="remove unfinished runs (all but each pipeline's latest) and leftover files",
                         description="Remove runs that ended FAILED, INTERRUPTED, CANCELLED or STOPPED, except "
-                                    "the latest run of each pipeline (the one to resume), and directories under "
-                                    "runs/ that no run record names. Keeps every DONE run, every running run and "
-                                    "every dataset a kept run uses (its cache hits point into earlier runs).")
+                                    "the latest run of each pipeline (the one to resume), directories under "
+                                    "runs/ that no run record names, and partition objects under a run's s3:// "
+                                    "data directory that no committed dataset names (uploads of failed or crashed "
+                                    "attempts). Keeps every DONE run, every running run and every dataset a kept "
+                                    "run uses (its cache hits point into earlier runs).")
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    gc.add_argument("--grace", type=_seconds, metavar="SECONDS",
+                    help="leave alone leftovers younger than this (default: 300 for directories under runs/, "
+                         "3600 for objects on a store, whose clock may differ from this host's)")
     _store_args(gc)
 
     cancel = sub.add_parser("cancel", help="stop a running run (from any terminal or host sharing its store)")
@@ -573,7 +589,7 @@ def _gc(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     runs_dir = _workdir(args).resolve() / "runs"
-    _removal_lines(collect_garbage(store, runs_dir, dry_run=args.dry_run), args.dry_run)
+    _removal_lines(collect_garbage(store, runs_dir, dry_run=args.dry_run, grace=args.grace), args.dry_run)
     return EXIT_OK
 
 

@@ -156,6 +156,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import Any
 
+from hetflow.operators.location import (Location, StorageError, carries_settings, check_bucket,
+                                        glob_files, glob_start, is_object_store, object_versions, redact, resolve,
+                                        storage_error)
+from pyarrow.fs import FileType
+
 UNCACHEABLE = "uncacheable "
 """The prefix of a code fingerprint's component naming a value that cannot be digested (:func:`uncacheable`)."""
 
@@ -1733,10 +1738,14 @@ def fingerprint_digest(*parts: Mapping[str, str]) -> str:
 
 
 # ------------------------------------------------------------------------------------ files
-def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | None]]:
-    """``(pattern, path)`` for each file a pattern names, ``(pattern, None)`` for a glob without match."""
-    found: list[tuple[str, Path | None]] = []
+def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | Location | None]]:
+    """``(pattern, path)`` for each file a pattern names (a :class:`Location` for an object on a store),
+    ``(pattern, None)`` for a glob without match."""
+    found: list[tuple[str, Path | Location | None]] = []
     for pattern in patterns:
+        if is_object_store(pattern):
+            found.extend((pattern, where) for where in _objects(pattern))
+            continue
         full = Path(pattern) if os.path.isabs(pattern) else Path(base) / pattern
         if glob.has_magic(pattern):
             hits = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if os.path.isfile(p))
@@ -1751,28 +1760,65 @@ def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | None
     return found
 
 
+def _objects(pattern: str) -> list[Location | None]:
+    """The objects an object-store pattern names: the object, or a glob's matches by the readers' rule
+    (:func:`hetflow.operators.location.glob_files`: segment by segment); ``[None]`` for a glob without match.
+    A failed listing is a ``ValueError`` with the store's one line (bucket, key, cause)."""
+    if carries_settings(pattern):
+        raise ValueError(f"declared file {redact(pattern)!r}: credentials and options do not go into the URI; set "
+                         "them in the AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, "
+                         "AWS_PROFILE, ...)")
+    where = resolve(pattern)
+    try:
+        if glob_start(where.path) >= 0:
+            infos = glob_files(where)
+            if not infos:
+                check_bucket(where)
+                return [None]
+            scheme = where.uri.split("://", 1)[0]
+            return [Location(where.filesystem, i.path, f"{scheme}://{i.path}", False) for i in infos]
+        info = where.filesystem.get_file_info(where.path)
+        if info.type == FileType.File:
+            return [where]
+        if info.type == FileType.Directory:
+            raise ValueError(f"declared file {pattern!r} is a prefix of objects (bucket {where.bucket!r}, key "
+                             f"{where.key!r}), not an object; name its objects with a glob such as "
+                             f"{where.uri.rstrip('/') + '/*'!r}")
+        check_bucket(where)
+    except StorageError as exc:
+        raise ValueError(str(exc)) from None
+    except OSError as exc:
+        raise ValueError(str(storage_error(exc, where, "list"))) from None
+    raise ValueError(f"declared file {pattern!r} does not exist (bucket {where.bucket!r}, key {where.key!r})")
+
+
 def check_files(patterns: Sequence[str], base: Path) -> None:
     """Raise ``ValueError`` naming the first pattern that names no file: a path that is missing or a
     directory (as :func:`resolve_files`), or a glob that matches no file, with the directory it was
-    resolved against.  Called when a run starts: by then a file an earlier step of the script makes is
-    there, and a pattern that matches nothing is a mistake (a typo, the wrong directory), not a stage
-    that should run on no files."""
+    resolved against (the bucket, on an object store).  Called when a run starts: by then a file an
+    earlier step of the script makes is there, and a pattern that matches nothing is a mistake (a typo,
+    the wrong directory), not a stage that should run on no files."""
     for pattern, path in _matches(patterns, base):
+        if path is None and is_object_store(pattern):
+            where = resolve(pattern)
+            raise ValueError(f"declared files glob {pattern!r} matches no object in bucket {where.bucket!r} "
+                             f"(key {where.key!r})")
         if path is None:
             where = f"in {Path(base).absolute()} (the script's directory: relative patterns are resolved " \
                     "against it)" if not os.path.isabs(pattern) else "on this machine"
             raise ValueError(f"declared files glob {pattern!r} matches no file {where}")
 
 
-def resolve_files(patterns: Sequence[str], base: Path) -> tuple[Path, ...]:
+def resolve_files(patterns: Sequence[str], base: Path) -> tuple[Path | str, ...]:
     """The absolute, distinct files the declared ``patterns`` name (globs relative to ``base``), in the
     order declared (a glob's matches sorted), so ``files=["obs.csv", "cat.csv"]`` gives ``ctx.files[0]``
-    the observations.
+    the observations.  An object on a store is its URI (a ``str``): :data:`DeclaredFile`.
 
     A glob that matches nothing adds nothing; a plain path that is missing or a
     directory raises ``ValueError`` naming the pattern (the caller adds the stage).
     """
-    return tuple(dict.fromkeys(p.absolute() for _, p in _matches(patterns, base) if p is not None))
+    return tuple(dict.fromkeys(p.absolute() if isinstance(p, Path) else p.uri
+                               for _, p in _matches(patterns, base) if p is not None))
 
 
 def file_fingerprint(patterns: Sequence[str], base: Path) -> dict[str, str]:
@@ -1781,24 +1827,48 @@ def file_fingerprint(patterns: Sequence[str], base: Path) -> dict[str, str]:
     A path is written relative to ``base`` when it lies under it, absolute
     otherwise.  A glob that matches nothing is recorded as ``{pattern:
     NO_MATCH}``, so a file that appears later changes the fingerprint.  Every
-    byte is read on every call (no mtime shortcut).  Errors as :func:`resolve_files`.
+    byte is read on every call (no mtime shortcut).  An object on a store is
+    ``{its URI: "etag:<ETag> size:<bytes>"}``, asked of the store without reading
+    it (:func:`hetflow.operators.location.object_versions`).  Errors as :func:`resolve_files`.
     """
     base = Path(base).absolute()
     result: dict[str, str] = {}
+    objects: list[Location] = []
     for pattern, path in _matches(patterns, base):
         if path is None:
             result[pattern] = NO_MATCH
-            continue
-        path = path.absolute()
-        key = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
-        result[key] = file_digest(path)
+        elif isinstance(path, Location):
+            objects.append(path)
+        else:
+            path = path.absolute()
+            key = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
+            result[key] = file_digest(path)
+    result.update(zip((o.uri for o in objects), _object_versions(objects)))
     return dict(sorted(result.items()))
 
 
-def file_digest(path: Path) -> str:
-    """The content digest of a declared file (also a map item's file: :mod:`hetflow.mapping`)."""
+def file_digest(path: Path | str) -> str:
+    """The content digest of a declared file (also a map item's file: :mod:`hetflow.mapping`); of an
+    object on a store (its URI), its ETag and size, as :func:`file_fingerprint` records them."""
+    if isinstance(path, str) and is_object_store(path):
+        return _object_versions([resolve(path)])[0]
     digest = hashlib.blake2b(digest_size=32)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_digests(paths: Sequence[Path | str]) -> list[str]:
+    """:func:`file_digest` of each of ``paths``, the objects' asked of the store together."""
+    objects = [resolve(p) for p in paths if isinstance(p, str) and is_object_store(p)]
+    versions = iter(_object_versions(objects))
+    return [next(versions) if isinstance(p, str) and is_object_store(p) else file_digest(p) for p in paths]
+
+
+def _object_versions(objects: Sequence[Location]) -> list[str]:
+    """:func:`hetflow.operators.location.object_versions`, a failure a ``ValueError`` (the store's one line)."""
+    try:
+        return object_versions(objects)
+    except StorageError as exc:
+        raise ValueError(str(exc)) from None

@@ -64,6 +64,7 @@ from .errors import HetflowError, PipelineError, ResumeRefused, interruption
 from .fingerprint import (
     ANY_GLOBAL_SET,
     UNCACHEABLE,
+    file_digests,
     late_components,
     resolve_files,
     sources_changed,
@@ -236,7 +237,7 @@ class Orchestrator(MapShell):
         self.late_values: dict[str, frozenset[str]] = {}
         self.resuming_done = False
         """This session resumes a DONE run and has changed nothing of it yet (:meth:`_refuse_resume`)."""
-        self.looked: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
+        self.looked: dict[str, tuple[float, dict[str, tuple[int, int] | str]]] = {}
         """When each stage's key was made, and its declared files' sizes and times then."""
         self.observed_start: Mapping[str, str] = observed.latest()
         """What the script's top level left when the run started (:mod:`hetflow.observed`)."""
@@ -1167,14 +1168,19 @@ def _worker_sys_path(spec: StageSpec, base: Path) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int]]:
-    """``{path: (size, mtime_ns)}`` of the files ``patterns`` name (what changes when one is edited)."""
-    stats = {}
+def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int] | str]:
+    """``{path: (size, mtime_ns)}`` of the files ``patterns`` name (what changes when one is edited); of an
+    object on a store, ``{URI: its ETag and size}`` (its modification time has whole seconds only)."""
+    stats: dict[str, tuple[int, int] | str] = {}
     try:
         paths = resolve_files(patterns, base) if patterns else ()
+        objects = [p for p in paths if isinstance(p, str)]
+        stats.update(zip(objects, file_digests(objects)))
     except ValueError:
         return {}
     for path in paths:
+        if isinstance(path, str):
+            continue
         try:
             info = path.stat()
         except OSError:

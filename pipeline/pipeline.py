@@ -172,7 +172,8 @@ class Pipeline:
         output dataset names to the ``pa.Schema`` this stage expects: a
         dataset that differs is rejected at the boundary with a diff.
         ``files`` lists files or globs the stage reads (relative to the script's
-        directory, or absolute): their content is part of the stage's cache key,
+        directory, or absolute; or objects on a store, ``s3://bucket/in/*.parquet``):
+        their content is part of the stage's cache key (an object's ETag and size),
         so changing, adding or removing one re-runs it; ``ctx.files`` lists them;
         each must name a file when the run starts.  ``env`` names the environment
         variables the stage reads: their values join its cache key, and ``ctx.env``
@@ -186,7 +187,7 @@ class Pipeline:
 
         ``map_over`` makes a map stage, run once per item, each item a task with this
         resource request and its own cache key (docs/fanout.md): ``"files"`` (each file
-        ``files=`` names; ``ctx.item`` is its path), ``"rows:NAME"`` (each row of input
+        ``files=`` names; ``ctx.item`` is its path, or an object's URI), ``"rows:NAME"`` (each row of input
         NAME; ``ctx.item`` is the row as a dict), ``"partitions:NAME"`` (each partition
         of input NAME, passed as that input's table) or a grid ``{name: [values]}`` (the
         cross product; ``ctx.params`` holds each point).  Each output is one dataset of
@@ -227,6 +228,16 @@ class Pipeline:
                                         f"got {type(schema).__name__}")
             if isinstance(files, str) or not all(isinstance(f, str) and f for f in files):
                 raise PipelineError(f"{where}: files must be a list of paths or globs, got {files!r}")
+            for pattern in (f for f in files if "://" in f):
+                from hetflow.operators.location import carries_settings, is_object_store, redact
+
+                if not is_object_store(pattern):
+                    raise PipelineError(f"{where}: files: {redact(pattern)!r} is not a path, a glob or an "
+                                        "s3://BUCKET/KEY URI (object stores: S3-compatible only)")
+                if carries_settings(pattern):
+                    raise PipelineError(f"{where}: files: {redact(pattern)!r}: credentials and options do not go "
+                                        "into the URI; set them in the AWS environment (AWS_ACCESS_KEY_ID, "
+                                        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...)")
             declared_env = check_env(env, where=where)
             mapped = check_map(map_over, inputs=tuple(inputs), files=tuple(files), where=where)
             failures_allowed = check_max_failures(max_failures, where=where)

@@ -41,10 +41,9 @@ import socket
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .protocol import AttemptFiles, RankResult, WorkerSpec
+from .protocol import AttemptFiles, RankResult, WorkerSpec, declared_file
 
 
 def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]) -> tuple[RankResult, Any]:
@@ -178,7 +177,7 @@ class _Shared:
             value: Any
             params = dict(spec.params)
             if "file" in item:
-                value = Path(item["file"])
+                value = declared_file(item["file"])
             elif "point" in item:
                 value = dict(item["point"])
                 params.update(value)
@@ -199,7 +198,7 @@ class _Shared:
                                params=params, workdir=spec.attempt_dir, checkpoint_dir=spec.checkpoint_dir,
                                cores=slot.cores, gpus=slot.gpus, node=spec.nodes[slot.node], log=self.log,
                                # a file item's key covers its own file only: so do its ctx.files
-                               files=(value,) if "file" in item else tuple(Path(f) for f in spec.files),
+                               files=(value,) if "file" in item else tuple(declared_file(f) for f in spec.files),
                                env=self.env, item=value, item_index=int(item["index"]),
                                inputs={name: table for (name, _), table in zip(spec.inputs, inputs)})
             with operator_settings(spec):

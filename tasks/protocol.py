@@ -173,6 +173,14 @@ def env_digest(value: str | None) -> str | None:
     return None if value is None else "sha256:" + hashlib.sha256(value.encode()).hexdigest()
 
 
+def declared_file(text: str) -> Path | str:
+    """A declared file as a stage sees it (``ctx.files``, a file item's ``ctx.item``): a local ``Path``, or the
+    URI of an object on a store (``s3://bucket/key``) as a ``str``, which no ``Path`` can hold."""
+    from hetflow.operators.location import is_object_store
+
+    return text if is_object_store(text) else Path(text)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every rank of one stage attempt is told (``spec.json``).
@@ -222,7 +230,7 @@ class WorkerSpec:
     script_sha256: str | None = None
     items: tuple[Mapping[str, Any], ...] = ()
     """A map stage's items for this task (:mod:`hetflow.tasks.mapitems`): each ``{"index", "key",
-    "outputs": {name: directory}}`` and one of ``"file"`` (a path), ``"row"`` or ``"partition"`` (an index
+    "outputs": {name: directory}}`` and one of ``"file"`` (a path or an object's URI), ``"row"`` or ``"partition"`` (an index
     into input ``map_input``) or ``"point"`` (a dict of parameters).  Empty: a plain stage."""
     map_input: str | None = None
     item_timeout: float | None = None
@@ -267,9 +275,12 @@ class WorkerSpec:
                                     "as absolute directories and one of file, row, partition, point)")
             if set(item) - {"index", "key", "outputs", "file", "row", "partition", "point", "label"}:
                 raise ProtocolError(f"stage {self.stage!r}: item {str(item)[:80]} has unknown fields")
-        relative = [f for f in self.files if not os.path.isabs(f)]
+        from hetflow.operators.location import is_object_store
+
+        relative = [f for f in self.files if not os.path.isabs(f) and not is_object_store(f)]
         if relative:
-            raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths, got {relative[0]!r}")
+            raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths or object URIs "
+                                f"(s3://...), got {relative[0]!r}")
 
     def env_values(self) -> dict[str, str | None]:
         """The declared variables' values, from this process's environment, as its cache key saw them: each set
