@@ -338,10 +338,7 @@ class Pipeline:
         from . import observed
 
         observed.take()  # what the script's top level left, before this process does anything else
-        from hetflow.tasks.paths import private_dir
         from hetflow.tasks.pilot import load_pilot
-        from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
-        from .store import Store
 
         options, made = _overrides[-1][:2] if _overrides else (RunOptions(), [])
         chosen_pilot = options.pilot or pilot or self.pilot
@@ -362,6 +359,35 @@ class Pipeline:
         from hetflow.tasks.backends import require
 
         require(description.backend)  # a missing engine is one line naming the extra, before a run is recorded
+        early = wait and description.backend == "local"
+        if early:
+            from hetflow.tasks.backends.local import warm_start
+
+            early = warm_start(description)
+        if early:
+            from hetflow.tasks.forkserver import start_early
+
+            start_early()  # its imports go on beside the orchestrator's, next
+        try:
+            return self._start(description, options, made, workdir=workdir, db=db, run_id=run_id, params=params,
+                               progress=progress, check=check, rerun=rerun, wait=wait, data_dir=data_dir)
+        finally:
+            if early:
+                from hetflow.tasks.forkserver import discard_early
+
+                discard_early()  # not adopted: the run ended before its backend started
+
+    def _start(self, description: PilotDescription, options: RunOptions, made: list[Any], *,
+               workdir: "str | os.PathLike[str] | None", db: str | None, run_id: str | None,
+               params: Mapping[str, Any] | None, progress: bool | None, check: bool, rerun: Sequence[str],
+               wait: bool, data_dir: "str | os.PathLike[str] | None") -> "RunStatus | RunHandle":
+        """The rest of :meth:`run`, once its pilot is known (and, for a blocking local run, its fork server
+        started: what follows imports the orchestrator and opens the store meanwhile)."""
+        from hetflow.tasks.paths import private_dir
+
+        from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
+        from .store import Store
+
         root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
         try:
             private_dir(root)
