@@ -36,7 +36,9 @@ counted).  From those times, for each system and each repeat:
 
 Systems are alternated (the order reversed every other repeat), N and N/4 in
 each repeat; figures are medians with min-max, with the load average seen at
-each measurement.  ``--against LABEL=DIR`` also runs hetflow with ``DIR``
+each measurement, and for hetflow the CPU seconds of all the run's processes
+(``RUSAGE_CHILDREN``: each is waited for by its parent; less moved by the load
+than wall time).  ``--against LABEL=DIR`` also runs hetflow with ``DIR``
 first on ``PYTHONPATH`` (another checkout's packages, laid out as ``hetflow/``),
 alternated with this one.  ``--bytecode`` lets the children write and use
 compiled bytecode (in a cache directory of this run, after one unmeasured run
@@ -50,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -140,13 +143,18 @@ def hetflow_run(style: str, n: int, env: dict[str, str] | None = None) -> dict[s
     with tempfile.TemporaryDirectory(prefix="hf-throughput-") as tmp:
         path = Path(tmp) / "pipeline.py"
         path.write_text(script(style, n))
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.time()
         done = subprocess.run([sys.executable, str(path)], cwd=tmp, capture_output=True, text=True, timeout=3600,
                               check=False, env=env)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         marks = _marks(done.stdout)
         if done.returncode != 0 or "RESULTS_AT" not in marks or not done.stdout.rstrip().endswith("DONE"):
             raise RuntimeError(f"hetflow {style} x{n} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        return {"total": marks["RESULTS_AT"] - started, "in_run": marks["SECONDS"]}
+        # every process of the run (the script, its fork server, the ranks and runners) is waited for by its
+        # parent, so its CPU is in this process's children's; a peer's workers are not all waited for that way
+        cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
+        return {"total": marks["RESULTS_AT"] - started, "in_run": marks["SECONDS"], "cpu": cpu}
 
 
 def peer_run(name: str, n: int, env: dict[str, str] | None = None) -> dict[str, float]:
@@ -312,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, by_size in runs.items():
         f = figures[name] = {"end_to_end": [], "steady": [], "marginal": [], "fixed": [], "in_run": [],
                              "steady_in_run": []}
+        if "cpu" in by_size[n][0]:
+            f["cpu"] = [run["cpu"] for run in by_size[n]]
+            f["marginal_cpu"] = [(full["cpu"] - part["cpu"]) / (n - small)
+                                 for full, part in zip(by_size[n], by_size[small])]
         for full, part in zip(by_size[n], by_size[small]):
             marginal = (full["total"] - part["total"]) / (n - small)
             f["end_to_end"].append(n / full["total"])
@@ -327,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         "tasks": n, "small": small, "repeats": args.repeats, "cpus": os.cpu_count(), "bytecode": args.bytecode,
         "load_average": summary(loads),
         **{key: {name: summary(f[key]) for name, f in figures.items() if key in f}
-           for key in ("end_to_end", "steady", "marginal", "fixed", "in_run", "steady_in_run", "startup")}}
+           for key in ("end_to_end", "steady", "marginal", "fixed", "in_run", "steady_in_run", "startup", "cpu",
+                       "marginal_cpu")}}
     print(f"{n} trivial one-rank tasks (1 KB each), 2 workers, {args.repeats} repeat(s) alternated, "
           f"load average {_fmt(loads)}; medians (min-max)")
     print(f"{'':26s} {'end to end tasks/s':>22s} {'steady tasks/s':>24s} {'marginal ms/task':>18s} "
@@ -336,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:26s} {_fmt(f['end_to_end']):>22s} {_fmt(f['steady']):>24s} "
               f"{_fmt([m * 1000 for m in f['marginal']], 2):>18s} {_fmt(f['fixed'], 2):>18s} "
               f"{_fmt(f['in_run']):>22s} {_fmt(f['steady_in_run']):>24s}")
+    for name, f in figures.items():
+        if "cpu" in f:
+            print(f"{name}: CPU of all its processes {_fmt(f['cpu'], 2)} s for {n} tasks, marginal "
+                  f"{_fmt([c * 1000 for c in f['marginal_cpu']], 2)} ms per task")
     for name, f in figures.items():
         if "startup" in f:
             print(f"{name}: workers up {_fmt(f['startup'], 2)} s after its process started (counted end to end)")
