@@ -368,10 +368,21 @@ class Pipeline:
             from hetflow.tasks.forkserver import start_early
 
             start_early()  # its imports go on beside the orchestrator's, next
+        import gc
+
+        # Decision: a blocking run keeps what this process holds before it (the imports, the script's own
+        # objects) out of the collector's scans while it runs, moving it to the permanent generation, and
+        # puts it back when it ends; the orchestrator's young objects (a map's items, the store's rows)
+        # made each full collection walk all of it.  Not when the process froze objects itself (we could
+        # not tell its own apart at the end), nor for a run in the background (the process goes on).
+        frozen = wait and gc.get_freeze_count() == 0
         try:
             return self._start(description, options, made, workdir=workdir, db=db, run_id=run_id, params=params,
-                               progress=progress, check=check, rerun=rerun, wait=wait, data_dir=data_dir)
+                               progress=progress, check=check, rerun=rerun, wait=wait, data_dir=data_dir,
+                               freeze=frozen)
         finally:
+            if frozen:
+                gc.unfreeze()
             if early:
                 from hetflow.tasks.forkserver import discard_early
 
@@ -380,13 +391,19 @@ class Pipeline:
     def _start(self, description: PilotDescription, options: RunOptions, made: list[Any], *,
                workdir: "str | os.PathLike[str] | None", db: str | None, run_id: str | None,
                params: Mapping[str, Any] | None, progress: bool | None, check: bool, rerun: Sequence[str],
-               wait: bool, data_dir: "str | os.PathLike[str] | None") -> "RunStatus | RunHandle":
+               wait: bool, data_dir: "str | os.PathLike[str] | None", freeze: bool) -> "RunStatus | RunHandle":
         """The rest of :meth:`run`, once its pilot is known (and, for a blocking local run, its fork server
-        started: what follows imports the orchestrator and opens the store meanwhile)."""
+        started: what follows imports the orchestrator and opens the store meanwhile).  ``freeze``: move
+        what this process holds, the orchestrator's imports too, to the collector's permanent generation."""
         from hetflow.tasks.paths import private_dir
 
         from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
         from .store import Store
+
+        if freeze:
+            import gc
+
+            gc.freeze()
 
         root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
         try:

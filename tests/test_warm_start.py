@@ -332,3 +332,48 @@ def test_a_fork_server_started_early_for_a_run_that_fails_to_start_is_ended(tmp_
     assert done.returncode == 0, done.stdout + done.stderr
     assert "REFUSED" in done.stdout and "work directory" in done.stdout, done.stdout
     assert "SERVERS [[]] LEFT []" in done.stdout, done.stdout  # one was started, and has ended
+
+
+FROZEN = '''
+import gc, sys
+import pyarrow as pa
+import hetflow as hf
+
+seen = []
+gc.callbacks.append(lambda phase, info: seen.append(gc.get_freeze_count()) if phase == "start" else None)
+pipe = hf.Pipeline("frozen", pilot=hf.PilotDescription(name="two-cores", cores_per_node=2, memory_per_node=2**33))
+
+
+@pipe.stage(map_over={"i": list(range(300))}, outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"x": [ctx.item_index]})}
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "user":
+        gc.freeze()
+    before = gc.get_freeze_count()
+    seen.clear()
+    run = pipe.run(progress=False, workdir=sys.argv[1], check=False)
+    print("RUN", run.state, "BEFORE", before, "DURING", max(seen) if seen else None, "AFTER", gc.get_freeze_count())
+'''
+
+
+@pytest.mark.parametrize("who", ["none", "user"])
+def test_a_blocking_run_keeps_what_the_process_held_before_it_out_of_the_collectors_scans(
+        tmp_path: Path, who: str) -> None:
+    """During a blocking run, what the process held before it (the imports, the script's objects) is in the
+    collector's permanent generation, and is put back when the run ends; objects the process froze itself
+    stay frozen, and the run then freezes nothing."""
+    (tmp_path / "flow.py").write_text(FROZEN)
+    done = subprocess.run([sys.executable, "flow.py", str(tmp_path / "work"), who], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    words = done.stdout.split()
+    at = words.index("RUN")
+    state, before, during, after = words[at + 1], int(words[at + 3]), int(words[at + 5]), int(words[at + 7])
+    assert state == "DONE", done.stdout
+    if who == "none":
+        assert before == 0 and during > 10_000 and after == 0, done.stdout
+    else:  # the user's frozen objects stay frozen (some were freed meanwhile); none were added
+        assert before > 0 and during <= before and 0 < after <= before, done.stdout
