@@ -1,6 +1,7 @@
-"""Tasks per second end to end: hetflow's local pilot against Parsl and Dask on the same machine.
+"""Tasks per second: hetflow's local pilot against Parsl and Dask on the same machine, start-up included.
 
     python benchmarks/throughput.py [--tasks 200] [--repeats 3] [--out FILE.json]
+    python benchmarks/throughput.py --styles map --tasks 1000 --peers parsl --against main=/tmp/hfmain/lib
     python benchmarks/throughput.py --quick          # CI size (a test runs it)
 
 Every system runs N independent trivial one-rank tasks, each making a 1 KB
@@ -9,19 +10,41 @@ table (128 int64 values), on two workers (the 2-core machine):
 - ``hetflow decorated``: a script of N ``@pipe.stage`` functions;
 - ``hetflow loop``: the same N stages made by a factory in a ``for`` loop;
 - ``hetflow map``: one map stage of N items (``map_over={"i": range(N)}``), one output of N partitions;
-- ``hetflow torch class``: the loop script with a ``torch.nn.Module`` subclass
+- ``hetflow torch``: the loop script with a ``torch.nn.Module`` subclass
   at module level (as ``hf.ml.register_architecture`` needs), which no stage uses;
 - ``parsl``: a ``@python_app`` returning the table's bytes, HighThroughputExecutor
   with a LocalProvider and 2 workers, N apps submitted at once;
 - ``dask``: ``client.map`` of the same function on a LocalCluster of 2 single-threaded workers.
 
-hetflow's figure is the whole ``pipe.run()`` (planning, cache look-ups, the
-store, processes, commits) as a user's script sees it, measured inside a
-fresh ``python script.py`` process; a fresh work directory each time, so
-nothing is cached.  Parsl's and Dask's exclude their start-up (a warm executor
-or cluster); each side's start-up is reported apart.  The marginal cost of a
-stage is (T(N) - T(N/4)) / (N - N/4) per style.  Systems are alternated within
-each repeat; figures are medians with min-max.
+Every system is measured the same way: a fresh ``python`` process (hetflow:
+``python script.py`` in a fresh work directory, so nothing is cached; a peer:
+this file with ``--child NAME``, which starts its executor or cluster), timed
+from just before the process is started to the moment it holds all N results
+(the process prints ``time.time()`` then; its shutdown after that is not
+counted).  From those times, for each system and each repeat:
+
+- *end to end*: ``N / T(N)``, start-up included (interpreter, imports, the
+  executor's or pilot's start, the run);
+- *steady state*: ``(N - N/4) / (T(N) - T(N/4))``, the marginal rate, whatever
+  is paid once per run cancelled out; ``fixed``: ``T(N)`` less N marginal tasks;
+- *in run*, as earlier versions of this file reported: hetflow's ``pipe.run()``
+  alone, a peer's N tasks on its warm executor (a peer's child runs one task
+  first, to know its workers are up: its end to end time includes that task);
+  *steady in run*: the steady-state formula on those times, which leaves out
+  the peers' start-up and its spread (a second or more for Parsl, far more
+  than its N/4 tasks take).
+
+Systems are alternated (the order reversed every other repeat), N and N/4 in
+each repeat; figures are medians with min-max, with the load average seen at
+each measurement, and for hetflow the CPU seconds of all the run's processes
+(``RUSAGE_CHILDREN``: each is waited for by its parent; less moved by the load
+than wall time).  ``--against LABEL=DIR`` also runs hetflow with ``DIR``
+first on ``PYTHONPATH`` (another checkout's packages, laid out as ``hetflow/``),
+alternated with this one.  ``--bytecode`` lets the children write and use
+compiled bytecode (in a cache directory of this run, after one unmeasured run
+each), as a user's machine does; without it the environment decides (this
+project's machine sets ``PYTHONDONTWRITEBYTECODE=1``, which makes every start
+compile hetflow's modules again).
 """
 
 from __future__ import annotations
@@ -29,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -80,12 +104,16 @@ class Net(torch.nn.Module):
         self.layer = torch.nn.Linear(4, 1)
 '''
 
-SCRIPT_TAIL = '''
+SCRIPT_TAIL = """
 if __name__ == "__main__":
     started = time.perf_counter()
     run = pipe.run(progress=False)
+    print("RESULTS_AT", time.time(), flush=True)
     print("SECONDS", time.perf_counter() - started, run.state)
-'''
+"""
+
+STYLES = ("decorated", "loop", "torch", "map")
+PEERS = ("parsl", "dask")
 
 
 def script(style: str, n: int) -> str:
@@ -99,17 +127,48 @@ def script(style: str, n: int) -> str:
     return textwrap.dedent(head) + body + SCRIPT_TAIL
 
 
-def hetflow_run(style: str, n: int) -> float:
-    """Seconds of one ``pipe.run()`` of ``n`` stages in a fresh process and work directory."""
+def _marks(stdout: str) -> dict[str, float]:
+    """The ``NAME value`` lines a child printed (the last of each name)."""
+    marks = {}
+    for line in stdout.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("RESULTS_AT", "SECONDS", "READY_AT", "WARM_SECONDS"):
+            marks[name] = float(value.split()[0])
+    return marks
+
+
+def hetflow_run(style: str, n: int, env: dict[str, str] | None = None) -> dict[str, float]:
+    """One run of ``n`` tasks in a fresh ``python script.py`` and work directory: seconds from before the
+    process starts to all results (``total``) and of ``pipe.run()`` alone (``in_run``)."""
     with tempfile.TemporaryDirectory(prefix="hf-throughput-") as tmp:
         path = Path(tmp) / "pipeline.py"
         path.write_text(script(style, n))
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.time()
         done = subprocess.run([sys.executable, str(path)], cwd=tmp, capture_output=True, text=True, timeout=3600,
-                              check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS ")]
-        if done.returncode != 0 or not lines or not lines[-1].endswith("DONE"):
+                              check=False, env=env)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        marks = _marks(done.stdout)
+        if done.returncode != 0 or "RESULTS_AT" not in marks or not done.stdout.rstrip().endswith("DONE"):
             raise RuntimeError(f"hetflow {style} x{n} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        return float(lines[-1].split()[1])
+        # every process of the run (the script, its fork server, the ranks and runners) is waited for by its
+        # parent, so its CPU is in this process's children's; a peer's workers are not all waited for that way
+        cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
+        return {"total": marks["RESULTS_AT"] - started, "in_run": marks["SECONDS"], "cpu": cpu}
+
+
+def peer_run(name: str, n: int, env: dict[str, str] | None = None) -> dict[str, float]:
+    """One run of ``n`` tasks on a peer started afresh in a child process (``--child``): seconds from before the
+    process starts to all results (``total``), to its workers' being up (``startup``) and of the N tasks alone."""
+    with tempfile.TemporaryDirectory(prefix=f"hf-{name}-") as tmp:
+        started = time.time()
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--tasks", str(n)],
+                              cwd=tmp, capture_output=True, text=True, timeout=3600, check=False, env=env)
+        marks = _marks(done.stdout)
+        if done.returncode != 0 or "RESULTS_AT" not in marks:
+            raise RuntimeError(f"{name} x{n} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        return {"total": marks["RESULTS_AT"] - started, "in_run": marks["WARM_SECONDS"],
+                "startup": marks["READY_AT"] - started}
 
 
 def table_bytes(i: int, rows: int = ROWS) -> bytes:
@@ -133,7 +192,6 @@ class Parsl:
         from parsl.executors import HighThroughputExecutor
         from parsl.providers import LocalProvider
 
-        started = time.perf_counter()
         # Parsl starts its interchange as a program found on PATH (interchange.py, beside this Python)
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         self.parsl = parsl
@@ -141,15 +199,12 @@ class Parsl:
             label="htex", max_workers_per_node=2, provider=LocalProvider(init_blocks=1, max_blocks=1))],
             run_dir=run_dir, strategy="none"))
         self.app = parsl.python_app(table_bytes)
-        self.app(0).result()  # workers up
-        self.startup = time.perf_counter() - started
+        self.app(-1).result()  # workers up
 
-    def run(self, n: int) -> float:
-        started = time.perf_counter()
+    def run(self, n: int) -> None:
         futures = [self.app(i) for i in range(n)]
         for future in futures:
             future.result()
-        return time.perf_counter() - started
 
     def close(self) -> None:
         self.dfk.cleanup()
@@ -162,26 +217,41 @@ class Dask:
     def __init__(self, run_dir: str) -> None:
         from dask.distributed import Client, LocalCluster
 
-        started = time.perf_counter()
         self.cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                                     local_directory=run_dir)
         self.client = Client(self.cluster)
-        self.client.submit(table_bytes, -1, pure=False).result()
-        self.startup = time.perf_counter() - started
+        self.client.submit(table_bytes, -1, pure=False).result()  # workers up
 
-    def run(self, n: int) -> float:
-        started = time.perf_counter()
+    def run(self, n: int) -> None:
         futures = self.client.map(table_bytes, range(n), pure=False)
         self.client.gather(futures)
-        return time.perf_counter() - started
 
     def close(self) -> None:
         self.client.close()
         self.cluster.close()
 
 
+def child(name: str, n: int) -> int:
+    """A peer's whole run in this process: start it, one task to know its workers are up, then ``n``."""
+    peer: Parsl | Dask = (Parsl if name == "parsl" else Dask)(os.path.join(os.getcwd(), name))
+    try:
+        print("READY_AT", time.time(), flush=True)
+        started = time.perf_counter()
+        peer.run(n)
+        print("WARM_SECONDS", time.perf_counter() - started, flush=True)
+        print("RESULTS_AT", time.time(), flush=True)
+    finally:
+        peer.close()
+    return 0
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _fmt(values: list[float], digits: int = 1) -> str:
+    s = summary(values)
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,67 +260,111 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--styles", default="decorated,loop,torch")
     parser.add_argument("--peers", default="parsl,dask")
+    parser.add_argument("--against", action="append", default=[], metavar="LABEL=DIR",
+                        help="also run hetflow with DIR first on PYTHONPATH (another checkout's packages)")
+    parser.add_argument("--bytecode", action="store_true",
+                        help="let the children write and use compiled bytecode, as a user's machine does")
     parser.add_argument("--quick", action="store_true", help="CI size: 16 tasks, 1 repeat, no peers")
+    parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.child:
+        return child(args.child, args.tasks)
     if args.quick:
         args.tasks, args.repeats, args.peers = 16, 1, ""
     if args.tasks < 4 or args.repeats < 1:
         parser.error("--tasks must be >= 4 and --repeats >= 1")
     styles = [s for s in args.styles.split(",") if s]
-    unknown = set(styles) - {"decorated", "loop", "torch", "map"}
+    unknown = set(styles) - set(STYLES)
     if unknown:
-        parser.error(f"unknown --styles {sorted(unknown)} (known: decorated, loop, torch, map)")
+        parser.error(f"unknown --styles {sorted(unknown)} (known: {', '.join(STYLES)})")
+    peers = [p for p in args.peers.split(",") if p]
+    if set(peers) - set(PEERS):
+        parser.error(f"unknown --peers {sorted(set(peers) - set(PEERS))} (known: {', '.join(PEERS)})")
+    builds: dict[str, dict[str, str]] = {"": dict(os.environ)}
+    for spec in args.against:
+        label, _, folder = spec.partition("=")
+        if not label or not os.path.isdir(os.path.join(folder, "hetflow")):
+            parser.error(f"--against {spec!r}: expected LABEL=DIR with DIR/hetflow a package")
+        builds[f" [{label}]"] = dict(os.environ, PYTHONPATH=os.path.abspath(folder))
     if "torch" in styles:
         try:
             import torch  # noqa: F401
         except ImportError:
             styles.remove("torch")
-            print("torch is not installed: the 'torch class' style is left out", file=sys.stderr)
+            print("torch is not installed: the 'torch' style is left out", file=sys.stderr)
     n, small = args.tasks, max(2, args.tasks // 4)
-    times: dict[str, list[float]] = {}
-    marginal: dict[str, list[float]] = {}
-    startup: dict[str, float] = {}
-    peers: list[Any] = []
-    with tempfile.TemporaryDirectory(prefix="hf-peers-") as peer_dir:
-        for name in [p for p in args.peers.split(",") if p]:
-            cls = {"parsl": Parsl, "dask": Dask}[name]
-            peer = cls(os.path.join(peer_dir, name))
-            peers.append(peer)
-            startup[name] = peer.startup
-        try:
-            for repeat in range(args.repeats):
-                order = styles + [p.name for p in peers]
-                if repeat % 2:
-                    order.reverse()
-                for name in order:
-                    peer = next((p for p in peers if p.name == name), None)
-                    if peer is not None:
-                        times.setdefault(name, []).append(peer.run(n))
-                        continue
-                    full = hetflow_run(name, n)
-                    part = hetflow_run(name, small)
-                    times.setdefault(f"hetflow {name}", []).append(full)
-                    marginal.setdefault(f"hetflow {name}", []).append((full - part) / (n - small))
-                    print(f"repeat {repeat + 1}: hetflow {name}: {n / full:.1f} tasks/s", file=sys.stderr)
-        finally:
-            for peer in peers:
-                peer.close()
-    rates = {name: summary([n / t for t in values]) for name, values in times.items()}
-    result = {"tasks": n, "repeats": args.repeats, "cpus": os.cpu_count(), "tasks_per_second": rates,
-              "marginal_seconds": {name: summary(v) for name, v in marginal.items()}, "startup_seconds": startup}
-    best_peer = max((rates[p]["median"] for p in rates if not p.startswith("hetflow")), default=None)
-    print(f"{n} trivial one-rank tasks (1 KB each), 2 workers, {args.repeats} repeat(s) alternated")
-    print(f"{'':24s} {'tasks/s median':>15s} {'min':>8s} {'max':>8s} {'marginal s/stage':>17s}")
-    for name, rate in rates.items():
-        extra = f"{marginal[name] and statistics.median(marginal[name]):17.4f}" if name in marginal else ""
-        print(f"{name:24s} {rate['median']:15.1f} {rate['min']:8.1f} {rate['max']:8.1f} {extra}")
-    if best_peer:
-        result["ratios_to_best_peer"] = {name: rate["median"] / best_peer for name, rate in rates.items()
-                                         if name.startswith("hetflow")}
-        print("ratio to the best peer: " + ", ".join(f"{k} {v:.3f}" for k, v in result["ratios_to_best_peer"].items()))
-    for name, seconds in startup.items():
-        print(f"start-up {name}: {seconds:.2f} s (not counted above)")
+    with tempfile.TemporaryDirectory(prefix="hf-pyc-") as pyc:
+        if args.bytecode:
+            for env in builds.values():
+                env.pop("PYTHONDONTWRITEBYTECODE", None)
+                env["PYTHONPYCACHEPREFIX"] = pyc
+            for style in styles:  # compiles and caches what each build imports: unmeasured
+                for env in builds.values():
+                    hetflow_run(style, small, env)
+        systems = [(f"hetflow {style}{label}", style, env) for style in styles for label, env in builds.items()]
+        systems += [(peer, peer, builds[""]) for peer in peers]
+        runs: dict[str, dict[int, list[dict[str, float]]]] = {name: {n: [], small: []} for name, _, _ in systems}
+        loads: list[float] = []
+        for repeat in range(args.repeats):
+            order = systems if repeat % 2 == 0 else systems[::-1]
+            for size in (n, small):
+                for name, kind, env in order:
+                    load = os.getloadavg()[0]
+                    loads.append(load)
+                    got = peer_run(kind, size, env) if kind in PEERS else hetflow_run(kind, size, env)
+                    runs[name][size].append(got)
+                    print(f"repeat {repeat + 1}: {name} x{size}: {size / got['total']:.1f} tasks/s end to end "
+                          f"({got['total']:.2f} s), load {load:.1f}", file=sys.stderr, flush=True)
+    figures: dict[str, dict[str, list[float]]] = {}
+    for name, by_size in runs.items():
+        f = figures[name] = {"end_to_end": [], "steady": [], "marginal": [], "fixed": [], "in_run": [],
+                             "steady_in_run": []}
+        if "cpu" in by_size[n][0]:
+            f["cpu"] = [run["cpu"] for run in by_size[n]]
+            f["marginal_cpu"] = [(full["cpu"] - part["cpu"]) / (n - small)
+                                 for full, part in zip(by_size[n], by_size[small])]
+        for full, part in zip(by_size[n], by_size[small]):
+            marginal = (full["total"] - part["total"]) / (n - small)
+            f["end_to_end"].append(n / full["total"])
+            f["marginal"].append(marginal)
+            f["steady"].append(1 / marginal if marginal > 0 else float("inf"))
+            f["fixed"].append(full["total"] - n * marginal)
+            f["in_run"].append(n / full["in_run"])
+            in_run = full["in_run"] - part["in_run"]
+            f["steady_in_run"].append((n - small) / in_run if in_run > 0 else float("inf"))
+        if name in peers:
+            f["startup"] = [run["startup"] for run in by_size[n] + by_size[small]]
+    result: dict[str, Any] = {
+        "tasks": n, "small": small, "repeats": args.repeats, "cpus": os.cpu_count(), "bytecode": args.bytecode,
+        "load_average": summary(loads),
+        **{key: {name: summary(f[key]) for name, f in figures.items() if key in f}
+           for key in ("end_to_end", "steady", "marginal", "fixed", "in_run", "steady_in_run", "startup", "cpu",
+                       "marginal_cpu")}}
+    print(f"{n} trivial one-rank tasks (1 KB each), 2 workers, {args.repeats} repeat(s) alternated, "
+          f"load average {_fmt(loads)}; medians (min-max)")
+    print(f"{'':26s} {'end to end tasks/s':>22s} {'steady tasks/s':>24s} {'marginal ms/task':>18s} "
+          f"{'fixed s':>18s} {'in run tasks/s':>22s} {'steady in run':>24s}")
+    for name, f in figures.items():
+        print(f"{name:26s} {_fmt(f['end_to_end']):>22s} {_fmt(f['steady']):>24s} "
+              f"{_fmt([m * 1000 for m in f['marginal']], 2):>18s} {_fmt(f['fixed'], 2):>18s} "
+              f"{_fmt(f['in_run']):>22s} {_fmt(f['steady_in_run']):>24s}")
+    for name, f in figures.items():
+        if "cpu" in f:
+            print(f"{name}: CPU of all its processes {_fmt(f['cpu'], 2)} s for {n} tasks, marginal "
+                  f"{_fmt([c * 1000 for c in f['marginal_cpu']], 2)} ms per task")
+    for name, f in figures.items():
+        if "startup" in f:
+            print(f"{name}: workers up {_fmt(f['startup'], 2)} s after its process started (counted end to end)")
+    reference = next((p for p in ("parsl", "dask") if p in peers), None)
+    if reference:
+        result["ratio_to"] = reference
+        result["ratios"] = {name: {key: statistics.median(f[key]) / statistics.median(figures[reference][key])
+                                   for key in ("end_to_end", "steady", "in_run", "steady_in_run")}
+                            for name, f in figures.items() if name.startswith("hetflow")}
+        for name, ratio in result["ratios"].items():
+            print(f"{name} / {reference}: end to end {ratio['end_to_end']:.2f}x, steady state "
+                  f"{ratio['steady']:.2f}x; in run {ratio['in_run']:.2f}x, steady in run {ratio['steady_in_run']:.2f}x")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

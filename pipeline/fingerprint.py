@@ -1104,12 +1104,14 @@ def _local_installs() -> tuple[tuple[str, ...], tuple[str, ...]]:
     editable: set[str] = set()
     installed: set[str] = set()
     for dist in importlib.metadata.distributions():
-        try:
+        try:  # direct_url.json first: only a local install has one with dir_info, so only its METADATA is parsed
             info = json.loads(dist.read_text("direct_url.json") or "null")
+            if not isinstance(info, dict) or not isinstance(info.get("dir_info"), dict):
+                continue
             name = str(dist.metadata["Name"] or "").lower().replace("_", "-")
         except (OSError, ValueError, KeyError):
             continue
-        if not isinstance(info, dict) or not isinstance(info.get("dir_info"), dict) or name == "hetflow":
+        if name == "hetflow":
             continue
         url = urlparse(str(info.get("url", "")))
         if info["dir_info"].get("editable"):

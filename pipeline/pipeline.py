@@ -379,10 +379,7 @@ class Pipeline:
         from . import observed
 
         observed.take()  # what the script's top level left, before this process does anything else
-        from hetflow.tasks.paths import private_dir
         from hetflow.tasks.pilot import load_pilot
-        from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
-        from .store import Store
 
         typed, made = _overrides[-1][:2] if _overrides else (RunOptions(), [])
         options = typed.pinned()  # what the command line named, from where it was typed
@@ -404,6 +401,52 @@ class Pipeline:
         from hetflow.tasks.backends import require
 
         require(description.backend)  # a missing engine is one line naming the extra, before a run is recorded
+        early = wait and description.backend == "local"
+        if early:
+            from hetflow.tasks.backends.local import warm_start
+
+            early = warm_start(description)
+        if early:
+            from hetflow.tasks.forkserver import start_early
+
+            start_early()  # its imports go on beside the orchestrator's, next
+        import gc
+
+        # Decision: a blocking run keeps what this process holds before it (the imports, the script's own
+        # objects) out of the collector's scans while it runs, moving it to the permanent generation, and
+        # puts it back when it ends; the orchestrator's young objects (a map's items, the store's rows)
+        # made each full collection walk all of it.  Not when the process froze objects itself (we could
+        # not tell its own apart at the end), nor for a run in the background (the process goes on).
+        frozen = wait and gc.get_freeze_count() == 0
+        try:
+            return self._start(description, options, made, workdir=workdir, db=db, run_id=run_id, params=params,
+                               progress=progress, check=check, rerun=rerun, wait=wait, data_dir=data_dir,
+                               freeze=frozen)
+        finally:
+            if frozen:
+                gc.unfreeze()
+            if early:
+                from hetflow.tasks.forkserver import discard_early
+
+                discard_early()  # not adopted: the run ended before its backend started
+
+    def _start(self, description: PilotDescription, options: RunOptions, made: list[Any], *,
+               workdir: "str | os.PathLike[str] | None", db: str | None, run_id: str | None,
+               params: Mapping[str, Any] | None, progress: bool | None, check: bool, rerun: Sequence[str],
+               wait: bool, data_dir: "str | os.PathLike[str] | None", freeze: bool) -> "RunStatus | RunHandle":
+        """The rest of :meth:`run`, once its pilot is known (and, for a blocking local run, its fork server
+        started: what follows imports the orchestrator and opens the store meanwhile).  ``freeze``: move
+        what this process holds, the orchestrator's imports too, to the collector's permanent generation."""
+        from hetflow.tasks.paths import private_dir
+
+        from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
+        from .store import Store
+
+        if freeze:
+            import gc
+
+            gc.freeze()
+
         root = Path(options.workdir or workdir or self.workdir
                     or Path(options.cwd or os.curdir) / default_workdir()).resolve()
         try:

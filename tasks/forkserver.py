@@ -377,6 +377,10 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                 pending += data
             while b"\n" in pending:
                 line, rest = pending.split(b"\n", 1)
+                if line.startswith(b'{"log":'):  # an early server, adopted by a run: its log from now on
+                    pending = rest
+                    _log_to(line)
+                    continue
                 try:
                     job = Job.from_line(line)
                 except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -405,6 +409,18 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
     finally:
         if os.getpid() == _server_pid:
             signal.set_wakeup_fd(-1)
+
+
+def _log_to(line: bytes) -> None:
+    """Write the server's own messages (its stderr) to the file a ``{"log": path}`` request names."""
+    try:
+        fd = _open_log(str(json.loads(line)["log"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"hetflow fork server: its log stays here: {exc}", file=sys.stderr)
+        return
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _open_log(path: str | None) -> int:
@@ -566,14 +582,14 @@ class ForkServer:
     how they ended) and :meth:`start_task` raises :class:`ForkServerGone`.
     """
 
-    def __init__(self, log_path: Path | None) -> None:
+    def __init__(self, log_path: Path | None, *, inherit_stderr: bool = False) -> None:
         self._lock = threading.Lock()
         self._next = 0
         self._waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._running: dict[int, ForkedTask] = {}
         self._closing = False
         self.alive = True
-        stderr: int = subprocess.DEVNULL
+        stderr: int | None = None if inherit_stderr else subprocess.DEVNULL
         if log_path is not None:
             stderr = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
@@ -581,13 +597,26 @@ class ForkServer:
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                           start_new_session=True)
         finally:
-            if stderr != subprocess.DEVNULL:
+            if stderr is not None and stderr != subprocess.DEVNULL:
                 os.close(stderr)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin = self._proc.stdin
         self._reader = threading.Thread(target=self._read, args=(self._proc.stdout,), name="hetflow-forkserver",
                                         daemon=True)
         self._reader.start()
+
+    def log_to(self, path: Path) -> bool:
+        """Have the server write its own messages to ``path`` from now on (an early server, adopted by a run
+        whose directory did not exist when it started); False when it has ended."""
+        with self._lock:
+            if not self.alive:
+                return False
+            try:
+                self._stdin.write((json.dumps({"log": str(path)}) + "\n").encode())
+                self._stdin.flush()
+            except (OSError, ValueError):
+                return False
+        return True
 
     def start_task(self, spec: str, cwd: Path, env: Mapping[str, str], stdout: Path | None,
                    stderr: Path | None) -> ForkedTask:
@@ -676,6 +705,42 @@ class ForkServer:
 
 class ForkServerGone(HetflowError, RuntimeError):
     """The fork server cannot start a task (it has ended); the caller starts the task cold."""
+
+
+_early: list[ForkServer] = []
+_early_lock = threading.Lock()
+
+
+def start_early() -> None:
+    """Start a fork server now, for this process's next run to adopt (:func:`adopt_early`).
+
+    Decision: a blocking ``pipe.run()`` on the local backend starts its server before it imports the
+    orchestrator and opens the store, so the server's own imports (pyarrow, pandas, MPI's library) are
+    done on the other core meanwhile instead of after, ahead of the run's first task.  Until a run adopts
+    it, what the server writes goes to this process's stderr (it writes nothing unless it fails); the
+    caller discards it (:func:`discard_early`) if no run has taken it by the end of ``run()``."""
+    with _early_lock:
+        if not _early:
+            _early.append(ForkServer(None, inherit_stderr=True))
+
+
+def adopt_early(log_path: Path) -> ForkServer | None:
+    """The server :func:`start_early` started, its messages now going to ``log_path``; None if there is none."""
+    with _early_lock:
+        server = _early.pop() if _early else None
+    if server is not None and not server.log_to(log_path):
+        server.close()
+        return None
+    return server
+
+
+def discard_early() -> None:
+    """End the early server if no run adopted it."""
+    with _early_lock:
+        servers = list(_early)
+        _early.clear()
+    for server in servers:
+        server.close()
 
 
 if __name__ == "__main__":

@@ -356,6 +356,8 @@ class Snapshot:
     """The modules loaded then, and those of installed packages loaded since (not state: they are added)."""
     cwd: str
     environ: dict[str, str]
+    environ_data: dict[bytes, bytes]
+    """``os.environ`` as it holds it (encoded): the check after each item compares that, without decoding."""
     sys_path: tuple[str, ...]
     threads: int
 
@@ -388,7 +390,9 @@ def take(modules: Iterable[types.ModuleType] = ()) -> Snapshot:
     watched = _watched(modules)
     walk = _Walk(frozenset(m.__name__ for m in watched))
     return Snapshot(modules={m.__name__: _module_state(walk, m) for m in watched}, loaded=set(sys.modules),
-                    cwd=os.getcwd(), environ=dict(os.environ), sys_path=tuple(sys.path),
+                    cwd=os.getcwd(), environ=dict(os.environ),
+                    environ_data=dict(os.environ._data),  # type: ignore[attr-defined]
+                    sys_path=tuple(sys.path),
                     threads=_threads())
 
 
@@ -396,7 +400,7 @@ def changed(before: Snapshot) -> str | None:
     """What differs from ``before`` that a later item would see, in a few words (``None``: nothing seen)."""
     if os.getcwd() != before.cwd:
         return f"the working directory changed to {os.getcwd()}"
-    if os.environ != before.environ:
+    if os.environ._data != before.environ_data:  # type: ignore[attr-defined]  # bytes to bytes: compared in C
         names = sorted(set(os.environ.items()) ^ set(before.environ.items()))
         return f"the environment variable {names[0][0]} changed"
     if tuple(sys.path) != before.sys_path:

@@ -264,9 +264,11 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
     and whether an item's line says so already (the item that changed state).
 
     The runner appends each item's line to ``sink`` itself and tells this rank on a pipe when an item
-    starts (``S <index>``) and ends (``D <index>``, or ``L <index> <what it changed>``, after which it
-    stops); so an item that runs past the stage's timeout is killed with its runner, and one that ends
-    its process (``os._exit``, a signal, a crash) is named, without losing the lines written before."""
+    starts (``S <index>``, which also says that the item before it has ended), when one changed state
+    (``L <index> <what it changed>``, after which it stops) and when it has run them all (``E``); so an
+    item that runs past the stage's timeout is killed with its runner, and one that ends its process
+    (``os._exit``, a signal, a crash) is named, without losing the lines written before.  One message
+    per item, not a start and an end: each wakes this rank, which shares the cores with the runners."""
     from . import itemstate
 
     read_end, write_end = os.pipe()
@@ -292,7 +294,8 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
                 if what is not None:
                     os.write(write_end, f"L {item['index']} {what}\n".encode())
                     break
-                os.write(write_end, f"D {item['index']}\n".encode())
+            else:
+                os.write(write_end, b"E\n")
             code = 0
         finally:
             try:
@@ -320,14 +323,14 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
             *messages, pending = (pending + chunk).split(b"\n")
             for message in messages:
                 kind, _, rest = message.decode().partition(" ")
+                if running:  # whatever the message, the item in flight has ended (its line is written)
+                    running, deadline, done = False, None, done + 1
                 if kind == "S":
                     running, started, log_start = True, time.time(), _log_size()
                     deadline = None if timeout is None else time.monotonic() + timeout
-                else:
-                    running, deadline, done = False, None, done + 1
-                    if kind == "L":
-                        why = f"item {rest.partition(' ')[0]} changed what later items would read: " \
-                              f"{rest.partition(' ')[2]}"
+                elif kind == "L":
+                    why = f"item {rest.partition(' ')[0]} changed what later items would read: " \
+                          f"{rest.partition(' ')[2]}"
     _, status = os.waitpid(pid, 0)
     how = _how(status, timeout if timed_out else None)
     if running:  # the item in flight ended its runner

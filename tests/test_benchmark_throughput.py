@@ -20,11 +20,31 @@ def test_quick_throughput_benchmark_reports_tasks_per_second_and_marginal_cost(t
                           check=False, capture_output=True, text=True, timeout=840, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["tasks"] == 16 and set(data["tasks_per_second"]) == {"hetflow decorated", "hetflow loop"}
-    for name, rate in data["tasks_per_second"].items():
-        assert rate["min"] <= rate["median"] <= rate["max"] and rate["median"] > 0, name
-        assert name in data["marginal_seconds"]
-    assert "tasks/s median" in proc.stdout
+    names = {"hetflow decorated", "hetflow loop"}
+    assert data["tasks"] == 16 and data["small"] == 4 and set(data["end_to_end"]) == names
+    for key in ("end_to_end", "steady", "marginal", "fixed", "in_run", "steady_in_run"):
+        for name, figure in data[key].items():
+            assert figure["min"] <= figure["median"] <= figure["max"], (key, name)
+    for name in names:
+        # end to end counts the interpreter's start and the imports as well as pipe.run(): always slower
+        assert 0 < data["end_to_end"][name]["median"] < data["in_run"][name]["median"], name
+    assert data["load_average"]["min"] >= 0
+    assert "end to end tasks/s" in proc.stdout and "steady tasks/s" in proc.stdout
+
+
+@pytest.mark.timeout(900)
+def test_peer_is_timed_from_its_process_start_with_its_startup(tmp_path: Path) -> None:
+    """A peer runs in a fresh process, timed like hetflow's script: its start-up is inside end to end."""
+    pytest.importorskip("dask.distributed")
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--tasks", "8", "--repeats",
+                           "1", "--styles", "", "--peers", "dask", "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=840, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    startup, rate = data["startup"]["dask"], data["end_to_end"]["dask"]["median"]
+    # one repeat: the run of 8 tasks and its start-up (the smallest of its and the run of 2's) are one process
+    assert 0 < startup["min"] < 8 / rate, (startup, rate)
 
 
 def test_bad_arguments_are_one_clear_line() -> None:

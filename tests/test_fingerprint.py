@@ -400,3 +400,41 @@ def test_each_imported_module_is_classified_once_not_by_every_stage_s_walk(tmp_p
     # what the walk reaches (numpy, as a value's type) is looked at as before; the other modules are not
     outside = [p for p in resolved if p in imported and not p.startswith(str(tmp_path)) and "site-packages" not in p]
     assert outside == [], outside[:5]
+
+
+_OPENED: list[str] = []
+_WATCHING: list[Path] = []
+
+
+def _note_opens(event: str, args: tuple) -> None:
+    if event == "open" and _WATCHING and isinstance(args[0], (str, Path)) and \
+            str(args[0]).startswith(str(_WATCHING[0])):
+        _OPENED.append(str(args[0]))
+
+
+def test_local_installs_parse_the_metadata_of_local_installs_only(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run scans the installed distributions for local installs (their files are the user's code):
+    only those with a ``direct_url.json`` naming a directory have their METADATA read, not every one's."""
+    from hetflow import fingerprint
+
+    site = tmp_path / "site"
+    indexed = site / "fromindex-1.0.dist-info"
+    indexed.mkdir(parents=True)
+    (indexed / "METADATA").write_text("Metadata-Version: 2.1\nName: fromindex\nVersion: 1.0\n")
+    local = site / "localpkg-1.0.dist-info"
+    local.mkdir()
+    (local / "METADATA").write_text("Metadata-Version: 2.1\nName: localpkg\nVersion: 1.0\n")
+    (local / "direct_url.json").write_text(json.dumps({"url": (tmp_path / "src").as_uri(), "dir_info": {}}))
+    (local / "RECORD").write_text("localpkg/__init__.py,,\n")
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    sys.addaudithook(_note_opens)
+    _OPENED.clear()
+    _WATCHING[:] = [site]
+    try:
+        editable, installed = fingerprint._local_installs()
+    finally:
+        _WATCHING.clear()
+    assert os.path.join(os.path.realpath(site / "localpkg"), "") in installed
+    assert not any(str(site) in path for path in editable)
+    assert [p for p in _OPENED if p.endswith("METADATA")] == [str(local / "METADATA")], _OPENED

@@ -274,3 +274,106 @@ def test_a_hetflow_directory_where_the_run_starts_does_not_shadow_hetflow_in_the
         assert row["pipeline"] and Path(row["hetflow"]).resolve() == Path(hf.__file__).resolve(), row
     assert "hetflow.tasks.forkserver" in rows[0]["starter"], rows[0]  # started warm, not after a failed server
     assert all("hydra_pmi_proxy" in row["starter"] for row in rows[1:]), rows
+
+
+EARLY = '''
+import json, sys
+import pyarrow as pa
+import hetflow as hf
+
+seen = []
+
+
+def _spawned(event, args):
+    if event == "subprocess.Popen" and "hetflow.tasks.forkserver" in [str(a) for a in args[1] or ()]:
+        seen.append(sorted(m for m in ("hetflow.orchestrator", "hetflow.store", "sqlalchemy") if m in sys.modules))
+
+
+sys.addaudithook(_spawned)
+pipe = hf.Pipeline("early", pilot=hf.PilotDescription(name="two-cores", cores_per_node=2, memory_per_node=2**33))
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"x": [1]})}
+
+
+if __name__ == "__main__":
+    run = pipe.run(progress=False, workdir=sys.argv[1], check=False)
+    print("SERVERS", json.dumps(seen), run.state)
+'''
+
+
+def test_a_blocking_run_starts_its_fork_server_before_it_imports_the_orchestrator(tmp_path: Path) -> None:
+    """The server's imports (pyarrow, pandas, MPI's library) go on while the run imports the orchestrator
+    and opens its store, not after: one server per run, spawned before either is imported, and adopted by
+    the run (its log is the run's)."""
+    (tmp_path / "flow.py").write_text(EARLY)
+    done = subprocess.run([sys.executable, "flow.py", str(tmp_path / "work")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SERVERS [[]] DONE" in done.stdout, done.stdout + done.stderr
+    (run_dir,) = (tmp_path / "work" / "runs").iterdir()
+    assert (run_dir / "forkserver.log").is_file()
+    assert "fork server" not in done.stderr, done.stderr  # started warm: no fallback to mpiexec was needed
+
+
+def test_a_fork_server_started_early_for_a_run_that_fails_to_start_is_ended(tmp_path: Path) -> None:
+    """A run refused after its server was started (here: its work directory is a file) leaves no server."""
+    (tmp_path / "flow.py").write_text(EARLY.replace('    run = pipe.run(', '''    try:
+        pipe.run(''').replace('''    print("SERVERS", json.dumps(seen), run.state)''', '''    except hf.PipelineError as exc:
+        print("REFUSED", exc)
+    import psutil
+    left = [p.pid for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+    print("SERVERS", json.dumps(seen), "LEFT", left)'''))
+    (tmp_path / "work").write_text("not a directory")
+    done = subprocess.run([sys.executable, "flow.py", str(tmp_path / "work")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "REFUSED" in done.stdout and "work directory" in done.stdout, done.stdout
+    assert "SERVERS [[]] LEFT []" in done.stdout, done.stdout  # one was started, and has ended
+
+
+FROZEN = '''
+import gc, sys
+import pyarrow as pa
+import hetflow as hf
+
+seen = []
+gc.callbacks.append(lambda phase, info: seen.append(gc.get_freeze_count()) if phase == "start" else None)
+pipe = hf.Pipeline("frozen", pilot=hf.PilotDescription(name="two-cores", cores_per_node=2, memory_per_node=2**33))
+
+
+@pipe.stage(map_over={"i": list(range(300))}, outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"x": [ctx.item_index]})}
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "user":
+        gc.freeze()
+    before = gc.get_freeze_count()
+    seen.clear()
+    run = pipe.run(progress=False, workdir=sys.argv[1], check=False)
+    print("RUN", run.state, "BEFORE", before, "DURING", max(seen) if seen else None, "AFTER", gc.get_freeze_count())
+'''
+
+
+@pytest.mark.parametrize("who", ["none", "user"])
+def test_a_blocking_run_keeps_what_the_process_held_before_it_out_of_the_collectors_scans(
+        tmp_path: Path, who: str) -> None:
+    """During a blocking run, what the process held before it (the imports, the script's objects) is in the
+    collector's permanent generation, and is put back when the run ends; objects the process froze itself
+    stay frozen, and the run then freezes nothing."""
+    (tmp_path / "flow.py").write_text(FROZEN)
+    done = subprocess.run([sys.executable, "flow.py", str(tmp_path / "work"), who], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    words = done.stdout.split()
+    at = words.index("RUN")
+    state, before, during, after = words[at + 1], int(words[at + 3]), int(words[at + 5]), int(words[at + 7])
+    assert state == "DONE", done.stdout
+    if who == "none":
+        assert before == 0 and during > 10_000 and after == 0, done.stdout
+    else:  # the user's frozen objects stay frozen (some were freed meanwhile); none were added
+        assert before > 0 and during <= before and 0 < after <= before, done.stdout

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import ConfigError, HetflowError
-from ..forkserver import ForkServer, ForkServerGone
+from ..forkserver import ForkServer, ForkServerGone, adopt_early
 from ..launchers.mpiexec import Mpiexec
 from ..ledger import CoreLedger, real_cpus
 from ..proctree import TreeWatch
@@ -152,7 +152,8 @@ class LocalBackend(Backend):
         with self._lock:
             if self._server is None and self._warm:
                 log_path = self.run_dir / "forkserver.log" if self.run_dir is not None else None
-                self._server = ForkServer(log_path)
+                early = adopt_early(log_path) if log_path is not None else None  # started by pipe.run()
+                self._server = early if early is not None else ForkServer(log_path)
             return self._server if self._server is not None and self._server.alive else None
 
     def _launch(self, spec: LaunchSpec) -> "Future[TaskOutcome]":
