@@ -419,7 +419,7 @@ class Pipeline:
         # not tell its own apart at the end), nor for a run in the background (the process goes on).
         frozen = wait and gc.get_freeze_count() == 0
         try:
-            return self._start(description, options, made, workdir=workdir, db=db, run_id=run_id, params=params,
+            return self._start(description, options, typed, made, workdir=workdir, db=db, run_id=run_id, params=params,
                                progress=progress, check=check, rerun=rerun, wait=wait, data_dir=data_dir,
                                freeze=frozen)
         finally:
@@ -430,12 +430,13 @@ class Pipeline:
 
                 discard_early()  # not adopted: the run ended before its backend started
 
-    def _start(self, description: PilotDescription, options: RunOptions, made: list[Any], *,
+    def _start(self, description: PilotDescription, options: RunOptions, typed: RunOptions, made: list[Any], *,
                workdir: "str | os.PathLike[str] | None", db: str | None, run_id: str | None,
                params: Mapping[str, Any] | None, progress: bool | None, check: bool, rerun: Sequence[str],
                wait: bool, data_dir: "str | os.PathLike[str] | None", freeze: bool) -> "RunStatus | RunHandle":
         """The rest of :meth:`run`, once its pilot is known (and, for a blocking local run, its fork server
-        started: what follows imports the orchestrator and opens the store meanwhile).  ``freeze``: move
+        started: what follows imports the orchestrator and opens the store meanwhile); ``options`` as pinned,
+        ``typed`` as the command line gave them (for the commands printed).  ``freeze``: move
         what this process holds, the orchestrator's imports too, to the collector's permanent generation."""
         from hetflow.tasks.paths import private_dir
 
