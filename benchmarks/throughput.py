@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py [--tasks 200] [--repeats 3] [--out FILE.json]
     python benchmarks/throughput.py --quick          # CI size (a test runs it)
+    python benchmarks/throughput.py --lab [--tasks 100]   # backend slurm on the lab cluster
 
 Every system runs N independent trivial one-rank tasks, each making a 1 KB
 table (128 int64 values), on two workers (the 2-core machine):
@@ -22,6 +23,13 @@ nothing is cached.  Parsl's and Dask's exclude their start-up (a warm executor
 or cluster); each side's start-up is reported apart.  The marginal cost of a
 stage is (T(N) - T(N/4)) / (N - N/4) per style.  Systems are alternated within
 each repeat; figures are medians with min-max.
+
+``--lab`` runs the loop-made script with a ``backend: slurm`` pilot inside
+``salloc -N2 --exclusive`` on the Slurm lab cluster (scripts/slurm-cluster.sh,
+its SLURM_CONF in the environment), twice per repeat, alternated: ``slurm``
+(one-rank stages forked by the per-node agents) and ``slurm-steps``
+(``options.slurm.warm_start: false``, one ``srun`` job step per stage, as
+before the agents); no peers (benchmarks/backends.py --lab --stages has them).
 """
 
 from __future__ import annotations
@@ -45,8 +53,7 @@ import os, time
 import pyarrow as pa
 import hetflow as hf
 {torch}
-pipe = hf.Pipeline("throughput", pilot=hf.PilotDescription(name="two-cores", cores_per_node=2,
-                                                          memory_per_node=2**33))
+pipe = hf.Pipeline("throughput", pilot={pilot})
 '''
 
 DECORATED = '''
@@ -88,8 +95,15 @@ if __name__ == "__main__":
 '''
 
 
+LOCAL_PILOT = 'hf.PilotDescription(name="two-cores", cores_per_node=2, memory_per_node=2**33)'
+LAB_PILOT = 'hf.PilotDescription(name="lab", backend="slurm", options={{"slurm": {{"warm_start": {warm}}}}})'
+LAB_STYLES = {"slurm": "True", "slurm-steps": "False"}
+"""The ``--lab`` styles: the loop script on backend slurm, with and without its agents."""
+
+
 def script(style: str, n: int) -> str:
-    head = SCRIPT_HEAD.format(torch=TORCH if style == "torch" else "")
+    pilot = LAB_PILOT.format(warm=LAB_STYLES[style]) if style in LAB_STYLES else LOCAL_PILOT
+    head = SCRIPT_HEAD.format(torch=TORCH if style == "torch" else "", pilot=pilot)
     if style == "decorated":
         body = "".join(DECORATED.format(i=i, rows=ROWS) for i in range(n))
     elif style == "map":
@@ -104,7 +118,8 @@ def hetflow_run(style: str, n: int) -> float:
     with tempfile.TemporaryDirectory(prefix="hf-throughput-") as tmp:
         path = Path(tmp) / "pipeline.py"
         path.write_text(script(style, n))
-        done = subprocess.run([sys.executable, str(path)], cwd=tmp, capture_output=True, text=True, timeout=3600,
+        lab = ["salloc", "-N2", "--exclusive", "--time=30", "--job-name=hetflow-throughput"]
+        done = subprocess.run([*(lab if style in LAB_STYLES else []), sys.executable, str(path)], cwd=tmp, capture_output=True, text=True, timeout=3600,
                               check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS ")]
         if done.returncode != 0 or not lines or not lines[-1].endswith("DONE"):
@@ -191,14 +206,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--styles", default="decorated,loop,torch")
     parser.add_argument("--peers", default="parsl,dask")
     parser.add_argument("--quick", action="store_true", help="CI size: 16 tasks, 1 repeat, no peers")
+    parser.add_argument("--lab", action="store_true", help="backend slurm on the lab cluster (module docstring)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.lab:
+        if not os.environ.get("SLURM_CONF"):
+            parser.error("--lab needs the lab cluster's SLURM_CONF: eval \"$(scripts/slurm-cluster.sh env)\"")
+        args.styles, args.peers = ",".join(LAB_STYLES), ""
     if args.quick:
         args.tasks, args.repeats, args.peers = 16, 1, ""
     if args.tasks < 4 or args.repeats < 1:
         parser.error("--tasks must be >= 4 and --repeats >= 1")
     styles = [s for s in args.styles.split(",") if s]
-    unknown = set(styles) - {"decorated", "loop", "torch", "map"}
+    unknown = set(styles) - {"decorated", "loop", "torch", "map", *LAB_STYLES}
     if unknown:
         parser.error(f"unknown --styles {sorted(unknown)} (known: decorated, loop, torch, map)")
     if "torch" in styles:
@@ -240,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"tasks": n, "repeats": args.repeats, "cpus": os.cpu_count(), "tasks_per_second": rates,
               "marginal_seconds": {name: summary(v) for name, v in marginal.items()}, "startup_seconds": startup}
     best_peer = max((rates[p]["median"] for p in rates if not p.startswith("hetflow")), default=None)
-    print(f"{n} trivial one-rank tasks (1 KB each), 2 workers, {args.repeats} repeat(s) alternated")
+    where = "backend slurm, lab cluster, 2 nodes" if args.lab else "2 workers"
+    print(f"{n} trivial one-rank tasks (1 KB each), {where}, {args.repeats} repeat(s) alternated")
     print(f"{'':24s} {'tasks/s median':>15s} {'min':>8s} {'max':>8s} {'marginal s/stage':>17s}")
     for name, rate in rates.items():
         extra = f"{marginal[name] and statistics.median(marginal[name]):17.4f}" if name in marginal else ""

@@ -49,7 +49,7 @@ server forks nothing: only a rank killed while it had left something running
 makes it wait.
 
 Protocol, one JSON object per line: the backend writes ``{"id", "spec",
-"cwd", "env", "stdout", "stderr"}``; the server answers ``{"id", "pid"}``
+"cwd", "env", "stdout", "stderr", "die_with_server"}``; the server answers ``{"id", "pid"}``
 once the child is forked (or ``{"id", "error"}``) and ``{"pid", "status"}``
 (the wait status, after the witness's work) when a child has ended; ``{"pid", "signal"}`` asks it to
 signal the process group of a child it forked (what the backend does with ``killpg`` where it can: a
@@ -62,8 +62,9 @@ The server need not run on the backend's machine: :class:`ForkServer` takes a
 ``launcher``, the argv that starts it elsewhere with its stdin and stdout
 forwarded (the ``slurm`` backend's per-node agents: ``srun ... --overlap``,
 :mod:`hetflow.tasks.backends.slurm`).  Such a server's children are signalled
-through it, and when it is gone its children are left to whatever ended it
-(Slurm ends a step's processes with the step).
+through it, and each of them gets SIGKILL when the server dies
+(``die_with_server``), as a rank does when its witness is killed: nobody on the
+backend's machine could end it.
 """
 
 from __future__ import annotations
@@ -133,12 +134,15 @@ class Job:
     env: Mapping[str, str]
     stdout: str | None
     stderr: str | None
+    die_with_server: bool = False
+    """The child gets SIGKILL when the server dies (a remote server's: nobody else would end it)."""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Job:
         return cls(id=int(data["id"]), spec=str(data["spec"]), cwd=str(data["cwd"]),
                    env={str(k): str(v) for k, v in data["env"].items()},
-                   stdout=data.get("stdout"), stderr=data.get("stderr"))
+                   stdout=data.get("stdout"), stderr=data.get("stderr"),
+                   die_with_server=bool(data.get("die_with_server", False)))
 
 
 def _reply(message: Mapping[str, Any]) -> None:
@@ -441,9 +445,11 @@ def _open_log(path: str | None) -> int:
 def _become_task(job: Job) -> None:
     """In the child: take the task's session, files, directory and environment, as a launcher would."""
     os.setsid()
-    from hetflow.tasks.witness import become_subreaper
+    from hetflow.tasks.witness import _die_with, become_subreaper
 
     become_subreaper()  # what its descendants orphan stays below it, for _exit to end
+    if job.die_with_server:
+        _die_with(_server_pid)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -610,9 +616,9 @@ class ForkServer:
     how they ended) and :meth:`start_task` raises :class:`ForkServerGone`.
 
     ``launcher``: the argv that starts the server elsewhere (another node), its stdin and stdout forwarded,
-    with ``env`` as its environment.  Its children are then *remote*: signalled through the server, and
-    when the server is gone they are reported ended (killed) but not signalled from here, since their
-    pids are not this machine's; whatever ended the server (Slurm ending its step) ends them.
+    with ``env`` as its environment.  Its children are then *remote*: signalled through the server, never
+    by their pids (not this machine's), and each one gets SIGKILL when the server dies; when the server is
+    gone they are reported ended (killed).
     """
 
     def __init__(self, log_path: Path | None, launcher: Sequence[str] = (),
@@ -654,7 +660,8 @@ class ForkServer:
             self._waiting[ident] = (event, answer)
             line = json.dumps({"id": ident, "spec": spec, "cwd": str(cwd), "env": clean,
                                "stdout": None if stdout is None else str(stdout),
-                               "stderr": None if stderr is None else str(stderr)}) + "\n"
+                               "stderr": None if stderr is None else str(stderr),
+                               "die_with_server": self.remote}) + "\n"
             try:
                 self._stdin.write(line.encode())
                 self._stdin.flush()

@@ -106,7 +106,8 @@ class SlurmBackend(Backend):
             self._agent(node)
 
     def _agent(self, node: str) -> ForkServer | None:
-        """The agent on ``node``, started on first use; ``None`` once it has ended (or with warm start off)."""
+        """The agent on ``node``, started by :meth:`start` (or on first use); ``None`` once it has ended, or with
+        warm start off."""
         with self._lock:
             if not self._warm:
                 return None
@@ -262,8 +263,8 @@ AGENT_NAME = "hetflow-agent"
 
 def agent_argv(srun: str, node: str) -> list[str]:
     """The ``srun`` that runs ``node``'s agent (the fork server's command follows): one task on that node,
-    ``--overlap`` so that it shares every CPU, GPU and byte of memory the job has there with the other
-    steps and blocks none of them, unbound (``--cpu-bind=none``: its children may run on any of the
+    ``--overlap`` so that it shares the CPUs and memory the job has there with the other steps and blocks
+    none of them (it asks for no GPU: the ranks it starts have none), unbound (``--cpu-bind=none``: its children may run on any of the
     node's CPUs), no PMI (its ranks are MPI singletons), stdin to the one task."""
     return [srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--cpu-bind=none", "--mem=0",
             "--mpi=none", "--input=all", f"--job-name={AGENT_NAME}"]

@@ -11,6 +11,8 @@ started (:func:`slurm_stages.who`).  ``warm_start`` (``true``/``false``) sets
 ``node-loss``: one one-rank stage (one retry) whose first attempt waits until the test takes its node
 away (:func:`slurm_stages.wait_for_node_loss`, its ready files in RECORD_DIR); its retry must run on
 the node left.
+``agent-killed``: one one-rank stage (one retry) whose first attempt waits until the test kills its
+parent (the agent); its retry says where and how it started (:func:`slurm_stages.wait_for_agent_kill`).
 
 The record says, for every pid a stage wrote (``<stage>.pid``), whether it is still alive when the run
 has ended (the lab's nodes are this machine: one pid space).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,8 +30,8 @@ from pathlib import Path
 import hetflow as hf
 
 sys.path.insert(0, str(Path(__file__).parent))
-import slurm_stages as S  # noqa: E402
-from run_nodes import attempts  # noqa: E402
+import slurm_stages as S
+from run_nodes import attempts
 
 
 def alive(pid: int, grace: float = 10.0) -> bool:
@@ -57,14 +60,19 @@ def main(kind: str, workdir: Path, record_dir: Path, warm: bool) -> None:
         pipe.stage(name="too_long", ranks=1, timeout=3, params=params)(S.sleep_flagged)
     elif kind == "sleep":
         pipe.stage(name="sleeper", ranks=1, params=params)(S.sleep_flagged)
+    elif kind == "agent-killed":
+        pipe.stage(ranks=1, retries=1, params=params)(S.wait_for_agent_kill)
     else:
         pipe.stage(ranks=1, retries=1, params={"ready_dir": str(record_dir)})(S.wait_for_node_loss)
     run = pipe.run(pilot=pilot, check=False)
+    job = os.environ["SLURM_JOB_ID"]  # the steps of the job left once the run has ended: none
+    steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%j"], capture_output=True, text=True,
+                           check=True).stdout.split()
     pids = {path.stem: int(path.read_text()) for path in record_dir.glob("*.pid")}
     print(json.dumps({"id": run.id, "state": run.state, "run_dir": str(run.run_dir), "stages": {
         s.name: {"state": s.state, "error": s.error, "nodes": sorted({v.node for v in s.slots})}
         for s in run.stages}, "alive": {stage: alive(pid) for stage, pid in pids.items()},
-        "attempts": attempts(workdir, run.id)}, default=str))
+        "attempts": attempts(workdir, run.id), "steps_left": steps}, default=str))
 
 
 if __name__ == "__main__":

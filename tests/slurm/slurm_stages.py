@@ -124,3 +124,23 @@ def sleep_flagged(ctx):
     flag.with_suffix(".tmp").rename(flag)
     time.sleep(300)
     return {}
+
+
+def wait_for_agent_kill(ctx):
+    """The first attempt: say its pid, its parent's pid and its host (``params['record_dir']/first.json``),
+    then wait for the test to kill its parent.  A retry says its parent's command line and returns."""
+    import json
+    import os
+    import pathlib
+    import socket
+    import time
+
+    record_dir = pathlib.Path(ctx.params["record_dir"])
+    if ctx.attempt == 1:
+        record = {"pid": os.getpid(), "parent": os.getppid(), "host": socket.gethostname()}
+        (record_dir / "first.tmp").write_text(json.dumps(record))
+        (record_dir / "first.tmp").rename(record_dir / "first.json")
+        time.sleep(120)
+    parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    (record_dir / "retry.json").write_text(json.dumps({"parent": parent, "host": socket.gethostname()}))
+    return {}

@@ -8,6 +8,8 @@ The lab's nodes share this machine's pid space, so the tests can see that a rank
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from test_nodes import take_node  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slurm
@@ -33,14 +34,14 @@ def _who(record_dir: Path, stage: str, rank: int = 0) -> dict[str, Any]:
     return json.loads((record_dir / f"{stage}-{rank}.json").read_text())
 
 
-def _wait_for(path: Path, proc: "subprocess.Popen[str]", seconds: float = 120) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
     while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert path.exists(), f"{path.name} never appeared (salloc: {proc.poll()})"
 
 
-def _finish(proc: "subprocess.Popen[str]", slurm_env: dict[str, str], name: str) -> tuple[str, str]:
+def _finish(proc: subprocess.Popen[str], slurm_env: dict[str, str], name: str) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=180)
     finally:
@@ -51,7 +52,7 @@ def _finish(proc: "subprocess.Popen[str]", slurm_env: dict[str, str], name: str)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
-            subprocess.run(["scancel", f"--name={name}"], env=slurm_env, capture_output=True, timeout=30)
+            subprocess.run(["scancel", f"--name={name}"], env=slurm_env, capture_output=True, timeout=30, check=False)
 
 
 @pytest.mark.timeout(300)
@@ -62,7 +63,7 @@ def test_one_rank_tasks_start_through_the_agents_and_an_mpi_stage_stays_a_job_st
     records.mkdir()
     argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-agents", sys.executable,
             str(HERE / "run_agents.py"), "mixed", str(tmp_path / "w"), str(records), str(warm).lower()]
-    done = subprocess.run(argv, env=slurm_env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(argv, env=slurm_env, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     record = _record(done.stdout)
     stages = record["stages"]
@@ -81,6 +82,7 @@ def test_one_rank_tasks_start_through_the_agents_and_an_mpi_stage_stays_a_job_st
     # the timeout ended the rank on its node before the run ended
     assert stages["too_long"]["state"] == "TIMED_OUT", record
     assert record["alive"] == {"too_long": False}, record
+    assert record["steps_left"] == [], record  # shutdown ended the agents' steps
     logs = sorted(p.name for p in Path(record["run_dir"]).glob("agent-*.log"))
     assert logs == ([f"agent-{n}.log" for n in sorted(slurm_nodes[:2])] if warm else []), logs
 
@@ -98,7 +100,7 @@ def test_hetflow_cancel_ends_a_rank_an_agent_started(slurm_env: dict[str, str], 
         [run_dir] = (tmp_path / "w" / "runs").iterdir()
         hetflow = str(Path(sys.executable).parent / "hetflow")
         cancel = subprocess.run([hetflow, "cancel", run_dir.name, "--workdir", str(tmp_path / "w")],
-                                env=slurm_env, capture_output=True, text=True, timeout=90)
+                                env=slurm_env, capture_output=True, text=True, timeout=90, check=False)
         assert cancel.returncode == 0, cancel.stderr
     finally:
         out, err = _finish(proc, slurm_env, "hetflow-agent-cancel")
@@ -132,3 +134,35 @@ def test_a_lost_node_fails_the_task_its_agent_ran_and_the_retry_runs_on_the_node
     [left] = set(slurm_nodes[:2]) - {victim}
     assert retry["state"] == "DONE" and retry["slots"] == retry["hosts"] == [left], retry
     assert record["state"] == "DONE", record
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_agent_fails_its_task_and_the_retry_is_a_job_step(slurm_env: dict[str, str],
+                                                                   slurm_nodes: list[str], tmp_path: Path) -> None:
+    records = tmp_path / "records"
+    records.mkdir()
+    argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-agent-killed", sys.executable,
+            str(HERE / "run_agents.py"), "agent-killed", str(tmp_path / "w"), str(records)]
+    proc = subprocess.Popen(argv, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(records / "first.json", proc)
+        first_rank = json.loads((records / "first.json").read_text())
+        agent = first_rank["parent"]
+        assert AGENT in Path(f"/proc/{agent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        os.kill(agent, signal.SIGKILL)
+    finally:
+        out, err = _finish(proc, slurm_env, "hetflow-agent-killed")
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}:\n{out}\n{err}"
+    record = _record(out)
+    first, retry = record["attempts"]["stages"]["wait_for_agent_kill"]
+    node = first_rank["host"]
+    assert first["state"] == "FAILED" and f"the hetflow agent on {node} ended" in first["error"], record
+    assert record["attempts"]["lost"] == [], record  # the node itself is fine
+    # the agent's step ended with it, and Slurm ended the rank the agent had forked
+    assert not Path(f"/proc/{first_rank['pid']}").exists() or \
+        Path(f"/proc/{first_rank['pid']}/stat").read_text().rpartition(")")[2].split()[0] == "Z", first_rank
+    again = json.loads((records / "retry.json").read_text())
+    if again["host"] == node:  # that node has no agent any more: a job step
+        assert AGENT not in again["parent"] and "hetflow.tasks.worker" in again["parent"], again
+    assert retry["state"] == "DONE" and record["state"] == "DONE", record
+    assert record["steps_left"] == [], record
