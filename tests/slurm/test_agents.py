@@ -97,6 +97,9 @@ def test_hetflow_cancel_ends_a_rank_an_agent_started(slurm_env: dict[str, str], 
     proc = subprocess.Popen(argv, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(records / "sleeper.pid", proc)
+        rank = int((records / "sleeper.pid").read_text())
+        parent = Path(f"/proc/{rank}/stat").read_text().rpartition(")")[2].split()[1]
+        assert AGENT in Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         [run_dir] = (tmp_path / "w" / "runs").iterdir()
         hetflow = str(Path(sys.executable).parent / "hetflow")
         cancel = subprocess.run([hetflow, "cancel", run_dir.name, "--workdir", str(tmp_path / "w")],
