@@ -35,6 +35,17 @@ latency over the same one-rank command as a bare ``srun`` job step in an
 allocation.  Rounds alternate the order of the backends; the table gives the
 median of the rounds and their range.  The lab's nodes share this machine's
 cores, so this measures overhead, not compute.
+
+With ``--stages`` the tasks are one-rank no-op hetflow *stages* (``python -m
+hetflow.tasks.worker SPEC``, the stage :func:`noop`), what a pipeline's
+tasks are, and the burst keeps the pilot's slots full (as many tasks at once
+as the two nodes have CPUs, the next one launched as one ends) instead of
+launching all at once, so no engine runs more than its pilot's cores.  Then
+``slurm`` starts them through its per-node agents and ``slurm-steps``
+(``options.slurm.warm_start: false``: one ``srun`` job step per task, what
+every task cost before the agents) is the row to compare it with::
+
+    python benchmarks/backends.py --lab --stages --backends slurm,slurm-steps,radical,parsl,dask --tasks 40
 """
 
 from __future__ import annotations
@@ -188,6 +199,42 @@ def _burst(name: str, backend: Any, specs: list[LaunchSpec]) -> float:
 
 
 LAB_BACKENDS = ("slurm", "radical", "parsl", "dask")
+STEPS = "slurm-steps"
+"""The slurm backend without its agents: one job step per task."""
+
+
+def _window(name: str, backend: Any, specs: list[LaunchSpec], width: int) -> float:
+    """Seconds to run every one of ``specs`` with at most ``width`` of them running at once (the next is
+    launched as soon as one ends), each one ending successfully."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    todo = list(reversed(specs))
+    running: set[Any] = set()
+    failed = []
+    t0 = time.perf_counter()
+    while todo or running:
+        while todo and len(running) < width:
+            running.add(backend.launch(todo.pop()))
+        done, running = wait(running, timeout=600, return_when=FIRST_COMPLETED)
+        if not done:
+            raise RuntimeError(f"{name}: no task ended in 600 s")
+        failed += [f.result() for f in done if not f.result().ok]
+    if failed:
+        raise RuntimeError(f"{name}: a task failed: {failed[:1]}")
+    return time.perf_counter() - t0
+
+
+def lab_stage_specs(run_dir: Path, prefix: str, tasks: int, nodes: list[str]) -> list[LaunchSpec]:
+    """One-rank no-op stages (:func:`noop`), alternating between the pilot's two nodes."""
+    specs = []
+    for i in range(tasks):
+        spec = stage_spec(run_dir / prefix, i, 0)
+        worker = json.loads(Path(spec.argv[-1]).read_text())
+        worker.update(nodes=nodes, slots=[{"node": i % 2, "cores": [0], "gpus": []}])
+        Path(spec.argv[-1]).write_text(json.dumps(worker))
+        specs.append(LaunchSpec(task_id=f"{prefix}-{i}", argv=spec.argv, slots=(RankSlot(i % 2, (0,)),),
+                                cwd=spec.cwd))
+    return specs
 
 
 def lab_pilot(name: str) -> PilotDescription:
@@ -196,6 +243,8 @@ def lab_pilot(name: str) -> PilotDescription:
                               "gpus_per_node": 0, "memory_per_node": 2**30, "walltime": 1200.0}
     if name == "slurm":
         return PilotDescription(name="lab-slurm", backend="slurm").resolve()
+    if name == STEPS:
+        return PilotDescription(name="lab-slurm", backend="slurm", options={"slurm": {"warm_start": False}}).resolve()
     if name == "parsl":
         return PilotDescription(backend="parsl", launcher="srun", options={"parsl": {"scheduler": "slurm"}},
                                 **common)
@@ -212,7 +261,7 @@ def lab_specs(run_dir: Path, prefix: str, tasks: int) -> list[LaunchSpec]:
             for i in range(tasks)]
 
 
-def measure_lab(name: str, tasks: int, root: Path, asked: float | None = None) -> dict[str, Any]:
+def measure_lab(name: str, tasks: int, root: Path, asked: float | None = None, stages: bool = False) -> dict[str, Any]:
     """Start ``name``'s backend on the lab cluster, time the tasks, shut it down.
 
     ``asked``: the wall-clock time the allocation was asked for (``slurm``: before ``salloc``); the
@@ -223,12 +272,18 @@ def measure_lab(name: str, tasks: int, root: Path, asked: float | None = None) -
     run_dir.mkdir(mode=0o700)
     started = time.perf_counter()
     wall = time.time()
-    backend = get_backend(name)(pilot, run_dir)
+    backend = get_backend(pilot.backend)(pilot, run_dir)
     backend.start()
     startup = time.perf_counter() - started + (wall - asked if asked is not None else 0.0)
     try:
-        latencies = _sequential(backend, lab_specs(run_dir, "seq", tasks))
-        burst = _burst(name, backend, lab_specs(run_dir, "par", tasks))
+        if stages:
+            nodes = backend.node_names()
+            latencies = _sequential(backend, lab_stage_specs(run_dir, "seq", tasks, nodes))
+            width = pilot.nodes * (pilot.cores_per_node or 1)
+            burst = _window(name, backend, lab_stage_specs(run_dir, "par", tasks, nodes), width)
+        else:
+            latencies = _sequential(backend, lab_specs(run_dir, "seq", tasks))
+            burst = _burst(name, backend, lab_specs(run_dir, "par", tasks))
     finally:
         t0 = time.perf_counter()
         backend.shutdown()
@@ -253,20 +308,22 @@ def bare_srun(tasks: int) -> list[float]:
     return times
 
 
-def lab_slurm_round(tasks: int, root: Path) -> dict[str, Any]:
-    """The ``slurm`` row: this script again inside ``salloc -N2 --exclusive``, which prints its result."""
+def lab_slurm_round(tasks: int, root: Path, name: str = "slurm", stages: bool = False) -> dict[str, Any]:
+    """The ``slurm`` row (or ``slurm-steps``): this script again inside ``salloc -N2 --exclusive``, which
+    prints its result."""
     out = root / "slurm.json"
     asked = time.time()
     subprocess.run(["salloc", "-N2", "--exclusive", "--time=20", "--job-name=hetflow-bench", sys.executable,
                     str(Path(__file__).resolve()), "--lab-inside", str(out), "--tasks", str(tasks),
-                    "--asked", repr(asked)], check=True, stdin=subprocess.DEVNULL)
+                    "--asked", repr(asked), "--backends", name, *(["--stages"] if stages else [])],
+                   check=True, stdin=subprocess.DEVNULL)
     return dict(json.loads(out.read_text()))
 
 
-def lab_inside(out: Path, tasks: int, asked: float) -> int:
+def lab_inside(out: Path, tasks: int, asked: float, name: str = "slurm", stages: bool = False) -> int:
     """Inside the ``slurm`` row's allocation: the backend's figures and the bare ``srun`` floor."""
     with tempfile.TemporaryDirectory(prefix="hetflow-bench-", dir=out.parent) as tmp:
-        result = measure_lab("slurm", tasks, Path(tmp), asked)
+        result = measure_lab(name, tasks, Path(tmp), asked, stages)
     result["bare_srun_median_s"] = statistics.median(bare_srun(tasks))
     out.write_text(json.dumps(result))
     return 0
@@ -276,40 +333,53 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def lab_main(names: list[str], tasks: int, rounds: int, out: Path) -> int:
+def lab_main(names: list[str], tasks: int, rounds: int, out: Path, stages: bool = False) -> int:
     """Every round: each backend once (the order reversed every other round); then the table."""
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("--lab needs the lab cluster's SLURM_CONF: eval \"$(scripts/slurm-cluster.sh env)\"")
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     floors: list[float] = []
+    failures: dict[str, list[str]] = {}
     for round_ in range(rounds):
         order = names if round_ % 2 == 0 else list(reversed(names))
         for name in order:
             print(f"round {round_ + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True)
             # the work directory must be on a file system every node sees: here, this machine's /tmp
             with tempfile.TemporaryDirectory(prefix="hetflow-bench-lab-") as tmp:
-                result = lab_slurm_round(tasks, Path(tmp)) if name == "slurm" else measure_lab(name, tasks, Path(tmp))
+                try:
+                    result = (lab_slurm_round(tasks, Path(tmp), name, stages) if name in ("slurm", STEPS)
+                              else measure_lab(name, tasks, Path(tmp), stages=stages))
+                except Exception as exc:  # noqa: BLE001 - a failed task or start: the round is lost, the rest go on
+                    print(f"round {round_ + 1}/{rounds}: {name} failed: {exc}", file=sys.stderr, flush=True)
+                    failures.setdefault(name, []).append(str(exc)[:500])
+                    continue
             if "bare_srun_median_s" in result:
                 floors.append(result["bare_srun_median_s"])
             rows[name].append(result)
     floor = statistics.median(floors) if floors else 0.0
     load = os.getloadavg()
     report = {"machine": {"cpus": os.cpu_count(), "loadavg_1_5_15": load, "python": sys.version.split()[0]},
-              "mode": "lab", "rounds": rounds, "bare_srun_median_s": floor, "results": rows}
+              "mode": "lab-stages" if stages else "lab", "rounds": rounds, "bare_srun_median_s": floor, "results": rows,
+              "failed_rounds": failures}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    header = (f"{'backend':<8} {'start-up s':>18} {'task median ms':>20} {'overhead ms':>12} "
+    header = (f"{'backend':<11} {'start-up s':>18} {'task median ms':>20} {'overhead ms':>12} "
               f"{'burst tasks/s':>18} {'shutdown s':>18}")
     print(header)
     print("-" * len(header))
     for name in names:
         runs = rows[name]
+        if not runs:
+            print(f"{name:<11} every round failed: {failures.get(name, ['?'])[0][:200]}")
+            continue
         latency = [r["task_latency_median_s"] * 1e3 for r in runs]
-        print(f"{name:<8} {spread([r['startup_s'] for r in runs]):>18} "
+        print(f"{name:<11} {spread([r['startup_s'] for r in runs]):>18} "
               f"{statistics.median(latency):>8.0f} ({min(latency):.0f}-{max(latency):.0f}) "
               f"{statistics.median(latency) - floor * 1e3:>12.0f} "
               f"{spread([r['burst_tasks_per_s'] for r in runs]):>18} {spread([r['shutdown_s'] for r in runs]):>18}")
-    print(f"(bare one-rank srun step of python -c pass: {floor * 1e3:.0f} ms; {tasks} tasks each, {rounds} rounds: "
+    what = "no-op stages, burst at most the pilot's CPUs at once" if stages else "python -c pass"
+    print(f"(bare one-rank srun step of python -c pass: {floor * 1e3:.0f} ms; {tasks} tasks ({what}) each, "
+          f"{rounds} rounds: "
           f"median (range); load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} CPUs "
           f"shared by the lab's nodes; JSON: {out})")
     return 0
@@ -322,15 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--lab", action="store_true", help="on the Slurm lab cluster (module docstring)")
     parser.add_argument("--rounds", type=int, default=3, help="--lab: rounds, alternating the order")
+    parser.add_argument("--stages", action="store_true", help="--lab: no-op hetflow stages as the tasks")
     parser.add_argument("--lab-inside", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--asked", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.lab_inside is not None:
-        return lab_inside(args.lab_inside, args.tasks or 10, args.asked)
+        return lab_inside(args.lab_inside, args.tasks or 10, args.asked, args.backends or "slurm", args.stages)
     if args.lab:
         names = [n.strip() for n in (args.backends or ",".join(LAB_BACKENDS)).split(",") if n.strip()]
-        return lab_main(names, args.tasks or 10, args.rounds,
-                        args.out or Path("benchmarks/results/backends-lab.json"))
+        default = "backends-lab-stages.json" if args.stages else "backends-lab.json"
+        return lab_main(names, args.tasks or 10, args.rounds, args.out or Path("benchmarks/results") / default,
+                        args.stages)
     args.backends = args.backends or f"local,dask,parsl,radical,{RAPTOR}"
     args.tasks = args.tasks or 20
     args.out = args.out or Path("benchmarks/results/backends.json")

@@ -3,6 +3,7 @@
     python benchmarks/throughput.py [--tasks 200] [--repeats 3] [--out FILE.json]
     python benchmarks/throughput.py --styles map --tasks 1000 --peers parsl --against main=/tmp/hfmain/lib
     python benchmarks/throughput.py --quick          # CI size (a test runs it)
+    python benchmarks/throughput.py --lab [--tasks 100]   # backend slurm on the lab cluster
 
 Every system runs N independent trivial one-rank tasks, each making a 1 KB
 table (128 int64 values), on two workers (the 2-core machine):
@@ -45,6 +46,13 @@ compiled bytecode (in a cache directory of this run, after one unmeasured run
 each), as a user's machine does; without it the environment decides (this
 project's machine sets ``PYTHONDONTWRITEBYTECODE=1``, which makes every start
 compile hetflow's modules again).
+
+``--lab`` runs the loop-made script with a ``backend: slurm`` pilot inside
+``salloc -N2 --exclusive`` on the Slurm lab cluster (scripts/slurm-cluster.sh,
+its SLURM_CONF in the environment), twice per repeat, alternated: ``slurm``
+(one-rank stages forked by the per-node agents) and ``slurm-steps``
+(``options.slurm.warm_start: false``, one ``srun`` job step per stage, as
+before the agents); no peers (benchmarks/backends.py --lab --stages has them).
 """
 
 from __future__ import annotations
@@ -69,8 +77,7 @@ import os, time
 import pyarrow as pa
 import hetflow as hf
 {torch}
-pipe = hf.Pipeline("throughput", pilot=hf.PilotDescription(name="two-cores", cores_per_node=2,
-                                                          memory_per_node=2**33))
+pipe = hf.Pipeline("throughput", pilot={pilot})
 '''
 
 DECORATED = '''
@@ -112,12 +119,17 @@ if __name__ == "__main__":
     print("SECONDS", time.perf_counter() - started, run.state)
 """
 
-STYLES = ("decorated", "loop", "torch", "map")
+LOCAL_PILOT = 'hf.PilotDescription(name="two-cores", cores_per_node=2, memory_per_node=2**33)'
+LAB_PILOT = 'hf.PilotDescription(name="lab", backend="slurm", options={{"slurm": {{"warm_start": {warm}}}}})'
+LAB_STYLES = {"slurm": "True", "slurm-steps": "False"}
+"""The ``--lab`` styles: the loop script on backend slurm, with and without its agents."""
+STYLES = ("decorated", "loop", "torch", "map", *LAB_STYLES)
 PEERS = ("parsl", "dask")
 
 
 def script(style: str, n: int) -> str:
-    head = SCRIPT_HEAD.format(torch=TORCH if style == "torch" else "")
+    pilot = LAB_PILOT.format(warm=LAB_STYLES[style]) if style in LAB_STYLES else LOCAL_PILOT
+    head = SCRIPT_HEAD.format(torch=TORCH if style == "torch" else "", pilot=pilot)
     if style == "decorated":
         body = "".join(DECORATED.format(i=i, rows=ROWS) for i in range(n))
     elif style == "map":
@@ -145,7 +157,8 @@ def hetflow_run(style: str, n: int, env: dict[str, str] | None = None) -> dict[s
         path.write_text(script(style, n))
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.time()
-        done = subprocess.run([sys.executable, str(path)], cwd=tmp, capture_output=True, text=True, timeout=3600,
+        lab = ["salloc", "-N2", "--exclusive", "--time=30", "--job-name=hetflow-throughput"]
+        done = subprocess.run([*(lab if style in LAB_STYLES else []), sys.executable, str(path)], cwd=tmp, capture_output=True, text=True, timeout=3600,
                               check=False, env=env)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         marks = _marks(done.stdout)
@@ -266,10 +279,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="let the children write and use compiled bytecode, as a user's machine does")
     parser.add_argument("--quick", action="store_true", help="CI size: 16 tasks, 1 repeat, no peers")
     parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument("--lab", action="store_true", help="backend slurm on the lab cluster (module docstring)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child, args.tasks)
+    if args.lab:
+        if not os.environ.get("SLURM_CONF"):
+            parser.error("--lab needs the lab cluster's SLURM_CONF: eval \"$(scripts/slurm-cluster.sh env)\"")
+        args.styles, args.peers = ",".join(LAB_STYLES), ""
     if args.quick:
         args.tasks, args.repeats, args.peers = 16, 1, ""
     if args.tasks < 4 or args.repeats < 1:
@@ -341,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         **{key: {name: summary(f[key]) for name, f in figures.items() if key in f}
            for key in ("end_to_end", "steady", "marginal", "fixed", "in_run", "steady_in_run", "startup", "cpu",
                        "marginal_cpu")}}
-    print(f"{n} trivial one-rank tasks (1 KB each), 2 workers, {args.repeats} repeat(s) alternated, "
+    where = "backend slurm, lab cluster, 2 nodes" if args.lab else "2 workers"
+    print(f"{n} trivial one-rank tasks (1 KB each), {where}, {args.repeats} repeat(s) alternated, "
           f"load average {_fmt(loads)}; medians (min-max)")
     print(f"{'':26s} {'end to end tasks/s':>22s} {'steady tasks/s':>24s} {'marginal ms/task':>18s} "
           f"{'fixed s':>18s} {'in run tasks/s':>22s} {'steady in run':>24s}")

@@ -49,11 +49,22 @@ server forks nothing: only a rank killed while it had left something running
 makes it wait.
 
 Protocol, one JSON object per line: the backend writes ``{"id", "spec",
-"cwd", "env", "stdout", "stderr"}``; the server answers ``{"id", "pid"}``
+"cwd", "env", "stdout", "stderr", "die_with_server"}``; the server answers ``{"id", "pid"}``
 once the child is forked (or ``{"id", "error"}``) and ``{"pid", "status"}``
-(the wait status, after the witness's work) when a child has ended.  The server ends when its stdin
+(the wait status, after the witness's work) when a child has ended; ``{"pid", "signal"}`` asks it to
+signal the process group of a child it forked (what the backend does with ``killpg`` where it can: a
+server on another node, a Slurm agent, has children whose pids mean nothing on the backend's machine),
+and is ignored once that child has been reaped.  The server ends when its stdin
 closes; children still running carry on, orphaned, like a launcher's ranks
 when the orchestrator is gone.
+
+The server need not run on the backend's machine: :class:`ForkServer` takes a
+``launcher``, the argv that starts it elsewhere with its stdin and stdout
+forwarded (the ``slurm`` backend's per-node agents: ``srun ... --overlap``,
+:mod:`hetflow.tasks.backends.slurm`).  Such a server's children are signalled
+through it, and each of them gets SIGKILL when the server dies
+(``die_with_server``), as a rank does when its witness is killed: nobody on the
+backend's machine could end it.
 """
 
 from __future__ import annotations
@@ -70,7 +81,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -123,13 +134,15 @@ class Job:
     env: Mapping[str, str]
     stdout: str | None
     stderr: str | None
+    die_with_server: bool = False
+    """The child gets SIGKILL when the server dies (a remote server's: nobody else would end it)."""
 
     @classmethod
-    def from_line(cls, line: bytes) -> Job:
-        data = json.loads(line)
+    def from_data(cls, data: Mapping[str, Any]) -> Job:
         return cls(id=int(data["id"]), spec=str(data["spec"]), cwd=str(data["cwd"]),
                    env={str(k): str(v) for k, v in data["env"].items()},
-                   stdout=data.get("stdout"), stderr=data.get("stderr"))
+                   stdout=data.get("stdout"), stderr=data.get("stderr"),
+                   die_with_server=bool(data.get("die_with_server", False)))
 
 
 def _reply(message: Mapping[str, Any]) -> None:
@@ -171,6 +184,17 @@ def _witness(pid: int, status: int) -> None:
         shm.remove_recorded(AttemptFiles(Path(attempt_dir)).shm_segments(pid))
     _end_orphans()
     _reply({"pid": pid, "status": status})
+
+
+def _signal_task(pid: int, sig: int) -> None:
+    """Signal the process group of task child ``pid`` (the session it leads), if it has not been reaped: a
+    reaped child's pid (and group id) may be another process's by now."""
+    if pid not in _tasks:
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _end_orphans() -> None:
@@ -382,7 +406,12 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                     _log_to(line)
                     continue
                 try:
-                    job = Job.from_line(line)
+                    data = json.loads(line)
+                    if "signal" in data:
+                        pending = rest
+                        _signal_task(int(data["pid"]), int(data["signal"]))
+                        continue
+                    job = Job.from_data(data)
                 except (ValueError, KeyError, TypeError, AttributeError) as exc:
                     pending = rest
                     _reply({"id": None, "error": f"bad request: {exc}"})
@@ -432,9 +461,11 @@ def _open_log(path: str | None) -> int:
 def _become_task(job: Job) -> None:
     """In the child: take the task's session, files, directory and environment, as a launcher would."""
     os.setsid()
-    from hetflow.tasks.witness import become_subreaper
+    from hetflow.tasks.witness import _die_with, become_subreaper
 
     become_subreaper()  # what its descendants orphan stays below it, for _exit to end
+    if job.die_with_server:
+        _die_with(_server_pid)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -548,13 +579,32 @@ def _exit(code: int, task: bool = False) -> NoReturn:
 
 # ------------------------------------------------------------------ client
 class ForkedTask:
-    """A child of the fork server, waited on like a :class:`subprocess.Popen` (``pid``, ``wait``, ``returncode``)."""
+    """A child of the fork server, waited on like a :class:`subprocess.Popen` (``pid``, ``wait``, ``returncode``).
 
-    def __init__(self, pid: int, argv: list[str]) -> None:
+    ``pid`` is the child's pid where the server runs; ``remote``: that is not this machine (signal it with
+    :meth:`signal_group`, never by its pid)."""
+
+    def __init__(self, pid: int, argv: list[str], server: ForkServer | None = None) -> None:
         self.pid = pid
         self.args = argv
         self.returncode: int | None = None
         self._ended = threading.Event()
+        self._server = server
+
+    @property
+    def remote(self) -> bool:
+        return self._server is not None and self._server.remote
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's process group: by ``killpg`` here, through its server elsewhere."""
+        if self.remote:
+            assert self._server is not None
+            self._server.signal(self.pid, sig)
+            return
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def _set(self, status: int | None) -> None:
         if status is None:
@@ -580,22 +630,29 @@ class ForkServer:
 
     If the server dies, its running children are killed (nobody could report
     how they ended) and :meth:`start_task` raises :class:`ForkServerGone`.
+
+    ``launcher``: the argv that starts the server elsewhere (another node), its stdin and stdout forwarded,
+    with ``env`` as its environment.  Its children are then *remote*: signalled through the server, never
+    by their pids (not this machine's), and each one gets SIGKILL when the server dies; when the server is
+    gone they are reported ended (killed).
     """
 
-    def __init__(self, log_path: Path | None, *, inherit_stderr: bool = False) -> None:
+    def __init__(self, log_path: Path | None, launcher: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, *, inherit_stderr: bool = False) -> None:
         self._lock = threading.Lock()
         self._next = 0
         self._waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._running: dict[int, ForkedTask] = {}
         self._closing = False
         self.alive = True
+        self.remote = bool(launcher)
         stderr: int | None = None if inherit_stderr else subprocess.DEVNULL
         if log_path is not None:
             stderr = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            self._proc = subprocess.Popen([sys.executable, "-c", BOOT, FORK_SERVER],
+            self._proc = subprocess.Popen([*launcher, sys.executable, "-c", BOOT, FORK_SERVER],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                          start_new_session=True)
+                                          env=None if env is None else dict(env), start_new_session=True)
         finally:
             if stderr is not None and stderr != subprocess.DEVNULL:
                 os.close(stderr)
@@ -632,7 +689,8 @@ class ForkServer:
             self._waiting[ident] = (event, answer)
             line = json.dumps({"id": ident, "spec": spec, "cwd": str(cwd), "env": clean,
                                "stdout": None if stdout is None else str(stdout),
-                               "stderr": None if stderr is None else str(stderr)}) + "\n"
+                               "stderr": None if stderr is None else str(stderr),
+                               "die_with_server": self.remote}) + "\n"
             try:
                 self._stdin.write(line.encode())
                 self._stdin.flush()
@@ -659,7 +717,8 @@ class ForkServer:
                         ended = task, int(message["status"])
                 elif (waiter := self._waiting.pop(message.get("id"), None)) is not None:
                     if "pid" in message:
-                        task = self._running[int(message["pid"])] = ForkedTask(int(message["pid"]), [])
+                        task = self._running[int(message["pid"])] = ForkedTask(int(message["pid"]), [],
+                                                                                        self)
                         waiter[1].append(task)
                     else:
                         waiter[1].append(message.get("error", "the fork server failed"))
@@ -680,13 +739,27 @@ class ForkServer:
             answer.append("the fork server has ended")
             event.set()
         for task in running:
-            try:
-                os.killpg(task.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            if not self.remote:
+                try:
+                    os.killpg(task.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             task._set(None)
         if running and not self._closing:
-            log.error("hetflow's fork server ended while %d tasks ran; they were killed", len(running))
+            log.error("hetflow's fork server ended while %d tasks ran; they were %s", len(running),
+                      "lost with it" if self.remote else "killed")
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Ask the server to send ``sig`` to the process group of its child ``pid``; nothing once it is gone."""
+        line = json.dumps({"pid": pid, "signal": int(sig)}) + "\n"
+        with self._lock:
+            if not self.alive:
+                return
+            try:
+                self._stdin.write(line.encode())
+                self._stdin.flush()
+            except (OSError, ValueError):
+                pass
 
     def close(self) -> None:
         """End the server (its stdin closes) and any child still running."""
@@ -698,8 +771,12 @@ class ForkServer:
         try:
             self._proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+            self._proc.terminate()  # a launcher (srun) ends what it started on SIGTERM
+            try:
+                self._proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
         self._reader.join(timeout=10.0)
 
 

@@ -92,7 +92,7 @@ providers (``MPIR_CVAR_CH4_NETMOD=ofi``).  Also given to warm (fork-server) task
 singleton.  Multi-node backends (``slurm``) keep their own settings."""
 
 OPTIONS = ("warm_start",)
-"""Keys of ``pilot.options.local``."""
+"""Keys of ``pilot.options.local`` (and of ``pilot.options.slurm``)."""
 
 
 class _Process(Protocol):
@@ -104,11 +104,12 @@ class _Process(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
-def warm_start(pilot: object) -> bool:
-    """``options.local.warm_start`` of ``pilot`` (default true), checked."""
-    value = options_for(pilot, "local", OPTIONS).get("warm_start", True)
+def warm_start(pilot: object, backend: str = "local") -> bool:
+    """``options.<backend>.warm_start`` of ``pilot`` (default true), checked: ``local`` (a fork server here)
+    and ``slurm`` (a fork server per node, :mod:`hetflow.tasks.backends.slurm`) read it."""
+    value = options_for(pilot, backend, OPTIONS).get("warm_start", True)
     if not isinstance(value, bool):
-        raise ConfigError(f"pilot {getattr(pilot, 'name', '?')!r}: options.local.warm_start must be true or "
+        raise ConfigError(f"pilot {getattr(pilot, 'name', '?')!r}: options.{backend}.warm_start must be true or "
                           f"false, got {value!r}")
     return value
 

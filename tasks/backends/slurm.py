@@ -19,6 +19,23 @@ it), or Slurm ends the whole allocation with it.
 SIGTERM (srun passes it to every rank of the step), then SIGKILL to the
 group; a step that is still listed after that (found by its name,
 ``hetflow-<task>``) is ended with ``scancel``.
+
+A task that the local backend would start warm (one worker rank on one core,
+no GPUs: :func:`~hetflow.tasks.backends.local._warm_command`) costs no job
+step: :meth:`SlurmBackend.start` starts one *agent* per node of the pilot, a
+long-lived step running the fork server (:mod:`hetflow.tasks.forkserver`,
+``srun --overlap``: it shares the node's CPUs and memory with every other step
+and blocks none of them), and the task's rank is forked by its node's agent,
+its requests and replies through srun's stdin and stdout.  The agent is the
+rank's witness, as the local fork server is.  A timeout or cancel asks the
+agent to signal the rank's process group (SIGTERM, then SIGKILL); the rank's
+logs are appended to by the rank itself, on its node, at the paths a job step
+writes them to (the run directory is on a file system every node sees).  An
+agent whose step ends (its node lost, the agent killed) fails the tasks it ran,
+with the node's loss in their error as for a step, and the node's later tasks
+are job steps again.  Every other task (several ranks, several cores, GPUs) is
+a job step.  ``options.slurm.warm_start: false`` in the pilot config starts
+no agents.
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -33,10 +51,12 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ..errors import ConfigError, HetflowError
+from ..forkserver import ForkedTask, ForkServer, ForkServerGone
 from ..launchers.srun import SrunStep, failure_report, step_env
 from ..protocol import tail
 from ..slurm_allocation import Allocation, current_allocation, lost_nodes
 from .base import Backend, LaunchSpec, TaskOutcome
+from .local import _warm_command, warm_start
 from .ranks import safe_name
 
 log = logging.getLogger(__name__)
@@ -56,7 +76,9 @@ class SlurmBackend(Backend):
         self._allocation: Allocation | None = None
         self._launcher: SrunStep | None = None
         self._srun = "srun"
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._procs: dict[str, subprocess.Popen[bytes] | ForkedTask] = {}
+        self._warm = warm_start(pilot, "slurm")
+        self._agents: dict[str, ForkServer] = {}
         self._cancelled: set[str] = set()
         self._threads: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -80,6 +102,21 @@ class SlurmBackend(Backend):
         self._srun = srun
         self._launcher = SrunStep(srun)
         log.info("slurm backend in job %s: nodes %s", alloc.job_id, ", ".join(alloc.nodes[:pilot.nodes]))
+        for node in self.node_names():  # their imports are done while the run looks up its cache
+            self._agent(node)
+
+    def _agent(self, node: str) -> ForkServer | None:
+        """The agent on ``node``, started by :meth:`start` (or on first use); ``None`` once it has ended, or with
+        warm start off."""
+        with self._lock:
+            if not self._warm:
+                return None
+            agent = self._agents.get(node)
+            if agent is None:
+                log_path = self.run_dir / f"agent-{safe_name(node)}.log" if self.run_dir is not None else None
+                agent = self._agents[node] = ForkServer(log_path, launcher=agent_argv(self._srun, node),
+                                                        env=step_env(os.environ, {}))
+            return agent if agent.alive else None
 
     def node_names(self) -> list[str]:
         """The allocation's hostnames (``scontrol show hostnames``), the first ``pilot.nodes`` of them."""
@@ -117,19 +154,25 @@ class SlurmBackend(Backend):
 
     def _step(self, spec: LaunchSpec, argv: list[str], started: float) -> TaskOutcome:
         env = step_env(os.environ, spec.env)
-        out = _log(spec.stdout)
-        err = _log(spec.stderr)
-        try:
-            proc = subprocess.Popen(argv, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True)
-        finally:
-            for fd in (out, err):
-                if fd != subprocess.DEVNULL:
-                    os.close(fd)
+        node = self.node_names()[spec.slots[0].node]
+        proc: subprocess.Popen[bytes] | ForkedTask | None = self._start_warm(spec, env, node)
+        if proc is None:
+            out = _log(spec.stdout)
+            err = _log(spec.stderr)
+            try:
+                proc = subprocess.Popen(argv, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=err, start_new_session=True)
+            finally:
+                for fd in (out, err):
+                    if fd != subprocess.DEVNULL:
+                        os.close(fd)
         with self._lock:
             self._procs[spec.task_id] = proc
             cancelled = spec.task_id in self._cancelled
-        log.debug("task %s: job step %s", spec.task_id, argv)
+        if isinstance(proc, ForkedTask):
+            log.debug("task %s: started by the agent on %s: pid %d there", spec.task_id, node, proc.pid)
+        else:
+            log.debug("task %s: job step %s", spec.task_id, argv)
         if cancelled:
             _stop(proc)
         timed_out = False
@@ -147,14 +190,23 @@ class SlurmBackend(Backend):
                 break
         with self._lock:
             cancelled = spec.task_id in self._cancelled
-        if (timed_out or cancelled) and self._allocation is not None:
+        warm = isinstance(proc, ForkedTask)
+        if (timed_out or cancelled) and self._allocation is not None and not warm:
             _end_step(self._allocation.job_id, step_name(spec.task_id))
         code = proc.returncode
         detail = ""
         lost: dict[str, str] = {}
+        agent = self._agents.get(node) if warm else None
         if timed_out:
             detail = f"timed out after {spec.timeout}s"
-        elif code and not cancelled:
+        elif warm and code and not cancelled and agent is not None and not agent.alive:
+            detail = f"the hetflow agent on {node} ended while the task ran (see agent-{safe_name(node)}.log)"
+            if self._allocation is not None:
+                lost = lost_nodes(self._allocation.job_id, [node])
+            if lost:
+                log.error("task %s: %s", spec.task_id, "; ".join(lost.values()))
+                detail = "; ".join(lost.values()) + "; " + detail
+        elif code and not cancelled and not warm:
             detail = failure_report(code, None if spec.stderr is None else tail(spec.stderr, 20000))
             if self._allocation is not None:  # a failed step may mean a lost node: ask Slurm about its nodes
                 names = self.node_names()
@@ -165,6 +217,18 @@ class SlurmBackend(Backend):
         return TaskOutcome(task_id=spec.task_id, returncode=code, timed_out=timed_out, cancelled=cancelled,
                            signal=-code if code is not None and code < 0 else None, started=started,
                            ended=time.time(), detail=detail, lost_nodes=lost)
+
+    def _start_warm(self, spec: LaunchSpec, env: dict[str, str], node: str) -> ForkedTask | None:
+        """Start ``spec`` by ``node``'s agent, if it can take it; ``None``: start it as a job step."""
+        command = _warm_command(spec)
+        agent = self._agent(node) if command is not None else None
+        if agent is None or command is None:
+            return None
+        try:
+            return agent.start_task(command, spec.cwd, env, spec.stdout, spec.stderr)
+        except ForkServerGone as exc:
+            log.warning("task %s: started as a job step: the agent on %s: %s", spec.task_id, node, exc)
+            return None
 
     def cancel(self, task_id: str) -> None:
         with self._lock:
@@ -182,11 +246,28 @@ class SlurmBackend(Backend):
             self.cancel(task_id)
         for _, thread in running:
             thread.join(timeout=2 * KILL_GRACE + 5)
+        with self._lock:
+            agents, self._agents, self._warm = list(self._agents.values()), {}, False
+        for agent in agents:  # stdin closed: each agent ends, and its step with it
+            agent.close()
 
 
 def step_name(task_id: str) -> str:
     """The job step's name: finds a step whose ``srun`` is gone."""
     return f"hetflow-{safe_name(task_id)}"
+
+
+AGENT_NAME = "hetflow-agent"
+"""The job name of the agents' steps."""
+
+
+def agent_argv(srun: str, node: str) -> list[str]:
+    """The ``srun`` that runs ``node``'s agent (the fork server's command follows): one task on that node,
+    ``--overlap`` so that it shares the CPUs and memory the job has there with the other steps and blocks
+    none of them (it asks for no GPU: the ranks it starts have none), unbound (``--cpu-bind=none``: its children may run on any of the
+    node's CPUs), no PMI (its ranks are MPI singletons), stdin to the one task."""
+    return [srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--cpu-bind=none", "--mem=0",
+            "--mpi=none", "--input=all", f"--job-name={AGENT_NAME}"]
 
 
 def _end_step(job_id: str, name: str) -> None:
@@ -212,8 +293,18 @@ def _log(path: Path | None) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
 
-def _stop(proc: "subprocess.Popen[bytes]") -> None:
-    """SIGTERM to srun's session (srun forwards it to the step's ranks), SIGKILL after a grace."""
+def _stop(proc: "subprocess.Popen[bytes] | ForkedTask") -> None:
+    """SIGTERM to srun's session (srun forwards it to the step's ranks), SIGKILL after a grace; for a rank an
+    agent started, the same to the rank's process group, through the agent."""
     from .ranks import _kill_group
 
-    _kill_group(proc, KILL_GRACE)
+    if not isinstance(proc, ForkedTask):
+        _kill_group(proc, KILL_GRACE)
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc.signal_group(sig)
+        try:
+            proc.wait(KILL_GRACE)
+            return
+        except subprocess.TimeoutExpired:
+            continue

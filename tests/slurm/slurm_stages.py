@@ -93,3 +93,54 @@ def wait_for_node_loss(ctx):
             ctx.comm.Iprobe()
             time.sleep(0.05)
     return {}
+
+
+def who(ctx):
+    """Where and how this rank was started, in ``params['record_dir']/<stage>-<rank>.json``: its host, pid,
+    session, and its parent's command line (a rank forked by its node's agent has the fork server as
+    parent, one started by a job step its witness or slurmstepd)."""
+    import json
+    import os
+    import pathlib
+    import socket
+
+    parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "leads_session": os.getsid(0) == os.getpid(),
+              "parent": parent, "size": ctx.size}
+    path = pathlib.Path(ctx.params["record_dir"]) / f"{ctx.stage}-{ctx.rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(record))
+    path.with_suffix(".tmp").rename(path)
+    return {}
+
+
+def sleep_flagged(ctx):
+    """Say its pid (``params['record_dir']/<stage>.pid``), then outlive any timeout or cancel."""
+    import os
+    import pathlib
+    import time
+
+    flag = pathlib.Path(ctx.params["record_dir"]) / f"{ctx.stage}.pid"
+    flag.with_suffix(".tmp").write_text(str(os.getpid()))
+    flag.with_suffix(".tmp").rename(flag)
+    time.sleep(300)
+    return {}
+
+
+def wait_for_agent_kill(ctx):
+    """The first attempt: say its pid, its parent's pid and its host (``params['record_dir']/first.json``),
+    then wait for the test to kill its parent.  A retry says its parent's command line and returns."""
+    import json
+    import os
+    import pathlib
+    import socket
+    import time
+
+    record_dir = pathlib.Path(ctx.params["record_dir"])
+    if ctx.attempt == 1:
+        record = {"pid": os.getpid(), "parent": os.getppid(), "host": socket.gethostname()}
+        (record_dir / "first.tmp").write_text(json.dumps(record))
+        (record_dir / "first.tmp").rename(record_dir / "first.json")
+        time.sleep(120)
+    parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    (record_dir / "retry.json").write_text(json.dumps({"parent": parent, "host": socket.gethostname()}))
+    return {}
