@@ -220,6 +220,11 @@ class _Walker:
         """Types of the values met since the last component whose text form is shortened (``...``)."""
         self.uncacheable: dict[str, set[str]] = {}
         """``{component: types}`` of the components that hold such a value (see :func:`uncacheable`)."""
+        self.classes: list[type] = []
+        """The classes hashed (:meth:`visit_class`): whose subclasses count when ``__subclasses__`` is read."""
+        self.valued: set[tuple[str, int]] = set()
+        """``(component, id of the value)`` of the module values digested: each once, however often they are
+        looked at again (:meth:`reached_by_value`)."""
 
     def run(self) -> dict[str, str]:
         if isinstance(self.func, types.FunctionType):
@@ -232,6 +237,8 @@ class _Walker:
             self.drain()
             found = [(owner, attr) for owner, attr in patches
                      if (id(owner), attr) not in applied and self.patch_counts(owner, attr)]
+            if not found and self.reached_by_value():
+                continue  # a module's value held code (a registry, a subclass): what that reads counts too
             if not found:
                 break
             for owner, attr in found:  # a patched value may reach more code: drain again
@@ -243,6 +250,7 @@ class _Walker:
                                                          if not k.startswith("__")})
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
         self.module_values()
+        self.command_line()
         for key, kinds in self.uncacheable.items():
             cut = sorted(k for k in kinds if not k.startswith(_OPAQUE))
             opaque = sorted(k[len(_OPAQUE):] for k in kinds if k.startswith(_OPAQUE))
@@ -251,6 +259,36 @@ class _Walker:
                   "can read"] if opaque else [])
             self.parts[f"{UNCACHEABLE}{key}"] = {f"holds {' and '.join(said)}"}
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
+
+    def reached_by_value(self) -> bool:
+        """Count the values of the reached modules (:meth:`module_values`) and the subclasses of the reached
+        classes (:meth:`subclasses`); whether that reached code not followed yet: a function or class of the
+        script kept in a local module's registry (``@reg.register("a")``, ``__init_subclass__``) counts by its
+        code and its class attributes, as when a stage names it."""
+        self.module_values()
+        self.subclasses()
+        self.queue = [o for o in self.queue if (o.name if isinstance(o, _Located) else id(o)) not in self.seen]
+        return bool(self.queue)
+
+    def subclasses(self) -> None:
+        """A stage whose reached code reads ``__subclasses__`` counts the user subclasses loaded now of every
+        reached user class (those of a reached module too): ``Base.__subclasses__()[0]`` may be any of them."""
+        if "__subclasses__" not in self.names:
+            return
+        classes = list(self.classes)
+        for key in [k for k in self.parts if k.startswith("module ")]:
+            module = sys.modules.get(key[len("module "):])
+            if isinstance(module, types.ModuleType):
+                classes.extend(v for v in list(vars(module).values())
+                               if isinstance(v, type) and v.__module__ == module.__name__)
+        for cls in classes:
+            try:
+                found = type.__subclasses__(cls)
+            except TypeError:  # not a plain class
+                continue
+            for sub in found:
+                if self.is_user_object(sub):
+                    self.follow(sub)
 
     def module_values(self) -> None:
         """The values, as they are now, of the globals of reached user modules that the reached code names:
@@ -277,7 +315,7 @@ class _Walker:
                 if attr.startswith("__") or not self.reads(attr) or isinstance(value, (types.ModuleType, type)) \
                         or _is_code_like(value):
                     continue
-                self.add(f"{name}.{attr}", _sha(self.value(value)))
+                self.add_value(f"{name}.{attr}", value)
         script = getattr(_target(self.func), "__globals__", None)
         if ANY_NAME in self.names and isinstance(script, dict) and script.get("__name__") == self.home:
             for attr, value in list(script.items()):  # the script's own, read by a computed name
@@ -285,6 +323,13 @@ class _Walker:
                         or type(value).__module__.partition(".")[0] == "hetflow" or attr in self.parts:
                     continue
                 self.add(attr, _sha(self.value(value)))
+
+    def command_line(self) -> None:
+        """The script's command-line arguments (``sys.argv[1:]``, what the ranks get too) when the reached code
+        reads them: names ``argv`` (``sys.argv[1]``, ``from sys import argv``) or parses them (``parse_args()``).
+        The script's path (``argv[0]``) does not count."""
+        if _ARGV_READERS & self.names:
+            self.add("sys.argv[1:]", _sha(self.value(list(sys.argv[1:]))))
 
     def class_values(self, module: str, cls: type) -> None:
         """The values, as they are now, of a reached module's class attributes that the reached code names: its
@@ -294,7 +339,13 @@ class _Walker:
             if attr.startswith("__") or not self.reads(attr) or _is_code_like(value) or \
                     isinstance(value, (staticmethod, classmethod, property, functools.cached_property)):
                 continue
-            self.add(f"{module}.{cls.__qualname__}.{attr}", _sha(self.value(value)))
+            self.add_value(f"{module}.{cls.__qualname__}.{attr}", value)
+
+    def add_value(self, key: str, value: Any) -> None:
+        """Record a module's or a class's value, once per walk."""
+        if (key, id(value)) not in self.valued:
+            self.valued.add((key, id(value)))
+            self.add(key, _sha(self.value(value)))
 
     def reads(self, attr: str) -> bool:
         """Whether the reached code may read a name: it names it, or reads names computed at run time."""
@@ -422,7 +473,7 @@ class _Walker:
         unresolved = tuple(os.path.join(d, "") for d in (sys.prefix, sys.base_prefix, sys.exec_prefix) if d)
         known = _USER_MODULES.setdefault((self.roots, self.external, self.installed_local), {})
         for name, module in list(sys.modules.items()):
-            path = getattr(module, "__file__", None)
+            path = getattr(module, "__file__", None) if isinstance(module, types.ModuleType) else None
             if (name in found or not isinstance(path, str) or not path.endswith(".py") or path.startswith(unresolved)
                     or "site-packages" in path or "dist-packages" in path):
                 continue
@@ -471,6 +522,7 @@ class _Walker:
                 self.follow(value)
 
     def visit_class(self, cls: type) -> None:
+        self.classes.append(cls)
         body = [f"bases {[self.follow(b) for b in cls.__bases__ if b is not object]}"]
         if type(cls) is not type:
             body.append(f"metaclass {self.follow(type(cls))}")
@@ -533,7 +585,7 @@ class _Walker:
         instructions = list(dis.get_instructions(code))
         if _reads_computed_names(instructions):  # getattr(consts, "K" + which): any name may be read
             self.names.add(ANY_NAME)
-            if namespace.get("__name__") == self.home and ("globals" in code.co_names or "modules" in code.co_names):
+            if namespace.get("__name__") == self.home and _SCRIPT_READERS & set(code.co_names):
                 self.script_by_name = True
         if _NAMESPACE_READERS & set(code.co_names):  # globals()["K"], getattr(sys.modules[__name__], "K")
             for const in code.co_consts:
@@ -606,13 +658,16 @@ class _Walker:
             self.follow_module_name(name)
             return
         base = sys.modules.get(name)
+        if base is not None and not isinstance(base, types.ModuleType):  # not a module: counted by value
+            self.module_stand_in(name, base)
+            return
         whole = False
         for attr in fromlist:
             sub = f"{name}.{attr}"
             if attr == "*":
                 whole = True
             elif sub in sys.modules:
-                self.follow(sys.modules[sub])
+                self.follow_module_name(sub)
             elif base is not None and attr in vars(base):
                 value = vars(base)[attr]
                 if isinstance(value, (types.FunctionType, type, types.ModuleType)):
@@ -629,6 +684,9 @@ class _Walker:
     def follow_module_name(self, name: str) -> None:
         """Follow a module by name: imported, or located and hashed from its file without being imported."""
         module = sys.modules.get(name)
+        if module is not None and not isinstance(module, types.ModuleType):
+            self.module_stand_in(name, module)
+            return
         if module is not None:
             self.follow(module)
             return
@@ -637,6 +695,12 @@ class _Walker:
             self.queue.append(_Located(name, found.origin, found.submodule_search_locations is not None))
         else:
             self.external_module(name)
+
+    def module_stand_in(self, name: str, obj: Any) -> None:
+        """An object the script put in ``sys.modules`` in place of a module (``sys.modules["labcfg"] =
+        types.SimpleNamespace(K=1)``, an instance of a class), which ``import labcfg`` gives: counted by
+        value, its attributes, like a global holding it."""
+        self.add(f"sys.modules[{name!r}]", _sha(self.value(obj)))
 
     def locate(self, name: str) -> importlib.machinery.ModuleSpec | None:
         """A module's spec, found without importing it or its packages (so none of their code runs)."""
@@ -885,6 +949,12 @@ ANY_NAME = "<any name>"
 """In :attr:`_Walker.names`: the reached code reads names computed at run time (``getattr(m, "K" + which)``,
 ``vars(m)``, ``m.__dict__``, ``globals()``), so every value of a reached module counts."""
 _NAMESPACE_READERS = frozenset({"globals", "vars", "getattr", "__dict__", "modules"})
+_ARGV_READERS = frozenset({"argv", "parse_args", "parse_known_args", "parse_intermixed_args",
+                            "parse_known_intermixed_args"})
+"""Names whose use in reached code reads the command line (:meth:`_Walker.command_line`)."""
+_SCRIPT_READERS = frozenset({"globals", "modules", "import_module", "__import__"})
+"""Names whose use with a computed name reads the script's own namespace: ``globals()[...]``, and the module
+itself: ``sys.modules[__name__]``, ``importlib.import_module(__name__)``, ``__import__(__name__)``."""
 _COMPUTED_READERS = frozenset({"vars", "globals", "__dict__", "attrgetter", "methodcaller", "getattr_static",
                                "__getattribute__"})
 _PLAIN_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CONST"})
@@ -966,7 +1036,8 @@ def _imported_names(source: bytes, path: str, package: str | None) -> dict[str, 
             value = sys.modules.get(module, _ABSENT)
         else:
             base, sub = sys.modules.get(module), sys.modules.get(f"{module}.{name}")
-            value = sub if sub is not None else vars(base).get(name, _ABSENT) if base is not None else _ABSENT
+            value = sub if sub is not None else vars(base).get(name, _ABSENT) \
+                if isinstance(base, types.ModuleType) else _ABSENT
         if value is not _ABSENT:
             found[bound] = value
     return found
