@@ -104,10 +104,16 @@ Decisions, for :func:`code_fingerprint`:
   frame, table or array a DuckDB query names, and, in code that calls
   ``eval``/``exec``, every global its strings name.  A stage that reads the
   script's namespace by a computed name (``globals()["norm_" + m]``) counts every
-  function and class of the script; the attributes of a reached local module's
+  function and class of the script (so does ``getattr(sys.modules[__name__], ...)``,
+  ``importlib.import_module(__name__)``); the attributes of a reached local module's
   classes count by their value now (a classmethod the script's top calls sets them).
   A function, class or module met inside a value is recorded by name and
-  followed.
+  followed, a reached module's values too (a local module's registry holding a
+  script function or class counts by their code); code that reads
+  ``__subclasses__`` counts the user subclasses loaded of every reached class.  An
+  object put in ``sys.modules`` in place of a module counts by value where it is
+  imported.  Code that reads ``argv`` or calls ``parse_args`` counts the script's
+  arguments (``sys.argv[1:]``).
 """
 
 from __future__ import annotations

@@ -200,12 +200,23 @@ def test_an_object_put_in_sys_modules_counts_by_value(tmp_path: Path) -> None:
     assert states(third) == {"namespace": "CACHED", "instance": "DONE"} and value(third, "obj") == 30
 
 
+ARGV_STAGES = '''
+import sys
+import pyarrow as pa
+
+
+def in_module(ctx):
+    return {"moduled": pa.table({"v": [int(sys.argv[1]) * 100]})}
+'''
+
 ARGV = '''
 import sys
 import pyarrow as pa
 import hetflow as hf
+from stages import in_module
 
 pipe = hf.Pipeline("argv")
+pipe.stage(outputs=["moduled"])(in_module)
 
 
 @pipe.stage(outputs=["arg"])
@@ -225,7 +236,9 @@ if __name__ == "__main__":
 
 def test_a_stage_reading_the_scripts_arguments_reruns_when_they_change(tmp_path: Path) -> None:
     """``python p.py 1`` then ``python p.py 2``: a stage reading ``sys.argv[1]`` was CACHED with 1's result.
-    The arguments count for a stage whose code reads them, and its ranks see the same."""
+    The arguments count for a stage whose code reads them, and its ranks see the same (those of a stage
+    defined in a local module too: they saw the worker's own arguments before)."""
+    (tmp_path / "stages.py").write_text(ARGV_STAGES)
     (tmp_path / "p.py").write_text(ARGV)
 
     def script(arg: str) -> dict[str, object]:
@@ -234,11 +247,13 @@ def test_a_stage_reading_the_scripts_arguments_reruns_when_they_change(tmp_path:
         assert done.returncode == 0, done.stdout + done.stderr
         return status(tmp_path)
 
-    assert value(script("1"), "arg") == 10
+    first = script("1")
+    assert (value(first, "arg"), value(first, "moduled")) == (10, 100)
     second = script("2")
-    assert states(second) == {"reads_argv": "DONE", "other": "CACHED"} and value(second, "arg") == 20
+    assert states(second) == {"in_module": "DONE", "reads_argv": "DONE", "other": "CACHED"}
+    assert (value(second, "arg"), value(second, "moduled")) == (20, 200)
     assert second["reads_argv"]["cache"]["reason"] == "sys.argv[1:] changed"
-    assert states(script("2")) == {"reads_argv": "CACHED", "other": "CACHED"}
+    assert states(script("2")) == {"in_module": "CACHED", "reads_argv": "CACHED", "other": "CACHED"}
 
 
 NAN = '''
