@@ -109,7 +109,9 @@ Decisions, for :func:`code_fingerprint`:
   classes count by their value now (a classmethod the script's top calls sets them).
   A function, class or module met inside a value is recorded by name and
   followed, a reached module's values too (a local module's registry holding a
-  script function or class counts by their code); code that reads
+  script function or class counts by their code; the cells of a reached module's
+  functions made by a factory, ``register, get = make_registry()``, count as
+  values); code that reads
   ``__subclasses__`` counts the user subclasses loaded of every reached class.  An
   object put in ``sys.modules`` in place of a module counts by value where it is
   imported.  Code that reads ``argv`` or calls ``parse_args`` counts the script's
@@ -289,7 +291,7 @@ class _Walker:
                                if isinstance(v, type) and v.__module__ == module.__name__)
         for cls in classes:
             try:
-                found = type.__subclasses__(cls)
+                found: list[type] = type.__subclasses__(cls)
             except TypeError:  # not a plain class
                 continue
             for sub in found:
@@ -318,6 +320,11 @@ class _Walker:
             for attr, value in list(vars(module).items()):
                 if isinstance(value, type) and value.__module__ == name and not attr.startswith("__"):
                     self.class_values(name, value)
+                if isinstance(value, types.FunctionType) and value.__closure__ and self.reads(attr) and \
+                        value.__module__ == name and "__wrapped__" not in vars(value):
+                    # register, get = make_registry(): the table in their cells (not a decorator's wrapper)
+                    cells = [c.cell_contents for c in value.__closure__ if _filled(c)]
+                    self.add_value(f"{name}.{attr}() closure", cells)
                 if attr.startswith("__") or not self.reads(attr) or isinstance(value, (types.ModuleType, type)) \
                         or _is_code_like(value):
                     continue

@@ -43,11 +43,30 @@ def get(name):
     return _PLUGINS[name]
 '''
 
+TABLES = '''
+def _make():
+    table = {}
+
+    def register(name):
+        def deco(f):
+            table[name] = f
+            return f
+        return deco
+
+    def get(name):
+        return table[name]
+    return register, get
+
+
+register, get = _make()
+'''
+
 REGISTERED = '''
 import pyarrow as pa
 import hetflow as hf
 import helpers
 import plugins
+import tables
 from reg import Base, lookup
 
 
@@ -63,6 +82,11 @@ class Impl(helpers.Root):
 @plugins.register("a")
 def norm_a(x):
     return x * 1
+
+
+@tables.register("b")
+def norm_b(x):
+    return x + 0
 
 
 pipe = hf.Pipeline("registered")
@@ -81,32 +105,44 @@ def by_subclasses(ctx):
 @pipe.stage(outputs=["plugin"])
 def by_decorator(ctx):
     return {"plugin": pa.table({"v": [plugins.get("a")(10)]})}
+
+
+@pipe.stage(outputs=["closed"])
+def by_closure(ctx):
+    return {"closed": pa.table({"v": [tables.get("b")(10)]})}
 '''
 
 
 def test_a_script_class_or_function_kept_in_a_local_modules_registry_reruns_what_reads_it(tmp_path: Path) -> None:
     """The sixth red team: a class of the script registered by a local module's ``__init_subclass__``, found
     by ``Root.__subclasses__()``, or a function registered by a local module's decorator (the commonest
-    plugin pattern): editing it left the stage CACHED with the old result.  Code reached as a value of a
-    reached module counts by its code and class attributes, as when a stage names it."""
+    plugin pattern, also with the table in a closure): editing it left the stage CACHED with the old result.
+    Code reached as a value of a reached module counts by its code and class attributes, as when a stage
+    names it."""
     (tmp_path / "reg.py").write_text(REG)
     (tmp_path / "plugins.py").write_text(PLUGINS)
+    (tmp_path / "tables.py").write_text(TABLES)
     (tmp_path / "helpers.py").write_text("class Root:\n    pass\n")
     (tmp_path / "p.py").write_text(REGISTERED)
     first = run(tmp_path)
-    assert (value(first, "subclass"), value(first, "listed"), value(first, "plugin")) == (10, 30, 10)
+    assert [value(first, n) for n in ("subclass", "listed", "plugin", "closed")] == [10, 30, 10, 10]
+    cached = {"by_init_subclass": "CACHED", "by_subclasses": "CACHED", "by_decorator": "CACHED", "by_closure": "CACHED"}
     edit(tmp_path / "p.py", "factor = 1", "factor = 2")
     second = run(tmp_path)
-    assert states(second) == {"by_init_subclass": "DONE", "by_subclasses": "CACHED", "by_decorator": "CACHED"}
+    assert states(second) == {**cached, "by_init_subclass": "DONE"}
     assert value(second, "subclass") == 20 and second["by_init_subclass"]["cache"]["reason"] == "class Doubler changed"
     edit(tmp_path / "p.py", "factor = 3", "factor = 4")
     third = run(tmp_path)
-    assert states(third) == {"by_init_subclass": "CACHED", "by_subclasses": "DONE", "by_decorator": "CACHED"}
+    assert states(third) == {**cached, "by_subclasses": "DONE"}
     assert value(third, "listed") == 40 and third["by_subclasses"]["cache"]["reason"] == "class Impl changed"
     edit(tmp_path / "p.py", "return x * 1", "return x * 2")
     fourth = run(tmp_path)
-    assert states(fourth) == {"by_init_subclass": "CACHED", "by_subclasses": "CACHED", "by_decorator": "DONE"}
+    assert states(fourth) == {**cached, "by_decorator": "DONE"}
     assert value(fourth, "plugin") == 20 and fourth["by_decorator"]["cache"]["reason"] == "code of norm_a() changed"
+    edit(tmp_path / "p.py", "return x + 0", "return x + 5")
+    fifth = run(tmp_path)
+    assert states(fifth) == {**cached, "by_closure": "DONE"}
+    assert value(fifth, "closed") == 15 and fifth["by_closure"]["cache"]["reason"] == "code of norm_b() changed"
     assert set(states(run(tmp_path)).values()) == {"CACHED"}  # the key is the same in a new process
 
 
