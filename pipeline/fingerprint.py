@@ -138,6 +138,7 @@ import os
 import random
 import re
 import sys
+import struct
 import sysconfig
 import threading
 import types
@@ -155,6 +156,8 @@ NO_MATCH = "<no match>"
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes, PurePath, decimal.Decimal, uuid.UUID,
            datetime.date, datetime.time, datetime.timedelta)
 _LOAD_OPS = {"LOAD_GLOBAL", "LOAD_NAME"}
+_NAN_BITS = struct.pack("<d", float("nan"))
+"""A NaN other than this one (``-nan``) counts by its bits: its ``repr`` is ``nan``'s."""
 
 
 def _sha(text: str | bytes) -> str:
@@ -737,6 +740,8 @@ class _Walker:
         inner = stack + (id(obj),)
         if isinstance(obj, enum.Enum):
             return f"{self.follow(type(obj))}.{obj.name}"
+        if isinstance(obj, float) and obj != obj and struct.pack("<d", obj) != _NAN_BITS:  # -nan: repr is nan
+            return f"{type(obj).__name__}:nan {struct.pack('<d', obj).hex()}"
         if isinstance(obj, _SIMPLE):
             return f"{type(obj).__name__}:{obj!r}"
         if isinstance(obj, (list, tuple)):

@@ -297,20 +297,32 @@ import math
 import pyarrow as pa
 import hetflow as hf
 
+X = float("nan")
 pipe = hf.Pipeline("nan")
 
 
 @pipe.stage(outputs=["out"], params={"x": 1.0})
 def make(ctx):
     return {"out": pa.table({"v": [math.copysign(1, ctx.params["x"])]})}
+
+
+@pipe.stage(outputs=["glob"])
+def reads_global(ctx):
+    return {"glob": pa.table({"v": [math.copysign(1, X)]})}
 '''
 
 
-def test_a_nan_with_a_minus_sign_is_refused_as_a_parameter(tmp_path: Path) -> None:
+def test_a_nan_with_a_minus_sign_is_refused_as_a_parameter_and_counts_by_its_bits_as_a_value(
+        tmp_path: Path) -> None:
     """``--param x=-nan`` after ``x=nan`` was served nan's result: the run's record keeps every NaN as nan.
-    It is refused, naming the parameter and the stage."""
+    It is refused, naming the parameter and the stage.  A global ``-nan`` (whose ``repr`` is ``nan``) counts
+    by its bits."""
     (tmp_path / "p.py").write_text(NAN)
-    assert value(run(tmp_path, "--param", "x=nan"), "out") == 1.0
+    first = run(tmp_path, "--param", "x=nan")
+    assert (value(first, "out"), value(first, "glob")) == (1.0, 1.0)
     refused = hetflow("run", "p.py", "--no-progress", "--param", "x=-nan", cwd=tmp_path)
     assert refused.returncode != 0
     assert "--param x=-nan (stage 'make'): the run records every NaN as nan" in refused.stderr, refused.stderr
+    edit(tmp_path / "p.py", 'X = float("nan")', 'X = -float("nan")')
+    signed = run(tmp_path, "--param", "x=nan")
+    assert states(signed) == {"make": "CACHED", "reads_global": "DONE"} and value(signed, "glob") == -1.0
