@@ -12,7 +12,6 @@ atomically (temp file + rename) into a 0700 directory.
 
 from __future__ import annotations
 
-import fnmatch
 import glob
 import os
 from collections.abc import Sequence
@@ -27,7 +26,8 @@ import pyarrow.fs as pafs
 from . import ipcfile, safeio
 from .communicator import Communicator
 from .errors import InputError, InvalidOptionError, SchemaMismatchError
-from .location import Location, is_object_store, is_uri, redact, resolve, storage_error
+from .location import (Location, StorageError, bucket_and_key, check_bucket, glob_files, glob_start, is_uri, redact,
+                       resolve, storage_error)
 from .shares import batch_lengths
 from .optiontypes import WriteFormat
 
@@ -108,15 +108,11 @@ def _shown(text: str) -> str:
 def _listed(where: Location, fmt: str) -> list[_File]:
     """The files of one item on a file system: the file, a directory's ``fmt`` files, or a glob's matches."""
     fs, path = where.filesystem, where.path
-    glob_at = min((path.index(ch) for ch in "*?[" if ch in path), default=-1)
     try:
-        if glob_at >= 0:
-            base = path[:glob_at].rsplit("/", 1)[0]
-            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-            found = sorted((i for i in infos if i.type == pafs.FileType.File and _glob_match(path, i.path)),
-                           key=lambda i: i.path)
+        if glob_start(path) >= 0:
+            found = glob_files(where)
             if not found:
-                raise InputError(f"no {fmt} files match {where.uri}{_bucket_key(where)}")
+                raise InputError(f"no {fmt} files match {where.uri}{bucket_and_key(where)}")
         else:
             info = fs.get_file_info(path)
             if info.type == pafs.FileType.Directory:
@@ -124,41 +120,18 @@ def _listed(where: Location, fmt: str) -> list[_File]:
                 found = sorted((i for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(_EXTS[fmt])),
                                key=lambda i: i.path)
                 if not found:
-                    raise InputError(f"no {fmt} files in {where.uri}{_bucket_key(where)}")
+                    raise InputError(f"no {fmt} files in {where.uri}{bucket_and_key(where)}")
             elif info.type == pafs.FileType.File:
                 found = [info]
             else:
-                _check_bucket(where)
-                raise InputError(f"{fmt} input {where.uri}{_bucket_key(where)} does not exist")
-    except InputError:
+                check_bucket(where)
+                raise InputError(f"{fmt} input {where.uri}{bucket_and_key(where)} does not exist")
+    except (InputError, StorageError):
         raise
     except OSError as exc:
         raise storage_error(exc, where, "list") from exc
     base_uri = where.uri[: len(where.uri) - len(where.path)] if where.uri.endswith(where.path) else ""
     return [_File(Location(fs, i.path, base_uri + i.path, where.is_local), int(i.size or 0)) for i in found]
-
-
-def _glob_match(pattern: str, path: str) -> bool:
-    """Whether ``path`` matches ``pattern`` as :func:`glob.glob` matches a local path: segment by segment
-    (``*`` and ``?`` never cross a ``/``), and a segment starting with ``.`` only where the pattern's does."""
-    parts, names = pattern.split("/"), path.split("/")
-    if len(parts) != len(names):
-        return False
-    return all(fnmatch.fnmatchcase(name, part) and (part.startswith(".") or not name.startswith("."))
-               for part, name in zip(parts, names))
-
-
-def _check_bucket(where: Location) -> None:
-    """A :class:`StorageError` if the bucket of ``where`` does not exist (S3 lists a missing bucket as empty)."""
-    if not is_object_store(where.uri) or where.bucket is None:
-        return
-    if where.filesystem.get_file_info(where.bucket).type == pafs.FileType.NotFound:
-        raise storage_error(OSError("NO_SUCH_BUCKET"), where, "list")
-
-
-def _bucket_key(where: Location) -> str:
-    return "" if where.is_local or where.bucket is None or where.uri == where.path else \
-        f" (bucket {where.bucket!r}, key {where.key!r})"
 
 
 def _assign(weights: Sequence[int], rank: int, size: int) -> list[int]:

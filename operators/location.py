@@ -23,9 +23,12 @@ safe I/O for them (no symlinks followed, directories fsynced), which ``pyarrow.f
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,12 @@ def redact(uri: str) -> str:
     if netloc == parts.netloc and query == parts.query:
         return uri
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def carries_settings(uri: str) -> bool:
+    """Whether ``uri`` carries credentials (``s3://KEY:SECRET@bucket/...``) or pyarrow's options (a query of
+    ``key=value`` pairs such as ``?endpoint_override=...``), which hetflow takes from the AWS environment only."""
+    return is_uri(uri) and ("@" in urlsplit(uri).netloc or _options(uri) is not None)
 
 
 def s3_endpoint() -> str | None:
@@ -196,6 +205,83 @@ def _options(uri: str) -> str | None:
     if pairs and all("=" in item for item in query.split("&") if item) and set(pairs) <= _URI_OPTIONS:
         return query
     return None
+
+
+GLOB_CHARACTERS = "*?["
+"""Characters that make a path a glob, on a file system as on an object store."""
+
+
+def glob_start(path: str) -> int:
+    """Where the first glob character of ``path`` is, or -1 when it is no glob."""
+    return min((path.index(ch) for ch in GLOB_CHARACTERS if ch in path), default=-1)
+
+
+def glob_match(pattern: str, path: str) -> bool:
+    """Whether ``path`` matches ``pattern`` as :func:`glob.glob` matches a local path: segment by segment
+    (``*`` and ``?`` never cross a ``/``, so ``**`` is ``*``), and a segment starting with ``.`` only where
+    the pattern's does."""
+    parts, names = pattern.split("/"), path.split("/")
+    if len(parts) != len(names):
+        return False
+    return all(fnmatch.fnmatchcase(name, part) and (part.startswith(".") or not name.startswith("."))
+               for part, name in zip(parts, names))
+
+
+def glob_files(where: Location) -> list[pafs.FileInfo]:
+    """The files the glob ``where`` matches (:func:`glob_match`), sorted by path: one recursive listing below
+    the glob's fixed part.  The readers (:mod:`hetflow.operators.filesplit`) and a stage's declared files on
+    an object store match by this one rule.
+
+    :raises StorageError: the listing failed (no credentials, no bucket, access denied, endpoint down).
+    """
+    base = where.path[:glob_start(where.path)].rsplit("/", 1)[0]
+    try:
+        infos = where.filesystem.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    except OSError as exc:
+        raise storage_error(exc, where, "list") from exc
+    return sorted((i for i in infos if i.type == pafs.FileType.File and glob_match(where.path, i.path)),
+                  key=lambda i: i.path)
+
+
+def check_bucket(where: Location) -> None:
+    """A :class:`StorageError` if the bucket of ``where`` does not exist (S3 lists a missing bucket as empty)."""
+    if not is_object_store(where.uri) or where.bucket is None:
+        return
+    try:
+        found = where.filesystem.get_file_info(where.bucket).type != pafs.FileType.NotFound
+    except OSError as exc:
+        raise storage_error(exc, where, "list") from exc
+    if not found:
+        raise storage_error(OSError("NO_SUCH_BUCKET"), where, "list")
+
+
+def bucket_and_key(where: Location) -> str:
+    """`` (bucket 'b', key 'k')`` for an object-store location, to follow its URI in a message; else empty."""
+    return "" if where.is_local or where.bucket is None or where.uri == where.path else \
+        f" (bucket {where.bucket!r}, key {where.key!r})"
+
+
+def object_versions(objects: Sequence[Location]) -> list[str]:
+    """What identifies each object's content without reading it: ``etag:<ETag> size:<bytes>``, from one HEAD
+    request per object (several at once).  A rewritten object gets another ETag; the ETag of a multipart
+    upload is no checksum of the content, but it still changes when the content does.
+
+    :raises StorageError: a request failed (the object is gone, no credentials, endpoint down, ...).
+    """
+    def version(where: Location) -> str:
+        try:
+            with where.filesystem.open_input_file(where.path) as source:   # a HEAD request; nothing is read
+                size = source.size()
+                etag = source.metadata().get("ETag", b"")
+        except OSError as exc:
+            raise storage_error(exc, where, "read") from exc
+        text = etag.decode("utf-8", "replace") if isinstance(etag, bytes) else str(etag)
+        return f"etag:{text.strip(chr(34))} size:{size}"
+
+    if len(objects) < 2:
+        return [version(where) for where in objects]
+    with ThreadPoolExecutor(max_workers=min(16, len(objects))) as pool:
+        return list(pool.map(version, objects))
 
 
 _CAUSES = (

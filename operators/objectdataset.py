@@ -24,6 +24,7 @@ cause (:func:`~hetflow.operators.location.storage_error`).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import socket
 import zlib
@@ -41,6 +42,49 @@ from .location import Location, storage_error
 def unique_partition_name(index: int) -> str:
     """``part-<index>-<random>.arrow``: a key no other write of this partition uses."""
     return f"part-{index:05d}-{secrets.token_hex(6)}.arrow"
+
+
+_PARTITION_NAME = re.compile(r"part-\d+(?:-\d+)?-[0-9a-f]{12}\.arrow")
+"""The names hetflow gives partition objects: :func:`unique_partition_name`, and a map stage's uploads
+(``part-<item>-<rank>-<random>.arrow``, :func:`hetflow.mapping.assemble`)."""
+
+
+def leftovers(directory: Location, *, before: float) -> list[Location]:
+    """The partition objects directly under dataset ``directory`` that no committed manifest names — all of
+    them when it has no manifest — and that were last modified before ``before`` (seconds since the epoch):
+    uploads of attempts that never committed.  Only names hetflow gives partitions count; a manifest that
+    cannot be read leaves the directory alone (nothing there is judged).
+
+    :raises StorageError: the listing failed.
+    """
+    try:
+        infos = directory.filesystem.get_file_info(pafs.FileSelector(directory.path, allow_not_found=True))
+    except OSError as exc:
+        raise storage_error(exc, directory, "list") from None
+    files = {info.base_name: info for info in infos if info.type == pafs.FileType.File}
+    named: set[str] = set()
+    if MANIFEST in files:
+        try:
+            named = {str(part["file"]) for part in read_manifest_data(directory)["partitions"]}
+        except (CorruptDataset, DatasetNotFound, KeyError, TypeError):
+            return []
+    return [directory.join(name) for name, info in sorted(files.items())
+            if _PARTITION_NAME.fullmatch(name) and name not in named
+            and info.mtime_ns is not None and info.mtime_ns < before * 1e9]
+
+
+def delete(objects: Iterable[Location]) -> None:
+    """Delete each of ``objects`` (one already gone is fine).
+
+    :raises StorageError: a request failed; the objects before it are deleted.
+    """
+    for where in objects:
+        try:
+            where.filesystem.delete_file(where.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise storage_error(exc, where, "delete") from None
 
 
 class _Counting:

@@ -23,7 +23,7 @@ import yaml
 from hetflow.tasks.errors import ConfigError, HetflowError
 
 from . import __version__
-from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable
+from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable, absolute_db
 from .filesystem import default_workdir
 from .status import RunStatus, run_status
 from .store import Store, iso, unreadable
@@ -46,6 +46,17 @@ def _param(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key, value
+
+
+def _seconds(text: str) -> float:
+    """A duration in seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number, 0 or more), got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds (a number, 0 or more), got {text!r}")
+    return value
 
 
 PARAM_HELP = ("a parameter for every stage's ctx.params (repeatable); a KEY no stage declares in params= is "
@@ -154,10 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="remove unfinished runs (all but each pipeline's latest) and leftover files",
                         description="Remove runs that ended FAILED, INTERRUPTED, CANCELLED or STOPPED, except "
-                                    "the latest run of each pipeline (the one to resume), and directories under "
-                                    "runs/ that no run record names. Keeps every DONE run, every running run and "
-                                    "every dataset a kept run uses (its cache hits point into earlier runs).")
+                                    "the latest run of each pipeline (the one to resume), directories under "
+                                    "runs/ that no run record names, and partition objects under a run's s3:// "
+                                    "data directory that no committed dataset names (uploads of failed or crashed "
+                                    "attempts). Keeps every DONE run, every running run and every dataset a kept "
+                                    "run uses (its cache hits point into earlier runs).")
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    gc.add_argument("--grace", type=_seconds, metavar="SECONDS",
+                    help="leave alone leftovers younger than this (default: 300 for directories under runs/, "
+                         "3600 for objects on a store, whose clock may differ from this host's)")
     _store_args(gc)
 
     cancel = sub.add_parser("cancel", help="stop a running run (from any terminal or host sharing its store)")
@@ -187,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("run", nargs="?", help="run id (or a unique prefix; default: the latest run, at each request)")
     serve.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free one)")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (default 127.0.0.1: this machine only; the page has no login)")
+                       help="address to listen on (default 127.0.0.1: this machine only; every request needs the "
+                            "token of the address it prints)")
     serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                        help="also answer requests whose Host header is NAME (repeatable); by default only the "
                             "--host address, localhost, 127.0.0.1 and [::1] are answered, anything else gets 421")
@@ -227,7 +244,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     from .pipeline import Pipeline, run_options, wait_for_background
 
     options = dataclasses.replace(options, script=str(path.resolve()))
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     began = time.time()
     sys.argv = [str(path), *argv]  # a resume: the arguments the run's script was started with
     sys.path.insert(0, str(path.resolve().parent))
@@ -246,6 +263,7 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
                 pass  # the run is in `runs`: its summary below says what failed and how to resume
     finally:
         sys.argv, sys.path = saved_argv, saved_path
+        os.chdir(saved_cwd)  # a script's top level may have moved (os.chdir): the summary's paths are from here
     for status in runs:
         _print_summary(status, args, since=began)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
@@ -260,9 +278,7 @@ def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
     from .pipeline import Pipeline, RunOptions, run_options
 
     workdir = str(_workdir(args).resolve())  # the store's place as typed here, before the move to the run's
-    db = args.db
-    if db and db.startswith("sqlite:///") and not os.path.isabs(db[len("sqlite:///"):]):
-        db = "sqlite:///" + os.path.abspath(db[len("sqlite:///"):])
+    db = None if args.db is None else absolute_db(args.db, os.getcwd())
     saved_cwd, saved_path = os.getcwd(), sys.path[:]
     began = time.time()
     try:
@@ -275,7 +291,7 @@ def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
         pipe._producers = {out: spec.name for spec in pipe.stages.values() for out in spec.outputs}
         options = RunOptions(pilot=args.pilot, workdir=workdir, params=dict(record.params), db=db, run_id=record.id,
                              progress=False if args.no_progress else None, rerun=tuple(args.rerun),
-                             stream_logs=args.verbose > 0)
+                             stream_logs=args.verbose > 0, cwd=saved_cwd)
         with run_options(options) as runs:
             try:
                 pipe.run(pilot=found.pilot)
@@ -515,12 +531,12 @@ def _serve(args: argparse.Namespace) -> int:
     from .display import remove_serve_note, write_serve_note
 
     workdir = _workdir(args).resolve()
-    try:  # where a run of this store is shown in a notebook, it links here
-        write_serve_note(workdir, host, port, store.url, run_id)
+    try:  # where a run of this store is shown in a notebook, it links here (with the token: the note is 0600)
+        write_serve_note(workdir, host, port, store.url, run_id, server.token)
     except OSError as exc:
         logging.getLogger(__name__).info("serve: no note in %s (%s)", workdir, exc)
-    print(f"serving {'run ' + run_id if run_id else 'the latest run'} at http://{host}:{port}/ (Ctrl-C to stop)",
-          flush=True)
+    address = f"http://{f'[{host}]' if ':' in host else host}:{port}/?token={server.token}"
+    print(f"serving {'run ' + run_id if run_id else 'the latest run'} at {address} (Ctrl-C to stop)", flush=True)
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
@@ -573,7 +589,7 @@ def _gc(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     runs_dir = _workdir(args).resolve() / "runs"
-    _removal_lines(collect_garbage(store, runs_dir, dry_run=args.dry_run), args.dry_run)
+    _removal_lines(collect_garbage(store, runs_dir, dry_run=args.dry_run, grace=args.grace), args.dry_run)
     return EXIT_OK
 
 
@@ -732,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  data_dir=args.data_dir,
                                  backend=args.backend, progress=False if args.no_progress else None,
                                  rerun=tuple(args.rerun), stream_logs=args.verbose > 0, run_id=args.run_id,
-                                 new_run_ok=args.run_id is not None)
+                                 new_run_ok=args.run_id is not None, cwd=os.getcwd())
             return _run_script(args.script, options, args)
         if args.command == "submit":
             return _submit(args)
@@ -744,7 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  data_dir=args.data_dir,
                                  run_id=record.id, progress=False if args.no_progress else None,
-                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0)
+                                 rerun=tuple(args.rerun), stream_logs=args.verbose > 0, cwd=os.getcwd())
             return _run_script(record.script, options, args, argv=record.argv or ())
         if args.command == "status":
             return _status(args)

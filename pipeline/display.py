@@ -6,8 +6,8 @@ attempts.  Every text that comes from the run (stage names, errors, reasons,
 paths) is HTML-escaped: a stage named ``<script>`` shows as those characters.
 
 ``hetflow serve`` leaves a note in the work directory while it serves
-(:data:`SERVE_NOTE`: its address, process and store); a run of that store shows
-the server's address as a link, when the note is this user's, the process is
+(:data:`SERVE_NOTE`: its address, token, process and store); a run of that store shows
+the server's address (with its token) as a link, when the note is this user's, the process is
 alive and it serves that run (or the latest run).
 """
 
@@ -32,6 +32,7 @@ SERVE_NOTE = "serve.json"
 _COLOURS = {"DONE": "#2e7d32", "CACHED": "#1565c0", "RUNNING": "#ef6c00", "FAILED": "#c62828",
             "TIMED_OUT": "#c62828", "CANCELLED": "#6d4c41", "INTERRUPTED": "#6d4c41", "SKIPPED": "#757575"}
 _HOST = re.compile(r"^[A-Za-z0-9.\-]+$|^[0-9A-Fa-f:]+$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]{16,128}$")
 
 
 def store_digest(url: str) -> str:
@@ -42,10 +43,13 @@ def store_digest(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:32]
 
 
-def write_serve_note(workdir: Path, host: str, port: int, store_url: str, run_id: str | None) -> Path:
+def write_serve_note(workdir: Path, host: str, port: int, store_url: str, run_id: str | None, token: str) -> Path:
+    """The note (0600, this user's): the server's address and ``token``, the one place besides its own
+    output where the token is written, so that a run shown in a notebook links to the page with it."""
     from hetflow.tasks.paths import write_private_file
 
-    note = {"pid": os.getpid(), "host": host, "port": port, "store": store_digest(store_url), "run": run_id}
+    note = {"pid": os.getpid(), "host": host, "port": port, "store": store_digest(store_url), "run": run_id,
+            "token": token}
     path = Path(workdir) / SERVE_NOTE
     write_private_file(path, json.dumps(note).encode(), base=workdir)
     return path
@@ -74,19 +78,20 @@ def _read_note(path: Path) -> dict[str, Any] | None:
 
 
 def serve_link(workdir: Path, store_url: str, run_id: str) -> str | None:
-    """The address of a live ``hetflow serve`` that shows run ``run_id`` of the store ``store_url``."""
+    """The address of a live ``hetflow serve`` that shows run ``run_id`` of the store ``store_url``, with its
+    token (the page answers no request without it)."""
     note = _read_note(Path(workdir) / SERVE_NOTE)
     if note is None or note.get("store") != store_digest(store_url) or note.get("run") not in (None, run_id):
         return None
-    pid, host, port = note.get("pid"), note.get("host"), note.get("port")
+    pid, host, port, token = note.get("pid"), note.get("host"), note.get("port"), note.get("token")
     if not (isinstance(pid, int) and isinstance(host, str) and isinstance(port, int) and 0 < port < 65536
-            and _HOST.match(host)):
+            and _HOST.match(host) and isinstance(token, str) and _TOKEN.match(token)):
         return None
     try:
         os.kill(pid, 0)
     except OSError:  # gone (or another user's process under a reused pid)
         return None
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/?token={token}"
 
 
 def _duration(stage: "StageStatus", now: float) -> str:

@@ -48,6 +48,16 @@ def store_argv(workdir: str | os.PathLike[str] | None, db: str | None) -> tuple[
     return (("--workdir", os.fspath(workdir)) if workdir else ()) + (("--db", db) if db else ())
 
 
+def absolute_db(url: str, base: "str | os.PathLike[str]") -> str:
+    """``url`` with a relative SQLite file path made absolute against ``base``; any other URL as it is
+    (a server's, an in-memory database, a ``sqlite:///file:`` URI)."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or url.startswith(prefix + "file:") or len(url) == len(prefix) \
+            or os.path.isabs(url[len(prefix):]):
+        return url
+    return prefix + os.path.normpath(os.path.join(os.fspath(base), url[len(prefix):]))
+
+
 def hetflow_command(verb: str, run_id: str, where: Sequence[str] = ()) -> str:
     """``hetflow VERB RUN [--workdir W] [--db URL]`` quoted for a POSIX shell (paste it as printed)."""
     return shlex.join(["hetflow", verb, run_id, *where])

@@ -18,7 +18,14 @@ Decisions, for :func:`code_fingerprint`:
   PEP 610: ``pip install -e ./mylib`` or ``pip install ./mylib``) is user code
   whatever its version: an editable install's project directory counts as a
   root, a plain install's installed files count where they lie.  hetflow itself
-  counts by its version (a part of every key).
+  counts by its version (a part of every key).  A module reached that was
+  loaded from a file outside the roots and outside the installation (a
+  ``PYTHONPATH`` folder elsewhere, a zip archive, a file of any name given to
+  ``SourceFileLoader``, an extension module, a module ``exec_module`` made
+  without ``sys.modules``) counts by that file's content whatever its loader
+  and its version (``"module fastlab"``; the zip member as the archive holds
+  it now; above :data:`MODULE_CONTENT_LIMIT` by size and time), and the imports
+  in its source are followed; it is not walked as user code.
 * Functions of the stage's own module (the script) are hashed one by one, by
   **bytecode** (``co_code``, constants, names, argument layout; nested code
   objects recursively), so comments, formatting, line numbers, other stages and
@@ -102,7 +109,9 @@ Decisions, for :func:`code_fingerprint`:
   to read (a connection) makes its component uncacheable the same way.  Strings
   in reached code name globals too: ``@THRESH`` (pandas ``query``/``eval``), a
   frame, table or array a DuckDB query names, and, in code that calls
-  ``eval``/``exec``, every global its strings name.  A stage that reads the
+  ``eval``/``exec``, every global its strings name; code that calls the builtin
+  ``eval``/``exec`` counts every global of its module besides (the text may
+  come from a parameter: ``eval(ctx.params["expr"])`` reading ``SCALE``).  A stage that reads the
   script's namespace by a computed name (``globals()["norm_" + m]``) counts every
   function and class of the script (so does ``getattr(sys.modules[__name__], ...)``,
   ``importlib.import_module(__name__)``); the attributes of a reached local module's
@@ -116,6 +125,13 @@ Decisions, for :func:`code_fingerprint`:
   object put in ``sys.modules`` in place of a module counts by value where it is
   imported.  Code that reads ``argv`` or calls ``parse_args`` counts the script's
   arguments (``sys.argv[1:]``).
+* **Library settings.**  numpy's print options and floating-point error
+  handling, pandas options and polars' ``Config``, for each of them imported,
+  count where they differ from the library's defaults (``"pandas settings"``):
+  a call at the script's top sets them without assigning a value the walk
+  could follow, and they change what a stage outputs.  polars' random seed
+  cannot be read back: each ``set_random_seed(...)`` call in the script's
+  source counts by its text, and the globals it names by value.
 """
 
 from __future__ import annotations
@@ -143,9 +159,16 @@ import sysconfig
 import threading
 import types
 import uuid
+import zipfile
+import zipimport
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import Any
+
+from hetflow.operators.location import (Location, StorageError, carries_settings, check_bucket,
+                                        glob_files, glob_start, is_object_store, object_versions, redact, resolve,
+                                        storage_error)
+from pyarrow.fs import FileType
 
 UNCACHEABLE = "uncacheable "
 """The prefix of a code fingerprint's component naming a value that cannot be digested (:func:`uncacheable`)."""
@@ -236,6 +259,10 @@ class _Walker:
         self.valued: set[tuple[str, int]] = set()
         """``(component, id of the value)`` of the module values digested: each once, however often they are
         looked at again (:meth:`reached_by_value`)."""
+        self.evaluated: set[int] = set()
+        """The namespaces whose every global counts (:meth:`every_global`), by identity."""
+        self.outsiders: dict[str, bool] = {}
+        """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
     def run(self) -> dict[str, str]:
         if isinstance(self.func, types.FunctionType):
@@ -260,6 +287,8 @@ class _Walker:
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
                                                          if not k.startswith("__")})
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
+        self.library_settings()  # a formatter function in a setting, a global a seed call names: followed
+        self.drain()
         self.module_values()
         self.command_line()
         for key, kinds in self.uncacheable.items():
@@ -347,6 +376,39 @@ class _Walker:
         if _ARGV_READERS & self.names:
             self.add("sys.argv[1:]", _sha(self.value(list(sys.argv[1:]))))
 
+    def library_settings(self) -> None:
+        """Process-wide settings of numpy, pandas and polars that differ from the library's defaults (print
+        options, floating-point error handling, pandas options, polars' ``Config``), for each of them that is
+        imported: the script's top level sets them with a call (``np.set_printoptions(precision=2)``,
+        ``pd.set_option(...)``) that assigns no global, and they change what a stage outputs (the text of its
+        numbers, a warning that raises).  Settings left at their defaults add nothing to the key.  polars'
+        random seed cannot be read back: each ``set_random_seed(...)`` call in the script's source counts by its
+        text and the values of the globals it names."""
+        for name, read in (("numpy", _numpy_settings), ("pandas", _pandas_settings), ("polars", _polars_settings)):
+            module = sys.modules.get(name)
+            if not isinstance(module, types.ModuleType) or _deferred(module):
+                continue
+            changed = read(module)
+            if changed:
+                self.add(f"{name} settings", _sha(self.value(changed)))
+        script = getattr(_target(self.func), "__globals__", None)
+        if not isinstance(script, dict) or script.get("__name__") != self.home:
+            return
+        path = script.get("__file__")
+        if not isinstance(path, str):
+            return
+        try:
+            source = Path(path).read_bytes()
+        except OSError:
+            return
+        calls = _seed_calls(source, path)
+        if calls:
+            for _, names in calls:
+                for name in names:
+                    if name in script:
+                        self.global_value(name, script)
+            self.add("set_random_seed calls", _sha(repr(sorted(text for text, _ in calls))))
+
     def class_values(self, module: str, cls: type) -> None:
         """The values, as they are now, of a reached module's class attributes that the reached code names: its
         source counts already, but not what the script's top set there since (``Model.configure(3)``, a
@@ -429,8 +491,8 @@ class _Walker:
         if isinstance(obj, types.ModuleType):
             if self.is_user(getattr(obj, "__file__", None)):
                 self.queue.append(obj)
-            else:
-                self.external_module(obj.__name__)
+            else:  # the module object itself: one loaded without sys.modules (exec_module) is known only so
+                self.external_module(obj.__name__, vars(obj) if not _deferred(obj) else None)
             return f"module {obj.__name__}"
         if self.is_user_object(obj):
             if obj.__module__ == self.home or self.module_of(obj) is None:
@@ -438,17 +500,57 @@ class _Walker:
             else:
                 self.queue.append(self.module_of(obj))  # hashed whole, with everything in it
             return self.name(obj)
-        self.external_module(obj.__module__ or "")
+        self.external_module(obj.__module__ or "", obj.__globals__ if isinstance(obj, types.FunctionType) else None)
         return f"{obj.__module__}.{getattr(obj, '__qualname__', '?')}"
 
-    def external_module(self, name: str) -> None:
+    def external_module(self, name: str, namespace: Mapping[str, Any] | None = None) -> None:
+        """A module that is not user code: one loaded from a file outside the installation counts by content
+        (:meth:`outside`), a package with a version by its version, the standard library not at all."""
         top = name.partition(".")[0]
         if top in sys.stdlib_module_names or top in ("builtins", ""):
             return
         self.external_tops.add(top)
-        version = getattr(sys.modules.get(top), "__version__", None)
+        if namespace is None:
+            module = sys.modules.get(name)
+            namespace = vars(module) if isinstance(module, types.ModuleType) and not _deferred(module) else None
+        if self.outside(name, namespace):
+            return
+        package = sys.modules.get(top)
+        if top != name and isinstance(package, types.ModuleType) and not _deferred(package) and \
+                self.outside(top, vars(package)):
+            return  # a part without a file of a package loaded from outside: the package counts by content
+        version = getattr(package, "__version__", None)
         if isinstance(version, str):
             self.parts[f"module {top}"] = {version}
+
+    def outside(self, name: str, namespace: Mapping[str, Any] | None) -> bool:
+        """Whether module ``name`` (its namespace, or its spec and file) was loaded from a file outside the
+        roots and outside the installation (a ``sys.path``/``PYTHONPATH`` folder elsewhere, a zip archive, a
+        file of any name given to ``SourceFileLoader``, an extension module, a module ``exec_module`` made
+        without ``sys.modules``); if so it counts by that file's content, whatever its version, and the
+        imports in its source are followed.  hetflow counts by its version."""
+        if namespace is None or name.partition(".")[0] == "hetflow":
+            return False
+        if name in self.outsiders:
+            return self.outsiders[name]
+        path, archive = _module_file(namespace)
+        where = self.realpath(archive or path) if path else None
+        self.outsiders[name] = counted = where is not None and not where.startswith(self.external) and \
+            "site-packages" not in where and "dist-packages" not in where
+        if not counted or path is None:
+            return False
+        content = _module_content(path, archive)
+        if content is None:
+            self.parts[f"{UNCACHEABLE}module {name}"] = {f"is loaded from {path}, which hetflow cannot read"}
+            return True
+        digest, source = content
+        self.add(f"module {name}", digest)
+        if source is not None:  # Python source, whatever the file's name: its names and imports count
+            self.names.update(_source_names(source, path))
+            package = name if namespace.get("__path__") is not None else name.rpartition(".")[0]
+            for level, module, names in _source_imports(source, path):
+                self.imported(module, level, names, package)
+        return True
 
     # ------------------------------------------------------------ values set from outside a module
     def patch_sites(self) -> list[tuple[Any, str]]:
@@ -526,8 +628,10 @@ class _Walker:
 
     def visit_module(self, module: types.ModuleType) -> None:
         path = getattr(module, "__file__", None)
-        source = Path(path).read_bytes() if path else b""
-        self.add(f"module {module.__name__}", _sha(source) if path else "<no file>")
+        content = _module_content(path, _module_file(vars(module))[1]) if path else None
+        source = content[1] or b"" if content is not None else b""
+        self.add(f"module {module.__name__}", content[0] if content is not None else
+                 "<unreadable>" if path else "<no file>")
         if path:
             self.names.update(_source_names(source, path))
             self.module_imports(module.__name__, path, source, hasattr(module, "__path__"))
@@ -607,12 +711,15 @@ class _Walker:
             for const in code.co_consts:
                 if isinstance(const, str) and const.isidentifier() and const in namespace:
                     self.global_value(const, namespace)
+        evaluates = False
         for i, ins in enumerate(instructions):
             if ins.opname in _LOAD_OPS and isinstance(ins.argval, str):
                 if ins.argval in namespace:
                     self.global_value(ins.argval, namespace)
                 elif ins.argval not in builtins:
                     self.add(self.label(ins.argval, namespace), "<undefined>")
+                elif ins.argval in ("eval", "exec"):
+                    evaluates = True
             elif ins.opname == "IMPORT_NAME":
                 level = instructions[i - 2].argval if i >= 2 and isinstance(instructions[i - 2].argval, int) else 0
                 fromlist = instructions[i - 1].argval if i >= 1 else None
@@ -623,6 +730,21 @@ class _Walker:
                 self.globals_of(const, namespace)
             elif isinstance(const, str):
                 self.named_in_text(const, namespace, evaluated="eval" in code.co_names or "exec" in code.co_names)
+        if evaluates:
+            self.every_global(namespace)
+
+    def every_global(self, namespace: Mapping[str, Any]) -> None:
+        """Code that calls the builtin ``eval``/``exec`` may read any global of its module by a name in a text
+        the key cannot see (a parameter, a file, ``eval(ctx.params["expr"])`` reading ``SCALE``): every global
+        of that module counts, values by value, functions, classes and modules as they are followed."""
+        if id(namespace) in self.evaluated:
+            return
+        self.evaluated.add(id(namespace))
+        for key, value in list(namespace.items()):
+            if key.startswith("__") or type(value).__module__.partition(".")[0] == "hetflow" or \
+                    (isinstance(value, types.ModuleType) and value.__name__.partition(".")[0] == "hetflow"):
+                continue
+            self.global_value(key, namespace)
 
     def named_in_text(self, text: str, namespace: Mapping[str, Any], evaluated: bool = False) -> None:
         """Globals a string names for a library that looks them up by name: ``@THRESH`` in a pandas
@@ -710,7 +832,8 @@ class _Walker:
         if found is not None and found.has_location and found.origin and self.is_user(os.path.realpath(found.origin)):
             self.queue.append(_Located(name, found.origin, found.submodule_search_locations is not None))
         else:
-            self.external_module(name)
+            self.external_module(name, {"__spec__": found, "__file__": found.origin,
+                                        "__path__": found.submodule_search_locations} if found is not None else None)
 
     def module_stand_in(self, name: str, obj: Any) -> None:
         """An object the script put in ``sys.modules`` in place of a module (``sys.modules["labcfg"] =
@@ -862,6 +985,130 @@ class _Walker:
         except (TypeError, ValueError):  # values pandas cannot hash (nested Arrow lists): element by element
             return f"{head} {_sha(self.value(list(data), stack))}"
         return f"{head} {_sha(hashed.tobytes())}"
+
+
+MODULE_CONTENT_LIMIT = 64 << 20
+"""A module's file up to this size counts by its content, a larger one (an extension module) by size and time."""
+
+
+def _deferred(module: types.ModuleType) -> bool:
+    """Whether ``module`` is a deferred import not loaded yet (reading its namespace would load it)."""
+    lazy = getattr(importlib.util, "_LazyModule", None)
+    return lazy is not None and isinstance(module, lazy)
+
+
+def _module_file(namespace: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """``(the file a module was loaded from, the zip archive holding it or None)``: its spec's origin (what
+    any file loader read: a ``SourceFileLoader``'s ``settings.conf``, an extension's ``.so``), else its
+    ``__file__``; ``(None, None)`` for a module without a file."""
+    spec = namespace.get("__spec__")
+    origin = getattr(spec, "origin", None) if getattr(spec, "has_location", False) else None
+    path = origin if isinstance(origin, str) and origin else namespace.get("__file__")
+    if not isinstance(path, str) or not path:
+        return None, None
+    loader = getattr(spec, "loader", None) or namespace.get("__loader__")
+    archive = getattr(loader, "archive", None) if isinstance(loader, zipimport.zipimporter) else None
+    return path, archive if isinstance(archive, str) else None
+
+
+def _module_content(path: str, archive: str | None) -> tuple[str, bytes | None] | None:
+    """``(digest, Python source or None)`` of a module's file: the sha256 of its bytes (a zip archive's member
+    read from the archive as it is now), size and modification time above :data:`MODULE_CONTENT_LIMIT`;
+    the source is None for an extension module or bytecode.  None when it cannot be read."""
+    try:
+        if archive is not None:
+            member = os.path.relpath(path, archive).replace(os.sep, "/")
+            with zipfile.ZipFile(archive) as zipped:
+                data = zipped.read(member)
+        else:
+            info = os.stat(path)
+            if info.st_size > MODULE_CONTENT_LIMIT:
+                return f"size {info.st_size} mtime {info.st_mtime_ns}", None
+            data = Path(path).read_bytes()
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return None
+    binary = path.endswith((*importlib.machinery.EXTENSION_SUFFIXES, ".pyc", ".pyo", ".pyd"))
+    return _sha(data), None if binary else data
+
+
+_NUMPY_PRINT_DEFAULTS = {"edgeitems": 3, "threshold": 1000, "floatmode": "maxprec", "precision": 8, "suppress": False,
+                         "linewidth": 75, "nanstr": "nan", "infstr": "inf", "sign": "-", "formatter": None,
+                         "legacy": False, "override_repr": None}
+_NUMPY_ERR_DEFAULTS = {"divide": "warn", "over": "warn", "under": "ignore", "invalid": "warn"}
+_POLARS_DEFAULTS = {"set_fmt_float": "mixed", "set_float_precision": None, "set_thousands_separator": "",
+                    "set_decimal_separator": ".", "set_trim_decimal_zeros": False}
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return value is not default and bool(value != default)
+    except Exception:  # noqa: BLE001 - a value that does not compare to a plain bool: taken as changed
+        return True
+
+
+def _numpy_settings(np: types.ModuleType) -> dict[str, Any]:
+    """numpy's print options and floating-point error handling that differ from numpy's defaults."""
+    changed: dict[str, Any] = {}
+    for kind, read, defaults in (("print", "get_printoptions", _NUMPY_PRINT_DEFAULTS),
+                                 ("err", "geterr", _NUMPY_ERR_DEFAULTS)):
+        getter = getattr(np, read, None)
+        now = getter() if callable(getter) else {}
+        changed.update({f"{kind} {k}": v for k, v in now.items() if _differs(v, defaults.get(k, _ABSENT))})
+    return changed
+
+
+def _pandas_settings(pd: types.ModuleType) -> dict[str, Any]:
+    """The pandas options whose value is not their registered default (read from pandas' own table of values,
+    not through ``get_option``, which warns about deprecated ones)."""
+    try:
+        from pandas._config import config
+    except ImportError:
+        return {}
+    values: dict[str, Any] = {}
+    _flatten(getattr(config, "_global_config", {}), "", values)
+    changed: dict[str, Any] = {}
+    for key, option in list(getattr(config, "_registered_options", {}).items()):
+        value = values.get(key, _ABSENT)
+        if value is not _ABSENT and _differs(value, getattr(option, "defval", _ABSENT)):
+            changed[key] = value
+    return changed
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str, into: dict[str, Any]) -> None:
+    for key, value in list(tree.items()):
+        if isinstance(value, dict):
+            _flatten(value, f"{prefix}{key}.", into)
+        else:
+            into[f"{prefix}{key}"] = value
+
+
+def _polars_settings(pl: types.ModuleType) -> dict[str, Any]:
+    """polars' ``Config`` that is set: its environment variables and the formatting it keeps itself."""
+    try:
+        state = pl.Config.state(if_set=True)
+    except Exception:  # noqa: BLE001 - a polars without it: nothing to read
+        return {}
+    return {k: v for k, v in state.items() if _differs(v, _POLARS_DEFAULTS.get(k, _ABSENT))}
+
+
+_SEEDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+
+
+def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``(the call's text, the names it loads)`` for every call of a function named ``set_random_seed``
+    (``pl.set_random_seed(SEED)``) in a module's source: a seed that no library lets hetflow read back."""
+    key = hashlib.sha256(source).hexdigest()
+    if key not in _SEEDS:
+        found = []
+        for node in ast.walk(_parse(source, path)):
+            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == "set_random_seed" or
+                                               getattr(node.func, "id", None) == "set_random_seed"):
+                names = tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
+                found.append((ast.unparse(node), names))
+        if len(_SEEDS) > 4096:
+            _SEEDS.clear()
+        _SEEDS[key] = tuple(found)
+    return _SEEDS[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1548,17 +1795,16 @@ def sources_changed(code: Mapping[str, str]) -> list[str]:
         if not key.startswith("module ") or len(digest) != 64:  # a version, "<no file>"
             continue
         name = key[len("module "):]
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if not isinstance(path, str):
+        module = sys.modules.get(name)
+        path, archive = _module_file(vars(module)) if isinstance(module, types.ModuleType) and \
+            not _deferred(module) else (None, None)
+        if path is None:
             found = _locate(name)
             path = found.origin if found is not None and found.has_location else None
         if not isinstance(path, str):
             continue
-        try:
-            now = _sha(Path(path).read_bytes())
-        except OSError:
-            now = "<missing>"
-        if now != digest:
+        content = _module_content(path, archive)
+        if content is None or content[0] != digest:
             changed.append(path)
     return sorted(changed)
 
@@ -1581,10 +1827,14 @@ def fingerprint_digest(*parts: Mapping[str, str]) -> str:
 
 
 # ------------------------------------------------------------------------------------ files
-def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | None]]:
-    """``(pattern, path)`` for each file a pattern names, ``(pattern, None)`` for a glob without match."""
-    found: list[tuple[str, Path | None]] = []
+def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | Location | None]]:
+    """``(pattern, path)`` for each file a pattern names (a :class:`Location` for an object on a store),
+    ``(pattern, None)`` for a glob without match."""
+    found: list[tuple[str, Path | Location | None]] = []
     for pattern in patterns:
+        if is_object_store(pattern):
+            found.extend((pattern, where) for where in _objects(pattern))
+            continue
         full = Path(pattern) if os.path.isabs(pattern) else Path(base) / pattern
         if glob.has_magic(pattern):
             hits = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if os.path.isfile(p))
@@ -1599,28 +1849,65 @@ def _matches(patterns: Iterable[str], base: Path) -> list[tuple[str, Path | None
     return found
 
 
+def _objects(pattern: str) -> list[Location | None]:
+    """The objects an object-store pattern names: the object, or a glob's matches by the readers' rule
+    (:func:`hetflow.operators.location.glob_files`: segment by segment); ``[None]`` for a glob without match.
+    A failed listing is a ``ValueError`` with the store's one line (bucket, key, cause)."""
+    if carries_settings(pattern):
+        raise ValueError(f"declared file {redact(pattern)!r}: credentials and options do not go into the URI; set "
+                         "them in the AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, "
+                         "AWS_PROFILE, ...)")
+    where = resolve(pattern)
+    try:
+        if glob_start(where.path) >= 0:
+            infos = glob_files(where)
+            if not infos:
+                check_bucket(where)
+                return [None]
+            scheme = where.uri.split("://", 1)[0]
+            return [Location(where.filesystem, i.path, f"{scheme}://{i.path}", False) for i in infos]
+        info = where.filesystem.get_file_info(where.path)
+        if info.type == FileType.File:
+            return [where]
+        if info.type == FileType.Directory:
+            raise ValueError(f"declared file {pattern!r} is a prefix of objects (bucket {where.bucket!r}, key "
+                             f"{where.key!r}), not an object; name its objects with a glob such as "
+                             f"{where.uri.rstrip('/') + '/*'!r}")
+        check_bucket(where)
+    except StorageError as exc:
+        raise ValueError(str(exc)) from None
+    except OSError as exc:
+        raise ValueError(str(storage_error(exc, where, "list"))) from None
+    raise ValueError(f"declared file {pattern!r} does not exist (bucket {where.bucket!r}, key {where.key!r})")
+
+
 def check_files(patterns: Sequence[str], base: Path) -> None:
     """Raise ``ValueError`` naming the first pattern that names no file: a path that is missing or a
     directory (as :func:`resolve_files`), or a glob that matches no file, with the directory it was
-    resolved against.  Called when a run starts: by then a file an earlier step of the script makes is
-    there, and a pattern that matches nothing is a mistake (a typo, the wrong directory), not a stage
-    that should run on no files."""
+    resolved against (the bucket, on an object store).  Called when a run starts: by then a file an
+    earlier step of the script makes is there, and a pattern that matches nothing is a mistake (a typo,
+    the wrong directory), not a stage that should run on no files."""
     for pattern, path in _matches(patterns, base):
+        if path is None and is_object_store(pattern):
+            where = resolve(pattern)
+            raise ValueError(f"declared files glob {pattern!r} matches no object in bucket {where.bucket!r} "
+                             f"(key {where.key!r})")
         if path is None:
             where = f"in {Path(base).absolute()} (the script's directory: relative patterns are resolved " \
                     "against it)" if not os.path.isabs(pattern) else "on this machine"
             raise ValueError(f"declared files glob {pattern!r} matches no file {where}")
 
 
-def resolve_files(patterns: Sequence[str], base: Path) -> tuple[Path, ...]:
+def resolve_files(patterns: Sequence[str], base: Path) -> tuple[Path | str, ...]:
     """The absolute, distinct files the declared ``patterns`` name (globs relative to ``base``), in the
     order declared (a glob's matches sorted), so ``files=["obs.csv", "cat.csv"]`` gives ``ctx.files[0]``
-    the observations.
+    the observations.  An object on a store is its URI (a ``str``): :data:`DeclaredFile`.
 
     A glob that matches nothing adds nothing; a plain path that is missing or a
     directory raises ``ValueError`` naming the pattern (the caller adds the stage).
     """
-    return tuple(dict.fromkeys(p.absolute() for _, p in _matches(patterns, base) if p is not None))
+    return tuple(dict.fromkeys(p.absolute() if isinstance(p, Path) else p.uri
+                               for _, p in _matches(patterns, base) if p is not None))
 
 
 def file_fingerprint(patterns: Sequence[str], base: Path) -> dict[str, str]:
@@ -1629,24 +1916,48 @@ def file_fingerprint(patterns: Sequence[str], base: Path) -> dict[str, str]:
     A path is written relative to ``base`` when it lies under it, absolute
     otherwise.  A glob that matches nothing is recorded as ``{pattern:
     NO_MATCH}``, so a file that appears later changes the fingerprint.  Every
-    byte is read on every call (no mtime shortcut).  Errors as :func:`resolve_files`.
+    byte is read on every call (no mtime shortcut).  An object on a store is
+    ``{its URI: "etag:<ETag> size:<bytes>"}``, asked of the store without reading
+    it (:func:`hetflow.operators.location.object_versions`).  Errors as :func:`resolve_files`.
     """
     base = Path(base).absolute()
     result: dict[str, str] = {}
+    objects: list[Location] = []
     for pattern, path in _matches(patterns, base):
         if path is None:
             result[pattern] = NO_MATCH
-            continue
-        path = path.absolute()
-        key = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
-        result[key] = file_digest(path)
+        elif isinstance(path, Location):
+            objects.append(path)
+        else:
+            path = path.absolute()
+            key = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
+            result[key] = file_digest(path)
+    result.update(zip((o.uri for o in objects), _object_versions(objects)))
     return dict(sorted(result.items()))
 
 
-def file_digest(path: Path) -> str:
-    """The content digest of a declared file (also a map item's file: :mod:`hetflow.mapping`)."""
+def file_digest(path: Path | str) -> str:
+    """The content digest of a declared file (also a map item's file: :mod:`hetflow.mapping`); of an
+    object on a store (its URI), its ETag and size, as :func:`file_fingerprint` records them."""
+    if isinstance(path, str) and is_object_store(path):
+        return _object_versions([resolve(path)])[0]
     digest = hashlib.blake2b(digest_size=32)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_digests(paths: Sequence[Path | str]) -> list[str]:
+    """:func:`file_digest` of each of ``paths``, the objects' asked of the store together."""
+    objects = [resolve(p) for p in paths if isinstance(p, str) and is_object_store(p)]
+    versions = iter(_object_versions(objects))
+    return [next(versions) if isinstance(p, str) and is_object_store(p) else file_digest(p) for p in paths]
+
+
+def _object_versions(objects: Sequence[Location]) -> list[str]:
+    """:func:`hetflow.operators.location.object_versions`, a failure a ``ValueError`` (the store's one line)."""
+    try:
+        return object_versions(objects)
+    except StorageError as exc:
+        raise ValueError(str(exc)) from None

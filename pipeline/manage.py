@@ -18,6 +18,7 @@ objects and all, as its directory would be.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -46,12 +47,19 @@ from .store import (
     owner_gone,
 )
 
+log = logging.getLogger(__name__)
+
 RESUMABLE = frozenset({"FAILED", "INTERRUPTED", "CANCELLED", "STOPPED"})
 """Ended runs that did not finish: what ``gc`` removes (all but each pipeline's latest)."""
 
 ORPHAN_GRACE = 300.0
 """Seconds a directory under ``runs/`` without a record is left alone: a run being created
 makes its directory just before its record."""
+
+OBJECT_GRACE = 3600.0
+"""Seconds a partition object no committed manifest names is left alone (:func:`collect_garbage`): a run
+resumed after gc read its state may be uploading it, and the store's clock, which dates it, may run behind
+this host's (S3 refuses requests whose clocks differ by more than 15 minutes)."""
 
 
 @dataclass
@@ -227,12 +235,15 @@ def _remove_tree(path: Path) -> None:
                 break
 
 
-def collect_garbage(store: Store, runs_dir: Path | None, *, dry_run: bool = False) -> Removal:
+def collect_garbage(store: Store, runs_dir: Path | None, *, dry_run: bool = False,
+                    grace: float | None = None) -> Removal:
     """``hetflow gc``: remove ended runs that did not finish, except each pipeline's latest run,
-    and directories under ``runs_dir`` that no record names.
+    directories under ``runs_dir`` that no record names, and, under a kept run's object-store data
+    directory, partition objects that no committed dataset names (:func:`_leftover_objects`).
 
     Kept: every DONE run, every running run, the latest run of each pipeline whatever its state
-    (the one to resume), and every dataset a kept run uses.
+    (the one to resume), and every dataset a kept run uses.  ``grace``: seconds a leftover directory or
+    object is left alone (default :data:`ORPHAN_GRACE` for directories, :data:`OBJECT_GRACE` for objects).
     """
     store.reconcile_dead_runs()
     with store.session() as session:
@@ -241,9 +252,17 @@ def collect_garbage(store: Store, runs_dir: Path | None, *, dry_run: bool = Fals
     latest = {pipeline: run_id for run_id, pipeline, _ in runs}
     doomed = [run_id for run_id, pipeline, state in runs if state in RESUMABLE and latest[pipeline] != run_id]
     result = remove_runs(store, doomed, dry_run=dry_run) if doomed else Removal()
-    if runs_dir is None or not runs_dir.is_dir():
-        return result
-    gone = set(doomed) if dry_run else set()
+    result.paths += _leftover_objects(store, set(doomed), dry_run=dry_run,
+                                      grace=OBJECT_GRACE if grace is None else grace)
+    if runs_dir is not None and runs_dir.is_dir():
+        _orphan_dirs(store, runs_dir, set(doomed) if dry_run else set(), result, dry_run=dry_run,
+                     grace=ORPHAN_GRACE if grace is None else grace)
+    return result
+
+
+def _orphan_dirs(store: Store, runs_dir: Path, gone: set[str], result: Removal, *, dry_run: bool,
+                 grace: float) -> None:
+    """Remove (or list) the directories under ``runs_dir`` that no record names, older than ``grace`` seconds."""
     with store.session() as session:
         known = {d for i, d in session.execute(select(RunRecord.id, RunRecord.run_dir)) if i not in gone}
         used = {p for i, p in session.execute(select(DatasetRecord.run_id, DatasetRecord.path)) if i not in gone}
@@ -253,11 +272,47 @@ def collect_garbage(store: Store, runs_dir: Path | None, *, dry_run: bool = Fals
         if name in known or name in result.paths or any(_inside(p, name) for p in used):
             continue
         try:
-            if now - child.lstat().st_mtime < ORPHAN_GRACE:
+            if now - child.lstat().st_mtime < grace:
                 continue
         except OSError:
             continue
         result.paths.append(name)
         if not dry_run:
             _remove_tree(child)
-    return result
+
+
+def _leftover_objects(store: Store, removed: set[str], *, dry_run: bool, grace: float) -> list[str]:
+    """Remove (or, for a dry run, list) the partition objects under the object-store datasets of this store's
+    runs that no committed manifest names (:func:`hetflow.operators.objectdataset.leftovers`): what a failed
+    or crashed attempt uploaded.  Their URIs.
+
+    Only hetflow's own layout is looked at (``<data dir>/runs/<run>/datasets/<name>/part-….arrow``), of runs
+    this store records: a data directory that work directories share holds other stores' runs, whose state
+    this one cannot see, and those are left alone.  An in-flight run's uploads are never removed: a run
+    running with a live owner is skipped whole, and its record is read again just before its objects are
+    deleted; an object younger than ``grace`` seconds is left (a run resumed after that read uploads only
+    objects that young).  Runs being removed (``removed``) go whole anyway.
+    """
+    before = time.time() - grace
+    with store.session() as session:
+        runs = [(run.id, run.run_dir, (run.pilot or {}).get("data_dir")) for run in session.scalars(select(RunRecord))
+                if run.id not in removed and not _live(run)]
+    found: list[str] = []
+    for run_id, run_dir, data_dir in runs:
+        datasets = RunDatasets.of_run(run_id, run_dir, data_dir)
+        if not datasets.remote:
+            continue
+        try:
+            stray = [where for path in _dataset_dirs(datasets.root)
+                     for where in objectdataset.leftovers(resolve(path), before=before)]
+            if stray and not dry_run:
+                with store.session() as session:
+                    run = session.get(RunRecord, run_id)
+                    if run is None or _live(run):   # resumed (or removed) since: its uploads are its own
+                        continue
+                objectdataset.delete(stray)
+        except (StorageError, HetflowError) as exc:   # a bucket gone or a store down: the other runs go on
+            log.warning("run %s: leftover objects not removed: %s", run_id, exc)
+            continue
+        found += [where.uri for where in stray]
+    return found

@@ -8,7 +8,7 @@ runs them).  This module holds what that needs and does no scheduling:
 - :func:`list_items`: the items, in order, each with its identity and key.  An
   item's key is the stage's key without what the items split (the mapped files'
   or input's content) plus the stage's parameters and the item's identity: the
-  file's path and content hash, the partition's checksum, the row's values, the
+  file's path and content hash (an object's URI, ETag and size), the partition's checksum, the row's values, the
   grid point.  Adding a file adds one key, editing one changes one, a code change
   changes all.
 - :class:`MapRun`: one execution's items (cached, pending, running, done,
@@ -34,7 +34,7 @@ from typing import Any
 from hetflow.operators import dataset as ds
 
 from .declaration import StageSpec
-from .fingerprint import file_digest
+from .fingerprint import file_digests
 
 CHUNK_ITEMS = 256
 """At most this many items in one chunk task: a crash or a retry re-runs no more than that."""
@@ -91,9 +91,13 @@ def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], par
     if mapped.kind == "files":
         from .fingerprint import resolve_files
 
-        for path in resolve_files(spec.files, base):
-            shown = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
-            found.append((shown, ("file", str(path)), {"file": shown, "content": file_digest(path)}))
+        paths = resolve_files(spec.files, base)
+        for path, content in zip(paths, file_digests(paths)):  # an object's content: its ETag and size
+            if isinstance(path, str):
+                shown = path   # an object's URI
+            else:
+                shown = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
+            found.append((shown, ("file", str(path)), {"file": shown, "content": content}))
     elif mapped.kind == "grid":
         for point in mapped.points():
             found.append((json.dumps(point, sort_keys=True), ("point", point), {"point": point}))

@@ -174,7 +174,7 @@ class MapShell:
         timeout = None if spec.timeout is None else spec.timeout * len(items) + 10.0
         launch = LaunchSpec(task_id=chunk_id, argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
                             slots=instruction.slots, cwd=files.directory, timeout=timeout,
-                            stdout=files.stdout, stderr=files.stderr)
+                            stdout=files.stdout, stderr=files.stderr, env=self.launch_env(spec))
         return live, launch
 
     # -------------------------------------------------------------- outcome

@@ -41,6 +41,7 @@ from hetflow.tasks.protocol import (
     StageFunction,
     WorkerSpec,
     diagnose,
+    env_digest,
     reap_orphans,
 )
 from hetflow.tasks.scheduler import (
@@ -63,6 +64,7 @@ from .errors import HetflowError, PipelineError, ResumeRefused, interruption
 from .fingerprint import (
     ANY_GLOBAL_SET,
     UNCACHEABLE,
+    file_digests,
     late_components,
     resolve_files,
     sources_changed,
@@ -235,7 +237,7 @@ class Orchestrator(MapShell):
         self.late_values: dict[str, frozenset[str]] = {}
         self.resuming_done = False
         """This session resumes a DONE run and has changed nothing of it yet (:meth:`_refuse_resume`)."""
-        self.looked: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
+        self.looked: dict[str, tuple[float, dict[str, tuple[int, int] | str]]] = {}
         """When each stage's key was made, and its declared files' sizes and times then."""
         self.observed_start: Mapping[str, str] = observed.latest()
         """What the script's top level left when the run started (:mod:`hetflow.observed`)."""
@@ -285,6 +287,11 @@ class Orchestrator(MapShell):
         if spec.name not in self.env:
             self.env[spec.name] = {name: os.environ.get(name) for name in spec.env}
         return self.env[spec.name]
+
+    def launch_env(self, spec: StageSpec) -> dict[str, str]:
+        """The declared variables that are set, for the environment of the stage's processes (``LaunchSpec.env``):
+        the one place their values go, never a file (the worker spec holds their digests)."""
+        return {name: value for name, value in self.stage_env(spec).items() if value is not None}
 
     def stage_params(self, spec: StageSpec) -> dict[str, Any]:
         merged = dict(spec.params)
@@ -824,7 +831,7 @@ class Orchestrator(MapShell):
         live = self.live[str(task)] = _Live(task, files.directory, start.slots)
         launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
                             slots=start.slots, cwd=files.directory, timeout=spec.timeout,
-                            stdout=files.stdout, stderr=files.stderr)
+                            stdout=files.stdout, stderr=files.stderr, env=self.launch_env(spec))
         return live, launch
 
     def _checkpoints_of_this_key(self, spec: StageSpec, directory: Path) -> None:
@@ -890,7 +897,8 @@ class Orchestrator(MapShell):
             schemas={name: ds.schema_to_text(schema) for name, schema in spec.schemas.items()},
             files=tuple(str(p) for p in resolve_files(spec.files, base)) if spec.files else (),
             gpu_vendor=self.pilot.vendor, memory_per_rank=spec.request.memory_per_rank,
-            node_local_dir=self.pilot.node_local_dir, env=self.stage_env(spec), argv=tuple(sys.argv),
+            node_local_dir=self.pilot.node_local_dir, argv=tuple(sys.argv),
+            env={name: env_digest(value) for name, value in self.stage_env(spec).items()},  # values: launch_env
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
             items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
             item_timeout=spec.timeout if chunk is not None else None, item_isolation=isolation,
@@ -1160,14 +1168,19 @@ def _worker_sys_path(spec: StageSpec, base: Path) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int]]:
-    """``{path: (size, mtime_ns)}`` of the files ``patterns`` name (what changes when one is edited)."""
-    stats = {}
+def _file_stats(patterns: Sequence[str], base: Path) -> dict[str, tuple[int, int] | str]:
+    """``{path: (size, mtime_ns)}`` of the files ``patterns`` name (what changes when one is edited); of an
+    object on a store, ``{URI: its ETag and size}`` (its modification time has whole seconds only)."""
+    stats: dict[str, tuple[int, int] | str] = {}
     try:
         paths = resolve_files(patterns, base) if patterns else ()
+        objects = [p for p in paths if isinstance(p, str)]
+        stats.update(zip(objects, file_digests(objects)))
     except ValueError:
         return {}
     for path in paths:
+        if isinstance(path, str):
+            continue
         try:
             info = path.stat()
         except OSError:

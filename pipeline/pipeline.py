@@ -60,6 +60,36 @@ class RunOptions:
     declare_only: bool = False
     """``Pipeline.run()`` runs nothing and raises :class:`Declared` with its pipeline: the script is
     executed as ``hetflow run`` executes it, up to its first run (``hetflow submit``'s check)."""
+    cwd: str | None = None
+    """The directory the command started in (``hetflow run``/``resume``): the relative paths it was given
+    and the default work directory name files from there (:meth:`pinned`)."""
+
+    def pinned(self) -> "RunOptions":
+        """These options with the relative paths of the command line (``--workdir``, a ``--pilot`` file, a
+        SQLite ``--db``, a ``--data-dir`` path) made absolute against :attr:`cwd`.  A script's top level may
+        change directory (``os.chdir(DATA)``) before its ``pipe.run()`` reads them: what was typed names
+        files as seen from where it was typed.  The default work directory is taken from :attr:`cwd` by
+        :meth:`Pipeline.run` (``workdir`` stays ``None`` here: the script's own ``workdir=`` still wins over
+        the default).  Unchanged without :attr:`cwd`."""
+        if self.cwd is None:
+            return self
+        import dataclasses
+
+        from hetflow.operators.location import is_uri
+        from hetflow.tasks.pilot import absolute_spec
+
+        from .errors import absolute_db
+
+        base = Path(self.cwd)
+        pilot = self.pilot
+        if isinstance(pilot, str):
+            pilot = absolute_spec(pilot, base)
+        data_dir = self.data_dir
+        if data_dir is not None and not is_uri(data_dir):
+            data_dir = str(base / Path(data_dir).expanduser())
+        return dataclasses.replace(self, pilot=pilot, data_dir=data_dir,
+                                   workdir=None if self.workdir is None else str(base / self.workdir),
+                                   db=None if self.db is None else absolute_db(self.db, base))
 
 
 class Declared(BaseException):
@@ -142,7 +172,8 @@ class Pipeline:
         output dataset names to the ``pa.Schema`` this stage expects: a
         dataset that differs is rejected at the boundary with a diff.
         ``files`` lists files or globs the stage reads (relative to the script's
-        directory, or absolute): their content is part of the stage's cache key,
+        directory, or absolute; or objects on a store, ``s3://bucket/in/*.parquet``):
+        their content is part of the stage's cache key (an object's ETag and size),
         so changing, adding or removing one re-runs it; ``ctx.files`` lists them;
         each must name a file when the run starts.  ``env`` names the environment
         variables the stage reads: their values join its cache key, and ``ctx.env``
@@ -156,7 +187,7 @@ class Pipeline:
 
         ``map_over`` makes a map stage, run once per item, each item a task with this
         resource request and its own cache key (docs/fanout.md): ``"files"`` (each file
-        ``files=`` names; ``ctx.item`` is its path), ``"rows:NAME"`` (each row of input
+        ``files=`` names; ``ctx.item`` is its path, or an object's URI), ``"rows:NAME"`` (each row of input
         NAME; ``ctx.item`` is the row as a dict), ``"partitions:NAME"`` (each partition
         of input NAME, passed as that input's table) or a grid ``{name: [values]}`` (the
         cross product; ``ctx.params`` holds each point).  Each output is one dataset of
@@ -197,6 +228,16 @@ class Pipeline:
                                         f"got {type(schema).__name__}")
             if isinstance(files, str) or not all(isinstance(f, str) and f for f in files):
                 raise PipelineError(f"{where}: files must be a list of paths or globs, got {files!r}")
+            for pattern in (f for f in files if "://" in f):
+                from hetflow.operators.location import carries_settings, is_object_store, redact
+
+                if not is_object_store(pattern):
+                    raise PipelineError(f"{where}: files: {redact(pattern)!r} is not a path, a glob or an "
+                                        "s3://BUCKET/KEY URI (object stores: S3-compatible only)")
+                if carries_settings(pattern):
+                    raise PipelineError(f"{where}: files: {redact(pattern)!r}: credentials and options do not go "
+                                        "into the URI; set them in the AWS environment (AWS_ACCESS_KEY_ID, "
+                                        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...)")
             declared_env = check_env(env, where=where)
             mapped = check_map(map_over, inputs=tuple(inputs), files=tuple(files), where=where)
             failures_allowed = check_max_failures(max_failures, where=where)
@@ -343,7 +384,8 @@ class Pipeline:
         from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
         from .store import Store
 
-        options, made = _overrides[-1][:2] if _overrides else (RunOptions(), [])
+        typed, made = _overrides[-1][:2] if _overrides else (RunOptions(), [])
+        options = typed.pinned()  # what the command line named, from where it was typed
         chosen_pilot = options.pilot or pilot or self.pilot
         description = load_pilot(chosen_pilot).resolve()  # type: ignore[arg-type]
         configured = description.backend
@@ -362,7 +404,8 @@ class Pipeline:
         from hetflow.tasks.backends import require
 
         require(description.backend)  # a missing engine is one line naming the extra, before a run is recorded
-        root = Path(options.workdir or workdir or self.workdir or default_workdir()).resolve()
+        root = Path(options.workdir or workdir or self.workdir
+                    or Path(options.cwd or os.curdir) / default_workdir()).resolve()
         try:
             private_dir(root)
             probe = root / f".write-test-{os.getpid()}"
@@ -372,7 +415,7 @@ class Pipeline:
             raise PipelineError(f"pipeline {self.name!r}: work directory {root} is not usable: "
                                 f"{exc.strerror or exc}") from None
         store = Store.for_workdir(root, options.db or db or self.db)
-        given = store_argv(options.workdir or workdir or self.workdir, options.db or db or self.db)
+        given = store_argv(typed.workdir or workdir or self.workdir, typed.db or db or self.db)  # as typed
         resume_id = options.run_id or run_id
         if options.new_run_ok and made:
             raise PipelineError(f"pipeline {self.name!r}: --run-id {options.run_id} names one run, but the script "

@@ -27,6 +27,18 @@ Decisions:
   reaches this port under its own name, and must not read the run.  A request
   without a ``Host`` (HTTP/1.0), or with two, gets 400: every browser sends
   one, and a client that does not can send ``Host: 127.0.0.1``.
+- Every route answers only a request that carries the server's token
+  (:func:`new_token`, a fresh one per server, printed in the address
+  ``hetflow serve`` gives: ``http://127.0.0.1:PORT/?token=...``).  Loopback
+  is not private: on a shared login node every local user reaches
+  127.0.0.1.  The token comes as ``?token=`` (the printed address, or a
+  script's request) or as the cookie a request with the right ``?token=``
+  sets (:data:`COOKIE` plus the port, ``HttpOnly; SameSite=Strict``), which
+  the page's own requests then carry; anything else gets 403 and one line
+  that names neither the token nor the run.  Compared with
+  :func:`hmac.compare_digest`.  The token is printed once and written only to
+  the 0600 note the notebook's link is made from (:mod:`hetflow.display`).
+  The Host check comes first: a wrong ``Host`` is 421 with or without a token.
 - Query values are checked, never clamped: ``wait`` is a finite number of
   seconds from 0 to :data:`MAX_WAIT`, ``since`` a digest of at most
   :data:`MAX_DIGEST` characters; anything else is a 400 naming the parameter
@@ -36,12 +48,15 @@ Decisions:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import math
+import secrets
 import threading
 import time
 from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -65,6 +80,10 @@ MAX_DIGEST = 64
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
 """``Host`` names always answered: this machine's own loopback names."""
+
+COOKIE = "hetflow-serve-"
+"""The cookie that carries the token, named with the server's port after this prefix (cookies are kept per
+host, not per port: two servers on one machine must not overwrite each other's)."""
 
 RECONCILE_EVERY = 5.0
 """Seconds between looks for runs whose orchestrator died (so such a run stops showing RUNNING)."""
@@ -134,6 +153,16 @@ def seconds_param(query: dict[str, list[str]], name: str, default: float, most: 
     return value
 
 
+def new_token() -> str:
+    """A fresh secret for one server: 32 random bytes, URL-safe text."""
+    return secrets.token_urlsafe(32)
+
+
+def same_token(given: str, token: str) -> bool:
+    """Whether ``given`` is ``token``, in time that does not depend on where they differ."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
+
+
 def host_name(header: str) -> tuple[str, str]:
     """``(name, port)`` of a ``Host`` header value (``port`` empty when it names none); the name lower-cased,
     an IPv6 address in brackets."""
@@ -171,6 +200,8 @@ def stage_progress(log_dir: str | None) -> dict[str, Any] | None:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    _set_cookie = ""
+    """The ``Set-Cookie`` value of the answer being made (a request with the right ``?token=``)."""
 
     def _host_refused(self) -> bool:
         """Answer and return ``True`` when the request's ``Host`` does not name this server."""
@@ -189,10 +220,32 @@ class _Handler(BaseHTTPRequestHandler):
                    .encode("ascii", "backslashreplace"))
         return True
 
+    def _token_refused(self, query: dict[str, list[str]]) -> bool:
+        """Answer 403 and return ``True`` unless the request carries the server's token (``?token=`` or its
+        cookie); a right ``?token=`` sets the cookie on the answer (:attr:`_set_cookie`)."""
+        token, cookie = self.server.token, f"{COOKIE}{self.server.port}"
+        given = query.get("token", [])
+        if len(given) == 1 and same_token(given[0], token):
+            self._set_cookie = f"{cookie}={token}; Path=/; HttpOnly; SameSite=Strict"
+            return False
+        if not given:
+            jar: SimpleCookie = SimpleCookie()
+            try:
+                jar.load(self.headers.get("Cookie", ""))
+            except CookieError:
+                jar = SimpleCookie()
+            if cookie in jar and same_token(jar[cookie].value, token):
+                return False
+        self._send(HTTPStatus.FORBIDDEN, "text/plain; charset=utf-8",
+                   b"hetflow serve answers only with its token: open the address it printed "
+                   b"(http://HOST:PORT/?token=...)\n")
+        return True
+
     def do_GET(self) -> None:
         url = urlsplit(self.path)
         query = parse_qs(url.query)
-        if self._host_refused():
+        self._set_cookie = ""
+        if self._host_refused() or self._token_refused(query):
             return
         try:
             if url.path == "/":
@@ -225,6 +278,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")  # the address may hold the token
+        if self._set_cookie:
+            self.send_header("Set-Cookie", self._set_cookie)
         self.send_header("Content-Security-Policy",
                          "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'")
         self.end_headers()
@@ -240,19 +296,21 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], view: RunView, allowed_hosts: tuple[str, ...]) -> None:
+    def __init__(self, address: tuple[str, int], view: RunView, allowed_hosts: tuple[str, ...], token: str) -> None:
         super().__init__(address, _Handler)
         self.view = view
+        self.token = token
         self.port = int(self.server_address[1])
         self.allowed = allowed_names(address[0], allowed_hosts)
 
 
 def make_server(store: Store, run_id: str | None, *, host: str = "127.0.0.1", port: int = 8765,
-                allowed_hosts: tuple[str, ...] = ()) -> _Server:
+                allowed_hosts: tuple[str, ...] = (), token: str | None = None) -> _Server:
     """A server for ``run_id`` (the latest run when ``None``); ``port=0`` picks a free port.  It answers
-    requests whose ``Host`` is ``host``, a loopback name or one of ``allowed_hosts`` (see the module's
-    decisions)."""
-    return _Server((host, port), RunView(store, run_id), allowed_hosts)
+    requests whose ``Host`` is ``host``, a loopback name or one of ``allowed_hosts``, and that carry
+    ``token`` (a fresh :func:`new_token` when ``None``; the server's ``token`` attribute), see the
+    module's decisions."""
+    return _Server((host, port), RunView(store, run_id), allowed_hosts, token or new_token())
 
 
 PAGE = """<!DOCTYPE html>

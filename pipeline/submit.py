@@ -13,8 +13,12 @@ the script is executed as ``hetflow run`` executes it, up to its first
 ``pipe.run()`` (which runs nothing, :func:`declared_pipelines`), so a
 SyntaxError or a bad declaration is refused at once; each pipeline is
 validated against the pilot, shaped by the config or else by ``sinfo`` for
-the job's partition (:func:`job_shape`); and a pilot without a walltime is
-refused (the job would get the partition's default time limit, whatever it is).
+the job's partition (:func:`job_shape`); each ``--param`` is checked against
+the stages' declarations as ``hetflow run`` checks it; and a pilot without a
+walltime is refused (the job would get the partition's default time limit,
+whatever it is).  Every path is read from the directory the command was typed
+in, before the script's top level runs (it may ``os.chdir``), and the job
+starts there.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from pathlib import Path
 
 from hetflow.tasks.batch import batch_script, parse_job_id, sbatch_argv
 from hetflow.tasks.errors import ConfigError, HetflowError
-from hetflow.tasks.pilot import PilotDescription, load_pilot
+from hetflow.tasks.pilot import PilotDescription, absolute_spec, load_pilot
 
 from .datadir import check_data_dir
+from .errors import absolute_db
+from .params import from_command_line
 from .pipeline import Declared, Pipeline, RunOptions, run_options
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -150,7 +156,7 @@ def declared_pipelines(script: Path) -> list[Pipeline]:
     (one line) when the script fails before that.
     """
     path = script.resolve()
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     sys.argv = [str(path)]
     sys.path.insert(0, str(path.parent))
     try:
@@ -170,6 +176,7 @@ def declared_pipelines(script: Path) -> list[Pipeline]:
                           + (f": {text}" if text else "")) from None
     finally:
         sys.argv, sys.path = saved_argv, saved_path
+        os.chdir(saved_cwd)  # the top level may change directory (os.chdir(DATA)): the caller's paths stay its own
     pipelines = [value for value in namespace.values() if isinstance(value, Pipeline)]
     if not pipelines:
         raise ScriptError(f"pipeline script {script} declares no hetflow.Pipeline and runs none")
@@ -223,12 +230,22 @@ def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db:
     ``chain``: how many more jobs may follow, each submitted by its predecessor when the
     walltime drain stopped the run (:func:`submit_successor`).  ``walltime`` (seconds) replaces
     the config's; a pilot with neither is refused.  ``data_dir`` (``--data-dir``) is where the job's
-    datasets go (:mod:`hetflow.datadir`), checked here.
+    datasets go (:mod:`hetflow.datadir`), checked here.  ``params`` (``KEY=VALUE``) are checked as
+    ``hetflow run`` checks them (:func:`~hetflow.params.from_command_line`: a key no stage declares, a
+    value not of its declared type), before the job is submitted.
+
+    Every path is taken from the current directory as it is when this is called, before the script's
+    top level runs (it may change directory), and the job starts in that directory.
     """
     path = Path(script)
     if not path.is_file():
         raise HetflowError(f"pipeline script {script!r} does not exist")
-    description = load_pilot(pilot)  # a bad config fails here, not in the queue
+    start = Path.cwd()
+    path, workdir = path.resolve(), workdir.resolve()
+    pilot_arg = absolute_spec(pilot, start)
+    if db is not None:
+        db = absolute_db(db, start)
+    description = load_pilot(pilot_arg)  # a bad config fails here, not in the queue
     if walltime is not None:
         description = dataclasses.replace(description, walltime=walltime)
     if description.walltime is None:
@@ -237,23 +254,23 @@ def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db:
     if data_dir is not None:
         data_dir = check_data_dir(data_dir, what="--data-dir")
     shaped = job_shape(description)
+    texts = dict(param.partition("=")[::2] for param in params)  # as hetflow run reads --param: the last wins
     for pipe in declared_pipelines(path):  # what would fail in the job fails here, before the queue
         pipe.validate(shaped)
-    pilot_arg = str(Path(pilot).resolve()) if Path(pilot).is_file() else pilot
+        from_command_line(texts, pipe.stages.values())
     if shutil.which("sbatch") is None:
         raise SubmitError("sbatch not found on PATH: hetflow submit needs a Slurm client (or run the pipeline "
                           "with hetflow run inside salloc)")
     if chain < 0:
         raise HetflowError(f"--chain {chain}: expected the number of further jobs allowed, 0 or more")
-    workdir = workdir.resolve()
     run_id = new_run_id(path)
     folder = workdir / "submit"
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     log = folder / f"{run_id}-%j.out"
-    command = job_command(path.resolve(), pilot=pilot_arg, run_id=run_id, workdir=workdir, db=db, params=params,
+    command = job_command(path, pilot=pilot_arg, run_id=run_id, workdir=workdir, db=db, params=params,
                           data_dir=data_dir)
     batch = folder / f"{run_id}.sbatch"
-    text = batch_script(description, command, job_name=f"hetflow-{run_id}"[:128], output=log, chdir=Path.cwd(),
+    text = batch_script(description, command, job_name=f"hetflow-{run_id}"[:128], output=log, chdir=start,
                         successor=successor_command(run_id, batch, workdir=workdir, db=db), chain=chain,
                         resume=batch)
     fd = os.open(batch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # may carry a --db URL with a password

@@ -99,7 +99,8 @@ class StageContext:
     visible devices are numbered ``0..len(gpus)-1``.
     ``workdir`` is private to this attempt; ``checkpoint_dir`` is stable across
     attempts of the same stage in the same run (so a retry can resume).
-    ``files`` are the stage's declared files, resolved and absolute; ``env`` its
+    ``files`` are the stage's declared files, resolved and absolute (an object on a store: its URI, a
+    ``str``); ``env`` its
     declared environment variables (:class:`DeclaredEnv`); ``inputs`` this rank's
     partition of each input, by its declared name (what :meth:`sql` reads).
 
@@ -121,11 +122,11 @@ class StageContext:
     gpus: tuple[int, ...] = ()
     node: str = "localhost"
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("hetflow.stage"))
-    files: tuple[Path, ...] = ()
+    files: tuple[Path | str, ...] = ()
     env: Mapping[str, str | None] = field(default_factory=dict)
     inputs: Mapping[str, Any] = field(default_factory=dict)
     item: Any = None
-    """A map stage's item (``map_over=``): the file's ``Path``, the row as a dict, the partition's index,
+    """A map stage's item (``map_over=``): the file's ``Path`` (an object's URI, a ``str``), the row as a dict, the partition's index,
     or the grid point as a dict; ``None`` in a plain stage."""
     item_index: int | None = None
     """The item's place among the map stage's items (0, 1, ...); ``None`` in a plain stage.  Its results

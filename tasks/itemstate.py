@@ -130,6 +130,11 @@ def user_module(module: Any) -> bool:
     path = getattr(module, "__file__", None)
     if not isinstance(path, str):
         return False
+    return user_module_file(path)
+
+
+def user_module_file(path: str) -> bool:
+    """A module file outside the Python installation and its packages (and not hetflow's own)."""
     found = _USER_FILES.get(path)
     if found is None:
         found = _USER_FILES[path] = not (_installed(path) or _installed(os.path.realpath(path)))

@@ -41,10 +41,9 @@ import socket
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .protocol import AttemptFiles, RankResult, WorkerSpec
+from .protocol import AttemptFiles, RankResult, WorkerSpec, declared_file
 
 
 def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]) -> tuple[RankResult, Any]:
@@ -70,12 +69,8 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
         slot = spec.slots[rank]
         _pin(list(slot.cores), list(slot.gpus), spec.gpu_vendor, log)
         func = _load_function(spec)
-        for name, value in spec.env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shared = _Shared(spec, rank, size, comm, func, log)
+        env = spec.env_values()  # what the key was made with, passed in this process's environment
+        shared = _Shared(spec, rank, size, comm, func, log, env)
         if size == 1:
             import gc
 
@@ -132,12 +127,14 @@ class _Shared:
     """What every item of one task shares: the function, the inputs it does not map over, the context's parts."""
 
     def __init__(self, spec: WorkerSpec, rank: int, size: int, comm: Any, func: Callable[..., Any],
-                 log: logging.Logger) -> None:
+                 log: logging.Logger, env: Mapping[str, str | None]) -> None:
         from hetflow.operators.dataset import Dataset, schema_from_text
 
         from .worker import _open_input
 
         self.spec, self.rank, self.size, self.comm, self.func, self.log = spec, rank, size, comm, func, log
+        self.env = env
+        """The declared variables' values (:meth:`WorkerSpec.env_values`)."""
         self.declared = {name: schema_from_text(text) for name, text in spec.schemas.items()}
         self.inputs: list[Any] = []
         self.mapped_at: int | None = None
@@ -180,7 +177,7 @@ class _Shared:
             value: Any
             params = dict(spec.params)
             if "file" in item:
-                value = Path(item["file"])
+                value = declared_file(item["file"])
             elif "point" in item:
                 value = dict(item["point"])
                 params.update(value)
@@ -201,8 +198,8 @@ class _Shared:
                                params=params, workdir=spec.attempt_dir, checkpoint_dir=spec.checkpoint_dir,
                                cores=slot.cores, gpus=slot.gpus, node=spec.nodes[slot.node], log=self.log,
                                # a file item's key covers its own file only: so do its ctx.files
-                               files=(value,) if "file" in item else tuple(Path(f) for f in spec.files),
-                               env=spec.env, item=value, item_index=int(item["index"]),
+                               files=(value,) if "file" in item else tuple(declared_file(f) for f in spec.files),
+                               env=self.env, item=value, item_index=int(item["index"]),
                                inputs={name: table for (name, _), table in zip(spec.inputs, inputs)})
             with operator_settings(spec):
                 tables = _check_result(spec.stage, self.func(ctx, *inputs), list(spec.outputs))

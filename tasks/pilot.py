@@ -368,6 +368,12 @@ def load_pilot(spec: "str | os.PathLike[str] | PilotDescription") -> PilotDescri
     return PilotDescription.from_mapping(_read_config(text_spec, set()), source=_source(text_spec))
 
 
+def absolute_spec(spec: str, base: "str | os.PathLike[str]") -> str:
+    """``spec`` as :func:`load_pilot` reads it, with a relative config path made absolute against ``base``
+    (a shipped config name as it is)."""
+    return os.path.join(os.fspath(base), spec) if _is_path(spec) else spec
+
+
 def _source(spec: str) -> str:
     return spec if _is_path(spec) else f"pilot-configs/{spec}.yaml"
 

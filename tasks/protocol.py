@@ -20,6 +20,7 @@ so heavy imports stay lazy.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ VERIFY = ("checksum", "size", "none")
 ITEM_ISOLATION = ("checked", "fork")
 """How a one-rank map task runs its items: :mod:`hetflow.tasks.mapitems`."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENV_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 STATUSES = ("ok", "error", "running")
 _REQUIRED: Any = object()
 
@@ -165,6 +167,20 @@ class StageFunction:
     path: str | None = None
 
 
+def env_digest(value: str | None) -> str | None:
+    """What a worker spec holds of a declared environment variable: ``sha256:HEX`` of its value, ``None``
+    when it is unset (the same digest as the cache key's record of it)."""
+    return None if value is None else "sha256:" + hashlib.sha256(value.encode()).hexdigest()
+
+
+def declared_file(text: str) -> Path | str:
+    """A declared file as a stage sees it (``ctx.files``, a file item's ``ctx.item``): a local ``Path``, or the
+    URI of an object on a store (``s3://bucket/key``) as a ``str``, which no ``Path`` can hold."""
+    from hetflow.operators.location import is_object_store
+
+    return text if is_object_store(text) else Path(text)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every rank of one stage attempt is told (``spec.json``).
@@ -182,9 +198,13 @@ class WorkerSpec:
     version of it (:func:`hetflow.tasks.script.check_unchanged`).  ``memory_per_rank``
     (the stage's, bytes) and ``node_local_dir`` (the pilot's, as its config writes
     it: ``$VAR`` is expanded on the node) become the operators' memory budget and
-    spill directory (:mod:`hetflow.operators.settings`).  ``env`` holds the
-    stage's declared environment variables as its cache key saw them (``None``:
-    unset); each rank sets them before calling the stage, and ``ctx.env`` gives them.
+    spill directory (:mod:`hetflow.operators.settings`).  ``env`` names the
+    stage's declared environment variables, each with the digest of the value its
+    cache key saw (:func:`env_digest`; ``None``: unset), never the value: a
+    declared variable is often a secret (``API_TOKEN``), and this file stays on
+    disk after the run.  The values come in the launched process's own
+    environment (``LaunchSpec.env``); each rank checks them against the digests
+    and unsets those that were unset (:meth:`env_values`), and ``ctx.env`` gives them.
     """
 
     run_id: str
@@ -210,7 +230,7 @@ class WorkerSpec:
     script_sha256: str | None = None
     items: tuple[Mapping[str, Any], ...] = ()
     """A map stage's items for this task (:mod:`hetflow.tasks.mapitems`): each ``{"index", "key",
-    "outputs": {name: directory}}`` and one of ``"file"`` (a path), ``"row"`` or ``"partition"`` (an index
+    "outputs": {name: directory}}`` and one of ``"file"`` (a path or an object's URI), ``"row"`` or ``"partition"`` (an index
     into input ``map_input``) or ``"point"`` (a dict of parameters).  Empty: a plain stage."""
     map_input: str | None = None
     item_timeout: float | None = None
@@ -234,9 +254,9 @@ class WorkerSpec:
                 raise ProtocolError(f"stage {self.stage!r}: slot node {slot.node} is not an index into the "
                                     f"{len(self.nodes)} node name(s) {list(self.nodes)}")
         for name, value in self.env.items():
-            if not _ENV_NAME.fullmatch(name) or not (value is None or isinstance(value, str)) or "\0" in (value or ""):
-                raise ProtocolError(f"stage {self.stage!r}: env {name!r}={value!r} (expected a variable name and "
-                                    "a string without NUL, or null)")
+            if not _ENV_NAME.fullmatch(name) or not (value is None or isinstance(value, str) and _ENV_DIGEST.fullmatch(value)):
+                raise ProtocolError(f"stage {self.stage!r}: env {name!r}={str(value)[:80]!r} (expected a variable name "
+                                    "and the digest of its value, sha256:HEX, or null)")
         if self.item_timeout is not None and (isinstance(self.item_timeout, bool) or
                                               not isinstance(self.item_timeout, (int, float)) or
                                               not self.item_timeout > 0):
@@ -255,9 +275,30 @@ class WorkerSpec:
                                     "as absolute directories and one of file, row, partition, point)")
             if set(item) - {"index", "key", "outputs", "file", "row", "partition", "point", "label"}:
                 raise ProtocolError(f"stage {self.stage!r}: item {str(item)[:80]} has unknown fields")
-        relative = [f for f in self.files if not os.path.isabs(f)]
+        from hetflow.operators.location import is_object_store
+
+        relative = [f for f in self.files if not os.path.isabs(f) and not is_object_store(f)]
         if relative:
-            raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths, got {relative[0]!r}")
+            raise ProtocolError(f"stage {self.stage!r}: declared files must be absolute paths or object URIs "
+                                f"(s3://...), got {relative[0]!r}")
+
+    def env_values(self) -> dict[str, str | None]:
+        """The declared variables' values, from this process's environment, as its cache key saw them: each set
+        one checked against its digest (:class:`ProtocolError` naming it when it differs or is missing: the
+        backend did not pass the run's value), each unset one removed from ``os.environ``."""
+        values: dict[str, str | None] = {}
+        for name, digest in self.env.items():
+            if digest is None:
+                os.environ.pop(name, None)
+                values[name] = None
+                continue
+            value = os.environ.get(name)
+            if value is None or env_digest(value) != digest:
+                raise ProtocolError(f"stage {self.stage!r}: environment variable {name} is "
+                                    f"{'unset' if value is None else 'not the value'} in this rank's environment "
+                                    "where its cache key saw a value (the backend did not pass the run's value)")
+            values[name] = value
+        return values
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "stage": self.stage, "attempt": self.attempt,

@@ -11,10 +11,18 @@ attribute access, so a stage that uses it gets the real module and one that
 does not never loads it.
 
 Deferred are only the script's own module-level ``import`` statements of a
-top-level module, written in Python, not yet imported, whose bound name the
-script uses somewhere (a module imported only for its side effects stays
-eager).  ``from X import Y``, ``import X.Y``, C extensions, modules already
-imported and every import made by other modules load as usual.
+top-level module of an installed package or the standard library, written in
+Python, not yet imported, whose bound name the script uses somewhere (a module
+imported only for its side effects stays eager).  The user's own modules (beside
+the script, on ``PYTHONPATH``, installed editable from a source tree) are
+imported at the line that imports them, as in the orchestrator: what they do at
+import (read a data file, seed a generator, fill a registry the script's top
+then reads) must happen before the rest of the top level, or the rank computes
+its globals from another state than the one the stage's key was made from.
+Imports inside a ``try`` block stay eager too: a fallback (``except
+ImportError: import slow as impl``) needs the import to fail where it is written.
+``from X import Y``, ``import X.Y``, C extensions, modules already imported and
+every import made by other modules load as usual.
 
 The fork server reads and compiles a script once (:func:`prepare`), so each
 task it forks executes the code object instead of parsing and compiling the file
@@ -44,13 +52,15 @@ def deferrable(source: str | bytes) -> frozenset[str]:
     tree = ast.parse(source)
     bound: dict[str, str] = {}  # name in the script -> module
     todo: list[ast.stmt] = list(tree.body)
-    while todo:  # module level: the body, and blocks that run with it (if, try, with; not def or class)
+    while todo:  # module level: the body, and blocks that run with it (if, with, loops; not def or class)
         node = todo.pop()
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if "." not in alias.name:
                     bound[alias.asname or alias.name] = alias.name
-        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+        elif isinstance(node, (ast.Try, ast.TryStar)):
+            continue  # an import in a try block is the script's test of whether it imports: eager
+        elif isinstance(node, (ast.If, ast.With, ast.For, ast.While)):
             for block in ("body", "orelse", "finalbody", "handlers"):
                 for child in getattr(node, block, ()):
                     todo += child.body if isinstance(child, ast.ExceptHandler) else [child]
@@ -77,6 +87,8 @@ class _Deferring(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
+        if not _installed(spec.origin):
+            return None  # the user's module: imported here and now, as the orchestrator did
         if isinstance(spec.loader, _LOADERS):
             spec.loader = importlib.util.LazyLoader(spec.loader)
         return spec
@@ -87,6 +99,15 @@ class _Deferring(importlib.abc.MetaPathFinder):
         while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
             frame = frame.f_back
         return frame is not None and frame.f_globals is self.namespace and frame.f_code.co_name == "<module>"
+
+
+def _installed(origin: str | None) -> bool:
+    """Whether a module found at ``origin`` belongs to the Python installation or an installed package."""
+    if not origin:
+        return False
+    from .itemstate import user_module_file
+
+    return not user_module_file(origin)
 
 
 _PREPARED: dict[tuple[str, str], tuple[frozenset[str], types.CodeType]] = {}

@@ -39,7 +39,8 @@ from typing import Any, Callable, Mapping, Sequence
 from . import shm
 from .errors import HetflowError
 from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
-from .protocol import WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec
+from .protocol import (WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec,
+                       declared_file)
 
 COMM_ENV = "HETFLOW_COMM"
 """``mpi`` (default: the ranks are an MPI world) or ``tcp`` (see :mod:`hetflow.operators.tcpcomm`)."""
@@ -364,16 +365,12 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
         for (name, _), table in zip(named_inputs, inputs):
             if name in declared:
                 check_schema(stage, "input", name, table.schema, declared[name])
-        for name, value in spec.env.items():  # what the key was made with, whatever this node's environment
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        env = spec.env_values()  # what the key was made with, passed in this process's environment
         ctx = StageContext(comm=comm, stage=stage, run_id=spec.run_id, attempt=spec.attempt,
                            params=spec.params, workdir=attempt_dir,
                            checkpoint_dir=spec.checkpoint_dir, cores=slot.cores,
                            gpus=slot.gpus, node=spec.nodes[slot.node], log=log,
-                           files=tuple(Path(f) for f in spec.files), env=spec.env,
+                           files=tuple(declared_file(f) for f in spec.files), env=env,
                            inputs={name: table for (name, _), table in zip(named_inputs, inputs)})
         with operator_settings(spec):
             tables = _check_result(stage, func(ctx, *inputs), list(spec.outputs))

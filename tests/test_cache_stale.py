@@ -215,6 +215,47 @@ def test_a_declared_environment_variable_is_part_of_the_key_and_given_to_the_sta
     assert any('"HF_K": "unset"' in (m or "") for m in materials)
 
 
+SECRET = '''
+import os
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("secret")
+
+
+@pipe.stage(outputs=["one"], env=["HF_SECRET", "HF_UNSET"])
+def one(ctx):
+    assert "HF_UNSET" not in os.environ
+    return {"one": pa.table({"v": [ctx.env["HF_SECRET"] == os.environ["HF_SECRET"] == "tok-" + "3f9a1c"]})}
+
+
+@pipe.stage(ranks=2, outputs=["two"], env=["HF_SECRET"])
+def two(ctx):
+    return {"two": pa.table({"v": [ctx.env["HF_SECRET"] == os.environ["HF_SECRET"] == "tok-" + "3f9a1c"]})}
+
+
+@pipe.stage(map_over={"n": [1, 2]}, outputs=["mapped"], env=["HF_SECRET"])
+def mapped(ctx):
+    return {"mapped": pa.table({"v": [ctx.env["HF_SECRET"] == "tok-" + "3f9a1c"]})}
+'''
+
+
+def test_a_declared_variables_value_reaches_every_kind_of_rank_and_no_file_of_the_run(tmp_path: Path) -> None:
+    """A declared variable is often a secret: its value goes to the stage's processes in their environment (a
+    warm one-rank stage, two ranks under mpiexec, a map stage's items) and into no file the run leaves: not
+    the attempts' spec.json, not the store (which keeps a digest), not a log."""
+    (tmp_path / "p.py").write_text(SECRET)
+    base = {k: v for k, v in os.environ.items() if k not in ("HF_SECRET", "HF_UNSET")}
+    stages = run(tmp_path, env={**base, "HF_SECRET": "tok-3f9a1c"})
+    assert states(stages) == {"one": "DONE", "two": "DONE", "mapped": "DONE"}
+    assert value(stages, "one") is True and value(stages, "two") is True and value(stages, "mapped") is True
+    specs = sorted((tmp_path / "work").glob("runs/*/stages/*/attempt-*/spec.json"))
+    assert len(specs) >= 3, specs
+    assert json.loads(specs[0].read_text())["env"]["HF_SECRET"].startswith("sha256:")
+    leaked = [str(p) for p in (tmp_path / "work").rglob("*") if p.is_file() and b"tok-3f9a1c" in p.read_bytes()]
+    assert leaked == []
+
+
 def test_an_env_declaration_is_checked_when_the_stage_is_declared() -> None:
     import hetflow as hf
 

@@ -188,3 +188,48 @@ def test_the_summary_of_a_resume_counts_the_time_of_this_session_only(tmp_path: 
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     took = re.search(rf"^run {run_id}: DONE in ([\d.]+)s \(this session\)", resumed.stdout, re.M)
     assert took is not None and float(took.group(1)) < 10, resumed.stdout
+
+
+MOVES = '''
+import os
+from pathlib import Path
+import pyarrow as pa
+import hetflow as hf
+
+os.chdir(Path(__file__).parent / "data")  # common at a script's top: its relative reads are from data/
+pipe = hf.Pipeline("moves")
+
+@pipe.stage(outputs=["out"], params={"n": 1})
+def make(ctx):
+    return {"out": pa.table({"v": [ctx.params["n"]]})}
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+def test_run_takes_the_paths_it_was_given_from_where_it_was_typed_though_the_script_changes_directory(
+        tmp_path: Path) -> None:
+    """A script's top level runs before its ``pipe.run()`` reads ``--pilot``, ``--workdir``, ``--db`` and
+    ``--data-dir``: each names a file as seen from the directory the command was typed in, the default work
+    directory too, and the run's summary and follow-up commands hold from there."""
+    (tmp_path / "p.py").write_text(MOVES)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "mine.yaml").write_text("name: mine\nextends: local\n")
+    done = hetflow("run", "p.py", "--pilot", "mine.yaml", "--workdir", "w", "--db", "sqlite:///state.db",
+                   "--data-dir", "out", "--param", "n=3", "--no-progress", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith("-lock") and
+                  not p.name.endswith(".lock")) == ["data", "mine.yaml", "out", "p.py", "state.db", "w"]
+    assert any((tmp_path / "out").iterdir())                               # the datasets, where --data-dir said
+    assert list((tmp_path / "data").iterdir()) == []                       # nothing went where the script moved
+    status = hetflow("status", "--workdir", "w", "--db", "sqlite:///state.db", "--json", cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    shown = json.loads(status.stdout)
+    assert shown["state"] == "DONE" and shown["run_dir"] == str(tmp_path / "w" / "runs" / shown["id"])
+    assert f"hetflow logs {shown['id']} --workdir w --db sqlite:///state.db" in done.stdout + done.stderr
+    default = hetflow("run", "p.py", "--no-progress", cwd=tmp_path)           # the default work directory
+    assert default.returncode == 0, default.stderr
+    assert (tmp_path / ".hetflow" / "hetflow.db").is_file() and list((tmp_path / "data").iterdir()) == []
+    latest = hetflow("status", "--json", cwd=tmp_path)                        # found from where it was typed
+    assert latest.returncode == 0 and json.loads(latest.stdout)["pipeline"] == "moves", latest.stderr

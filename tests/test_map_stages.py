@@ -405,8 +405,8 @@ def test_serve_shows_a_map_stage_as_one_row_with_its_items(project: Path) -> Non
     try:
         assert serve.stdout is not None
         line = serve.stdout.readline()
-        url = line.split(" at ", 1)[1].split()[0]
-        with urllib.request.urlopen(url + "api/status", timeout=30) as answer:
+        base, token = line.split(" at ", 1)[1].split()[0].split("?token=")
+        with urllib.request.urlopen(f"{base}api/status?token={token}", timeout=30) as answer:
             shown = json.loads(answer.read())
     finally:
         serve.send_signal(signal.SIGINT)

@@ -257,7 +257,7 @@ def test_a_run_shows_as_a_table_with_its_texts_escaped_and_links_a_server_of_its
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
-        address = re.search(r"at (http://127\.0\.0\.1:\d+/)", server.stdout.readline())
+        address = re.search(r"at (http://127\.0\.0\.1:\d+/\?token=[\w-]{40,})", server.stdout.readline())
         assert address is not None
         linked = kernel.run("run")["html"][0]
         assert f'<a href="{address[1]}" target="_blank">{address[1]}</a>' in linked

@@ -333,8 +333,9 @@ def test_serve_shows_a_running_run_and_refreshes_until_it_ends_in_chromium(tmp_p
         assert serve.stdout is not None
         line = serve.stdout.readline()
         url = line.split(" at ", 1)[1].split()[0]
-        assert url.startswith("http://127.0.0.1:"), line
-        with urllib.request.urlopen(url + "api/status", timeout=30) as answer:
+        assert url.startswith("http://127.0.0.1:") and "/?token=" in url, line
+        base, token = url.split("?token=")
+        with urllib.request.urlopen(f"{base}api/status?token={token}", timeout=30) as answer:
             assert json.loads(answer.read())["state"] == "RUNNING"       # the page is opened mid-run
         argv = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -365,11 +366,12 @@ def test_serve_binds_this_machine_only_and_names_bad_requests(tmp_path: Path) ->
         assert serve.stdout is not None
         url = serve.stdout.readline().split(" at ", 1)[1].split()[0]
         assert url.startswith("http://127.0.0.1:")
-        with urllib.request.urlopen(url + "timeline", timeout=30) as answer:
+        base, token = url.split("?token=")
+        with urllib.request.urlopen(f"{base}timeline?token={token}", timeout=30) as answer:
             page = answer.read().decode()
         assert "talk" in page and 'id="gantt"' in page
         with pytest.raises(urllib.error.HTTPError) as missing:
-            urllib.request.urlopen(url + "../etc/passwd", timeout=30)
+            urllib.request.urlopen(f"{base}../etc/passwd?token={token}", timeout=30)
         assert missing.value.code == 404
     finally:
         serve.send_signal(signal.SIGINT)
@@ -444,10 +446,11 @@ def test_serve_page_shows_each_running_stages_progress_and_fits_a_1200px_window(
     try:
         assert serve.stdout is not None
         url = serve.stdout.readline().split(" at ", 1)[1].split()[0]
+        base, token = url.split("?token=")
         stage = "train_member_of_a_learning_rate_sweep_with_a_long_name_lr_0_001"
         deadline = time.time() + 120
         while True:  # the JSON API: the running stage's progress, as the terminal shows it, and per rank
-            with urllib.request.urlopen(url + "api/status", timeout=30) as answer:
+            with urllib.request.urlopen(f"{base}api/status?token={token}", timeout=30) as answer:
                 status = json.loads(answer.read())
             progress = next((s["progress"] for s in status["stages"] if s["name"] == stage), None)
             if progress and len(progress["ranks"]) == 2:
@@ -471,7 +474,7 @@ def test_serve_page_shows_each_running_stages_progress_and_fits_a_1200px_window(
                 "epoch 10/10 100% loss=0.125"                                    # the last report stays
             width = browser.overflow()
             assert width["scrollWidth"] <= width["innerWidth"], width
-            browser.open(url + "timeline")                                       # the timeline alone, too
+            browser.open(base + "timeline")                 # the timeline alone, too (the page's cookie opens it)
             width = browser.overflow()
             assert width["scrollWidth"] <= width["innerWidth"], width
     finally:

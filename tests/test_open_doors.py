@@ -126,13 +126,17 @@ def test_logs_show_each_line_labelled_with_escape_sequences_as_text(hostile: tup
         assert all(line.startswith(label + " ") for line in logs.stdout.splitlines())
 
 
-def start_serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
+def start_serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], int, str]:
+    """``hetflow serve`` started for ``tmp/w``: the process, its port and the token of the address it printed."""
     serve = subprocess.Popen([*HETFLOW, "serve", "--port", "0", "--workdir", "w", *extra], cwd=tmp,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert serve.stdout is not None
     line = serve.stdout.readline()
     assert " at http://127.0.0.1:" in line, line + (serve.stderr.read() if serve.stderr else "")
-    return serve, int(line.split(" at http://127.0.0.1:", 1)[1].split("/")[0])
+    address = line.split(" at ", 1)[1].split()[0]
+    port, _, token = address.removeprefix("http://127.0.0.1:").partition("/?token=")
+    assert len(token) >= 40 and token.replace("-", "").replace("_", "").isalnum(), line
+    return serve, int(port), token
 
 
 def stop(serve: subprocess.Popen[str]) -> None:
@@ -140,17 +144,28 @@ def stop(serve: subprocess.Popen[str]) -> None:
     serve.wait(timeout=30)
 
 
-def ask(port: int, path: str, host: str | None) -> tuple[int, str]:
-    """GET ``path`` with exactly the ``Host`` header given (none when ``None``)."""
+def request(port: int, path: str, host: str | None, token: str | None = None,
+            cookie: str | None = None) -> tuple[int, str, http.client.HTTPMessage]:
+    """GET ``path`` with exactly the ``Host`` header given (none when ``None``), ``token=`` added to its query
+    when given, and a ``Cookie`` header when given: the status, the body and the headers of the answer."""
+    if token is not None:
+        path += ("&" if "?" in path else "?") + f"token={token}"
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=40)
     conn.putrequest("GET", path, skip_host=True)
     if host is not None:
         conn.putheader("Host", host)
+    if cookie is not None:
+        conn.putheader("Cookie", cookie)
     conn.endheaders()
     answer = conn.getresponse()
     body = answer.read().decode()
     conn.close()
-    return answer.status, body
+    return answer.status, body, answer.headers
+
+
+def ask(port: int, path: str, host: str | None, token: str | None = None) -> tuple[int, str]:
+    """:func:`request`'s status and body."""
+    return request(port, path, host, token)[:2]
 
 
 def raw_request(port: int, request: bytes) -> str:
@@ -164,16 +179,16 @@ def raw_request(port: int, request: bytes) -> str:
 
 def test_serve_answers_only_its_own_host_names(hostile: tuple[Path, str, str]) -> None:
     tmp, rid, _ = hostile
-    serve, port = start_serve(tmp)
+    serve, port, token = start_serve(tmp)
     try:
         for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "LocalHost", f"[::1]:{port}", "[::1]"):
-            status, body = ask(port, "/api/status", host)
+            status, body = ask(port, "/api/status", host, token)
             assert status == 200, (host, body)
             assert json.loads(body)["id"] == rid
         for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}", "127.0.0.1:1",
                      f"localhost.:{port}", f"0.0.0.0:{port}", "", f"127.0.0.1:{port}@evil.example"):
             for path in ("/api/status", "/", "/timeline", "/nope"):
-                status, body = ask(port, path, host)
+                status, body = ask(port, path, host, token)                 # the token does not help
                 assert status == 421, (host, path, status, body)
                 assert body.startswith("hetflow serve does not answer for Host"), body
                 assert rid not in body and "<" not in body                  # short plain text, nothing of the run
@@ -188,13 +203,56 @@ def test_serve_answers_only_its_own_host_names(hostile: tuple[Path, str, str]) -
         stop(serve)
 
 
+def test_serve_answers_no_route_without_its_token_and_a_right_token_sets_a_strict_cookie(
+        hostile: tuple[Path, str, str]) -> None:
+    """Loopback is not private (every user of a login node reaches 127.0.0.1): without the token the server
+    printed, every route is 403 and says nothing of the run; the right ``?token=`` answers and sets an
+    HttpOnly SameSite=Strict cookie, which alone then opens every route of this server (not another's)."""
+    tmp, rid, _ = hostile
+    serve, port, token = start_serve(tmp)
+    other, other_port, other_token = start_serve(tmp)
+    host = f"127.0.0.1:{port}"
+    try:
+        note = json.loads((tmp / "w" / "serve.json").read_text())   # the second server's note (the latest)
+        assert note["token"] == other_token and oct((tmp / "w" / "serve.json").stat().st_mode & 0o777) == "0o600"
+        wrong = token[:-1] + ("A" if token[-1] != "A" else "B")
+        for path in ("/", "/api/status", "/api/status?since=x&wait=1", "/timeline", "/nope", "/?token=",
+                     f"/?token={wrong}", f"/?token={token[:20]}", f"/api/status?token={other_token}",
+                     f"/?token={token}&token={token}"):
+            status, body, headers = request(port, path, host)
+            assert status == 403, (path, status, body)
+            assert body == ("hetflow serve answers only with its token: open the address it printed "
+                            "(http://HOST:PORT/?token=...)\n"), body
+            assert rid not in body and token not in body and headers["Set-Cookie"] is None, (path, headers)
+        for cookie in (f"hetflow-serve-{port}={wrong}", f"hetflow-serve-{other_port}={other_token}",
+                       f"hetflow-serve-{port}=", f"hetflow-serve-{port}", "garbage\x01=;;"):
+            assert request(port, "/api/status", host, cookie=cookie)[0] == 403, cookie
+        status, body, headers = request(port, "/", host, token)      # the printed address
+        assert status == 200 and "<title>hetflow run</title>" in body
+        assert headers["Set-Cookie"] == f"hetflow-serve-{port}={token}; Path=/; HttpOnly; SameSite=Strict"
+        assert headers["Referrer-Policy"] == "no-referrer"
+        cookie = headers["Set-Cookie"].split(";")[0]
+        for path in ("/api/status", "/timeline", "/"):               # the page's own requests: the cookie only
+            status, body, headers = request(port, path, host, cookie=f"other=1; {cookie}")
+            assert status == 200 and headers["Set-Cookie"] is None, (path, status, body)
+        assert json.loads(request(port, "/api/status", host, cookie=cookie)[1])["id"] == rid
+        assert request(port, "/nope", host, cookie=cookie)[0] == 404
+        assert request(port, f"/api/status?token={wrong}", host, cookie=cookie)[0] == 403  # a wrong token is wrong
+        assert request(other_port, "/api/status", f"127.0.0.1:{other_port}", cookie=cookie)[0] == 403
+        assert request(other_port, "/api/status", f"127.0.0.1:{other_port}", other_token)[0] == 200
+    finally:
+        stop(serve)
+        stop(other)
+    assert serve.stderr is not None and token not in serve.stderr.read()   # printed once, never logged
+
+
 def test_serve_allow_host_adds_names_and_rejects_a_name_with_a_port(hostile: tuple[Path, str, str]) -> None:
     tmp, _, _ = hostile
-    serve, port = start_serve(tmp, "--allow-host", "box.example", "--allow-host", "10.1.2.3")
+    serve, port, token = start_serve(tmp, "--allow-host", "box.example", "--allow-host", "10.1.2.3")
     try:
         for host in (f"box.example:{port}", "BOX.example", "10.1.2.3", f"localhost:{port}"):
-            assert ask(port, "/api/status", host)[0] == 200, host
-        assert ask(port, "/api/status", f"evil.example:{port}")[0] == 421
+            assert ask(port, "/api/status", host, token)[0] == 200, host
+        assert ask(port, "/api/status", f"evil.example:{port}", token)[0] == 421
     finally:
         stop(serve)
     bad = hetflow("serve", "--port", "0", "--allow-host", "box.example:80", "--workdir", "w", cwd=tmp)
@@ -205,19 +263,19 @@ def test_serve_allow_host_adds_names_and_rejects_a_name_with_a_port(hostile: tup
 
 def test_serve_refuses_query_values_that_are_not_finite_bounded_seconds(hostile: tuple[Path, str, str]) -> None:
     tmp, _, _ = hostile
-    serve, port = start_serve(tmp)
+    serve, port, token = start_serve(tmp)
     host = f"127.0.0.1:{port}"
     try:
         for wait in ("nan", "NaN", "inf", "-inf", "-1", "1e9", "30.5", "abc", "0x10", "1e400"):
-            status, body = ask(port, f"/api/status?since=x&wait={wait}", host)
+            status, body = ask(port, f"/api/status?since=x&wait={wait}", host, token)
             assert status == 400, (wait, status, body)
             assert body.startswith("wait= takes one number of seconds from 0 to 30, got"), body
-        status, body = ask(port, "/api/status?since=x&wait=1&wait=2", host)
+        status, body = ask(port, "/api/status?since=x&wait=1&wait=2", host, token)
         assert status == 400 and "got 2 values" in body, body
-        status, body = ask(port, "/api/status?since=" + "a" * 65, host)
+        status, body = ask(port, "/api/status?since=" + "a" * 65, host, token)
         assert status == 400 and body.startswith("since= takes a status digest of at most 64 characters"), body
         for wait in ("0", "0.5", "30"):
-            assert ask(port, f"/api/status?since=x&wait={wait}", host)[0] == 200, wait   # the run has ended
+            assert ask(port, f"/api/status?since=x&wait={wait}", host, token)[0] == 200, wait   # the run has ended
     finally:
         stop(serve)
 

@@ -35,7 +35,8 @@ def _spec(tmp_path: Path, **changes: object) -> WorkerSpec:
         "outputs": {"sorted": str(tmp_path / "datasets" / "sorted")}, "sys_path": (str(tmp_path),),
         "params": {"n": 3, "label": "x", "nested": {"a": [1, 2]}}, "verify": "size",
         "schemas": {"sorted": "c2NoZW1h"}, "files": (str(tmp_path / "calibration.csv"),),
-        "memory_per_rank": 4 << 30, "node_local_dir": "/mnt/bb/$USER", "env": {"HF_K": "2", "HF_UNSET": None}}
+        "memory_per_rank": 4 << 30, "node_local_dir": "/mnt/bb/$USER", "env": {"HF_K": "sha256:" + "d4735e3a265e16eee03f59718b9b5d03019c07d8b6c51f90da3a666eec13ab35",
+                                                           "HF_UNSET": None}}
     fields.update(changes)
     return WorkerSpec(**fields)  # type: ignore[arg-type]
 
@@ -89,7 +90,8 @@ def test_spec_written_before_files_existed_reads_with_defaults(tmp_path: Path) -
     (lambda d: d.update(node_local_dir=7), "'node_local_dir'"),
     (lambda d: d.update(env=["HF_K"]), "'env'"),
     (lambda d: d.update(env={"1X": "a"}), "env '1X'"),
-    (lambda d: d.update(env={"HF_K": 3}), "env 'HF_K'=3"),
+    (lambda d: d.update(env={"HF_K": 3}), "env 'HF_K'='3'"),
+    (lambda d: d.update(env={"HF_K": "2"}), "env 'HF_K'='2' (expected a variable name and the digest"),
 ])
 def test_bad_spec_file_names_the_file_and_the_field(tmp_path: Path, change: object, field: str) -> None:
     data = _spec(tmp_path).to_json()
@@ -291,3 +293,20 @@ def test_a_rank_that_dies_after_returning_its_result_is_named_as_such(tmp_path: 
     assert failure is not None and (failure.rank, failure.signal) == (1, int(signal.SIGABRT))
     assert failure.message.startswith("rank 1 of stage 'sort' returned its result, then ended badly"), failure.message
     assert failure.message.endswith("; rank(s) [0] ended before returning theirs"), failure.message
+
+
+def test_a_rank_takes_declared_values_from_its_environment_checked_against_the_specs_digests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spec file holds digests, never values: the rank's environment brings the values (``LaunchSpec.env``),
+    a value other than the key's is refused naming the variable, and a variable unset for the key is unset here."""
+    spec = _spec(tmp_path)
+    monkeypatch.setenv("HF_K", "2")
+    monkeypatch.setenv("HF_UNSET", "set-on-this-node")
+    assert spec.env_values() == {"HF_K": "2", "HF_UNSET": None} and "HF_UNSET" not in os.environ
+    assert "2" not in json.dumps(spec.to_json()["env"]).replace(spec.env["HF_K"] or "", "")
+    monkeypatch.setenv("HF_K", "3")
+    with pytest.raises(ProtocolError, match=r"^stage 'sort': environment variable HF_K is not the value in this"):
+        spec.env_values()
+    monkeypatch.delenv("HF_K")
+    with pytest.raises(ProtocolError, match=r"^stage 'sort': environment variable HF_K is unset in this"):
+        spec.env_values()

@@ -245,3 +245,28 @@ def test_partition_shape_reads_sinfo_per_node_lines() -> None:
     assert submit_module.partition_shape("48|gpu:a100:2,gpu:v100:2|mixed\n", queue="mixed") == (48, 4)
     assert submit_module.partition_shape("", queue="gpu") is None
     assert submit_module.partition_shape("64|(null)|other\n", queue=None) is None  # no default partition listed
+
+
+DECLARES_N = ("import pyarrow as pa\nimport hetflow as hf\npipe = hf.Pipeline('p', pilot='local')\n"
+              "@pipe.stage(outputs=['t'], params={'n': 1})\ndef make(ctx):\n    return {'t': pa.table({'v': [1]})}\n"
+              "if __name__ == '__main__':\n    pipe.run()\n")
+
+
+@pytest.mark.parametrize("param", ["lr=0.5", "n=abc", "nn=2", "n=1.5"])
+def test_submit_refuses_a_param_as_hetflow_run_does_before_sbatch(tmp_path: Path, param: str) -> None:
+    """A key no stage declares, or a value not of its declared type, fails the job's ``hetflow run`` at once:
+    ``hetflow submit`` refuses it first, with the message ``hetflow run`` gives."""
+    script = tmp_path / "p.py"
+    script.write_text(DECLARES_N)
+    ran = subprocess.run([*HETFLOW, "run", str(script), "--param", param, "--workdir", str(tmp_path / "r")],
+                         cwd=tmp_path, check=False, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 2 and ran.stderr.startswith(f"hetflow: error: --param {param}: "), ran.stderr
+    done = _submit_without_sbatch(tmp_path, script, LAB, "--param", param)
+    assert done.returncode == 2, done
+    assert done.stderr == ran.stderr, done.stderr
+    assert not (tmp_path / "w" / "submit").exists()
+    fits = _submit_without_sbatch(tmp_path, script, LAB, "--param", "n=5", "--param", param, "--param", "n=7")
+    if param.startswith("n="):                                          # the last value of a key is the one used
+        assert fits.returncode == 2 and fits.stderr == NO_SBATCH, fits.stderr
+    else:
+        assert fits.returncode == 2 and fits.stderr == ran.stderr, fits.stderr

@@ -186,3 +186,53 @@ def test_scancel_records_the_run_interrupted_at_once(slurm_env: dict[str, str], 
     assert {s["name"]: s["state"] for s in status["stages"]} == {"hold": "CANCELLED"}, status
     _no_jobs_left(slurm_env)
     assert _leftovers(str(tmp_path)) == []
+
+
+MOVES = '''
+import os
+from pathlib import Path
+import pyarrow as pa
+import hetflow as hf
+
+os.chdir(Path(__file__).parent / "data")  # common at a script's top: its relative reads are from data/
+pipe = hf.Pipeline("moves")
+
+@pipe.stage(outputs=["out"], params={"n": 1})
+def make(ctx):
+    return {"out": pa.table({"v": [ctx.params["n"]]})}
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+@pytest.mark.timeout(300)
+def test_submit_from_where_it_was_typed_though_the_script_changes_directory(slurm_env: dict[str, str],
+                                                                            tmp_path: Path) -> None:
+    """``hetflow submit p.py --pilot lab.yaml`` with relative paths, of a script whose top level moves to
+    data/ (it runs here, before the job is written): the job runs this p.py with this lab.yaml, its work
+    directory is ./.hetflow, and it starts here -- it runs to DONE, and the submitter is back where it was."""
+    (tmp_path / "p.py").write_text(MOVES)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "lab.yaml").write_text("name: lab\nbackend: slurm\nnodes: 1\nwalltime: '00:05:00'\n")
+    done = subprocess.run([HETFLOW, "submit", "p.py", "--pilot", "lab.yaml", "--param", "n=5"], cwd=tmp_path,
+                          env=slurm_env, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.splitlines()[0].split()
+    job_id, run_id = first[3].rstrip(":"), first[5]
+    assert f"hetflow status {run_id} --workdir {tmp_path / '.hetflow'}" in done.stdout, done.stdout
+    batch = (tmp_path / ".hetflow" / "submit" / f"{run_id}.sbatch").read_text()
+    assert f"cd {tmp_path}\n" in batch and f" run {tmp_path / 'p.py'} --pilot {tmp_path / 'lab.yaml'} " in batch, batch
+    deadline, state = time.monotonic() + 200, None
+    while time.monotonic() < deadline:
+        queued = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], slurm_env).stdout.strip()
+        status = subprocess.run([HETFLOW, "status", run_id, "--json"], cwd=tmp_path, env=slurm_env, check=False,
+                                capture_output=True, text=True)
+        state = json.loads(status.stdout)["state"] if status.returncode in (0, 1) else None
+        if not queued and state not in (None, "RUNNING"):
+            break
+        time.sleep(1)
+    log = (tmp_path / ".hetflow" / "submit" / f"{run_id}-{job_id}.out").read_text()
+    assert state == "DONE", log
+    assert list((tmp_path / "data").iterdir()) == []                       # nothing went where the script moved
+    assert _leftovers(str(tmp_path)) == []
