@@ -113,10 +113,18 @@ Decisions, for :func:`code_fingerprint`:
   ``eval``/``exec`` counts every global of its module besides (the text may
   come from a parameter: ``eval(ctx.params["expr"])`` reading ``SCALE``).  A stage that reads the
   script's namespace by a computed name (``globals()["norm_" + m]``) counts every
-  function and class of the script; the attributes of a reached local module's
+  function and class of the script (so does ``getattr(sys.modules[__name__], ...)``,
+  ``importlib.import_module(__name__)``); the attributes of a reached local module's
   classes count by their value now (a classmethod the script's top calls sets them).
   A function, class or module met inside a value is recorded by name and
-  followed.
+  followed, a reached module's values too (a local module's registry holding a
+  script function or class counts by their code; the cells of a reached module's
+  functions made by a factory, ``register, get = make_registry()``, count as
+  values); code that reads
+  ``__subclasses__`` counts the user subclasses loaded of every reached class.  An
+  object put in ``sys.modules`` in place of a module counts by value where it is
+  imported.  Code that reads ``argv`` or calls ``parse_args`` counts the script's
+  arguments (``sys.argv[1:]``).
 * **Library settings.**  numpy's print options and floating-point error
   handling, pandas options and polars' ``Config``, for each of them imported,
   count where they differ from the library's defaults (``"pandas settings"``):
@@ -146,6 +154,7 @@ import os
 import random
 import re
 import sys
+import struct
 import sysconfig
 import threading
 import types
@@ -170,6 +179,8 @@ NO_MATCH = "<no match>"
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes, PurePath, decimal.Decimal, uuid.UUID,
            datetime.date, datetime.time, datetime.timedelta)
 _LOAD_OPS = {"LOAD_GLOBAL", "LOAD_NAME"}
+_NAN_BITS = struct.pack("<d", float("nan"))
+"""A NaN other than this one (``-nan``) counts by its bits: its ``repr`` is ``nan``'s."""
 
 
 def _sha(text: str | bytes) -> str:
@@ -243,6 +254,11 @@ class _Walker:
         """Types of the values met since the last component whose text form is shortened (``...``)."""
         self.uncacheable: dict[str, set[str]] = {}
         """``{component: types}`` of the components that hold such a value (see :func:`uncacheable`)."""
+        self.classes: list[type] = []
+        """The classes hashed (:meth:`visit_class`): whose subclasses count when ``__subclasses__`` is read."""
+        self.valued: set[tuple[str, int]] = set()
+        """``(component, id of the value)`` of the module values digested: each once, however often they are
+        looked at again (:meth:`reached_by_value`)."""
         self.evaluated: set[int] = set()
         """The namespaces whose every global counts (:meth:`every_global`), by identity."""
         self.outsiders: dict[str, bool] = {}
@@ -259,6 +275,8 @@ class _Walker:
             self.drain()
             found = [(owner, attr) for owner, attr in patches
                      if (id(owner), attr) not in applied and self.patch_counts(owner, attr)]
+            if not found and self.reached_by_value():
+                continue  # a module's value held code (a registry, a subclass): what that reads counts too
             if not found:
                 break
             for owner, attr in found:  # a patched value may reach more code: drain again
@@ -272,6 +290,7 @@ class _Walker:
         self.library_settings()  # a formatter function in a setting, a global a seed call names: followed
         self.drain()
         self.module_values()
+        self.command_line()
         for key, kinds in self.uncacheable.items():
             cut = sorted(k for k in kinds if not k.startswith(_OPAQUE))
             opaque = sorted(k[len(_OPAQUE):] for k in kinds if k.startswith(_OPAQUE))
@@ -280,6 +299,36 @@ class _Walker:
                   "can read"] if opaque else [])
             self.parts[f"{UNCACHEABLE}{key}"] = {f"holds {' and '.join(said)}"}
         return {key: next(iter(d)) if len(d) == 1 else _sha(" ".join(sorted(d))) for key, d in sorted(self.parts.items())}
+
+    def reached_by_value(self) -> bool:
+        """Count the values of the reached modules (:meth:`module_values`) and the subclasses of the reached
+        classes (:meth:`subclasses`); whether that reached code not followed yet: a function or class of the
+        script kept in a local module's registry (``@reg.register("a")``, ``__init_subclass__``) counts by its
+        code and its class attributes, as when a stage names it."""
+        self.module_values()
+        self.subclasses()
+        self.queue = [o for o in self.queue if (o.name if isinstance(o, _Located) else id(o)) not in self.seen]
+        return bool(self.queue)
+
+    def subclasses(self) -> None:
+        """A stage whose reached code reads ``__subclasses__`` counts the user subclasses loaded now of every
+        reached user class (those of a reached module too): ``Base.__subclasses__()[0]`` may be any of them."""
+        if "__subclasses__" not in self.names:
+            return
+        classes = list(self.classes)
+        for key in [k for k in self.parts if k.startswith("module ")]:
+            module = sys.modules.get(key[len("module "):])
+            if isinstance(module, types.ModuleType):
+                classes.extend(v for v in list(vars(module).values())
+                               if isinstance(v, type) and v.__module__ == module.__name__)
+        for cls in classes:
+            try:
+                found: list[type] = type.__subclasses__(cls)
+            except TypeError:  # not a plain class
+                continue
+            for sub in found:
+                if self.is_user_object(sub):
+                    self.follow(sub)
 
     def module_values(self) -> None:
         """The values, as they are now, of the globals of reached user modules that the reached code names:
@@ -303,10 +352,15 @@ class _Walker:
             for attr, value in list(vars(module).items()):
                 if isinstance(value, type) and value.__module__ == name and not attr.startswith("__"):
                     self.class_values(name, value)
+                if isinstance(value, types.FunctionType) and value.__closure__ and self.reads(attr) and \
+                        value.__module__ == name and "__wrapped__" not in vars(value):
+                    # register, get = make_registry(): the table in their cells (not a decorator's wrapper)
+                    cells = [c.cell_contents for c in value.__closure__ if _filled(c)]
+                    self.add_value(f"{name}.{attr}() closure", cells)
                 if attr.startswith("__") or not self.reads(attr) or isinstance(value, (types.ModuleType, type)) \
                         or _is_code_like(value):
                     continue
-                self.add(f"{name}.{attr}", _sha(self.value(value)))
+                self.add_value(f"{name}.{attr}", value)
         script = getattr(_target(self.func), "__globals__", None)
         if ANY_NAME in self.names and isinstance(script, dict) and script.get("__name__") == self.home:
             for attr, value in list(script.items()):  # the script's own, read by a computed name
@@ -314,6 +368,13 @@ class _Walker:
                         or type(value).__module__.partition(".")[0] == "hetflow" or attr in self.parts:
                     continue
                 self.add(attr, _sha(self.value(value)))
+
+    def command_line(self) -> None:
+        """The script's command-line arguments (``sys.argv[1:]``, what the ranks get too) when the reached code
+        reads them: names ``argv`` (``sys.argv[1]``, ``from sys import argv``) or parses them (``parse_args()``).
+        The script's path (``argv[0]``) does not count."""
+        if _ARGV_READERS & self.names:
+            self.add("sys.argv[1:]", _sha(self.value(list(sys.argv[1:]))))
 
     def library_settings(self) -> None:
         """Process-wide settings of numpy, pandas and polars that differ from the library's defaults (print
@@ -356,7 +417,13 @@ class _Walker:
             if attr.startswith("__") or not self.reads(attr) or _is_code_like(value) or \
                     isinstance(value, (staticmethod, classmethod, property, functools.cached_property)):
                 continue
-            self.add(f"{module}.{cls.__qualname__}.{attr}", _sha(self.value(value)))
+            self.add_value(f"{module}.{cls.__qualname__}.{attr}", value)
+
+    def add_value(self, key: str, value: Any) -> None:
+        """Record a module's or a class's value, once per walk."""
+        if (key, id(value)) not in self.valued:
+            self.valued.add((key, id(value)))
+            self.add(key, _sha(self.value(value)))
 
     def reads(self, attr: str) -> bool:
         """Whether the reached code may read a name: it names it, or reads names computed at run time."""
@@ -524,7 +591,7 @@ class _Walker:
         unresolved = tuple(os.path.join(d, "") for d in (sys.prefix, sys.base_prefix, sys.exec_prefix) if d)
         known = _USER_MODULES.setdefault((self.roots, self.external, self.installed_local), {})
         for name, module in list(sys.modules.items()):
-            path = getattr(module, "__file__", None)
+            path = getattr(module, "__file__", None) if isinstance(module, types.ModuleType) else None
             if (name in found or not isinstance(path, str) or not path.endswith(".py") or path.startswith(unresolved)
                     or "site-packages" in path or "dist-packages" in path):
                 continue
@@ -575,6 +642,7 @@ class _Walker:
                 self.follow(value)
 
     def visit_class(self, cls: type) -> None:
+        self.classes.append(cls)
         body = [f"bases {[self.follow(b) for b in cls.__bases__ if b is not object]}"]
         if type(cls) is not type:
             body.append(f"metaclass {self.follow(type(cls))}")
@@ -637,7 +705,7 @@ class _Walker:
         instructions = list(dis.get_instructions(code))
         if _reads_computed_names(instructions):  # getattr(consts, "K" + which): any name may be read
             self.names.add(ANY_NAME)
-            if namespace.get("__name__") == self.home and ("globals" in code.co_names or "modules" in code.co_names):
+            if namespace.get("__name__") == self.home and _SCRIPT_READERS & set(code.co_names):
                 self.script_by_name = True
         if _NAMESPACE_READERS & set(code.co_names):  # globals()["K"], getattr(sys.modules[__name__], "K")
             for const in code.co_consts:
@@ -728,13 +796,16 @@ class _Walker:
             self.follow_module_name(name)
             return
         base = sys.modules.get(name)
+        if base is not None and not isinstance(base, types.ModuleType):  # not a module: counted by value
+            self.module_stand_in(name, base)
+            return
         whole = False
         for attr in fromlist:
             sub = f"{name}.{attr}"
             if attr == "*":
                 whole = True
             elif sub in sys.modules:
-                self.follow(sys.modules[sub])
+                self.follow_module_name(sub)
             elif base is not None and attr in vars(base):
                 value = vars(base)[attr]
                 if isinstance(value, (types.FunctionType, type, types.ModuleType)):
@@ -751,6 +822,9 @@ class _Walker:
     def follow_module_name(self, name: str) -> None:
         """Follow a module by name: imported, or located and hashed from its file without being imported."""
         module = sys.modules.get(name)
+        if module is not None and not isinstance(module, types.ModuleType):
+            self.module_stand_in(name, module)
+            return
         if module is not None:
             self.follow(module)
             return
@@ -760,6 +834,12 @@ class _Walker:
         else:
             self.external_module(name, {"__spec__": found, "__file__": found.origin,
                                         "__path__": found.submodule_search_locations} if found is not None else None)
+
+    def module_stand_in(self, name: str, obj: Any) -> None:
+        """An object the script put in ``sys.modules`` in place of a module (``sys.modules["labcfg"] =
+        types.SimpleNamespace(K=1)``, an instance of a class), which ``import labcfg`` gives: counted by
+        value, its attributes, like a global holding it."""
+        self.add(f"sys.modules[{name!r}]", _sha(self.value(obj)))
 
     def locate(self, name: str) -> importlib.machinery.ModuleSpec | None:
         """A module's spec, found without importing it or its packages (so none of their code runs)."""
@@ -783,6 +863,8 @@ class _Walker:
         inner = stack + (id(obj),)
         if isinstance(obj, enum.Enum):
             return f"{self.follow(type(obj))}.{obj.name}"
+        if isinstance(obj, float) and obj != obj and struct.pack("<d", obj) != _NAN_BITS:  # -nan: repr is nan
+            return f"{type(obj).__name__}:nan {struct.pack('<d', obj).hex()}"
         if isinstance(obj, _SIMPLE):
             return f"{type(obj).__name__}:{obj!r}"
         if isinstance(obj, (list, tuple)):
@@ -1134,6 +1216,12 @@ ANY_NAME = "<any name>"
 """In :attr:`_Walker.names`: the reached code reads names computed at run time (``getattr(m, "K" + which)``,
 ``vars(m)``, ``m.__dict__``, ``globals()``), so every value of a reached module counts."""
 _NAMESPACE_READERS = frozenset({"globals", "vars", "getattr", "__dict__", "modules"})
+_ARGV_READERS = frozenset({"argv", "parse_args", "parse_known_args", "parse_intermixed_args",
+                            "parse_known_intermixed_args"})
+"""Names whose use in reached code reads the command line (:meth:`_Walker.command_line`)."""
+_SCRIPT_READERS = frozenset({"globals", "modules", "import_module", "__import__"})
+"""Names whose use with a computed name reads the script's own namespace: ``globals()[...]``, and the module
+itself: ``sys.modules[__name__]``, ``importlib.import_module(__name__)``, ``__import__(__name__)``."""
 _COMPUTED_READERS = frozenset({"vars", "globals", "__dict__", "attrgetter", "methodcaller", "getattr_static",
                                "__getattribute__"})
 _PLAIN_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CONST"})
@@ -1215,7 +1303,8 @@ def _imported_names(source: bytes, path: str, package: str | None) -> dict[str, 
             value = sys.modules.get(module, _ABSENT)
         else:
             base, sub = sys.modules.get(module), sys.modules.get(f"{module}.{name}")
-            value = sub if sub is not None else vars(base).get(name, _ABSENT) if base is not None else _ABSENT
+            value = sub if sub is not None else vars(base).get(name, _ABSENT) \
+                if isinstance(base, types.ModuleType) else _ABSENT
         if value is not _ABSENT:
             found[bound] = value
     return found

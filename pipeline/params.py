@@ -14,7 +14,9 @@ value is never surprising to someone who did not study them.
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -52,12 +54,24 @@ def typed(key: str, text: str, default: Any, stage: str) -> Any:
             raise bad("an integer") from None
     if isinstance(default, float):
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
             raise bad("a number") from None
+        if signed_nan(number):
+            raise ConfigError(f"--param {key}={text} (stage {stage!r}): {NAN_KEPT}")
+        return number
     if isinstance(default, str):
         return text
     return untyped(text)
+
+
+NAN_KEPT = "the run records every NaN as nan, so the cache could not tell -nan from nan: give nan"
+
+
+def signed_nan(value: Any) -> bool:
+    """A float NaN that is not ``nan`` itself (``-nan``, another payload): a run's parameters are recorded as
+    JSON, which writes every NaN as ``NaN``, so a later run with ``nan`` would be served its result."""
+    return isinstance(value, float) and math.isnan(value) and struct.pack("<d", value) != struct.pack("<d", math.nan)
 
 
 def _one_slip(typed_key: str, declared: str) -> bool:

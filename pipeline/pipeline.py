@@ -491,7 +491,7 @@ class Pipeline:
             reachable(description.data_dir or "", pipeline=self.name)
             if resume_id is None:
                 unclaimed(description.data_dir or "", the_id, pipeline=self.name)
-        from .params import declared_params, from_command_line, undeclared
+        from .params import NAN_KEPT, declared_params, from_command_line, signed_nan, undeclared
 
         declared = declared_params(self.stages.values())
         for key in params or {}:
@@ -501,6 +501,13 @@ class Pipeline:
         run_params = dict(params or {})
         run_params.update(options.params)
         run_params.update(from_command_line(options.param_text, self.stages.values()))
+        for key, value in run_params.items():
+            if signed_nan(value):
+                raise PipelineError(f"pipeline {self.name!r}: run(params=...) gives {key!r} = -nan: {NAN_KEPT}")
+        for spec in self.stages.values():
+            for key, value in spec.params.items():
+                if signed_nan(value):
+                    raise PipelineError(f"stage {spec.name!r}: params= declares {key!r} = -nan: {NAN_KEPT}")
         show = options.progress if options.progress is not None else progress  # None: live view on a terminal,
         # plain lines otherwise; off in the background, where it would write into whatever cell runs then
         if not wait and show is None:

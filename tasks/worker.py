@@ -87,6 +87,8 @@ def _registered(module: Any, stage: str, name: str) -> Callable[..., Any] | None
 def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
     module_name, path, name = spec.function.module, spec.function.path, spec.function.name
     os.environ[WORKER_ENV] = "1"
+    if spec.argv:  # the script's arguments, as the run's key counted them (a stage of a module, a shipped one)
+        sys.argv = list(spec.argv)
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
