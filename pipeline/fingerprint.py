@@ -718,6 +718,8 @@ class _Walker:
                     self.global_value(ins.argval, namespace)
                 elif ins.argval not in builtins:
                     self.add(self.label(ins.argval, namespace), "<undefined>")
+                elif _set_on_builtins(ins.argval, builtins[ins.argval]):  # builtins.SCALE = 2 at the top
+                    self.global_value(ins.argval, builtins)
                 elif ins.argval in ("eval", "exec"):
                     evaluates = True
             elif ins.opname == "IMPORT_NAME":
@@ -1225,6 +1227,16 @@ itself: ``sys.modules[__name__]``, ``importlib.import_module(__name__)``, ``__im
 _COMPUTED_READERS = frozenset({"vars", "globals", "__dict__", "attrgetter", "methodcaller", "getattr_static",
                                "__getattribute__"})
 _PLAIN_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CONST"})
+
+
+def _set_on_builtins(name: str, value: Any) -> bool:
+    """Whether a name found in ``builtins`` is a value a program put there (``builtins.SCALE = 2``), which
+    counts as a global does, rather than one of Python's own functions, types and constants."""
+    if name.startswith("__") or value is None or isinstance(value, bool) or value is Ellipsis \
+            or value is NotImplemented or type(value).__module__ == "_sitebuiltins":
+        return False
+    return not (isinstance(value, types.BuiltinFunctionType)
+                or (callable(value) and getattr(value, "__module__", None) == "builtins"))
 
 
 def _reads_computed_names(instructions: Sequence[dis.Instruction]) -> bool:

@@ -326,3 +326,35 @@ def test_a_nan_with_a_minus_sign_is_refused_as_a_parameter_and_counts_by_its_bit
     edit(tmp_path / "p.py", 'X = float("nan")', 'X = -float("nan")')
     signed = run(tmp_path, "--param", "x=nan")
     assert states(signed) == {"make": "CACHED", "reads_global": "DONE"} and value(signed, "glob") == -1.0
+
+
+ON_BUILTINS = '''
+import builtins
+import pyarrow as pa
+import hetflow as hf
+
+builtins.SCALE = 1
+pipe = hf.Pipeline("on-builtins")
+
+
+@pipe.stage(outputs=["scaled"])
+def scaled(ctx):
+    return {"scaled": pa.table({"v": [SCALE * 10, len("ab")]})}
+
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+def test_a_value_the_script_puts_on_builtins_counts_where_a_stage_reads_it(tmp_path: Path) -> None:
+    """``builtins.SCALE = 1`` at the top, read as a bare ``SCALE`` in the stage (round-6 red team c99): the
+    name is found in builtins, which the key took for Python's own; a value put there counts as a global."""
+    (tmp_path / "p.py").write_text(ON_BUILTINS)
+    first = run(tmp_path)
+    assert value(first, "scaled") == 10
+    edit(tmp_path / "p.py", "builtins.SCALE = 1", "builtins.SCALE = 2")
+    second = run(tmp_path)
+    assert states(second) == {"scaled": "DONE"} and value(second, "scaled") == 20
+    assert second["scaled"]["cache"]["reason"] == "builtins.SCALE changed"
+    assert states(run(tmp_path)) == {"scaled": "CACHED"}
