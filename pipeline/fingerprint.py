@@ -148,6 +148,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import inspect
+import io
 import json
 import logging
 import os
@@ -882,6 +883,8 @@ class _Walker:
             return f"namespace{self.value(vars(obj), inner)}"
         if isinstance(obj, logging.Logger):  # its repr shows its level, which -v changes
             return f"logging.Logger {obj.name!r}"
+        if isinstance(obj, (io.StringIO, io.BytesIO)):  # a buffer in memory is data: its content
+            return f"{type(obj).__name__} {_sha(self.value(obj.getvalue(), inner))}"
         if isinstance(obj, re.Pattern):  # its repr may hold "..." and is cut at 200 characters
             return f"re.Pattern {self.value(obj.pattern, inner)} {obj.flags}"
         if isinstance(obj, random.Random):  # a seeded generator: its state (its repr is an address)

@@ -358,3 +358,35 @@ def test_a_value_the_script_puts_on_builtins_counts_where_a_stage_reads_it(tmp_p
     assert states(second) == {"scaled": "DONE"} and value(second, "scaled") == 20
     assert second["scaled"]["cache"]["reason"] == "builtins.SCALE changed"
     assert states(run(tmp_path)) == {"scaled": "CACHED"}
+
+
+IN_MEMORY_BUFFER = '''
+import csv
+import io
+import pyarrow as pa
+import hetflow as hf
+
+BUF = io.StringIO("k\\n1\\n")
+pipe = hf.Pipeline("buffer")
+
+
+@pipe.stage(outputs=["read"])
+def read(ctx):
+    BUF.seek(0)
+    return {"read": pa.table({"v": [int(list(csv.DictReader(BUF))[0]["k"]) * 10]})}
+
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+def test_a_global_buffer_in_memory_counts_by_its_content(tmp_path: Path) -> None:
+    """``BUF = io.StringIO("k\\n1\\n")`` read by a stage (round-6 red team c104): it counted as an object
+    without state, so an edited content was served CACHED."""
+    (tmp_path / "p.py").write_text(IN_MEMORY_BUFFER)
+    assert value(run(tmp_path), "read") == 10
+    edit(tmp_path / "p.py", 'io.StringIO("k\\n1\\n")', 'io.StringIO("k\\n2\\n")')
+    second = run(tmp_path)
+    assert states(second) == {"read": "DONE"} and value(second, "read") == 20
+    assert states(run(tmp_path)) == {"read": "CACHED"}
