@@ -421,7 +421,11 @@ class _Walker:
             found[self.home] = (self.home, script["__file__"], script)
         unresolved = tuple(os.path.join(d, "") for d in (sys.prefix, sys.base_prefix, sys.exec_prefix) if d)
         known = _USER_MODULES.setdefault((self.roots, self.external, self.installed_local), {})
+        from hetflow.tasks.script import is_deferred
+
         for name, module in list(sys.modules.items()):
+            if is_deferred(module):  # a rank's import its script deferred, not executed yet: looking would load it
+                continue
             path = getattr(module, "__file__", None)
             if (name in found or not isinstance(path, str) or not path.endswith(".py") or path.startswith(unresolved)
                     or "site-packages" in path or "dist-packages" in path):
@@ -674,7 +678,10 @@ class _Walker:
         if isinstance(obj, types.SimpleNamespace):
             return f"namespace{self.value(vars(obj), inner)}"
         if isinstance(obj, logging.Logger):  # its repr shows its level, which -v changes
-            return f"logging.Logger {obj.name!r}"
+            name = obj.name  # getLogger(__name__) in a script: a rank runs it as SCRIPT_MODULE, not __main__
+            if name == "__hetflow_script__" or name.startswith("__hetflow_script__."):
+                name = "__main__" + name[len("__hetflow_script__"):]
+            return f"logging.Logger {name!r}"
         if isinstance(obj, re.Pattern):  # its repr may hold "..." and is cut at 200 characters
             return f"re.Pattern {self.value(obj.pattern, inner)} {obj.flags}"
         if isinstance(obj, random.Random):  # a seeded generator: its state (its repr is an address)

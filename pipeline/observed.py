@@ -39,6 +39,7 @@ import os
 import stat
 import sys
 import sysconfig
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -144,17 +145,12 @@ def _file_entry(path: str) -> str | None:
     return digest.hexdigest()
 
 
-def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None = None,
-                   before: frozenset[str] | None = None) -> dict[str, str]:
-    """``{"module PATH": sha256}`` of the imported modules outside the standard library, ``site-packages``,
-    hetflow and the folders in ``exclude`` (``os.path.join(folder, "")`` each); those in ``known`` are
-    neither read again nor returned.  With ``before`` (module names), only the modules imported since, and
-    ``exclude`` does not apply: a module the stage imported while it ran (by a name in a string) counts
-    wherever it lies."""
+def _outside(exclude: Iterable[str] = (), before: frozenset[str] | None = None
+             ) -> Iterable[tuple[str, types.ModuleType, str]]:
+    """``(name, module, real path)`` of the imported modules :func:`module_sources` observes."""
     from hetflow.tasks.script import is_deferred
 
     skip = _EXTERNAL + _hetflow_dirs() + (tuple(exclude) if before is None else ())
-    found: dict[str, str] = {}
     for name, module in list(sys.modules.items()):
         if (before is not None and name in before) or is_deferred(module):  # looking would load it
             continue
@@ -163,7 +159,20 @@ def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None 
                 or path.startswith(skip) or "site-packages" in path or "dist-packages" in path:
             continue
         real = os.path.realpath(path)
-        if real.startswith(skip) or (known is not None and f"module {real}" in known):
+        if not real.startswith(skip):
+            yield name, module, real
+
+
+def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None = None,
+                   before: frozenset[str] | None = None) -> dict[str, str]:
+    """``{"module PATH": sha256}`` of the imported modules outside the standard library, ``site-packages``,
+    hetflow and the folders in ``exclude`` (``os.path.join(folder, "")`` each); those in ``known`` are
+    neither read again nor returned.  With ``before`` (module names), only the modules imported since, and
+    ``exclude`` does not apply: a module the stage imported while it ran (by a name in a string) counts
+    wherever it lies."""
+    found: dict[str, str] = {}
+    for _, _, real in _outside(exclude, before):
+        if known is not None and f"module {real}" in known:
             continue
         try:
             with open(real, "rb") as f:
@@ -171,6 +180,53 @@ def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None 
         except OSError:
             found[f"module {real}"] = "<missing>"
     return found
+
+
+def module_values(exclude: Iterable[str] = ()) -> dict[str, str]:
+    """``{"values PATH": digest}``: the plain values (not functions, classes, modules) that the modules
+    :func:`module_sources` observes hold now, by the key's digest of a value; a module without any is left out.
+    A helper outside the script's folder that reads a file or a variable when it is imported (``GAIN =
+    json.load(...)``) holds what its source does not say."""
+    from . import fingerprint
+
+    walker: Any = None
+    found: dict[str, str] = {}
+    for _, module, real in _outside(exclude):
+        texts = []
+        for attr, value in sorted(vars(module).items()):
+            if attr.startswith("__") or isinstance(value, (types.ModuleType, type, types.FunctionType,
+                                                           types.BuiltinFunctionType)):
+                continue
+            if walker is None:
+                walker = fingerprint._Walker(_nothing, ())
+            try:
+                texts.append(f"{attr} = {walker.value(value)}")
+            except Exception as exc:  # noqa: BLE001 - a value whose text form fails: say so, deterministically
+                texts.append(f"{attr} = <{type(exc).__name__}>")
+        if texts:
+            found[f"values {real}"] = _sha("\n".join(texts).encode())
+    return found
+
+
+def _nothing() -> None:
+    """The function a walker that only digests values is made for."""
+
+
+def code_in_rank(func: Any, local_installs: tuple[Iterable[str], Iterable[str]]) -> dict[str, str]:
+    """``{"code NAME": digest}``: the stage's code fingerprint made again in its rank once the script's top
+    level ran there, as the orchestrator made its key (the same walk; what was installed from a local directory
+    as the key saw it), less modules (observed as such) and what cannot be digested.  A component that differs
+    from the key's was computed differently where the stage ran: ``TABLE = pd.read_parquet(...)`` whose file
+    changed after the key was made (any reader: native ones open no Python file), a value computed anew in
+    each process (the time, the working directory)."""
+    from . import fingerprint
+
+    fingerprint._LOCAL[tuple(sys.path)] = (tuple(local_installs[0]), tuple(local_installs[1]))
+    try:
+        code = fingerprint.code_fingerprint(func)
+    except Exception:  # noqa: BLE001 - the orchestrator made it, so this is this process's problem: not compared
+        return {}
+    return {f"code {k}": v for k, v in code.items() if not k.startswith(("module ", fingerprint.UNCACHEABLE))}
 
 
 def files_read(exclude: Iterable[str] = ()) -> dict[str, str]:
@@ -223,13 +279,83 @@ def states() -> dict[str, str]:
 
 class _Start:
     taken: dict[str, str] | None = None
+    top: dict[str, str] | None = None
+    """The states when the script's top level ended (its ``if __name__ == "__main__":`` began): see
+    :func:`watch_top_end`."""
+    watching = False
+
+
+def _main_guard_line(path: str) -> int | None:
+    """The line of the first top-level ``if __name__ == "__main__":`` in the script at ``path``."""
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) \
+                and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {"__name__", "'__main__'"}:
+            return node.lineno
+    return None
+
+
+def watch_top_end() -> None:
+    """Take the states (:func:`states`) when the script's top level ends, where its ``if __name__ ==
+    "__main__":`` block begins, not when ``pipe.run()`` starts: what the block does first (``print(np.random.rand())``)
+    changes them in this process only, its ranks never run it, and a seed the top set (``np.random.seed(SEED)``)
+    must count.  Called when a stage is declared (after the imports, as a rule); until the block begins, a trace
+    function follows the script's lines (and is told of each call, which it ignores).  Not in hetflow's own
+    processes, not without a script file or a main block, not under another trace function (a debugger,
+    coverage): there the states are those of ``pipe.run()``'s start."""
+    if _Start.watching or _Start.top is not None or in_hetflow_process() or sys.gettrace() is not None:
+        return
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_globals is getattr(main, "__dict__", None)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    line = _main_guard_line(path) if isinstance(path, str) and frame is not None else None
+    if frame is None or line is None or frame.f_lineno >= line:
+        return
+    script_frame = frame
+
+    def stop() -> None:
+        sys.settrace(None)
+        script_frame.f_trace = None
+        _Start.watching = False
+
+    def lines(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno >= line:
+            _Start.top = states()
+            stop()
+            return None
+        return lines
+
+    def calls(frame: Any, event: str, arg: Any) -> None:
+        return None  # other frames are not followed
+
+    _Start.watching = True
+    script_frame.f_trace = lines
+    script_frame.f_trace_lines = True
+    sys.settrace(calls)
 
 
 def take() -> dict[str, str]:
     """The orchestrator's observations when ``pipe.run()`` starts (the script's top level has run); kept for
-    :func:`latest`.  Recording of opened files stops here."""
+    :func:`latest`.  Recording of opened files stops here.  The states are those the top level left, when
+    they were taken where it ended (:func:`watch_top_end`)."""
     recording(False)
-    _Start.taken = {**module_sources(), **files_read(), **states()}
+    if _Start.watching and sys.gettrace() is not None:  # pipe.run() before the main block: the top ends here
+        sys.settrace(None)
+        _Start.watching = False
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    root = stage_root(main) if isinstance(main, str) else None  # its modules' values are in the keys
+    _Start.taken = {**module_sources(), **module_values((root,) if root else ()), **files_read(),
+                    **(_Start.top if _Start.top is not None else states())}
     return _Start.taken
 
 
@@ -254,7 +380,7 @@ def in_rank(script: str | None, exclude: Iterable[str] = (), *, files: bool = Tr
     ``files``: whether its files were recorded (a script's top level ran in this rank)."""
     root = stage_root(script)
     skip = tuple(exclude) + ((root,) if root else ())
-    return {**module_sources(skip), **(files_read(exclude) if files else {}), **states()}
+    return {**module_sources(skip), **module_values(skip), **(files_read(exclude) if files else {}), **states()}
 
 
 def refused(rank: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
@@ -264,17 +390,32 @@ def refused(rank: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
             if key.partition(" ")[0] in ("module", "file") and key in start and start[key] != value]
 
 
-def to_record(rank: Mapping[str, str], start: Mapping[str, str], covered: tuple[str, ...] = ()) -> dict[str, str]:
-    """What is recorded with a committed stage: its modules, less those under ``covered`` (what the key hashes
-    as it reaches it: an editable or local-directory install), and the states the rank and the orchestrator
-    agree on (a state they differ on was not seeded: left out)."""
+OTHER_VALUE = "<another value in its ranks>"
+"""What a ``value NAME`` observation records: the ranks computed ``NAME`` otherwise than the key (:func:`to_record`)."""
+
+
+def differed(rank: Mapping[str, str], code: Mapping[str, str]) -> list[str]:
+    """The components of the key's code (``code``) that a rank made otherwise (:func:`code_in_rank`)."""
+    return sorted(name for key, value in rank.items() if key.startswith("code ")
+                  and (name := key[len("code "):]) in code and code[name] != value)
+
+
+def to_record(rank: Mapping[str, str], start: Mapping[str, str], covered: tuple[str, ...] = (),
+              code: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What is recorded with a committed stage: its modules (source and values), less those under ``covered``
+    (what the key hashes as it reaches it: an editable or local-directory install), the states the rank and the
+    orchestrator agree on (a state they differ on was not seeded: left out), and ``value NAME`` for each
+    component of the key's ``code`` that the rank made otherwise: that commit is never served (:func:`stale`),
+    its key does not say what it was computed from."""
     kept = {}
     for key, value in rank.items():
         kind, _, name = key.partition(" ")
-        if kind == "module" and not (covered and name.startswith(covered)):
+        if kind in ("module", "values") and not (covered and name.startswith(covered)):
             kept[key] = value
         elif kind == "state" and start.get(key) == value:
             kept[key] = value
+    for name in differed(rank, code or {}):
+        kept[f"value {name}"] = OTHER_VALUE
     return dict(sorted(kept.items()))
 
 
@@ -294,8 +435,12 @@ def stale(recorded: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
                     now = "<missing>"
             if now != value:
                 found.append(f"{_label(key)} changed")
+        elif kind == "values" and key in start and start[key] != value:
+            found.append(f"{_label(key)} changed")
         elif kind == "state" and start.get(key) != value:
             found.append(f"{_label(key)} changed")
+        elif kind == "value":
+            found.append(f"{_label(key)} had another value where it was computed than its key says")
     return found
 
 
@@ -305,6 +450,10 @@ def _label(key: str) -> str:
         return f"helper module {_short(name)}"
     if kind == "file":
         return f"file {_short(name)} read at the script's top"
+    if kind == "values":
+        return f"the values helper module {_short(name)} holds"
+    if kind == "value":
+        return name
     return {"random": "the random module's global state set at the script's top (random.seed)",
             "numpy.random": "numpy's global random state set at the script's top (np.random.seed)",
             "torch.random": "torch's default generator set at the script's top (torch.manual_seed)",

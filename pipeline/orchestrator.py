@@ -63,6 +63,7 @@ from .errors import HetflowError, PipelineError, ResumeRefused, interruption
 from .fingerprint import (
     ANY_GLOBAL_SET,
     UNCACHEABLE,
+    _local_installs,
     late_components,
     resolve_files,
     sources_changed,
@@ -672,7 +673,7 @@ class Orchestrator(MapShell):
         with self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
                                                 params=params, outputs=spec.outputs, now=self.observed_start,
-                                                observed=spec.map_over is None)
+                                                observed=True)
             for problem in damaged:
                 log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
             if hit is None:
@@ -894,6 +895,7 @@ class Orchestrator(MapShell):
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
             items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
             item_timeout=spec.timeout if chunk is not None else None, item_isolation=isolation,
+            local_installs=_local_installs(),
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 
@@ -1021,13 +1023,19 @@ class Orchestrator(MapShell):
 
     def _observed_record(self, spec: StageSpec, ranks: list[RankResult | None]) -> dict[str, str]:
         """What is recorded with a committed stage and must still hold when it is served (:func:`observed.stale`)."""
-        from .fingerprint import _local_installs
-
         editable, installed = _local_installs()  # counted by the key as it reaches them
+        material = self.material.get(spec.name)
+        code = material.code if material is not None else {}
         found: dict[str, str] = {}
         for rank in ranks:
             if rank is not None and rank.observed:
-                found.update(observed.to_record(rank.observed, self.observed_start, editable + installed))
+                found.update(observed.to_record(rank.observed, self.observed_start, editable + installed, code))
+        other = [key[len("value "):] for key in found if key.startswith("value ")]
+        if other:
+            shown = ", ".join(visible(name, newlines=False) for name in other[:3]) + (" ..." if len(other) > 3 else "")
+            log.warning("stage %s: its ranks computed %s otherwise than its cache key was made with (changed after "
+                        "the run started, or made anew by each process: the time, the working directory); its "
+                        "result is kept for this run and never served from the cache", spec.name, shown)
         return found
 
     def _lose_nodes(self, lost: Mapping[str, str]) -> None:

@@ -118,8 +118,14 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
         raise RuntimeError(f"stage {spec.stage!r}: {module_name}.{name} is not a function, and no pipeline in "
                            f"{path or module_name} declares a stage {spec.stage!r} when the file is imported "
                            "(declare stages at import time, not inside a function the script calls)")
+    global _declared
+    _declared = func
     wrapped: Callable[..., Any] = getattr(func, "__wrapped_stage__", func)
     return wrapped
+
+
+_declared: Any = None
+"""The function the script declared as the stage (before unwrapping): what the orchestrator made its key from."""
 
 
 def _run_folder(spec: WorkerSpec) -> str:
@@ -135,8 +141,12 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     from .script import is_deferred
 
     observed.recording(False)  # on since hetflow's import in this process; the stage's own reads are not observed
+    # first what the key digests of the values the stage reads, as this rank's top level left them: it loads the
+    # deferred imports the stage reaches (as the stage would), whose sources and values are then observed too
+    code = observed.code_in_rank(_declared, spec.local_installs) if _declared is not None else {}
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
                              files=spec.function.module == "__main__" and bool(spec.function.path))
+    found.update(code)
     return found, frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
 
 
