@@ -421,11 +421,7 @@ class _Walker:
             found[self.home] = (self.home, script["__file__"], script)
         unresolved = tuple(os.path.join(d, "") for d in (sys.prefix, sys.base_prefix, sys.exec_prefix) if d)
         known = _USER_MODULES.setdefault((self.roots, self.external, self.installed_local), {})
-        from hetflow.tasks.script import is_deferred
-
         for name, module in list(sys.modules.items()):
-            if is_deferred(module):  # a rank's import its script deferred, not executed yet: looking would load it
-                continue
             path = getattr(module, "__file__", None)
             if (name in found or not isinstance(path, str) or not path.endswith(".py") or path.startswith(unresolved)
                     or "site-packages" in path or "dist-packages" in path):

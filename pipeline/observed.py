@@ -1,17 +1,28 @@
 """What a stage's rank could depend on that its key does not name, observed where it ran.
 
 The key (:mod:`hetflow.fingerprint`) is made in the orchestrator from what it
-can follow statically.  Three things escape that walk, and each is observed
-instead, as the script's top level left it, in the orchestrator (when
-``pipe.run()`` starts: :func:`take`) and in each rank (after its top level ran,
-and the modules again after the stage returned: :func:`in_rank`):
+can follow statically.  What escapes that walk is observed instead, as the
+script's top level left it, in the orchestrator (when ``pipe.run()`` starts:
+:func:`take`; the states where the top level ends: :func:`watch_top_end`) and in
+each rank (after its top level ran, and the modules again after the stage
+returned: :func:`in_rank`, :func:`code_in_rank`):
 
+* ``code NAME`` (rank only): the stage's code fingerprint made again in the
+  rank (:func:`code_in_rank`), so the values the stage reads as its own top level
+  computed them.  One that differs from the key's (``TABLE = pq.read_table(...)``
+  whose file was edited while the stage waited: native readers open no Python
+  file; or a value each process computes anew, the time) means the key does not
+  say what the result was computed from: it is recorded as ``value NAME`` and the
+  commit is never served (a refusal would fail every run of a stage reading the
+  time).
 * ``module PATH``: the source of every imported module that is neither under the
   stage's own directory (those the key hashes as it reaches them), nor part of
   the standard library, ``site-packages`` or hetflow: a helper module reached
   through ``sys.path``/``PYTHONPATH`` from outside the script's directory, a
   package installed with ``pip install -e``, a module a stage imports by a name
-  in a string.  They count whole, for every stage of a script that imports them.
+  in a string.  They count whole, for every stage of a script that imports them;
+  ``values PATH``: the plain values such a module holds (what it read at import
+  from a file or a variable), by the key's digest of a value.
 * ``file PATH``: the files (not code) the top level opened for reading, by
   content (by size and time above :data:`CONTENT_LIMIT`).  Only compared: the
   rank's must be what the orchestrator's top level read when it made the key
@@ -25,10 +36,11 @@ and the modules again after the stage returned: :func:`in_rank`):
 
 The orchestrator refuses to commit a result whose ``module``/``file``
 observations differ from its own (they changed after the run started), records
-the ``module``/``state`` observations with the stage's output, and serves that
-output again only while its own observations at the start of a later run match
-them (:func:`stale`).  Files are seen through an audit hook (``open`` events)
-that records only while :func:`recording` is on; it does nothing otherwise.
+the ``module``/``values``/``state``/``value`` observations with the stage's
+output (a map stage's, for its items too), and serves that output again only
+while its own observations at the start of a later run match them
+(:func:`stale`).  Files are seen through an audit hook (``open`` events) that
+records only while :func:`recording` is on; it does nothing otherwise.
 """
 
 from __future__ import annotations
@@ -212,21 +224,69 @@ def _nothing() -> None:
     """The function a walker that only digests values is made for."""
 
 
-def code_in_rank(func: Any, local_installs: tuple[Iterable[str], Iterable[str]]) -> dict[str, str]:
-    """``{"code NAME": digest}``: the stage's code fingerprint made again in its rank once the script's top
-    level ran there, as the orchestrator made its key (the same walk; what was installed from a local directory
-    as the key saw it), less modules (observed as such) and what cannot be digested.  A component that differs
-    from the key's was computed differently where the stage ran: ``TABLE = pd.read_parquet(...)`` whose file
-    changed after the key was made (any reader: native ones open no Python file), a value computed anew in
-    each process (the time, the working directory)."""
+def value_labels(code: Mapping[str, str]) -> tuple[str, ...]:
+    """The components of a key's code that name a value (``TABLE``, ``helper.K``, ``helper.Model.SCALE``): not
+    modules, classes, functions, the stage itself, nor what could not be digested."""
+    from .fingerprint import UNCACHEABLE
+
+    return tuple(name for name, digest in sorted(code.items())
+                 if not name.startswith(("module ", "class ", UNCACHEABLE)) and not name.endswith("()")
+                 and name != "stage" and digest != "<undefined>")
+
+
+def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterable[str], Iterable[str]]
+                 ) -> dict[str, str]:
+    """``{"code NAME": digest}`` of the values the key's code names (``labels``: :func:`value_labels`) as the
+    rank's top level left them, by the key's digest of a value (the same walker, what was installed from a local
+    directory as the key saw it).  One that differs from the key's was computed from something else than the
+    key says: ``TABLE = pq.read_table(...)`` whose file changed after the key was made (any reader: native ones
+    open no Python file, a hidden folder is not observed), or a value each process computes anew (the time, the
+    working directory).  A name the rank cannot find is left out."""
+    labels = list(labels)
+    if not labels:
+        return {}
     from . import fingerprint
 
     fingerprint._LOCAL[tuple(sys.path)] = (tuple(local_installs[0]), tuple(local_installs[1]))
     try:
-        code = fingerprint.code_fingerprint(func)
-    except Exception:  # noqa: BLE001 - the orchestrator made it, so this is this process's problem: not compared
+        walker = fingerprint._Walker(func, fingerprint._default_roots(func))
+    except Exception:  # noqa: BLE001 - the orchestrator made the key, so this is this process's problem: not compared
         return {}
-    return {f"code {k}": v for k, v in code.items() if not k.startswith(("module ", fingerprint.UNCACHEABLE))}
+    home = getattr(fingerprint._target(func), "__globals__", {})
+    found = {}
+    for label in labels:
+        value = _resolve(label, home)
+        if value is _NOT_FOUND or isinstance(value, (types.FunctionType, types.ModuleType, type)):
+            continue  # followed by the key, not digested as a value
+        try:
+            text = "<absent>" if value is _ABSENT else walker.value(value)
+        except Exception:  # noqa: BLE001 - its text form failed here: not compared
+            continue
+        found[f"code {label}"] = fingerprint._sha(text)
+    return found
+
+
+_NOT_FOUND = object()
+_ABSENT = object()
+
+
+def _resolve(label: str, home: Mapping[str, Any]) -> Any:
+    """The value a key component names: a global of the stage's own module (``TABLE``), of another module
+    (``helper.K``), a class attribute (``helper.Model.SCALE``); :data:`_ABSENT` for an attribute that is not
+    set (a value set on a module that it does not have here), :data:`_NOT_FOUND` when nothing holds it."""
+    if "." not in label:
+        return home.get(label, _NOT_FOUND)
+    parts = label.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        owner = sys.modules.get(".".join(parts[:cut]))
+        if owner is None:
+            continue
+        for part in parts[cut:-1]:  # a (nested) class of that module
+            owner = vars(owner).get(part) if isinstance(owner, (types.ModuleType, type)) else None
+        if not isinstance(owner, (types.ModuleType, type)):
+            return _NOT_FOUND
+        return vars(owner).get(parts[-1], _ABSENT)
+    return _NOT_FOUND
 
 
 def files_read(exclude: Iterable[str] = ()) -> dict[str, str]:
@@ -375,11 +435,33 @@ def stage_root(path: str | None) -> str | None:
     return os.path.join(root, "")
 
 
+def _load_deferred_helpers(exclude: tuple[str, ...]) -> None:
+    """Execute the script's deferred imports (:mod:`hetflow.tasks.script`) of helper modules that
+    :func:`module_sources` observes, as the orchestrator's top level did: the values they hold once imported
+    count, and after the stage ran they may hold what it left there (a cache it filled)."""
+    from hetflow.tasks.script import is_deferred
+
+    skip = _EXTERNAL + _hetflow_dirs() + exclude
+    for name, module in list(sys.modules.items()):
+        if not is_deferred(module) or name.partition(".")[0] == "hetflow":
+            continue
+        origin = getattr(object.__getattribute__(module, "__spec__"), "origin", None)  # looking would load it
+        if not isinstance(origin, str) or not origin.endswith(".py") or "site-packages" in origin \
+                or "dist-packages" in origin or os.path.realpath(origin).startswith(skip):
+            continue
+        try:
+            vars(module)  # the first look executes it
+        except Exception:  # noqa: BLE001 - the stage meets the error where it uses the module
+            continue
+
+
 def in_rank(script: str | None, exclude: Iterable[str] = (), *, files: bool = True) -> dict[str, str]:
     """A rank's observations (module docstring), less the stage's own folder and ``exclude`` (its run folder);
-    ``files``: whether its files were recorded (a script's top level ran in this rank)."""
+    ``files``: whether its files were recorded (a script's top level ran in this rank).  The script's deferred
+    imports of helper modules outside its folder are executed first."""
     root = stage_root(script)
     skip = tuple(exclude) + ((root,) if root else ())
+    _load_deferred_helpers(skip)
     return {**module_sources(skip), **module_values(skip), **(files_read(exclude) if files else {}), **states()}
 
 
@@ -435,10 +517,8 @@ def stale(recorded: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
                     now = "<missing>"
             if now != value:
                 found.append(f"{_label(key)} changed")
-        elif kind == "values" and key in start and start[key] != value:
-            found.append(f"{_label(key)} changed")
-        elif kind == "state" and start.get(key) != value:
-            found.append(f"{_label(key)} changed")
+        elif (kind == "state" and start.get(key) != value) or (kind == "values" and start.get(key, value) != value):
+            found.append(f"{_label(key)} changed")  # values of a module not imported now: its source says
         elif kind == "value":
             found.append(f"{_label(key)} had another value where it was computed than its key says")
     return found

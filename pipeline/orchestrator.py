@@ -880,6 +880,7 @@ class Orchestrator(MapShell):
         shipped = self.shipped.get(spec.name)
         if shipped is not None:  # no script file to execute: the function as the run started, pickled
             shipping.write(files.function, shipped)
+        keyed = self.material.get(spec.name)  # the rank digests the values it names again (hetflow.observed)
         WorkerSpec(
             run_id=self.run_id, stage=spec.name, attempt=task.attempt,
             function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
@@ -895,6 +896,7 @@ class Orchestrator(MapShell):
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
             items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
             item_timeout=spec.timeout if chunk is not None else None, item_isolation=isolation,
+            values=observed.value_labels(keyed.code) if keyed is not None else (),
             local_installs=_local_installs(),
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files

@@ -218,6 +218,9 @@ class WorkerSpec:
     item_isolation: Literal["checked", "fork"] = "checked"
     """How a one-rank map task isolates its items (:mod:`hetflow.tasks.mapitems`): one after another in one
     process, checked after each for state a later item would read (``checked``), or a process each (``fork``)."""
+    values: tuple[str, ...] = ()
+    """The components of the stage's key that name a value (``TABLE``, ``helper.K``): the rank digests them as
+    its top level left them (:func:`hetflow.observed.code_in_rank`)."""
     local_installs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     """What the orchestrator's key counted as installed from a local directory (editable project directories,
     installed files): the rank digests what its stage reads as the key did (:func:`hetflow.observed.code_in_rank`)."""
@@ -275,6 +278,7 @@ class WorkerSpec:
                 "script_sha256": self.script_sha256, "items": [dict(item) for item in self.items],
                 "map_input": self.map_input, "item_timeout": self.item_timeout,
                 "item_isolation": self.item_isolation,
+                "values": list(self.values),
                 "local_installs": [list(self.local_installs[0]), list(self.local_installs[1])]}
 
     @classmethod
@@ -309,6 +313,7 @@ class WorkerSpec:
                       "map_input": top.get("map_input", (str, type(None)), "a string or null", None),
                       "item_timeout": top.get("item_timeout", (int, float, type(None)), "a number or null", None),
                       "item_isolation": top.text("item_isolation", "checked"),
+                      "values": top.items("values", str, "strings", ()),
                       "local_installs": _local_installs(top)}
         return _construct(cls, where, fields)
 

@@ -141,9 +141,9 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     from .script import is_deferred
 
     observed.recording(False)  # on since hetflow's import in this process; the stage's own reads are not observed
-    # first what the key digests of the values the stage reads, as this rank's top level left them: it loads the
-    # deferred imports the stage reaches (as the stage would), whose sources and values are then observed too
-    code = observed.code_in_rank(_declared, spec.local_installs) if _declared is not None else {}
+    # first what the key digests of the values the stage reads, as this rank's top level left them (a deferred
+    # import it names is executed, as the stage would), then the modules, their values, files and states
+    code = observed.code_in_rank(_declared, spec.values, spec.local_installs) if _declared is not None else {}
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
                              files=spec.function.module == "__main__" and bool(spec.function.path))
     found.update(code)
