@@ -72,6 +72,8 @@ class _Recorder:
     """Files the top level opened for writing: its own state (a run counter, a cache it fills), not an input
     the key must hold; every process that runs the top level changes them."""
     skip: tuple[str, ...] = ()
+    writes_only = False
+    """Recording the files a stage opens for writing (:func:`recording_writes`), not those it reads."""
 
 
 def _external_dirs() -> tuple[str, ...]:
@@ -94,7 +96,7 @@ def _hetflow_dirs() -> tuple[str, ...]:
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if not _Recorder.on or event != "open":
+    if not (_Recorder.on or _Recorder.writes_only) or event != "open":
         return
     path, mode = args[0], args[1]
     if not isinstance(path, (str, bytes, os.PathLike)):
@@ -108,6 +110,8 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
             (mode is None and flags & (os.O_WRONLY | os.O_RDWR)):
         if len(_Recorder.written) < MAX_FILES:
             _Recorder.written.add(os.path.abspath(text))
+        return
+    if not _Recorder.on:
         return
     if len(_Recorder.paths) < MAX_FILES and not text.endswith(_CODE_SUFFIXES):
         _Recorder.paths[os.path.abspath(text)] = None
@@ -132,6 +136,27 @@ def recording(on: bool) -> None:
         _Recorder.paths = {}
         _Recorder.written = set()
     _Recorder.on = on
+
+
+MAX_WRITTEN = 1_000
+"""At most this many files a stage wrote are sent with its rank's result (:func:`stage_written`)."""
+
+
+def recording_writes(on: bool) -> None:
+    """Start (forgetting what was recorded) or stop recording the files opened for writing, while a stage runs."""
+    if on:
+        _Recorder.written = set()
+    _Recorder.writes_only = on
+
+
+def stage_written(exclude: Iterable[str] = ()) -> dict[str, str]:
+    """``{"wrote PATH": ""}``: the files the stage opened for writing while :func:`recording_writes` was on,
+    less those under ``exclude`` (its run folder).  A file the script's top reads that a stage of the run
+    writes (``summary.json``) is the pipeline's own product: another stage's rank reading it otherwise than
+    the orchestrator did is not a change after the run started (:func:`refused`)."""
+    skip = tuple(exclude)
+    found = sorted(path for path in _Recorder.written if not path.startswith(skip))[:MAX_WRITTEN]
+    return {f"wrote {path}": "" for path in found}
 
 
 def _sha(data: bytes) -> str:
@@ -465,11 +490,14 @@ def in_rank(script: str | None, exclude: Iterable[str] = (), *, files: bool = Tr
     return {**module_sources(skip), **module_values(skip), **(files_read(exclude) if files else {}), **states()}
 
 
-def refused(rank: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
+def refused(rank: Mapping[str, str], start: Mapping[str, str], written: Iterable[str] = ()) -> list[str]:
     """What a rank observed of modules and files that differs from the orchestrator's start, as ``"helper
-    module PATH"`` / ``"file PATH"``: it changed after the key was made, so the result is not the key's."""
+    module PATH"`` / ``"file PATH"``: it changed after the key was made, so the result is not the key's.  Files
+    a stage of the run wrote (``written``, :func:`stage_written`) are left out: the run changed them itself."""
+    skip = {f"file {path}" for path in written}
     return [_label(key) for key, value in sorted(rank.items())
-            if key.partition(" ")[0] in ("module", "file") and key in start and start[key] != value]
+            if key.partition(" ")[0] in ("module", "file") and key in start and start[key] != value
+            and key not in skip]
 
 
 OTHER_VALUE = "<another value in its ranks>"

@@ -240,6 +240,8 @@ class Orchestrator(MapShell):
         """When each stage's key was made, and its declared files' sizes and times then."""
         self.observed_start: Mapping[str, str] = observed.latest()
         """What the script's top level left when the run started (:mod:`hetflow.observed`)."""
+        self.stage_wrote: set[str] = set()
+        """The files this session's stages opened for writing (:func:`observed.stage_written`)."""
         self.recorded: set[str] = set()
         """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.committed_before: frozenset[str] = frozenset()
@@ -1012,8 +1014,10 @@ class Orchestrator(MapShell):
         """A rank that executed a helper module or read a file at the script's top other than the one this run's
         key was made from (it changed after the run started, while the stage waited) computed something the key
         does not describe: it is not committed."""
+        self.stage_wrote.update(key[len("wrote "):] for r in ranks if r is not None and r.observed
+                                for key in r.observed if key.startswith("wrote "))
         changed = sorted({what for r in ranks if r is not None and r.observed
-                          for what in observed.refused(r.observed, self.observed_start)})
+                          for what in observed.refused(r.observed, self.observed_start, self.stage_wrote)})
         if not changed:
             return None
         # file names are the user's bytes: not UTF-8 (the store could not record them) or holding a newline

@@ -147,7 +147,9 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
                              files=spec.function.module == "__main__" and bool(spec.function.path))
     found.update(code)
-    return found, frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
+    loaded = frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
+    observed.recording_writes(True)  # the files the stage writes: one the script's top reads is the run's own
+    return found, loaded
 
 
 def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]) -> dict[str, str]:
@@ -155,7 +157,9 @@ def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]
     lie (those it had are recorded as they were executed)."""
     from hetflow import observed
 
-    return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1])}
+    observed.recording_writes(False)
+    return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
+            **observed.stage_written((_run_folder(spec),))}
 
 
 def _open_input(path: str, rank: int, size: int, verify: str) -> Any:

@@ -655,3 +655,41 @@ def test_a_map_stage_reruns_its_items_when_a_helper_outside_the_scripts_folder_i
     assert states(edited) == {"make": "DONE"}, edited["make"]["cache"]
     assert values(edited) == [3, 6]
     assert states(run(project, env=env)) == {"make": "CACHED"}
+
+
+SUMMARY = '''
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+
+HERE = Path(__file__).resolve().parent
+SUMMARY = HERE / "summary.json"
+if SUMMARY.exists():  # the script shows the last summary when it starts
+    print("last summary:", json.loads(SUMMARY.read_text()))
+pipe = hf.Pipeline("summary")
+
+
+@pipe.stage(outputs=["a"], params={"k": 1})
+def first(ctx):
+    SUMMARY.write_text(json.dumps({"k": ctx.params["k"]}))
+    return {"a": pa.table({"v": [ctx.params["k"]]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def second(ctx, a):
+    return {"b": pa.table({"v": [2]})}
+'''
+
+
+def test_a_file_the_scripts_top_reads_that_a_stage_of_the_run_writes_does_not_fail_a_later_stage(
+        tmp_path: Path) -> None:
+    """``first`` rewrites summary.json, which the top level reads: ``second``'s rank read the new one, unlike
+    the orchestrator when the run started, and was refused (FAILED) though nothing the user did changed it."""
+    (tmp_path / "p.py").write_text(SUMMARY)
+    assert states(run(tmp_path)) == {"first": "DONE", "second": "DONE"}
+    edit(tmp_path / "p.py", '{"k": 1}', '{"k": 2}')
+    again = run(tmp_path)
+    assert states(again) == {"first": "DONE", "second": "DONE"} and value(again, "a") == 2
+    assert states(run(tmp_path)) == {"first": "CACHED", "second": "CACHED"}
