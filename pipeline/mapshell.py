@@ -90,7 +90,7 @@ class MapShell:
                         MapItemRecord.state.in_(("DONE", "CACHED")))):
                     earlier.setdefault(record.key, []).append(record)
             run.before = self._labels_before(session, spec.name)
-            self._drop_stale_items(session, spec.name, earlier)
+            run.observed = self._drop_stale_items(session, spec.name, earlier)
         if spec.name not in self.rerun:  # --rerun: every item runs again, whatever the items' cache says
             mapping.reusable(items, earlier, self.run_id)
         run.recount()  # the items' directories are made by their ranks as they write (write_partition)
@@ -99,13 +99,14 @@ class MapShell:
             ready.append(run)
         return submitted
 
-    def _drop_stale_items(self: Any, session: Any, stage: str, earlier: dict[str, list[Any]]) -> None:
+    def _drop_stale_items(self: Any, session: Any, stage: str, earlier: dict[str, list[Any]]) -> dict[str, str]:
         """Leave out of ``earlier`` the items of runs whose recorded observations no longer hold now (a helper
         module edited, a seed changed: :func:`hetflow.observed.stale`), or that recorded none (a hetflow before
-        them): the items' keys do not cover what they depended on beyond them."""
+        them): the items' keys do not cover what they depended on beyond them.  Returns this run's own
+        observations when its items are kept (a resume's): the map's record goes on from them."""
         runs = {record.run_id for records in earlier.values() for record in records}
         if not runs:
-            return
+            return {}
         recorded = {r.run_id: (r.cache_material or {}).get("observed") for r in session.scalars(
             select(StageRecord).where(StageRecord.run_id.in_(sorted(runs)), StageRecord.name == stage))}
         kept = set()
@@ -118,6 +119,7 @@ class MapShell:
                 kept.add(run_id)
         for key in list(earlier):
             earlier[key] = [record for record in earlier[key] if record.run_id in kept]
+        return dict(recorded.get(self.run_id) or {}) if self.run_id in kept else {}
 
     def _labels_before(self: Any, session: Any, stage: str) -> dict[str, str]:
         """``{label: key}`` of the stage's items in its latest earlier execution (to say what changed)."""
@@ -335,11 +337,11 @@ class MapShell:
 
 
 def _record_observed(record: StageRecord, run: MapRun, material: cache.KeyMaterial | None) -> None:
-    """What the map's ranks observed so far, with the stage's record (over what an earlier session of the run
-    recorded) and its key's material: what its items, reused one by one, are checked against
+    """What the map's ranks observed so far (an earlier session's of the run too, when its items are reused),
+    with the stage's record and its key's material: what its items, reused one by one, are checked against
     (:meth:`MapShell._drop_stale_items`)."""
-    before = record.cache_material or (material.to_json() if material is not None else {})
-    record.cache_material = {**before, "observed": {**(before.get("observed") or {}), **run.observed}}
+    base = material.to_json() if material is not None else dict(record.cache_material or {})
+    record.cache_material = {**base, "observed": dict(run.observed)}
 
 
 def _row(run_id: str, stage: str, item: Any) -> dict[str, Any]:

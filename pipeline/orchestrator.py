@@ -748,7 +748,10 @@ class Orchestrator(MapShell):
                 log.warning("stage %s: %s", spec.name, exc)
         with self.store.session() as session:
             record = self._stage_record(session, spec.name)
+            seen = (record.cache_material or {}).get("observed") if spec.map_over is not None else None
             record.cache_key = record.cache_material = record.cached_from = None
+            if seen is not None:  # what the items recorded so far were computed with: a resume checks it
+                record.cache_material = {"observed": seen}
             record.params = self.stage_params(spec)
             if not enqueue.reason.startswith("retry"):
                 record.cache_reason, record.cache_hit = enqueue.reason, False
