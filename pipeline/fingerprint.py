@@ -882,7 +882,10 @@ class _Walker:
         if isinstance(obj, types.SimpleNamespace):
             return f"namespace{self.value(vars(obj), inner)}"
         if isinstance(obj, logging.Logger):  # its repr shows its level, which -v changes
-            return f"logging.Logger {obj.name!r}"
+            name = obj.name  # getLogger(__name__) in a script: a rank runs it as SCRIPT_MODULE, not __main__
+            if name == "__hetflow_script__" or name.startswith("__hetflow_script__."):
+                name = "__main__" + name[len("__hetflow_script__"):]
+            return f"logging.Logger {name!r}"
         if isinstance(obj, (io.StringIO, io.BytesIO)):  # a buffer in memory is data: its content
             return f"{type(obj).__name__} {_sha(self.value(obj.getvalue(), inner))}"
         if isinstance(obj, re.Pattern):  # its repr may hold "..." and is cut at 200 characters

@@ -200,6 +200,9 @@ class MapRun:
         """Where the items' counts are written for ``hetflow serve`` (set when the first chunk starts)."""
         self.tally: dict[str, int] = {}
         """Items by state, kept as they change: the live view reads it at every step, whatever the map's size."""
+        self.observed: dict[str, str] = {}
+        """What its chunks' ranks observed beyond the items' keys (:mod:`hetflow.observed`), as recorded with
+        the stage: a later run reuses its items only while that still holds."""
         self.isolated: str | None = None
         """Why the map's one-rank items run in a process each from now on: the first item seen to change
         state that later items would read (:mod:`hetflow.tasks.mapitems`), or ``None``."""

@@ -29,11 +29,11 @@ from hetflow.tasks.protocol import AttemptFiles
 from hetflow.tasks.scheduler import RejectTask, StartTask, TaskCancelled, TasksSubmitted, TaskSubmitted
 from sqlalchemy import delete, insert, select
 
-from . import cache, mapping
+from . import cache, mapping, observed
 from .declaration import StageSpec
 from .mapping import MapRun
 from .plan import AttemptEnded, CancelTask, TaskId, TaskRejected, TaskStarted
-from .store import AttemptRecord, MapItemRecord, TaskRecord
+from .store import AttemptRecord, MapItemRecord, StageRecord, TaskRecord
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class MapShell:
                         MapItemRecord.state.in_(("DONE", "CACHED")))):
                     earlier.setdefault(record.key, []).append(record)
             run.before = self._labels_before(session, spec.name)
+            run.observed = self._drop_stale_items(session, spec.name, earlier)
         if spec.name not in self.rerun:  # --rerun: every item runs again, whatever the items' cache says
             mapping.reusable(items, earlier, self.run_id)
         run.recount()  # the items' directories are made by their ranks as they write (write_partition)
@@ -97,6 +98,28 @@ class MapShell:
         if not submitted:
             ready.append(run)
         return submitted
+
+    def _drop_stale_items(self: Any, session: Any, stage: str, earlier: dict[str, list[Any]]) -> dict[str, str]:
+        """Leave out of ``earlier`` the items of runs whose recorded observations no longer hold now (a helper
+        module edited, a seed changed: :func:`hetflow.observed.stale`), or that recorded none (a hetflow before
+        them): the items' keys do not cover what they depended on beyond them.  Returns this run's own
+        observations when its items are kept (a resume's): the map's record goes on from them."""
+        runs = {record.run_id for records in earlier.values() for record in records}
+        if not runs:
+            return {}
+        recorded = {r.run_id: (r.cache_material or {}).get("observed") for r in session.scalars(
+            select(StageRecord).where(StageRecord.run_id.in_(sorted(runs)), StageRecord.name == stage))}
+        kept = set()
+        for run_id in sorted(runs):
+            seen = recorded.get(run_id)
+            changed = observed.stale(seen, self.observed_start) if seen is not None else ["no observations recorded"]
+            if changed:
+                log.info("stage %s: not reusing the items of run %s: %s", stage, run_id, "; ".join(changed[:3]))
+            else:
+                kept.add(run_id)
+        for key in list(earlier):
+            earlier[key] = [record for record in earlier[key] if record.run_id in kept]
+        return dict(recorded.get(self.run_id) or {}) if self.run_id in kept else {}
 
     def _labels_before(self: Any, session: Any, stage: str) -> dict[str, str]:
         """``{label: key}`` of the stage's items in its latest earlier execution (to say what changed)."""
@@ -188,6 +211,12 @@ class MapShell:
         ranks = files.read_results(len(live.slots))
         failure = self._failure(spec, live, outcome, ranks)
         lines = _merge(files, len(live.slots))
+        if failure is None:
+            failure = self._observed_differently(spec, ranks)
+            if failure is not None:  # computed from other helpers or files than the run started with: not kept
+                lines = {}
+            else:
+                run.observed.update(self._observed_record(spec, ranks))
         final = failure.state if failure is not None and failure.state in ("CANCELLED", "WALLTIME") else None
         if failure is not None and final is None and run.stopped is not None:
             final = run.stopped[0]
@@ -265,6 +294,7 @@ class MapShell:
                 # the whole map's key only when every item is in its output: else a rerun runs the failed ones
                 record.cache_key, record.cache_material = material.key(), material.to_json()
                 record.params_read = None
+            _record_observed(record, run, material)
             session.execute(delete(MapItemRecord).where(MapItemRecord.run_id == self.run_id,
                                                         MapItemRecord.stage == spec.name))
             rows = [_row(self.run_id, spec.name, item) for item in run.items]
@@ -281,6 +311,7 @@ class MapShell:
             return
         with self.store.session() as session:
             session.execute(insert(MapItemRecord), [_row(self.run_id, run.spec.name, item) for item in done])
+            _record_observed(self._stage_record(session, run.spec.name), run, self.material.get(run.spec.name))
 
     # --------------------------------------------------------------- cancel
     def _cancel_map(self: Any, run: MapRun, cancel: CancelTask) -> None:
@@ -303,6 +334,14 @@ class MapShell:
         if not cancel.running:  # the plan has dropped the task: record its end, nothing more to tell it
             self.maps.pop(run.spec.name, None)
             self._end_task(str(run.task), "CANCELLED", cancel.reason)
+
+
+def _record_observed(record: StageRecord, run: MapRun, material: cache.KeyMaterial | None) -> None:
+    """What the map's ranks observed so far (an earlier session's of the run too, when its items are reused),
+    with the stage's record and its key's material: what its items, reused one by one, are checked against
+    (:meth:`MapShell._drop_stale_items`)."""
+    base = material.to_json() if material is not None else dict(record.cache_material or {})
+    record.cache_material = {**base, "observed": dict(run.observed)}
 
 
 def _row(run_id: str, stage: str, item: Any) -> dict[str, Any]:

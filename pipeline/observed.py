@@ -1,17 +1,28 @@
 """What a stage's rank could depend on that its key does not name, observed where it ran.
 
 The key (:mod:`hetflow.fingerprint`) is made in the orchestrator from what it
-can follow statically.  Three things escape that walk, and each is observed
-instead, as the script's top level left it, in the orchestrator (when
-``pipe.run()`` starts: :func:`take`) and in each rank (after its top level ran,
-and the modules again after the stage returned: :func:`in_rank`):
+can follow statically.  What escapes that walk is observed instead, as the
+script's top level left it, in the orchestrator (when ``pipe.run()`` starts:
+:func:`take`; the states where the top level ends: :func:`watch_top_end`) and in
+each rank (after its top level ran, and the modules again after the stage
+returned: :func:`in_rank`, :func:`code_in_rank`):
 
+* ``code NAME`` (rank only): the stage's code fingerprint made again in the
+  rank (:func:`code_in_rank`), so the values the stage reads as its own top level
+  computed them.  One that differs from the key's (``TABLE = pq.read_table(...)``
+  whose file was edited while the stage waited: native readers open no Python
+  file; or a value each process computes anew, the time) means the key does not
+  say what the result was computed from: it is recorded as ``value NAME`` and the
+  commit is never served (a refusal would fail every run of a stage reading the
+  time).
 * ``module PATH``: the source of every imported module that is neither under the
   stage's own directory (those the key hashes as it reaches them), nor part of
   the standard library, ``site-packages`` or hetflow: a helper module reached
   through ``sys.path``/``PYTHONPATH`` from outside the script's directory, a
   package installed with ``pip install -e``, a module a stage imports by a name
-  in a string.  They count whole, for every stage of a script that imports them.
+  in a string.  They count whole, for every stage of a script that imports them;
+  ``values PATH``: the plain values such a module holds (what it read at import
+  from a file or a variable), by the key's digest of a value.
 * ``file PATH``: the files (not code) the top level opened for reading, by
   content (by size and time above :data:`CONTENT_LIMIT`).  Only compared: the
   rank's must be what the orchestrator's top level read when it made the key
@@ -25,10 +36,11 @@ and the modules again after the stage returned: :func:`in_rank`):
 
 The orchestrator refuses to commit a result whose ``module``/``file``
 observations differ from its own (they changed after the run started), records
-the ``module``/``state`` observations with the stage's output, and serves that
-output again only while its own observations at the start of a later run match
-them (:func:`stale`).  Files are seen through an audit hook (``open`` events)
-that records only while :func:`recording` is on; it does nothing otherwise.
+the ``module``/``values``/``state``/``value`` observations with the stage's
+output (a map stage's, for its items too), and serves that output again only
+while its own observations at the start of a later run match them
+(:func:`stale`).  Files are seen through an audit hook (``open`` events) that
+records only while :func:`recording` is on; it does nothing otherwise.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import os
 import stat
 import sys
 import sysconfig
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -59,6 +72,8 @@ class _Recorder:
     """Files the top level opened for writing: its own state (a run counter, a cache it fills), not an input
     the key must hold; every process that runs the top level changes them."""
     skip: tuple[str, ...] = ()
+    writes_only = False
+    """Recording the files a stage opens for writing (:func:`recording_writes`), not those it reads."""
 
 
 def _external_dirs() -> tuple[str, ...]:
@@ -81,7 +96,7 @@ def _hetflow_dirs() -> tuple[str, ...]:
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if not _Recorder.on or event != "open":
+    if not (_Recorder.on or _Recorder.writes_only) or event != "open":
         return
     path, mode = args[0], args[1]
     if not isinstance(path, (str, bytes, os.PathLike)):
@@ -95,6 +110,8 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
             (mode is None and flags & (os.O_WRONLY | os.O_RDWR)):
         if len(_Recorder.written) < MAX_FILES:
             _Recorder.written.add(os.path.abspath(text))
+        return
+    if not _Recorder.on:
         return
     if len(_Recorder.paths) < MAX_FILES and not text.endswith(_CODE_SUFFIXES):
         _Recorder.paths[os.path.abspath(text)] = None
@@ -121,6 +138,27 @@ def recording(on: bool) -> None:
     _Recorder.on = on
 
 
+MAX_WRITTEN = 1_000
+"""At most this many files a stage wrote are sent with its rank's result (:func:`stage_written`)."""
+
+
+def recording_writes(on: bool) -> None:
+    """Start (forgetting what was recorded) or stop recording the files opened for writing, while a stage runs."""
+    if on:
+        _Recorder.written = set()
+    _Recorder.writes_only = on
+
+
+def stage_written(exclude: Iterable[str] = ()) -> dict[str, str]:
+    """``{"wrote PATH": ""}``: the files the stage opened for writing while :func:`recording_writes` was on,
+    less those under ``exclude`` (its run folder).  A file the script's top reads that a stage of the run
+    writes (``summary.json``) is the pipeline's own product: another stage's rank reading it otherwise than
+    the orchestrator did is not a change after the run started (:func:`refused`)."""
+    skip = tuple(exclude)
+    found = sorted(path for path in _Recorder.written if not path.startswith(skip))[:MAX_WRITTEN]
+    return {f"wrote {path}": "" for path in found}
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -144,17 +182,12 @@ def _file_entry(path: str) -> str | None:
     return digest.hexdigest()
 
 
-def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None = None,
-                   before: frozenset[str] | None = None) -> dict[str, str]:
-    """``{"module PATH": sha256}`` of the imported modules outside the standard library, ``site-packages``,
-    hetflow and the folders in ``exclude`` (``os.path.join(folder, "")`` each); those in ``known`` are
-    neither read again nor returned.  With ``before`` (module names), only the modules imported since, and
-    ``exclude`` does not apply: a module the stage imported while it ran (by a name in a string) counts
-    wherever it lies."""
+def _outside(exclude: Iterable[str] = (), before: frozenset[str] | None = None
+             ) -> Iterable[tuple[str, types.ModuleType, str]]:
+    """``(name, module, real path)`` of the imported modules :func:`module_sources` observes."""
     from hetflow.tasks.script import is_deferred
 
     skip = _EXTERNAL + _hetflow_dirs() + (tuple(exclude) if before is None else ())
-    found: dict[str, str] = {}
     for name, module in list(sys.modules.items()):
         if (before is not None and name in before) or is_deferred(module):  # looking would load it
             continue
@@ -163,7 +196,20 @@ def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None 
                 or path.startswith(skip) or "site-packages" in path or "dist-packages" in path:
             continue
         real = os.path.realpath(path)
-        if real.startswith(skip) or (known is not None and f"module {real}" in known):
+        if not real.startswith(skip):
+            yield name, module, real
+
+
+def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None = None,
+                   before: frozenset[str] | None = None) -> dict[str, str]:
+    """``{"module PATH": sha256}`` of the imported modules outside the standard library, ``site-packages``,
+    hetflow and the folders in ``exclude`` (``os.path.join(folder, "")`` each); those in ``known`` are
+    neither read again nor returned.  With ``before`` (module names), only the modules imported since, and
+    ``exclude`` does not apply: a module the stage imported while it ran (by a name in a string) counts
+    wherever it lies."""
+    found: dict[str, str] = {}
+    for _, _, real in _outside(exclude, before):
+        if known is not None and f"module {real}" in known:
             continue
         try:
             with open(real, "rb") as f:
@@ -171,6 +217,101 @@ def module_sources(exclude: Iterable[str] = (), known: Mapping[str, str] | None 
         except OSError:
             found[f"module {real}"] = "<missing>"
     return found
+
+
+def module_values(exclude: Iterable[str] = ()) -> dict[str, str]:
+    """``{"values PATH": digest}``: the plain values (not functions, classes, modules) that the modules
+    :func:`module_sources` observes hold now, by the key's digest of a value; a module without any is left out.
+    A helper outside the script's folder that reads a file or a variable when it is imported (``GAIN =
+    json.load(...)``) holds what its source does not say."""
+    from . import fingerprint
+
+    walker: Any = None
+    found: dict[str, str] = {}
+    for _, module, real in _outside(exclude):
+        texts = []
+        for attr, value in sorted(vars(module).items()):
+            if attr.startswith("__") or isinstance(value, (types.ModuleType, type, types.FunctionType,
+                                                           types.BuiltinFunctionType)):
+                continue
+            if walker is None:
+                walker = fingerprint._Walker(_nothing, ())
+            try:
+                texts.append(f"{attr} = {walker.value(value)}")
+            except Exception as exc:  # noqa: BLE001 - a value whose text form fails: say so, deterministically
+                texts.append(f"{attr} = <{type(exc).__name__}>")
+        if texts:
+            found[f"values {real}"] = _sha("\n".join(texts).encode())
+    return found
+
+
+def _nothing() -> None:
+    """The function a walker that only digests values is made for."""
+
+
+def value_labels(code: Mapping[str, str]) -> tuple[str, ...]:
+    """The components of a key's code that name a value (``TABLE``, ``helper.K``, ``helper.Model.SCALE``): not
+    modules, classes, functions, the stage itself, nor what could not be digested."""
+    from .fingerprint import UNCACHEABLE
+
+    return tuple(name for name, digest in sorted(code.items())
+                 if not name.startswith(("module ", "class ", UNCACHEABLE)) and not name.endswith("()")
+                 and name != "stage" and digest != "<undefined>")
+
+
+def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterable[str], Iterable[str]]
+                 ) -> dict[str, str]:
+    """``{"code NAME": digest}`` of the values the key's code names (``labels``: :func:`value_labels`) as the
+    rank's top level left them, by the key's digest of a value (the same walker, what was installed from a local
+    directory as the key saw it).  One that differs from the key's was computed from something else than the
+    key says: ``TABLE = pq.read_table(...)`` whose file changed after the key was made (any reader: native ones
+    open no Python file, a hidden folder is not observed), or a value each process computes anew (the time, the
+    working directory).  A name the rank cannot find is left out."""
+    labels = list(labels)
+    if not labels:
+        return {}
+    from . import fingerprint
+
+    fingerprint._LOCAL[tuple(sys.path)] = (tuple(local_installs[0]), tuple(local_installs[1]))
+    try:
+        walker = fingerprint._Walker(func, fingerprint._default_roots(func))
+    except Exception:  # noqa: BLE001 - the orchestrator made the key, so this is this process's problem: not compared
+        return {}
+    home = getattr(fingerprint._target(func), "__globals__", {})
+    found = {}
+    for label in labels:
+        value = _resolve(label, home)
+        if value is _NOT_FOUND or isinstance(value, (types.FunctionType, types.ModuleType, type)):
+            continue  # followed by the key, not digested as a value
+        try:
+            text = "<absent>" if value is _ABSENT else walker.value(value)
+        except Exception:  # noqa: BLE001 - its text form failed here: not compared
+            continue
+        found[f"code {label}"] = fingerprint._sha(text)
+    return found
+
+
+_NOT_FOUND = object()
+_ABSENT = object()
+
+
+def _resolve(label: str, home: Mapping[str, Any]) -> Any:
+    """The value a key component names: a global of the stage's own module (``TABLE``), of another module
+    (``helper.K``), a class attribute (``helper.Model.SCALE``); :data:`_ABSENT` for an attribute that is not
+    set (a value set on a module that it does not have here), :data:`_NOT_FOUND` when nothing holds it."""
+    if "." not in label:
+        return home.get(label, _NOT_FOUND)
+    parts = label.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        owner = sys.modules.get(".".join(parts[:cut]))
+        if owner is None:
+            continue
+        for part in parts[cut:-1]:  # a (nested) class of that module
+            owner = vars(owner).get(part) if isinstance(owner, (types.ModuleType, type)) else None
+        if not isinstance(owner, (types.ModuleType, type)):
+            return _NOT_FOUND
+        return vars(owner).get(parts[-1], _ABSENT)
+    return _NOT_FOUND
 
 
 def files_read(exclude: Iterable[str] = ()) -> dict[str, str]:
@@ -223,13 +364,83 @@ def states() -> dict[str, str]:
 
 class _Start:
     taken: dict[str, str] | None = None
+    top: dict[str, str] | None = None
+    """The states when the script's top level ended (its ``if __name__ == "__main__":`` began): see
+    :func:`watch_top_end`."""
+    watching = False
+
+
+def _main_guard_line(path: str) -> int | None:
+    """The line of the first top-level ``if __name__ == "__main__":`` in the script at ``path``."""
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) \
+                and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {"__name__", "'__main__'"}:
+            return node.lineno
+    return None
+
+
+def watch_top_end() -> None:
+    """Take the states (:func:`states`) when the script's top level ends, where its ``if __name__ ==
+    "__main__":`` block begins, not when ``pipe.run()`` starts: what the block does first (``print(np.random.rand())``)
+    changes them in this process only, its ranks never run it, and a seed the top set (``np.random.seed(SEED)``)
+    must count.  Called when a stage is declared (after the imports, as a rule); until the block begins, a trace
+    function follows the script's lines (and is told of each call, which it ignores).  Not in hetflow's own
+    processes, not without a script file or a main block, not under another trace function (a debugger,
+    coverage): there the states are those of ``pipe.run()``'s start."""
+    if _Start.watching or _Start.top is not None or in_hetflow_process() or sys.gettrace() is not None:
+        return
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_globals is getattr(main, "__dict__", None)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    line = _main_guard_line(path) if isinstance(path, str) and frame is not None else None
+    if frame is None or line is None or frame.f_lineno >= line:
+        return
+    script_frame = frame
+
+    def stop() -> None:
+        sys.settrace(None)
+        script_frame.f_trace = None
+        _Start.watching = False
+
+    def lines(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno >= line:
+            _Start.top = states()
+            stop()
+            return None
+        return lines
+
+    def calls(frame: Any, event: str, arg: Any) -> None:
+        return None  # other frames are not followed
+
+    _Start.watching = True
+    script_frame.f_trace = lines
+    script_frame.f_trace_lines = True
+    sys.settrace(calls)
 
 
 def take() -> dict[str, str]:
     """The orchestrator's observations when ``pipe.run()`` starts (the script's top level has run); kept for
-    :func:`latest`.  Recording of opened files stops here."""
+    :func:`latest`.  Recording of opened files stops here.  The states are those the top level left, when
+    they were taken where it ended (:func:`watch_top_end`)."""
     recording(False)
-    _Start.taken = {**module_sources(), **files_read(), **states()}
+    if _Start.watching and sys.gettrace() is not None:  # pipe.run() before the main block: the top ends here
+        sys.settrace(None)
+        _Start.watching = False
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    root = stage_root(main) if isinstance(main, str) else None  # its modules' values are in the keys
+    _Start.taken = {**module_sources(), **module_values((root,) if root else ()), **files_read(),
+                    **(_Start.top if _Start.top is not None else states())}
     return _Start.taken
 
 
@@ -249,32 +460,72 @@ def stage_root(path: str | None) -> str | None:
     return os.path.join(root, "")
 
 
+def _load_deferred_helpers(exclude: tuple[str, ...]) -> None:
+    """Execute the script's deferred imports (:mod:`hetflow.tasks.script`) of helper modules that
+    :func:`module_sources` observes, as the orchestrator's top level did: the values they hold once imported
+    count, and after the stage ran they may hold what it left there (a cache it filled)."""
+    from hetflow.tasks.script import is_deferred
+
+    skip = _EXTERNAL + _hetflow_dirs() + exclude
+    for name, module in list(sys.modules.items()):
+        if not is_deferred(module) or name.partition(".")[0] == "hetflow":
+            continue
+        origin = getattr(object.__getattribute__(module, "__spec__"), "origin", None)  # looking would load it
+        if not isinstance(origin, str) or not origin.endswith(".py") or "site-packages" in origin \
+                or "dist-packages" in origin or os.path.realpath(origin).startswith(skip):
+            continue
+        try:
+            vars(module)  # the first look executes it
+        except Exception:  # noqa: BLE001 - the stage meets the error where it uses the module
+            continue
+
+
 def in_rank(script: str | None, exclude: Iterable[str] = (), *, files: bool = True) -> dict[str, str]:
     """A rank's observations (module docstring), less the stage's own folder and ``exclude`` (its run folder);
-    ``files``: whether its files were recorded (a script's top level ran in this rank)."""
+    ``files``: whether its files were recorded (a script's top level ran in this rank).  The script's deferred
+    imports of helper modules outside its folder are executed first."""
     root = stage_root(script)
     skip = tuple(exclude) + ((root,) if root else ())
-    return {**module_sources(skip), **(files_read(exclude) if files else {}), **states()}
+    _load_deferred_helpers(skip)
+    return {**module_sources(skip), **module_values(skip), **(files_read(exclude) if files else {}), **states()}
 
 
-def refused(rank: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
+def refused(rank: Mapping[str, str], start: Mapping[str, str], written: Iterable[str] = ()) -> list[str]:
     """What a rank observed of modules and files that differs from the orchestrator's start, as ``"helper
-    module PATH"`` / ``"file PATH"``: it changed after the key was made, so the result is not the key's."""
+    module PATH"`` / ``"file PATH"``: it changed after the key was made, so the result is not the key's.  Files
+    a stage of the run wrote (``written``, :func:`stage_written`) are left out: the run changed them itself."""
+    skip = {f"file {path}" for path in written}
     return [_label(key) for key, value in sorted(rank.items())
-            if key.partition(" ")[0] in ("module", "file") and key in start and start[key] != value]
+            if key.partition(" ")[0] in ("module", "file") and key in start and start[key] != value
+            and key not in skip]
 
 
-def to_record(rank: Mapping[str, str], start: Mapping[str, str], covered: tuple[str, ...] = ()) -> dict[str, str]:
-    """What is recorded with a committed stage: its modules, less those under ``covered`` (what the key hashes
-    as it reaches it: an editable or local-directory install), and the states the rank and the orchestrator
-    agree on (a state they differ on was not seeded: left out)."""
+OTHER_VALUE = "<another value in its ranks>"
+"""What a ``value NAME`` observation records: the ranks computed ``NAME`` otherwise than the key (:func:`to_record`)."""
+
+
+def differed(rank: Mapping[str, str], code: Mapping[str, str]) -> list[str]:
+    """The components of the key's code (``code``) that a rank made otherwise (:func:`code_in_rank`)."""
+    return sorted(name for key, value in rank.items() if key.startswith("code ")
+                  and (name := key[len("code "):]) in code and code[name] != value)
+
+
+def to_record(rank: Mapping[str, str], start: Mapping[str, str], covered: tuple[str, ...] = (),
+              code: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What is recorded with a committed stage: its modules (source and values), less those under ``covered``
+    (what the key hashes as it reaches it: an editable or local-directory install), the states the rank and the
+    orchestrator agree on (a state they differ on was not seeded: left out), and ``value NAME`` for each
+    component of the key's ``code`` that the rank made otherwise: that commit is never served (:func:`stale`),
+    its key does not say what it was computed from."""
     kept = {}
     for key, value in rank.items():
         kind, _, name = key.partition(" ")
-        if kind == "module" and not (covered and name.startswith(covered)):
+        if kind in ("module", "values") and not (covered and name.startswith(covered)):
             kept[key] = value
         elif kind == "state" and start.get(key) == value:
             kept[key] = value
+    for name in differed(rank, code or {}):
+        kept[f"value {name}"] = OTHER_VALUE
     return dict(sorted(kept.items()))
 
 
@@ -294,8 +545,10 @@ def stale(recorded: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
                     now = "<missing>"
             if now != value:
                 found.append(f"{_label(key)} changed")
-        elif kind == "state" and start.get(key) != value:
-            found.append(f"{_label(key)} changed")
+        elif (kind == "state" and start.get(key) != value) or (kind == "values" and start.get(key, value) != value):
+            found.append(f"{_label(key)} changed")  # values of a module not imported now: its source says
+        elif kind == "value":
+            found.append(f"{_label(key)} had another value where it was computed than its key says")
     return found
 
 
@@ -305,6 +558,10 @@ def _label(key: str) -> str:
         return f"helper module {_short(name)}"
     if kind == "file":
         return f"file {_short(name)} read at the script's top"
+    if kind == "values":
+        return f"the values helper module {_short(name)} holds"
+    if kind == "value":
+        return name
     return {"random": "the random module's global state set at the script's top (random.seed)",
             "numpy.random": "numpy's global random state set at the script's top (np.random.seed)",
             "torch.random": "torch's default generator set at the script's top (torch.manual_seed)",

@@ -64,6 +64,7 @@ from .errors import HetflowError, PipelineError, ResumeRefused, interruption
 from .fingerprint import (
     ANY_GLOBAL_SET,
     UNCACHEABLE,
+    _local_installs,
     file_digests,
     late_components,
     resolve_files,
@@ -241,6 +242,8 @@ class Orchestrator(MapShell):
         """When each stage's key was made, and its declared files' sizes and times then."""
         self.observed_start: Mapping[str, str] = observed.latest()
         """What the script's top level left when the run started (:mod:`hetflow.observed`)."""
+        self.stage_wrote: set[str] = set()
+        """The files this session's stages opened for writing (:func:`observed.stage_written`)."""
         self.recorded: set[str] = set()
         """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.committed_before: frozenset[str] = frozenset()
@@ -679,7 +682,7 @@ class Orchestrator(MapShell):
         with self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
                                                 params=params, outputs=spec.outputs, now=self.observed_start,
-                                                observed=spec.map_over is None)
+                                                observed=True)
             for problem in damaged:
                 log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
             if hit is None:
@@ -752,7 +755,10 @@ class Orchestrator(MapShell):
                 log.warning("stage %s: %s", spec.name, exc)
         with self.store.session() as session:
             record = self._stage_record(session, spec.name)
+            seen = (record.cache_material or {}).get("observed") if spec.map_over is not None else None
             record.cache_key = record.cache_material = record.cached_from = None
+            if seen is not None:  # what the items recorded so far were computed with: a resume checks it
+                record.cache_material = {"observed": seen}
             record.params = self.stage_params(spec)
             if not enqueue.reason.startswith("retry"):
                 record.cache_reason, record.cache_hit = enqueue.reason, False
@@ -886,6 +892,7 @@ class Orchestrator(MapShell):
         shipped = self.shipped.get(spec.name)
         if shipped is not None:  # no script file to execute: the function as the run started, pickled
             shipping.write(files.function, shipped)
+        keyed = self.material.get(spec.name)  # the rank digests the values it names again (hetflow.observed)
         WorkerSpec(
             run_id=self.run_id, stage=spec.name, attempt=task.attempt,
             function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
@@ -902,6 +909,8 @@ class Orchestrator(MapShell):
             script_sha256=self.script_digests.get(spec.path or "") if spec.module == "__main__" else None,
             items=tuple(items), map_input=spec.map_over.input if spec.map_over is not None else None,
             item_timeout=spec.timeout if chunk is not None else None, item_isolation=isolation,
+            values=observed.value_labels(keyed.code) if keyed is not None else (),
+            local_installs=_local_installs(),
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 
@@ -1016,8 +1025,10 @@ class Orchestrator(MapShell):
         """A rank that executed a helper module or read a file at the script's top other than the one this run's
         key was made from (it changed after the run started, while the stage waited) computed something the key
         does not describe: it is not committed."""
+        self.stage_wrote.update(key[len("wrote "):] for r in ranks if r is not None and r.observed
+                                for key in r.observed if key.startswith("wrote "))
         changed = sorted({what for r in ranks if r is not None and r.observed
-                          for what in observed.refused(r.observed, self.observed_start)})
+                          for what in observed.refused(r.observed, self.observed_start, self.stage_wrote)})
         if not changed:
             return None
         # file names are the user's bytes: not UTF-8 (the store could not record them) or holding a newline
@@ -1029,13 +1040,19 @@ class Orchestrator(MapShell):
 
     def _observed_record(self, spec: StageSpec, ranks: list[RankResult | None]) -> dict[str, str]:
         """What is recorded with a committed stage and must still hold when it is served (:func:`observed.stale`)."""
-        from .fingerprint import _local_installs
-
         editable, installed = _local_installs()  # counted by the key as it reaches them
+        material = self.material.get(spec.name)
+        code = material.code if material is not None else {}
         found: dict[str, str] = {}
         for rank in ranks:
             if rank is not None and rank.observed:
-                found.update(observed.to_record(rank.observed, self.observed_start, editable + installed))
+                found.update(observed.to_record(rank.observed, self.observed_start, editable + installed, code))
+        other = [key[len("value "):] for key in found if key.startswith("value ")]
+        if other:
+            shown = ", ".join(visible(name, newlines=False) for name in other[:3]) + (" ..." if len(other) > 3 else "")
+            log.warning("stage %s: its ranks computed %s otherwise than its cache key was made with (changed after "
+                        "the run started, or made anew by each process: the time, the working directory); its "
+                        "result is kept for this run and never served from the cache", spec.name, shown)
         return found
 
     def _lose_nodes(self, lost: Mapping[str, str]) -> None:

@@ -199,6 +199,9 @@ class Pipeline:
         process each once one changed it) or ``"fork"`` (a process each).
         """
         def register(fn: F) -> F:
+            from . import observed
+
+            observed.watch_top_end()  # the states the script's top leaves (np.random.seed), before its main block
             stage_name = name or getattr(fn, "__name__", None)
             where = f"pipeline {self.name!r}, stage {stage_name!r}"
             check_name("stage", stage_name, where=f"pipeline {self.name!r}")

@@ -93,7 +93,8 @@ log = logging.getLogger(__name__)
 
 PRELOAD = ("pyarrow", "hetflow.tasks.worker", "hetflow.tasks.context", "hetflow.tasks.script",
            "hetflow.tasks.witness", "hetflow.tasks.ledger", "hetflow.operators.dataset",
-           "hetflow.operators.settings", "hetflow.operators.errors", "hetflow.pipeline")
+           "hetflow.operators.settings", "hetflow.operators.errors", "hetflow.pipeline", "hetflow.fingerprint",
+           "importlib.metadata")
 """What every rank imports anyway; the user's script and its imports are left to each child."""
 
 LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL")

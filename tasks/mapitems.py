@@ -51,7 +51,7 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
     import dataclasses
 
     from .protocol import RankError
-    from .worker import _load_function, _pin, error_message
+    from .worker import _load_function, _observe, _observe_after, _pin, error_message
 
     files = AttemptFiles(spec.attempt_dir)
     log = logging.getLogger(f"hetflow.stage.{spec.stage}")
@@ -64,11 +64,13 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
     files.write_pid(rank, os.getpid())
     comm: Any = None
     failed = False
+    seen: dict[str, str] | None = None
     try:
         comm = get_comm()
         slot = spec.slots[rank]
         _pin(list(slot.cores), list(slot.gpus), spec.gpu_vendor, log)
         func = _load_function(spec)
+        top = _observe(spec)  # what the items could depend on beyond their keys, as for a plain stage
         env = spec.env_values()  # what the key was made with, passed in this process's environment
         shared = _Shared(spec, rank, size, comm, func, log, env)
         if size == 1:
@@ -99,6 +101,7 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
                     break
         finally:
             os.close(sink)
+        seen = _observe_after(spec, top)  # modules the items imported in this process (not in their children)
         result = dataclasses.replace(result, status="error" if failed else "ok", error=RankError(
             "ItemFailed", "an item failed; the task's other items are run again by another task", "")
             if failed else None)
@@ -108,7 +111,7 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
         log.error("failed: %s: %s", type(exc).__name__, exc)
     finally:
         log.removeHandler(handler)
-    result = dataclasses.replace(result, ended=time.time())
+    result = dataclasses.replace(result, ended=time.time(), observed=seen)
     result.write(files.rank_result(rank))
     return result, comm
 

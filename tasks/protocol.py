@@ -238,6 +238,12 @@ class WorkerSpec:
     item_isolation: Literal["checked", "fork"] = "checked"
     """How a one-rank map task isolates its items (:mod:`hetflow.tasks.mapitems`): one after another in one
     process, checked after each for state a later item would read (``checked``), or a process each (``fork``)."""
+    values: tuple[str, ...] = ()
+    """The components of the stage's key that name a value (``TABLE``, ``helper.K``): the rank digests them as
+    its top level left them (:func:`hetflow.observed.code_in_rank`)."""
+    local_installs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    """What the orchestrator's key counted as installed from a local directory (editable project directories,
+    installed files): the rank digests what its stage reads as the key did (:func:`hetflow.observed.code_in_rank`)."""
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -312,7 +318,9 @@ class WorkerSpec:
                 "node_local_dir": self.node_local_dir, "env": dict(self.env), "argv": list(self.argv),
                 "script_sha256": self.script_sha256, "items": [dict(item) for item in self.items],
                 "map_input": self.map_input, "item_timeout": self.item_timeout,
-                "item_isolation": self.item_isolation}
+                "item_isolation": self.item_isolation,
+                "values": list(self.values),
+                "local_installs": [list(self.local_installs[0]), list(self.local_installs[1])]}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -345,7 +353,9 @@ class WorkerSpec:
                       "items": tuple(top.items("items", dict, "objects", ())),
                       "map_input": top.get("map_input", (str, type(None)), "a string or null", None),
                       "item_timeout": top.get("item_timeout", (int, float, type(None)), "a number or null", None),
-                      "item_isolation": top.text("item_isolation", "checked")}
+                      "item_isolation": top.text("item_isolation", "checked"),
+                      "values": top.items("values", str, "strings", ()),
+                      "local_installs": _local_installs(top)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:
@@ -356,6 +366,13 @@ class WorkerSpec:
     def read(cls, path: Path) -> WorkerSpec:
         """The spec in ``path``; :class:`ProtocolError` names the file and the bad field."""
         return cls.from_json(_load(path), str(path))
+
+
+def _local_installs(top: _Fields) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    value = top.get("local_installs", (list,), "two lists of paths", [[], []])
+    if len(value) != 2 or not all(isinstance(part, list) and all(isinstance(p, str) for p in part) for part in value):
+        raise top.fail("local_installs", "two lists of paths", value)
+    return tuple(value[0]), tuple(value[1])
 
 
 # ---------------------------------------------------------------------- result

@@ -121,8 +121,14 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
         raise RuntimeError(f"stage {spec.stage!r}: {module_name}.{name} is not a function, and no pipeline in "
                            f"{path or module_name} declares a stage {spec.stage!r} when the file is imported "
                            "(declare stages at import time, not inside a function the script calls)")
+    global _declared
+    _declared = func
     wrapped: Callable[..., Any] = getattr(func, "__wrapped_stage__", func)
     return wrapped
+
+
+_declared: Any = None
+"""The function the script declared as the stage (before unwrapping): what the orchestrator made its key from."""
 
 
 def _run_folder(spec: WorkerSpec) -> str:
@@ -138,9 +144,15 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     from .script import is_deferred
 
     observed.recording(False)  # on since hetflow's import in this process; the stage's own reads are not observed
+    # first what the key digests of the values the stage reads, as this rank's top level left them (a deferred
+    # import it names is executed, as the stage would), then the modules, their values, files and states
+    code = observed.code_in_rank(_declared, spec.values, spec.local_installs) if _declared is not None else {}
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
                              files=spec.function.module == "__main__" and bool(spec.function.path))
-    return found, frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
+    found.update(code)
+    loaded = frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
+    observed.recording_writes(True)  # the files the stage writes: one the script's top reads is the run's own
+    return found, loaded
 
 
 def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]) -> dict[str, str]:
@@ -148,7 +160,9 @@ def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]
     lie (those it had are recorded as they were executed)."""
     from hetflow import observed
 
-    return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1])}
+    observed.recording_writes(False)
+    return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
+            **observed.stage_written((_run_folder(spec),))}
 
 
 def _open_input(path: str, rank: int, size: int, verify: str) -> Any:

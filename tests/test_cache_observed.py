@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hetflow.operators.dataset import Dataset
 from test_cache_stale import HETFLOW, edit, run, states, status, value
 
 HELPER = '''
@@ -415,3 +416,281 @@ def test_a_file_the_scripts_top_reads_and_writes_is_its_own_state_not_an_input(t
     (tmp_path / "p.py").write_text(COUNTER.replace('{"k": 1}', '{"k": 2}'))
     again = run(tmp_path)
     assert states(again) == {"one": "DONE"} and value(again, "one") == 2
+
+
+NATIVE_READ = '''
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import hetflow as hf
+
+HERE = Path(__file__).resolve().parent
+TABLE = READ
+pipe = hf.Pipeline("nativeread", pilot=hf.PilotDescription(name="two", cores_per_node=2, memory_per_node=2**33))
+
+
+@pipe.stage(cores_per_rank=2, outputs=["slow"])
+def slow(ctx):  # holds both cores until the test says go
+    (HERE / "started").touch()
+    while not (HERE / "go").exists():
+        time.sleep(0.1)
+    return {"slow": pa.table({"v": [0]})}
+
+
+@pipe.stage(cores_per_rank=2, outputs=["uses"])
+def uses(ctx):
+    return {"uses": pa.table({"v": [TABLE]})}
+'''
+
+
+def _write_table(path: Path, v: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(exist_ok=True)
+    if path.suffix == ".parquet":
+        pq.write_table(pa.table({"v": [v]}), path)
+    else:
+        path.write_text(str(v))
+
+
+@pytest.mark.parametrize("name, read", [
+    ("table.parquet", 'pq.read_table(HERE / "table.parquet").column("v")[0].as_py()'),
+    (".data/table.txt", 'int((HERE / ".data" / "table.txt").read_text())'),
+], ids=["native-reader", "hidden-folder"])
+def test_data_read_at_the_top_unseen_by_the_open_hook_and_edited_while_a_stage_waits_is_never_served(
+        tmp_path: Path, name: str, read: str) -> None:
+    """``pq.read_table`` opens its file natively (no Python ``open`` to observe), a file under a hidden folder
+    is not observed: edited while the stage waited for its slot, the rank computed 2 and the result was stored
+    under the key of 1, then served CACHED once the file held 1 again.  The rank now digests the globals the
+    stage reads as the key did, and a result computed from another value is kept for its run only."""
+    _write_table(tmp_path / name, 1)
+    (tmp_path / "p.py").write_text(NATIVE_READ.replace("READ", read))
+    proc = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--workdir", str(tmp_path / "work")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        _write_table(tmp_path / name, 2)
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first = status(tmp_path)
+    assert states(first) == {"slow": "DONE", "uses": "DONE"}, (out, err)
+    assert value(first, "uses") == 2  # what the file held when the rank ran: kept for this run
+    _write_table(tmp_path / name, 1)
+    again = run(tmp_path)
+    assert states(again) == {"slow": "CACHED", "uses": "DONE"}, again["uses"]["cache"]
+    assert "TABLE had another value where it was computed than its key says" in again["uses"]["cache"]["reason"]
+    assert value(again, "uses") == 1
+    assert states(run(tmp_path)) == {"slow": "CACHED", "uses": "CACHED"}
+
+
+PER_PROCESS = '''
+import logging
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+
+STAMP = time.time()
+log = logging.getLogger(__name__)
+HERE = Path(__file__).parent
+pipe = hf.Pipeline("perprocess")
+
+
+@pipe.stage(outputs=["stamped"])
+def stamped(ctx):
+    return {"stamped": pa.table({"v": [STAMP]})}
+
+
+@pipe.stage(outputs=["logged"])
+def logged(ctx):
+    log.info("in %s", HERE)
+    return {"logged": pa.table({"v": [1]})}
+'''
+
+
+def test_a_value_the_top_computes_anew_in_each_process_runs_its_stage_and_a_scripts_logger_stays_cached(
+        tmp_path: Path) -> None:
+    """A global that differs in every process (the time) is computed otherwise in the rank than in the key: the
+    stage is not failed for it, it runs each time; the script's ``getLogger(__name__)`` (``__main__`` where the
+    key is made, the worker's module name in the rank) and ``__file__`` are the same everywhere."""
+    (tmp_path / "p.py").write_text(PER_PROCESS)
+    assert states(run(tmp_path)) == {"stamped": "DONE", "logged": "DONE"}
+    assert states(run(tmp_path)) == {"stamped": "DONE", "logged": "CACHED"}
+
+
+CONFIGURED_HELPER = '''
+import json
+import os
+
+GAIN = json.load(open(os.path.join(os.path.dirname(__file__), "gain.json")))["gain"]
+ENV_GAIN = int(os.environ.get("LAB_GAIN", "2"))
+
+
+def calibrate(x):
+    return x * GAIN
+
+
+def calibrate_env(x):
+    return x * ENV_GAIN
+'''
+
+READS_HELPER = '''
+import pyarrow as pa
+import hetflow as hf
+import labcfg
+
+pipe = hf.Pipeline("labcfg")
+
+
+@pipe.stage(outputs=["out"])
+def make(ctx):
+    return {"out": pa.table({"v": [labcfg.calibrate(10)]})}
+
+
+@pipe.stage(outputs=["env"])
+def make_env(ctx):
+    return {"env": pa.table({"v": [labcfg.calibrate_env(10)]})}
+'''
+
+
+def test_a_value_a_helper_outside_the_scripts_folder_reads_when_imported_reruns_what_uses_it(tmp_path: Path) -> None:
+    """The helper's source did not change, the file and the variable it reads at import did: CACHED with 20."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "labcfg.py").write_text(CONFIGURED_HELPER)
+    (tmp_path / "src" / "gain.json").write_text('{"gain": 2}')
+    project = tmp_path / "scripts"
+    project.mkdir()
+    (project / "p.py").write_text(READS_HELPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "src"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    first = run(project, env=env)
+    assert (value(first, "out"), value(first, "env")) == (20, 20)
+    (tmp_path / "src" / "gain.json").write_text('{"gain": 3}')
+    edited = run(project, env=env)
+    assert edited["make"]["state"] == "DONE", edited["make"]["cache"]
+    assert "the values helper module ../src/labcfg.py holds changed" in edited["make"]["cache"]["reason"]
+    assert value(edited, "out") == 30
+    variable = run(project, env={**env, "LAB_GAIN": "9"})
+    assert variable["make_env"]["state"] == "DONE" and value(variable, "env") == 90
+    assert states(run(project, env={**env, "LAB_GAIN": "9"})) == {"make": "CACHED", "make_env": "CACHED"}
+
+
+SEEDED_THEN_DRAWN = '''
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+SEED = 1
+np.random.seed(SEED)
+pipe = hf.Pipeline("drawn")
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+if __name__ == "__main__":
+    print("preview:", np.random.rand())  # a look before running: this process only
+    pipe.run()
+'''
+
+
+def test_a_seed_set_at_the_top_counts_when_the_main_block_draws_before_running(tmp_path: Path) -> None:
+    """The orchestrator's generator had moved on (the main block drew) when ``pipe.run()`` started, so it
+    disagreed with the rank's, the state was taken for unseeded and left out: a SEED change was served CACHED.
+    The states are now taken where the top level ends."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SEEDED_THEN_DRAWN)
+    np.random.seed(1)
+    assert value(run(tmp_path), "draw") == float(np.random.rand())
+    edit(tmp_path / "p.py", "SEED = 1", "SEED = 2")
+    edited = run(tmp_path)
+    assert states(edited) == {"draw": "DONE"}, edited["draw"]["cache"]
+    np.random.seed(2)
+    assert value(edited, "draw") == float(np.random.rand())
+    assert states(run(tmp_path)) == {"draw": "CACHED"}
+
+
+MAPPED_HELPER = '''
+import pyarrow as pa
+import hetflow as hf
+from mapgain import calibrate
+
+pipe = hf.Pipeline("mapped")
+
+
+@pipe.stage(map_over={"n": [1, 2]}, outputs=["out"])
+def make(ctx):
+    return {"out": pa.table({"v": [calibrate(ctx.item["n"])]})}
+'''
+
+
+def test_a_map_stage_reruns_its_items_when_a_helper_outside_the_scripts_folder_is_edited(tmp_path: Path) -> None:
+    """Map stages were not observed: their items, reused one by one, were served CACHED after the edit."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "mapgain.py").write_text("GAIN = 2\n\n\ndef calibrate(x):\n    return x * GAIN\n")
+    project = tmp_path / "scripts"
+    project.mkdir()
+    (project / "p.py").write_text(MAPPED_HELPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "src"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+
+    def values(stages: dict[str, object]) -> list[int]:
+        return Dataset(stages["_run"]["datasets"]["out"]).to_table()["v"].to_pylist()
+
+    assert values(run(project, env=env)) == [2, 4]
+    (tmp_path / "src" / "mapgain.py").write_text("GAIN = 3\n\n\ndef calibrate(x):\n    return x * GAIN\n")
+    edited = run(project, env=env)
+    assert states(edited) == {"make": "DONE"}, edited["make"]["cache"]
+    assert values(edited) == [3, 6]
+    assert states(run(project, env=env)) == {"make": "CACHED"}
+
+
+SUMMARY = '''
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import hetflow as hf
+
+HERE = Path(__file__).resolve().parent
+SUMMARY = HERE / "summary.json"
+if SUMMARY.exists():  # the script shows the last summary when it starts
+    print("last summary:", json.loads(SUMMARY.read_text()))
+pipe = hf.Pipeline("summary")
+
+
+@pipe.stage(outputs=["a"], params={"k": 1})
+def first(ctx):
+    SUMMARY.write_text(json.dumps({"k": ctx.params["k"]}))
+    return {"a": pa.table({"v": [ctx.params["k"]]})}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def second(ctx, a):
+    return {"b": pa.table({"v": [2]})}
+'''
+
+
+def test_a_file_the_scripts_top_reads_that_a_stage_of_the_run_writes_does_not_fail_a_later_stage(
+        tmp_path: Path) -> None:
+    """``first`` rewrites summary.json, which the top level reads: ``second``'s rank read the new one, unlike
+    the orchestrator when the run started, and was refused (FAILED) though nothing the user did changed it."""
+    (tmp_path / "p.py").write_text(SUMMARY)
+    assert states(run(tmp_path)) == {"first": "DONE", "second": "DONE"}
+    edit(tmp_path / "p.py", '{"k": 1}', '{"k": 2}')
+    again = run(tmp_path)
+    assert states(again) == {"first": "DONE", "second": "DONE"} and value(again, "a") == 2
+    assert states(run(tmp_path)) == {"first": "CACHED", "second": "CACHED"}
