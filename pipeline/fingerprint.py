@@ -1445,6 +1445,79 @@ def _namespace_of(node: ast.expr) -> tuple[str, ...] | None:
     return None
 
 
+_MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update",
+                       "setdefault", "popitem", "add", "discard", "difference_update", "intersection_update",
+                       "symmetric_difference_update", "__setitem__", "__delitem__", "__setattr__", "fill",
+                       "resize", "put", "itemset"})
+"""Methods that change their object in place (lists, dicts, sets, numpy arrays): ``CFG.update(...)``."""
+
+
+def _root(node: ast.expr) -> str | None:
+    """The global a target or a method's object starts from, through items: ``CFG["opt"]`` and
+    ``CFG["opt"]["k"]`` give ``CFG``; an attribute on the way (``consts.ITEMS``) gives None (its chain is
+    what is set, named on its own)."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _function_locals(definition: ast.AST) -> set[str]:
+    """The names a function binds itself (parameters, plain assignments, ``for``/``with`` targets), less
+    those it declares ``global``: changing what they hold does not change a global."""
+    bound: set[str] = set()
+    declared: set[str] = set()
+    args = getattr(definition, "args", None)
+    if isinstance(args, ast.arguments):
+        for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
+            if arg is not None:
+                bound.add(arg.arg)
+    for child in ast.walk(definition):
+        if isinstance(child, ast.Global):
+            declared.update(child.names)
+        elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+            bound.add(child.id)
+    return bound - declared
+
+
+def _changed_in_place(node: ast.AST, local: set[str]) -> set[str]:
+    """Globals ``node`` changes in place without assigning them: ``CFG.update(...)``, ``CFG["opt"].update(...)``,
+    ``LST.append(1)``, ``setattr(OPTS, "k", v)``, ``CFG["opt"]["k"] = v`` and ``OPTS.k = v`` inside a function
+    (the names in ``local`` are the function's own), ``mod.__dict__["K"] = v`` (as ``mod.K``)."""
+    found: set[str] = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Call):
+            func = child.func
+            if isinstance(func, ast.Attribute) and func.attr in _MUTATORS:
+                root = _root(func.value)
+                if root is not None and root not in local:
+                    found.add(root)
+            elif isinstance(func, ast.Name) and func.id == "setattr" and child.args:
+                chain = _names(child.args[0])
+                if chain is not None and chain[0] not in local:
+                    found.add(chain[0])
+        targets: list[ast.expr] = []
+        if isinstance(child, ast.Assign):
+            targets = list(child.targets)
+        elif isinstance(child, (ast.AugAssign, ast.AnnAssign)):
+            targets = [child.target]
+        elif isinstance(child, ast.Delete):
+            targets = list(child.targets)
+        for target in targets:
+            if isinstance(target, ast.Subscript) and (space := _namespace_of(target.value)) is not None \
+                    and isinstance(target.slice, ast.Constant) and isinstance(target.slice.value, str):
+                found.add(".".join((*space, target.slice.value)))  # helpers.__dict__["K"] = 2
+            if isinstance(target, (ast.Subscript, ast.Attribute)):
+                inner = target.value
+                while isinstance(inner, (ast.Subscript, ast.Attribute)):
+                    inner = inner.value
+                if isinstance(inner, ast.Name) and inner.id not in local:
+                    found.add(inner.id)
+                    chain = _names(target) if isinstance(target, ast.Attribute) else None
+                    if chain is not None:
+                        found.add(".".join(chain))  # consts.K = v in a function: consts.K
+    return found
+
+
 def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[str] = frozenset()) -> frozenset[str]:
     """Global names a script assigns where a stage's ranks never execute it: in its ``if __name__ ==
     "__main__":`` block, or at its top level after its first ``pipe.run(...)`` (``pipelines``: the names
@@ -1452,9 +1525,10 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
 
     Assignments, augmented and annotated ones, ``for``, ``with ... as``, ``except ... as`` and ``match``
     targets, ``:=``, ``del``, ``import``/``from`` bindings, ``globals()[...]``/``vars()[...]``,
-    ``setattr(sys.modules[__name__], "X", v)``, and the ``global`` names of the script's functions that such
-    code reaches (called, or named at all: ``f = bump; f()``, ``map(bump, ...)``, and what those functions
-    reach in turn).  Code that may set any global (``exec``, ``eval``, ``globals().update(...)``,
+    ``setattr(sys.modules[__name__], "X", v)``, globals changed in place (:func:`_changed_in_place`:
+    ``CFG.update(...)``, ``LST.append(...)``, ``setattr(OPTS, "k", v)``), and the ``global`` names of the
+    script's functions that such code reaches (called, or named at all: ``f = bump; f()``, ``map(bump, ...)``,
+    and what those functions reach in turn) with the globals they change in place.  Code that may set any global (``exec``, ``eval``, ``globals().update(...)``,
     ``setattr`` with a computed name, ...) gives an entry starting with ``<`` naming it and its line
     (:data:`ANY_GLOBAL_SET`), which stands for every name."""
     tree = _parse(source, path)
@@ -1490,6 +1564,7 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
     def assigned(statements: Sequence[ast.AST]) -> None:
         referenced: set[str] = set()
         for node in statements:
+            names.update(_changed_in_place(node, set()))
             for child in ast.walk(node):
                 targets: list[ast.AST] = []
                 if isinstance(child, ast.Assign):
@@ -1546,6 +1621,7 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
                 continue
             reached.add(name)
             for definition in functions[name]:
+                names.update(_changed_in_place(definition, _function_locals(definition)))
                 for child in ast.walk(definition):
                     if isinstance(child, ast.Global):
                         names.update(child.names)

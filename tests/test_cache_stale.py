@@ -544,6 +544,68 @@ def test_every_way_the_main_block_sets_a_value_a_stage_reads_is_refused(tmp_path
             done.stdout + done.stderr
 
 
+LATE_IN_PLACE = '''
+import argparse
+import types
+import pyarrow as pa
+import hetflow as hf
+
+CFG = {"k": 1, "opt": {"k": 1}}
+OPTS = types.SimpleNamespace(k=1)
+LST = [1]
+pipe = hf.Pipeline("late-in-place")
+
+
+def apply(v):
+    CFG["opt"]["k"] = v
+
+
+def configure():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--k", type=int, default=2)
+    CFG.update(vars(parser.parse_args([])))
+
+
+def summary(rows):
+    kept = []
+    kept.append(len(rows))  # its own list: no global changes
+    rows.append(0)
+    return kept
+
+
+@pipe.stage(outputs=["s"])
+def seen(ctx):
+    return {"s": pa.table({"v": [str((CFG, OPTS.k, LST))]})}
+
+
+if __name__ == "__main__":
+    FORM
+    run = pipe.run(check=False)
+    print(run.state, run.stage("seen").error)
+'''
+
+
+@pytest.mark.parametrize("form, name", [
+    ('CFG["opt"].update(k=2)', "CFG"), ('setattr(OPTS, "k", 2)', "OPTS"), ("LST.append(1)", "LST"),
+    ("LST.extend([1])", "LST"), ("apply(2)", "CFG"), ("configure()", "CFG"),
+    ("rows = []\n    rows.append(1)\n    summary(rows)", None),
+])
+def test_a_value_the_main_block_changes_in_place_is_refused_as_an_assignment_is(tmp_path: Path, form: str,
+                                                                                name: str | None) -> None:
+    """The sixth red team (c86e, c87): ``CFG.update(vars(args))`` in a ``main()`` the main block calls,
+    ``CFG["opt"].update(...)``, ``setattr(OPTS, "k", 2)``, ``LST.append(1)``, a helper that sets an item:
+    the ranks computed with the values set at the top while the key held the changed ones, and the result
+    was committed.  Changing the main block's own objects (and a function's own) is not refused."""
+    (tmp_path / "p.py").write_text(LATE_IN_PLACE.replace("FORM", form))
+    done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work")))
+    if name is None:
+        assert done.stdout.startswith("DONE"), done.stdout + done.stderr
+    else:
+        assert done.stdout.startswith("FAILED") and f"it reads {name}, which the script sets" in done.stdout, \
+            done.stdout + done.stderr
+
+
 WAITS = '''
 import os
 import time
