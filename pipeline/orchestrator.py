@@ -1029,6 +1029,8 @@ class Orchestrator(MapShell):
                                 for key in r.observed if key.startswith("wrote "))
         changed = sorted({what for r in ranks if r is not None and r.observed
                           for what in observed.refused(r.observed, self.observed_start, self.stage_wrote)})
+        if not changed and spec.name in self.shipped:
+            return self._session_values_unseen(spec, ranks)
         if not changed:
             return None
         # file names are the user's bytes: not UTF-8 (the store could not record them) or holding a newline
@@ -1037,6 +1039,23 @@ class Orchestrator(MapShell):
         return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed after the run started, so the "
                        "stage computed from other content than its cache key was made from; it was not committed: "
                        "run the script again (or resume the run) to compute it from what is there now")
+
+    def _session_values_unseen(self, spec: StageSpec, ranks: list[RankResult | None]) -> Failure | None:
+        """A stage declared in a session (a notebook, ``python -``) is shipped by value with the session's own
+        globals, but the modules it imports are imported afresh in its ranks: a value the session set on one
+        (``import mylib; mylib.K = 2``) is in the key and not in the ranks, which computed with the module's
+        own.  That result is not the key's and is not committed."""
+        material = self.material.get(spec.name)
+        code = material.code if material is not None else {}
+        other = sorted({name for r in ranks if r is not None and r.observed
+                        for name in observed.differed(r.observed, code) if "." in name})
+        if not other:
+            return None
+        shown = ", ".join(visible(name, newlines=False) for name in other[:3]) + (" ..." if len(other) > 3 else "")
+        return Failure("FAILED", f"stage {spec.name!r}: it reads {shown}, which this session set on an imported "
+                       "module: a stage declared in a session takes the session's own globals with it, but its "
+                       "ranks import modules afresh, so they computed with the module's own value; it was not "
+                       "committed: set the value in the module's source, or give it to the stage as a parameter")
 
     def _observed_record(self, spec: StageSpec, ranks: list[RankResult | None]) -> dict[str, str]:
         """What is recorded with a committed stage and must still hold when it is served (:func:`observed.stale`)."""

@@ -85,6 +85,7 @@ def _registered(module: Any, stage: str, name: str) -> Callable[..., Any] | None
 
 
 def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
+    global _declared
     module_name, path, name = spec.function.module, spec.function.path, spec.function.name
     os.environ[WORKER_ENV] = "1"
     if spec.argv:  # the script's arguments, as the run's key counted them (a stage of a module, a shipped one)
@@ -99,6 +100,7 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
             from .shipping import load
 
             shipped = load(AttemptFiles(spec.attempt_dir).function, spec.stage)
+            _declared = shipped  # what the key was made from: the values it reads are compared (_observe)
             return getattr(shipped, "__wrapped_stage__", shipped)  # type: ignore[no-any-return]
         from hetflow import observed
 
@@ -121,7 +123,6 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
         raise RuntimeError(f"stage {spec.stage!r}: {module_name}.{name} is not a function, and no pipeline in "
                            f"{path or module_name} declares a stage {spec.stage!r} when the file is imported "
                            "(declare stages at import time, not inside a function the script calls)")
-    global _declared
     _declared = func
     wrapped: Callable[..., Any] = getattr(func, "__wrapped_stage__", func)
     return wrapped

@@ -264,6 +264,40 @@ def test_a_module_beside_the_session_is_imported_by_the_worker_and_counts_in_the
     assert _total(tmp_path) == [2]
 
 
+SET_ON_MODULE = '''
+import pyarrow as pa
+import hetflow as hf
+import mylocal
+SETTING
+
+pipe = hf.Pipeline("set-on-module")
+
+@pipe.stage(outputs=["total"])
+def total(ctx):
+    return {"total": pa.table({"value": [mylocal.K * 10]})}
+
+run = pipe.run(workdir=WORKDIR, check=False)
+print("STATE", run.state, run.stage("total").error)
+'''
+
+
+@pytest.mark.parametrize("setting, expected", [("mylocal.K = 2", "FAILED"), ("pass", "DONE")])
+def test_a_value_the_session_sets_on_an_imported_module_is_not_committed_from_ranks_that_never_saw_it(
+        tmp_path: Path, setting: str, expected: str) -> None:
+    """``import mylib; mylib.K = 2`` in a session (round-6 red team n01): the key held 2, the ranks import mylib
+    afresh and computed with its own 1, and that result was committed.  It fails, saying why."""
+    (tmp_path / "mylocal.py").write_text("K = 1\n")
+    script = SET_ON_MODULE.replace("WORKDIR", repr(str(tmp_path / "w"))).replace("SETTING", setting)
+    done = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert f"STATE {expected}" in done.stdout, done.stdout + done.stderr
+    if expected == "FAILED":
+        assert "it reads mylocal.K, which this session set on an imported module" in done.stdout
+        assert not list((tmp_path / "w" / "runs").glob("*/datasets/total/_manifest*"))
+    else:
+        assert _total(tmp_path) == [10]
+
+
 # ------------------------------------------------------------------ the example notebook, in a real kernel
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "notebook" / "pipeline.ipynb"
 
