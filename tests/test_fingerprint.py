@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -428,6 +429,8 @@ def test_local_installs_parse_the_metadata_of_local_installs_only(tmp_path: Path
     (local / "direct_url.json").write_text(json.dumps({"url": (tmp_path / "src").as_uri(), "dir_info": {}}))
     (local / "RECORD").write_text("localpkg/__init__.py,,\n")
     monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    importlib.invalidate_caches()  # importlib.metadata's directory listings, kept per path by earlier tests
+    fingerprint._LOCAL.clear()
     sys.addaudithook(_note_opens)
     _OPENED.clear()
     _WATCHING[:] = [site]
