@@ -384,7 +384,9 @@ class _Walker:
         ``pd.set_option(...)``) that assigns no global, and they change what a stage outputs (the text of its
         numbers, a warning that raises).  Settings left at their defaults add nothing to the key.  polars'
         random seed cannot be read back: each ``set_random_seed(...)`` call in the script's source counts by its
-        text and the values of the globals it names."""
+        text and the values of the globals it names; so does every other seeding call (``np.random.seed``,
+        ``random.seed``, ``torch.manual_seed``): adding one to a script whose first run had none changes no
+        state a record could hold."""
         for name, read in (("numpy", _numpy_settings), ("pandas", _pandas_settings), ("polars", _polars_settings)):
             module = sys.modules.get(name)
             if not isinstance(module, types.ModuleType) or _deferred(module):
@@ -408,7 +410,7 @@ class _Walker:
                 for name in names:
                     if name in script:
                         self.global_value(name, script)
-            self.add("set_random_seed calls", _sha(repr(sorted(text for text, _ in calls))))
+            self.add("seed calls", _sha(repr(sorted(text for text, _ in calls))))
 
     def class_values(self, module: str, cls: type) -> None:
         """The values, as they are now, of a reached module's class attributes that the reached code names: its
@@ -1100,17 +1102,22 @@ def _polars_settings(pl: types.ModuleType) -> dict[str, Any]:
 
 
 _SEEDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+_SEED_FUNCTIONS = frozenset({"set_random_seed", "seed", "manual_seed", "manual_seed_all", "set_seed",
+                             "seed_everything"})
+"""Calls that seed a library's global generator (``pl.set_random_seed``, ``np.random.seed``, ``random.seed``,
+``torch.manual_seed``, ...): their text counts, since a first run without one leaves no state to compare."""
 
 
 def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``(the call's text, the names it loads)`` for every call of a function named ``set_random_seed``
-    (``pl.set_random_seed(SEED)``) in a module's source: a seed that no library lets hetflow read back."""
+    """``(the call's text, the names it loads)`` for every call of a seeding function (:data:`_SEED_FUNCTIONS`:
+    ``pl.set_random_seed(SEED)``, ``np.random.seed(SEED)``) in a module's source: polars' seed cannot be read
+    back, and a generator left unseeded by a first run leaves no state for a later one to compare."""
     key = hashlib.sha256(source).hexdigest()
     if key not in _SEEDS:
         found = []
         for node in ast.walk(_parse(source, path)):
-            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == "set_random_seed" or
-                                               getattr(node.func, "id", None) == "set_random_seed"):
+            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) in _SEED_FUNCTIONS or
+                                               getattr(node.func, "id", None) in _SEED_FUNCTIONS):
                 names = tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
                 found.append((ast.unparse(node), names))
         if len(_SEEDS) > 4096:

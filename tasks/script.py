@@ -19,8 +19,9 @@ imported at the line that imports them, as in the orchestrator: what they do at
 import (read a data file, seed a generator, fill a registry the script's top
 then reads) must happen before the rest of the top level, or the rank computes
 its globals from another state than the one the stage's key was made from.
-Imports inside a ``try`` block stay eager too: a fallback (``except
-ImportError: import slow as impl``) needs the import to fail where it is written.
+Imports inside a ``try`` or ``with`` block stay eager too: a fallback (``except
+ImportError: import slow as impl``, ``with suppress(ImportError):``) needs the
+import to fail where it is written.
 ``from X import Y``, ``import X.Y``, C extensions, modules already imported and
 every import made by other modules load as usual.
 
@@ -58,9 +59,9 @@ def deferrable(source: str | bytes) -> frozenset[str]:
             for alias in node.names:
                 if "." not in alias.name:
                     bound[alias.asname or alias.name] = alias.name
-        elif isinstance(node, (ast.Try, ast.TryStar)):
-            continue  # an import in a try block is the script's test of whether it imports: eager
-        elif isinstance(node, (ast.If, ast.With, ast.For, ast.While)):
+        elif isinstance(node, (ast.Try, ast.TryStar, ast.With)):
+            continue  # in a try block or `with suppress(ImportError):` the import tests whether it imports: eager
+        elif isinstance(node, (ast.If, ast.For, ast.While)):
             for block in ("body", "orelse", "finalbody", "handlers"):
                 for child in getattr(node, block, ()):
                     todo += child.body if isinstance(child, ast.ExceptHandler) else [child]

@@ -8,9 +8,12 @@ that its dataset holds the new value, and that what it does not reach stays cach
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from test_cache_stale import edit, hetflow, run, states, status, value
 
@@ -390,3 +393,40 @@ def test_a_global_buffer_in_memory_counts_by_its_content(tmp_path: Path) -> None
     second = run(tmp_path)
     assert states(second) == {"read": "DONE"} and value(second, "read") == 20
     assert states(run(tmp_path)) == {"read": "CACHED"}
+
+
+SEEDED_LATER = '''
+import random
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+SEED_LINE
+pipe = hf.Pipeline("seeded-later")
+
+
+@pipe.stage(outputs=["drawn"])
+def drawn(ctx):
+    return {"drawn": pa.table({"v": [float(np.random.rand()) + random.random()]})}
+
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+def test_a_seed_added_after_an_unseeded_run_reruns_the_stage(tmp_path: Path) -> None:
+    """A first run without a seed leaves no generator state in its record (an unseeded state differs in
+    every process); adding ``np.random.seed(1)`` then was served CACHED with the unseeded draw (round-7 red
+    team seedadd, torchseed).  Seeding calls count by their text."""
+    (tmp_path / "p.py").write_text(SEEDED_LATER.replace("SEED_LINE", "pass"))
+    run(tmp_path)
+    edit(tmp_path / "p.py", "pass\n", "np.random.seed(1)\nrandom.seed(1)\n")
+    second = run(tmp_path)
+    assert states(second) == {"drawn": "DONE"}, states(second)
+    np.random.seed(1)
+    random.seed(1)
+    assert value(second, "drawn") == float(np.random.rand()) + random.random()
+    assert states(run(tmp_path)) == {"drawn": "CACHED"}
+    edit(tmp_path / "p.py", "np.random.seed(1)", "np.random.seed(2)")
+    assert states(run(tmp_path)) == {"drawn": "DONE"}

@@ -125,6 +125,7 @@ def test_a_warm_stage_gets_the_scripts_installed_imports_from_the_fork_server_an
     # library without its driver, must fail there for the fallback to run): eager
     ("if True:\n    import torch\ntry:\n    import numpy as np\nexcept ImportError:\n    np = None\nnp, torch\n",
      {"torch"}),
+    ("import contextlib\nwith contextlib.suppress(ImportError):\n    import torch\ntorch\n", {"contextlib"}),
     ("def f():\n    import torch\n    return torch\n", set()),  # not module-level: runs when the stage does
     ("class C:\n    import torch\n    t = torch\n", set()),
 ])
