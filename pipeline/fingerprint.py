@@ -1459,6 +1459,12 @@ _MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "
 """Methods that change their object in place (lists, dicts, sets, numpy arrays): ``CFG.update(...)``."""
 
 
+_ARGUMENT_MUTATORS = frozenset({"shuffle", "heappush", "heappop", "heapify", "heappushpop", "heapreplace",
+                                "insort", "insort_left", "insort_right", "copyto", "putmask", "place",
+                                "fill_diagonal"})
+"""Functions that change their first argument in place: ``random.shuffle(LST)``, ``np.copyto(ARR, 2)``."""
+
+
 def _root(node: ast.expr) -> str | None:
     """The global a target or a method's object starts from, through items: ``CFG["opt"]`` and
     ``CFG["opt"]["k"]`` give ``CFG``; an attribute on the way (``consts.ITEMS``) gives None (its chain is
@@ -1502,6 +1508,18 @@ def _changed_in_place(node: ast.AST, local: set[str]) -> set[str]:
                 chain = _names(child.args[0])
                 if chain is not None and chain[0] not in local:
                     found.add(chain[0])
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            changed = [child.args[0]] if name in _ARGUMENT_MUTATORS and child.args else []
+            for keyword in child.keywords:
+                if keyword.arg == "out":  # np.multiply(ARR, 2, out=ARR)
+                    changed.append(keyword.value)
+                elif keyword.arg == "inplace" and isinstance(func, ast.Attribute) and not (
+                        isinstance(keyword.value, ast.Constant) and not keyword.value.value):
+                    changed.append(func.value)  # DF.drop(index=0, inplace=True)
+            for argument in changed:
+                root = _root(argument)
+                if root is not None and root not in local:
+                    found.add(root)
         targets: list[ast.expr] = []
         if isinstance(child, ast.Assign):
             targets = list(child.targets)
@@ -1568,10 +1586,23 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
             return f"....__dict__.{func.attr}(...)"
         return None
 
+    def changes_its_object(method: str) -> bool:
+        """Whether a script function named ``method`` changes its first parameter (``self.k = k``)."""
+        for definition in functions.get(method, ()):
+            args = getattr(definition, "args", None)
+            first = (args.posonlyargs + args.args)[:1] if isinstance(args, ast.arguments) else []
+            if first and first[0].arg in _changed_in_place(definition, _function_locals(definition) - {first[0].arg}):
+                return True
+        return False
+
     def assigned(statements: Sequence[ast.AST]) -> None:
         referenced: set[str] = set()
         for node in statements:
             names.update(_changed_in_place(node, set()))
+            for call in ast.walk(node):  # SC.fit(2), where the script's fit sets self.k
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and \
+                        isinstance(call.func.value, ast.Name) and changes_its_object(call.func.attr):
+                    names.add(call.func.value.id)
             for child in ast.walk(node):
                 targets: list[ast.AST] = []
                 if isinstance(child, ast.Assign):

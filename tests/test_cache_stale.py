@@ -546,13 +546,27 @@ def test_every_way_the_main_block_sets_a_value_a_stage_reads_is_refused(tmp_path
 
 LATE_IN_PLACE = '''
 import argparse
+import random
 import types
+import numpy as np
 import pyarrow as pa
 import hetflow as hf
 
 CFG = {"k": 1, "opt": {"k": 1}}
 OPTS = types.SimpleNamespace(k=1)
-LST = [1]
+LST = [1, 2, 3]
+ARR = np.ones(2)
+
+
+class Scaler:
+    def __init__(self):
+        self.k = 1
+
+    def fit(self, k):
+        self.k = k
+
+
+SC = Scaler()
 pipe = hf.Pipeline("late-in-place")
 
 
@@ -575,7 +589,7 @@ def summary(rows):
 
 @pipe.stage(outputs=["s"])
 def seen(ctx):
-    return {"s": pa.table({"v": [str((CFG, OPTS.k, LST))]})}
+    return {"s": pa.table({"v": [str((CFG, OPTS.k, LST, ARR.tolist(), SC.k))]})}
 
 
 if __name__ == "__main__":
@@ -588,11 +602,15 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("form, name", [
     ('CFG["opt"].update(k=2)', "CFG"), ('setattr(OPTS, "k", 2)', "OPTS"), ("LST.append(1)", "LST"),
     ("LST.extend([1])", "LST"), ("apply(2)", "CFG"), ("configure()", "CFG"),
+    ("random.shuffle(LST)", "LST"), ("np.copyto(ARR, 2)", "ARR"), ("np.multiply(ARR, 2, out=ARR)", "ARR"),
+    ("SC.fit(2)", "SC"),
     ("rows = []\n    rows.append(1)\n    summary(rows)", None),
 ])
 def test_a_value_the_main_block_changes_in_place_is_refused_as_an_assignment_is(tmp_path: Path, form: str,
                                                                                 name: str | None) -> None:
-    """The sixth red team (c86e, c87): ``CFG.update(vars(args))`` in a ``main()`` the main block calls,
+    """The sixth and seventh red teams (c86e, c87, mainmut, mainmeth): ``CFG.update(vars(args))`` in a
+    ``main()`` the main block calls, ``random.shuffle(LST)``, ``np.copyto(ARR, 2)``, ``out=``, a method of
+    the script's class setting ``self.k``,
     ``CFG["opt"].update(...)``, ``setattr(OPTS, "k", 2)``, ``LST.append(1)``, a helper that sets an item:
     the ranks computed with the values set at the top while the key held the changed ones, and the result
     was committed.  Changing the main block's own objects (and a function's own) is not refused."""
