@@ -1474,6 +1474,16 @@ def _root(node: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+def _declares_a_stage(definition: ast.AST) -> bool:
+    """Whether a function is decorated as a stage (``@pipe.stage(...)``): its ranks run it as well."""
+    for decorator in getattr(definition, "decorator_list", ()):
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if (isinstance(target, ast.Attribute) and target.attr == "stage") or \
+                (isinstance(target, ast.Name) and target.id == "stage"):
+            return True
+    return False
+
+
 def _function_locals(definition: ast.AST) -> set[str]:
     """The names a function binds itself (parameters, plain assignments, ``for``/``with`` targets), less
     those it declares ``global``: changing what they hold does not change a global."""
@@ -1597,6 +1607,7 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
 
     def assigned(statements: Sequence[ast.AST]) -> None:
         referenced: set[str] = set()
+        named: set[str] = set()  # by a name in code, not only in a string (``run.stage("first")``)
         for node in statements:
             names.update(_changed_in_place(node, set()))
             for call in ast.walk(node):  # SC.fit(2), where the script's fit sets self.k
@@ -1621,6 +1632,7 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
                     names.update((alias.asname or alias.name).partition(".")[0] for alias in child.names)
                 elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load):
                     referenced.add(child.id)  # called, or handed on to be called
+                    named.add(child.id)
                 elif isinstance(child, ast.Constant) and isinstance(child.value, str):
                     referenced.add(child.value)  # getattr(sys.modules[__name__], "bump")()
                 construct = anything(child)
@@ -1659,7 +1671,6 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
                 continue
             reached.add(name)
             for definition in functions[name]:
-                names.update(_changed_in_place(definition, _function_locals(definition)))
                 for child in ast.walk(definition):
                     if isinstance(child, ast.Global):
                         names.update(child.names)
@@ -1670,6 +1681,20 @@ def values_set_after_declaring(source: bytes, path: str, pipelines: frozenset[st
                     construct = anything(child)
                     if construct is not None:
                         names.add(f"<{construct} at line {getattr(child, 'lineno', '?')}, in {name}>")
+        # what the functions the block calls change in place (CFG.update in a main()): those it names in code,
+        # and what they name in turn, not a stage (its ranks run it too) nor a name only in a string
+        called: set[str] = set()
+        todo = [n for n in named if n in functions]
+        while todo:
+            name = todo.pop()
+            if name in called or any(_declares_a_stage(d) for d in functions[name]):
+                continue
+            called.add(name)
+            for definition in functions[name]:
+                names.update(_changed_in_place(definition, _function_locals(definition)))
+                todo += [c.id for c in ast.walk(definition) if isinstance(c, ast.Name)
+                         and isinstance(c.ctx, ast.Load) and c.id in functions]
+                todo += [c.attr for c in ast.walk(definition) if isinstance(c, ast.Attribute) and c.attr in functions]
 
     def is_main_guard(node: ast.stmt) -> bool:
         return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test)

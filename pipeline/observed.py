@@ -251,12 +251,14 @@ def _nothing() -> None:
 
 def value_labels(code: Mapping[str, str]) -> tuple[str, ...]:
     """The components of a key's code that name a value (``TABLE``, ``helper.K``, ``helper.Model.SCALE``): not
-    modules, classes, functions, the stage itself, nor what could not be digested."""
+    modules, classes, functions, the stage itself, what could not be digested, nor what a name does not reach
+    (a closure's cells, ``sys.argv[1:]``, library settings: :func:`_resolve` would find another value)."""
     from .fingerprint import UNCACHEABLE
 
     return tuple(name for name, digest in sorted(code.items())
                  if not name.startswith(("module ", "class ", UNCACHEABLE)) and not name.endswith("()")
-                 and name != "stage" and digest != "<undefined>")
+                 and name != "stage" and digest != "<undefined>"
+                 and all(part.isidentifier() for part in name.split(".")))  # not "f() closure", "sys.argv[1:]"
 
 
 def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterable[str], Iterable[str]]

@@ -353,7 +353,7 @@ def stage(ctx):
 
 
 @pytest.mark.parametrize("old, new, changed", [("[0.123456]", "[0.123457]", "WEIGHTS changed"),
-                                               ("manual_seed(0)", "manual_seed(1)", "LAYER changed"),
+                                               ("manual_seed(0)", "manual_seed(1)", "LAYER changed; seed calls changed"),
                                                ("range(2000)", "range(1, 2001)", "LOOKUP changed"),
                                                ("default_rng(0)", "default_rng(1)", "RNG changed"),
                                                ("Random(0)", "Random(1)", "PY_RNG changed")])
@@ -403,22 +403,10 @@ def test_each_imported_module_is_classified_once_not_by_every_stage_s_walk(tmp_p
     assert outside == [], outside[:5]
 
 
-_OPENED: list[str] = []
-_WATCHING: list[Path] = []
-
-
-def _note_opens(event: str, args: tuple) -> None:
-    if event == "open" and _WATCHING and isinstance(args[0], (str, Path)) and \
-            str(args[0]).startswith(str(_WATCHING[0])):
-        _OPENED.append(str(args[0]))
-
-
-def test_local_installs_parse_the_metadata_of_local_installs_only(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_installs_parse_the_metadata_of_local_installs_only(tmp_path: Path) -> None:
     """Every run scans the installed distributions for local installs (their files are the user's code):
-    only those with a ``direct_url.json`` naming a directory have their METADATA read, not every one's."""
-    from hetflow import fingerprint
-
+    only those with a ``direct_url.json`` naming a directory have their METADATA read, not every one's.
+    In a fresh interpreter: a test process's import caches depend on what ran in it before."""
     site = tmp_path / "site"
     indexed = site / "fromindex-1.0.dist-info"
     indexed.mkdir(parents=True)
@@ -428,16 +416,19 @@ def test_local_installs_parse_the_metadata_of_local_installs_only(tmp_path: Path
     (local / "METADATA").write_text("Metadata-Version: 2.1\nName: localpkg\nVersion: 1.0\n")
     (local / "direct_url.json").write_text(json.dumps({"url": (tmp_path / "src").as_uri(), "dir_info": {}}))
     (local / "RECORD").write_text("localpkg/__init__.py,,\n")
-    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
-    importlib.invalidate_caches()  # importlib.metadata's directory listings, kept per path by earlier tests
-    fingerprint._LOCAL.clear()
-    sys.addaudithook(_note_opens)
-    _OPENED.clear()
-    _WATCHING[:] = [site]
-    try:
+    probe = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(site)!r})
+        opened = []
+        sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open"
+                         and isinstance(args[0], str) and args[0].startswith({str(site)!r}) else None)
+        from hetflow import fingerprint
         editable, installed = fingerprint._local_installs()
-    finally:
-        _WATCHING.clear()
-    assert os.path.join(os.path.realpath(site / "localpkg"), "") in installed
-    assert not any(str(site) in path for path in editable)
-    assert [p for p in _OPENED if p.endswith("METADATA")] == [str(local / "METADATA")], _OPENED
+        print(json.dumps({{"editable": editable, "installed": installed, "opened": opened}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert os.path.join(os.path.realpath(site / "localpkg"), "") in found["installed"]
+    assert not any(str(site) in path for path in found["editable"])
+    assert [p for p in found["opened"] if p.endswith("METADATA")] == [str(local / "METADATA")], found["opened"]
