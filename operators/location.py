@@ -288,10 +288,23 @@ _CAUSES = (
     ("no-credentials", ("NO_CREDENTIALS", "Unable to find credentials", "No credentials", "MISSING_AUTHENTICATION")),
     ("no-bucket", ("NO_SUCH_BUCKET", "bucket does not exist")),
     ("access-denied", ("ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH",
-                       "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden", "403")),
+                       "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")),
     ("endpoint-down", ("NETWORK_CONNECTION", "Could not connect", "Could not resolve", "Connection refused",
                        "curlCode: 7", "curlCode: 6", "curlCode: 28", "Timeout")),
 )
+_HTTP_403 = re.compile(r"(?<![\w./-])403(?![\w./-])")
+"""An HTTP status 403 on its own, not three digits of a key or a run id (``s3pipe-20261127-214032``)."""
+
+
+def _without_names(text: str, loc: "Location | None") -> str:
+    """``text`` without the names in it (the object's URI, bucket and key, anything quoted): what a cause is
+    read from, so that a key holding ``Timeout`` or ``403`` does not decide it."""
+    if loc is not None:
+        for name in sorted({loc.uri, loc.key, loc.bucket} - {"", None}, key=len, reverse=True):  # type: ignore[arg-type]
+            text = text.replace(name, "")
+    return re.sub(r"'[^']*'|\"[^\"]*\"|s3://\S+", "", text)
+
+
 _WORDS = {
     "no-credentials": "no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
     "no-bucket": "the bucket does not exist (hetflow never creates buckets)",
@@ -319,8 +332,9 @@ def storage_error(error: BaseException, location: Location | str, action: str) -
     text = _scrub(str(error), str(location) if loc is None else loc.uri)
     cause = "not-found" if isinstance(error, FileNotFoundError) else "other"
     if cause == "other":
+        probe = _without_names(text, loc)
         for name, needles in _CAUSES:
-            if any(needle in text for needle in needles):
+            if any(needle in probe for needle in needles) or (name == "access-denied" and _HTTP_403.search(probe)):
                 cause = name
                 break
     where = uri

@@ -66,3 +66,19 @@ def test_one_file_system_per_environment(monkeypatch: pytest.MonkeyPatch, s3_env
     assert location.s3_filesystem() is first
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     assert location.s3_filesystem() is not first
+
+
+def test_a_cause_is_read_from_the_message_not_from_the_names_in_it() -> None:
+    """A run id (``s3pipe-20261127-214032``) holds ``403``: a connection lost while writing under it was
+    reported as access denied (seen in CI when the server stopped mid-write)."""
+    where = resolve("s3://mid-write/m/runs/s3pipe-20261127-214032-4f12/datasets/numbers/part-00000.arrow")
+    lost = OSError("When uploading part for key 'm/runs/s3pipe-20261127-214032-4f12/datasets/numbers/part-00000"
+                   ".arrow' in bucket 'mid-write': AWS Error NETWORK_CONNECTION during UploadPart operation: "
+                   "curlCode: 7, Couldn't connect to server")
+    assert storage_error(lost, where, "write").cause == "endpoint-down"
+    other = OSError("When uploading part for key 'm/runs/s3pipe-20261127-214032-4f12/x' in bucket 'mid-write': "
+                    "AWS Error UNKNOWN (HTTP status 500) during UploadPart operation")
+    assert storage_error(other, where, "write").cause == "other"
+    denied = OSError("When writing key 'm/runs/s3pipe-20261127-214032-4f12/x': AWS Error UNKNOWN (HTTP status 403) "
+                     "during PutObject operation")
+    assert storage_error(denied, where, "write").cause == "access-denied"
