@@ -197,13 +197,7 @@ def commit(directory: Location, name: str, schema: pa.Schema, partitions: Iterab
 def uncommit(directory: Location) -> None:
     """Withdraw a dataset: the manifest first (it stops existing), then every object under it."""
 
-    manifest = directory.join(MANIFEST)
-    try:
-        directory.filesystem.delete_file(manifest.path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise storage_error(exc, manifest, "delete") from None
+    delete([directory.join(MANIFEST)])
     remove(directory)
 
 
