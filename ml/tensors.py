@@ -155,3 +155,44 @@ def arrow_data_address(column: pa.Array | pa.ChunkedArray) -> int:
         arr = arr.values.slice(arr.offset * size)
     width = arr.type.bit_width // 8
     return int(arr.buffers()[1].address + arr.offset * width)
+
+
+def row_major(columns: list[ConvertedColumn], dtype: "torch.dtype") -> "torch.Tensor":
+    """The columns side by side as one contiguous ``(rows, width)`` tensor of ``dtype``.
+
+    A single column that is already ``dtype`` (a ``fixed_size_list`` feature
+    matrix, or one scalar column) is returned as a ``(rows, width)`` view of
+    itself: it is row-major as it stands.  Otherwise the matrix is written in
+    one pass, in blocks of rows small enough to stay in cache while every
+    column writes its slice of them (a column at a time over the whole matrix
+    would touch every cache line once per column).  Values are cast as
+    ``Tensor.copy_`` casts them, so a row equals the row the column-by-column
+    gather makes.
+    """
+    import torch
+
+    if not columns:
+        raise ValueError("row_major needs at least one column")
+    rows = int(columns[0].tensor.shape[0])
+    widths = [1 if c.tensor.dim() == 1 else int(c.tensor.shape[1]) for c in columns]
+    width = sum(widths)
+    if len(columns) == 1 and columns[0].tensor.dtype == dtype:
+        return columns[0].tensor.reshape(rows, width)
+    matrix = torch.empty((rows, width), dtype=dtype)
+    itemsize = matrix.element_size()
+    block = max(1, _ROW_BLOCK_BYTES // max(1, width * itemsize))
+    try:  # numpy's strided assignment costs less per call than torch's on blocks this small
+        dest: Any = matrix.numpy()
+        sources: list[Any] = [c.tensor.numpy().reshape(rows, w) for c, w in zip(columns, widths)]
+    except TypeError:  # a dtype numpy lacks (bfloat16): the same blocks through torch
+        dest, sources = matrix, [c.tensor.reshape(rows, w) for c, w in zip(columns, widths)]
+    offsets = np.concatenate([[0], np.cumsum(widths)]).tolist()
+    for start in range(0, rows, block):
+        stop = min(rows, start + block)
+        for src, lo, hi in zip(sources, offsets[:-1], offsets[1:]):
+            dest[start:stop, lo:hi] = src[start:stop]
+    return matrix
+
+
+_ROW_BLOCK_BYTES = 4 * 2**20
+"""Bytes of the row-major matrix written per block by :func:`row_major` (a few MiB: stays in cache)."""
