@@ -144,7 +144,8 @@ class ArrowLoader:
             layout = choose_layout(self.columns, self.num_rows, self.width, self.dtype, available_memory())
         self.layout = layout
         start = time.perf_counter()
-        self._matrix: torch.Tensor | None = row_major(self.columns, self.dtype) if layout == "rows" else None
+        self._matrix: torch.Tensor | None = (
+            row_major(self.columns, self.dtype, threads=torch.get_num_threads()) if layout == "rows" else None)
         self.layout_seconds = time.perf_counter() - start if layout == "rows" else 0.0
 
     # -- set-up -----------------------------------------------------------------------------------

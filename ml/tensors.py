@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Union
 
@@ -157,7 +158,7 @@ def arrow_data_address(column: pa.Array | pa.ChunkedArray) -> int:
     return int(arr.buffers()[1].address + arr.offset * width)
 
 
-def row_major(columns: list[ConvertedColumn], dtype: "torch.dtype") -> "torch.Tensor":
+def row_major(columns: list[ConvertedColumn], dtype: "torch.dtype", *, threads: int = 1) -> "torch.Tensor":
     """The columns side by side as one contiguous ``(rows, width)`` tensor of ``dtype``.
 
     A single column that is already ``dtype`` (a ``fixed_size_list`` feature
@@ -165,9 +166,10 @@ def row_major(columns: list[ConvertedColumn], dtype: "torch.dtype") -> "torch.Te
     itself: it is row-major as it stands.  Otherwise the matrix is written in
     one pass, in blocks of rows small enough to stay in cache while every
     column writes its slice of them (a column at a time over the whole matrix
-    would touch every cache line once per column).  Values are cast as
-    ``Tensor.copy_`` casts them, so a row equals the row the column-by-column
-    gather makes.
+    would touch every cache line once per column); the blocks are spread
+    over up to ``threads`` threads (the copies release the GIL).  Values are
+    cast as the column-by-column gather casts them (C conversions), so a row
+    equals the row that gather makes.
     """
     import torch
 
@@ -187,10 +189,19 @@ def row_major(columns: list[ConvertedColumn], dtype: "torch.dtype") -> "torch.Te
     except TypeError:  # a dtype numpy lacks (bfloat16): the same blocks through torch
         dest, sources = matrix, [c.tensor.reshape(rows, w) for c, w in zip(columns, widths)]
     offsets = np.concatenate([[0], np.cumsum(widths)]).tolist()
-    for start in range(0, rows, block):
+
+    def fill(start: int) -> None:
         stop = min(rows, start + block)
         for src, lo, hi in zip(sources, offsets[:-1], offsets[1:]):
             dest[start:stop, lo:hi] = src[start:stop]
+
+    starts = range(0, rows, block)
+    if threads > 1 and len(starts) > 1:
+        with ThreadPoolExecutor(max_workers=min(threads, len(starts)), thread_name_prefix="hetflow-layout") as pool:
+            list(pool.map(fill, starts))
+    else:
+        for start in starts:
+            fill(start)
     return matrix
 
 
