@@ -7,6 +7,7 @@ The CUDA path itself (pinned ring, side stream, prefetch) is exercised by
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -142,7 +143,7 @@ MIXED = ["f32", "f64", "i64", "i32", "u32", "flag", "v", "gaps"]
     {"batch_size": 100, "shuffle": False},  # what predict asks for: consecutive rows
 ], ids=["shuffled", "consecutive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_row_major_batches_equal_the_column_path_batches(order: dict, dtype: "torch.dtype",
+def test_row_major_batches_equal_the_column_path_batches(order: dict[str, Any], dtype: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import hetflow.ml.tensors
 
