@@ -213,9 +213,12 @@ class ArrowLoader:
         return sum(1 if c.tensor.dim() == 1 else int(c.tensor.shape[1]) for c in self.columns)
 
     def _normalized(self, x: "torch.Tensor") -> "torch.Tensor":
-        if self._mean is not None and self._std is not None:
-            x = (x - self._mean) / self._std
-        return x
+        """``(x - mean) / std``, in place for floating-point batches (``x`` is always a batch's own fresh buffer)."""
+        if self._mean is None or self._std is None:
+            return x
+        if x.is_floating_point():
+            return x.sub_(self._mean).div_(self._std)  # no allocations per batch
+        return (x - self._mean) / self._std  # integer features: true division makes a float batch
 
     def gather(self, rows: np.ndarray, out: "torch.Tensor") -> "torch.Tensor":
         """Write the (raw) features of ``rows`` into ``out[:len(rows)]`` from this loader's layout; that view."""
