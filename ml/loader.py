@@ -21,16 +21,20 @@ loader is built (``layout="auto"``, the default):
   of the data, but per batch one task per column.
 
 ``"auto"`` takes ``"rows"`` when the matrix needs no copy, or when it takes
-at most half of the host memory available when the loader is built
-(``MemAvailable``): the data then fit twice, once as Arrow columns and once
-row-major.  Otherwise, or when the available memory cannot be read, it
-takes ``"columns"``.  ``layout="rows"`` / ``"columns"`` force one.
+at most half of this loader's share of the host memory available when it is
+built (``MemAvailable`` × ``memory_share``): the data then fit twice, once as
+Arrow columns and once row-major.  ``fit`` and ``predict`` pass the rank's
+share of the node's cores (:func:`memory_share_of`), so ranks and tasks that
+share a node do not each plan for all of its memory.  Otherwise, or when the
+available memory cannot be read, it takes ``"columns"``.  ``layout="rows"`` /
+``"columns"`` force one.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -68,13 +72,20 @@ def available_memory() -> int | None:
     return None
 
 
+def memory_share_of(ctx: Any) -> float:
+    """A rank's share of its node's memory: its cores over the node's (1.0 without a ctx or cores)."""
+    cores = len(getattr(ctx, "cores", ()) or ()) if ctx is not None else 0
+    total = os.cpu_count() or 0
+    return min(1.0, cores / total) if cores and total else 1.0
+
+
 def choose_layout(columns: Sequence[ConvertedColumn], rows: int, width: int, dtype: "torch.dtype",
-                  available: int | None) -> str:
+                  available: int | None, share: float = 1.0) -> str:
     """The layout ``layout="auto"`` takes (the module docstring's rule); ``available`` in bytes or ``None``."""
     if len(columns) == 1 and columns[0].tensor.dtype == dtype:
         return "rows"  # already row-major: no copy
     nbytes = rows * width * dtype.itemsize
-    return "rows" if available is not None and nbytes <= ROW_MAJOR_SHARE * available else "columns"
+    return "rows" if available is not None and nbytes <= ROW_MAJOR_SHARE * available * share else "columns"
 
 
 class ArrowLoader:
@@ -93,7 +104,9 @@ class ArrowLoader:
     may only be asked for with a CUDA device.
 
     ``layout`` (``"auto"``, ``"rows"`` or ``"columns"``) picks how batches
-    are gathered (module docstring); ``self.layout`` is the one taken and
+    are gathered, ``memory_share`` (0 < share <= 1) is the part of the node's
+    available memory ``"auto"`` may plan for (module docstring);
+    ``self.layout`` is the one taken and
     ``self.layout_seconds`` what laying the rows out cost (0 for columns).
     """
 
@@ -103,7 +116,7 @@ class ArrowLoader:
                  fill: Fill = None, normalization: Normalization | None = None,
                  dtype: "torch.dtype | None" = None, label_dtype: "torch.dtype | None" = None,
                  device: "str | torch.device" = "cpu", prefetch: int = 2,
-                 pin_memory: bool | None = None, layout: str = "auto") -> None:
+                 pin_memory: bool | None = None, layout: str = "auto", memory_share: float = 1.0) -> None:
         import torch
 
         if (batch_size is None) == (num_batches is None):
@@ -116,6 +129,8 @@ class ArrowLoader:
             raise ValueError("features must name at least one column")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        if not 0 < memory_share <= 1:
+            raise ValueError(f"memory_share must be in (0, 1], got {memory_share!r}")
         self.features = list(features)
         self.label = label
         self.batch_size = batch_size
@@ -141,7 +156,8 @@ class ArrowLoader:
             table_to_tensors(table, [label], fill=fill)[0] if label is not None else None)
         self._mean, self._std = self._normalization_vectors(normalization)
         if layout == "auto":
-            layout = choose_layout(self.columns, self.num_rows, self.width, self.dtype, available_memory())
+            layout = choose_layout(self.columns, self.num_rows, self.width, self.dtype, available_memory(),
+                                   memory_share)
         self.layout = layout
         start = time.perf_counter()
         self._matrix: torch.Tensor | None = (

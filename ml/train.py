@@ -29,7 +29,7 @@ import pyarrow as pa
 from hetflow.ml.artifact import model_to_table
 from hetflow.ml.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from hetflow.ml.distributed import Backend, DistributedEnv, distributed
-from hetflow.ml.loader import ArrowLoader, Normalization
+from hetflow.ml.loader import ArrowLoader, Normalization, memory_share_of
 from hetflow.ml.tensors import Fill
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
 
     with distributed(ctx, backend=backend) as env:
         loader = ArrowLoader(table, features, label, num_batches=steps, shuffle=True, seed=seed, rank=rank,
-                             fill=fill, device=env.device)
+                             fill=fill, device=env.device, memory_share=memory_share_of(ctx))
         if loader.copies:
             ctx.log.info("training columns copied: %s", loader.copies)
         ctx.log.info("training rows gathered by %s (row-major layout: %.3f s)", loader.layout, loader.layout_seconds)
@@ -163,7 +163,8 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
         val_loader = None
         if validation is not None:
             val_loader = ArrowLoader(validation, features, label, batch_size=max(1, batch_size), shuffle=False,
-                                     fill=fill, normalization=norm or None, device=env.device)
+                                     fill=fill, normalization=norm or None, device=env.device,
+                                     memory_share=memory_share_of(ctx))
         ddp = env.wrap(model) if size > 1 else model.to(env.device)
         net = ddp.module if size > 1 else ddp  # the model itself: what checkpoints and the result hold
         opt = optimizer(ddp.parameters())

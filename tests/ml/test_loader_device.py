@@ -6,7 +6,9 @@ The CUDA path itself (pinned ring, side stream, prefetch) is exercised by
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -172,7 +174,7 @@ def test_row_major_batches_equal_the_column_path_batches(order: dict[str, Any], 
 
 
 def test_auto_layout_lays_rows_out_when_the_data_fit_twice_and_keeps_columns_otherwise(tmp_path: Path) -> None:
-    from hetflow.ml.loader import ROW_MAJOR_SHARE, choose_layout
+    from hetflow.ml.loader import ROW_MAJOR_SHARE, choose_layout, memory_share_of
 
     table = _mapped(tmp_path, _table())
     loader = ArrowLoader(table, ["a", "b", "v"], "y", batch_size=8)
@@ -182,6 +184,14 @@ def test_auto_layout_lays_rows_out_when_the_data_fit_twice_and_keeps_columns_oth
     assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, fits) == "rows"
     assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, fits - 1) == "columns"
     assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, None) == "columns"
+    # a rank plans only for its share of the node (ranks and tasks beside it build their own)
+    assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, 2 * fits, 0.5) == "rows"
+    assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, 2 * fits - 2, 0.5) == "columns"
+    node = os.cpu_count() or 1
+    assert memory_share_of(SimpleNamespace(cores=tuple(range(max(1, node // 2))))) == max(1, node // 2) / node
+    assert memory_share_of(SimpleNamespace(cores=())) == 1.0 and memory_share_of(None) == 1.0
+    with pytest.raises(ValueError, match=r"memory_share must be in \(0, 1\], got 0"):
+        ArrowLoader(table, ["a"], "y", batch_size=8, memory_share=0)
     # one fixed_size_list column of the loader's dtype is row-major as it stands: used in place, whatever the memory
     single = ArrowLoader(table, ["v"], "y", batch_size=8)
     assert choose_layout(single.columns, single.num_rows, single.width, torch.float32, 0) == "rows"
