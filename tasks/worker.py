@@ -147,7 +147,10 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     observed.recording(False)  # on since hetflow's import in this process; the stage's own reads are not observed
     # first what the key digests of the values the stage reads, as this rank's top level left them (a deferred
     # import it names is executed, as the stage would), then the modules, their values, files and states
-    code = observed.code_in_rank(_declared, spec.values, spec.local_installs) if _declared is not None else {}
+    global _held
+    roots = _shipped_roots(spec)
+    code = observed.code_in_rank(_declared, spec.values, spec.local_installs, roots) if _declared is not None else {}
+    _held = observed.containers_in_rank(_declared, spec.values) if _declared is not None and roots else {}
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
                              files=spec.function.module == "__main__" and bool(spec.function.path))
     found.update(code)
@@ -162,8 +165,20 @@ def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]
     from hetflow import observed
 
     observed.recording_writes(False)
+    filled = observed.filled_in_rank(_declared, _held, spec.local_installs, _shipped_roots(spec)) if _held else {}
     return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
-            **observed.stage_written((_run_folder(spec),))}
+            **observed.stage_written((_run_folder(spec),)), **filled}
+
+
+_held: dict[str, Any] = {}
+"""A shipped stage's module containers as its top level left them (:func:`hetflow.observed.containers_in_rank`)."""
+
+
+def _shipped_roots(spec: WorkerSpec) -> tuple[str, ...]:
+    """Where the key found a shipped stage's local modules: the session's working directory, the last entry of
+    the rank's ``sys_path`` (the orchestrator's ``_worker_sys_path``); nothing for a stage with a file."""
+    shipped = spec.function.module == "__main__" and not spec.function.path
+    return spec.sys_path[-1:] if shipped else ()
 
 
 def _open_input(path: str, rank: int, size: int, verify: str) -> Any:
