@@ -30,7 +30,8 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
   result is not committed.  The key already holds what a stage reads of them.
 * ``state NAME``: process-wide state that calls at the top set without assigning
   a global: the ``random`` and numpy global generators, torch's default
-  generator and default dtype, the ``decimal`` context.  A state the rank and the
+  generator and default dtype, the ``decimal`` context, the time zone (``TZ`` and
+  what ``time.tzset()`` made of it).  A state the rank and the
   orchestrator agree on was set by the top level (``np.random.seed(SEED)``) and
   counts; one they do not agree on was not seeded and is left out.
 
@@ -369,7 +370,10 @@ def states() -> dict[str, str]:
     a library that is not imported is not imported for it."""
     from hetflow.tasks.script import is_deferred
 
-    found = {}
+    import time
+
+    found = {"state time.zone": _sha(repr((os.environ.get("TZ"), time.tzname, time.timezone, time.altzone,
+                                           time.daylight)).encode())}  # os.environ["TZ"] = ...; time.tzset()
     random = sys.modules.get("random")  # not imported: nothing at the top set it
     if random is not None:
         found["state random"] = _sha(repr(random.getstate()).encode())
@@ -603,7 +607,8 @@ def _label(key: str) -> str:
             "numpy.random": "numpy's global random state set at the script's top (np.random.seed)",
             "torch.random": "torch's default generator set at the script's top (torch.manual_seed)",
             "torch.dtype": "torch's default dtype set at the script's top",
-            "decimal": "the decimal context set at the script's top"}.get(name, name)
+            "decimal": "the decimal context set at the script's top",
+            "time.zone": "the time zone set at the script's top (os.environ['TZ'], time.tzset)"}.get(name, name)
 
 
 def _short(path: str) -> str:

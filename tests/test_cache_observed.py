@@ -419,6 +419,41 @@ def test_a_file_the_scripts_top_reads_and_writes_is_its_own_state_not_an_input(t
     assert states(again) == {"one": "DONE"} and value(again, "one") == 2
 
 
+
+ZONED = '''
+import os
+import time
+
+import pyarrow as pa
+import hetflow as hf
+
+os.environ["TZ"] = "UTC"
+time.tzset()
+pipe = hf.Pipeline("zoned")
+
+
+@pipe.stage(outputs=["local"])
+def local(ctx):
+    return {"local": pa.table({"v": [time.strftime("%H:%M", time.localtime(0))]})}
+'''
+
+
+def test_a_time_zone_set_at_the_scripts_top_reruns_the_stage_when_it_changes(tmp_path: Path) -> None:
+    """``os.environ["TZ"] = "UTC"; time.tzset()`` at the top, the stage formats a local time: edited to
+    ``Asia/Tokyo``, the stage was served CACHED with the UTC hour.  The zone is process state the top sets, like
+    a seed: the rank and the script agree on it, and a change re-runs the stage."""
+    (tmp_path / "p.py").write_text(ZONED)
+    assert value(run(tmp_path), "local") == "00:00"
+    assert states(run(tmp_path)) == {"local": "CACHED"}
+    edit(tmp_path / "p.py", '"UTC"', '"Asia/Tokyo"')
+    edited = run(tmp_path)
+    assert states(edited) == {"local": "DONE"}, edited["local"]["cache"]
+    assert "the time zone set at the script's top (os.environ['TZ'], time.tzset) changed" in \
+        edited["local"]["cache"]["reason"]
+    assert value(edited, "local") == "09:00"
+    assert states(run(tmp_path)) == {"local": "CACHED"}
+
+
 NATIVE_READ = '''
 import time
 from pathlib import Path
