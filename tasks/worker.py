@@ -433,17 +433,24 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
 
 
 def error_message(exc: BaseException, files: Sequence[str] = ()) -> str:
-    """``str(exc)``, and for a relative path that is not there, why: the stage's working directory is
-    its attempt directory, not the directory hetflow was started in.  ``files``: the stage's declared
+    """``str(exc)``, and for a relative path that is not there (or one made absolute in the rank: a path under
+    its working directory), why: the stage's working directory is its attempt directory, not the directory
+    hetflow was started in.  ``files``: the stage's declared
     files, resolved; when there are some, the hint is to open them through ``ctx.files``."""
     text = str(exc)
     if not isinstance(exc, FileNotFoundError):
         return text
     name = exc.filename if isinstance(exc.filename, str) else (text if text and not any(c.isspace() for c in text)
                                                                else None)  # pyarrow gives only the path
+    here = os.getcwd()
     if name is not None and os.path.isabs(name):
-        return text
-    where = f"a relative path is looked up in the stage's attempt directory {os.getcwd()}, not where the run was started"
+        if not name.startswith(os.path.join(here, "")):
+            return text
+        name = os.path.relpath(name, here)  # Path("data").resolve() at the script's top, resolved in this rank
+        where = (f"a relative path made absolute at the script's top (Path({name.split(os.sep)[0]!r}).resolve(), "
+                 f"os.path.abspath) is resolved in each rank's attempt directory {here}, not where the run was started")
+    else:
+        where = f"a relative path is looked up in the stage's attempt directory {here}, not where the run was started"
     if files:
         listed = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         return text + f" ({where}: open the declared files through ctx.files, which holds their absolute paths: {listed})"
