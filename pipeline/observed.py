@@ -15,6 +15,12 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
   say what the result was computed from: it is recorded as ``value NAME`` and the
   commit is never served (a refusal would fail every run of a stage reading the
   time).
+* ``filled NAME`` (rank only, a stage shipped from a session): a module's
+  container the key names (``mylib._CACHE``), digested again after the stage
+  returned when it is still the module's object (:func:`filled_in_rank`).  One
+  that now holds the key's content was filled by the module's own code in the
+  stage, as the session's call of the same helper filled it: not a value the
+  session set (:func:`differed`).
 * ``module PATH``: the source of every imported module that is neither under the
   stage's own directory (those the key hashes as it reaches them), nor part of
   the standard library, ``site-packages`` or hetflow: a helper module reached
@@ -307,6 +313,8 @@ def containers_in_rank(func: Any, labels: Iterable[str]) -> dict[str, Any]:
     """The key's components that name a mutable container held by an imported module (``mylib._CACHE``), as the
     rank's top level left them: what the stage may fill in place through the module's own functions, a memo
     (:func:`filled_in_rank`)."""
+    from .fingerprint import _target
+
     home = getattr(_target(func), "__globals__", {})
     return {label: value for label in labels if "." in label
             and isinstance(value := _resolve(label, home), _CONTAINERS)}
@@ -318,16 +326,12 @@ def filled_in_rank(func: Any, held: Mapping[str, Any], local_installs: tuple[Ite
     module's object after the stage returned (filled in place, not replaced), digested as the key digests it.
     A session that called a memoizing helper (``mylib.get()`` filling ``mylib._CACHE``) keyed the filled
     container; a rank that ends with the same content filled it the same way (:func:`differed`)."""
+    from .fingerprint import _target
+
     home = getattr(_target(func), "__globals__", {})
     same = [label for label, value in held.items() if _resolve(label, home) is value]
     return {f"filled {key[len('code '):]}": digest
             for key, digest in code_in_rank(func, same, local_installs, roots).items()}
-
-
-def _target(func: Any) -> Any:
-    from .fingerprint import _target as target
-
-    return target(func)
 
 
 def _resolve(label: str, home: Mapping[str, Any]) -> Any:
