@@ -452,7 +452,7 @@ def take() -> dict[str, str]:
     _Start.generators = generator_states()
     _Start.seeded = frozenset(name for name, state in _Start.generators.items()
                               if _Start.top_generators is not None and
-                              _seeded_since(name, _Start.top_generators.get(name), state))
+                              _seeded_since(name, _Start.top_generators.get(name), state, main))
     kept = dict(_Start.top) if _Start.top is not None else now
     kept.update({f"state {name}": now[f"state {name}"] for name in _Start.seeded if f"state {name}" in now})
     _Start.taken = {**module_sources(), **module_values((root,) if root else ()), **files_read(), **kept}
@@ -542,15 +542,17 @@ _MAX_TWISTS = 64
 """A main block that drew more than this many blocks of 624 words before ``pipe.run()`` counts as seeding."""
 
 
-def _seeded_since(name: str, before: str | None, after: str) -> bool:
+def _seeded_since(name: str, before: str | None, after: str, script: str | None) -> bool:
     """Whether generator ``name`` went from state ``before`` (the top's end) to ``after`` (``pipe.run()``) by
     more than draws: a seeding call (``np.random.seed``, ``random.seed``, ``torch.manual_seed``).  Draws
     only move a Mersenne Twister's position and regenerate its block; a seed replaces the block.  torch
-    keeps the seed it was last given.  A generator the top had not imported counts as seeded."""
+    keeps the seed it was last given.  A generator the top had not loaded (``np.random`` first used in the
+    main block) counts as seeded when the ``script`` holds a seeding call: a library the block imports
+    loads it unseeded too (pandas)."""
     import json
 
     if before is None:
-        return True
+        return _holds_a_seed_call(script)
     if before == after:
         return False
     old, new = json.loads(before), json.loads(after)
@@ -572,6 +574,19 @@ def _seeded_since(name: str, before: str | None, after: str) -> bool:
         if numpy.array_equal(keys, target):
             return False
     return True
+
+
+def _holds_a_seed_call(script: str | None) -> bool:
+    """Whether the script's source calls a seeding function (:func:`hetflow.fingerprint._seed_calls`)."""
+    if not script:
+        return False
+    from .fingerprint import _seed_calls
+
+    try:
+        with open(script, "rb") as f:
+            return bool(_seed_calls(f.read(), script))
+    except (OSError, SyntaxError, ValueError):
+        return False
 
 
 def _twist(mt: Any) -> Any:

@@ -831,3 +831,38 @@ def test_a_seed_set_in_a_session_reaches_its_stages_ranks(tmp_path: Path) -> Non
 
     assert session([5, 6]) == [[expected(5), "DONE", "DONE"], [expected(6), "DONE", "CACHED"]]
     assert session([6, 5]) == [[expected(6), "CACHED", "CACHED"], [expected(5), "CACHED", "CACHED"]]
+
+
+DRAWN_IN_MAIN = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("drawn-in-main")
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"v": [1]})}
+
+
+if __name__ == "__main__":
+    import random
+
+    import numpy as np
+    import pandas  # noqa: F401 - loads numpy.random, unseeded
+
+    print("preview:", np.random.rand(), random.random())
+    pipe.run()
+'''
+
+
+def test_a_main_block_that_draws_unseeded_numbers_does_not_make_its_stages_run_every_time(tmp_path: Path) -> None:
+    """Only a generator the main block seeded is given to the ranks and observed: one it loaded (numpy.random,
+    which the top had not) or drew from unseeded would differ on every run, and so would its stages' records."""
+    (tmp_path / "p.py").write_text(DRAWN_IN_MAIN)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    for expected in ("DONE", "CACHED"):
+        done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert states(status(tmp_path)) == {"one": expected}
