@@ -157,6 +157,7 @@ import re
 import sys
 import struct
 import sysconfig
+import textwrap
 import threading
 import types
 import uuid
@@ -1736,6 +1737,9 @@ def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> froze
             target = vars(target).get(part, _ABSENT) if isinstance(target, (types.ModuleType, type)) else _ABSENT
         if isinstance(target, types.FunctionType) and target.__globals__.get("__name__") != home:
             found.update(f"{target.__globals__.get('__name__')}.{g}" for g in _global_stores(target.__code__))
+        if "." not in rest and not isinstance(obj, (types.ModuleType, type, types.FunctionType)) and \
+                _method_changes_instance(type(obj), rest, home):
+            found.add(head)  # M.load(5), where a local module's Model.load sets self.w
         if isinstance(obj, types.ModuleType):
             found.add(f"{obj.__name__}.{rest}")
         elif isinstance(obj, (type, types.FunctionType)) and obj.__module__ != home:
@@ -1745,6 +1749,41 @@ def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> froze
         elif isinstance(obj, type):
             found.add(f"class {head}")
     return frozenset(found)
+
+
+def _method_changes_instance(cls: type, name: str, home: str | None, seen: set[str] | None = None) -> bool:
+    """Whether calling method ``name`` on an instance of ``cls`` changes that instance: the method, defined
+    in the user's own code outside the script (a local module, a ``PYTHONPATH`` folder, an editable install;
+    not the standard library nor an installed package, whose methods are not read), sets or changes in place
+    an attribute of its first parameter (``self.w = w``, ``self.hist.append(v)``, ``self.update(...)``), itself
+    or through a method of the same instance it calls (``self._set(w)``).  The script's own methods are read
+    from its source (:func:`values_set_after_declaring`)."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return False
+    seen.add(name)
+    method = next((vars(klass)[name] for klass in cls.__mro__ if name in vars(klass)), None)
+    method = getattr(method, "__func__", method)  # a classmethod changes what its class holds
+    if not isinstance(method, types.FunctionType) or method.__module__ == home:
+        return False
+    path = os.path.realpath(method.__code__.co_filename)
+    if path.startswith(_external_dirs()) or "site-packages" in path or "dist-packages" in path or \
+            method.__module__.partition(".")[0] == "hetflow":
+        return False
+    try:
+        definition = ast.parse(textwrap.dedent(inspect.getsource(method))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+    args = getattr(definition, "args", None)
+    first = (args.posonlyargs + args.args)[:1] if isinstance(args, ast.arguments) else []
+    if not first:
+        return False
+    me = first[0].arg
+    if me in _changed_in_place(definition, _function_locals(definition) - {me}):
+        return True
+    return any(_method_changes_instance(cls, call.func.attr, home, seen) for call in ast.walk(definition)
+               if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+               and isinstance(call.func.value, ast.Name) and call.func.value.id == me)
 
 
 ANY_GLOBAL_SET = "<"

@@ -410,6 +410,12 @@ class _Start:
     """The states when the script's top level ended (its ``if __name__ == "__main__":`` began): see
     :func:`watch_top_end`."""
     watching = False
+    top_generators: dict[str, str] | None = None
+    """The global generators' states where the script's top level ended (:func:`generator_states`)."""
+    generators: dict[str, str] = {}
+    """The global generators' states when ``pipe.run()`` started (:func:`take`)."""
+    seeded: frozenset[str] = frozenset()
+    """The generators the main block seeded before ``pipe.run()`` (:func:`take`): their state is shipped."""
 
 
 def _main_guard_line(path: str) -> int | None:
@@ -458,6 +464,7 @@ def watch_top_end() -> None:
     def lines(frame: Any, event: str, arg: Any) -> Any:
         if event == "line" and frame.f_lineno >= line:
             _Start.top = states()
+            _Start.top_generators = generator_states()
             stop()
             return None
         return lines
@@ -481,9 +488,163 @@ def take() -> dict[str, str]:
         _Start.watching = False
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     root = stage_root(main) if isinstance(main, str) else None  # its modules' values are in the keys
-    _Start.taken = {**module_sources(), **module_values((root,) if root else ()), **files_read(),
-                    **(_Start.top if _Start.top is not None else states())}
+    now = states()
+    _Start.generators = generator_states()
+    _Start.seeded = frozenset(name for name, state in _Start.generators.items()
+                              if _Start.top_generators is not None and
+                              _seeded_since(name, _Start.top_generators.get(name), state, main))
+    kept = dict(_Start.top) if _Start.top is not None else now
+    kept.update({f"state {name}": now[f"state {name}"] for name in _Start.seeded if f"state {name}" in now})
+    _Start.taken = {**module_sources(), **module_values((root,) if root else ()), **files_read(), **kept}
     return _Start.taken
+
+
+def shipped_generators(by_value: bool) -> tuple[dict[str, str], bool]:
+    """The global generators' states (:func:`generator_states`) a stage's ranks restore once their top level
+    ran, as they were when ``pipe.run()`` started, and whether a stage records one only if it drew from it.
+    For a stage of a session (shipped by value, or imported from a module into a notebook: its ranks run none
+    of the session), all of them, recorded only where drawn from: nobody may have seeded them, and a stage
+    that draws from none must stay cached in a new kernel.  For a script's stage, those its main block seeded
+    (``np.random.seed(int(sys.argv[1]))`` before ``pipe.run()``), which its ranks never execute, recorded as
+    a seed set at the top is.  A main block that only draws (``print(np.random.rand())``) leaves the ranks
+    the state the top set."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)  # python - sets "<stdin>"
+    if by_value or (_Start.top_generators is None and not (isinstance(path, str) and os.path.isfile(path))
+                    and not in_hetflow_process()):
+        return dict(_Start.generators), True
+    return {name: state for name, state in _Start.generators.items() if name in _Start.seeded}, False
+
+
+GENERATOR_NAMES = ("random", "numpy.random", "torch.random")
+"""The global generators a rank can be given (:func:`restore_generators`): Python's ``random``, numpy's legacy
+global ``RandomState``, torch's default CPU generator."""
+
+
+def generator_states() -> dict[str, str]:
+    """``{name: state as JSON text}`` of the imported global generators (:data:`GENERATOR_NAMES`), exactly,
+    for :func:`restore_generators`; a library that is not imported is not imported for it."""
+    import json
+
+    from hetflow.tasks.script import is_deferred
+
+    found = {}
+    random = sys.modules.get("random")
+    if random is not None:
+        version, internal, gauss = random.getstate()
+        found["random"] = json.dumps([version, list(internal), gauss])
+    generator = sys.modules.get("numpy.random")
+    if generator is not None and not is_deferred(generator):
+        try:
+            kind, keys, pos, has_gauss, gauss = generator.get_state()
+            found["numpy.random"] = json.dumps([kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)])
+        except Exception:  # noqa: BLE001 - a numpy without the legacy generator: nothing to give
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None and not is_deferred(torch) and hasattr(torch, "random"):
+        try:
+            found["torch.random"] = json.dumps([int(torch.initial_seed()),
+                                                torch.random.get_rng_state().numpy().tobytes().hex()])
+        except Exception:  # noqa: BLE001 - a torch build without these: nothing to give
+            pass
+    return found
+
+
+def restore_generators(shipped: Mapping[str, str]) -> None:
+    """Set the global generators to the states in ``shipped`` (:func:`generator_states`' text), importing
+    numpy or torch when the rank has not (the orchestrator had)."""
+    import importlib
+    import json
+
+    for name, text in shipped.items():
+        value = json.loads(text)
+        if name == "random":
+            import random
+
+            random.setstate((value[0], tuple(value[1]), value[2]))
+        elif name == "numpy.random":
+            numpy = importlib.import_module("numpy")
+            numpy.random.set_state((value[0], numpy.array(value[1], dtype=numpy.uint32), *value[2:]))
+        elif name == "torch.random":
+            torch = importlib.import_module("torch")
+            torch.random.set_rng_state(torch.tensor(list(bytes.fromhex(value[1])), dtype=torch.uint8))
+
+
+def generators_moved(shipped: Mapping[str, str]) -> frozenset[str]:
+    """The generators in ``shipped`` that hold another state now: the stage drew from them."""
+    if not shipped:
+        return frozenset()
+    now = generator_states()
+    return frozenset(name for name, state in shipped.items() if now.get(name) != state)
+
+
+_MT_SIZE = 624
+_MAX_TWISTS = 64
+"""A main block that drew more than this many blocks of 624 words before ``pipe.run()`` counts as seeding."""
+
+
+def _seeded_since(name: str, before: str | None, after: str, script: str | None) -> bool:
+    """Whether generator ``name`` went from state ``before`` (the top's end) to ``after`` (``pipe.run()``) by
+    more than draws: a seeding call (``np.random.seed``, ``random.seed``, ``torch.manual_seed``).  Draws
+    only move a Mersenne Twister's position and regenerate its block; a seed replaces the block.  torch
+    keeps the seed it was last given.  A generator the top had not loaded (``np.random`` first used in the
+    main block) counts as seeded when the ``script`` holds a seeding call: a library the block imports
+    loads it unseeded too (pandas)."""
+    import json
+
+    if before is None:
+        return _holds_a_seed_call(script)
+    if before == after:
+        return False
+    old, new = json.loads(before), json.loads(after)
+    if name == "torch.random":
+        return bool(old[0] != new[0])
+    if name == "random":
+        old_keys, old_pos, new_keys = old[1][:_MT_SIZE], old[1][_MT_SIZE], new[1][:_MT_SIZE]
+    else:
+        old_keys, old_pos, new_keys = old[1], old[2], new[1]
+        if new[2] < old_pos and old_keys == new_keys:
+            return True
+    if old_keys == new_keys:
+        return False
+    import numpy
+
+    keys, target = numpy.array(old_keys, dtype=numpy.uint32), numpy.array(new_keys, dtype=numpy.uint32)
+    for _ in range(_MAX_TWISTS):
+        keys = _twist(keys)
+        if numpy.array_equal(keys, target):
+            return False
+    return True
+
+
+def _holds_a_seed_call(script: str | None) -> bool:
+    """Whether the script's source calls a seeding function (:func:`hetflow.fingerprint._seed_calls`)."""
+    if not script:
+        return False
+    from .fingerprint import _seed_calls
+
+    try:
+        with open(script, "rb") as f:
+            return bool(_seed_calls(f.read(), script))
+    except (OSError, SyntaxError, ValueError):
+        return False
+
+
+def _twist(mt: Any) -> Any:
+    """The Mersenne Twister's next block of 624 words (MT19937's ``generate``, in four vectorized parts)."""
+    import numpy
+
+    upper, lower, matrix = numpy.uint32(0x80000000), numpy.uint32(0x7FFFFFFF), numpy.uint32(0x9908B0DF)
+    new = mt.copy()
+
+    def step(i: slice, following: Any, far: Any) -> Any:
+        y = (mt[i] & upper) | (following & lower)
+        return far ^ (y >> numpy.uint32(1)) ^ numpy.where(y & numpy.uint32(1), matrix, numpy.uint32(0))
+
+    new[0:227] = step(slice(0, 227), mt[1:228], mt[397:624])
+    new[227:454] = step(slice(227, 454), mt[228:455], new[0:227])
+    new[454:623] = step(slice(454, 623), mt[455:624], new[227:396])
+    new[623:624] = step(slice(623, 624), new[0:1], new[396:397])
+    return new
 
 
 def latest() -> dict[str, str]:
@@ -607,9 +768,9 @@ def _label(key: str) -> str:
         return f"the values helper module {_short(name)} holds"
     if kind == "value":
         return name
-    return {"random": "the random module's global state set at the script's top (random.seed)",
-            "numpy.random": "numpy's global random state set at the script's top (np.random.seed)",
-            "torch.random": "torch's default generator set at the script's top (torch.manual_seed)",
+    return {"random": "the random module's global state (random.seed)",
+            "numpy.random": "numpy's global random state (np.random.seed)",
+            "torch.random": "torch's default generator (torch.manual_seed)",
             "torch.dtype": "torch's default dtype set at the script's top",
             "decimal": "the decimal context set at the script's top",
             "time.zone": "the time zone set at the script's top (os.environ['TZ'], time.tzset)"}.get(name, name)

@@ -254,6 +254,9 @@ class Orchestrator(MapShell):
         """When each stage's key was made, and its declared files' sizes and times then."""
         self.observed_start: Mapping[str, str] = observed.latest()
         """What the script's top level left when the run started (:mod:`hetflow.observed`)."""
+        self.generators = (observed.shipped_generators(False), observed.shipped_generators(True))
+        """The generators' states a script's stage and a stage shipped by value restore in their ranks, and
+        whether they record one only if they drew from it (:func:`observed.shipped_generators`)."""
         self.stage_wrote: set[str] = set()
         """The files this session's stages opened for writing (:func:`observed.stage_written`)."""
         self.recorded: set[str] = set()
@@ -923,6 +926,8 @@ class Orchestrator(MapShell):
             item_timeout=spec.timeout if chunk is not None else None, item_isolation=isolation,
             values=observed.value_labels(keyed.code) if keyed is not None else (),
             local_installs=_local_installs(),
+            generators=self.generators[shipped is not None][0],
+            generators_if_drawn=self.generators[shipped is not None][1],
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 

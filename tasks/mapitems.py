@@ -101,7 +101,8 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
                     break
         finally:
             os.close(sink)
-        seen = _observe_after(spec, top)  # modules the items imported in this process (not in their children)
+        # modules the items imported in this process (not in their children), the generators they drew from
+        seen = _observe_after(spec, top, shared.drew)
         result = dataclasses.replace(result, status="error" if failed else "ok", error=RankError(
             "ItemFailed", "an item failed; the task's other items are run again by another task", "")
             if failed else None)
@@ -148,6 +149,8 @@ class _Shared:
                 self.inputs.append(None)
             else:
                 self.inputs.append(_open_input(path, rank, size, spec.verify))
+        self.drew: frozenset[str] = frozenset()
+        """The generators the task was given (:attr:`WorkerSpec.generators`) that an item drew from."""
         self.rows: Any = None
         if self.mapped is not None and any("row" in item for item in spec.items):
             self.rows = self.mapped.to_table()  # once, before the items' children are forked
@@ -167,6 +170,7 @@ class _Shared:
 
     def run(self, item: Mapping[str, Any]) -> dict[str, Any]:
         """Run one item; its result line (never raises)."""
+        from hetflow import observed
         from hetflow.operators import dataset as ds
 
         from .context import StageContext
@@ -204,8 +208,13 @@ class _Shared:
                                files=(value,) if "file" in item else tuple(declared_file(f) for f in spec.files),
                                env=self.env, item=value, item_index=int(item["index"]),
                                inputs={name: table for (name, _), table in zip(spec.inputs, inputs)})
+            observed.restore_generators(spec.generators)  # each item as a process of its own would start it
             with operator_settings(spec):
                 tables = _check_result(spec.stage, self.func(ctx, *inputs), list(spec.outputs))
+            moved = observed.generators_moved(spec.generators)
+            if moved:  # a runner or an item's process says so to this rank
+                line["drew"] = sorted(moved)
+                self.drew |= moved
             for name, out in tables.items():
                 if out is not None and name in self.declared:
                     check_schema(spec.stage, "output", name, out.schema, self.declared[name])
@@ -294,6 +303,8 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
                     what = " ".join(what.split())  # one line on the pipe, whatever a path holds
                     line["isolation"] = what  # the orchestrator says it once, and forks the stage's later items
                 os.write(sink, (json.dumps(line) + "\n").encode())
+                if line.get("drew"):  # after its line: like S, it says the item has ended
+                    os.write(write_end, f"D {' '.join(line['drew'])}\n".encode())
                 if what is not None:
                     os.write(write_end, f"L {item['index']} {what}\n".encode())
                     break
@@ -331,6 +342,8 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
                 if kind == "S":
                     running, started, log_start = True, time.time(), _log_size()
                     deadline = None if timeout is None else time.monotonic() + timeout
+                elif kind == "D":
+                    shared.drew |= frozenset(rest.split())
                 elif kind == "L":
                     why = f"item {rest.partition(' ')[0]} changed what later items would read: " \
                           f"{rest.partition(' ')[2]}"
@@ -402,6 +415,7 @@ def _forked(shared: _Shared, item: Mapping[str, Any]) -> dict[str, Any]:
     if not timed_out:
         try:
             found: dict[str, Any] = json.loads(b"".join(chunks))
+            shared.drew |= frozenset(found.get("drew") or ())
             return found
         except ValueError:
             pass

@@ -244,6 +244,13 @@ class WorkerSpec:
     local_installs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     """What the orchestrator's key counted as installed from a local directory (editable project directories,
     installed files): the rank digests what its stage reads as the key did (:func:`hetflow.observed.code_in_rank`)."""
+    generators: Mapping[str, str] = field(default_factory=dict)
+    """Global random generators' states the rank restores once its top level ran, before the stage (and each map
+    item) runs (:func:`hetflow.observed.restore_generators`): what a session or a script's main block seeded,
+    which the rank never executes; every rank gets the same states."""
+    generators_if_drawn: bool = False
+    """A generator in ``generators`` counts (its state is observed) only where the stage drew from it: a
+    session's, given whether or not anyone seeded them (:func:`hetflow.observed.shipped_generators`)."""
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -268,6 +275,10 @@ class WorkerSpec:
                                               not self.item_timeout > 0):
             raise ProtocolError(f"stage {self.stage!r}: item_timeout={self.item_timeout!r} (expected seconds > 0, "
                                 "or null)")
+        unknown = sorted(set(self.generators) - {"random", "numpy.random", "torch.random"})
+        if unknown:
+            raise ProtocolError(f"stage {self.stage!r}: generators {unknown} (allowed: random, numpy.random, "
+                                "torch.random)")
         if self.item_isolation not in ITEM_ISOLATION:
             raise ProtocolError(f"stage {self.stage!r}: item_isolation={self.item_isolation!r} (allowed: "
                                 f"{list(ITEM_ISOLATION)})")
@@ -320,7 +331,8 @@ class WorkerSpec:
                 "map_input": self.map_input, "item_timeout": self.item_timeout,
                 "item_isolation": self.item_isolation,
                 "values": list(self.values),
-                "local_installs": [list(self.local_installs[0]), list(self.local_installs[1])]}
+                "local_installs": [list(self.local_installs[0]), list(self.local_installs[1])],
+                "generators": dict(self.generators), "generators_if_drawn": self.generators_if_drawn}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -355,7 +367,9 @@ class WorkerSpec:
                       "item_timeout": top.get("item_timeout", (int, float, type(None)), "a number or null", None),
                       "item_isolation": top.text("item_isolation", "checked"),
                       "values": top.items("values", str, "strings", ()),
-                      "local_installs": _local_installs(top)}
+                      "local_installs": _local_installs(top),
+                      "generators": top.text_map("generators", {}),
+                      "generators_if_drawn": top.get("generators_if_drawn", (bool,), "true or false", False)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:

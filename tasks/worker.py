@@ -139,12 +139,14 @@ def _run_folder(spec: WorkerSpec) -> str:
 
 def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     """What the rank could depend on beyond its key once its script's top level ran (:mod:`hetflow.observed`),
-    and the modules imported by then."""
+    and the modules imported by then.  The generators a session or the script's main block seeded are set
+    first (:attr:`WorkerSpec.generators`): the stage draws from them, and their states are observed."""
     from hetflow import observed
 
     from .script import is_deferred
 
     observed.recording(False)  # on since hetflow's import in this process; the stage's own reads are not observed
+    observed.restore_generators(spec.generators)
     # first what the key digests of the values the stage reads, as this rank's top level left them (a deferred
     # import it names is executed, as the stage would), then the modules, their values, files and states
     global _held
@@ -159,15 +161,25 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     return found, loaded
 
 
-def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]) -> dict[str, str]:
+def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]],
+                   drew: frozenset[str] | None = None) -> dict[str, str]:
     """The modules the stage imported while it ran (or whose deferred import it loaded), added, wherever they
-    lie (those it had are recorded as they were executed)."""
+    lie (those it had are recorded as they were executed).  A stage does not depend on a generator it was
+    given and did not draw from (not in ``drew``): with :attr:`WorkerSpec.generators_if_drawn` (a session's),
+    its state is left out, so that a session whose generator nobody seeded (a new kernel) does not run it
+    again.  ``None``: those the stage that just returned in this process drew from."""
     from hetflow import observed
 
     observed.recording_writes(False)
+    if drew is None:
+        drew = observed.generators_moved(spec.generators)
     filled = observed.filled_in_rank(_declared, _held, spec.local_installs, _shipped_roots(spec)) if _held else {}
-    return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
-            **observed.stage_written((_run_folder(spec),)), **filled}
+    found = {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
+             **observed.stage_written((_run_folder(spec),)), **filled}
+    if spec.generators_if_drawn:
+        for name in set(spec.generators) - drew:
+            found.pop(f"state {name}", None)
+    return found
 
 
 _held: dict[str, Any] = {}

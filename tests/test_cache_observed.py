@@ -782,3 +782,174 @@ def test_a_file_the_scripts_top_reads_that_a_stage_of_the_run_writes_does_not_fa
     again = run(tmp_path)
     assert states(again) == {"first": "DONE", "second": "DONE"} and value(again, "a") == 2
     assert states(run(tmp_path)) == {"first": "CACHED", "second": "CACHED"}
+
+
+SEEDED_IN_MAIN = '''
+import random
+import sys
+
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("seedmain")
+
+
+def draw():
+    return pa.table({"v": [float(np.random.rand())], "w": [random.random()]})
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": draw()}
+
+
+@pipe.stage(ranks=2, outputs=["two"])
+def two(ctx):
+    return {"two": draw()}
+
+
+@pipe.stage(map_over={"n": [1, 2]}, outputs=["mapped"])
+def mapped(ctx):
+    return {"mapped": draw()}
+
+
+@pipe.stage(outputs=["none"])
+def none(ctx):
+    return {"none": pa.table({"v": [0.0], "w": [0.0]})}
+
+
+if __name__ == "__main__":
+    np.random.seed(int(sys.argv[1]))
+    random.seed(int(sys.argv[1]))
+    print("preview:", np.random.rand())  # a draw after the seed moves the state the stages start from
+    pipe.run()
+'''
+
+
+def test_a_seed_the_main_block_sets_reaches_every_rank_and_item_and_another_seed_reruns(tmp_path: Path) -> None:
+    """The seventh red team (seedmain): ``np.random.seed(int(sys.argv[1]))`` in the main block, which the ranks
+    never execute: they drew unseeded numbers, and ``python p.py 2`` was served run 1's CACHED.  The states
+    the block seeded are now given to every rank (the same to each, as a seeded script started on each rank
+    would have) and to each map item, and a state that differs is no match (for every stage of the script, as
+    for a seed set at its top)."""
+    import random
+
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SEEDED_IN_MAIN)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+
+    def script(seed: int) -> dict[str, object]:
+        done = subprocess.run([sys.executable, "p.py", str(seed)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return status(tmp_path)
+
+    def seeded(seed: int) -> tuple[float, float]:
+        numbers = np.random.RandomState(seed)
+        numbers.rand()  # the preview
+        plain = random.Random(seed)
+        return float(numbers.rand()), plain.random()
+
+    def drawn(stages: dict[str, object], name: str) -> list[tuple[float, float]]:
+        table = Dataset(stages["_run"]["datasets"][name]).to_table()  # type: ignore[index]
+        return list(zip(table["v"].to_pylist(), table["w"].to_pylist()))
+
+    first = script(1)
+    assert drawn(first, "one") == [seeded(1)]
+    assert drawn(first, "two") == [seeded(1)] * 2 and drawn(first, "mapped") == [seeded(1)] * 2
+    other = script(2)
+    # as a seed changed at the top does, it re-runs every stage of the script (none, too)
+    assert states(other) == {"one": "DONE", "two": "DONE", "mapped": "DONE", "none": "DONE"}, other
+    assert "numpy's global random state (np.random.seed) changed" in other["one"]["cache"]["reason"]
+    assert drawn(other, "one") == [seeded(2)] and drawn(other, "two") == [seeded(2)] * 2
+    assert drawn(other, "mapped") == [seeded(2)] * 2
+    again = script(1)
+    assert states(again) == {"one": "CACHED", "two": "CACHED", "mapped": "CACHED", "none": "CACHED"}
+    assert drawn(again, "one") == [seeded(1)]
+
+
+SEEDED_SESSION = '''
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("nbseed")
+SEEDING
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+@pipe.stage(outputs=["fixed"])
+def fixed(ctx):
+    return {"fixed": pa.table({"v": [1.0]})}
+
+
+for seed in SEEDS:
+    np.random.seed(seed)
+    run = pipe.run(progress=False)
+    print("VALUE", run.dataset("draw").to_table()["v"][0].as_py(),
+          {s.name: s.state for s in run.stages}["draw"], {s.name: s.state for s in run.stages}["fixed"])
+'''
+
+
+def test_a_seed_set_in_a_session_reaches_its_stages_ranks(tmp_path: Path) -> None:
+    """The seventh red team (nbseed): ``np.random.seed(5)`` in a session (``python -``), whose stages are
+    shipped by value and whose ranks run none of it: they drew unseeded, and ``np.random.seed(6)`` then
+    ``pipe.run()`` was served CACHED.  A stage that draws from no generator stays cached from one session to
+    the next, whose generators nobody seeded."""
+    import numpy as np
+
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+
+    def session(seeds: list[int]) -> list[list[str]]:
+        code = SEEDED_SESSION.replace("SEEDING", "").replace("SEEDS", repr(seeds))
+        done = subprocess.run([sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("VALUE")]
+
+    def expected(seed: int) -> str:
+        return str(float(np.random.RandomState(seed).rand()))
+
+    assert session([5, 6]) == [[expected(5), "DONE", "DONE"], [expected(6), "DONE", "CACHED"]]
+    assert session([6, 5]) == [[expected(6), "CACHED", "CACHED"], [expected(5), "CACHED", "CACHED"]]
+
+
+DRAWN_IN_MAIN = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("drawn-in-main")
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"v": [1]})}
+
+
+if __name__ == "__main__":
+    import random
+
+    import numpy as np
+    import pandas  # noqa: F401 - loads numpy.random, unseeded
+
+    print("preview:", np.random.rand(), random.random())
+    pipe.run()
+'''
+
+
+def test_a_main_block_that_draws_unseeded_numbers_does_not_make_its_stages_run_every_time(tmp_path: Path) -> None:
+    """Only a generator the main block seeded is given to the ranks and observed: one it loaded (numpy.random,
+    which the top had not) or drew from unseeded would differ on every run, and so would its stages' records."""
+    (tmp_path / "p.py").write_text(DRAWN_IN_MAIN)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    for expected in ("DONE", "CACHED"):
+        done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert states(status(tmp_path)) == {"one": expected}

@@ -648,6 +648,62 @@ def test_a_value_the_main_block_changes_in_place_is_refused_as_an_assignment_is(
             done.stdout + done.stderr
 
 
+LOCAL_CLASS = '''
+import pyarrow as pa
+import hetflow as hf
+import helpers
+
+M = helpers.Model()
+pipe = hf.Pipeline("local-class")
+
+
+@pipe.stage(outputs=["s"])
+def seen(ctx):
+    return {"s": pa.table({"v": [M.w]})}
+
+
+if __name__ == "__main__":
+    FORM
+    run = pipe.run(check=False)
+    print(run.state, run.stage("seen").error)
+'''
+
+HELPERS = '''
+class Model:
+    def __init__(self):
+        self.w = 1
+
+    def load(self, w):
+        self.w = w
+
+    def reset(self):
+        self._set(0)
+
+    def _set(self, w):
+        self.w = w
+
+    def predict(self, x):
+        return self.w * x
+'''
+
+
+@pytest.mark.parametrize("form, refused", [("M.load(5)", True), ("M.reset()", True), ("x = M.predict(3)", False)])
+def test_a_method_of_a_local_modules_class_the_main_block_calls_is_refused_as_the_scripts_is(
+        tmp_path: Path, form: str, refused: bool) -> None:
+    """The seventh red team (mainmut p_method): ``M.load(5)`` in the main block, where ``Model.load`` of the
+    user's ``helpers.py`` sets ``self.w``, ran DONE with the top's ``w``: only the script's own classes were
+    read.  A method that leaves its instance as it was (``predict``) is not refused."""
+    (tmp_path / "p.py").write_text(LOCAL_CLASS.replace("FORM", form))
+    (tmp_path / "helpers.py").write_text(HELPERS)
+    done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work")), check=False)
+    if refused:
+        assert done.stdout.startswith("FAILED") and "it reads M, which the script sets" in done.stdout, \
+            done.stdout + done.stderr
+    else:
+        assert done.stdout.startswith("DONE"), done.stdout + done.stderr
+
+
 WAITS = '''
 import os
 import time
