@@ -187,8 +187,7 @@ class Progress:
         self._started = time.time()
         if self.mode == "off" and not self.stream_logs:
             return
-        from rich.console import Console
-
+        Console = _rich_console()
         self._console = Console(file=self.stream, highlight=False)
         self._observe(orchestrator, self._started)
         if self.mode == "live":
@@ -374,3 +373,17 @@ class Progress:
             table.add_row(Text(shown[0]), Text(row.state, style=_STYLE.get(row.state, "dim")), str(row.ranks),
                           Text(shown[1]), elapsed_text(row.elapsed), Text(shown[2]), Text(shown[3]))
         return table
+
+
+def _rich_console() -> Any:
+    """``rich.console.Console``, imported without moving the user's generator: rich's first import draws from
+    Python's global ``random`` (``rich.style`` seeds its ids with ``getrandbits``), and a session that seeded
+    ``random`` before ``pipe.run()`` must find it where it left it (its stages get that state)."""
+    import random
+
+    state = random.getstate()
+    try:
+        from rich.console import Console
+    finally:
+        random.setstate(state)
+    return Console

@@ -953,3 +953,36 @@ def test_a_main_block_that_draws_unseeded_numbers_does_not_make_its_stages_run_e
                               env=env, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
         assert states(status(tmp_path)) == {"one": expected}
+
+
+RICH_SESSION = '''
+import random
+
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("richdraw")
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"v": [1]})}
+
+
+random.seed(3)
+run = pipe.run(progress=True)
+print("AFTER", random.random(), run.state)
+'''
+
+
+def test_the_progress_view_leaves_a_sessions_seeded_random_where_it_was(tmp_path: Path) -> None:
+    """rich's first import draws from Python's global ``random`` (``rich.style``: ``getrandbits``): a session
+    that seeded ``random`` and ran its pipeline with the progress view on drew other numbers afterwards than
+    the same session with no pipeline run in between."""
+    import random
+
+    done = subprocess.run([sys.executable, "-"], input=RICH_SESSION, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work")), check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("AFTER")]
+    assert after == [[str(random.Random(3).random()), "DONE"]], done.stdout + done.stderr
