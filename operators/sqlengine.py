@@ -159,6 +159,36 @@ class _Run:
                 keys = keys.set_column(i, f.name, table.column(i).cast(pa.large_string()))
         return self.shuffle_by(table, keys)
 
+    def route(self, table: pa.Table, column: str, bounds: tuple[tuple[int, ...], tuple[int, ...]]) -> pa.Table:
+        """Move the rows of ``table`` whose integer ``column`` falls outside this rank's interval of
+        ``bounds`` (see ``sqlplan.range_bounds``) to the rank whose interval holds it; the others stay
+        as they are (NULL keys stay too).  Data sorted by the key and split by rows moves only the
+        rows about the boundaries."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        lower, ranks = bounds
+        col = table.column(column)
+        if self.rank in ranks:
+            i = ranks.index(self.rank)
+            outside = None
+            if i > 0:
+                outside = pc.less(col, lower[i])
+            if i + 1 < len(lower):
+                above = pc.greater_equal(col, lower[i + 1])
+                outside = above if outside is None else pc.or_(outside, above)
+        else:
+            outside = pc.is_valid(col)
+        if outside is None or not pc.any(outside).as_py():
+            stay, leave = table, table.slice(0, 0)
+        else:
+            outside = pc.fill_null(outside, False)
+            stay, leave = table.filter(pc.invert(outside)), table.filter(outside)
+        keys = leave.column(column).to_numpy().astype(np.int64, copy=False)
+        dest = np.asarray(ranks, dtype=np.int64)[np.clip(np.searchsorted(np.asarray(lower), keys, side="right") - 1, 0, None)]
+        got = tc.shuffle(self.comm, leave, dest)
+        return pa.concat_tables([stay, got.cast(stay.schema)]) if got.num_rows else stay
+
     def broadcast(self, table: pa.Table) -> pa.Table:
         """Every rank's rows on every rank."""
         return pa.concat_tables(tc.allgather_table(self.comm, table)) if self.p > 1 else table

@@ -336,6 +336,76 @@ def _canonical_key(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
     return a
 
 
+def key_range(table: pa.Table, column: str | None) -> tuple[int, int] | str | None:
+    """``(min, max)`` of an integer column of this rank's ``table``, ``"empty"`` when no value is
+    there (no rows or only NULLs), ``None`` when it cannot be routed by ranges (no such column, not
+    an integer type)."""
+    import pyarrow.compute as pc
+
+    if column is None or column not in table.column_names or not pa.types.is_integer(table.schema.field(column).type):
+        return None
+    mm = pc.min_max(table.column(column)).as_py()
+    return "empty" if mm["min"] is None else (int(mm["min"]), int(mm["max"]))
+
+
+def key_nulls(table: pa.Table, column: str | None) -> int:
+    """The NULLs of ``column`` in this rank's ``table`` (0 when there is no such column)."""
+    return int(table.column(column).null_count) if column is not None and column in table.column_names else 0
+
+
+#: the ranks' ``[lower bounds]`` and ``[ranks]`` of a range partitioning: rank ``ranks[i]`` holds the
+#: key values from ``lower[i]`` up to ``lower[i + 1]`` (the first also those below, the last those above)
+Bounds = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def range_bounds(ranges: Sequence[tuple[int, int] | str | None], touching: bool = False) -> Bounds | None:
+    """The bounds of the ranks' ``key_range``s when the ranks holding values hold disjoint intervals in
+    rank order (data sorted by the key and split by rows, as generators and simulations write it):
+    every key value is then on one rank.  With ``touching``, an interval may also start at the value
+    the one before ends with (a key's rows split at the boundary: routing them moves those rows).
+    ``None`` otherwise."""
+    lower, ranks, last = [], [], None
+    for rank, r in enumerate(ranges):
+        if r is None:
+            return None
+        if r == "empty":
+            continue
+        lo, hi = r  # type: ignore[misc]
+        if last is not None and (lo < last or lo == last and not touching):
+            return None
+        lower.append(lo)
+        ranks.append(rank)
+        last = hi
+    return (tuple(lower), tuple(ranks)) if ranks else None
+
+
+def range_moved(ranges: Sequence[tuple[int, int] | str | None], sizes: Sequence[float], bounds: Bounds) -> float | None:
+    """The bytes that routing rows of the ranks' ``ranges`` (``sizes`` bytes each) to ``bounds`` would
+    move, taking values spread evenly over each rank's interval; ``None`` when a range is unknown."""
+    lower, ranks = bounds
+    moved = 0.0
+    for rank, (r, size) in enumerate(zip(ranges, sizes)):
+        if r is None:
+            return None
+        if r == "empty":
+            continue
+        lo, hi = r  # type: ignore[misc]
+        if rank not in ranks:
+            moved += size
+            continue
+        i = ranks.index(rank)
+        own_lo = lower[i] if i > 0 else lo  # the first rank takes every value below, the last every value above
+        own_hi = lower[i + 1] - 1 if i + 1 < len(lower) else hi
+        inside = max(0, min(hi, own_hi) - max(lo, own_lo) + 1)
+        moved += size * (1.0 - inside / (hi - lo + 1))
+    return moved
+
+
+def range_part(column: str, bounds: Bounds) -> Part:
+    """The partitioning mark of rows placed by ``bounds`` on ``column`` (never equal to a hash mark)."""
+    return ((column, "range:" + ",".join(map(str, bounds[0])) + "@" + ",".join(map(str, bounds[1]))),)
+
+
 # ---------------------------------------------------------------------------------------- execution
 #: schema metadata of a result that is hash-partitioned over the ranks: ``[[column, hashed type], ...]``
 PART_KEY = b"hetflow.sql.partitioned_by"
@@ -370,12 +440,22 @@ class Rel:
     broadcast, or co-partitioned by a shuffle) and filters still to apply, which the next fragment runs
     with its own work, so DuckDB pipelines them without an Arrow table in between."""
 
-    def __init__(self, base: pa.Table, part: Part | None = None) -> None:
+    def __init__(self, base: pa.Table, part: Part | None = None, equal: dict[str, set[str]] | None = None) -> None:
         self.base = base
         self.part = part  # the rows are hash-partitioned on these physical columns (hashed as these types)
         self.tables: dict[str, pa.Table] = {}
         self.steps: list[str] = []
         self.where: list[str] = []
+        self.equal: dict[str, set[str]] = dict(equal or {})  # columns an inner join's equality made equal in every row
+
+    def add_equal(self, a: str, b: str) -> None:
+        group = self.equal.get(a, {a}) | self.equal.get(b, {b})
+        for c in group:
+            self.equal[c] = group
+
+    def covering(self, column: str, names: Any) -> str | None:
+        """``column``, or a column equal to it in every row, that is among ``names``."""
+        return next((c for c in [column, *sorted(self.equal.get(column, ()))] if c in names), None)
 
     @property
     def pending(self) -> bool:
@@ -525,7 +605,14 @@ class Executor:
                 elif a and b and a <= ral and b <= lal:
                     keys.append((c.right, c.left))
         cond = " AND ".join(f"({sql_of(phys(c))})" for c in on) or "TRUE"
-        lsizes, rsizes = r.sizes(left), r.sizes(right)  # the left's base: its pending joins are not run to size it
+        # sizes of the left's base (its pending joins are not run to size it) and the key columns' ranges, in one allgather
+        cols = [(f"{a.table}.{a.name}" if isinstance(a, exp.Column) and a.table else None,
+                 f"{b.table}.{b.name}" if isinstance(b, exp.Column) and b.table else None) for a, b in keys]
+        mine = (int(left.nbytes), int(right.nbytes), [(key_range(left, la), key_range(right, rb)) for la, rb in cols] if r.p > 1 else [],
+                [key_nulls(left, la) for la, _ in cols])
+        stats = r.comm.allgather(mine) if r.p > 1 else [mine]
+        lsizes, rsizes = [float(x[0]) for x in stats], [float(x[1]) for x in stats]
+        ranged = self.range_choice([[x[2][i] for x in stats] for i in range(len(keys))], lsizes, rsizes) if r.p > 1 else None
         detail = f"{how} join of {sorted(lal)} ({sum(lsizes) / 1e6:.2f} MB) with {sorted(ral)} ({sum(rsizes) / 1e6:.2f} MB)"
         types, lsig, rsig = self.key_signatures(left_rel, right, keys)
         left_ready = lsig is not None and left_rel.part == lsig  # already hash-partitioned on these keys
@@ -538,14 +625,30 @@ class Executor:
             costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
             if left_ready or right_ready:  # only the other side moves
                 costs["hash"] = shuffle_cost(hockney(r.comm), rsizes if left_ready else lsizes) + Cost(compute_s=costs["hash"].compute_s)
+            if ranged is not None:  # both sides placed by one side's key intervals: only the rows outside them move
+                costs["range"] = Cost(exchange_bytes=ranged[0], exchange_s=hockney(r.comm).alpha * 2 * (r.p - 1),
+                                      compute_s=costs["hash"].compute_s * r.p / len(ranged[3][1]))  # on the ranks holding keys
             # the local join work of the cost model, plus the exchanged bytes at the rate a shuffle partitions,
             # copies and sends them (the Hockney time of the exchange alone leaves that work out)
-            choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs),
+            choice = min((k for k in ("range", "hash", "broadcast", "broadcast_left") if k in costs),
                          key=lambda k: costs[k].compute_s + costs[k].exchange_bytes * EXCHANGE_SECONDS_PER_BYTE)
             alts = {k: c.seconds for k, c in costs.items() if k != "sort"}
-            if choice == "hash":
+            if choice == "range":
+                _, i, giver, bounds = ranged  # type: ignore[misc]
+                lcol, rcol = cols[i]
+                # the result is range-partitioned on the left key unless NULL keys the join keeps sit on several ranks
+                mark = range_part(lcol, bounds) if how in ("inner", "semi") or not any(x[3][i] for x in stats) else None  # type: ignore[arg-type]
+                if giver == "left":  # the left's rows are in their intervals already
+                    right = r.route(right, rcol, bounds)  # type: ignore[arg-type]
+                    if left_rel.part is None:
+                        left_rel.part = mark
+                else:
+                    left_rel = Rel(r.route(self.rows_of(left_rel), lcol, bounds), mark, left_rel.equal)  # type: ignore[arg-type]
+                algo = (f"range: the {'right' if giver == 'left' else 'left'} side's rows outside the {giver} side's "
+                        f"intervals of {lcol if giver == 'left' else rcol} move")
+            elif choice == "hash":
                 if types is None:  # keys that are expressions: their common types from their values
-                    left_rel = Rel(self.rows_of(left_rel))
+                    left_rel = Rel(self.rows_of(left_rel), None, left_rel.equal)
                     lk0 = self.key_columns(left_rel.base, [a for a, _ in keys])
                     rk0 = self.key_columns(right, [b for _, b in keys])
                     types = [_canonical_key(x.type, y.type) or x.type for x, y in zip(lk0.schema, rk0.schema)]
@@ -553,7 +656,7 @@ class Executor:
                 if not left_ready:
                     left = self.rows_of(left_rel)
                     left = r.shuffle_by(left, self.hash_keys(left, [a for a, _ in keys], types))
-                    left_rel = Rel(left, lsig)
+                    left_rel = Rel(left, lsig, left_rel.equal)
                     moved.append("left")
                 if not right_ready:
                     right = r.shuffle_by(right, self.hash_keys(right, [b for _, b in keys], types))
@@ -563,7 +666,7 @@ class Executor:
                 right = r.broadcast(right)
                 algo = "broadcast right"
             else:
-                left_rel = Rel(r.broadcast(self.rows_of(left_rel)))
+                left_rel = Rel(r.broadcast(self.rows_of(left_rel)), None, left_rel.equal)
                 algo = "broadcast left"
             r.plan("join", algo, costs[choice], detail, alts)
         else:  # no equality: broadcast one side (both to rank 0 for a full join)
@@ -584,10 +687,29 @@ class Executor:
                    cost, detail)
         if how in ("inner", "left", "cross"):
             left_rel.add_join(how, right, cond)
+            if how == "inner":
+                for a, b in keys:
+                    if isinstance(a, exp.Column) and a.table and isinstance(b, exp.Column) and b.table:
+                        left_rel.add_equal(f"{a.table}.{a.name}", f"{b.table}.{b.name}")
             return left_rel
         part = left_rel.part if how in ("semi", "anti") else None
         on_sql = f" ON {cond}"
         return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=self.rows_of(left_rel), r=right), part)
+
+    def range_choice(self, ranges: list[list[tuple[Any, Any]]], lsizes: list[float], rsizes: list[float]) -> tuple[float, int, str, Bounds] | None:
+        """For each key pair's ranks' ``(left range, right range)``: when one side's rows hold disjoint
+        key intervals in rank order, the other side can be routed to them (``_Run.route``); returns the
+        cheapest such ``(bytes moved, key index, giving side, bounds)``, the left giving on a tie (its
+        pending joins then stay pending), or ``None``."""
+        best: tuple[float, int, str, Bounds] | None = None
+        for i, pairs in enumerate(ranges):
+            lr, rr = [a for a, _ in pairs], [b for _, b in pairs]
+            for giver, own, other, sizes in (("left", lr, rr, rsizes), ("right", rr, lr, lsizes)):
+                bounds = range_bounds(own)
+                moved = range_moved(other, sizes, bounds) if bounds is not None else None
+                if moved is not None and bounds is not None and (best is None or moved < best[0]):
+                    best = (moved, i, giver, bounds)
+        return best
 
     def key_signatures(self, left: Rel, right: pa.Table, keys: list[tuple[Any, Any]]) -> tuple[list[pa.DataType] | None, Part | None, Part | None]:
         """The type each key pair is hashed as (the sides' common type) and, where the keys are plain
@@ -874,12 +996,18 @@ class Executor:
         gcols = [f"__g{i}" for i in range(len(keys))]
         gby = f" GROUP BY {', '.join(gcols)}" if keys else ""
         by_key = {k.name: i for i, k in enumerate(keys) if isinstance(k, exp.Column) and not k.table}
-        if r.p > 1 and keys and cur.part is not None and all(c in by_key for c, _ in cur.part):
-            # the rows are hash-partitioned on some of the group keys: every group is on one rank already
-            r.plan("aggregate", f"local: the rows are already hash-partitioned on {[c for c, _ in cur.part]}, nothing moves", Cost(),
+        placed = r.p > 1 and keys and cur.part is not None and all(cur.covering(c, by_key) for c, _ in cur.part)
+        if r.p > 1 and keys and not placed:
+            cur, placed = self.range_place(cur, [c for c in by_key if c in cur.base.column_names
+                                                 and pa.types.is_integer(cur.base.schema.field(c).type)])
+        if placed:
+            # the rows are hash- or range-partitioned on some of the group keys: every group is on one rank already
+            how = "range" if any(t.startswith("range:") for _, t in cur.part) else "hash"
+            r.plan("aggregate", f"local: the rows are already {how}-partitioned on {[c for c, _ in cur.part]}, nothing moves", Cost(),
                    f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+            src, tabs = cur.source()
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
-            part = tuple((f"__g{by_key[c]}", t) for c, t in cur.part)
+            part = tuple((f"__g{by_key[cur.covering(c, by_key)]}", t) for c, t in cur.part)  # type: ignore[index]
             return tabs, f"(SELECT {body} FROM {src} AS t GROUP BY {', '.join(sql_of(k) for k in keys)})", mapping, part
         decomposable = r.p > 1 and all(type(a).__name__ in ("Count", "Sum", "Min", "Max", "Avg") and not any(True for _ in a.find_all(exp.Distinct)) for a in aggs)
         if decomposable:
@@ -918,6 +1046,34 @@ class Executor:
                shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
         return _final_aggregate(pre, gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)], gby, keys, gcols,
                                 r.rank, mapping)
+
+    #: fewest distinct values a rank's key interval spans for a group-by to be placed by key ranges
+    #: (fewer: the partial aggregates are small, and a boundary value may hold many rows)
+    RANGE_MIN_SPAN = 1024
+
+    def range_place(self, cur: Rel, columns: list[str]) -> tuple[Rel, bool]:
+        """``cur`` with every value of one of the integer base ``columns`` on one rank, when the ranks'
+        intervals of it are disjoint in rank order, or touch (the rows of the boundary values move,
+        ``_Run.route``) and span at least ``RANGE_MIN_SPAN`` values each: ``(rel, True)``; else
+        ``(cur, False)``.  Collective (one allgather) when there are ``columns``."""
+        r = self.r
+        if not columns:
+            return cur, False
+        stats = r.comm.allgather([(key_range(cur.base, c), key_nulls(cur.base, c)) for c in columns])
+        for i, c in enumerate(columns):
+            ranges = [x[i][0] for x in stats]
+            if sum(1 for x in stats if x[i][1]) > 1:  # NULL keys (one group) on several ranks
+                continue
+            if any(isinstance(x, tuple) and x[1] - x[0] + 1 < self.RANGE_MIN_SPAN for x in ranges):
+                continue
+            bounds = range_bounds(ranges, touching=True)
+            if bounds is None:
+                continue
+            if range_bounds(ranges) is None:  # touching: the boundary values' rows move
+                cur = Rel(r.route(self.rows_of(cur), c, bounds), None, cur.equal)
+            cur.part = range_part(c, bounds)
+            return cur, True
+        return cur, False
 
     def window_exchange(self, cur: pa.Table, windows: list[Any]) -> pa.Table:
         """Bring each window partition onto one rank: hash shuffle on the common ``PARTITION BY``, else gather."""
