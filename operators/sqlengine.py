@@ -120,6 +120,9 @@ class _Run:
         self.rank = comm.Get_rank()
         self.inputs = inputs
         self.plans: list[Plan] = []
+        # the communicator's Hockney α, β, looked up once per query: ``hockney`` is collective (it gathers
+        # the host names to find its cache entry), and every cost estimate of the plan reads them
+        self.model = hockney(comm)
 
     def local(self, sql: str, **tables: pa.Table) -> pa.Table:
         """Run one local fragment in DuckDB over this rank's Arrow tables."""
@@ -137,7 +140,7 @@ class _Run:
     def plan(self, operation: str, algorithm: str, cost: Cost | None = None, detail: str = "",
              alternatives: Mapping[str, float] | None = None) -> None:
         cost = Cost() if cost is None else cost
-        model = hockney(self.comm).describe() if self.p > 1 else ""
+        model = self.model.describe() if self.p > 1 else ""
         self.plans.append(Plan(operation, algorithm, cost, dict(alternatives or {}), detail, model))
 
     def shuffle_by(self, table: pa.Table, keys: pa.Table) -> pa.Table:

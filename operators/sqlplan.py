@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from .costmodel import Cost, allgather_cost, hockney, join_costs, shuffle_cost
+from .costmodel import Cost, allgather_cost, join_costs, shuffle_cost
 from .errors import SQLError
 
 if TYPE_CHECKING:
@@ -155,11 +155,75 @@ def _optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str]
     used = {t.name.lower() for t in tree.find_all(exp.Table)}
     schema: dict[str, object] = {name: _duck_types(s) for name, s in schemas.items() if name.lower() in used}
     try:
-        return sg_optimize(tree, schema=schema, dialect=DIALECT), names
+        optimized = sg_optimize(tree, schema=schema, dialect=DIALECT)
     except OptimizeError as exc:
         raise SQLError(f"{str(exc).rstrip('.')} (in the query)") from exc
     except SqlglotError as exc:
         raise SQLError(f"cannot plan the query: {exc}") from exc
+    _reduce_grouped_ctes(optimized)
+    return optimized, names
+
+
+def _reduce_grouped_ctes(tree: Any) -> None:
+    """Restrict, in place, a grouped CTE that one join reads on its group key to the keys the join can
+    meet: the shape sqlglot gives a decorrelated subquery (TPC-H Q2, Q17, Q22: ``LEFT JOIN (SELECT
+    agg(..), t.k AS u FROM t GROUP BY t.k) AS c ON c.u = x.key`` with ``x`` filtered by conjuncts of its
+    own).  The CTE gets ``t.k IN (SELECT x.key FROM x WHERE those conjuncts)``: a group whose key no
+    surviving ``x`` row holds joins no row that the query keeps, and the groups kept are whole, so the
+    answer is the same, while the aggregate reads only the rows of those keys (DuckDB's own plan
+    reaches the same by a delim join).  Only that plain shape is rewritten: the CTE read once, by an
+    inner or left join in a ``SELECT`` whose ``x`` is a table of its ``FROM`` or inner joins with at
+    least one conjunct of its own (in ``WHERE`` or an inner join's ``ON``, without subqueries); the
+    CTE a ``SELECT`` with that key among its ``GROUP BY``, without ``LIMIT`` or window functions."""
+    exp = _exp()
+    with_ = tree.args.get("with_")
+    if with_ is None:
+        return
+    ctes = {c.alias_or_name: c.this for c in with_.expressions if isinstance(c.this, exp.Select)}
+    order = [c.alias_or_name for c in with_.expressions]
+    reads: dict[str, int] = {}
+    for t in tree.find_all(exp.Table):
+        if not t.args.get("db"):
+            reads[t.name] = reads.get(t.name, 0) + 1
+    for node in list(tree.find_all(exp.Select)):
+        from_ = node.args.get("from_")
+        joins = node.args.get("joins") or []
+        if from_ is None or not joins or any(j.side and j.side.lower() in ("right", "full") for j in joins):
+            continue
+        inner = [j for j in joins if not j.side and (j.kind or "").lower() in ("", "inner")]
+        tables = {t.alias_or_name: t for t in [from_.this, *(j.this for j in inner)] if isinstance(t, exp.Table) and not t.args.get("db")}
+        pool = conjuncts(node.args.get("where")) + [c for j in inner for c in conjuncts(j.args.get("on"))]
+        for j in joins:
+            table = j.this
+            if not isinstance(table, exp.Table) or table.name not in ctes or reads.get(table.name) != 1:
+                continue
+            if j.side and j.side.lower() != "left" or (j.kind or "").lower() not in ("", "inner", "outer"):
+                continue
+            cte, alias = ctes[table.name], table.alias_or_name
+            if any(cte.args.get(k) for k in ("limit", "offset", "having", "qualify", "distinct")) or cte.args.get("group") is None \
+                    or any(True for _ in cte.find_all(exp.Window)):
+                continue
+            outputs = {e.alias_or_name: (e.this if isinstance(e, exp.Alias) else e) for e in cte.expressions}
+            groups = {sql_of(g) for g in cte.args["group"].expressions}
+            for c in conjuncts(j.args.get("on")):
+                if not isinstance(c, exp.EQ):
+                    continue
+                mine, other = (c.left, c.right) if aliases(c.left) == {alias} else (c.right, c.left)
+                if not (isinstance(mine, exp.Column) and mine.table == alias and isinstance(other, exp.Column)
+                        and other.table in tables and other.table != alias):
+                    continue
+                key = outputs.get(mine.name)
+                if key is None or sql_of(key) not in groups:
+                    continue
+                x = other.table
+                if tables[x].name in order and order.index(tables[x].name) >= order.index(table.name):
+                    continue  # a CTE the grouped one is computed before
+                own = [f for f in pool if aliases(f) == {x} and not any(True for _ in f.find_all(exp.Subquery, exp.Exists, exp.Select))]
+                if not own:
+                    continue
+                keys = exp.select(other.copy()).from_(tables[x].copy()).where(exp.and_(*(f.copy() for f in own)))
+                cte.where(exp.In(this=key.copy(), query=exp.Subquery(this=keys)), copy=False)
+                break
 
 
 _INEQUALITIES = ("NEQ", "GT", "GTE", "LT", "LTE")
@@ -520,7 +584,7 @@ class Executor:
             if r.p > 1:
                 sizes = r.sizes(table)
                 table = r.broadcast(table)
-                r.plan("subquery", "broadcast of its result", allgather_cost(hockney(r.comm), sizes),
+                r.plan("subquery", "broadcast of its result", allgather_cost(r.model, sizes),
                        f"uncorrelated subquery of {table.num_rows} row(s)")
             name = f"__sq{len(self.subqueries)}"
             self.subqueries[name] = table
@@ -622,11 +686,11 @@ class Executor:
         elif keys and left_ready and right_ready:  # co-partitioned: nothing moves
             r.plan("join", "co-partitioned: both sides already hash-partitioned on the keys, nothing moves", Cost(), detail)
         elif keys:
-            costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
+            costs = join_costs(r.model, lsizes, rsizes, how)
             if left_ready or right_ready:  # only the other side moves
-                costs["hash"] = shuffle_cost(hockney(r.comm), rsizes if left_ready else lsizes) + Cost(compute_s=costs["hash"].compute_s)
+                costs["hash"] = shuffle_cost(r.model, rsizes if left_ready else lsizes) + Cost(compute_s=costs["hash"].compute_s)
             if ranged is not None:  # both sides placed by one side's key intervals: only the rows outside them move
-                costs["range"] = Cost(exchange_bytes=ranged[0], exchange_s=hockney(r.comm).alpha * 2 * (r.p - 1),
+                costs["range"] = Cost(exchange_bytes=ranged[0], exchange_s=r.model.alpha * 2 * (r.p - 1),
                                       compute_s=costs["hash"].compute_s * r.p / len(ranged[3][1]))  # on the ranks holding keys
             # the local join work of the cost model, plus the exchanged bytes at the rate a shuffle partitions,
             # copies and sends them (the Hockney time of the exchange alone leaves that work out)
@@ -673,7 +737,7 @@ class Executor:
             small_right = sum(rsizes) <= sum(lsizes)
             choice = ({"inner": "broadcast" if small_right else "broadcast_left", "cross": "broadcast" if small_right else "broadcast_left",
                        "left": "broadcast", "semi": "broadcast", "anti": "broadcast", "right": "broadcast_left"}).get(how, "gather")
-            model = hockney(r.comm)
+            model = r.model
             if choice == "broadcast":
                 right = r.broadcast(right)
                 cost = allgather_cost(model, rsizes)
@@ -1029,11 +1093,11 @@ class Executor:
             if keys:
                 part = r.shuffle(part, gcols)
                 r.plan("aggregate", "partial aggregate, hash shuffle of the partials on the keys, final aggregate" if r.p > 1 else "local (1 rank)",
-                       shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+                       shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             else:
                 part = r.gather(part)
                 r.plan("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
-                       shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
+                       shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
             return _final_aggregate(part, gcols + final, gby, keys, gcols, r.rank, mapping)
         if r.p == 1:  # one rank: the aggregate in one fragment
             r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
@@ -1043,7 +1107,7 @@ class Executor:
         sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
         r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
-               shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
+               shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
         return _final_aggregate(pre, gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)], gby, keys, gcols,
                                 r.rank, mapping)
 
@@ -1087,9 +1151,9 @@ class Executor:
             keys = next(iter(parts))
             wk = r.local("SELECT " + ", ".join(f"{k} AS __w{i}" for i, k in enumerate(keys)) + " FROM t", t=cur)
             out = r.shuffle_by(cur, wk)
-            r.plan("window", f"hash shuffle on PARTITION BY {list(keys)}", shuffle_cost(hockney(r.comm), sizes), f"{len(windows)} window function(s)")
+            r.plan("window", f"hash shuffle on PARTITION BY {list(keys)}", shuffle_cost(r.model, sizes), f"{len(windows)} window function(s)")
             return out
-        r.plan("window", "gather to rank 0 (no common PARTITION BY)", shuffle_cost(hockney(r.comm), sizes), f"{len(windows)} window function(s)")
+        r.plan("window", "gather to rank 0 (no common PARTITION BY)", shuffle_cost(r.model, sizes), f"{len(windows)} window function(s)")
         return r.gather(cur)
 
     def distinct(self, table: pa.Table) -> pa.Table:
@@ -1097,7 +1161,7 @@ class Executor:
         if r.p > 1:
             sizes = r.sizes(table)
             table = r.shuffle_all(table)
-            r.plan("distinct", "hash shuffle on all columns", shuffle_cost(hockney(r.comm), sizes))
+            r.plan("distinct", "hash shuffle on all columns", shuffle_cost(r.model, sizes))
         return r.local("SELECT DISTINCT * FROM t", t=table)
 
     def order_limit(self, table: pa.Table, order: list[tuple[str, bool, bool]], limit: int | None, offset: int | None, top: bool) -> pa.Table:
@@ -1112,7 +1176,7 @@ class Executor:
                     table = r.local(f"SELECT * FROM t ORDER BY {keys} LIMIT {limit + off}", t=table)
                 table = r.gather(table)
                 r.plan("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort",
-                       shuffle_cost(hockney(r.comm), sizes), f"ORDER BY {keys}{tail}")
+                       shuffle_cost(r.model, sizes), f"ORDER BY {keys}{tail}")
             else:
                 r.plan("order_by", "local sort (1 rank)", Cost(), f"ORDER BY {keys}{tail}")
             if r.rank == 0 or r.p == 1:
@@ -1147,7 +1211,7 @@ class Executor:
             if r.p > 1:
                 sizes = [x + y for x, y in zip(r.sizes(a), r.sizes(b))]
                 a, b = r.shuffle_all(a), r.shuffle_all(b)
-                r.plan(op.lower(), "hash shuffle both sides on all columns", shuffle_cost(hockney(r.comm), sizes))
+                r.plan(op.lower(), "hash shuffle both sides on all columns", shuffle_cost(r.model, sizes))
             out = r.local(f"SELECT * FROM a {op}{'' if distinct else ' ALL'} SELECT * FROM b", a=a, b=b)
         order = []
         for o in (node.args.get("order").expressions if node.args.get("order") else []):
