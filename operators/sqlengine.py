@@ -34,8 +34,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from . import arrowtypes, kernels, partition
 from . import collectives as tc
-from . import kernels, partition
 from .communicator import Communicator
 from .costmodel import Cost, Plan, hockney
 from .dtable import DTable
@@ -185,12 +185,47 @@ class _Run:
         if outside is None or not pc.any(outside).as_py():
             stay, leave = table, table.slice(0, 0)
         else:
-            outside = pc.fill_null(outside, False)
-            stay, leave = table.filter(pc.invert(outside)), table.filter(outside)
+            mask = pc.fill_null(outside, False).to_numpy(zero_copy_only=False)
+            stay, leave = arrowtypes.take(table, pa.array(np.flatnonzero(~mask))), arrowtypes.take(table, pa.array(np.flatnonzero(mask)))
         keys = leave.column(column).to_numpy().astype(np.int64, copy=False)
         dest = np.asarray(ranks, dtype=np.int64)[np.clip(np.searchsorted(np.asarray(lower), keys, side="right") - 1, 0, None)]
         got = tc.shuffle(self.comm, leave, dest)
         return pa.concat_tables([stay, got.cast(stay.schema)]) if got.num_rows else stay
+
+    def route_in_place(self, table: pa.Table, column: str, bounds: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[pa.Table, str | None]:
+        """``route`` without copying the rows that stay: returns ``table`` with the rows that arrived
+        appended, and the SQL condition that keeps only this rank's own rows of it (``None`` when no row
+        left: the table is then exactly this rank's rows).  Collective."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        from .sqlplan import q
+
+        lower, ranks = bounds
+        col = table.column(column)
+        if self.rank in ranks:
+            i = ranks.index(self.rank)
+            lo = lower[i] if i > 0 else None
+            hi = lower[i + 1] if i + 1 < len(lower) else None
+            outside = None
+            if lo is not None:
+                outside = pc.less(col, lo)
+            if hi is not None:
+                above = pc.greater_equal(col, hi)
+                outside = above if outside is None else pc.or_(outside, above)
+            inside = " AND ".join(([f"{q(column)} >= {lo}"] if lo is not None else []) + ([f"{q(column)} < {hi}"] if hi is not None else []))
+            keep = f"({q(column)} IS NULL OR ({inside}))" if inside else None
+        else:
+            outside, keep = pc.is_valid(col), f"({q(column)} IS NULL)"
+        if outside is None or not pc.any(outside).as_py():
+            leave = table.slice(0, 0)
+            keep = None
+        else:
+            leave = arrowtypes.take(table, pa.array(np.flatnonzero(pc.fill_null(outside, False).to_numpy(zero_copy_only=False))))
+        keys = leave.column(column).to_numpy().astype(np.int64, copy=False)
+        dest = np.asarray(ranks, dtype=np.int64)[np.clip(np.searchsorted(np.asarray(lower), keys, side="right") - 1, 0, None)]
+        got = tc.shuffle(self.comm, leave, dest)
+        return (pa.concat_tables([table, got.cast(table.schema)]) if got.num_rows else table), keep
 
     def broadcast(self, table: pa.Table) -> pa.Table:
         """Every rank's rows on every rank."""

@@ -707,7 +707,7 @@ class Executor:
                     if left_rel.part is None:
                         left_rel.part = mark
                 else:
-                    left_rel = Rel(r.route(self.rows_of(left_rel), lcol, bounds), mark, left_rel.equal)  # type: ignore[arg-type]
+                    left_rel = self.route_rel(left_rel, lcol, bounds, mark)  # type: ignore[arg-type]
                 algo = (f"range: the {'right' if giver == 'left' else 'left'} side's rows outside the {giver} side's "
                         f"intervals of {lcol if giver == 'left' else rcol} move")
             elif choice == "hash":
@@ -774,6 +774,18 @@ class Executor:
                 if moved is not None and bounds is not None and (best is None or moved < best[0]):
                     best = (moved, i, giver, bounds)
         return best
+
+    def route_rel(self, rel: Rel, column: str, bounds: Bounds, part: Part | None) -> Rel:
+        """``rel`` with its rows placed by ``bounds`` on ``column`` (``_Run.route``), marked ``part``.  A
+        relation with only filters pending keeps its base in place: the rows that leave are sent and
+        masked out by one more pending filter, the rows that arrive appended (no copy of the base)."""
+        r = self.r
+        if rel.steps:
+            return Rel(r.route(self.rows_of(rel), column, bounds), part, rel.equal)
+        base, keep = r.route_in_place(rel.base, column, bounds)
+        out = Rel(base, part, rel.equal)
+        out.where = list(rel.where) + ([keep] if keep else [])
+        return out
 
     def key_signatures(self, left: Rel, right: pa.Table, keys: list[tuple[Any, Any]]) -> tuple[list[pa.DataType] | None, Part | None, Part | None]:
         """The type each key pair is hashed as (the sides' common type) and, where the keys are plain
@@ -860,13 +872,14 @@ class Executor:
         for s in inner_srcs:
             alias, t, parts[alias] = self.source(s, needed)
             rels[alias] = t
-        # single-source filters of the inner part run at the scan
+        # single-source filters of the inner part: run at the scan (join_order), or by the first fragment over the first source
+        filters: dict[str, str] = {}
         for alias in list(rels):
             mine = [c for c in pool if aliases(c) == {alias}]
             if mine:
                 pool = [c for c in pool if not any(c is m for m in mine)]
-                rels[alias] = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=rels[alias])
-        cur, have, pool = self.join_order(rels, parts, pool)
+                filters[alias] = " AND ".join(f"({sql_of(phys(c))})" for c in mine)
+        cur, have, pool = self.join_order(rels, parts, pool, filters)
         # the remaining joins, in the order written
         for j in rest:
             how = self._how(j)
@@ -887,11 +900,16 @@ class Executor:
                 cur.add_where(" AND ".join(f"({sql_of(phys(c))})" for c in ready))
         return cur, have, pool + late
 
-    def join_order(self, rels: dict[str, pa.Table], parts: dict[str, Part | None], pool: list[Any]) -> tuple[Rel, set[str], list[Any]]:
+    def join_order(self, rels: dict[str, pa.Table], parts: dict[str, Part | None], pool: list[Any],
+                   filters: dict[str, str]) -> tuple[Rel, set[str], list[Any]]:
         """Join the inner sources greedily: start from the largest, then join the source whose join is
-        estimated to give the fewest rows (rows of both over the product, for each equality, of the
-        larger distinct count of its two columns: DuckDB's ``approx_count_distinct``, summed over the
-        ranks); a source linked by no equality comes last (cross join, broadcast)."""
+        estimated to give the fewest rows (rows of both over, for each pair of sources, the larger of the
+        two sides' distinct counts of their equality columns, each side's the product of its columns'
+        counts (DuckDB's ``approx_count_distinct``, summed over the ranks) but at most its rows: a
+        composite key is no rarer than unique); a source linked by no equality comes last (cross join,
+        broadcast).  Sizes and counts are of the rows that pass each source's ``filters``; the filtered
+        rows of every source but the first are materialized, the first's filter is left to the first
+        fragment that reads it (the largest input is not copied)."""
         exp = _exp()
         r = self.r
         eq_cols: dict[str, list[str]] = {a: [] for a in rels}
@@ -905,9 +923,13 @@ class Executor:
         local = []
         for a, t in rels.items():
             cols = [f"approx_count_distinct({q(f'{a}.{c}')})" for c in eq_cols[a]]
-            row = r.local(f"SELECT {', '.join(['count(*)', 'sum(0)'] + cols)} FROM t", t=t).to_pylist()[0] if cols else {"n": t.num_rows}
-            vals = list(row.values())
-            local.append([int(vals[0] or 0), int(t.nbytes)] + [int(v or 0) for v in vals[2:]])
+            where = f" WHERE {filters[a]}" if a in filters else ""
+            if cols:  # (no choice of order between two sources: their unfiltered sizes pick the first)
+                vals = list(self.local(f"SELECT {', '.join(['count(*)', 'sum(0)'] + cols)} FROM t{where}", t=t).to_pylist()[0].values())
+            else:
+                vals = [t.num_rows, 0]
+            n = int(vals[0] or 0)
+            local.append([n, int(t.nbytes * n / t.num_rows) if t.num_rows else 0] + [int(v or 0) for v in vals[2:]])
         stats = r.comm.allgather(local) if r.p > 1 else [local]
         rows, nbytes, ndv = {}, {}, {}
         for i, a in enumerate(rels):
@@ -923,17 +945,23 @@ class Executor:
 
         order = list(rels)
         first = max(order, key=lambda a: (nbytes[a], -order.index(a)))
+        for a, t in list(rels.items()):
+            if a in filters and a != first:
+                rels[a] = self.local(f"SELECT * FROM t WHERE {filters[a]}", t=t)
         cur, have, cur_rows = Rel(rels.pop(first), parts[first]), {first}, float(rows[first])
+        if first in filters:
+            cur.add_where(filters[first])
         while rels:
             best: tuple[float, int, str] | None = None
             for a in rels:
                 eqs = [c for c in pool if isinstance(c, exp.EQ) and a in aliases(c) and aliases(c) - {a} and aliases(c) - {a} <= have]
                 if not eqs:
                     continue
-                est = float(cur_rows) * rows[a]
+                mine_n, other_n = 1.0, 1.0  # the distinct counts of the equality columns taken together, on each side
                 for c in eqs:
                     mine, other = (c.left, c.right) if aliases(c.left) == {a} else (c.right, c.left)
-                    est /= max(distinct(mine, rows[a]), distinct(other, cur_rows))
+                    mine_n, other_n = mine_n * distinct(mine, rows[a]), other_n * distinct(other, cur_rows)
+                est = float(cur_rows) * rows[a] / max(min(mine_n, max(rows[a], 1)), min(other_n, max(cur_rows, 1)))
                 if best is None or (est, order.index(a)) < best[:2]:
                     best = (est, order.index(a), a)
             nxt = best[2] if best is not None else min(rels, key=lambda a: (nbytes[a], order.index(a)))
@@ -1134,7 +1162,7 @@ class Executor:
             if bounds is None:
                 continue
             if range_bounds(ranges) is None:  # touching: the boundary values' rows move
-                cur = Rel(r.route(self.rows_of(cur), c, bounds), None, cur.equal)
+                cur = self.route_rel(cur, c, bounds, None)
             cur.part = range_part(c, bounds)
             return cur, True
         return cur, False

@@ -255,7 +255,8 @@ def _sorted_tables() -> dict[str, pa.Table]:
     cell = [(i + 1) // 2 for i in range(n)] + [None] * 7
     return {
         "cells": pa.table({"cell": pa.array(range(4001), pa.int64()), "w": pa.array([float(i % 17) for i in range(4001)])}),
-        "particles": pa.table({"cell": pa.array(cell, pa.int32()), "v": pa.array([float(i % 5) for i in range(len(cell))])}),
+        "particles": pa.table({"cell": pa.array(cell, pa.int32()), "v": pa.array([float(i % 5) for i in range(len(cell))]),
+                               "kind": pa.array([["e", "p", "n"][i % 3] for i in range(len(cell))], pa.string_view())}),
     }
 
 
@@ -271,8 +272,8 @@ def test_sorted_keys_move_only_the_rows_across_interval_boundaries(comm: Any) ->
         group by c.cell""", **tables)
     grouped = _check(comm, "select cell, count(*) as n, sum(v) as v from particles group by cell", **tables)
     _check(comm, """
-        select p.cell, count(c.w) as matched, sum(p.v) as v from particles p left join cells c on p.cell = c.cell
-        group by p.cell""", **tables)
+        select p.cell, count(c.w) as matched, sum(p.v) as v, max(p.kind) as kind from particles p left join cells c on p.cell = c.cell
+        where p.v < 4 group by p.cell""", **tables)
     if comm.Get_size() > 1:
         assert "join: algorithm=range:" in joined.explain(), joined.explain()
         assert "hash shuffle" not in joined.explain(), joined.explain()
