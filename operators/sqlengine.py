@@ -9,8 +9,9 @@ Decisions:
   local fragments and exchanges; docs/sql.md says why not DataFusion's or DuckDB's planner.
 - **Execution is distributed, fragments are DuckDB's.**  Each ``SELECT`` becomes steps: a scan of
   each source with its single-table filters (local), joins (hash shuffle of both sides on the
-  equality keys, or a broadcast of the small side, whichever the cost model's local join work plus
-  the exchanged bytes makes cheaper), group-by
+  equality keys, a broadcast of the small side, or, when one side's ranks hold disjoint intervals
+  of an integer key, the other side's rows routed to those intervals: whichever the cost model's
+  local join work plus the exchanged bytes makes cheaper), group-by
   (local partial aggregation, hash shuffle of the partials on the group keys, final aggregation;
   ``count(distinct)`` and other non-decomposable aggregates shuffle the rows instead), windows
   (hash shuffle on ``PARTITION BY``), ``DISTINCT``/set operations (hash shuffle on all columns),
