@@ -249,7 +249,8 @@ def _exists_to_joins(node: Any, columns: dict[str, set[str]]) -> None:
                                        *(j.this for j in node.args.get("joins") or [])] if isinstance(t, exp.Table)}
     mine = [c for c in node.find_all(exp.Column) if c.find_ancestor(exp.Select) is node]
     unqualified = {c.name.lower() for c in mine if not c.table}
-    keep, added = [], []
+    keep: list[Any] = []
+    added: list[tuple[str, Any]] = []
     for cond in conjuncts(where):
         negated = isinstance(cond, exp.Not)
         ex = cond.this if negated else cond
@@ -428,13 +429,15 @@ def range_bounds(ranges: Sequence[tuple[int, int] | str | None], touching: bool 
     every key value is then on one rank.  With ``touching``, an interval may also start at the value
     the one before ends with (a key's rows split at the boundary: routing them moves those rows).
     ``None`` otherwise."""
-    lower, ranks, last = [], [], None
+    lower: list[int] = []
+    ranks: list[int] = []
+    last: int | None = None
     for rank, r in enumerate(ranges):
         if r is None:
             return None
-        if r == "empty":
+        if not isinstance(r, tuple):  # "empty"
             continue
-        lo, hi = r  # type: ignore[misc]
+        lo, hi = r
         if last is not None and (lo < last or lo == last and not touching):
             return None
         lower.append(lo)
@@ -451,9 +454,9 @@ def range_moved(ranges: Sequence[tuple[int, int] | str | None], sizes: Sequence[
     for rank, (r, size) in enumerate(zip(ranges, sizes)):
         if r is None:
             return None
-        if r == "empty":
+        if not isinstance(r, tuple):  # "empty"
             continue
-        lo, hi = r  # type: ignore[misc]
+        lo, hi = r
         if rank not in ranks:
             moved += size
             continue
@@ -1092,14 +1095,14 @@ class Executor:
         if r.p > 1 and keys and not placed:
             cur, placed = self.range_place(cur, [c for c in by_key if c in cur.base.column_names
                                                  and pa.types.is_integer(cur.base.schema.field(c).type)])
-        if placed:
+        if placed and cur.part is not None:
             # the rows are hash- or range-partitioned on some of the group keys: every group is on one rank already
             how = "range" if any(t.startswith("range:") for _, t in cur.part) else "hash"
             r.plan("aggregate", f"local: the rows are already {how}-partitioned on {[c for c, _ in cur.part]}, nothing moves", Cost(),
                    f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             src, tabs = cur.source()
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
-            part = tuple((f"__g{by_key[cur.covering(c, by_key)]}", t) for c, t in cur.part)  # type: ignore[index]
+            part = tuple((f"__g{by_key[cur.covering(c, by_key) or c]}", t) for c, t in cur.part)
             return tabs, f"(SELECT {body} FROM {src} AS t GROUP BY {', '.join(sql_of(k) for k in keys)})", mapping, part
         decomposable = r.p > 1 and all(type(a).__name__ in ("Count", "Sum", "Min", "Max", "Avg") and not any(True for _ in a.find_all(exp.Distinct)) for a in aggs)
         if decomposable:
