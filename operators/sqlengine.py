@@ -9,8 +9,9 @@ Decisions:
   local fragments and exchanges; docs/sql.md says why not DataFusion's or DuckDB's planner.
 - **Execution is distributed, fragments are DuckDB's.**  Each ``SELECT`` becomes steps: a scan of
   each source with its single-table filters (local), joins (hash shuffle of both sides on the
-  equality keys, or a broadcast of the small side, whichever the cost model's local join work plus
-  the exchanged bytes makes cheaper), group-by
+  equality keys, a broadcast of the small side, or, when one side's ranks hold disjoint intervals
+  of an integer key, the other side's rows routed to those intervals: whichever the cost model's
+  local join work plus the exchanged bytes makes cheaper), group-by
   (local partial aggregation, hash shuffle of the partials on the group keys, final aggregation;
   ``count(distinct)`` and other non-decomposable aggregates shuffle the rows instead), windows
   (hash shuffle on ``PARTITION BY``), ``DISTINCT``/set operations (hash shuffle on all columns),
@@ -34,8 +35,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from . import arrowtypes, kernels, partition
 from . import collectives as tc
-from . import kernels, partition
 from .communicator import Communicator
 from .costmodel import Cost, Plan, hockney
 from .dtable import DTable
@@ -120,6 +121,9 @@ class _Run:
         self.rank = comm.Get_rank()
         self.inputs = inputs
         self.plans: list[Plan] = []
+        # the communicator's Hockney α, β, looked up once per query: ``hockney`` is collective (it gathers
+        # the host names to find its cache entry), and every cost estimate of the plan reads them
+        self.model = hockney(comm)
 
     def local(self, sql: str, **tables: pa.Table) -> pa.Table:
         """Run one local fragment in DuckDB over this rank's Arrow tables."""
@@ -137,7 +141,7 @@ class _Run:
     def plan(self, operation: str, algorithm: str, cost: Cost | None = None, detail: str = "",
              alternatives: Mapping[str, float] | None = None) -> None:
         cost = Cost() if cost is None else cost
-        model = hockney(self.comm).describe() if self.p > 1 else ""
+        model = self.model.describe() if self.p > 1 else ""
         self.plans.append(Plan(operation, algorithm, cost, dict(alternatives or {}), detail, model))
 
     def shuffle_by(self, table: pa.Table, keys: pa.Table) -> pa.Table:
@@ -158,6 +162,71 @@ class _Run:
             if pa.types.is_string_view(f.type):
                 keys = keys.set_column(i, f.name, table.column(i).cast(pa.large_string()))
         return self.shuffle_by(table, keys)
+
+    def route(self, table: pa.Table, column: str, bounds: tuple[tuple[int, ...], tuple[int, ...]]) -> pa.Table:
+        """Move the rows of ``table`` whose integer ``column`` falls outside this rank's interval of
+        ``bounds`` (see ``sqlplan.range_bounds``) to the rank whose interval holds it; the others stay
+        as they are (NULL keys stay too).  Data sorted by the key and split by rows moves only the
+        rows about the boundaries."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        lower, ranks = bounds
+        col = table.column(column)
+        if self.rank in ranks:
+            i = ranks.index(self.rank)
+            outside = None
+            if i > 0:
+                outside = pc.less(col, lower[i])
+            if i + 1 < len(lower):
+                above = pc.greater_equal(col, lower[i + 1])
+                outside = above if outside is None else pc.or_(outside, above)
+        else:
+            outside = pc.is_valid(col)
+        if outside is None or not pc.any(outside).as_py():
+            stay, leave = table, table.slice(0, 0)
+        else:
+            mask = pc.fill_null(outside, False).to_numpy(zero_copy_only=False)
+            stay, leave = arrowtypes.take(table, pa.array(np.flatnonzero(~mask))), arrowtypes.take(table, pa.array(np.flatnonzero(mask)))
+        keys = leave.column(column).to_numpy().astype(np.int64, copy=False)
+        dest = np.asarray(ranks, dtype=np.int64)[np.clip(np.searchsorted(np.asarray(lower), keys, side="right") - 1, 0, None)]
+        got = tc.shuffle(self.comm, leave, dest)
+        return pa.concat_tables([stay, got.cast(stay.schema)]) if got.num_rows else stay
+
+    def route_in_place(self, table: pa.Table, column: str, bounds: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[pa.Table, str | None]:
+        """``route`` without copying the rows that stay: returns ``table`` with the rows that arrived
+        appended, and the SQL condition that keeps only this rank's own rows of it (``None`` when no row
+        left: the table is then exactly this rank's rows).  Collective."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        from .sqlplan import q
+
+        lower, ranks = bounds
+        col = table.column(column)
+        if self.rank in ranks:
+            i = ranks.index(self.rank)
+            lo = lower[i] if i > 0 else None
+            hi = lower[i + 1] if i + 1 < len(lower) else None
+            outside = None
+            if lo is not None:
+                outside = pc.less(col, lo)
+            if hi is not None:
+                above = pc.greater_equal(col, hi)
+                outside = above if outside is None else pc.or_(outside, above)
+            inside = " AND ".join(([f"{q(column)} >= {lo}"] if lo is not None else []) + ([f"{q(column)} < {hi}"] if hi is not None else []))
+            keep = f"({q(column)} IS NULL OR ({inside}))" if inside else None
+        else:
+            outside, keep = pc.is_valid(col), f"({q(column)} IS NULL)"
+        if outside is None or not pc.any(outside).as_py():
+            leave = table.slice(0, 0)
+            keep = None
+        else:
+            leave = arrowtypes.take(table, pa.array(np.flatnonzero(pc.fill_null(outside, False).to_numpy(zero_copy_only=False))))
+        keys = leave.column(column).to_numpy().astype(np.int64, copy=False)
+        dest = np.asarray(ranks, dtype=np.int64)[np.clip(np.searchsorted(np.asarray(lower), keys, side="right") - 1, 0, None)]
+        got = tc.shuffle(self.comm, leave, dest)
+        return (pa.concat_tables([table, got.cast(table.schema)]) if got.num_rows else table), keep
 
     def broadcast(self, table: pa.Table) -> pa.Table:
         """Every rank's rows on every rank."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from .costmodel import Cost, allgather_cost, hockney, join_costs, shuffle_cost
+from .costmodel import Cost, allgather_cost, join_costs, shuffle_cost
 from .errors import SQLError
 
 if TYPE_CHECKING:
@@ -155,11 +155,75 @@ def _optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str]
     used = {t.name.lower() for t in tree.find_all(exp.Table)}
     schema: dict[str, object] = {name: _duck_types(s) for name, s in schemas.items() if name.lower() in used}
     try:
-        return sg_optimize(tree, schema=schema, dialect=DIALECT), names
+        optimized = sg_optimize(tree, schema=schema, dialect=DIALECT)
     except OptimizeError as exc:
         raise SQLError(f"{str(exc).rstrip('.')} (in the query)") from exc
     except SqlglotError as exc:
         raise SQLError(f"cannot plan the query: {exc}") from exc
+    _reduce_grouped_ctes(optimized)
+    return optimized, names
+
+
+def _reduce_grouped_ctes(tree: Any) -> None:
+    """Restrict, in place, a grouped CTE that one join reads on its group key to the keys the join can
+    meet: the shape sqlglot gives a decorrelated subquery (TPC-H Q2, Q17, Q22: ``LEFT JOIN (SELECT
+    agg(..), t.k AS u FROM t GROUP BY t.k) AS c ON c.u = x.key`` with ``x`` filtered by conjuncts of its
+    own).  The CTE gets ``t.k IN (SELECT x.key FROM x WHERE those conjuncts)``: a group whose key no
+    surviving ``x`` row holds joins no row that the query keeps, and the groups kept are whole, so the
+    answer is the same, while the aggregate reads only the rows of those keys (DuckDB's own plan
+    reaches the same by a delim join).  Only that plain shape is rewritten: the CTE read once, by an
+    inner or left join in a ``SELECT`` whose ``x`` is a table of its ``FROM`` or inner joins with at
+    least one conjunct of its own (in ``WHERE`` or an inner join's ``ON``, without subqueries); the
+    CTE a ``SELECT`` with that key among its ``GROUP BY``, without ``LIMIT`` or window functions."""
+    exp = _exp()
+    with_ = tree.args.get("with_")
+    if with_ is None:
+        return
+    ctes = {c.alias_or_name: c.this for c in with_.expressions if isinstance(c.this, exp.Select)}
+    order = [c.alias_or_name for c in with_.expressions]
+    reads: dict[str, int] = {}
+    for t in tree.find_all(exp.Table):
+        if not t.args.get("db"):
+            reads[t.name] = reads.get(t.name, 0) + 1
+    for node in list(tree.find_all(exp.Select)):
+        from_ = node.args.get("from_")
+        joins = node.args.get("joins") or []
+        if from_ is None or not joins or any(j.side and j.side.lower() in ("right", "full") for j in joins):
+            continue
+        inner = [j for j in joins if not j.side and (j.kind or "").lower() in ("", "inner")]
+        tables = {t.alias_or_name: t for t in [from_.this, *(j.this for j in inner)] if isinstance(t, exp.Table) and not t.args.get("db")}
+        pool = conjuncts(node.args.get("where")) + [c for j in inner for c in conjuncts(j.args.get("on"))]
+        for j in joins:
+            table = j.this
+            if not isinstance(table, exp.Table) or table.name not in ctes or reads.get(table.name) != 1:
+                continue
+            if j.side and j.side.lower() != "left" or (j.kind or "").lower() not in ("", "inner", "outer"):
+                continue
+            cte, alias = ctes[table.name], table.alias_or_name
+            if any(cte.args.get(k) for k in ("limit", "offset", "having", "qualify", "distinct")) or cte.args.get("group") is None \
+                    or any(True for _ in cte.find_all(exp.Window)):
+                continue
+            outputs = {e.alias_or_name: (e.this if isinstance(e, exp.Alias) else e) for e in cte.expressions}
+            groups = {sql_of(g) for g in cte.args["group"].expressions}
+            for c in conjuncts(j.args.get("on")):
+                if not isinstance(c, exp.EQ):
+                    continue
+                mine, other = (c.left, c.right) if aliases(c.left) == {alias} else (c.right, c.left)
+                if not (isinstance(mine, exp.Column) and mine.table == alias and isinstance(other, exp.Column)
+                        and other.table in tables and other.table != alias):
+                    continue
+                key = outputs.get(mine.name)
+                if key is None or sql_of(key) not in groups:
+                    continue
+                x = other.table
+                if tables[x].name in order and order.index(tables[x].name) >= order.index(table.name):
+                    continue  # a CTE the grouped one is computed before
+                own = [f for f in pool if aliases(f) == {x} and not any(True for _ in f.find_all(exp.Subquery, exp.Exists, exp.Select))]
+                if not own:
+                    continue
+                keys = exp.select(other.copy()).from_(tables[x].copy()).where(exp.and_(*(f.copy() for f in own)))
+                cte.where(exp.In(this=key.copy(), query=exp.Subquery(this=keys)), copy=False)
+                break
 
 
 _INEQUALITIES = ("NEQ", "GT", "GTE", "LT", "LTE")
@@ -185,7 +249,8 @@ def _exists_to_joins(node: Any, columns: dict[str, set[str]]) -> None:
                                        *(j.this for j in node.args.get("joins") or [])] if isinstance(t, exp.Table)}
     mine = [c for c in node.find_all(exp.Column) if c.find_ancestor(exp.Select) is node]
     unqualified = {c.name.lower() for c in mine if not c.table}
-    keep, added = [], []
+    keep: list[Any] = []
+    added: list[tuple[str, Any]] = []
     for cond in conjuncts(where):
         negated = isinstance(cond, exp.Not)
         ex = cond.this if negated else cond
@@ -336,6 +401,78 @@ def _canonical_key(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
     return a
 
 
+def key_range(table: pa.Table, column: str | None) -> tuple[int, int] | str | None:
+    """``(min, max)`` of an integer column of this rank's ``table``, ``"empty"`` when no value is
+    there (no rows or only NULLs), ``None`` when it cannot be routed by ranges (no such column, not
+    an integer type)."""
+    import pyarrow.compute as pc
+
+    if column is None or column not in table.column_names or not pa.types.is_integer(table.schema.field(column).type):
+        return None
+    mm = pc.min_max(table.column(column)).as_py()
+    return "empty" if mm["min"] is None else (int(mm["min"]), int(mm["max"]))
+
+
+def key_nulls(table: pa.Table, column: str | None) -> int:
+    """The NULLs of ``column`` in this rank's ``table`` (0 when there is no such column)."""
+    return int(table.column(column).null_count) if column is not None and column in table.column_names else 0
+
+
+#: the ranks' ``[lower bounds]`` and ``[ranks]`` of a range partitioning: rank ``ranks[i]`` holds the
+#: key values from ``lower[i]`` up to ``lower[i + 1]`` (the first also those below, the last those above)
+Bounds = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def range_bounds(ranges: Sequence[tuple[int, int] | str | None], touching: bool = False) -> Bounds | None:
+    """The bounds of the ranks' ``key_range``s when the ranks holding values hold disjoint intervals in
+    rank order (data sorted by the key and split by rows, as generators and simulations write it):
+    every key value is then on one rank.  With ``touching``, an interval may also start at the value
+    the one before ends with (a key's rows split at the boundary: routing them moves those rows).
+    ``None`` otherwise."""
+    lower: list[int] = []
+    ranks: list[int] = []
+    last: int | None = None
+    for rank, r in enumerate(ranges):
+        if r is None:
+            return None
+        if not isinstance(r, tuple):  # "empty"
+            continue
+        lo, hi = r
+        if last is not None and (lo < last or lo == last and not touching):
+            return None
+        lower.append(lo)
+        ranks.append(rank)
+        last = hi
+    return (tuple(lower), tuple(ranks)) if ranks else None
+
+
+def range_moved(ranges: Sequence[tuple[int, int] | str | None], sizes: Sequence[float], bounds: Bounds) -> float | None:
+    """The bytes that routing rows of the ranks' ``ranges`` (``sizes`` bytes each) to ``bounds`` would
+    move, taking values spread evenly over each rank's interval; ``None`` when a range is unknown."""
+    lower, ranks = bounds
+    moved = 0.0
+    for rank, (r, size) in enumerate(zip(ranges, sizes)):
+        if r is None:
+            return None
+        if not isinstance(r, tuple):  # "empty"
+            continue
+        lo, hi = r
+        if rank not in ranks:
+            moved += size
+            continue
+        i = ranks.index(rank)
+        own_lo = lower[i] if i > 0 else lo  # the first rank takes every value below, the last every value above
+        own_hi = lower[i + 1] - 1 if i + 1 < len(lower) else hi
+        inside = max(0, min(hi, own_hi) - max(lo, own_lo) + 1)
+        moved += size * (1.0 - inside / (hi - lo + 1))
+    return moved
+
+
+def range_part(column: str, bounds: Bounds) -> Part:
+    """The partitioning mark of rows placed by ``bounds`` on ``column`` (never equal to a hash mark)."""
+    return ((column, "range:" + ",".join(map(str, bounds[0])) + "@" + ",".join(map(str, bounds[1]))),)
+
+
 # ---------------------------------------------------------------------------------------- execution
 #: schema metadata of a result that is hash-partitioned over the ranks: ``[[column, hashed type], ...]``
 PART_KEY = b"hetflow.sql.partitioned_by"
@@ -370,12 +507,22 @@ class Rel:
     broadcast, or co-partitioned by a shuffle) and filters still to apply, which the next fragment runs
     with its own work, so DuckDB pipelines them without an Arrow table in between."""
 
-    def __init__(self, base: pa.Table, part: Part | None = None) -> None:
+    def __init__(self, base: pa.Table, part: Part | None = None, equal: dict[str, set[str]] | None = None) -> None:
         self.base = base
         self.part = part  # the rows are hash-partitioned on these physical columns (hashed as these types)
         self.tables: dict[str, pa.Table] = {}
         self.steps: list[str] = []
         self.where: list[str] = []
+        self.equal: dict[str, set[str]] = dict(equal or {})  # columns an inner join's equality made equal in every row
+
+    def add_equal(self, a: str, b: str) -> None:
+        group = self.equal.get(a, {a}) | self.equal.get(b, {b})
+        for c in group:
+            self.equal[c] = group
+
+    def covering(self, column: str, names: Any) -> str | None:
+        """``column``, or a column equal to it in every row, that is among ``names``."""
+        return next((c for c in [column, *sorted(self.equal.get(column, ()))] if c in names), None)
 
     @property
     def pending(self) -> bool:
@@ -440,7 +587,7 @@ class Executor:
             if r.p > 1:
                 sizes = r.sizes(table)
                 table = r.broadcast(table)
-                r.plan("subquery", "broadcast of its result", allgather_cost(hockney(r.comm), sizes),
+                r.plan("subquery", "broadcast of its result", allgather_cost(r.model, sizes),
                        f"uncorrelated subquery of {table.num_rows} row(s)")
             name = f"__sq{len(self.subqueries)}"
             self.subqueries[name] = table
@@ -525,7 +672,14 @@ class Executor:
                 elif a and b and a <= ral and b <= lal:
                     keys.append((c.right, c.left))
         cond = " AND ".join(f"({sql_of(phys(c))})" for c in on) or "TRUE"
-        lsizes, rsizes = r.sizes(left), r.sizes(right)  # the left's base: its pending joins are not run to size it
+        # sizes of the left's base (its pending joins are not run to size it) and the key columns' ranges, in one allgather
+        cols = [(f"{a.table}.{a.name}" if isinstance(a, exp.Column) and a.table else None,
+                 f"{b.table}.{b.name}" if isinstance(b, exp.Column) and b.table else None) for a, b in keys]
+        mine = (int(left.nbytes), int(right.nbytes), [(key_range(left, la), key_range(right, rb)) for la, rb in cols] if r.p > 1 else [],
+                [key_nulls(left, la) for la, _ in cols])
+        stats = r.comm.allgather(mine) if r.p > 1 else [mine]
+        lsizes, rsizes = [float(x[0]) for x in stats], [float(x[1]) for x in stats]
+        ranged = self.range_choice([[x[2][i] for x in stats] for i in range(len(keys))], lsizes, rsizes) if r.p > 1 else None
         detail = f"{how} join of {sorted(lal)} ({sum(lsizes) / 1e6:.2f} MB) with {sorted(ral)} ({sum(rsizes) / 1e6:.2f} MB)"
         types, lsig, rsig = self.key_signatures(left_rel, right, keys)
         left_ready = lsig is not None and left_rel.part == lsig  # already hash-partitioned on these keys
@@ -535,17 +689,33 @@ class Executor:
         elif keys and left_ready and right_ready:  # co-partitioned: nothing moves
             r.plan("join", "co-partitioned: both sides already hash-partitioned on the keys, nothing moves", Cost(), detail)
         elif keys:
-            costs = join_costs(hockney(r.comm), lsizes, rsizes, how)
+            costs = join_costs(r.model, lsizes, rsizes, how)
             if left_ready or right_ready:  # only the other side moves
-                costs["hash"] = shuffle_cost(hockney(r.comm), rsizes if left_ready else lsizes) + Cost(compute_s=costs["hash"].compute_s)
+                costs["hash"] = shuffle_cost(r.model, rsizes if left_ready else lsizes) + Cost(compute_s=costs["hash"].compute_s)
+            if ranged is not None:  # both sides placed by one side's key intervals: only the rows outside them move
+                costs["range"] = Cost(exchange_bytes=ranged[0], exchange_s=r.model.alpha * 2 * (r.p - 1),
+                                      compute_s=costs["hash"].compute_s * r.p / len(ranged[3][1]))  # on the ranks holding keys
             # the local join work of the cost model, plus the exchanged bytes at the rate a shuffle partitions,
             # copies and sends them (the Hockney time of the exchange alone leaves that work out)
-            choice = min((k for k in ("hash", "broadcast", "broadcast_left") if k in costs),
+            choice = min((k for k in ("range", "hash", "broadcast", "broadcast_left") if k in costs),
                          key=lambda k: costs[k].compute_s + costs[k].exchange_bytes * EXCHANGE_SECONDS_PER_BYTE)
             alts = {k: c.seconds for k, c in costs.items() if k != "sort"}
-            if choice == "hash":
+            if choice == "range":
+                _, i, giver, bounds = ranged  # type: ignore[misc]
+                lcol, rcol = cols[i]
+                # the result is range-partitioned on the left key unless NULL keys the join keeps sit on several ranks
+                mark = range_part(lcol, bounds) if how in ("inner", "semi") or not any(x[3][i] for x in stats) else None  # type: ignore[arg-type]
+                if giver == "left":  # the left's rows are in their intervals already
+                    right = r.route(right, rcol, bounds)  # type: ignore[arg-type]
+                    if left_rel.part is None:
+                        left_rel.part = mark
+                else:
+                    left_rel = self.route_rel(left_rel, lcol, bounds, mark)  # type: ignore[arg-type]
+                algo = (f"range: the {'right' if giver == 'left' else 'left'} side's rows outside the {giver} side's "
+                        f"intervals of {lcol if giver == 'left' else rcol} move")
+            elif choice == "hash":
                 if types is None:  # keys that are expressions: their common types from their values
-                    left_rel = Rel(self.rows_of(left_rel))
+                    left_rel = Rel(self.rows_of(left_rel), None, left_rel.equal)
                     lk0 = self.key_columns(left_rel.base, [a for a, _ in keys])
                     rk0 = self.key_columns(right, [b for _, b in keys])
                     types = [_canonical_key(x.type, y.type) or x.type for x, y in zip(lk0.schema, rk0.schema)]
@@ -553,7 +723,7 @@ class Executor:
                 if not left_ready:
                     left = self.rows_of(left_rel)
                     left = r.shuffle_by(left, self.hash_keys(left, [a for a, _ in keys], types))
-                    left_rel = Rel(left, lsig)
+                    left_rel = Rel(left, lsig, left_rel.equal)
                     moved.append("left")
                 if not right_ready:
                     right = r.shuffle_by(right, self.hash_keys(right, [b for _, b in keys], types))
@@ -563,14 +733,14 @@ class Executor:
                 right = r.broadcast(right)
                 algo = "broadcast right"
             else:
-                left_rel = Rel(r.broadcast(self.rows_of(left_rel)))
+                left_rel = Rel(r.broadcast(self.rows_of(left_rel)), None, left_rel.equal)
                 algo = "broadcast left"
             r.plan("join", algo, costs[choice], detail, alts)
         else:  # no equality: broadcast one side (both to rank 0 for a full join)
             small_right = sum(rsizes) <= sum(lsizes)
             choice = ({"inner": "broadcast" if small_right else "broadcast_left", "cross": "broadcast" if small_right else "broadcast_left",
                        "left": "broadcast", "semi": "broadcast", "anti": "broadcast", "right": "broadcast_left"}).get(how, "gather")
-            model = hockney(r.comm)
+            model = r.model
             if choice == "broadcast":
                 right = r.broadcast(right)
                 cost = allgather_cost(model, rsizes)
@@ -584,10 +754,41 @@ class Executor:
                    cost, detail)
         if how in ("inner", "left", "cross"):
             left_rel.add_join(how, right, cond)
+            if how == "inner":
+                for a, b in keys:
+                    if isinstance(a, exp.Column) and a.table and isinstance(b, exp.Column) and b.table:
+                        left_rel.add_equal(f"{a.table}.{a.name}", f"{b.table}.{b.name}")
             return left_rel
         part = left_rel.part if how in ("semi", "anti") else None
         on_sql = f" ON {cond}"
         return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=self.rows_of(left_rel), r=right), part)
+
+    def range_choice(self, ranges: list[list[tuple[Any, Any]]], lsizes: list[float], rsizes: list[float]) -> tuple[float, int, str, Bounds] | None:
+        """For each key pair's ranks' ``(left range, right range)``: when one side's rows hold disjoint
+        key intervals in rank order, the other side can be routed to them (``_Run.route``); returns the
+        cheapest such ``(bytes moved, key index, giving side, bounds)``, the left giving on a tie (its
+        pending joins then stay pending), or ``None``."""
+        best: tuple[float, int, str, Bounds] | None = None
+        for i, pairs in enumerate(ranges):
+            lr, rr = [a for a, _ in pairs], [b for _, b in pairs]
+            for giver, own, other, sizes in (("left", lr, rr, rsizes), ("right", rr, lr, lsizes)):
+                bounds = range_bounds(own)
+                moved = range_moved(other, sizes, bounds) if bounds is not None else None
+                if moved is not None and bounds is not None and (best is None or moved < best[0]):
+                    best = (moved, i, giver, bounds)
+        return best
+
+    def route_rel(self, rel: Rel, column: str, bounds: Bounds, part: Part | None) -> Rel:
+        """``rel`` with its rows placed by ``bounds`` on ``column`` (``_Run.route``), marked ``part``.  A
+        relation with only filters pending keeps its base in place: the rows that leave are sent and
+        masked out by one more pending filter, the rows that arrive appended (no copy of the base)."""
+        r = self.r
+        if rel.steps:
+            return Rel(r.route(self.rows_of(rel), column, bounds), part, rel.equal)
+        base, keep = r.route_in_place(rel.base, column, bounds)
+        out = Rel(base, part, rel.equal)
+        out.where = list(rel.where) + ([keep] if keep else [])
+        return out
 
     def key_signatures(self, left: Rel, right: pa.Table, keys: list[tuple[Any, Any]]) -> tuple[list[pa.DataType] | None, Part | None, Part | None]:
         """The type each key pair is hashed as (the sides' common type) and, where the keys are plain
@@ -674,13 +875,14 @@ class Executor:
         for s in inner_srcs:
             alias, t, parts[alias] = self.source(s, needed)
             rels[alias] = t
-        # single-source filters of the inner part run at the scan
+        # single-source filters of the inner part: run at the scan (join_order), or by the first fragment over the first source
+        filters: dict[str, str] = {}
         for alias in list(rels):
             mine = [c for c in pool if aliases(c) == {alias}]
             if mine:
                 pool = [c for c in pool if not any(c is m for m in mine)]
-                rels[alias] = self.local("SELECT * FROM t WHERE " + " AND ".join(f"({sql_of(phys(c))})" for c in mine), t=rels[alias])
-        cur, have, pool = self.join_order(rels, parts, pool)
+                filters[alias] = " AND ".join(f"({sql_of(phys(c))})" for c in mine)
+        cur, have, pool = self.join_order(rels, parts, pool, filters)
         # the remaining joins, in the order written
         for j in rest:
             how = self._how(j)
@@ -701,11 +903,16 @@ class Executor:
                 cur.add_where(" AND ".join(f"({sql_of(phys(c))})" for c in ready))
         return cur, have, pool + late
 
-    def join_order(self, rels: dict[str, pa.Table], parts: dict[str, Part | None], pool: list[Any]) -> tuple[Rel, set[str], list[Any]]:
+    def join_order(self, rels: dict[str, pa.Table], parts: dict[str, Part | None], pool: list[Any],
+                   filters: dict[str, str]) -> tuple[Rel, set[str], list[Any]]:
         """Join the inner sources greedily: start from the largest, then join the source whose join is
-        estimated to give the fewest rows (rows of both over the product, for each equality, of the
-        larger distinct count of its two columns: DuckDB's ``approx_count_distinct``, summed over the
-        ranks); a source linked by no equality comes last (cross join, broadcast)."""
+        estimated to give the fewest rows (rows of both over, for each pair of sources, the larger of the
+        two sides' distinct counts of their equality columns, each side's the product of its columns'
+        counts (DuckDB's ``approx_count_distinct``, summed over the ranks) but at most its rows: a
+        composite key is no rarer than unique); a source linked by no equality comes last (cross join,
+        broadcast).  Sizes and counts are of the rows that pass each source's ``filters``; the filtered
+        rows of every source but the first are materialized, the first's filter is left to the first
+        fragment that reads it (the largest input is not copied)."""
         exp = _exp()
         r = self.r
         eq_cols: dict[str, list[str]] = {a: [] for a in rels}
@@ -719,9 +926,13 @@ class Executor:
         local = []
         for a, t in rels.items():
             cols = [f"approx_count_distinct({q(f'{a}.{c}')})" for c in eq_cols[a]]
-            row = r.local(f"SELECT {', '.join(['count(*)', 'sum(0)'] + cols)} FROM t", t=t).to_pylist()[0] if cols else {"n": t.num_rows}
-            vals = list(row.values())
-            local.append([int(vals[0] or 0), int(t.nbytes)] + [int(v or 0) for v in vals[2:]])
+            where = f" WHERE {filters[a]}" if a in filters else ""
+            if cols:  # (no choice of order between two sources: their unfiltered sizes pick the first)
+                vals = list(self.local(f"SELECT {', '.join(['count(*)', 'sum(0)'] + cols)} FROM t{where}", t=t).to_pylist()[0].values())
+            else:
+                vals = [t.num_rows, 0]
+            n = int(vals[0] or 0)
+            local.append([n, int(t.nbytes * n / t.num_rows) if t.num_rows else 0] + [int(v or 0) for v in vals[2:]])
         stats = r.comm.allgather(local) if r.p > 1 else [local]
         rows, nbytes, ndv = {}, {}, {}
         for i, a in enumerate(rels):
@@ -737,17 +948,23 @@ class Executor:
 
         order = list(rels)
         first = max(order, key=lambda a: (nbytes[a], -order.index(a)))
+        for a, t in list(rels.items()):
+            if a in filters and a != first:
+                rels[a] = self.local(f"SELECT * FROM t WHERE {filters[a]}", t=t)
         cur, have, cur_rows = Rel(rels.pop(first), parts[first]), {first}, float(rows[first])
+        if first in filters:
+            cur.add_where(filters[first])
         while rels:
             best: tuple[float, int, str] | None = None
             for a in rels:
                 eqs = [c for c in pool if isinstance(c, exp.EQ) and a in aliases(c) and aliases(c) - {a} and aliases(c) - {a} <= have]
                 if not eqs:
                     continue
-                est = float(cur_rows) * rows[a]
+                mine_n, other_n = 1.0, 1.0  # the distinct counts of the equality columns taken together, on each side
                 for c in eqs:
                     mine, other = (c.left, c.right) if aliases(c.left) == {a} else (c.right, c.left)
-                    est /= max(distinct(mine, rows[a]), distinct(other, cur_rows))
+                    mine_n, other_n = mine_n * distinct(mine, rows[a]), other_n * distinct(other, cur_rows)
+                est = float(cur_rows) * rows[a] / max(min(mine_n, max(rows[a], 1)), min(other_n, max(cur_rows, 1)))
                 if best is None or (est, order.index(a)) < best[:2]:
                     best = (est, order.index(a), a)
             nxt = best[2] if best is not None else min(rels, key=lambda a: (nbytes[a], order.index(a)))
@@ -874,12 +1091,18 @@ class Executor:
         gcols = [f"__g{i}" for i in range(len(keys))]
         gby = f" GROUP BY {', '.join(gcols)}" if keys else ""
         by_key = {k.name: i for i, k in enumerate(keys) if isinstance(k, exp.Column) and not k.table}
-        if r.p > 1 and keys and cur.part is not None and all(c in by_key for c, _ in cur.part):
-            # the rows are hash-partitioned on some of the group keys: every group is on one rank already
-            r.plan("aggregate", f"local: the rows are already hash-partitioned on {[c for c, _ in cur.part]}, nothing moves", Cost(),
+        placed = r.p > 1 and keys and cur.part is not None and all(cur.covering(c, by_key) for c, _ in cur.part)
+        if r.p > 1 and keys and not placed:
+            cur, placed = self.range_place(cur, [c for c in by_key if c in cur.base.column_names
+                                                 and pa.types.is_integer(cur.base.schema.field(c).type)])
+        if placed and cur.part is not None:
+            # the rows are hash- or range-partitioned on some of the group keys: every group is on one rank already
+            how = "range" if any(t.startswith("range:") for _, t in cur.part) else "hash"
+            r.plan("aggregate", f"local: the rows are already {how}-partitioned on {[c for c, _ in cur.part]}, nothing moves", Cost(),
                    f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+            src, tabs = cur.source()
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
-            part = tuple((f"__g{by_key[c]}", t) for c, t in cur.part)
+            part = tuple((f"__g{by_key[cur.covering(c, by_key) or c]}", t) for c, t in cur.part)
             return tabs, f"(SELECT {body} FROM {src} AS t GROUP BY {', '.join(sql_of(k) for k in keys)})", mapping, part
         decomposable = r.p > 1 and all(type(a).__name__ in ("Count", "Sum", "Min", "Max", "Avg") and not any(True for _ in a.find_all(exp.Distinct)) for a in aggs)
         if decomposable:
@@ -901,11 +1124,11 @@ class Executor:
             if keys:
                 part = r.shuffle(part, gcols)
                 r.plan("aggregate", "partial aggregate, hash shuffle of the partials on the keys, final aggregate" if r.p > 1 else "local (1 rank)",
-                       shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
+                       shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             else:
                 part = r.gather(part)
                 r.plan("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
-                       shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
+                       shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
             return _final_aggregate(part, gcols + final, gby, keys, gcols, r.rank, mapping)
         if r.p == 1:  # one rank: the aggregate in one fragment
             r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
@@ -915,9 +1138,37 @@ class Executor:
         sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
         r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
-               shuffle_cost(hockney(r.comm), sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
+               shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
         return _final_aggregate(pre, gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)], gby, keys, gcols,
                                 r.rank, mapping)
+
+    #: fewest distinct values a rank's key interval spans for a group-by to be placed by key ranges
+    #: (fewer: the partial aggregates are small, and a boundary value may hold many rows)
+    RANGE_MIN_SPAN = 1024
+
+    def range_place(self, cur: Rel, columns: list[str]) -> tuple[Rel, bool]:
+        """``cur`` with every value of one of the integer base ``columns`` on one rank, when the ranks'
+        intervals of it are disjoint in rank order, or touch (the rows of the boundary values move,
+        ``_Run.route``) and span at least ``RANGE_MIN_SPAN`` values each: ``(rel, True)``; else
+        ``(cur, False)``.  Collective (one allgather) when there are ``columns``."""
+        r = self.r
+        if not columns:
+            return cur, False
+        stats = r.comm.allgather([(key_range(cur.base, c), key_nulls(cur.base, c)) for c in columns])
+        for i, c in enumerate(columns):
+            ranges = [x[i][0] for x in stats]
+            if sum(1 for x in stats if x[i][1]) > 1:  # NULL keys (one group) on several ranks
+                continue
+            if any(isinstance(x, tuple) and x[1] - x[0] + 1 < self.RANGE_MIN_SPAN for x in ranges):
+                continue
+            bounds = range_bounds(ranges, touching=True)
+            if bounds is None:
+                continue
+            if range_bounds(ranges) is None:  # touching: the boundary values' rows move
+                cur = self.route_rel(cur, c, bounds, None)
+            cur.part = range_part(c, bounds)
+            return cur, True
+        return cur, False
 
     def window_exchange(self, cur: pa.Table, windows: list[Any]) -> pa.Table:
         """Bring each window partition onto one rank: hash shuffle on the common ``PARTITION BY``, else gather."""
@@ -931,9 +1182,9 @@ class Executor:
             keys = next(iter(parts))
             wk = r.local("SELECT " + ", ".join(f"{k} AS __w{i}" for i, k in enumerate(keys)) + " FROM t", t=cur)
             out = r.shuffle_by(cur, wk)
-            r.plan("window", f"hash shuffle on PARTITION BY {list(keys)}", shuffle_cost(hockney(r.comm), sizes), f"{len(windows)} window function(s)")
+            r.plan("window", f"hash shuffle on PARTITION BY {list(keys)}", shuffle_cost(r.model, sizes), f"{len(windows)} window function(s)")
             return out
-        r.plan("window", "gather to rank 0 (no common PARTITION BY)", shuffle_cost(hockney(r.comm), sizes), f"{len(windows)} window function(s)")
+        r.plan("window", "gather to rank 0 (no common PARTITION BY)", shuffle_cost(r.model, sizes), f"{len(windows)} window function(s)")
         return r.gather(cur)
 
     def distinct(self, table: pa.Table) -> pa.Table:
@@ -941,7 +1192,7 @@ class Executor:
         if r.p > 1:
             sizes = r.sizes(table)
             table = r.shuffle_all(table)
-            r.plan("distinct", "hash shuffle on all columns", shuffle_cost(hockney(r.comm), sizes))
+            r.plan("distinct", "hash shuffle on all columns", shuffle_cost(r.model, sizes))
         return r.local("SELECT DISTINCT * FROM t", t=table)
 
     def order_limit(self, table: pa.Table, order: list[tuple[str, bool, bool]], limit: int | None, offset: int | None, top: bool) -> pa.Table:
@@ -956,7 +1207,7 @@ class Executor:
                     table = r.local(f"SELECT * FROM t ORDER BY {keys} LIMIT {limit + off}", t=table)
                 table = r.gather(table)
                 r.plan("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort",
-                       shuffle_cost(hockney(r.comm), sizes), f"ORDER BY {keys}{tail}")
+                       shuffle_cost(r.model, sizes), f"ORDER BY {keys}{tail}")
             else:
                 r.plan("order_by", "local sort (1 rank)", Cost(), f"ORDER BY {keys}{tail}")
             if r.rank == 0 or r.p == 1:
@@ -991,7 +1242,7 @@ class Executor:
             if r.p > 1:
                 sizes = [x + y for x, y in zip(r.sizes(a), r.sizes(b))]
                 a, b = r.shuffle_all(a), r.shuffle_all(b)
-                r.plan(op.lower(), "hash shuffle both sides on all columns", shuffle_cost(hockney(r.comm), sizes))
+                r.plan(op.lower(), "hash shuffle both sides on all columns", shuffle_cost(r.model, sizes))
             out = r.local(f"SELECT * FROM a {op}{'' if distinct else ' ALL'} SELECT * FROM b", a=a, b=b)
         order = []
         for o in (node.args.get("order").expressions if node.args.get("order") else []):
