@@ -292,12 +292,13 @@ def create_temp(dfd: int, name: str) -> tuple[str, int]:
     return tmp, fd
 
 
-def unlink_quiet(dfd: int, name: str) -> None:
-    """Remove entry ``name`` of ``dfd`` if it is there (a link is removed, never followed)."""
+def unlink_quiet(dfd: int, name: str) -> bool:
+    """Remove entry ``name`` of ``dfd`` if it is there (a link is removed, never followed); whether it was."""
     try:
         os.unlink(name, dir_fd=dfd)
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
 def write_at(dfd: int, directory: str | os.PathLike[str], name: str, data: bytes | Callable[[IO[bytes]], None], *,
