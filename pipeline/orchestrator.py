@@ -956,7 +956,8 @@ class Orchestrator(MapShell):
         """:func:`private_dir`, once per run for each directory (this run's directories are 0700: nobody
         else can replace one by a link afterwards)."""
         if path not in self.made_dirs:
-            private_dir(path)
+            # walked from the run's directory when below it (made and checked by prepare(), 0700 since)
+            private_dir(path, base=self.run_dir if self.run_dir in path.parents else None)
             self.made_dirs.add(path)
         return path
 
