@@ -279,10 +279,11 @@ def uncommit(directory: "str | os.PathLike[str]") -> None:
         doomed = [n for n in names if _is_part(n)]
         for entry in [MANIFEST, *doomed]:
             _refuse_link(dfd, directory, entry)
-        _unlink_quiet(dfd, MANIFEST)
+        removed = _unlink_quiet(dfd, MANIFEST)
         for entry in doomed:
-            _unlink_quiet(dfd, entry)
-        os.fsync(dfd)
+            removed = _unlink_quiet(dfd, entry) or removed
+        if removed:  # a fresh output directory (every stage's first attempt) has nothing to make durable
+            os.fsync(dfd)
     finally:
         os.close(dfd)
 

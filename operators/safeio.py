@@ -103,11 +103,9 @@ def open_dir(path: str | os.PathLike[str], *, base: str | os.PathLike[str] | Non
             anchor = _existing_ancestor(start)
             start, parts = anchor, start.relative_to(anchor).parts + parts
     fd = os.open(start, O_PATH | O_DIRECTORY)
-    here = start
-    for part in parts:
-        here = here / part
+    for depth, part in enumerate(parts):
         try:
-            child = _step(fd, part, here, create)
+            child = _step(fd, part, start, parts[:depth + 1], create)
         finally:
             os.close(fd)
         fd = child
@@ -121,8 +119,10 @@ def _existing_ancestor(path: Path) -> Path:
     return probe
 
 
-def _step(parent_fd: int, name: str, where: Path, create: bool) -> int:
-    """Open entry ``name`` of ``parent_fd`` as a directory without following it (and make it if asked)."""
+def _step(parent_fd: int, name: str, start: Path, walked: tuple[str, ...], create: bool) -> int:
+    """Open entry ``name`` of ``parent_fd`` as a directory without following it (and make it if asked);
+    ``start`` joined with ``walked`` is its path, made only for a refusal's message (a walk makes a path per
+    component otherwise, which was most of a private directory's cost to the orchestrator)."""
     created = False
     flags = O_PATH | O_DIRECTORY | O_NOFOLLOW
     try:
@@ -139,12 +139,12 @@ def _step(parent_fd: int, name: str, where: Path, create: bool) -> int:
             fd = os.open(name, flags, dir_fd=parent_fd)
     except OSError as exc:
         if exc.errno in LINK_ERRNOS:
-            raise _walk_refusal(name, parent_fd, where) from None
+            raise _walk_refusal(name, parent_fd, start.joinpath(*walked)) from None
         raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISDIR(info.st_mode):  # O_PATH|O_NOFOLLOW opens a link itself rather than failing
-            raise _walk_refusal(name, parent_fd, where)
+            raise _walk_refusal(name, parent_fd, start.joinpath(*walked))
         if created and stat.S_IMODE(info.st_mode) != DIR_MODE:
             chmod_fd(fd, DIR_MODE, name, parent_fd)
     except BaseException:
@@ -292,12 +292,13 @@ def create_temp(dfd: int, name: str) -> tuple[str, int]:
     return tmp, fd
 
 
-def unlink_quiet(dfd: int, name: str) -> None:
-    """Remove entry ``name`` of ``dfd`` if it is there (a link is removed, never followed)."""
+def unlink_quiet(dfd: int, name: str) -> bool:
+    """Remove entry ``name`` of ``dfd`` if it is there (a link is removed, never followed); whether it was."""
     try:
         os.unlink(name, dir_fd=dfd)
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
 def write_at(dfd: int, directory: str | os.PathLike[str], name: str, data: bytes | Callable[[IO[bytes]], None], *,

@@ -190,7 +190,14 @@ def _sha(text: str | bytes) -> str:
 
 
 def _external_dirs() -> tuple[str, ...]:
-    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
+    """The installation's directories (real paths): once per process for its prefixes, not at every walk
+    (two per task in the orchestrator)."""
+    return _external_dirs_of(sys.prefix, sys.base_prefix, sys.exec_prefix)
+
+
+@functools.lru_cache(maxsize=4)
+def _external_dirs_of(*prefixes: str) -> tuple[str, ...]:
+    dirs = {*prefixes, *sysconfig.get_paths().values()}
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
 
 
@@ -596,13 +603,12 @@ class _Walker:
         known = _USER_MODULES.setdefault((self.roots, self.external, self.installed_local), {})
         for name, module in list(sys.modules.items()):
             path = getattr(module, "__file__", None) if isinstance(module, types.ModuleType) else None
-            if (name in found or not isinstance(path, str) or not path.endswith(".py") or path.startswith(unresolved)
-                    or "site-packages" in path or "dist-packages" in path):
-                continue
             seen = known.get(name)
-            if seen is None or seen[0] is not module or seen[1] != path:
-                seen = known[name] = (module, path, self.is_user(self.realpath(path)))
-            if seen[2]:
+            if seen is None or seen[0] is not module or seen[1] != path:  # a module not classified yet
+                user = isinstance(path, str) and path.endswith(".py") and not path.startswith(unresolved) and \
+                    "site-packages" not in path and "dist-packages" not in path and self.is_user(self.realpath(path))
+                seen = known[name] = (module, path, user)
+            if seen[2] and name not in found:
                 found[name] = (name, path, vars(module))
         return list(found.values())
 

@@ -55,7 +55,7 @@ from hetflow.tasks.scheduler import (
     TaskSubmitted,
     Tick,
 )
-from sqlalchemy import select
+from sqlalchemy import inspect, select
 
 from . import __version__, cache, observed
 from .datadir import RunDatasets
@@ -247,6 +247,11 @@ class Orchestrator(MapShell):
         self.final: str | None = None
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
+        self.stage_records: dict[str, StageRecord] = {}
+        """Each stage's record as last used, for :meth:`_stage_record` (a run has few: all are kept)."""
+        self.task_records: dict[str, tuple[TaskRecord, AttemptRecord | None]] = {}
+        """The records of each plain stage's task from its enqueueing to its end, taken back by the batches
+        that record its start and its end without a query (:meth:`Store.get`)."""
         self.late_values: dict[str, frozenset[str]] = {}
         self.resuming_done = False
         """This session resumes a DONE run and has changed nothing of it yet (:meth:`_refuse_resume`)."""
@@ -686,10 +691,12 @@ class Orchestrator(MapShell):
             return CacheChecked(spec.name, False, refused)
         key, params = material.key(), self.stage_params(spec)
         # shared with other look-ups, exclusive of rm/gc: the hit is verified and its reuse recorded (and
-        # committed, inside a batch too) before any removal can read what kept runs use (Store.datasets_lock)
+        # committed, inside a batch too) before any removal can read what kept runs use (Store.datasets_lock).
+        # A miss reuses nothing a removal could take: why it missed is committed with the rest of the batch
         with self.store.datasets_lock(exclusive=False):
             checked = self._look_up_locked(spec, material, key, params)
-            self.store.commit()
+            if checked.hit:
+                self.store.commit()
         return checked
 
     def _look_up_locked(self, spec: StageSpec, material: cache.KeyMaterial, key: str,
@@ -778,8 +785,11 @@ class Orchestrator(MapShell):
             if not enqueue.reason.startswith("retry"):
                 record.cache_reason, record.cache_hit = enqueue.reason, False
             self._forget(session, spec.outputs)
-            session.add(TaskRecord(id=str(enqueue.task), stage_id=record.id, state="QUEUED",
-                                   priority=self.priority[spec.name], submitted=time.time()))
+            task = TaskRecord(id=str(enqueue.task), stage_id=record.id, state="QUEUED",
+                              priority=self.priority[spec.name], submitted=time.time())
+            session.add(task)
+            if spec.map_over is None:  # a map's tasks are its chunks', recorded by MapShell
+                self.task_records[task.id] = (task, None)
             self.store.event(session, self.run_id, "task", str(enqueue.task), "QUEUED", reason=enqueue.reason)
 
     def _cancel(self, cancel: CancelTask) -> None:
@@ -796,6 +806,7 @@ class Orchestrator(MapShell):
         self._end_task(text, "CANCELLED", cancel.reason)
 
     def _end_task(self, task_id: str, state: str, reason: str) -> None:
+        self.task_records.pop(task_id, None)
         with self.store.session() as session:
             task = session.get(TaskRecord, task_id)
             if task is not None:
@@ -841,13 +852,16 @@ class Orchestrator(MapShell):
         files = self._write_spec(spec, task, start, nodes)
         now = time.time()
         with self.store.session() as session:
-            record = session.get(TaskRecord, str(task))
+            held = self.task_records.get(str(task))
+            record = self.store.get(session, TaskRecord, str(task), None if held is None else held[0])
             assert record is not None
             record.state = "RUNNING"
             record.slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus), "node_name": nodes[s.node]}
                             for s in start.slots]
-            session.add(AttemptRecord(task_id=str(task), stage_id=record.stage_id, number=task.attempt,
-                                      state="RUNNING", started=now, attempt_dir=str(files.directory)))
+            attempt = AttemptRecord(task_id=str(task), stage_id=record.stage_id, number=task.attempt,
+                                    state="RUNNING", started=now, attempt_dir=str(files.directory))
+            session.add(attempt)
+            self.task_records[str(task)] = (record, attempt)
             self.store.event(session, self.run_id, "task", str(task), "RUNNING", slots=record.slots)
         live = self.live[str(task)] = _Live(task, files.directory, start.slots)
         launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
@@ -973,7 +987,8 @@ class Orchestrator(MapShell):
         """:func:`private_dir`, once per run for each directory (this run's directories are 0700: nobody
         else can replace one by a link afterwards)."""
         if path not in self.made_dirs:
-            private_dir(path)
+            # walked from the run's directory when below it (made and checked by prepare(), 0700 since)
+            private_dir(path, base=self.run_dir if self.run_dir in path.parents else None)
             self.made_dirs.add(path)
         return path
 
@@ -1120,9 +1135,12 @@ class Orchestrator(MapShell):
                         committed: Mapping[str, ds.Manifest], ranks: list[RankResult | None]) -> None:
         state = "DONE" if failure is None else failure.state
         with self.store.session() as session:
-            task = session.get(TaskRecord, str(live.task))
-            assert task is not None and task.attempt is not None
-            attempt = task.attempt
+            held_task, held_attempt = self.task_records.pop(str(live.task), (None, None))
+            task = self.store.get(session, TaskRecord, str(live.task), held_task)
+            assert task is not None
+            key = None if held_attempt is None else inspect(held_attempt).identity
+            attempt = task.attempt if key is None else self.store.get(session, AttemptRecord, key, held_attempt)
+            assert attempt is not None
             attempt.ended, attempt.returncode = outcome.ended or time.time(), outcome.returncode
             attempt.state = task.state = state
             if failure is not None:
@@ -1172,7 +1190,9 @@ class Orchestrator(MapShell):
 
     # ----------------------------------------------------------------- state
     def _stage_record(self, session: Any, name: str) -> StageRecord:
-        record = session.get(StageRecord, self.stage_ids[name])  # in a batch: from the session, no query
+        # from the session, or the record an earlier batch loaded, taken back without a query (Store.get)
+        record = self.stage_records[name] = self.store.get(session, StageRecord, self.stage_ids[name],
+                                                           self.stage_records.get(name))
         assert record is not None
         return record
 

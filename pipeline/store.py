@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import psutil
 from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
-                        event, func, insert, select, text, update)
+                        event, func, insert, inspect, select, text, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
@@ -590,6 +590,26 @@ class Store:
             yield
 
     # ------------------------------------------------------------ helpers
+    @staticmethod
+    def get(session: Session, kind: type[Any], ident: Any, held: Any = None) -> Any:
+        """``session.get(kind, ident)``, or ``held`` (the same record, loaded by an earlier session of this
+        thread and kept by the caller) put back into ``session`` without a query.
+
+        The orchestrator's batches are one session each, so a stage's record was queried again in every batch
+        that touched it (three per task).  ``held`` is taken back only when nothing else could conflict: it is
+        detached, ``session`` holds no other copy of it, and no related record is loaded on it (adding it
+        would add those too).  Values committed since it was loaded are its own (the orchestrator is the one
+        writer of its records); after a rollback they are expired, and read again on first use."""
+        if held is not None:
+            state = inspect(held)
+            if state.session is session:
+                return held
+            if state.detached and state.key is not None and session.identity_map.get(state.key) is None \
+                    and state.unloaded.issuperset(state.mapper.relationships.keys()):
+                session.add(held)
+                return held
+        return session.get(kind, ident)
+
     @staticmethod
     def event(session: Session, run_id: str, kind: str, name: str, state: str, **detail: Any) -> None:
         """Record an event; inside a :meth:`batch`, written with the batch's other events in one statement

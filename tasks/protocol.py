@@ -508,8 +508,13 @@ class RankResult:
         return _construct(cls, where, fields)
 
     def write(self, path: Path) -> None:
-        """Write this result to ``path`` atomically, readable by this user only."""
-        _write_json(path, self.to_json())
+        """Write this result to ``path`` atomically, readable by this user only; not fsynced.
+
+        Its one reader is the orchestrator, once the rank's process has ended (the task's end, or its chunk's);
+        a crash of the machine before that ends the orchestrator too, and a resume redoes every attempt the
+        store left RUNNING without reading its results (:meth:`Orchestrator._reconcile`).  What must be durable
+        is the outputs' partitions, and the manifest the orchestrator commits from these results."""
+        _write_json(path, self.to_json(), durable=False)
 
     @classmethod
     def read(cls, path: Path) -> RankResult:

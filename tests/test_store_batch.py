@@ -79,3 +79,56 @@ def test_a_batch_reads_a_record_once_though_it_is_flushed_between_reads(store: S
     assert len(selects) == 1, selects
     with store.session() as session:
         assert session.get(StageRecord, stage_id).state == "DONE"  # type: ignore[union-attr]
+
+
+def test_a_record_held_from_an_earlier_batch_is_taken_back_without_a_query(store: Store) -> None:
+    stage_id = _stage_id(store)
+    with store.batch():
+        with store.session() as session:
+            held = store.get(session, StageRecord, stage_id)
+            held.state = "QUEUED"
+    seen = _statements(store)
+    with store.batch():
+        with store.session() as session:
+            again = store.get(session, StageRecord, stage_id, held)
+            assert again is held
+            again.state = "RUNNING"
+    assert not [s for s in seen if s.startswith("SELECT")], seen
+    assert [s for s in seen if s.startswith("UPDATE stages")], seen
+    with store.session() as session:
+        assert session.get(StageRecord, stage_id).state == "RUNNING"  # type: ignore[union-attr]
+
+
+def test_a_held_record_gives_way_to_the_session_s_own_copy_and_to_loaded_relations(store: Store) -> None:
+    stage_id = _stage_id(store)
+    with store.batch():
+        with store.session() as session:
+            held = store.get(session, StageRecord, stage_id)
+    with store.batch():
+        with store.session() as session:
+            own = session.get(StageRecord, stage_id)  # this batch loaded its own copy first
+            assert store.get(session, StageRecord, stage_id, held) is own
+    with store.batch():
+        with store.session() as session:
+            loaded = store.get(session, StageRecord, stage_id)
+            assert loaded.tasks == []  # a relation loaded on it: adding it back would add those too
+    with store.batch():
+        with store.session() as session:
+            fresh = store.get(session, StageRecord, stage_id, loaded)
+            assert fresh is not loaded and fresh.id == stage_id
+
+
+def test_a_held_record_is_read_again_after_its_batch_was_rolled_back(store: Store) -> None:
+    stage_id = _stage_id(store)
+    with store.batch():
+        with store.session() as session:
+            held = store.get(session, StageRecord, stage_id)
+            held.state = "QUEUED"
+    with pytest.raises(RuntimeError):
+        with store.batch():
+            with store.session() as session:
+                store.get(session, StageRecord, stage_id, held).state = "RUNNING"
+                raise RuntimeError("the loop turn failed")
+    with store.batch():
+        with store.session() as session:
+            assert store.get(session, StageRecord, stage_id, held).state == "QUEUED"  # the store's, not RUNNING
