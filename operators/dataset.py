@@ -144,7 +144,8 @@ def _full_paths(function: Any) -> Any:
 
 def write_partition(directory: "str | os.PathLike[str]", index: int,
                     data: "pa.Table | Iterable[pa.RecordBatch]", *, schema: pa.Schema | None = None,
-                    rank: int = 0, node: str | None = None, durable: bool = True) -> PartitionInfo:
+                    rank: int = 0, node: str | None = None, durable: bool = True,
+                    name: str | None = None) -> PartitionInfo:
     """Write one partition atomically (temp file, fsync, rename); return what the manifest records.
 
     ``data`` is a table or an iterable of record batches (streamed, so a rank
@@ -154,7 +155,9 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     left out, this host's name.  On an object store (``s3://...``) the partition goes to a key of
     its own (:mod:`hetflow.operators.objectdataset`).  ``durable=False`` leaves out the ``fsync`` of the file and its
     directory: for writers whose partitions are checked against their checksums before any reuse
-    (a map stage's items), where one flush per tiny file would cost more than the item.
+    (a map stage's items), where one flush per tiny file would cost more than the item.  ``name``: the
+    file's name in ``directory`` instead of ``part-<index>.arrow`` (a map stage's items share a directory,
+    each file named by its item; a local directory only).
     """
     if isinstance(data, pa.Table):
         schema = data.schema
@@ -166,7 +169,11 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     if is_object_store(directory):  # no rename there: a key of its own, named by the manifest
         return objectdataset.write_partition(resolve(directory), index, batches, schema, rank=rank, node=node)
     directory = Path(directory)
-    name = partition_name(index)
+    if name is None:
+        name = partition_name(index)
+    elif "/" in name or name.startswith(".") or not name:
+        raise ValueError(f"write_partition: {name!r} is not a file name (expected a name without '/' or a "
+                         "leading '.')")
     final = directory / name
     rows = 0
     dfd = _open_dir(directory, create=True)

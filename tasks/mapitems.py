@@ -116,6 +116,12 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
     return result, comm
 
 
+def item_file(key: str, rank: int) -> str:
+    """The name of rank ``rank``'s partition of an item whose key is ``key``: the items of a map stage write
+    into one directory per output (no directory made per item), each file named by its item."""
+    return f"part-{key[:32]}-{rank:04d}.arrow"
+
+
 def _log_size() -> int:
     """Where this rank's output (file descriptor 1, its ``rank-<r>.log``) ends now."""
     sys.stdout.flush()
@@ -220,7 +226,8 @@ class _Shared:
                     continue
                 info = ds.write_partition(item["outputs"][name], self.rank,
                                           out if isinstance(out, pa.Table) else iter(out), schema=out.schema,
-                                          rank=self.rank, node=ctx.node, durable=False)
+                                          rank=self.rank, node=ctx.node, durable=False,
+                                          name=item_file(item["key"], self.rank))
                 outputs[name] = {"partition": info.to_json(), "schema": ds.schema_to_text(out.schema)}
             line.update(status="ok", outputs=outputs)
         except BaseException as exc:  # noqa: BLE001 - an item's failure is its result, not the task's
