@@ -386,10 +386,10 @@ class Dataset:
                 raise CorruptDataset(f"{where}: {size} bytes on disk, manifest says {info.bytes}")
             if size == 0:
                 raise CorruptDataset(f"{where}: empty file, not a readable Arrow IPC file")
-            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # the map outlives the fd
+            buffer = _mapped(fd, size)
         finally:
             os.close(fd)
-        return self._checked(index, info, pa.py_buffer(mapped), where)
+        return self._checked(index, info, buffer, where)
 
     def _remote_partition(self, index: int, info: PartitionInfo, name: str) -> pa.Table:
         assert self.remote is not None
@@ -451,6 +451,23 @@ class Dataset:
         if not pieces:
             return self.schema.empty_table()
         return pa.concat_tables(pieces).replace_schema_metadata(self.schema.metadata)
+
+
+def _mapped(fd: int, size: int) -> pa.Buffer:
+    """The file open as ``fd`` memory-mapped, holding no file descriptor once this returns.
+
+    Python's ``mmap`` keeps a duplicate of the descriptor for as long as the map lives: a dataset of
+    tens of thousands of partitions (a map stage's output, a partition per item) then ran out of
+    descriptors when read whole.  Arrow's map, closed once its buffer is taken, keeps only the mapping,
+    released with the last buffer over it."""
+    proc = f"/proc/self/fd/{fd}"
+    if not os.path.exists(proc):  # no /proc (not Linux): the descriptor stays with the map
+        return pa.py_buffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+    source = pa.memory_map(proc)
+    try:
+        return source.read_buffer(size)
+    finally:
+        source.close()
 
 
 def _producer_text(producer: Mapping[str, Any]) -> str:

@@ -37,8 +37,11 @@ from hetflow.operators import safeio
 from .declaration import StageSpec
 from .fingerprint import file_digests
 
-CHUNK_ITEMS = 256
-"""At most this many items in one chunk task: a crash or a retry re-runs no more than that."""
+CHUNK_ITEMS = 1024
+"""At most this many items in one chunk task.  A chunk's start (its process, MPI, the stage's loading) is
+paid once for its items; its items' results reach the store when it ends, so an orchestrator killed
+meanwhile leaves at most that many items of each running chunk to run again (an item that crashes its
+process costs only itself: :mod:`hetflow.tasks.mapitems`)."""
 
 CHUNKS_PER_SLOT = 2
 """Chunk tasks per place the stage fits on the pilot at once, so a slow chunk does not hold the map's end."""
