@@ -386,7 +386,7 @@ class Dataset:
                 raise CorruptDataset(f"{where}: {size} bytes on disk, manifest says {info.bytes}")
             if size == 0:
                 raise CorruptDataset(f"{where}: empty file, not a readable Arrow IPC file")
-            buffer = _mapped(fd, size)
+            buffer = _mapped(fd, size, small=len(self.manifest.partitions) > MAPPED_PARTITIONS)
         finally:
             os.close(fd)
         return self._checked(index, info, buffer, where)
@@ -453,13 +453,32 @@ class Dataset:
         return pa.concat_tables(pieces).replace_schema_metadata(self.schema.metadata)
 
 
-def _mapped(fd: int, size: int) -> pa.Buffer:
-    """The file open as ``fd`` memory-mapped, holding no file descriptor once this returns.
+MAPPED_PARTITIONS = 4096
+"""A dataset of at most this many partitions has each read through a memory map (zero-copy); one of more
+(a map stage's output: a partition per item, often a few KB each) maps only those of at least
+:data:`MAPPED_FROM` bytes and reads the others into memory: a process has a limited number of maps
+(``vm.max_map_count``, 65,530 by default on Linux)."""
+
+MAPPED_FROM = 1 << 20
+
+
+def _mapped(fd: int, size: int, small: bool = False) -> pa.Buffer:
+    """The file open as ``fd`` (``size`` bytes) memory-mapped, or read into memory when ``small`` and under
+    :data:`MAPPED_FROM` bytes; no file descriptor is held once this returns.
 
     Python's ``mmap`` keeps a duplicate of the descriptor for as long as the map lives: a dataset of
     tens of thousands of partitions (a map stage's output, a partition per item) then ran out of
     descriptors when read whole.  Arrow's map, closed once its buffer is taken, keeps only the mapping,
     released with the last buffer over it."""
+    if small and size < MAPPED_FROM:
+        data = bytearray(size)
+        view, done = memoryview(data), 0
+        while done < size:
+            got = os.preadv(fd, [view[done:]], done)
+            if got == 0:
+                break  # shorter than its size: the checks against the manifest say so
+            done += got
+        return pa.py_buffer(data if done == size else bytes(data[:done]))
     proc = f"/proc/self/fd/{fd}"
     if not os.path.exists(proc):  # no /proc (not Linux): the descriptor stays with the map
         return pa.py_buffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ))

@@ -518,7 +518,7 @@ def test_an_item_past_the_timeout_ends_alone_and_the_others_go_on(project: Path)
     assert failed["index"] == 1 and "exceeded the stage's timeout of 2s and was killed" in failed["error"]
 
 
-MANY = '''
+TWO_OUTPUTS = '''
 import pyarrow as pa
 import hetflow as hf
 
@@ -548,7 +548,7 @@ def test_a_map_s_item_rows_are_written_once_and_its_items_share_a_directory_per_
         conn.executescript("CREATE TABLE written (id INTEGER, deleted INTEGER);"
                            "CREATE TRIGGER w AFTER INSERT ON map_items BEGIN INSERT INTO written VALUES (NEW.id, 0); END;"
                            "CREATE TRIGGER d AFTER DELETE ON map_items BEGIN INSERT INTO written VALUES (OLD.id, 1); END;")
-    (project / "p.py").write_text(MANY)
+    (project / "p.py").write_text(TWO_OUTPUTS)
     stages = run(project)
     assert [r["n"] for r in rows(stages, "out")] == list(range(40))
     assert [r["n2"] for r in rows(stages, "twice")] == list(range(0, 80, 4))
@@ -564,7 +564,7 @@ def test_a_map_s_item_rows_are_written_once_and_its_items_share_a_directory_per_
                                 "--offset", "37").stdout)
     assert [(i["index"], i["state"]) for i in listed["items"]] == [(37, "DONE"), (38, "DONE"), (39, "DONE")]
     assert listed["total"] == 40 and listed["counts"] == {"DONE": 40}
-    (project / "p.py").write_text(MANY.replace("range(40)", "range(41)"))   # one item added: the rest reused
+    (project / "p.py").write_text(TWO_OUTPUTS.replace("range(40)", "range(41)"))   # one item added: the rest reused
     again = run(project)
     assert again["many"]["items"] == {"CACHED": 40, "DONE": 1}
     assert [r["n"] for r in rows(again, "out")] == list(range(41))
