@@ -15,7 +15,8 @@ size on disk, then the wall time of ``hetflow status`` (the run's view) and of
 same script again (every item cached: the look-up of N items).  While the first run goes,
 ``hetflow status RUN``, ``status RUN --json``, ``status RUN items --items`` and ``--items --json``
 are timed in turn every ``--poll`` seconds (``during``: median, min and max of each, with how many
-items the view counted done), as a user watching the run would call them.
+items the view counted done), as a user watching the run would call them; ``status_cpu_seconds``: the
+CPU seconds of each command (on a loaded machine its wall time is mostly waiting for a core).
 """
 
 from __future__ import annotations
@@ -64,10 +65,21 @@ def _epoch(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def _run(argv: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProcess[str]]:
+CPU: dict[str, list[float]] = {}
+"""CPU seconds (user + system) of each status command, by the name its wall times are reported under."""
+
+
+def _run(argv: list[str], cwd: Path, name: str | None = None) -> tuple[float, subprocess.CompletedProcess[str]]:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
-    return time.perf_counter() - started, done
+    took = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if name is not None:  # on a loaded machine wall time is mostly waiting for a core: CPU says what it costs
+        CPU.setdefault(name, []).append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return took, done
 
 
 def _during(process: subprocess.Popen[str], hetflow: str, work: Path, poll: float) -> dict[str, object]:
@@ -81,7 +93,8 @@ def _during(process: subprocess.Popen[str], hetflow: str, work: Path, poll: floa
     while process.poll() is None:
         time.sleep(poll)
         if run_id is None:
-            listed = subprocess.run([hetflow, "status", "--json"], cwd=work, capture_output=True, text=True, check=False)
+            listed = subprocess.run([hetflow, "status", "--json"], cwd=work, capture_output=True, text=True,
+                                    check=False)
             try:
                 run_id = json.loads(listed.stdout)["id"]
             except (ValueError, KeyError):
@@ -89,7 +102,7 @@ def _during(process: subprocess.Popen[str], hetflow: str, work: Path, poll: floa
         for name, command in commands.items():
             if process.poll() is not None:
                 break
-            seconds, done = _run([hetflow] + [part.format(run=run_id) for part in command], work)
+            seconds, done = _run([hetflow] + [part.format(run=run_id) for part in command], work, f"during {name}")
             if done.returncode not in (0, 1):  # the items are not recorded yet: not a status time
                 continue
             times[name].append(seconds)
@@ -152,11 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                               ("status_items_json_seconds", [hetflow, "status", run_id, "items", "--items", "--json"])):
             times = []
             for _ in range(3):
-                seconds, done = _run(command, work)
+                seconds, done = _run(command, work, name)
                 if done.returncode not in (0, 1):
                     raise SystemExit(f"map-scale: {' '.join(command[1:])} failed: {done.stderr[-2000:]}")
                 times.append(seconds)
             result[name] = {"median": statistics.median(times), "min": min(times), "max": max(times)}
+    result["status_cpu_seconds"] = {name: {"median": statistics.median(t), "min": min(t), "max": max(t)}
+                                    for name, t in CPU.items()}
+    result["load_average_at_end"] = os.getloadavg()
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
