@@ -144,7 +144,8 @@ def _full_paths(function: Any) -> Any:
 
 def write_partition(directory: "str | os.PathLike[str]", index: int,
                     data: "pa.Table | Iterable[pa.RecordBatch]", *, schema: pa.Schema | None = None,
-                    rank: int = 0, node: str | None = None, durable: bool = True) -> PartitionInfo:
+                    rank: int = 0, node: str | None = None, durable: bool = True,
+                    name: str | None = None) -> PartitionInfo:
     """Write one partition atomically (temp file, fsync, rename); return what the manifest records.
 
     ``data`` is a table or an iterable of record batches (streamed, so a rank
@@ -154,7 +155,9 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     left out, this host's name.  On an object store (``s3://...``) the partition goes to a key of
     its own (:mod:`hetflow.operators.objectdataset`).  ``durable=False`` leaves out the ``fsync`` of the file and its
     directory: for writers whose partitions are checked against their checksums before any reuse
-    (a map stage's items), where one flush per tiny file would cost more than the item.
+    (a map stage's items), where one flush per tiny file would cost more than the item.  ``name``: the
+    file's name in ``directory`` instead of ``part-<index>.arrow`` (a map stage's items share a directory,
+    each file named by its item; a local directory only).
     """
     if isinstance(data, pa.Table):
         schema = data.schema
@@ -166,7 +169,11 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
     if is_object_store(directory):  # no rename there: a key of its own, named by the manifest
         return objectdataset.write_partition(resolve(directory), index, batches, schema, rank=rank, node=node)
     directory = Path(directory)
-    name = partition_name(index)
+    if name is None:
+        name = partition_name(index)
+    elif "/" in name or name.startswith(".") or not name:
+        raise ValueError(f"write_partition: {name!r} is not a file name (expected a name without '/' or a "
+                         "leading '.')")
     final = directory / name
     rows = 0
     dfd = _open_dir(directory, create=True)
@@ -380,10 +387,10 @@ class Dataset:
                 raise CorruptDataset(f"{where}: {size} bytes on disk, manifest says {info.bytes}")
             if size == 0:
                 raise CorruptDataset(f"{where}: empty file, not a readable Arrow IPC file")
-            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # the map outlives the fd
+            buffer = _mapped(fd, size, small=len(self.manifest.partitions) > MAPPED_PARTITIONS)
         finally:
             os.close(fd)
-        return self._checked(index, info, pa.py_buffer(mapped), where)
+        return self._checked(index, info, buffer, where)
 
     def _remote_partition(self, index: int, info: PartitionInfo, name: str) -> pa.Table:
         assert self.remote is not None
@@ -445,6 +452,42 @@ class Dataset:
         if not pieces:
             return self.schema.empty_table()
         return pa.concat_tables(pieces).replace_schema_metadata(self.schema.metadata)
+
+
+MAPPED_PARTITIONS = 4096
+"""A dataset of at most this many partitions has each read through a memory map (zero-copy); one of more
+(a map stage's output: a partition per item, often a few KB each) maps only those of at least
+:data:`MAPPED_FROM` bytes and reads the others into memory: a process has a limited number of maps
+(``vm.max_map_count``, 65,530 by default on Linux)."""
+
+MAPPED_FROM = 1 << 20
+
+
+def _mapped(fd: int, size: int, small: bool = False) -> pa.Buffer:
+    """The file open as ``fd`` (``size`` bytes) memory-mapped, or read into memory when ``small`` and under
+    :data:`MAPPED_FROM` bytes; no file descriptor is held once this returns.
+
+    Python's ``mmap`` keeps a duplicate of the descriptor for as long as the map lives: a dataset of
+    tens of thousands of partitions (a map stage's output, a partition per item) then ran out of
+    descriptors when read whole.  Arrow's map, closed once its buffer is taken, keeps only the mapping,
+    released with the last buffer over it."""
+    if small and size < MAPPED_FROM:
+        data = bytearray(size)
+        view, done = memoryview(data), 0
+        while done < size:
+            got = os.preadv(fd, [view[done:]], done)
+            if got == 0:
+                break  # shorter than its size: the checks against the manifest say so
+            done += got
+        return pa.py_buffer(data if done == size else bytes(data[:done]))
+    proc = f"/proc/self/fd/{fd}"
+    if not os.path.exists(proc):  # no /proc (not Linux): the descriptor stays with the map
+        return pa.py_buffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+    source = pa.memory_map(proc)
+    try:
+        return source.read_buffer(size)
+    finally:
+        source.close()
 
 
 def _producer_text(producer: Mapping[str, Any]) -> str:

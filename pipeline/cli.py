@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run", nargs="?", help="run id (or a unique prefix)")
     status.add_argument("stage", nargs="?", help="a map stage whose items to list (with --items)")
     status.add_argument("--items", action="store_true", help="list the items of map stage STAGE")
+    status.add_argument("--offset", type=int, default=0, metavar="K",
+                        help="with --items: from the item at position K on (default 0)")
+    status.add_argument("--limit", type=int, metavar="N",
+                        help=f"with --items: at most N items (default {ITEMS_SHOWN:,} as text, all as JSON; "
+                             "0: all)")
     status.add_argument("--json", action="store_true", help="print JSON")
     _store_args(status)
 
@@ -364,6 +369,11 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, si
     print(f"  output of every rank: {resume_command(status.id, args, 'logs')}")
 
 
+ITEMS_SHOWN = 1_000
+"""Items ``hetflow status RUN STAGE --items`` lists as text unless told (``--limit``): a page, not a map's
+every item."""
+
+
 def _status_items(store: Any, args: argparse.Namespace) -> int:
     """``hetflow status RUN STAGE --items``: one line per item of a map stage (or JSON)."""
     from .status import map_items
@@ -371,8 +381,13 @@ def _status_items(store: Any, args: argparse.Namespace) -> int:
     if not (args.items and args.stage):
         print("hetflow status: give RUN STAGE --items to list a map stage's items", file=sys.stderr)
         return EXIT_USAGE
+    if args.offset < 0 or (args.limit is not None and args.limit < 0):
+        print(f"hetflow status: --offset and --limit must be >= 0 (got --offset {args.offset}, --limit "
+              f"{args.limit})", file=sys.stderr)
+        return EXIT_USAGE
+    limit = args.limit if args.limit is not None else (None if args.json else ITEMS_SHOWN)
     try:
-        view = map_items(store, args.run, args.stage)
+        view = map_items(store, args.run, args.stage, offset=args.offset, limit=limit or None)
     except (KeyError, ValueError) as exc:
         print(f"hetflow status: {exc.args[0]}", file=sys.stderr)
         return EXIT_FAILED
@@ -382,7 +397,7 @@ def _status_items(store: Any, args: argparse.Namespace) -> int:
     from .terminal import visible
 
     counts = ", ".join(f"{n:,} {state.lower()}" for state, n in sorted(view["counts"].items()))
-    print(visible(f"{view['stage']} of run {view['run']}: {len(view['items']):,} items: {counts}", newlines=False))
+    print(visible(f"{view['stage']} of run {view['run']}: {view['total']:,} items: {counts}", newlines=False))
     if view["summary"]:
         print(visible(f"  {view['summary']}", newlines=False))
     for item in view["items"]:
@@ -390,6 +405,10 @@ def _status_items(store: Any, args: argparse.Namespace) -> int:
         if item["error"]:
             line += f"  {item['error'].splitlines()[0]}"
         print(visible(line, newlines=False))
+    after = view["offset"] + len(view["items"])
+    if view["items"] and after < view["total"]:
+        print(f"  ... listed {view['offset'] + 1:,} to {after:,} of {view['total']:,}: --offset {after} for the next "
+              f"{limit or len(view['items']):,}, --limit 0 for all")
     return EXIT_OK
 
 

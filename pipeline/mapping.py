@@ -32,12 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
+from hetflow.operators import safeio
 
 from .declaration import StageSpec
 from .fingerprint import file_digests
 
-CHUNK_ITEMS = 256
-"""At most this many items in one chunk task: a crash or a retry re-runs no more than that."""
+CHUNK_ITEMS = 1024
+"""At most this many items in one chunk task.  A chunk's start (its process, MPI, the stage's loading) is
+paid once for its items; its items' results reach the store when it ends, so an orchestrator killed
+meanwhile leaves at most that many items of each running chunk to run again (an item that crashes its
+process costs only itself: :mod:`hetflow.tasks.mapitems`)."""
 
 CHUNKS_PER_SLOT = 2
 """Chunk tasks per place the stage fits on the pilot at once, so a slow chunk does not hold the map's end."""
@@ -82,7 +86,9 @@ def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], par
     """The items of map stage ``spec`` now, in order, with their keys.
 
     ``stage_key`` is the stage's key material without the mapped part; ``inputs`` maps each input to its
-    committed dataset's directory; each item's outputs go under ``items_dir``/<key>.
+    committed dataset's directory; every item's partitions of output ``NAME`` go to ``items_dir``/NAME, each
+    file named by its item's key (:func:`hetflow.tasks.mapitems.item_file`): one directory per output, not
+    two per item.
     """
     mapped = spec.map_over
     assert mapped is not None
@@ -121,7 +127,7 @@ def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], par
         text = json.dumps(identity, sort_keys=True, default=str)
         seen[text] = seen.get(text, -1) + 1  # equal items (two equal rows) are told apart by their turn
         key = _digest({**common, "kind": mapped.kind, "item": identity, "turn": seen[text]})
-        items.append(Item(index, key, label, where, directory=str(items_dir / key[:32])))
+        items.append(Item(index, key, label, where, directory=str(items_dir)))
     return items
 
 
@@ -203,6 +209,15 @@ class MapRun:
         self.observed: dict[str, str] = {}
         """What its chunks' ranks observed beyond the items' keys (:mod:`hetflow.observed`), as recorded with
         the stage: a later run reuses its items only while that still holds."""
+        self.recorded: set[int] = set()
+        """The items whose store rows this execution wrote as their chunks ended (DONE, so final): the map's
+        end writes only the others' (:meth:`~hetflow.mapshell.MapShell._record_map`)."""
+        self.row_counts: dict[str, int] = {}
+        """The stage's ``map_items`` rows of this run by state, as the store holds them (its record's
+        ``item_counts``)."""
+        self.row_watermark = 0
+        """The largest ``map_items`` id when this execution began: rows of the stage in this run up to it are
+        an earlier execution's (a resumed session's), replaced at the map's end."""
         self.isolated: str | None = None
         """Why the map's one-rank items run in a process each from now on: the first item seen to change
         state that later items would read (:mod:`hetflow.tasks.mapitems`), or ``None``."""
@@ -365,47 +380,46 @@ def assemble(spec: StageSpec, items: Sequence[Item], datasets_dir: str, producer
     for name in spec.outputs:
         target = f"{datasets_dir.rstrip('/')}/{name}" if remote else Path(datasets_dir) / name
         infos: list[ds.PartitionInfo] = []
+        dfd: int | None = None
         schema_text: str | None = None
         first: Item | None = None
         position = 0
-        for item in items:
-            if item.state not in ("DONE", "CACHED"):
-                continue
-            for part in sorted(item.outputs.get(name) or (), key=lambda p: p.get("rank", 0)):
-                text = part.get("schema")
-                if schema_text is None:
-                    schema_text, first = text, item
-                elif text != schema_text:
-                    assert first is not None
-                    raise ValueError(f"stage {spec.name!r}, output {name!r}: item {item.index} ({item.label}) "
-                                     f"returned a schema that differs from item {first.index}'s ({first.label}); "
-                                     "every item must return the same columns and types, or None")
-                file = f"part-{item.index:08d}-{int(part.get('rank', 0)):04d}.arrow"
-                source = os.path.join(item.directory, name, part["file"])
-                if remote:  # a key no other write of this dataset uses; the manifest names it
-                    file = f"part-{item.index:08d}-{int(part.get('rank', 0)):04d}-{secrets.token_hex(6)}.arrow"
-                    where = resolve(f"{target}/{file}")
-                    try:
-                        with open(source, "rb") as local, where.filesystem.open_output_stream(where.path) as out:
-                            shutil.copyfileobj(local, out, 8 << 20)
-                    except OSError as exc:
-                        if isinstance(exc, FileNotFoundError) and not os.path.exists(source):
-                            raise
-                        raise storage_error(exc, where, "write") from exc
-                else:
-                    dest = Path(target) / file
-                    try:
-                        os.unlink(dest)
-                    except FileNotFoundError:
-                        pass
-                    try:
-                        os.link(source, dest, follow_symlinks=False)
-                    except OSError:
-                        shutil.copyfile(source, dest, follow_symlinks=False)
-                infos.append(ds.PartitionInfo(file=file, rows=int(part["rows"]), bytes=int(part["bytes"]),
-                                              checksum=str(part["checksum"]), node=str(part.get("node", "")),
-                                              rank=position))
-                position += 1
+        try:
+            for item in items:
+                if item.state not in ("DONE", "CACHED"):
+                    continue
+                for part in sorted(item.outputs.get(name) or (), key=lambda p: p.get("rank", 0)):
+                    text = part.get("schema")
+                    if schema_text is None:
+                        schema_text, first = text, item
+                    elif text != schema_text:
+                        assert first is not None
+                        raise ValueError(f"stage {spec.name!r}, output {name!r}: item {item.index} ({item.label}) "
+                                         f"returned a schema that differs from item {first.index}'s ({first.label}); "
+                                         "every item must return the same columns and types, or None")
+                    file = f"part-{item.index:08d}-{int(part.get('rank', 0)):04d}.arrow"
+                    source = os.path.join(item.directory, name, part["file"])
+                    if remote:  # a key no other write of this dataset uses; the manifest names it
+                        file = f"part-{item.index:08d}-{int(part.get('rank', 0)):04d}-{secrets.token_hex(6)}.arrow"
+                        where = resolve(f"{target}/{file}")
+                        try:
+                            with open(source, "rb") as local, where.filesystem.open_output_stream(where.path) as out:
+                                shutil.copyfileobj(local, out, 8 << 20)
+                        except OSError as exc:
+                            if isinstance(exc, FileNotFoundError) and not os.path.exists(source):
+                                raise
+                            raise storage_error(exc, where, "write") from exc
+                    else:
+                        if dfd is None:  # the dataset's directory, opened once: each link is one call, not a walk
+                            dfd = safeio.open_dir_nofollow(target)
+                        _link(source, file, dfd, Path(target))
+                    infos.append(ds.PartitionInfo(file=file, rows=int(part["rows"]), bytes=int(part["bytes"]),
+                                                  checksum=str(part["checksum"]), node=str(part.get("node", "")),
+                                                  rank=position))
+                    position += 1
+        finally:
+            if dfd is not None:
+                os.close(dfd)
         if schema_text is None:
             if name not in spec.schemas:
                 raise ValueError(f"stage {spec.name!r}, output {name!r}: no item returned a table "
@@ -415,6 +429,25 @@ def assemble(spec: StageSpec, items: Sequence[Item], datasets_dir: str, producer
             schema = ds.schema_from_text(schema_text)
         committed[name] = ds.commit(target, name, schema, infos, producer={**producer, "ranks": max(1, position)})
     return committed
+
+
+def _link(source: str, name: str, dfd: int, directory: Path) -> None:
+    """Hard-link ``source`` as ``name`` in the directory open as ``dfd`` (``directory``), replacing what an
+    earlier attempt left there; a copy where the file system refuses links."""
+    import shutil
+
+    try:
+        os.link(source, name, dst_dir_fd=dfd, follow_symlinks=False)
+        return
+    except FileExistsError:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        shutil.copyfile(source, directory / name, follow_symlinks=False)
+        return
+    try:
+        os.link(source, name, dst_dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        shutil.copyfile(source, directory / name, follow_symlinks=False)
 
 
 def chunk_dirs(directory: Path) -> list[Path]:

@@ -27,7 +27,7 @@ from hetflow.operators.location import is_object_store
 from hetflow.tasks.backends.base import LaunchSpec, TaskOutcome
 from hetflow.tasks.protocol import AttemptFiles
 from hetflow.tasks.scheduler import RejectTask, StartTask, TaskCancelled, TasksSubmitted, TaskSubmitted
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, func, insert, select
 
 from . import cache, mapping, observed
 from .declaration import StageSpec
@@ -89,6 +89,11 @@ class MapShell:
                         MapItemRecord.key.in_(keys[start:start + LOOK_UP_BATCH]),
                         MapItemRecord.state.in_(("DONE", "CACHED")))):
                     earlier.setdefault(record.key, []).append(record)
+            run.row_watermark = session.scalar(select(func.max(MapItemRecord.id))) or 0
+            run.row_counts = dict(session.execute(  # an earlier session's rows of this run (a resume's), if any
+                select(MapItemRecord.state, func.count()).where(MapItemRecord.run_id == self.run_id,
+                                                                MapItemRecord.stage == spec.name)
+                .group_by(MapItemRecord.state)).tuples().all())
             run.before = self._labels_before(session, spec.name)
             run.observed = self._drop_stale_items(session, spec.name, earlier)
         if spec.name not in self.rerun:  # --rerun: every item runs again, whatever the items' cache says
@@ -289,15 +294,19 @@ class MapShell:
                 self._record_dataset(session, name, manifest)
             record = self._stage_record(session, spec.name)
             record.cache_reason = summary
+            run.row_counts = run.counts()  # the rows now: one per item, as it ended
+            record.item_counts = dict(run.row_counts)
             material = self.material.get(spec.name)
             if state == "DONE" and not run.failed() and material is not None:
                 # the whole map's key only when every item is in its output: else a rerun runs the failed ones
                 record.cache_key, record.cache_material = material.key(), material.to_json()
                 record.params_read = None
             _record_observed(record, run, material)
+            # the rows written as chunks ended are final (DONE items): kept; an earlier execution's are replaced
             session.execute(delete(MapItemRecord).where(MapItemRecord.run_id == self.run_id,
-                                                        MapItemRecord.stage == spec.name))
-            rows = [_row(self.run_id, spec.name, item) for item in run.items]
+                                                        MapItemRecord.stage == spec.name,
+                                                        MapItemRecord.id <= run.row_watermark))
+            rows = [_row(self.run_id, spec.name, item) for item in run.items if item.index not in run.recorded]
             if rows:
                 session.execute(insert(MapItemRecord), rows)
             self.store.event(session, self.run_id, "task", str(run.task), state, error=error,
@@ -309,9 +318,13 @@ class MapShell:
         done = [run.items[i] for i in indices if run.items[i].state == "DONE"]
         if not done:
             return
+        run.row_counts["DONE"] = run.row_counts.get("DONE", 0) + len(done)
         with self.store.session() as session:
             session.execute(insert(MapItemRecord), [_row(self.run_id, run.spec.name, item) for item in done])
-            _record_observed(self._stage_record(session, run.spec.name), run, self.material.get(run.spec.name))
+            record = self._stage_record(session, run.spec.name)
+            record.item_counts = dict(run.row_counts)
+            _record_observed(record, run, self.material.get(run.spec.name))
+        run.recorded.update(item.index for item in done)  # with this step's commit: the map's end leaves them
 
     # --------------------------------------------------------------- cancel
     def _cancel_map(self: Any, run: MapRun, cancel: CancelTask) -> None:

@@ -55,7 +55,7 @@ from hetflow.tasks.scheduler import (
     TaskSubmitted,
     Tick,
 )
-from sqlalchemy import inspect, select
+from sqlalchemy import insert, inspect, select
 
 from . import __version__, cache, observed
 from .datadir import RunDatasets
@@ -1182,9 +1182,13 @@ class Orchestrator(MapShell):
                                producer_attempt=manifest.producer["attempt"], num_rows=manifest.num_rows,
                                num_bytes=manifest.num_bytes, schema=str(manifest.schema),
                                fingerprint=manifest.fingerprint(), committed=time.time())
-        record.partitions = [PartitionRecord(index=i, file=p.file, rows=p.rows, bytes=p.bytes, checksum=p.checksum,
-                                             node=p.node, rank=p.rank) for i, p in enumerate(manifest.partitions)]
         session.add(record)
+        session.flush()  # its id, for its partitions' rows: one executemany, not an ORM object each (a map
+        # stage's output has a partition per item)
+        if manifest.partitions:
+            session.execute(insert(PartitionRecord), [
+                {"dataset_id": record.id, "index": i, "file": p.file, "rows": p.rows, "bytes": p.bytes,
+                 "checksum": p.checksum, "node": p.node, "rank": p.rank} for i, p in enumerate(manifest.partitions)])
         self.recorded.add(name)
         self.dataset_paths[name], self.fingerprints[name] = path, record.fingerprint
 

@@ -172,18 +172,24 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
         run = session.get(RunRecord, found.id)
         assert run is not None
         stages = []
-        counted: dict[str, dict[str, int]] = {}
-        for stage_name, state, count in session.execute(
-                select(MapItemRecord.stage, MapItemRecord.state, func.count()).where(MapItemRecord.run_id == run.id)
-                .group_by(MapItemRecord.stage, MapItemRecord.state)):
-            counted.setdefault(stage_name, {})[state] = count
+        records = list(session.scalars(select(StageRecord).where(StageRecord.run_id == run.id)
+                                       .order_by(StageRecord.order)))
+        # a map stage's items by state: kept with its record as they are recorded (read whatever the map's
+        # size); counted from the rows only for stages without (plain stages: an index look-up finds none)
+        counted = {r.name: dict(r.item_counts) for r in records if r.item_counts}
+        uncounted = [r.name for r in records if r.item_counts is None]
+        if uncounted:
+            for stage_name, state, count in session.execute(
+                    select(MapItemRecord.stage, MapItemRecord.state, func.count())
+                    .where(MapItemRecord.run_id == run.id, MapItemRecord.stage.in_(uncounted))
+                    .group_by(MapItemRecord.stage, MapItemRecord.state)):
+                counted.setdefault(stage_name, {})[state] = count
         # per stage: how many of its tasks were launched and the last of them, in two statements (a map
         # stage has a task per chunk: loading them all, and each one's attempt, made status O(items))
         launched = dict(session.execute(
             select(AttemptRecord.stage_id, func.count()).join(StageRecord, StageRecord.id == AttemptRecord.stage_id)
             .where(StageRecord.run_id == run.id).group_by(AttemptRecord.stage_id)).all())
-        for record in session.scalars(select(StageRecord).where(StageRecord.run_id == run.id)
-                                      .order_by(StageRecord.order)):
+        for record in records:
             last = session.scalars(select(TaskRecord).join(AttemptRecord, AttemptRecord.task_id == TaskRecord.id)
                                    .where(TaskRecord.stage_id == record.id)
                                    .order_by(TaskRecord.submitted.desc(), AttemptRecord.id.desc()).limit(1)).first()
@@ -205,11 +211,17 @@ def run_status(store: Store, run_id: str | None) -> RunStatus:
                          script=run.script, error=run.error, rerun=tuple(run.rerun or ()), store_url=str(store.url))
 
 
-def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
+def map_items(store: Store, run_id: str | None, stage: str, *, offset: int = 0,
+              limit: int | None = None) -> dict[str, Any]:
     """The items of map stage ``stage`` of run ``run_id`` (``hetflow status RUN STAGE --items``): each item's
-    index, label, state, tries and error; ``summary``, the stage's line (``map 1,000 items: ...``, and why its
-    items ran in a process each when one changed state, :mod:`hetflow.tasks.mapitems`).  A stage reused whole from another run lists that run's items.
-    ``KeyError`` when the run has no such stage, ``ValueError`` when it is not a map stage with items."""
+    index, label, state, tries and error, in index order from item ``offset`` on, at most ``limit`` of them
+    (``None``: all); ``counts`` by state and ``total`` cover every item; ``summary``, the stage's line (``map
+    1,000 items: ...``, and why its items ran in a process each when one changed state,
+    :mod:`hetflow.tasks.mapitems`).  A stage reused whole from another run lists that run's items.
+    ``KeyError`` when the run has no such stage, ``ValueError`` when it is not a map stage with items.
+
+    A page reads only its rows (the ``run_id, stage, index`` index) and the counts come from the stage's
+    record, so a page costs the same whatever the map's size."""
     found = store.resolve_run(run_id)
     with store.session() as session:
         record = session.scalars(select(StageRecord).where(StageRecord.run_id == found.id,
@@ -218,26 +230,36 @@ def map_items(store: Store, run_id: str | None, stage: str) -> dict[str, Any]:
             names = list(session.scalars(select(StageRecord.name).where(StageRecord.run_id == found.id)
                                          .order_by(StageRecord.order)))
             raise KeyError(f"run {found.id} has no stage {stage!r} (stages: {names})")
-        source = found.id
-        rows = list(session.scalars(select(MapItemRecord).where(MapItemRecord.run_id == source,
-                                                                MapItemRecord.stage == stage)
-                                    .order_by(MapItemRecord.index)))
-        if not rows and record.cached_from:
+
+        def has_rows(run: str) -> bool:
+            return session.scalar(select(MapItemRecord.id).where(MapItemRecord.run_id == run,
+                                                                 MapItemRecord.stage == stage).limit(1)) is not None
+
+        source, counted = found.id, record
+        if not has_rows(source) and record.cached_from:
             source = record.cached_from
-            rows = list(session.scalars(select(MapItemRecord).where(MapItemRecord.run_id == source,
-                                                                    MapItemRecord.stage == stage)
-                                        .order_by(MapItemRecord.index)))
-        if not rows:
+            counted = session.scalars(select(StageRecord).where(StageRecord.run_id == source,
+                                                                StageRecord.name == stage)).first() or record
+        if not has_rows(source):
             raise ValueError(f"stage {stage!r} of run {found.id} has no items recorded (a plain stage, or a map "
                              "stage that has not run)")
-        counts: dict[str, int] = {}
-        for row in rows:
-            counts[row.state] = counts.get(row.state, 0) + 1
+        counts = dict(counted.item_counts or {}) if counted.run_id == source else {}
+        if not counts:  # a store written before the counts were kept with the stage
+            counts = dict(session.execute(select(MapItemRecord.state, func.count()).where(
+                MapItemRecord.run_id == source, MapItemRecord.stage == stage)
+                .group_by(MapItemRecord.state)).tuples().all())
+        query = select(MapItemRecord.index, MapItemRecord.label, MapItemRecord.state, MapItemRecord.tries,
+                       MapItemRecord.error, MapItemRecord.cached_from, MapItemRecord.started,
+                       MapItemRecord.ended).where(MapItemRecord.run_id == source, MapItemRecord.stage == stage) \
+            .order_by(MapItemRecord.index).offset(max(0, offset))
+        if limit is not None:
+            query = query.limit(max(0, limit))
+        items = [{"index": index, "label": label, "state": state, "tries": tries, "error": error,
+                  "cached_from": cached_from, "started": iso(started), "ended": iso(ended)}
+                 for index, label, state, tries, error, cached_from, started, ended in session.execute(query)]
         return {"run": found.id, "stage": stage, "items_of_run": source, "counts": counts,
-                "summary": record.cache_reason,
-                "items": [{"index": r.index, "label": r.label, "state": r.state, "tries": r.tries,
-                           "error": r.error, "cached_from": r.cached_from, "started": iso(r.started),
-                           "ended": iso(r.ended)} for r in rows]}
+                "total": sum(counts.values()), "offset": max(0, offset), "summary": record.cache_reason,
+                "items": items}
 
 
 def item_log(store: Store, run_id: str | None, stage: str, index: int) -> tuple[str, str]:
@@ -245,15 +267,15 @@ def item_log(store: Store, run_id: str | None, stage: str, index: int) -> tuple[
 
     A reused item's output is the one it printed when it ran, in the run that ran it.  ``KeyError`` names
     what is missing (the stage, the item, its output)."""
-    view = map_items(store, run_id, stage)
-    by_index = {item["index"]: item for item in view["items"]}
-    if index not in by_index:
-        raise KeyError(f"stage {stage!r} of run {view['run']} has no item {index} (items 0 to {len(by_index) - 1})")
+    view = map_items(store, run_id, stage, limit=0)  # which run's items, and how many
     with store.session() as session:
         record = session.scalars(select(MapItemRecord).where(MapItemRecord.run_id == view["items_of_run"],
                                                              MapItemRecord.stage == stage,
-                                                             MapItemRecord.index == index)).first()
-        assert record is not None
+                                                             MapItemRecord.index == index)
+                                 .order_by(MapItemRecord.id.desc()).limit(1)).first()
+        if record is None:
+            raise KeyError(f"stage {stage!r} of run {view['run']} has no item {index} "
+                           f"(items 0 to {view['total'] - 1})")
         ran: MapItemRecord | None = record
         if record.log is None:  # reused: the run that ran it has its output
             ran = session.scalars(select(MapItemRecord).where(MapItemRecord.key == record.key,

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import psutil
-from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
-                        event, func, insert, inspect, select, text, update)
+from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
+                        create_engine, event, func, insert, inspect, select, text, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
@@ -109,6 +109,10 @@ class StageRecord(Base):
     """Whether this run reused a committed output (``None``: not decided yet)."""
     params_read: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     """The parameters the committed execution read (``None``: all of them, or not known)."""
+    item_counts: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
+    """A map stage's ``map_items`` rows of this run by state, kept by the orchestrator with the rows (so
+    ``status`` counts a map of any size without reading its items); ``None``: a plain stage, or a store
+    written before this column (counted from the rows)."""
     run: Mapped[RunRecord] = relationship(back_populates="stages")
     tasks: Mapped[list["TaskRecord"]] = relationship(back_populates="stage", order_by="TaskRecord.submitted")
 
@@ -186,6 +190,8 @@ class MapItemRecord(Base):
     ``directory``/<output name>); ``label`` names the item for people (a file, a row, a grid point)."""
 
     __tablename__ = "map_items"
+    __table_args__ = (Index("ix_map_items_run_stage_index", "run_id", "stage", "index"),)
+    """``status RUN STAGE --items`` reads a page of a map's items in order without reading the rest."""
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
     stage: Mapped[str] = mapped_column(String(256))
@@ -366,7 +372,8 @@ def _sqlite_pragmas(mode: JournalMode) -> Callable[[Any, Any], None]:
 
 
 def _add_new_columns(connection: Any) -> None:
-    """Add the columns a newer hetflow declares to tables an older one created (nullable, so no backfill)."""
+    """Add the columns a newer hetflow declares to tables an older one created (nullable, so no backfill),
+    and the indexes it declares on them (``create_all`` makes indexes only with their tables)."""
     from sqlalchemy import inspect
 
     inspector = inspect(connection)
@@ -376,6 +383,10 @@ def _add_new_columns(connection: Any) -> None:
             if column.name not in have and column.nullable:
                 kind = column.type.compile(dialect=connection.dialect)
                 connection.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+        indexes = {index["name"] for index in inspector.get_indexes(table.name)}
+        for index in table.indexes:
+            if index.name not in indexes:
+                index.create(connection)
 
 
 SCHEMA_LOCK_KEY = 0x6865_7466_6C6F_77  # "hetflow": the PostgreSQL advisory lock around schema creation

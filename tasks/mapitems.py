@@ -90,7 +90,7 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
         try:
             log_path = str(files.rank_log(rank))
             if size == 1:
-                _one_rank(shared, list(spec.items), sink, log_path)
+                _one_rank(shared, list(spec.items), sink, str(files.item_results(rank)), log_path)
             for item in spec.items if size > 1 else ():
                 start = _log_size()
                 line = shared.run(item)
@@ -115,6 +115,12 @@ def run_items(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any
     result = dataclasses.replace(result, ended=time.time(), observed=seen)
     result.write(files.rank_result(rank))
     return result, comm
+
+
+def item_file(key: str, rank: int) -> str:
+    """The name of rank ``rank``'s partition of an item whose key is ``key``: the items of a map stage write
+    into one directory per output (no directory made per item), each file named by its item."""
+    return f"part-{key[:32]}-{rank:04d}.arrow"
 
 
 def _log_size() -> int:
@@ -229,7 +235,8 @@ class _Shared:
                     continue
                 info = ds.write_partition(item["outputs"][name], self.rank,
                                           out if isinstance(out, pa.Table) else iter(out), schema=out.schema,
-                                          rank=self.rank, node=ctx.node, durable=False)
+                                          rank=self.rank, node=ctx.node, durable=False,
+                                          name=item_file(item["key"], self.rank))
                 outputs[name] = {"partition": info.to_json(), "schema": ds.schema_to_text(out.schema)}
             line.update(status="ok", outputs=outputs)
         except BaseException as exc:  # noqa: BLE001 - an item's failure is its result, not the task's
@@ -240,9 +247,10 @@ class _Shared:
         return line
 
 
-def _one_rank(shared: _Shared, items: list[Mapping[str, Any]], sink: int, log_path: str) -> None:
-    """Run a one-rank task's items, each line appended to ``sink``: in a runner process while no item changes
-    what a later one would read (``item_isolation="checked"``), the rest (or all, ``"fork"``) in a child each."""
+def _one_rank(shared: _Shared, items: list[Mapping[str, Any]], sink: int, sink_path: str, log_path: str) -> None:
+    """Run a one-rank task's items, each line appended to ``sink`` (the file ``sink_path``): in a runner process
+    while no item changes what a later one would read (``item_isolation="checked"``), the rest (or all,
+    ``"fork"``) in a child each."""
     spec = shared.spec
     why: str | None = None
     if spec.item_isolation == "checked":
@@ -255,7 +263,7 @@ def _one_rank(shared: _Shared, items: list[Mapping[str, Any]], sink: int, log_pa
             why = str(exc)
         noted = False  # said on the line of the item that changed state
         while items and why is None:
-            items, why, noted = _runner(shared, items, snapshot, sink, log_path)
+            items, why, noted = _runner(shared, items, snapshot, sink, sink_path, log_path)
         if why is not None and items:
             shared.log.warning("the %d item(s) from item %s on run in a process each: %s", len(items),
                                items[0]["index"], why)
@@ -268,21 +276,26 @@ def _one_rank(shared: _Shared, items: list[Mapping[str, Any]], sink: int, log_pa
         os.write(sink, (json.dumps(line) + "\n").encode())
 
 
-def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink: int, log_path: str
-            ) -> tuple[list[Mapping[str, Any]], str | None, bool]:
+def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink: int, sink_path: str,
+            log_path: str) -> tuple[list[Mapping[str, Any]], str | None, bool]:
     """Run ``items`` one after another in one child of this rank (the *runner*), each checked against
     ``snapshot`` after it ends; the items it did not reach, why they must run in a process each
     (``None``: the runner was ended by an item, which is recorded as failed, and another may go on),
     and whether an item's line says so already (the item that changed state).
 
-    The runner appends each item's line to ``sink`` itself and tells this rank on a pipe when an item
-    starts (``S <index>``, which also says that the item before it has ended), when one changed state
-    (``L <index> <what it changed>``, after which it stops) and when it has run them all (``E``); so an
-    item that runs past the stage's timeout is killed with its runner, and one that ends its process
-    (``os._exit``, a signal, a crash) is named, without losing the lines written before.  One message
-    per item, not a start and an end: each wakes this rank, which shares the cores with the runners."""
+    The runner appends each item's line to ``sink`` itself and tells this rank on a pipe when one changed
+    state (``L <index> <what it changed>``, after which it stops) and when it has run them all (``E``).
+    With a timeout it also says when an item starts (``S <index>``, which also says that the item before
+    it has ended), so an item that runs past the stage's timeout is killed with its runner.  Without one
+    no message goes per item (each would wake this rank, which shares the cores with the runners): when
+    the runner ends without ``E`` or ``L``, the lines it appended to ``sink`` say how far it got, and the
+    item after the last of them is the one that ended its process (``os._exit``, a signal, a crash),
+    named without losing the lines written before."""
     from . import itemstate
 
+    timeout = shared.spec.item_timeout
+    announce = timeout is not None  # a message as each item starts: only a deadline needs it
+    mark, forked_at, log_mark = os.fstat(sink).st_size, time.time(), _log_size()
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -293,7 +306,8 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
             os.close(read_end)
             randoms = itemstate.RandomState()
             for item in items:
-                os.write(write_end, f"S {item['index']}\n".encode())
+                if announce:
+                    os.write(write_end, f"S {item['index']}\n".encode())
                 randoms.restore()
                 start = _log_size()
                 line = shared.run(item)
@@ -318,11 +332,10 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
             finally:
                 os._exit(code)
     os.close(write_end)
-    timeout = shared.spec.item_timeout
     done, running, started, log_start = 0, False, 0.0, 0
     deadline: float | None = None
     why: str | None = None
-    timed_out = False
+    timed_out = ended = False
     pending = b""
     with os.fdopen(read_end, "rb", buffering=0) as pipe:
         while True:
@@ -347,7 +360,20 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
                 elif kind == "L":
                     why = f"item {rest.partition(' ')[0]} changed what later items would read: " \
                           f"{rest.partition(' ')[2]}"
+                    done += 0 if announce else 1 + next(i for i, item in enumerate(items)
+                                                        if str(item["index"]) == rest.partition(" ")[0])
+                elif kind == "E":
+                    ended = True
     _, status = os.waitpid(pid, 0)
+    if not announce and not ended and why is None:  # it ended early: its lines say how far it got
+        lines = _lines_since(sink_path, mark)
+        done = len(lines)
+        if done < len(items):
+            running = True  # the item after its last line ended it
+            started = lines[-1].get("ended") or forked_at if lines else forked_at
+            log_start = int(lines[-1]["log"][2]) if lines and lines[-1].get("log") else log_mark
+    elif ended and not announce:
+        done = len(items)
     how = _how(status, timeout if timed_out else None)
     if running:  # the item in flight ended its runner
         line = _no_result(items[done], how)
@@ -358,6 +384,22 @@ def _runner(shared: _Shared, items: list[Mapping[str, Any]], snapshot: Any, sink
     elif why is None and done < len(items):
         return items[done:], f"their runner process ended between items ({how})", False
     return items[done:], why, why is not None
+
+
+def _lines_since(path: str, offset: int) -> list[dict[str, Any]]:
+    """The whole result lines appended to ``path`` after byte ``offset`` (a line cut short is not one)."""
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        data = fh.read()
+    found = []
+    for text in data.split(b"\n")[:-1]:  # after the last newline: a line being written when its process ended
+        try:
+            line = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and "index" in line:
+            found.append(line)
+    return found
 
 
 def _how(status: int, timeout: float | None) -> str:

@@ -74,11 +74,17 @@ def test_map_scale_benchmark_reports_items_per_second_memory_store_and_status_la
     """``benchmarks/map_scale.py`` at CI size: a map stage of N items, then the same script all cached."""
     out = tmp_path / "map.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "map_scale.py"), "--items", "12", "--out",
-                           str(out)], check=False, capture_output=True, text=True, timeout=540, cwd=tmp_path)
+                           str(out), "--poll", "0.5"], check=False, capture_output=True, text=True, timeout=540,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["items"] == 12 and data["store_mib"] > 0
     assert data["first run"]["items_per_second"] > 0 and data["first run"]["orchestrator_max_rss_mib"] > 0
     assert data["again (all cached)"]["seconds"] > 0
-    for name in ("status_seconds", "status_items_seconds"):
+    assert data["first run"]["state"] == "DONE" and data["first run"]["plan_seconds"] > 0
+    for name in ("status_seconds", "status_json_seconds", "status_items_seconds", "status_items_json_seconds"):
         assert 0 < data[name]["min"] <= data[name]["median"] <= data[name]["max"], name
+        cpu = data["status_cpu_seconds"][name]   # what the command cost, beside how long it waited for a core
+        assert 0 < cpu["min"] <= cpu["median"] <= cpu["max"], name
+    during = data["during"]   # status while the run goes: each call's items counted are at most all of them
+    assert all(0 <= done <= 12 for done in during["items_done_when_timed"]), during

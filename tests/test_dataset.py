@@ -217,3 +217,30 @@ def test_existing_dataset_dir_keeps_its_mode(tmp_path: Path) -> None:
     os.chmod(shared, 0o750)
     _write(shared, [2])
     assert _mode(shared) == 0o750
+
+
+def test_a_dataset_of_more_partitions_than_open_files_allowed_is_read_whole(tmp_path: Path) -> None:
+    """A map stage's output has a partition per item: reading 100,000 of them held a descriptor per
+    partition (Python's mmap keeps a duplicate) and failed at the process's limit of open files; past
+    ``MAPPED_PARTITIONS`` small partitions are read, not mapped (a process's maps are limited too)."""
+    import subprocess
+    import sys
+
+    parts = [ds.write_partition(tmp_path, i, pa.table({"x": pa.array([i] * 4, pa.int64())}), durable=False)
+             for i in range(300)]
+    ds.commit(tmp_path, "many", pa.schema([("x", pa.int64())]), parts)
+    probe = ("import resource, sys\n"
+             "resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+             "from hetflow.operators import dataset as ds\n"
+             "table = ds.open_dataset(sys.argv[1]).to_table()\n"
+             "print(table.num_rows, sum(table['x'].to_pylist()))\n"
+             "ds.MAPPED_PARTITIONS = 100\n"
+             "table = ds.open_dataset(sys.argv[1]).to_table()\n"
+             "maps = sum(sys.argv[1] in line for line in open('/proc/self/maps'))\n"
+             "print(table.num_rows, maps)\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.splitlines()
+    assert first.split() == ["1200", str(4 * sum(range(300)))]
+    assert second.split() == ["1200", "0"]   # read, not mapped (the first table and its maps are gone)

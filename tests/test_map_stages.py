@@ -516,3 +516,55 @@ def test_an_item_past_the_timeout_ends_alone_and_the_others_go_on(project: Path)
     listed = json.loads(hetflow(project, "status", stages["_run"]["id"], "stuck", "--items", "--json").stdout)
     [failed] = [i for i in listed["items"] if i["state"] == "FAILED"]
     assert failed["index"] == 1 and "exceeded the stage's timeout of 2s and was killed" in failed["error"]
+
+
+TWO_OUTPUTS = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("many", pilot=hf.PilotDescription(name="two", cores_per_node=2, memory_per_node=2**33))
+
+
+@pipe.stage(map_over={"n": list(range(40))}, outputs=["out", "twice"])
+def many(ctx):
+    return {"out": pa.table({"n": [ctx.params["n"]]}),
+            "twice": None if ctx.params["n"] % 2 else pa.table({"n2": [2 * ctx.params["n"]]})}
+
+
+pipe.run()
+'''
+
+
+def test_a_map_s_item_rows_are_written_once_and_its_items_share_a_directory_per_output(project: Path) -> None:
+    """The map's end wrote every item's row again (deleting those its chunks had written as they ended),
+    and each item made two directories of its own for its one partition file."""
+    import sqlite3
+
+    from hetflow.store import Store
+
+    (project / "work").mkdir()
+    Store(f"sqlite:///{project / 'work' / 'hetflow.db'}")   # the schema, then a witness of every row written
+    with sqlite3.connect(project / "work" / "hetflow.db") as conn:
+        conn.executescript("CREATE TABLE written (id INTEGER, deleted INTEGER);"
+                           "CREATE TRIGGER w AFTER INSERT ON map_items BEGIN INSERT INTO written VALUES (NEW.id, 0); END;"
+                           "CREATE TRIGGER d AFTER DELETE ON map_items BEGIN INSERT INTO written VALUES (OLD.id, 1); END;")
+    (project / "p.py").write_text(TWO_OUTPUTS)
+    stages = run(project)
+    assert [r["n"] for r in rows(stages, "out")] == list(range(40))
+    assert [r["n2"] for r in rows(stages, "twice")] == list(range(0, 80, 4))
+    assert stages["many"]["items"] == {"DONE": 40}
+    with sqlite3.connect(project / "work" / "hetflow.db") as conn:
+        written = conn.execute("SELECT count(*), sum(deleted) FROM written").fetchone()
+    assert tuple(written) == (40, 0), written   # 40 rows inserted, none deleted
+    items_dir = Path(stages["_run"]["run_dir"]) / "items" / "many"
+    assert sorted(p.name for p in items_dir.iterdir()) == ["out", "twice"]
+    assert len(list((items_dir / "out").iterdir())) == 40 and len(list((items_dir / "twice").iterdir())) == 20
+    run_id = stages["_run"]["id"]
+    listed = json.loads(hetflow(project, "status", run_id, "many", "--items", "--json", "--limit", "3",
+                                "--offset", "37").stdout)
+    assert [(i["index"], i["state"]) for i in listed["items"]] == [(37, "DONE"), (38, "DONE"), (39, "DONE")]
+    assert listed["total"] == 40 and listed["counts"] == {"DONE": 40}
+    (project / "p.py").write_text(TWO_OUTPUTS.replace("range(40)", "range(41)"))   # one item added: the rest reused
+    again = run(project)
+    assert again["many"]["items"] == {"CACHED": 40, "DONE": 1}
+    assert [r["n"] for r in rows(again, "out")] == list(range(41))

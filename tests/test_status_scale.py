@@ -3,9 +3,10 @@ a number of statements that does not grow with the tasks: it loaded every task a
 
 from __future__ import annotations
 
+import json
 import time
 
-from sqlalchemy import event
+from sqlalchemy import event, select
 
 from hetflow.status import run_status
 from hetflow.store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
@@ -70,3 +71,90 @@ def test_status_from_the_shell_loads_neither_pyarrow_nor_the_orchestrator(tmp_pa
                           timeout=120, check=False)
     assert "items" in done.stdout, done.stdout + done.stderr   # it did print the run's table
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def _map_store(tmp_path, items: int, counts: bool = True) -> Store:  # type: ignore[no-untyped-def]
+    """A run whose map stage ``items`` recorded ``items`` items (the last tenth FAILED) and a plain stage."""
+    from sqlalchemy import insert
+
+    from hetflow.store import MapItemRecord
+
+    store = _store_with(tmp_path, 2)
+    failed = items // 10
+    with store.session() as session:
+        session.execute(insert(MapItemRecord), [
+            {"run_id": "r1", "stage": "items", "index": i, "key": f"k{i}", "label": f'{{"i": {i}}}',
+             "state": "FAILED" if i >= items - failed else "DONE", "tries": 1, "directory": "/nowhere",
+             "outputs": {"out": [{"file": f"part-{i}.arrow", "rows": 1}]}, "log": ["/nowhere/rank-0.log", 0, 0]}
+            for i in reversed(range(items))])   # rows in any order: pages are by index
+        record = session.scalars(select(StageRecord).where(StageRecord.name == "items")).one()
+        record.item_counts = {"DONE": items - failed, "FAILED": failed} if counts else None
+    return store
+
+
+def test_status_counts_a_map_s_items_from_its_stage_record_without_reading_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = _map_store(tmp_path, 3000)
+    seen: list[str] = []
+
+    def record(_conn, _cursor, statement, *_: object) -> None:  # type: ignore[no-untyped-def]
+        seen.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        view = run_status(store, "r1")
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    assert view.stage("items").items == {"DONE": 2700, "FAILED": 300}
+    assert view.stage("total").items is None
+    # the only look at the items' table is for the plain stage, by the (run, stage, index) index: no row read
+    looks = [s for s in seen if "map_items" in s]
+    assert len(looks) == 1 and "map_items.stage IN" in looks[0], looks
+    older = _map_store(tmp_path / "older", 3000, counts=False)   # a store written before the counts were kept
+    assert run_status(older, "r1").stage("items").items == {"DONE": 2700, "FAILED": 300}
+
+
+def test_a_page_of_a_map_s_items_is_read_in_index_order_with_every_item_counted(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hetflow.status import map_items
+
+    store = _map_store(tmp_path, 3000)
+    page = map_items(store, "r1", "items", offset=2695, limit=10)
+    assert [i["index"] for i in page["items"]] == list(range(2695, 2705))
+    assert [i["state"] for i in page["items"]] == ["DONE"] * 5 + ["FAILED"] * 5
+    assert page["total"] == 3000 and page["counts"] == {"DONE": 2700, "FAILED": 300} and page["offset"] == 2695
+    assert len(map_items(store, "r1", "items")["items"]) == 3000
+    plan = store.engine.connect().exec_driver_sql(
+        "EXPLAIN QUERY PLAN SELECT \"index\" FROM map_items WHERE run_id='r1' AND stage='items' "
+        "ORDER BY \"index\" LIMIT 10 OFFSET 2695").fetchall()
+    assert any("ix_map_items_run_stage_index" in str(row) for row in plan), plan   # no sort of every row
+
+
+def test_a_store_made_before_the_items_index_gets_it_when_opened(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import sqlite3
+
+    _map_store(tmp_path, 10)
+    path = tmp_path / "state-2.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP INDEX ix_map_items_run_stage_index")
+    Store(f"sqlite:///{path}")
+    with sqlite3.connect(path) as conn:
+        names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert "ix_map_items_run_stage_index" in names
+
+
+def test_status_items_lists_a_page_as_text_and_says_how_to_see_the_rest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    store = _map_store(tmp_path, 3000)
+    command = [sys.executable, "-m", "hetflow.cli", "status", "r1", "items", "--items", "--db", str(store.url)]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith("items of run r1: 3,000 items: 2,700 done, 300 failed")
+    assert lines[1].split()[0] == "0" and lines[-2].split()[0] == "999"
+    assert lines[-1] == "  ... listed 1 to 1,000 of 3,000: --offset 1000 for the next 1,000, --limit 0 for all"
+    shown = subprocess.run(command + ["--offset", "2998", "--json"], capture_output=True, text=True, timeout=120,
+                           check=False)
+    assert [i["index"] for i in json.loads(shown.stdout)["items"]] == [2998, 2999]
+    shown = subprocess.run(command + ["--limit", "-1"], capture_output=True, text=True, timeout=120, check=False)
+    assert shown.returncode == 2 and "--offset and --limit must be >= 0" in shown.stderr
