@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import sqlite3
 import threading
 import time
 from contextlib import contextmanager
@@ -407,6 +408,37 @@ def _listing(ids: list[str], *, total: int | None = None, most: int = 5) -> str:
     return shown + (f" and {total - most} more" if total > most else "")
 
 
+def _older_schema(engine: Engine) -> bool:
+    """Whether the store lacks a table or column this hetflow declares (an older hetflow wrote it)."""
+    from sqlalchemy import inspect
+
+    with engine.connect() as connection:
+        inspector = inspect(connection)
+        tables = set(inspector.get_table_names())
+        return any(table.name not in tables
+                   or {column.name for column in table.columns} - {c["name"] for c in inspector.get_columns(table.name)}
+                   for table in Base.metadata.sorted_tables)
+
+
+def _upgraded_copy(path: Path) -> Engine:
+    """A read-only SQLite store an older hetflow wrote, copied into memory and given this hetflow's tables and
+    columns: the file cannot be changed (an archived or a colleague's work directory) and the records name
+    columns the old file lacks.  The copy is private to this process and dropped with it."""
+    from sqlalchemy.pool import StaticPool
+
+    memory = sqlite3.connect(":memory:", check_same_thread=False)
+    source = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    try:
+        source.backup(memory)
+    finally:
+        source.close()
+    engine = create_engine("sqlite://", creator=lambda: memory, poolclass=StaticPool, future=True)
+    with engine.begin() as connection:
+        Base.metadata.create_all(connection)
+        _add_new_columns(connection)
+    return engine
+
+
 def _writable(directory: Path) -> bool:
     try:
         return os.access(directory, os.W_OK) and not os.statvfs(directory).f_flag & os.ST_RDONLY
@@ -484,6 +516,13 @@ class Store:
             try:
                 self._create_schema(path)
             except SQLAlchemyError as exc:  # a damaged file, a server that does not answer: one line
+                raise StoreUnreadable(unreadable(url, exc)) from None
+        elif path is not None:
+            try:
+                if _older_schema(self.engine):
+                    self.engine.dispose()
+                    self.engine = _upgraded_copy(path)
+            except (SQLAlchemyError, sqlite3.Error) as exc:
                 raise StoreUnreadable(unreadable(url, exc)) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         event.listen(self._sessions, "loaded_as_persistent", _pin_in_batch)

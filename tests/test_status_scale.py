@@ -158,3 +158,27 @@ def test_status_items_lists_a_page_as_text_and_says_how_to_see_the_rest(tmp_path
     assert [i["index"] for i in json.loads(shown.stdout)["items"]] == [2998, 2999]
     shown = subprocess.run(command + ["--limit", "-1"], capture_output=True, text=True, timeout=120, check=False)
     assert shown.returncode == 2 and "--offset and --limit must be >= 0" in shown.stderr
+
+
+def test_a_read_only_store_an_older_hetflow_wrote_is_read_without_being_changed(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A store in a directory hetflow cannot write (an archived or a colleague's work directory) is opened
+    read-only and its schema is not upgraded; a column a newer hetflow declares (``stages.item_counts``) made
+    every query fail with ``no such column``.  The store is read through an upgraded private copy and the
+    file is left as it was.  (Root writes anywhere, so the directory's verdict is the one piece set here.)"""
+    import sqlite3
+
+    import hetflow.store as store_module
+
+    _map_store(tmp_path, 30, counts=False).engine.dispose()   # its last connection closed: the WAL is in the file
+    path = tmp_path / "state-2.db"
+    conn = sqlite3.connect(path)
+    conn.execute("ALTER TABLE stages DROP COLUMN item_counts")   # as the hetflow before it wrote it
+    conn.close()   # the WAL checkpointed into the file: a read-only open reads the file alone
+    before = path.read_bytes()
+    monkeypatch.setattr(store_module, "_writable", lambda directory: False)
+    store = Store(f"sqlite:///{path}")
+    assert store.read_only
+    view = run_status(store, "r1")
+    assert {stage.name: stage.state for stage in view.stages} == {"items": "DONE", "total": "DONE"}
+    assert [stage.items for stage in view.stages if stage.name == "items"][0]["FAILED"] == 3
+    assert path.read_bytes() == before
