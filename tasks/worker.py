@@ -158,12 +158,12 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
 
 def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]) -> dict[str, str]:
     """The modules the stage imported while it ran (or whose deferred import it loaded), added, wherever they
-    lie (those it had are recorded as they were executed)."""
+    lie (those it had are recorded as they were executed), the files it wrote and the folders it listed."""
     from hetflow import observed
 
     observed.recording_writes(False)
     return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
-            **observed.stage_written((_run_folder(spec),))}
+            **observed.stage_written((_run_folder(spec),)), **observed.stage_listed((_run_folder(spec),))}
 
 
 def _open_input(path: str, rank: int, size: int, verify: str) -> Any:
