@@ -24,10 +24,19 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
   ``values PATH``: the plain values such a module holds (what it read at import
   from a file or a variable), by the key's digest of a value.
 * ``file PATH``: the files (not code) the top level opened for reading, by
-  content (by size and time above :data:`CONTENT_LIMIT`).  Only compared: the
-  rank's must be what the orchestrator's top level read when it made the key
-  (``TABLE = pd.read_csv(...)`` edited while a stage waited for its slot), or the
-  result is not committed.  The key already holds what a stage reads of them.
+  content (by size and time above :data:`CONTENT_LIMIT`); ``folder PATH``: the
+  folders it listed (``os.listdir``/``os.scandir`` audit events, not the import
+  system's), by their names.  The rank's files must be what the orchestrator's
+  top level read when it made the key (``TABLE = pd.read_csv(...)`` edited while
+  a stage waited for its slot), or the result is not committed.  Both are
+  recorded with the commit (the rank's and the orchestrator's): an installed
+  library's state set from a file (``plt.style.use("paper.mplstyle")``) is not
+  in the key.  A warm rank counts what the fork server's imports of the script's
+  installed packages read (:func:`keep_preloaded`) as its own;
+* ``listed PATH`` (rank only): the folders the stage listed while it ran (a
+  plugin folder it scans), by their names after it returned;
+* ``wrote PATH`` (rank only): the files the stage opened for writing: a file
+  the top reads that the pipeline writes itself is not a change.
 * ``state NAME``: process-wide state that calls at the top set without assigning
   a global: the ``random`` and numpy global generators, torch's default
   generator and default dtype, the ``decimal`` context.  A state the rank and the
@@ -36,11 +45,12 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
 
 The orchestrator refuses to commit a result whose ``module``/``file``
 observations differ from its own (they changed after the run started), records
-the ``module``/``values``/``state``/``value`` observations with the stage's
-output (a map stage's, for its items too), and serves that output again only
-while its own observations at the start of a later run match them
-(:func:`stale`).  Files are seen through an audit hook (``open`` events) that
-records only while :func:`recording` is on; it does nothing otherwise.
+the others with the stage's output (a map stage's, for its items too:
+:func:`to_record`), and serves that output again only while its own
+observations at the start of a later run match them (:func:`stale`).  Files
+and folders are seen through an audit hook (``open``, ``os.listdir``,
+``os.scandir`` events) that records only while :func:`recording` or
+:func:`recording_writes` is on; it returns at once otherwise.
 """
 
 from __future__ import annotations

@@ -11,11 +11,14 @@ computed; and that what did not change, or what a stage of the run wrote itself,
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from test_cache_stale import edit, run, states, value
+from test_cache_stale import edit, run, states, status, value
 
 STYLED = '''
 from pathlib import Path
@@ -62,28 +65,39 @@ def test_a_style_file_the_scripts_top_applies_reruns_its_stage_when_edited_or_re
 
 
 RC_IMPORTED = '''
-import os
-
-import matplotlib
+import matplotlib  # before hetflow: run as "python p.py", hetflow does not see what this import reads
 import pyarrow as pa
 import hetflow as hf
 
-pipe = hf.Pipeline("rcimported", pilot=PILOT)
+pipe = hf.Pipeline("rcimported", pilot=PILOT, workdir="work")
 
 
 @pipe.stage(outputs=["width"])
 def width(ctx):
     return {"width": pa.table({"v": [float(matplotlib.rcParams["lines.linewidth"])]})}
+
+
+if __name__ == "__main__":
+    pipe.run()
 '''
+
+def _run_as(command: str, cwd: Path, env: dict[str, str]) -> dict[str, Any]:
+    """``hetflow run p.py`` or ``python p.py``; the stages of ``hetflow status --json`` by name."""
+    if command == "hetflow":
+        return run(cwd, env=env)
+    done = subprocess.run([sys.executable, "p.py"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return status(cwd)
+
 
 COLD = "name: cold\nextends: local\noptions:\n  local:\n    warm_start: false\n"
 
 
-def test_a_matplotlibrc_read_when_the_top_imports_matplotlib_counts_warm_and_cold(tmp_path: Path) -> None:
-    """rt6 f01/f01b: ``import matplotlib`` at the top reads its rc file.  A warm rank's import happens once in the
-    fork server, which recorded nothing (the file named by ``MATPLOTLIBRC`` was edited: CACHED), and ran in the
-    run's directory, where a ``./matplotlibrc`` beside the script applied, unlike in a cold rank (its own
-    directory): the same stage gave 3.0 warm and 1.5 cold, and either was served to the other."""
+def test_warm_and_cold_ranks_import_matplotlib_in_their_own_directory(tmp_path: Path) -> None:
+    """rt6 f01b: a warm rank's ``import matplotlib`` happens once in the fork server, which ran it in the run's
+    directory, where a ``./matplotlibrc`` beside the script applied, unlike in a cold rank (its own directory):
+    the same stage gave 3.0 warm and 1.5 cold, and either was served to the other."""
     pytest.importorskip("matplotlib")
     (tmp_path / "p.py").write_text(RC_IMPORTED.replace("PILOT", '"local"'))
     (tmp_path / "cold.yaml").write_text(COLD)
@@ -91,17 +105,24 @@ def test_a_matplotlibrc_read_when_the_top_imports_matplotlib_counts_warm_and_col
     warm = run(tmp_path)
     cold = run(tmp_path, "--pilot", "cold.yaml", "--rerun", "all")
     assert value(warm, "width") == value(cold, "width") == 1.5
-    project = tmp_path / "named"  # the variable is not in the key (as undeclared ones are not): set throughout
-    project.mkdir()
-    (project / "p.py").write_text(RC_IMPORTED.replace("PILOT", '"local"'))
-    rc = project / "lab" / "lab.rc"
+
+
+@pytest.mark.parametrize("command", ["hetflow", "python"])
+def test_a_matplotlibrc_the_top_reads_when_it_imports_matplotlib_reruns_its_stage_when_edited(
+        tmp_path: Path, command: str) -> None:
+    """rt6 f01: ``import matplotlib`` at the top reads the rc file ``MATPLOTLIBRC`` names; a warm rank's import
+    happens once in the fork server, which recorded nothing: edited, the stage was served CACHED.  Run as
+    ``python p.py``, the script imports matplotlib before hetflow, which sees only what the fork server read."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "p.py").write_text(RC_IMPORTED.replace("PILOT", '"local"'))
+    rc = tmp_path / "lab" / "lab.rc"
     rc.parent.mkdir()
     rc.write_text("lines.linewidth: 2.0\n")
-    env = {**os.environ, "MATPLOTLIBRC": str(rc)}
-    assert value(run(project, env=env), "width") == 2.0
-    assert states(run(project, env=env)) == {"width": "CACHED"}
+    env = {**os.environ, "MATPLOTLIBRC": str(rc)}  # not in the key (as undeclared variables are not): set throughout
+    assert value(_run_as(command, tmp_path, env), "width") == 2.0
+    assert states(_run_as(command, tmp_path, env)) == {"width": "CACHED"}
     rc.write_text("lines.linewidth: 4.0\n")
-    edited = run(project, env=env)
+    edited = _run_as(command, tmp_path, env)
     assert states(edited) == {"width": "DONE"}, edited["width"]["cache"]
     assert edited["width"]["cache"]["reason"].startswith("file lab/lab.rc read at the script's top changed")
     assert value(edited, "width") == 4.0
