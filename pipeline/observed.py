@@ -391,11 +391,12 @@ def files_read(exclude: Iterable[str] = ()) -> dict[str, str]:
 
 def _folder_entry(path: str) -> str | None:
     """A folder's listing as a digest of its sorted names: a file added, removed or renamed changes it, an
-    edit inside one does not (what was read of it is observed on its own); None for what is not a folder."""
+    edit inside one does not (what was read of it is observed on its own), nor ``__pycache__``, which Python
+    makes when it first imports from a folder; None for what is not a folder."""
     try:
         if not stat.S_ISDIR(os.stat(path).st_mode):
             return None
-        names = sorted(os.listdir(path))
+        names = sorted(name for name in os.listdir(path) if name != "__pycache__")
     except FileNotFoundError:
         return "<missing>"
     except OSError:
