@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from hetflow.ml.artifact import ModelManifest, gather_model_table, model_from_table, read_manifest
 from hetflow.ml.errors import ModelArtifactError
-from hetflow.ml.loader import ArrowLoader, Normalization
+from hetflow.ml.loader import ArrowLoader, Normalization, memory_share_of
 from hetflow.ml.tensors import Fill
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def predict(ctx: Any, table: pa.Table | None, model: Any, *, key: str, features:
         torch.set_num_threads(max(1, len(getattr(ctx, "cores", ()) or ())))
     net = net.to(device).eval()
     loader = ArrowLoader(table, list(features), None, batch_size=batch_size, shuffle=False, fill=fill,
-                         normalization=dict(normalization or {}) or None, device=device)
+                         normalization=dict(normalization or {}) or None, device=device,
+                         memory_share=memory_share_of(ctx))
     outputs: list[torch.Tensor] = []
     with torch.inference_mode():
         for x in loader:

@@ -6,12 +6,36 @@ The row order of an epoch is a permutation drawn from
 ``numpy.random.default_rng([seed, epoch, rank])``, so it is the same on every
 rerun with the same seed, differs per epoch and per rank, and does not depend
 on torch's global random state.
+
+**Layout.** A batch is gathered from one of two layouts, chosen once when the
+loader is built (``layout="auto"``, the default):
+
+* ``"rows"``: the features are laid out row-major once — one contiguous
+  ``(rows, width)`` tensor of the loader's dtype, written in one pass over
+  the columns (:func:`hetflow.ml.tensors.row_major`) — and each batch is
+  then one ``index_select`` (shuffled rows) or one slice (consecutive rows)
+  into its buffer.  A single feature column already of the loader's dtype
+  (a ``fixed_size_list`` matrix) is that layout as it stands: no copy.
+* ``"columns"``: each batch is gathered column by column out of the column
+  tensors (views of the Arrow buffers), on the rank's cores — no second copy
+  of the data, but per batch one task per column.
+
+``"auto"`` takes ``"rows"`` when the matrix needs no copy, or when it takes
+at most half of this loader's share of the host memory available when it is
+built (``MemAvailable`` × ``memory_share``): the data then fit twice, once as
+Arrow columns and once row-major.  ``fit`` and ``predict`` pass the rank's
+share of the node's cores (:func:`memory_share_of`), so ranks and tasks that
+share a node do not each plan for all of its memory.  Otherwise, or when the
+available memory cannot be read, it takes ``"columns"``.  ``layout="rows"`` /
+``"columns"`` force one.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from hetflow.ml.tensors import ConvertedColumn, Fill, table_to_tensors
+from hetflow.ml.tensors import ConvertedColumn, Fill, row_major, table_to_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +53,39 @@ log = logging.getLogger(__name__)
 
 #: feature name -> (mean, standard deviation); features are fed as (x - mean) / std
 Normalization = Mapping[str, tuple[float, float]]
+
+LAYOUTS = ("auto", "rows", "columns")
+
+ROW_MAJOR_SHARE = 0.5
+"""``layout="auto"`` lays rows out when the matrix takes at most this share of the available host memory."""
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available now (Linux ``MemAvailable``), or ``None`` where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_share_of(ctx: Any) -> float:
+    """A rank's share of its node's memory: its cores over the node's (1.0 without a ctx or cores)."""
+    cores = len(getattr(ctx, "cores", ()) or ()) if ctx is not None else 0
+    total = os.cpu_count() or 0
+    return min(1.0, cores / total) if cores and total else 1.0
+
+
+def choose_layout(columns: Sequence[ConvertedColumn], rows: int, width: int, dtype: "torch.dtype",
+                  available: int | None, share: float = 1.0) -> str:
+    """The layout ``layout="auto"`` takes (the module docstring's rule); ``available`` in bytes or ``None``."""
+    if len(columns) == 1 and columns[0].tensor.dtype == dtype:
+        return "rows"  # already row-major: no copy
+    nbytes = rows * width * dtype.itemsize
+    return "rows" if available is not None and nbytes <= ROW_MAJOR_SHARE * available * share else "columns"
 
 
 class ArrowLoader:
@@ -45,6 +102,12 @@ class ArrowLoader:
     off) batches are gathered into pinned memory and copied ahead of the
     one in use (module docstring); ``pin_memory`` (default: on for CUDA)
     may only be asked for with a CUDA device.
+
+    ``layout`` (``"auto"``, ``"rows"`` or ``"columns"``) picks how batches
+    are gathered, ``memory_share`` (0 < share <= 1) is the part of the node's
+    available memory ``"auto"`` may plan for (module docstring);
+    ``self.layout`` is the one taken and
+    ``self.layout_seconds`` what laying the rows out cost (0 for columns).
     """
 
     def __init__(self, table: pa.Table, features: Sequence[str], label: str | None = None, *,
@@ -53,7 +116,7 @@ class ArrowLoader:
                  fill: Fill = None, normalization: Normalization | None = None,
                  dtype: "torch.dtype | None" = None, label_dtype: "torch.dtype | None" = None,
                  device: "str | torch.device" = "cpu", prefetch: int = 2,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, layout: str = "auto", memory_share: float = 1.0) -> None:
         import torch
 
         if (batch_size is None) == (num_batches is None):
@@ -64,6 +127,10 @@ class ArrowLoader:
             raise ValueError(f"num_batches must be >= 0, got {num_batches!r}")
         if not features:
             raise ValueError("features must name at least one column")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        if not 0 < memory_share <= 1:
+            raise ValueError(f"memory_share must be in (0, 1], got {memory_share!r}")
         self.features = list(features)
         self.label = label
         self.batch_size = batch_size
@@ -88,6 +155,14 @@ class ArrowLoader:
         self.label_column: ConvertedColumn | None = (
             table_to_tensors(table, [label], fill=fill)[0] if label is not None else None)
         self._mean, self._std = self._normalization_vectors(normalization)
+        if layout == "auto":
+            layout = choose_layout(self.columns, self.num_rows, self.width, self.dtype, available_memory(),
+                                   memory_share)
+        self.layout = layout
+        start = time.perf_counter()
+        self._matrix: torch.Tensor | None = (
+            row_major(self.columns, self.dtype, threads=torch.get_num_threads()) if layout == "rows" else None)
+        self.layout_seconds = time.perf_counter() - start if layout == "rows" else 0.0
 
     # -- set-up -----------------------------------------------------------------------------------
     def _normalization_vectors(self, normalization: Normalization | None
@@ -154,15 +229,24 @@ class ArrowLoader:
         return sum(1 if c.tensor.dim() == 1 else int(c.tensor.shape[1]) for c in self.columns)
 
     def _normalized(self, x: "torch.Tensor") -> "torch.Tensor":
-        if self._mean is not None and self._std is not None:
-            x = (x - self._mean) / self._std
-        return x
+        """``(x - mean) / std``, in place for floating-point batches (``x`` is always a batch's own fresh buffer)."""
+        if self._mean is None or self._std is None:
+            return x
+        if x.is_floating_point():
+            return x.sub_(self._mean).div_(self._std)  # no allocations per batch
+        return (x - self._mean) / self._std  # integer features: true division makes a float batch
+
+    def gather(self, rows: np.ndarray, out: "torch.Tensor") -> "torch.Tensor":
+        """Write the (raw) features of ``rows`` into ``out[:len(rows)]`` from this loader's layout; that view."""
+        if self._matrix is not None:
+            return gather_matrix(self._matrix, rows, out)
+        return gather_rows(self.columns, rows, out)
 
     def features_of(self, rows: np.ndarray) -> "torch.Tensor":
         """The (normalised) feature matrix of the given rows, on this loader's device (not staged)."""
         import torch
 
-        x = gather_rows(self.columns, rows, torch.empty((len(rows), self.width), dtype=self.dtype))
+        x = self.gather(rows, torch.empty((len(rows), self.width), dtype=self.dtype))
         return self._normalized(x.to(self.device))
 
     def label_of(self, rows: np.ndarray) -> "torch.Tensor":
@@ -206,7 +290,7 @@ class ArrowLoader:
             slot = ring[number % len(ring)]
             if slot.copied is not None:
                 slot.copied.synchronize()  # the copy that last read this buffer has finished
-            x_host = gather_rows(self.columns, rows, slot.x)
+            x_host = self.gather(rows, slot.x)
             y_host = None if label is None or slot.y is None else gather_label(label, rows, slot.y)
             with torch.cuda.stream(stream):
                 x = self._normalized(x_host.to(self.device, non_blocking=True))
@@ -254,6 +338,34 @@ class _InFlight:
     ready: Any
 
 
+def _consecutive(rows: np.ndarray) -> bool:
+    n = len(rows)
+    return n > 0 and int(rows[-1]) - int(rows[0]) == n - 1 and bool(np.all(np.diff(rows) == 1))
+
+
+def gather_matrix(matrix: "torch.Tensor", rows: np.ndarray, out: "torch.Tensor") -> "torch.Tensor":
+    """Write ``rows`` of a row-major ``(rows, width)`` matrix into ``out[:len(rows)]`` and return that view.
+
+    One ``index_select`` straight into ``out`` (a pinned staging buffer on
+    the CUDA path), or one slice copy when the rows are consecutive.
+    """
+    import torch
+
+    n = len(rows)
+    if out.dim() != 2 or out.shape[0] < n or out.shape[1] != matrix.shape[1]:
+        raise ValueError(f"out must be a (rows >= {n}, {matrix.shape[1]}) tensor, got shape {tuple(out.shape)}")
+    dest = out[:n]
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if _consecutive(rows):
+        first = int(rows[0])
+        dest.copy_(matrix[first:first + n])
+    elif matrix.dtype == out.dtype:
+        torch.index_select(matrix, 0, torch.from_numpy(rows), out=dest)
+    else:
+        dest.copy_(matrix.index_select(0, torch.from_numpy(rows)))
+    return dest
+
+
 def gather_rows(columns: Sequence[ConvertedColumn], rows: np.ndarray, out: "torch.Tensor", *,
                 threads: int | None = None) -> "torch.Tensor":
     """Write ``rows`` of ``columns`` side by side into ``out[:len(rows)]`` and return that view.
@@ -278,7 +390,7 @@ def gather_rows(columns: Sequence[ConvertedColumn], rows: np.ndarray, out: "torc
     dest = out[:n]
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     first = int(rows[0]) if n else 0
-    consecutive = n > 0 and int(rows[-1]) - first == n - 1 and bool(np.all(np.diff(rows) == 1))
+    consecutive = _consecutive(rows)
     idx = torch.from_numpy(rows)
 
     def take(col: ConvertedColumn) -> "torch.Tensor":
@@ -327,8 +439,12 @@ def gather_label(src: "torch.Tensor", rows: np.ndarray, out: "torch.Tensor") -> 
     import torch
 
     n = len(rows)
-    idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
     dest = out[:n]
+    if _consecutive(rows):
+        dest.copy_(src[int(rows[0]):int(rows[0]) + n])
+        return dest
+    idx = torch.from_numpy(rows)
     if src.dtype == out.dtype:
         torch.index_select(src, 0, idx, out=dest)
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Union
 
@@ -155,3 +156,54 @@ def arrow_data_address(column: pa.Array | pa.ChunkedArray) -> int:
         arr = arr.values.slice(arr.offset * size)
     width = arr.type.bit_width // 8
     return int(arr.buffers()[1].address + arr.offset * width)
+
+
+def row_major(columns: list[ConvertedColumn], dtype: "torch.dtype", *, threads: int = 1) -> "torch.Tensor":
+    """The columns side by side as one contiguous ``(rows, width)`` tensor of ``dtype``.
+
+    A single column that is already ``dtype`` (a ``fixed_size_list`` feature
+    matrix, or one scalar column) is returned as a ``(rows, width)`` view of
+    itself: it is row-major as it stands.  Otherwise the matrix is written in
+    one pass, in blocks of rows small enough to stay in cache while every
+    column writes its slice of them (a column at a time over the whole matrix
+    would touch every cache line once per column); the blocks are spread
+    over up to ``threads`` threads (the copies release the GIL).  Values are
+    cast as the column-by-column gather casts them (C conversions), so a row
+    equals the row that gather makes.
+    """
+    import torch
+
+    if not columns:
+        raise ValueError("row_major needs at least one column")
+    rows = int(columns[0].tensor.shape[0])
+    widths = [1 if c.tensor.dim() == 1 else int(c.tensor.shape[1]) for c in columns]
+    width = sum(widths)
+    if len(columns) == 1 and columns[0].tensor.dtype == dtype:
+        return columns[0].tensor.reshape(rows, width)
+    matrix = torch.empty((rows, width), dtype=dtype)
+    itemsize = matrix.element_size()
+    block = max(1, _ROW_BLOCK_BYTES // max(1, width * itemsize))
+    try:  # numpy's strided assignment costs less per call than torch's on blocks this small
+        dest: Any = matrix.numpy()
+        sources: list[Any] = [c.tensor.numpy().reshape(rows, w) for c, w in zip(columns, widths)]
+    except TypeError:  # a dtype numpy lacks (bfloat16): the same blocks through torch
+        dest, sources = matrix, [c.tensor.reshape(rows, w) for c, w in zip(columns, widths)]
+    offsets = np.concatenate([[0], np.cumsum(widths)]).tolist()
+
+    def fill(start: int) -> None:
+        stop = min(rows, start + block)
+        for src, lo, hi in zip(sources, offsets[:-1], offsets[1:]):
+            dest[start:stop, lo:hi] = src[start:stop]
+
+    starts = range(0, rows, block)
+    if threads > 1 and len(starts) > 1:
+        with ThreadPoolExecutor(max_workers=min(threads, len(starts)), thread_name_prefix="hetflow-layout") as pool:
+            list(pool.map(fill, starts))
+    else:
+        for start in starts:
+            fill(start)
+    return matrix
+
+
+_ROW_BLOCK_BYTES = 4 * 2**20
+"""Bytes of the row-major matrix written per block by :func:`row_major` (a few MiB: stays in cache)."""

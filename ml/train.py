@@ -29,7 +29,7 @@ import pyarrow as pa
 from hetflow.ml.artifact import model_to_table
 from hetflow.ml.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from hetflow.ml.distributed import Backend, DistributedEnv, distributed
-from hetflow.ml.loader import ArrowLoader, Normalization
+from hetflow.ml.loader import ArrowLoader, Normalization, memory_share_of
 from hetflow.ml.tensors import Fill
 
 if TYPE_CHECKING:
@@ -46,6 +46,10 @@ class FitResult:
 
     ``model_table`` and ``metrics`` (the stage outputs) are set on rank 0 and
     ``None`` elsewhere; ``model`` (unwrapped, eval mode) is on every rank.
+    ``layout_seconds`` is what this rank spent laying its training rows out
+    row-major before the first step (0 when its loader gathers by columns;
+    see :mod:`hetflow.ml.loader`): set-up time that no epoch's ``seconds``
+    includes.
     """
 
     model: Any
@@ -55,6 +59,7 @@ class FitResult:
     start_step: int
     resumed_from: Path | None
     history: tuple[Mapping[str, float], ...]
+    layout_seconds: float = 0.0
 
 
 def global_normalization(comm: Any, loader: ArrowLoader) -> dict[str, tuple[float, float]]:
@@ -112,6 +117,11 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
     rows.  ``normalize=True`` computes global feature means and standard
     deviations (an allreduce), a mapping gives them; either way they are
     applied to every batch and stored in the model manifest.
+
+    With one rank the model is trained as it is, without a
+    ``DistributedDataParallel`` wrapper: there is nothing to average, and
+    the wrapper's per-step hooks and one-rank all-reduce would be all it
+    adds.  Several ranks train through DDP.
     """
     import torch
 
@@ -139,9 +149,10 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
 
     with distributed(ctx, backend=backend) as env:
         loader = ArrowLoader(table, features, label, num_batches=steps, shuffle=True, seed=seed, rank=rank,
-                             fill=fill, device=env.device)
+                             fill=fill, device=env.device, memory_share=memory_share_of(ctx))
         if loader.copies:
             ctx.log.info("training columns copied: %s", loader.copies)
+        ctx.log.info("training rows gathered by %s (row-major layout: %.3f s)", loader.layout, loader.layout_seconds)
         if normalize is True:
             norm: dict[str, tuple[float, float]] = global_normalization(comm, loader)
         elif normalize is False:
@@ -152,8 +163,10 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
         val_loader = None
         if validation is not None:
             val_loader = ArrowLoader(validation, features, label, batch_size=max(1, batch_size), shuffle=False,
-                                     fill=fill, normalization=norm or None, device=env.device)
-        ddp = env.wrap(model)
+                                     fill=fill, normalization=norm or None, device=env.device,
+                                     memory_share=memory_share_of(ctx))
+        ddp = env.wrap(model) if size > 1 else model.to(env.device)
+        net = ddp.module if size > 1 else ddp  # the model itself: what checkpoints and the result hold
         opt = optimizer(ddp.parameters())
         sched = scheduler(opt) if scheduler is not None else None
         fns: dict[str, LossFn] = {"val_loss": loss, **{f"val_{k}": v for k, v in (metrics or {}).items()}}
@@ -166,7 +179,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
         found = comm.bcast(latest_checkpoint(ckpt_root) if rank == 0 else None, root=0)
         if found is not None:
             state = load_checkpoint(found, map_location=env.device)
-            ddp.module.load_state_dict(state["model"])
+            net.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             if sched is not None and state.get("scheduler") is not None:
                 sched.load_state_dict(state["scheduler"])
@@ -190,7 +203,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
             partials = comm.gather(list(partial), root=0)
             if rank == 0:
                 save_checkpoint(ckpt_root, {
-                    "model": ddp.module.state_dict(), "optimizer": opt.state_dict(),
+                    "model": net.state_dict(), "optimizer": opt.state_dict(),
                     "scheduler": sched.state_dict() if sched is not None else None,
                     "rng": rngs, "partial": partials, "epoch": epoch, "step_in_epoch": step_in_epoch,
                     "global_step": global_step, "history": history, "world_size": size,
@@ -211,8 +224,9 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
                 n = int(mine[s])
                 if n:
                     local = loss(pred, y)
-                    scaled = local * (n * size / float(global_per_step[s]))
-                    loss_sum.add_(local.detach().double(), alpha=n)
+                    weight = n * size / float(global_per_step[s])
+                    scaled = local * weight if weight != 1.0 else local  # 1.0 on one rank: no extra kernel
+                    loss_sum.add_(local.detach(), alpha=n)  # accumulated in float64 (loss_sum's dtype)
                 else:  # keeps this rank in DDP's gradient all-reduce with a zero contribution
                     scaled = pred.sum() * 0.0
                 scaled.backward()
@@ -232,7 +246,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
             ddp.eval()
             record: dict[str, float] = {
                 "epoch": float(epoch), "step": float(global_step), "train_loss": loss_total / max(rows, 1),
-                **_weighted_eval(env, ddp.module, val_loader, fns),
+                **_weighted_eval(env, net, val_loader, fns),
                 "samples": rows, "seconds": seconds, "samples_per_s": rows / seconds if seconds > 0 else 0.0,
                 "lr": float(opt.param_groups[0]["lr"]),
             }
@@ -246,7 +260,7 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
             checkpoint(epoch + 1, 0)
             if on_epoch_end is not None:
                 on_epoch_end(record)
-        trained = ddp.module.eval()
+        trained = net.eval()
 
     model_table = metrics_table = None
     if rank == 0:
@@ -254,7 +268,8 @@ def fit(ctx: Any, table: pa.Table | None, *, model: Any, features: Sequence[str]
         model_table = model_to_table(trained, features=features, label=label, normalization=norm, metrics=last)
         metrics_table = metrics_to_table(history)
     return FitResult(model=trained, model_table=model_table, metrics=metrics_table, start_epoch=start_epoch,
-                     start_step=start_step, resumed_from=found, history=tuple(history))
+                     start_step=start_step, resumed_from=found, history=tuple(history),
+                     layout_seconds=loader.layout_seconds)
 
 
 def metrics_to_table(history: Sequence[Mapping[str, float]]) -> pa.Table:

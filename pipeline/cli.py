@@ -344,6 +344,10 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, si
         if stage.log_dir:
             print(f"  {'':<20} logs: {stage.log_dir}")
     if not status.ok:
+        from .errors import code_must_change
+
+        if code_must_change([s.error for s in status.stages if s.state not in ("DONE", "CACHED", "SKIPPED")]):
+            print("  change the script as the error says first: resumed unchanged, it fails the same way")
         if status.error and not any(s.error for s in status.stages if s.state not in ("DONE", "CACHED")):
             print("  " + error_text(status.error).replace("\n", "\n  "))
         if status.script is None:

@@ -78,6 +78,16 @@ def resume_hint(run_id: str, *, script: bool = True, where: Sequence[str] = (), 
     return f"resume it with: pipe.run(run_id={run_id!r}) from the same code"
 
 
+SCRIPT_MUST_CHANGE = ("where the stage's ranks never execute it", "which this session set on an imported module")
+"""Words of the refusals that only an edit of the code lifts (a global set in the main block, a value a session
+set on a module): resuming the same code fails the same way, so the hint says to change it first."""
+
+
+def code_must_change(errors: Sequence[str | None]) -> bool:
+    """Whether every one of the failed stages' ``errors`` is a refusal only an edit of the code lifts."""
+    return bool(errors) and all(e is not None and any(words in e for words in SCRIPT_MUST_CHANGE) for e in errors)
+
+
 def recorded_in(run_dir: str | os.PathLike[str] | None) -> bool:
     """Whether the run in ``run_dir`` recorded its stages for ``hetflow resume`` (:mod:`hetflow.recorded`)."""
     from .recorded import RECORDED
@@ -121,8 +131,11 @@ class RunFailed(HetflowError, RuntimeError):
             parts.append("stage " + ", stage ".join(failed))
         if skipped:
             parts.append(f"skipped: {', '.join(skipped)}")
-        parts.append(resume_hint(status.id, script=status.script is not None, where=where,
-                                 shell=status.script is None and recorded_in(status.run_dir)))
+        hint = resume_hint(status.id, script=status.script is not None, where=where,
+                           shell=status.script is None and recorded_in(status.run_dir))
+        if code_must_change([s.error for s in unfinished if s.state != "SKIPPED"]):
+            hint = f"change the code as the error says first (resumed unchanged, it fails the same way), then {hint}"
+        parts.append(hint)
         super().__init__(visible("; ".join(parts)))  # the errors are the run's text: no control characters
 
 

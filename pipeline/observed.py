@@ -15,6 +15,12 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
   say what the result was computed from: it is recorded as ``value NAME`` and the
   commit is never served (a refusal would fail every run of a stage reading the
   time).
+* ``filled NAME`` (rank only, a stage shipped from a session): a module's
+  container the key names (``mylib._CACHE``), digested again after the stage
+  returned when it is still the module's object (:func:`filled_in_rank`).  One
+  that now holds the key's content was filled by the module's own code in the
+  stage, as the session's call of the same helper filled it: not a value the
+  session set (:func:`differed`).
 * ``module PATH``: the source of every imported module that is neither under the
   stage's own directory (those the key hashes as it reaches them), nor part of
   the standard library, ``site-packages`` or hetflow: a helper module reached
@@ -39,7 +45,8 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
   the top reads that the pipeline writes itself is not a change.
 * ``state NAME``: process-wide state that calls at the top set without assigning
   a global: the ``random`` and numpy global generators, torch's default
-  generator and default dtype, the ``decimal`` context.  A state the rank and the
+  generator and default dtype, the ``decimal`` context, the time zone (``TZ`` and
+  what ``time.tzset()`` made of it).  A state the rank and the
   orchestrator agree on was set by the top level (``np.random.seed(SEED)``) and
   counts; one they do not agree on was not seeded and is left out.
 
@@ -55,6 +62,7 @@ and folders are seen through an audit hook (``open``, ``os.listdir``,
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import os
@@ -310,14 +318,16 @@ def value_labels(code: Mapping[str, str]) -> tuple[str, ...]:
                  and all(part.isidentifier() for part in name.split(".")))  # not "f() closure", "sys.argv[1:]"
 
 
-def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterable[str], Iterable[str]]
-                 ) -> dict[str, str]:
+def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterable[str], Iterable[str]],
+                 roots: Iterable[str] = ()) -> dict[str, str]:
     """``{"code NAME": digest}`` of the values the key's code names (``labels``: :func:`value_labels`) as the
     rank's top level left them, by the key's digest of a value (the same walker, what was installed from a local
     directory as the key saw it).  One that differs from the key's was computed from something else than the
     key says: ``TABLE = pq.read_table(...)`` whose file changed after the key was made (any reader: native ones
     open no Python file, a hidden folder is not observed), or a value each process computes anew (the time, the
-    working directory).  A name the rank cannot find is left out."""
+    working directory).  A name the rank cannot find is left out.  ``roots``: where the key found the stage's
+    local modules, when not beside its file (a function shipped from a session: the session's working
+    directory, not the rank's attempt directory), so that an instance of a local class reads as the key read it."""
     labels = list(labels)
     if not labels:
         return {}
@@ -325,7 +335,7 @@ def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterabl
 
     fingerprint._LOCAL[tuple(sys.path)] = (tuple(local_installs[0]), tuple(local_installs[1]))
     try:
-        walker = fingerprint._Walker(func, fingerprint._default_roots(func))
+        walker = fingerprint._Walker(func, list(roots) or fingerprint._default_roots(func))
     except Exception:  # noqa: BLE001 - the orchestrator made the key, so this is this process's problem: not compared
         return {}
     home = getattr(fingerprint._target(func), "__globals__", {})
@@ -344,6 +354,33 @@ def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterabl
 
 _NOT_FOUND = object()
 _ABSENT = object()
+
+_CONTAINERS = (dict, list, set, bytearray, collections.deque)
+
+
+def containers_in_rank(func: Any, labels: Iterable[str]) -> dict[str, Any]:
+    """The key's components that name a mutable container held by an imported module (``mylib._CACHE``), as the
+    rank's top level left them: what the stage may fill in place through the module's own functions, a memo
+    (:func:`filled_in_rank`)."""
+    from .fingerprint import _target
+
+    home = getattr(_target(func), "__globals__", {})
+    return {label: value for label in labels if "." in label
+            and isinstance(value := _resolve(label, home), _CONTAINERS)}
+
+
+def filled_in_rank(func: Any, held: Mapping[str, Any], local_installs: tuple[Iterable[str], Iterable[str]],
+                   roots: Iterable[str] = ()) -> dict[str, str]:
+    """``{"filled NAME": digest}`` of each container of ``held`` (:func:`containers_in_rank`) that is still the
+    module's object after the stage returned (filled in place, not replaced), digested as the key digests it.
+    A session that called a memoizing helper (``mylib.get()`` filling ``mylib._CACHE``) keyed the filled
+    container; a rank that ends with the same content filled it the same way (:func:`differed`)."""
+    from .fingerprint import _target
+
+    home = getattr(_target(func), "__globals__", {})
+    same = [label for label, value in held.items() if _resolve(label, home) is value]
+    return {f"filled {key[len('code '):]}": digest
+            for key, digest in code_in_rank(func, same, local_installs, roots).items()}
 
 
 def _resolve(label: str, home: Mapping[str, Any]) -> Any:
@@ -431,7 +468,10 @@ def states() -> dict[str, str]:
     a library that is not imported is not imported for it."""
     from hetflow.tasks.script import is_deferred
 
-    found = {}
+    import time
+
+    found = {"state time.zone": _sha(repr((os.environ.get("TZ"), time.tzname, time.timezone, time.altzone,
+                                           time.daylight)).encode())}  # os.environ["TZ"] = ...; time.tzset()
     random = sys.modules.get("random")  # not imported: nothing at the top set it
     if random is not None:
         found["state random"] = _sha(repr(random.getstate()).encode())
@@ -604,9 +644,12 @@ OTHER_VALUE = "<another value in its ranks>"
 
 
 def differed(rank: Mapping[str, str], code: Mapping[str, str]) -> list[str]:
-    """The components of the key's code (``code``) that a rank made otherwise (:func:`code_in_rank`)."""
+    """The components of the key's code (``code``) that a rank made otherwise (:func:`code_in_rank`), less a
+    module's container the stage itself filled in place to the key's content (:func:`filled_in_rank`): the
+    module's own code made it what the key holds, in the rank as where the key was made."""
     return sorted(name for key, value in rank.items() if key.startswith("code ")
-                  and (name := key[len("code "):]) in code and code[name] != value)
+                  and (name := key[len("code "):]) in code and code[name] != value
+                  and rank.get(f"filled {name}") != code[name])
 
 
 MAX_RECORDED = 1_000
@@ -739,7 +782,8 @@ def _label(key: str) -> str:
             "numpy.random": "numpy's global random state set at the script's top (np.random.seed)",
             "torch.random": "torch's default generator set at the script's top (torch.manual_seed)",
             "torch.dtype": "torch's default dtype set at the script's top",
-            "decimal": "the decimal context set at the script's top"}.get(name, name)
+            "decimal": "the decimal context set at the script's top",
+            "time.zone": "the time zone set at the script's top (os.environ['TZ'], time.tzset)"}.get(name, name)
 
 
 def _short(path: str) -> str:

@@ -183,6 +183,16 @@ def where(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def other_value_note(names: Sequence[str]) -> str:
+    """Why a stage whose ranks computed globals of the key (``names``) otherwise than the
+    orchestrator did runs every time: its result is kept for this run and never served (:func:`observed.stale`)."""
+    shown = ", ".join(visible(name, newlines=False) for name in names[:3]) + (" ..." if len(names) > 3 else "")
+    return (f"{shown} differs in its ranks from the value the script's top computed where the key was made (a value "
+            "each process makes anew: the CPU affinity, __name__, which is not '__main__' in a rank, the host, the "
+            "time; or one changed after the run started), so its result is never served from the cache and the "
+            "stage runs every time: compute it inside the stage, or pass it as a param")
+
+
 class Orchestrator(MapShell):
     def __init__(self, *, name: str, stages: Mapping[str, StageSpec], pilot: PilotDescription, run_id: str,
                  run_dir: Path, store: Store, params: Mapping[str, Any], script: str | None,
@@ -205,6 +215,8 @@ class Orchestrator(MapShell):
         self.shipped = shipping.pickled(self.stages.values())
         self.verify = verify
         self.progress = Progress(enabled=progress, stream_logs=stream_logs)
+        self.notes: dict[str, str] = {}
+        """Per stage, what the user must change for it to be cached (:meth:`Progress.stop` prints them)."""
         self.producer = {out: s.name for s in self.stages.values() for out in s.outputs}
         # a map stage's retries are its items' (hetflow.mapping): the plan runs its one task once
         self.nodes = [StageNode(s.name, tuple(dict.fromkeys(self.producer[d] for d in s.inputs)),
@@ -1079,10 +1091,8 @@ class Orchestrator(MapShell):
                                                 self.stage_wrote))
         other = [key[len("value "):] for key in found if key.startswith("value ")]
         if other:
-            shown = ", ".join(visible(name, newlines=False) for name in other[:3]) + (" ..." if len(other) > 3 else "")
-            log.warning("stage %s: its ranks computed %s otherwise than its cache key was made with (changed after "
-                        "the run started, or made anew by each process: the time, the working directory); its "
-                        "result is kept for this run and never served from the cache", spec.name, shown)
+            self.notes[spec.name] = other_value_note(other)
+            log.info("stage %s: %s", spec.name, self.notes[spec.name])  # the display prints it at the run's end
         return found
 
     def _lose_nodes(self, lost: Mapping[str, str]) -> None:
@@ -1134,6 +1144,8 @@ class Orchestrator(MapShell):
                 # outside the key's material: it cannot be known before the stage ran
                 record.cache_material = {**record.cache_material,
                                          "observed": self._observed_record(self.stages[live.stage], ranks)}
+                if live.stage in self.notes:  # status and the run's summary say why it will run again
+                    record.cache_reason = f"not cached: {self.notes[live.stage]}"
             self.store.event(session, self.run_id, "task", str(live.task), state,
                              returncode=outcome.returncode, signal=None if failure is None else failure.signal,
                              error=None if failure is None else failure.message)

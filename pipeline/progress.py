@@ -17,6 +17,7 @@ it comes, labelled ``[stage rank r]`` (see :mod:`hetflow.logs`).
 from __future__ import annotations
 
 import html
+import logging
 import os
 import re
 import sys
@@ -32,6 +33,8 @@ from hetflow.tasks.protocol import AttemptFiles
 from .errors import PipelineError
 from .logs import AttemptLogs, LogTail
 from .terminal import visible
+
+log = logging.getLogger(__name__)
 
 PLAIN_INTERVAL_ENV = "HETFLOW_PROGRESS_INTERVAL"
 PLAIN_INTERVAL = 30.0
@@ -237,6 +240,16 @@ class Progress:
         if self._live is not None:
             self._live.stop()
             self._live = None
+        self._notes(orchestrator)
+
+    def _notes(self, orchestrator: Any) -> None:
+        """The orchestrator's end-of-run lines (``notes``: what the user must change), below the display; as
+        warnings to the log when the display is off."""
+        for name, note in sorted(getattr(orchestrator, "notes", {}).items()):
+            if self.mode == "off":
+                log.warning("stage %s: %s", name, note)
+            else:
+                self._say(f"hetflow: stage {name}: {note}")
 
     # ------------------------------------------------------------- state
     def _observe(self, orchestrator: Any, now: float) -> list[str]:

@@ -32,10 +32,14 @@ Decisions:
   ``hetflow serve`` gives: ``http://127.0.0.1:PORT/?token=...``).  Loopback
   is not private: on a shared login node every local user reaches
   127.0.0.1.  The token comes as ``?token=`` (the printed address, or a
-  script's request) or as the cookie a request with the right ``?token=``
-  sets (:data:`COOKIE` plus the port, ``HttpOnly; SameSite=Strict``), which
-  the page's own requests then carry; anything else gets 403 and one line
-  that names neither the token nor the run.  Compared with
+  script's request) or in the :data:`TOKEN_HEADER` request header, which the
+  page's own requests carry (its script reads the token from the address it
+  was opened with); anything else gets 403 and one line that names neither
+  the token nor the run.  No cookie carries it, and a cookie opens nothing:
+  browsers send a cookie for 127.0.0.1 to every port of that host, so
+  another user's server on another port would receive it.  A page of
+  another origin cannot send the header (a custom header needs a CORS
+  preflight, which this server never grants).  Compared with
   :func:`hmac.compare_digest`.  The token is printed once and written only to
   the 0600 note the notebook's link is made from (:mod:`hetflow.display`).
   The Host check comes first: a wrong ``Host`` is 421 with or without a token.
@@ -56,7 +60,6 @@ import secrets
 import threading
 import time
 from http import HTTPStatus
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -81,9 +84,8 @@ MAX_DIGEST = 64
 LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
 """``Host`` names always answered: this machine's own loopback names."""
 
-COOKIE = "hetflow-serve-"
-"""The cookie that carries the token, named with the server's port after this prefix (cookies are kept per
-host, not per port: two servers on one machine must not overwrite each other's)."""
+TOKEN_HEADER = "X-Hetflow-Token"
+"""The request header the page's own requests carry the token in (never a cookie: see the module's decisions)."""
 
 RECONCILE_EVERY = 5.0
 """Seconds between looks for runs whose orchestrator died (so such a run stops showing RUNNING)."""
@@ -200,8 +202,6 @@ def stage_progress(log_dir: str | None) -> dict[str, Any] | None:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
-    _set_cookie = ""
-    """The ``Set-Cookie`` value of the answer being made (a request with the right ``?token=``)."""
 
     def _host_refused(self) -> bool:
         """Answer and return ``True`` when the request's ``Host`` does not name this server."""
@@ -221,21 +221,11 @@ class _Handler(BaseHTTPRequestHandler):
         return True
 
     def _token_refused(self, query: dict[str, list[str]]) -> bool:
-        """Answer 403 and return ``True`` unless the request carries the server's token (``?token=`` or its
-        cookie); a right ``?token=`` sets the cookie on the answer (:attr:`_set_cookie`)."""
-        token, cookie = self.server.token, f"{COOKIE}{self.server.port}"
-        given = query.get("token", [])
-        if len(given) == 1 and same_token(given[0], token):
-            self._set_cookie = f"{cookie}={token}; Path=/; HttpOnly; SameSite=Strict"
+        """Answer 403 and return ``True`` unless the request carries the server's token: one ``?token=``, or
+        (without one) one :data:`TOKEN_HEADER` header.  A cookie is never looked at."""
+        given = query.get("token", []) or self.headers.get_all(TOKEN_HEADER) or []
+        if len(given) == 1 and same_token(given[0], self.server.token):
             return False
-        if not given:
-            jar: SimpleCookie = SimpleCookie()
-            try:
-                jar.load(self.headers.get("Cookie", ""))
-            except CookieError:
-                jar = SimpleCookie()
-            if cookie in jar and same_token(jar[cookie].value, token):
-                return False
         self._send(HTTPStatus.FORBIDDEN, "text/plain; charset=utf-8",
                    b"hetflow serve answers only with its token: open the address it printed "
                    b"(http://HOST:PORT/?token=...)\n")
@@ -244,7 +234,6 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urlsplit(self.path)
         query = parse_qs(url.query)
-        self._set_cookie = ""
         if self._host_refused() or self._token_refused(query):
             return
         try:
@@ -279,8 +268,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
         self.send_header("Referrer-Policy", "no-referrer")  # the address may hold the token
-        if self._set_cookie:
-            self.send_header("Set-Cookie", self._set_cookie)
         self.send_header("Content-Security-Policy",
                          "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'")
         self.end_headers()
@@ -336,9 +323,18 @@ iframe { width: 100%; height: 760px; border: 1px solid #ddd; box-sizing: border-
 <div id="error"></div>
 <table id="stages"><thead><tr><th>stage</th><th>state</th><th>attempts</th><th>seconds</th><th>slots</th>
 <th>progress</th><th>logs</th><th>note</th></tr></thead><tbody></tbody></table>
-<iframe id="timeline" title="timeline" src="/timeline"></iframe>
+<iframe id="timeline" title="timeline"></iframe>
 <script>
 (function () {
+  // The token comes from the address this page was opened with; the page's requests send it as a header
+  // (never a cookie: a cookie for 127.0.0.1 reaches every port of the host).
+  var token = new URLSearchParams(location.search).get("token") || "";
+  function get(path) {
+    return fetch(path, {cache: "no-store", headers: {"X-Hetflow-Token": token}}).then(function (r) {
+      if (!r.ok) { throw new Error("status " + r.status); }
+      return r;
+    });
+  }
   var seen = [];
   function cell(row, text, cls) {
     var td = document.createElement("td");
@@ -387,11 +383,13 @@ iframe { width: 100%; height: 760px; border: 1px solid #ddd; box-sizing: border-
     var shape = s.state + " " + s.stages.map(function (st) { return st.state + st.attempts; }).join(",");
     if (shape === drawn) { return; }
     drawn = shape;
-    document.getElementById("timeline").src = "/timeline?t=" + Date.now();
+    get("/timeline").then(function (r) { return r.text(); }).then(function (html) {
+      document.getElementById("timeline").srcdoc = html;  // same origin and policy as this page
+    }).catch(function (e) { document.getElementById("error").textContent = "timeline: " + e.message; });
   }
   function poll(since) {
-    fetch("/api/status?wait=20&since=" + encodeURIComponent(since), {cache: "no-store"})
-      .then(function (r) { if (!r.ok) { throw new Error("status " + r.status); } return r.json(); })
+    get("/api/status?wait=20&since=" + encodeURIComponent(since))
+      .then(function (r) { return r.json(); })
       .then(function (s) {
         document.getElementById("error").textContent = "";
         render(s);
@@ -403,8 +401,9 @@ iframe { width: 100%; height: 760px; border: 1px solid #ddd; box-sizing: border-
         setTimeout(function () { poll(since); }, 2000);
       });
   }
-  fetch("/api/status", {cache: "no-store"}).then(function (r) { return r.json(); }).then(function (s) {
+  get("/api/status").then(function (r) { return r.json(); }).then(function (s) {
     render(s);
+    reloadTimeline(s);
     if (s.state === "RUNNING") { poll(s.digest); }
   }).catch(function (e) { document.getElementById("error").textContent = String(e); });
 })();

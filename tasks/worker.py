@@ -147,7 +147,10 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     observed.recording(False)  # on since hetflow's import in this process; the stage's own reads are not observed
     # first what the key digests of the values the stage reads, as this rank's top level left them (a deferred
     # import it names is executed, as the stage would), then the modules, their values, files and states
-    code = observed.code_in_rank(_declared, spec.values, spec.local_installs) if _declared is not None else {}
+    global _held
+    roots = _shipped_roots(spec)
+    code = observed.code_in_rank(_declared, spec.values, spec.local_installs, roots) if _declared is not None else {}
+    _held = observed.containers_in_rank(_declared, spec.values) if _declared is not None and roots else {}
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
                              files=spec.function.module == "__main__" and bool(spec.function.path))
     found.update(code)
@@ -162,8 +165,20 @@ def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]
     from hetflow import observed
 
     observed.recording_writes(False)
+    filled = observed.filled_in_rank(_declared, _held, spec.local_installs, _shipped_roots(spec)) if _held else {}
     return {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
-            **observed.stage_written((_run_folder(spec),)), **observed.stage_listed((_run_folder(spec),))}
+            **observed.stage_written((_run_folder(spec),)), **observed.stage_listed((_run_folder(spec),)), **filled}
+
+
+_held: dict[str, Any] = {}
+"""A shipped stage's module containers as its top level left them (:func:`hetflow.observed.containers_in_rank`)."""
+
+
+def _shipped_roots(spec: WorkerSpec) -> tuple[str, ...]:
+    """Where the key found a shipped stage's local modules: the session's working directory, the last entry of
+    the rank's ``sys_path`` (the orchestrator's ``_worker_sys_path``); nothing for a stage with a file."""
+    shipped = spec.function.module == "__main__" and not spec.function.path
+    return spec.sys_path[-1:] if shipped else ()
 
 
 def _open_input(path: str, rank: int, size: int, verify: str) -> Any:
@@ -418,17 +433,24 @@ def run_rank(spec: WorkerSpec, rank: int, size: int, get_comm: Callable[[], Any]
 
 
 def error_message(exc: BaseException, files: Sequence[str] = ()) -> str:
-    """``str(exc)``, and for a relative path that is not there, why: the stage's working directory is
-    its attempt directory, not the directory hetflow was started in.  ``files``: the stage's declared
+    """``str(exc)``, and for a relative path that is not there (or one made absolute in the rank: a path under
+    its working directory), why: the stage's working directory is its attempt directory, not the directory
+    hetflow was started in.  ``files``: the stage's declared
     files, resolved; when there are some, the hint is to open them through ``ctx.files``."""
     text = str(exc)
     if not isinstance(exc, FileNotFoundError):
         return text
     name = exc.filename if isinstance(exc.filename, str) else (text if text and not any(c.isspace() for c in text)
                                                                else None)  # pyarrow gives only the path
+    here = os.getcwd()
     if name is not None and os.path.isabs(name):
-        return text
-    where = f"a relative path is looked up in the stage's attempt directory {os.getcwd()}, not where the run was started"
+        if not name.startswith(os.path.join(here, "")):
+            return text
+        name = os.path.relpath(name, here)  # Path("data").resolve() at the script's top, resolved in this rank
+        where = (f"a relative path made absolute at the script's top (Path({name.split(os.sep)[0]!r}).resolve(), "
+                 f"os.path.abspath) is resolved in each rank's attempt directory {here}, not where the run was started")
+    else:
+        where = f"a relative path is looked up in the stage's attempt directory {here}, not where the run was started"
     if files:
         listed = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         return text + f" ({where}: open the declared files through ctx.files, which holds their absolute paths: {listed})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -418,6 +419,41 @@ def test_a_file_the_scripts_top_reads_and_writes_is_its_own_state_not_an_input(t
     assert states(again) == {"one": "DONE"} and value(again, "one") == 2
 
 
+
+ZONED = '''
+import os
+import time
+
+import pyarrow as pa
+import hetflow as hf
+
+os.environ["TZ"] = "UTC"
+time.tzset()
+pipe = hf.Pipeline("zoned")
+
+
+@pipe.stage(outputs=["local"])
+def local(ctx):
+    return {"local": pa.table({"v": [time.strftime("%H:%M", time.localtime(0))]})}
+'''
+
+
+def test_a_time_zone_set_at_the_scripts_top_reruns_the_stage_when_it_changes(tmp_path: Path) -> None:
+    """``os.environ["TZ"] = "UTC"; time.tzset()`` at the top, the stage formats a local time: edited to
+    ``Asia/Tokyo``, the stage was served CACHED with the UTC hour.  The zone is process state the top sets, like
+    a seed: the rank and the script agree on it, and a change re-runs the stage."""
+    (tmp_path / "p.py").write_text(ZONED)
+    assert value(run(tmp_path), "local") == "00:00"
+    assert states(run(tmp_path)) == {"local": "CACHED"}
+    edit(tmp_path / "p.py", '"UTC"', '"Asia/Tokyo"')
+    edited = run(tmp_path)
+    assert states(edited) == {"local": "DONE"}, edited["local"]["cache"]
+    assert "the time zone set at the script's top (os.environ['TZ'], time.tzset) changed" in \
+        edited["local"]["cache"]["reason"]
+    assert value(edited, "local") == "09:00"
+    assert states(run(tmp_path)) == {"local": "CACHED"}
+
+
 NATIVE_READ = '''
 import time
 from pathlib import Path
@@ -526,6 +562,58 @@ def test_a_value_the_top_computes_anew_in_each_process_runs_its_stage_and_a_scri
     (tmp_path / "p.py").write_text(PER_PROCESS)
     assert states(run(tmp_path)) == {"stamped": "DONE", "logged": "DONE"}
     assert states(run(tmp_path)) == {"stamped": "DONE", "logged": "CACHED"}
+
+
+
+PER_PROCESS_READ = '''
+import os
+import pyarrow as pa
+import hetflow as hf
+
+PID = os.getpid()
+MODNAME = __name__
+pipe = hf.Pipeline("perprocread", pilot="local")
+
+
+@pipe.stage(outputs=["pid"])
+def pid(ctx):
+    return {"pid": pa.table({"v": [PID > 0]})}
+
+
+@pipe.stage(outputs=["modname"])
+def modname(ctx):
+    return {"modname": pa.table({"v": [MODNAME != ""]})}
+
+
+@pipe.stage(outputs=["plain"])
+def plain(ctx):
+    return {"plain": pa.table({"v": [1]})}
+
+
+if __name__ == "__main__":
+    pipe.run(workdir="work")
+'''
+
+
+def test_a_global_made_anew_in_each_rank_is_named_at_the_end_of_the_run_with_what_to_do(tmp_path: Path) -> None:
+    """``PID = os.getpid()`` / ``MODNAME = __name__`` at the top, read by a stage: its rank computes another
+    value than the key's, so the stage runs every run.  The run says so as it ends, one line per stage naming
+    the global and what to do (before, only ``hetflow status`` of the next run said why), and ``status`` of
+    this run says it too."""
+    (tmp_path / "p.py").write_text(PER_PROCESS_READ)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr
+        notes = [line for line in done.stderr.splitlines() if "differs in its ranks" in line]
+        assert len(notes) == 2, done.stderr
+        for stage, name in (("modname", "MODNAME"), ("pid", "PID")):
+            line = next(line for line in notes if line.startswith(f"hetflow: stage {stage}: "))
+            assert line.startswith(f"hetflow: stage {stage}: {name} differs in its ranks from the value the "
+                                   "script's top computed where the key was made"), line
+            assert line.endswith("compute it inside the stage, or pass it as a param"), line
+        shown = status(tmp_path)
+        assert states(shown) == {"pid": "DONE", "modname": "DONE", "plain": "CACHED" if attempt else "DONE"}
+        assert shown["pid"]["cache"]["reason"].startswith("not cached: PID differs in its ranks"), shown["pid"]
 
 
 CONFIGURED_HELPER = '''

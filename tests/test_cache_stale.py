@@ -445,6 +445,30 @@ def test_a_stage_reading_a_value_the_main_block_sets_is_refused_not_served_a_val
     assert shown["unrelated"]["state"] == "DONE"  # a stage that does not read it runs
 
 
+
+def test_a_main_block_refusal_says_the_script_must_change_before_a_resume(tmp_path: Path) -> None:
+    """The refusal above ended 'resume it with: hetflow resume RUN', and a resume of the same script fails the
+    same way: the run's error and ``hetflow run``'s summary say to change the script first."""
+    (tmp_path / "p.py").write_text(MAIN_BLOCK.replace("pipe.run(check=False)", "pipe.run()"))
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    done = subprocess.run([sys.executable, "p.py", "5"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("hetflow: run late-") and "it reads SCALE, which the script sets" in last, last
+    assert last.endswith("; change the code as the error says first (resumed unchanged, it fails the same way), "
+                         f"then resume it with: hetflow resume {status(tmp_path)['_run']['id']}"), last
+    summary = hetflow("run", "p.py", "--no-progress", cwd=tmp_path, env=env)   # SCALE = 1, set in the block
+    assert summary.returncode != 0
+    lines = summary.stdout.splitlines()
+    said = lines.index("  change the script as the error says first: resumed unchanged, it fails the same way")
+    assert lines[said + 1].startswith("  resume it with: hetflow resume late-"), summary.stdout
+    (tmp_path / "q.py").write_text(MAIN_BLOCK.replace("SCALE * 10", "1 // 0"))   # a failure a resume can help
+    broken = hetflow("run", "q.py", "--no-progress", cwd=tmp_path, env=env)
+    assert broken.returncode != 0 and "ZeroDivisionError" in broken.stdout, broken.stdout + broken.stderr
+    assert "change the script" not in broken.stdout + broken.stderr and "resume it with" in broken.stdout
+
+
 MUTATED = '''
 import operator
 import pyarrow as pa

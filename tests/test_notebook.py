@@ -298,6 +298,71 @@ def test_a_value_the_session_sets_on_an_imported_module_is_not_committed_from_ra
         assert _total(tmp_path) == [10]
 
 
+
+MEMO_MODULE = '''
+CFG = {"k": 1}
+
+
+class Opts:
+    k = 1
+
+
+OPTS = Opts()
+_CACHE = {}
+
+
+def get():
+    if "d" not in _CACHE:
+        _CACHE["d"] = [1, 2, 3]
+    return _CACHE["d"]
+'''
+
+SESSION_READS = '''
+import pyarrow as pa
+import hetflow as hf
+import mylocal
+SETTING
+
+pipe = hf.Pipeline("session-reads")
+
+@pipe.stage(outputs=["total"])
+def total(ctx):
+    return {"total": pa.table({"value": [READ]})}
+
+run = pipe.run(workdir=WORKDIR, check=False)
+print("STATE", run.state, run.stage("total").error)
+'''
+
+
+@pytest.mark.parametrize("setting, read, expected, value", [
+    ("print(sum(mylocal.get()))", "sum(mylocal.get())", "DONE", 6),         # a memo the session filled
+    ("mylocal._CACHE['d'] = [9]", "sum(mylocal.get())", "mylocal._CACHE", None),  # filled by the session itself
+    ("mylocal.CFG['k'] = 2", "mylocal.CFG['k'] * 10 + mylocal.OPTS.k", "mylocal.CFG", None),
+    ("pass", "mylocal.OPTS.k * 10", "DONE", 10),                            # an instance of a local class
+], ids=["memo-filled-by-its-module", "memo-filled-by-the-session", "dict-item-set", "local-instance"])
+def test_what_a_session_left_in_an_imported_modules_containers_fails_only_when_the_session_made_it(
+        tmp_path: Path, setting: str, read: str, expected: str, value: int | None) -> None:
+    """A session that called a memoizing helper (``mylocal.get()`` fills ``mylocal._CACHE``) before the run:
+    the key holds the filled cache, the rank starts empty and the stage's own ``get()`` fills it the same way,
+    so the result is the key's (it was refused every time).  A cache the session filled itself, or a dict item
+    it set, the stage's rank does not make again: refused, naming only that global (an instance of a local
+    class, untouched, was named too: a rank digested it as not local; alone it failed every stage)."""
+    (tmp_path / "mylocal.py").write_text(MEMO_MODULE)
+    script = (SESSION_READS.replace("WORKDIR", repr(str(tmp_path / "w"))).replace("SETTING", setting)
+              .replace("READ", read))
+    for again in (False, True):
+        done = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, check=False)
+        if expected == "DONE":
+            assert "STATE DONE" in done.stdout, done.stdout + done.stderr
+            assert "total CACHED" in done.stderr if again else "total DONE" in done.stderr, done.stderr
+            assert _total(tmp_path) == [value]
+            continue
+        assert "STATE FAILED" in done.stdout, done.stdout + done.stderr
+        assert f"it reads {expected}, which this session set on an imported module" in done.stdout, done.stdout
+        assert not list((tmp_path / "w" / "runs").glob("*/datasets/total/_manifest*"))
+
+
 # ------------------------------------------------------------------ the example notebook, in a real kernel
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "notebook" / "pipeline.ipynb"
 

@@ -474,7 +474,7 @@ def test_serve_page_shows_each_running_stages_progress_and_fits_a_1200px_window(
                 "epoch 10/10 100% loss=0.125"                                    # the last report stays
             width = browser.overflow()
             assert width["scrollWidth"] <= width["innerWidth"], width
-            browser.open(base + "timeline")                 # the timeline alone, too (the page's cookie opens it)
+            browser.open(f"{base}timeline?token={token}")   # the timeline alone, too
             width = browser.overflow()
             assert width["scrollWidth"] <= width["innerWidth"], width
     finally:

@@ -145,9 +145,10 @@ def stop(serve: subprocess.Popen[str]) -> None:
 
 
 def request(port: int, path: str, host: str | None, token: str | None = None,
-            cookie: str | None = None) -> tuple[int, str, http.client.HTTPMessage]:
+            cookie: str | None = None, header: str | None = None) -> tuple[int, str, http.client.HTTPMessage]:
     """GET ``path`` with exactly the ``Host`` header given (none when ``None``), ``token=`` added to its query
-    when given, and a ``Cookie`` header when given: the status, the body and the headers of the answer."""
+    when given, a ``Cookie`` header and an ``X-Hetflow-Token`` header (``header``) when given: the status,
+    the body and the headers of the answer."""
     if token is not None:
         path += ("&" if "?" in path else "?") + f"token={token}"
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=40)
@@ -156,6 +157,8 @@ def request(port: int, path: str, host: str | None, token: str | None = None,
         conn.putheader("Host", host)
     if cookie is not None:
         conn.putheader("Cookie", cookie)
+    if header is not None:
+        conn.putheader("X-Hetflow-Token", header)
     conn.endheaders()
     answer = conn.getresponse()
     body = answer.read().decode()
@@ -203,11 +206,13 @@ def test_serve_answers_only_its_own_host_names(hostile: tuple[Path, str, str]) -
         stop(serve)
 
 
-def test_serve_answers_no_route_without_its_token_and_a_right_token_sets_a_strict_cookie(
+def test_serve_answers_no_route_without_its_token_and_no_cookie_carries_or_opens_it(
         hostile: tuple[Path, str, str]) -> None:
     """Loopback is not private (every user of a login node reaches 127.0.0.1): without the token the server
-    printed, every route is 403 and says nothing of the run; the right ``?token=`` answers and sets an
-    HttpOnly SameSite=Strict cookie, which alone then opens every route of this server (not another's)."""
+    printed, every route is 403 and says nothing of the run.  The token opens a route as ``?token=`` or as
+    the ``X-Hetflow-Token`` header the page's own requests send, and never travels in a cookie: a browser
+    sends a cookie for 127.0.0.1 to every port, so another user's server on another port would get it.  No
+    answer sets a cookie, and the cookie earlier versions set opens nothing."""
     tmp, rid, _ = hostile
     serve, port, token = start_serve(tmp)
     other, other_port, other_token = start_serve(tmp)
@@ -216,34 +221,60 @@ def test_serve_answers_no_route_without_its_token_and_a_right_token_sets_a_stric
         note = json.loads((tmp / "w" / "serve.json").read_text())   # the second server's note (the latest)
         assert note["token"] == other_token and oct((tmp / "w" / "serve.json").stat().st_mode & 0o777) == "0o600"
         wrong = token[:-1] + ("A" if token[-1] != "A" else "B")
+        refused = ("hetflow serve answers only with its token: open the address it printed "
+                   "(http://HOST:PORT/?token=...)\n")
         for path in ("/", "/api/status", "/api/status?since=x&wait=1", "/timeline", "/nope", "/?token=",
                      f"/?token={wrong}", f"/?token={token[:20]}", f"/api/status?token={other_token}",
                      f"/?token={token}&token={token}"):
             status, body, headers = request(port, path, host)
-            assert status == 403, (path, status, body)
-            assert body == ("hetflow serve answers only with its token: open the address it printed "
-                            "(http://HOST:PORT/?token=...)\n"), body
+            assert status == 403 and body == refused, (path, status, body)
             assert rid not in body and token not in body and headers["Set-Cookie"] is None, (path, headers)
-        for cookie in (f"hetflow-serve-{port}={wrong}", f"hetflow-serve-{other_port}={other_token}",
-                       f"hetflow-serve-{port}=", f"hetflow-serve-{port}", "garbage\x01=;;"):
-            assert request(port, "/api/status", host, cookie=cookie)[0] == 403, cookie
-        status, body, headers = request(port, "/", host, token)      # the printed address
-        assert status == 200 and "<title>hetflow run</title>" in body
-        assert headers["Set-Cookie"] == f"hetflow-serve-{port}={token}; Path=/; HttpOnly; SameSite=Strict"
-        assert headers["Referrer-Policy"] == "no-referrer"
-        cookie = headers["Set-Cookie"].split(";")[0]
-        for path in ("/api/status", "/timeline", "/"):               # the page's own requests: the cookie only
-            status, body, headers = request(port, path, host, cookie=f"other=1; {cookie}")
-            assert status == 200 and headers["Set-Cookie"] is None, (path, status, body)
-        assert json.loads(request(port, "/api/status", host, cookie=cookie)[1])["id"] == rid
-        assert request(port, "/nope", host, cookie=cookie)[0] == 404
-        assert request(port, f"/api/status?token={wrong}", host, cookie=cookie)[0] == 403  # a wrong token is wrong
-        assert request(other_port, "/api/status", f"127.0.0.1:{other_port}", cookie=cookie)[0] == 403
-        assert request(other_port, "/api/status", f"127.0.0.1:{other_port}", other_token)[0] == 200
+        for cookie in (f"hetflow-serve-{port}={token}", f"other=1; hetflow-serve-{port}={token}",
+                       f"hetflow-serve-{port}={wrong}", f"hetflow-serve-{other_port}={other_token}", "garbage\x01=;;"):
+            for path in ("/", "/api/status", "/timeline"):               # the old cookie, right token or not
+                assert request(port, path, host, cookie=cookie)[:2] == (403, refused), (path, cookie)
+        for given in (wrong, other_token, "", token[:20], f"{token},{token}"):
+            assert request(port, "/api/status", host, header=given)[0] == 403, given
+        assert request(port, f"/api/status?token={wrong}", host, header=token)[0] == 403  # a wrong ?token= is wrong
+        for path in ("/", "/api/status", "/timeline"):
+            status, body, headers = request(port, path, host, token)     # the printed address's form
+            assert status == 200 and headers["Set-Cookie"] is None, (path, status, headers)
+            assert token not in str(headers) and headers["Referrer-Policy"] == "no-referrer"
+            status, body, headers = request(port, path, host, header=token)   # the page's own requests
+            assert status == 200 and headers["Set-Cookie"] is None, (path, status, headers)
+        assert json.loads(request(port, "/api/status", host, header=token)[1])["id"] == rid
+        assert request(port, "/nope", host, header=token)[0] == 404
+        assert request(other_port, "/api/status", f"127.0.0.1:{other_port}", header=token)[0] == 403
+        assert request(other_port, "/api/status", f"127.0.0.1:{other_port}", header=other_token)[0] == 200
     finally:
         stop(serve)
         stop(other)
-    assert serve.stderr is not None and token not in serve.stderr.read()   # printed once, never logged
+
+
+def test_serve_page_in_chromium_loads_with_the_printed_address_and_leaves_no_cookie(
+        hostile: tuple[Path, str, str], tmp_path: Path) -> None:
+    """The page opened in a real browser from the address ``hetflow serve`` printed shows the run and its
+    timeline (its requests carry the token in a header), and the browser holds no cookie afterwards: a
+    page of another local server on another port, opened next, receives nothing of the token."""
+    from _browser import CHROMIUM, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (scripts/system-deps.sh installs it)")
+    tmp, rid, _ = hostile
+    serve, port, token = start_serve(tmp)
+    try:
+        with Browser(tmp_path / "profile") as browser:
+            browser.open(f"http://127.0.0.1:{port}/?token={token}")
+            assert browser.wait_for("document.body.getAttribute('data-state')") == "FAILED"
+            assert browser.evaluate("document.getElementById('title').textContent") == f"hetflow run {rid}: FAILED"
+            assert browser.evaluate("document.querySelectorAll('#stages tbody tr').length") == 2
+            bars = ("(function () { var d = document.getElementById('timeline').contentDocument;"
+                    " return d && d.body && d.body.getAttribute('data-bars'); })()")
+            assert browser.wait_for(bars) == "2"                          # the timeline, fetched with the header
+            assert browser.evaluate("document.getElementById('error').textContent") == ""
+            assert browser.call("Storage.getCookies")["cookies"] == []    # HttpOnly ones included
+    finally:
+        stop(serve)
 
 
 def test_serve_allow_host_adds_names_and_rejects_a_name_with_a_port(hostile: tuple[Path, str, str]) -> None:

@@ -179,6 +179,41 @@ def test_a_missing_relative_file_says_where_stages_run_and_how_to_declare_it() -
     assert "ctx.files" in hinted and "/home/me/data/obs-1.csv" in hinted and "files=[" not in hinted, hinted
 
 
+RESOLVED_AT_TOP = '''
+from pathlib import Path
+import pyarrow as pa
+import hetflow as hf
+
+DATA = Path("data").resolve()
+pipe = hf.Pipeline("resolved", pilot="local")
+
+
+@pipe.stage(outputs=["out"])
+def make(ctx):
+    return {"out": pa.table({"n": [len(open(DATA / "x.csv").read())]})}
+
+
+if __name__ == "__main__":
+    pipe.run(workdir="w")
+'''
+
+
+def test_a_path_resolved_at_the_scripts_top_says_it_was_resolved_in_the_attempt_directory(tmp_path: Path) -> None:
+    """``DATA = Path("data").resolve()`` at the top is resolved again in each rank, in its attempt directory:
+    the stage's FileNotFoundError names an absolute path under it, and had none of the hint that the plain
+    ``open("data/x.csv")`` gets."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.csv").write_text("a\n1\n")
+    (tmp_path / "p.py").write_text(RESOLVED_AT_TOP)
+    done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "FileNotFoundError" in last and "/stages/make/attempt-1/data/x.csv'" in last, last
+    assert ("(a relative path made absolute at the script's top (Path('data').resolve(), os.path.abspath) is "
+            "resolved in each rank's attempt directory ") in last, last
+    assert "declare the file with files=['data/x.csv'] (relative to the script) and open it from ctx.files" in last
+
+
 def _takes_ctx_only(ctx):  # type: ignore[no-untyped-def]
     return {"u": None}
 

@@ -37,13 +37,15 @@ def _pairs(loader: ArrowLoader, epoch: int, slow_step: bool = False) -> list[tup
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 @pytest.mark.parametrize("features", [["v"], ["a", "b", "v"]])
-def test_cuda_batches_equal_the_cpu_batches(prefetch: int, features: list[str]) -> None:
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_cuda_batches_equal_the_cpu_batches(prefetch: int, features: list[str], layout: str) -> None:
     table = _table()
     norm = {"a": (0.5, 2.0), "v": (-1.0, 3.0)}
     kwargs = {"batch_size": 512, "seed": 4, "normalization": {k: v for k, v in norm.items() if k in features}}
-    cpu = ArrowLoader(table, features, "y", **kwargs)  # type: ignore[arg-type]
-    gpu = ArrowLoader(table, features, "y", device="cuda", prefetch=prefetch, **kwargs)  # type: ignore[arg-type]
-    assert gpu.pin_memory and gpu.prefetch == prefetch
+    cpu = ArrowLoader(table, features, "y", layout="columns", **kwargs)  # type: ignore[arg-type]
+    gpu = ArrowLoader(table, features, "y", device="cuda", prefetch=prefetch, layout=layout,
+                      **kwargs)  # type: ignore[arg-type]
+    assert gpu.pin_memory and gpu.prefetch == prefetch and gpu.layout == layout
     for epoch in (0, 1):
         want, got = _pairs(cpu, epoch), _pairs(gpu, epoch, slow_step=True)
         assert len(want) == len(got) == len(cpu)

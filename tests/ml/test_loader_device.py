@@ -6,7 +6,10 @@ The CUDA path itself (pinned ring, side stream, prefetch) is exercised by
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -121,3 +124,77 @@ def test_consecutive_rows_of_same_typed_columns_are_stacked_into_the_buffer() ->
     assert got.data_ptr() == out.data_ptr()
     assert got.tolist() == [[float(i), -float(i)] for i in range(30, 40)] and out[10:].eq(7.0).all()
     assert [x[:, 0].tolist() for x in loader][3] == [float(i) for i in range(24, 32)]
+
+
+def _mixed(n: int = 1001) -> pa.Table:
+    """Features of every kind a loader casts (float64, int64, int32, uint32, bool, a fixed_size_list, nulls)."""
+    rng = np.random.default_rng(11)
+    vec = pa.FixedSizeListArray.from_arrays(pa.array(rng.normal(size=n * 3)), 3)  # float64 values
+    with_nulls = pa.array([None if i % 7 == 0 else float(v) for i, v in enumerate(rng.normal(size=n))], pa.float32())
+    return pa.table({"f32": rng.normal(size=n).astype(np.float32), "f64": rng.normal(size=n) * 1e3,
+                     "i64": rng.integers(-2**40, 2**40, n), "i32": rng.integers(-1000, 1000, n, dtype=np.int32),
+                     "u32": rng.integers(0, 2**32 - 1, n, dtype=np.uint32), "flag": rng.random(n) < 0.5,
+                     "v": vec, "gaps": with_nulls, "y": rng.integers(0, 9, n)})
+
+
+MIXED = ["f32", "f64", "i64", "i32", "u32", "flag", "v", "gaps"]
+
+
+@pytest.mark.parametrize("order", [
+    {"num_batches": 13, "shuffle": True},   # what fit asks for: shuffled, nearly equal batches
+    {"batch_size": 100, "shuffle": False},  # what predict asks for: consecutive rows
+], ids=["shuffled", "consecutive"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_major_batches_equal_the_column_path_batches(order: dict[str, Any], dtype: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetflow.ml.tensors
+
+    monkeypatch.setattr(hetflow.ml.tensors, "_ROW_BLOCK_BYTES", 64 * 10 * 8)  # blocks of 64 or 128 rows, the last short
+    table = _mixed()
+    kwargs = {**order, "seed": 5, "rank": 1, "fill": {"gaps": -3.0}, "dtype": dtype,
+              "normalization": {"f64": (10.0, 250.0), "v": (0.5, 2.0)}}
+    rows = ArrowLoader(table, MIXED, "y", layout="rows", **kwargs)
+    cols = ArrowLoader(table, MIXED, "y", layout="columns", **kwargs)
+    assert (rows.layout, cols.layout) == ("rows", "columns") and rows.layout_seconds > 0 == cols.layout_seconds
+    want_x = np.column_stack([np.asarray(table.column(c).fill_null(-3.0) if c == "gaps" else table.column(c))
+                              for c in MIXED if c != "v"]
+                             + [np.stack(table.column("v").to_numpy(zero_copy_only=False))])
+    want_x = want_x[:, [0, 1, 2, 3, 4, 5, 7, 8, 9, 6]]  # back to MIXED's order: v's three values before gaps
+    for epoch, start in ((0, 0), (1, 0), (1, 4)):  # start: resuming inside an epoch
+        got = list(rows.batches(epoch, start=start))
+        ref = list(cols.batches(epoch, start=start))
+        indices = rows.batch_indices(epoch)[start:]
+        assert len(got) == len(ref) == len(indices) > 0
+        for (gx, gy), (rx, ry), idx in zip(got, ref, indices):
+            assert gx.dtype == dtype and gy.dtype == dtype
+            assert torch.equal(gx, rx) and torch.equal(gy, ry)  # bit for bit: same casts, same normalisation
+            raw = rows.gather(idx, torch.empty((len(idx), rows.width), dtype=dtype)).numpy()
+            assert np.array_equal(raw, want_x[idx].astype(raw.dtype))  # and both are the table's rows
+            assert np.array_equal(gy.numpy(), np.asarray(table.column("y"))[idx].astype(gy.numpy().dtype))
+
+
+def test_auto_layout_lays_rows_out_when_the_data_fit_twice_and_keeps_columns_otherwise(tmp_path: Path) -> None:
+    from hetflow.ml.loader import ROW_MAJOR_SHARE, choose_layout, memory_share_of
+
+    table = _mapped(tmp_path, _table())
+    loader = ArrowLoader(table, ["a", "b", "v"], "y", batch_size=8)
+    assert loader.layout == "rows"  # 257 rows fit on any machine that runs these tests
+    matrix_bytes = loader.num_rows * loader.width * 4
+    fits = int(matrix_bytes / ROW_MAJOR_SHARE)
+    assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, fits) == "rows"
+    assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, fits - 1) == "columns"
+    assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, None) == "columns"
+    # a rank plans only for its share of the node (ranks and tasks beside it build their own)
+    assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, 2 * fits, 0.5) == "rows"
+    assert choose_layout(loader.columns, loader.num_rows, loader.width, torch.float32, 2 * fits - 2, 0.5) == "columns"
+    node = os.cpu_count() or 1
+    assert memory_share_of(SimpleNamespace(cores=tuple(range(max(1, node // 2))))) == max(1, node // 2) / node
+    assert memory_share_of(SimpleNamespace(cores=())) == 1.0 and memory_share_of(None) == 1.0
+    with pytest.raises(ValueError, match=r"memory_share must be in \(0, 1\], got 0"):
+        ArrowLoader(table, ["a"], "y", batch_size=8, memory_share=0)
+    # one fixed_size_list column of the loader's dtype is row-major as it stands: used in place, whatever the memory
+    single = ArrowLoader(table, ["v"], "y", batch_size=8)
+    assert choose_layout(single.columns, single.num_rows, single.width, torch.float32, 0) == "rows"
+    assert single._matrix is not None and single._matrix.data_ptr() == arrow_data_address(table.column("v"))
+    with pytest.raises(ValueError, match=r"layout must be one of \['auto', 'rows', 'columns'\], got 'row'"):
+        ArrowLoader(table, ["a"], "y", batch_size=8, layout="row")
