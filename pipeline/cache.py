@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,12 +106,14 @@ def damage(record: DatasetRecord) -> str | None:
 
 def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[str, Any],
             outputs: Sequence[str], now: Mapping[str, str] | None = None, observed: bool = False,
+            written: Callable[[], Collection[str]] | None = None,
             ) -> tuple[StageRecord | None, dict[str, DatasetRecord], list[str]]:
     """The newest committed execution under ``key`` whose read parameters match, whose outputs are intact
     and whose recorded observations (:func:`hetflow.observed.stale`) still hold ``now``, run ``run_id``'s
     own first (a resume keeps what it committed); and the damage found on the way (one line per
     passed-over candidate).  With ``observed``, a commit that recorded no observations (by a hetflow
-    before them) is not served: what its ranks depended on beyond the key is unknown."""
+    before them) is not served: what its ranks depended on beyond the key is unknown.  ``written``: the files
+    the pipeline's stages write (:func:`written_by_stages`), which are no change when the top read them."""
     from .observed import stale
 
     damaged: list[str] = []
@@ -124,7 +126,7 @@ def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[
             continue
         if observed and "observed" not in (hit.cache_material or {}):
             continue
-        changed = stale((hit.cache_material or {}).get("observed") or {}, now) if now is not None else []
+        changed = stale((hit.cache_material or {}).get("observed") or {}, now, written) if now is not None else []
         if changed:  # said once: the older candidates under the same key usually share the reason
             if not stale_said:
                 damaged.append(f"{'; '.join(changed[:3])} since run {hit.run_id}")
@@ -141,6 +143,23 @@ def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[
             continue
         return hit, found, damaged
     return None, {}, damaged
+
+
+WRITTEN_RUNS = 10
+"""How many of a pipeline's latest runs :func:`written_by_stages` asks."""
+
+
+def written_by_stages(session: Any, pipeline: str) -> frozenset[str]:
+    """The files the stages of ``pipeline``'s latest :data:`WRITTEN_RUNS` runs wrote, as recorded with the
+    commits they ran or reused (their ``wrote PATH`` observations, :func:`hetflow.observed.to_record`)."""
+    runs = select(RunRecord.id).where(RunRecord.pipeline == pipeline) \
+        .order_by(RunRecord.created.desc()).limit(WRITTEN_RUNS).scalar_subquery()
+    found: set[str] = set()
+    for material in session.scalars(select(StageRecord.cache_material).where(
+            StageRecord.run_id.in_(runs), StageRecord.state.in_(SUCCESS), StageRecord.cache_material.is_not(None))):
+        seen = (material or {}).get("observed") or {}
+        found.update(key[len("wrote "):] for key in seen if key.startswith("wrote "))
+    return frozenset(found)
 
 
 def why_run(session: Any, *, pipeline: str, run_id: str, stage: str, material: KeyMaterial,

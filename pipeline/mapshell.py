@@ -117,7 +117,8 @@ class MapShell:
         kept = set()
         for run_id in sorted(runs):
             seen = recorded.get(run_id)
-            changed = observed.stale(seen, self.observed_start) if seen is not None else ["no observations recorded"]
+            changed = observed.stale(seen, self.observed_start, lambda: self._written_by_stages(session)) \
+                if seen is not None else ["no observations recorded"]
             if changed:
                 log.info("stage %s: not reusing the items of run %s: %s", stage, run_id, "; ".join(changed[:3]))
             else:

@@ -30,10 +30,19 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
   ``values PATH``: the plain values such a module holds (what it read at import
   from a file or a variable), by the key's digest of a value.
 * ``file PATH``: the files (not code) the top level opened for reading, by
-  content (by size and time above :data:`CONTENT_LIMIT`).  Only compared: the
-  rank's must be what the orchestrator's top level read when it made the key
-  (``TABLE = pd.read_csv(...)`` edited while a stage waited for its slot), or the
-  result is not committed.  The key already holds what a stage reads of them.
+  content (by size and time above :data:`CONTENT_LIMIT`); ``folder PATH``: the
+  folders it listed (``os.listdir``/``os.scandir`` audit events, not the import
+  system's), by their names.  The rank's files must be what the orchestrator's
+  top level read when it made the key (``TABLE = pd.read_csv(...)`` edited while
+  a stage waited for its slot), or the result is not committed.  Both are
+  recorded with the commit (the rank's and the orchestrator's): an installed
+  library's state set from a file (``plt.style.use("paper.mplstyle")``) is not
+  in the key.  A warm rank counts what the fork server's imports of the script's
+  installed packages read (:func:`keep_preloaded`) as its own;
+* ``listed PATH`` (rank only): the folders the stage listed while it ran (a
+  plugin folder it scans), by their names after it returned;
+* ``wrote PATH`` (rank only): the files the stage opened for writing: a file
+  the top reads that the pipeline writes itself is not a change.
 * ``state NAME``: process-wide state that calls at the top set without assigning
   a global: the ``random`` and numpy global generators, torch's default
   generator and default dtype, the ``decimal`` context, the time zone (``TZ`` and
@@ -43,11 +52,12 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
 
 The orchestrator refuses to commit a result whose ``module``/``file``
 observations differ from its own (they changed after the run started), records
-the ``module``/``values``/``state``/``value`` observations with the stage's
-output (a map stage's, for its items too), and serves that output again only
-while its own observations at the start of a later run match them
-(:func:`stale`).  Files are seen through an audit hook (``open`` events) that
-records only while :func:`recording` is on; it does nothing otherwise.
+the others with the stage's output (a map stage's, for its items too:
+:func:`to_record`), and serves that output again only while its own
+observations at the start of a later run match them (:func:`stale`).  Files
+and folders are seen through an audit hook (``open``, ``os.listdir``,
+``os.scandir`` events) that records only while :func:`recording` or
+:func:`recording_writes` is on; it returns at once otherwise.
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ import stat
 import sys
 import sysconfig
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 CONTENT_LIMIT = 256 << 20
@@ -82,6 +92,13 @@ class _Recorder:
     skip: tuple[str, ...] = ()
     writes_only = False
     """Recording the files a stage opens for writing (:func:`recording_writes`), not those it reads."""
+    listed: dict[str, None] = {}
+    """Folders the top level listed (``os.listdir``, ``os.scandir``: ``glob``, ``pkgutil.iter_modules``)."""
+    stage_listed: dict[str, None] = {}
+    """Folders the stage listed while it ran (:func:`recording_writes` on)."""
+    preloaded: dict[str, str] = {}
+    """``{"file PATH" | "folder PATH": digest}`` read by the installed imports a fork server loaded before it
+    forked this process (:func:`keep_preloaded`): the script's top imported them, in this process, there."""
 
 
 def _external_dirs() -> tuple[str, ...]:
@@ -103,8 +120,16 @@ def _hetflow_dirs() -> tuple[str, ...]:
     return tuple(found)
 
 
+_LISTINGS = frozenset(("os.listdir", "os.scandir"))
+
+
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if not (_Recorder.on or _Recorder.writes_only) or event != "open":
+    if not (_Recorder.on or _Recorder.writes_only):
+        return
+    if event in _LISTINGS:
+        _listing(args[0] if args else None)
+        return
+    if event != "open":
         return
     path, mode = args[0], args[1]
     if not isinstance(path, (str, bytes, os.PathLike)):
@@ -125,6 +150,28 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         _Recorder.paths[os.path.abspath(text)] = None
 
 
+def _listing(path: Any) -> None:
+    """Record a folder listed by user or library code; the import system's own listings (a path entry's
+    finder filling its cache) are left out: the modules it finds are observed by their source."""
+    if isinstance(path, int):
+        return  # a file descriptor
+    try:
+        caller = sys._getframe(2).f_code.co_filename  # _audit's caller: the code that called os.listdir / os.scandir
+    except ValueError:
+        return  # called from no Python code
+    if caller.startswith("<frozen importlib") or (f"{os.sep}importlib{os.sep}" in caller and caller.startswith(_EXTERNAL)):
+        return  # the import system, importlib.metadata looking for distributions
+    try:
+        text = os.path.abspath(os.fsdecode(path if path is not None else "."))
+    except (TypeError, ValueError):
+        return
+    if text in {os.path.abspath(entry or ".") for entry in sys.path if isinstance(entry, str)}:
+        return  # a folder modules are imported from (pkg_resources scans them all): they count by their source
+    found = _Recorder.listed if _Recorder.on else _Recorder.stage_listed
+    if len(found) < MAX_FILES:
+        found[text] = None
+
+
 def in_hetflow_process() -> bool:
     """Whether this process is one of hetflow's own (a rank's worker, the fork server, a witness), started
     as ``python -m hetflow.tasks...``: there no user script's top level runs before ``import hetflow``."""
@@ -142,6 +189,7 @@ def recording(on: bool) -> None:
     """Start (forgetting what was recorded) or stop recording the files opened for reading."""
     if on:
         _Recorder.paths = {}
+        _Recorder.listed = {}
         _Recorder.written = set()
     _Recorder.on = on
 
@@ -154,6 +202,7 @@ def recording_writes(on: bool) -> None:
     """Start (forgetting what was recorded) or stop recording the files opened for writing, while a stage runs."""
     if on:
         _Recorder.written = set()
+        _Recorder.stage_listed = {}
     _Recorder.writes_only = on
 
 
@@ -353,19 +402,64 @@ def _resolve(label: str, home: Mapping[str, Any]) -> Any:
     return _NOT_FOUND
 
 
+def _kept(path: str, skip: tuple[str, ...]) -> bool:
+    """Whether a path the top level read or listed is the user's: not under ``skip`` (the external folders,
+    hetflow, /proc, /sys, /dev, /etc, /run, the run's folder), ``site-packages``, nor a hidden folder
+    (``~/.cache``, ``~/.config``: what libraries keep, not data)."""
+    return not (path.startswith(skip) or "site-packages" in path or "dist-packages" in path or "/." in path)
+
+
 def files_read(exclude: Iterable[str] = ()) -> dict[str, str]:
-    """``{"file PATH": digest}`` of the files recorded while :func:`recording` was on, less those under
-    the external folders, hetflow and ``exclude``."""
+    """``{"file PATH": digest}`` of the files recorded while :func:`recording` was on, and ``{"folder PATH":
+    digest}`` of the folders listed then (:func:`_folder_entry`), less those under the external folders,
+    hetflow and ``exclude``, and the files the top level also wrote."""
     skip = _EXTERNAL + _hetflow_dirs() + _SKIP_PREFIXES + tuple(exclude)
     found: dict[str, str] = {}
     for path in list(_Recorder.paths):
         if path in _Recorder.written:
             continue  # the top level writes it too: see _Recorder.written
-        if path.startswith(skip) or "site-packages" in path or "dist-packages" in path or "/." in path:
-            continue  # ... and under a hidden folder (~/.cache, ~/.config): what libraries keep, not data
-        entry = _file_entry(path)
-        if entry is not None:
+        if _kept(path, skip) and (entry := _file_entry(path)) is not None:
             found[f"file {path}"] = entry
+    for path in list(_Recorder.listed):
+        if _kept(os.path.join(path, ""), skip) and (entry := _folder_entry(path)) is not None:
+            found[f"folder {path}"] = entry
+    return found
+
+
+def _folder_entry(path: str) -> str | None:
+    """A folder's listing as a digest of its sorted names: a file added, removed or renamed changes it, an
+    edit inside one does not (what was read of it is observed on its own), nor ``__pycache__``, which Python
+    makes when it first imports from a folder; None for what is not a folder."""
+    try:
+        if not stat.S_ISDIR(os.stat(path).st_mode):
+            return None
+        names = sorted(name for name in os.listdir(path) if name != "__pycache__")
+    except FileNotFoundError:
+        return "<missing>"
+    except OSError:
+        return "<unreadable>"
+    return _sha("\0".join(names).encode("utf-8", "surrogateescape"))
+
+
+def keep_preloaded(exclude: Iterable[str] = ()) -> None:
+    """Keep what was recorded (files read, folders listed) since :func:`recording` went on as what this
+    process's preloaded imports read (:attr:`_Recorder.preloaded`): a fork server imports a script's
+    installed packages once, and each rank it forks counts what they read as its own top level's
+    (``MATPLOTLIBRC`` naming a file, a library reading its configuration at import)."""
+    recording(False)
+    _Recorder.preloaded.update(files_read(exclude))
+
+
+def stage_listed(exclude: Iterable[str] = ()) -> dict[str, str]:
+    """``{"listed PATH": digest}``: the folders the stage listed while :func:`recording_writes` was on (a
+    plugin folder it scans with ``pkgutil.iter_modules``), less those under ``exclude`` (its run folder) and
+    those it wrote a file into (its own output), by their names now."""
+    skip = _EXTERNAL + _hetflow_dirs() + _SKIP_PREFIXES + tuple(exclude)
+    wrote = {os.path.dirname(path) for path in _Recorder.written}
+    found = {}
+    for path in sorted(_Recorder.stage_listed)[:MAX_WRITTEN]:
+        if path not in wrote and _kept(os.path.join(path, ""), skip) and (entry := _folder_entry(path)) is not None:
+            found[f"listed {path}"] = entry
     return found
 
 
@@ -690,7 +784,10 @@ def in_rank(script: str | None, exclude: Iterable[str] = (), *, files: bool = Tr
     root = stage_root(script)
     skip = tuple(exclude) + ((root,) if root else ())
     _load_deferred_helpers(skip)
-    return {**module_sources(skip), **module_values(skip), **(files_read(exclude) if files else {}), **states()}
+    preloaded = {key: value for key, value in _Recorder.preloaded.items()
+                 if not key.partition(" ")[2].startswith(tuple(exclude))} if files else {}
+    return {**module_sources(skip), **module_values(skip), **preloaded, **(files_read(exclude) if files else {}),
+            **states()}
 
 
 def refused(rank: Mapping[str, str], start: Mapping[str, str], written: Iterable[str] = ()) -> list[str]:
@@ -716,29 +813,57 @@ def differed(rank: Mapping[str, str], code: Mapping[str, str]) -> list[str]:
                   and rank.get(f"filled {name}") != code[name])
 
 
+MAX_RECORDED = 1_000
+"""At most this many files and folders read or listed (``file``/``folder``/``listed``) are recorded with a
+committed stage, the first by path: a top level that reads more (a data set, file by file) is still compared
+through the values it computed (``code NAME``), but an edit to a file past this many is not seen by itself."""
+
+_READ_KINDS = ("file", "folder", "listed")
+_TOP_KINDS = ("file", "folder")
+
+
 def to_record(rank: Mapping[str, str], start: Mapping[str, str], covered: tuple[str, ...] = (),
-              code: Mapping[str, str] | None = None) -> dict[str, str]:
+              code: Mapping[str, str] | None = None, written: Iterable[str] = ()) -> dict[str, str]:
     """What is recorded with a committed stage: its modules (source and values), less those under ``covered``
-    (what the key hashes as it reaches it: an editable or local-directory install), the states the rank and the
-    orchestrator agree on (a state they differ on was not seeded: left out), and ``value NAME`` for each
-    component of the key's ``code`` that the rank made otherwise: that commit is never served (:func:`stale`),
-    its key does not say what it was computed from."""
+    (what the key hashes as it reaches it: an editable or local-directory install), the files its top level
+    read and the folders it or the stage listed (at most :data:`MAX_RECORDED`), less what a stage of the run
+    wrote (``written``, and the rank's own ``wrote`` entries: the run's own product, and a folder it wrote
+    into), the states the rank and the orchestrator agree on (a state they differ on was not seeded: left
+    out), and ``value NAME`` for each component of the key's ``code`` that the rank made otherwise: that
+    commit is never served (:func:`stale`), its key does not say what it was computed from."""
     kept = {}
+    wrote = {*written, *(key[len("wrote "):] for key in rank if key.startswith("wrote "))}
+    read = []
     for key, value in rank.items():
         kind, _, name = key.partition(" ")
         if kind in ("module", "values") and not (covered and name.startswith(covered)):
             kept[key] = value
         elif kind == "state" and start.get(key) == value:
             kept[key] = value
+        elif kind in _READ_KINDS and name not in wrote:
+            read.append(key)
+        elif kind == "wrote":
+            kept[key] = value  # a later run's check of another stage leaves these out (:func:`stale`)
+    read += [key for key in start if key.partition(" ")[0] in _TOP_KINDS and key not in rank
+             and key.partition(" ")[2] not in wrote]  # what the orchestrator's top read: see stale()
+    if read:
+        folders = {os.path.dirname(path) for path in wrote}
+        read = [key for key in sorted(read) if key.startswith("file ") or key.partition(" ")[2] not in folders]
+        kept.update((key, rank.get(key, start.get(key, ""))) for key in read[:MAX_RECORDED])
     for name in differed(rank, code or {}):
         kept[f"value {name}"] = OTHER_VALUE
     return dict(sorted(kept.items()))
 
 
-def stale(recorded: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
+def stale(recorded: Mapping[str, str], start: Mapping[str, str],
+          written: Callable[[], Collection[str]] | None = None) -> list[str]:
     """The recorded observations that no longer hold now (``start``; a module the orchestrator has not
-    imported is read now), as one-line reasons; empty when the committed output may be served."""
+    imported is read now, and so is a file or folder its top level did not read or list), as one-line
+    reasons; empty when the committed output may be served.  A file or folder that changed but that a stage
+    of the pipeline writes (``written()``, asked only then: the ``wrote`` entries recorded with its stages,
+    :func:`to_record`) is the pipeline's own product, not a change (a ``summary.json`` the top shows)."""
     found = []
+    own: Collection[str] | None = None
     for key, value in sorted(recorded.items()):
         kind, _, name = key.partition(" ")
         if kind == "module":
@@ -751,11 +876,53 @@ def stale(recorded: Mapping[str, str], start: Mapping[str, str]) -> list[str]:
                     now = "<missing>"
             if now != value:
                 found.append(f"{_label(key)} changed")
+        elif kind in _READ_KINDS:
+            now = start.get(key) if kind != "listed" else None
+            if now is None:
+                now = _now(kind, name)
+            if now == value:
+                continue
+            if written is not None:
+                own = written() if own is None else own
+                if name in own or (kind != "file" and any(os.path.dirname(path) == name for path in own)):
+                    continue
+            found.append(f"{_label(key)} {'was removed' if now == '<missing>' else 'changed'}")
         elif (kind == "state" and start.get(key) != value) or (kind == "values" and start.get(key, value) != value):
             found.append(f"{_label(key)} changed")  # values of a module not imported now: its source says
         elif kind == "value":
             found.append(f"{_label(key)} had another value where it was computed than its key says")
+    if sum(key.partition(" ")[0] in _READ_KINDS for key in recorded) < MAX_RECORDED:  # else the rest are not kept
+        for key in sorted(start):
+            kind, _, name = key.partition(" ")
+            if kind in _TOP_KINDS and key not in recorded:
+                own = (written() if written is not None else ()) if own is None else own
+                if name not in own and not (kind == "folder" and any(os.path.dirname(path) == name for path in own)):
+                    found.append(f"{_label(key)} is new")  # a matplotlibrc that did not exist, MATPLOTLIBRC set
     return found
+
+
+_NOW: dict[tuple[str, str], tuple[tuple[int, ...], str | None]] = {}
+"""What :func:`_now` found, by kind and path, with the file's or folder's stat then: many stages record the
+same files, and each of their cache look-ups asks."""
+
+
+def _now(kind: str, path: str) -> str | None:
+    """A recorded file's or folder's digest now (:func:`_file_entry`, :func:`_folder_entry`); read again only
+    when its size, times, inode or device changed since it was last read here."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return "<missing>"
+    except OSError:
+        return "<unreadable>"
+    seen = (info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev)
+    cached = _NOW.get((kind, path))
+    if cached is not None and cached[0] == seen:
+        return cached[1]
+    entry = _file_entry(path) if kind == "file" else _folder_entry(path)
+    if len(_NOW) < MAX_FILES:
+        _NOW[(kind, path)] = (seen, entry)
+    return entry
 
 
 def _label(key: str) -> str:
@@ -764,6 +931,10 @@ def _label(key: str) -> str:
         return f"helper module {_short(name)}"
     if kind == "file":
         return f"file {_short(name)} read at the script's top"
+    if kind == "folder":
+        return f"folder {_short(name)} listed at the script's top"
+    if kind == "listed":
+        return f"folder {_short(name)} listed by the stage"
     if kind == "values":
         return f"the values helper module {_short(name)} holds"
     if kind == "value":

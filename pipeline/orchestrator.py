@@ -264,6 +264,8 @@ class Orchestrator(MapShell):
         whether they record one only if they drew from it (:func:`observed.shipped_generators`)."""
         self.stage_wrote: set[str] = set()
         """The files this session's stages opened for writing (:func:`observed.stage_written`)."""
+        self.wrote_before: frozenset[str] | None = None
+        """The files the stages of the pipeline's latest runs wrote (:func:`cache.written_by_stages`), once asked."""
         self.recorded: set[str] = set()
         """The datasets this run has a record of (its own or copied from the run it reused them from)."""
         self.committed_before: frozenset[str] = frozenset()
@@ -704,7 +706,7 @@ class Orchestrator(MapShell):
         with self.store.session() as session:
             hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
                                                 params=params, outputs=spec.outputs, now=self.observed_start,
-                                                observed=True)
+                                                observed=True, written=lambda: self._written_by_stages(session))
             for problem in damaged:
                 log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
             if hit is None:
@@ -1089,6 +1091,14 @@ class Orchestrator(MapShell):
                        "ranks import modules afresh, so they computed with the module's own value; it was not "
                        "committed: set the value in the module's source, or give it to the stage as a parameter")
 
+    def _written_by_stages(self, session: Any) -> set[str]:
+        """The files the pipeline's stages write, this session's and its latest runs' (asked of the store once,
+        when a file read at the script's top or a folder listed changed since a commit): a change they made is
+        the pipeline's own, not one the cache must follow (:func:`observed.stale`)."""
+        if self.wrote_before is None:
+            self.wrote_before = cache.written_by_stages(session, self.name)
+        return self.stage_wrote | self.wrote_before
+
     def _observed_record(self, spec: StageSpec, ranks: list[RankResult | None]) -> dict[str, str]:
         """What is recorded with a committed stage and must still hold when it is served (:func:`observed.stale`)."""
         editable, installed = _local_installs()  # counted by the key as it reaches them
@@ -1097,7 +1107,8 @@ class Orchestrator(MapShell):
         found: dict[str, str] = {}
         for rank in ranks:
             if rank is not None and rank.observed:
-                found.update(observed.to_record(rank.observed, self.observed_start, editable + installed, code))
+                found.update(observed.to_record(rank.observed, self.observed_start, editable + installed, code,
+                                                self.stage_wrote))
         other = [key[len("value "):] for key in found if key.startswith("value ")]
         if other:
             self.notes[spec.name] = other_value_note(other)

@@ -340,6 +340,12 @@ def _preload_stage(job: Job) -> bool:
     os.dup2(null, 0)
     os.dup2(2, 1)  # what an import prints goes to the server's log, never into the protocol's pipe
     os.close(null)
+    here = os.getcwd()
+    observed = _observing(spec.function.module == "__main__" and bool(path))
+    try:
+        os.chdir(job.cwd)  # where the task runs, as a cold start imports them: a ./matplotlibrc is the task's
+    except OSError:
+        pass
     try:
         for name in installed_imports(source):
             try:
@@ -349,6 +355,9 @@ def _preload_stage(job: Job) -> bool:
                       f"({type(exc).__name__}: {exc})", file=sys.stderr)
         _scripts[key] = True
     finally:
+        if observed is not None:
+            observed.keep_preloaded()  # what they read at import, each rank's top level's own (hetflow.observed)
+        os.chdir(here)
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved_fds[0], 0)
@@ -363,6 +372,18 @@ def _preload_stage(job: Job) -> bool:
               "running; forking from it is not safe, the server restarts without loading them", file=sys.stderr)
         return False
     return True
+
+
+def _observing(script: bool) -> Any:
+    """:mod:`hetflow.observed`, recording the files and folders the imports about to run read, when the stage
+    is a script's (its ranks record what their top level read); else None."""
+    if not script:
+        return None
+    from hetflow import observed  # the rank's own observations: the worker imports it too
+
+    observed.install()
+    observed.recording(True)
+    return observed
 
 
 def _restart(pending: bytes) -> NoReturn:

@@ -164,10 +164,11 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
 def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]],
                    drew: frozenset[str] | None = None) -> dict[str, str]:
     """The modules the stage imported while it ran (or whose deferred import it loaded), added, wherever they
-    lie (those it had are recorded as they were executed).  A stage does not depend on a generator it was
-    given and did not draw from (not in ``drew``): with :attr:`WorkerSpec.generators_if_drawn` (a session's),
-    its state is left out, so that a session whose generator nobody seeded (a new kernel) does not run it
-    again.  ``None``: those the stage that just returned in this process drew from."""
+    lie (those it had are recorded as they were executed), the files it wrote and the folders it listed.  A
+    stage does not depend on a generator it was given and did not draw from (not in ``drew``): with
+    :attr:`WorkerSpec.generators_if_drawn` (a session's), its state is left out, so that a session whose
+    generator nobody seeded (a new kernel) does not run it again.  ``None``: those the stage that just
+    returned in this process drew from."""
     from hetflow import observed
 
     observed.recording_writes(False)
@@ -175,7 +176,7 @@ def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]
         drew = observed.generators_moved(spec.generators)
     filled = observed.filled_in_rank(_declared, _held, spec.local_installs, _shipped_roots(spec)) if _held else {}
     found = {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
-             **observed.stage_written((_run_folder(spec),)), **filled}
+             **observed.stage_written((_run_folder(spec),)), **observed.stage_listed((_run_folder(spec),)), **filled}
     if spec.generators_if_drawn:
         for name in set(spec.generators) - drew:
             found.pop(f"state {name}", None)
