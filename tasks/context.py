@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,37 @@ class DeclaredEnv(Mapping[str, "str | None"]):
         return f"DeclaredEnv({self._values!r})"
 
 
+class DeclaredFiles(tuple):  # type: ignore[type-arg]
+    """A stage's declared files (``files=``), resolved and absolute, in the order declared: a tuple, and also
+    indexed by the name the script wrote, ``ctx.files["obs.csv"]`` or ``ctx.files["data/obs.csv"]`` (the
+    one file whose path ends with those components; an object's URI likewise).  A name that matches no
+    declared file, or several, is a ``KeyError`` naming the stage and what it declared."""
+
+    _stage = ""
+
+    def __new__(cls, stage: str, files: Iterable[Path | str] = ()) -> "DeclaredFiles":
+        made = super().__new__(cls, files)
+        made._stage = stage
+        return made
+
+    def __getnewargs__(self) -> tuple[str, tuple[Path | str, ...]]:
+        return self._stage, tuple(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        if not isinstance(index, (str, os.PathLike)):
+            return super().__getitem__(index)
+        wanted = [part for part in os.fspath(index).split("/") if part not in ("", ".")]
+        found = [f for f in self if wanted and str(f).split("/")[-len(wanted):] == wanted]
+        if len(found) == 1:
+            return found[0]
+        listed = ", ".join(str(f) for f in self) or "none"
+        if not found:
+            raise KeyError(f"stage {self._stage!r} declared no file {os.fspath(index)!r} (declared: {listed}); "
+                           "add it to @pipe.stage(files=[...]) so that a change to it reruns the stage")
+        raise KeyError(f"stage {self._stage!r}: {os.fspath(index)!r} names {len(found)} declared files "
+                       f"({', '.join(str(f) for f in found)}); give more of its path")
+
+
 @dataclass(frozen=True)
 class StageContext:
     """The per-rank context of one stage attempt.
@@ -123,6 +155,7 @@ class StageContext:
     node: str = "localhost"
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("hetflow.stage"))
     files: tuple[Path | str, ...] = ()
+    """The declared files (:class:`DeclaredFiles`): ``ctx.files[0]``, or ``ctx.files["obs.csv"]`` by name."""
     env: Mapping[str, str | None] = field(default_factory=dict)
     inputs: Mapping[str, Any] = field(default_factory=dict)
     item: Any = None
@@ -137,6 +170,8 @@ class StageContext:
             object.__setattr__(self, "params", TrackedParams(self.params))
         if not isinstance(self.env, DeclaredEnv):
             object.__setattr__(self, "env", DeclaredEnv(self.stage, self.env))
+        if not isinstance(self.files, DeclaredFiles):
+            object.__setattr__(self, "files", DeclaredFiles(self.stage, self.files))
 
     @property
     def params_read(self) -> list[str] | None:

@@ -466,7 +466,10 @@ def error_message(exc: BaseException, files: Sequence[str] = ()) -> str:
         where = f"a relative path is looked up in the stage's attempt directory {here}, not where the run was started"
     if files:
         listed = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-        return text + f" ({where}: open the declared files through ctx.files, which holds their absolute paths: {listed})"
+        named = os.path.basename(name) if name and any(os.path.basename(str(f)) == os.path.basename(name)
+                                                       for f in files) else os.path.basename(str(files[0]))
+        return text + (f" ({where}: open the declared files through ctx.files, which holds their absolute paths, "
+                       f"by place or by name: ctx.files[{named!r}]; declared: {listed})")
     shown = repr(name) if name else "'data.csv'"
     return text + (f" ({where}: declare the file with files=[{shown}] (relative to the script) and open it "
                    "from ctx.files, so that a change to it also reruns the stage)")

@@ -177,6 +177,36 @@ def test_a_missing_relative_file_says_where_stages_run_and_how_to_declare_it() -
     hinted = error_message(FileNotFoundError(2, "No such file or directory", "data/obs-1.csv"),
                            ["/home/me/data/obs-1.csv"])
     assert "ctx.files" in hinted and "/home/me/data/obs-1.csv" in hinted and "files=[" not in hinted, hinted
+    assert "ctx.files['obs-1.csv']" in hinted, hinted   # the spelling that works (a fresh user tried it)
+
+
+def _read_by_name(ctx: hf.StageContext) -> dict[str, object]:
+    refused = []
+    for name in ("nope.csv", "obs.csv"):
+        try:
+            ctx.files[name]
+        except KeyError as exc:
+            refused.append(str(exc))
+    return {"t": pa.table({"one": [ctx.files["a/obs.csv"].read_text()], "two": [ctx.files["./b/obs.csv"].read_text()],
+                           "first": [str(ctx.files[0])], "n": [len(ctx.files)], "refused": [refused]})}
+
+
+def test_declared_files_are_found_in_ctx_files_by_the_name_declared(tmp_path: Path) -> None:
+    """A scientist's first try was ``ctx.files["obs.csv"]``: a ``TypeError`` (tuple indices must be integers).
+    The name as declared, or its last components, finds the one file; a name matching none or several says so."""
+    for folder, text in (("a", "1"), ("b", "2")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "obs.csv").write_text(text)
+    pipe = hf.Pipeline("by-name", workdir=tmp_path / "w")
+    pipe.stage(outputs=["t"], files=[str(tmp_path / "a" / "obs.csv"), str(tmp_path / "b" / "obs.csv")],
+               name="by_name")(_read_by_name)
+    status = pipe.run(progress=False)
+    assert status.state == "DONE", status
+    row, = status.dataset("t").to_table().to_pylist()
+    refused = row.pop("refused")
+    assert row == {"one": "1", "two": "2", "first": str(tmp_path / "a" / "obs.csv"), "n": 2}
+    assert re.search(r"stage 'by_name' declared no file 'nope.csv' \(declared: .*a/obs.csv", refused[0]), refused
+    assert "'obs.csv' names 2 declared files" in refused[1], refused
 
 
 RESOLVED_AT_TOP = '''
