@@ -63,6 +63,7 @@ and folders are seen through an audit hook (``open``, ``os.listdir``,
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import os
@@ -70,7 +71,7 @@ import stat
 import sys
 import sysconfig
 import types
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 CONTENT_LIMIT = 256 << 20
@@ -194,6 +195,18 @@ def recording(on: bool) -> None:
     _Recorder.on = on
 
 
+@contextlib.contextmanager
+def not_recording() -> Iterator[None]:
+    """Files hetflow itself reads meanwhile (a run's recorded stages, read by ``hetflow resume`` where a
+    script's top would run) are not the top level's reads."""
+    was = _Recorder.on
+    _Recorder.on = False
+    try:
+        yield
+    finally:
+        _Recorder.on = was
+
+
 MAX_WRITTEN = 1_000
 """At most this many files a stage wrote are sent with its rank's result (:func:`stage_written`)."""
 
@@ -309,12 +322,15 @@ def _nothing() -> None:
 def value_labels(code: Mapping[str, str]) -> tuple[str, ...]:
     """The components of a key's code that name a value (``TABLE``, ``helper.K``, ``helper.Model.SCALE``): not
     modules, classes, functions, the stage itself, what could not be digested, nor what a name does not reach
-    (a closure's cells, ``sys.argv[1:]``, library settings: :func:`_resolve` would find another value)."""
+    (a closure's cells, ``sys.argv[1:]``, library settings: :func:`_resolve` would find another value), nor the
+    script's own ``__name__`` read by a stage (``sys.modules[__name__]``): a rank runs the script under a name of
+    its own, always the same, so the value differs from the orchestrator's on every run without meaning that
+    the stage computed something else (a global assigned from it, ``MODNAME = __name__``, still counts)."""
     from .fingerprint import UNCACHEABLE
 
     return tuple(name for name, digest in sorted(code.items())
                  if not name.startswith(("module ", "class ", UNCACHEABLE)) and not name.endswith("()")
-                 and name != "stage" and digest != "<undefined>"
+                 and name not in ("stage", "__name__") and digest != "<undefined>"
                  and all(part.isidentifier() for part in name.split(".")))  # not "f() closure", "sys.argv[1:]"
 
 

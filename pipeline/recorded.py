@@ -77,6 +77,7 @@ def load(run_id: str, run_dir: str) -> Recorded:
     otherwise."""
     import sys
 
+    from hetflow import observed
     from hetflow.tasks.shipping import read_checked
 
     path = Path(run_dir) / RECORDED
@@ -84,8 +85,9 @@ def load(run_id: str, run_dir: str) -> Recorded:
         raise FileNotFoundError(f"run {run_id} was started from Python code and has no record of its stages "
                                 f"({path} is missing: a run of an older hetflow, or stages that could not be "
                                 f"pickled); resume it with pipe.run(run_id={run_id!r}) from the same code")
-    data = read_checked(path, f"run {run_id}", "its recorded stages", "the run directory hetflow made",
-                        "for this run")
+    with observed.not_recording():
+        data = read_checked(path, f"run {run_id}", "its recorded stages", "the run directory hetflow made",
+                            "for this run")
     outer = pickle.loads(data)  # checked above: only this user could have written it
     cwd = outer["cwd"]
     if not os.path.isdir(cwd):
