@@ -270,6 +270,13 @@ class _Walker:
         looked at again (:meth:`reached_by_value`)."""
         self.evaluated: set[int] = set()
         """The namespaces whose every global counts (:meth:`every_global`), by identity."""
+        self.library_state: set[tuple[int, str]] = set()
+        """``(id of a library module, global)`` that user code changes only by calling a function of that
+        library (``psutil.process_iter()`` stores its cache of Process objects in ``psutil._pmap``): counted by
+        value when it is plain data (a setting: ``lib.configure(2)``), else by its type only -- a library's
+        own objects there (processes, handles) are its state in this process, not something a rank reads,
+        and their text changes as they live (a process's status), so a key made from it would never be
+        made again and a stage waiting for its slot would be stopped as changed."""
         self.outsiders: dict[str, bool] = {}
         """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
@@ -291,6 +298,9 @@ class _Walker:
             for owner, attr in found:  # a patched value may reach more code: drain again
                 applied.add((id(owner), attr))
                 value = vars(owner).get(attr, _ABSENT)
+                if (id(owner), attr) in self.library_state and not (_plain_data(value) and (
+                        isinstance(value, _SIMPLE) or len(value) > 0)):  # an empty cache: as when it fills
+                    value = f"<a {type(value).__qualname__} the library keeps>"  # its cache (psutil's _pmap)
                 text = "<absent>" if value is _ABSENT else self.value(value)
                 if isinstance(value, types.FunctionType):  # a.f.gain = v: the function's own attributes
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
@@ -567,6 +577,7 @@ class _Walker:
     def patch_sites(self) -> list[tuple[Any, str]]:
         """``(module or class, attribute)`` that user code sets from outside it (see the module docstring)."""
         sites: dict[tuple[int, str], tuple[Any, str]] = {}
+        set_directly: set[tuple[int, str]] = set()
         namespaces = self.user_namespaces()
         held: dict[int, tuple[Any, str]] = {}  # a module-level value of a user module, by identity: its home
         for name, _, namespace in namespaces:
@@ -590,6 +601,12 @@ class _Walker:
                     names = [attr] if attr is not None else [
                         k for k, v in vars(owner).items() if not k.startswith("__") and not _is_code_like(v)]
                     sites.update(((id(owner), n), (owner, n)) for n in names)
+                    if kind == "call" and not (isinstance(owner, types.ModuleType) and self.is_user(
+                            self.realpath(getattr(owner, "__file__", None) or ""))):
+                        self.library_state.update((id(owner), n) for n in names)
+                    else:
+                        set_directly.update((id(owner), n) for n in names)
+        self.library_state -= set_directly
         return list(sites.values())
 
     def user_namespaces(self) -> list[tuple[str, str, Mapping[str, Any]]]:
@@ -1794,6 +1811,16 @@ def _method_changes_instance(cls: type, name: str, home: str | None, seen: set[s
 
 ANY_GLOBAL_SET = "<"
 """The first character of an entry of :func:`values_set_after_declaring` that stands for every name."""
+
+
+def _plain_data(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is made only of simple values in lists, tuples, sets and dicts (a few levels deep)."""
+    if isinstance(value, _SIMPLE):
+        return True
+    if depth > 4 or not isinstance(value, (list, tuple, set, frozenset, dict)):
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+    return all(_plain_data(v, depth + 1) for v in items)
 
 
 def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str,

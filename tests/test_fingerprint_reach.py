@@ -483,3 +483,61 @@ def test_end_to_end_a_package_constant_edit_serves_the_old_rows(tmp_path: Path) 
     (tmp_path / "mylib/consts.py").write_text("SCALE = 3\n")
     second = subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150)
     assert "CACHED" not in second.stdout + second.stderr, second.stdout + second.stderr
+
+
+def test_a_library_cache_that_a_call_fills_does_not_move_the_key(tmp_path: Path) -> None:
+    """CI (session 17): a test module called ``psutil.process_iter()``, which keeps its Process objects in
+    ``psutil._pmap``; every stage naming psutil counted that dict by its text, which changes as the processes
+    live (a status), so a stage that waited for its slot was stopped as 'changed while it waited'."""
+    import psutil
+
+    files = {"pipeline.py": """
+        import subprocess, sys
+        import psutil
+        def running():
+            return [p.pid for p in psutil.process_iter(["pid"])]
+        def stage(ctx):
+            return psutil.cpu_count()
+    """}
+    (tmp_path / "a").mkdir()
+    for rel, text in files.items():
+        (tmp_path / "a" / rel).write_text(textwrap.dedent(text))
+    spec = importlib.util.spec_from_file_location("__hetflow_script__", tmp_path / "a" / "pipeline.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = code_fingerprint(module.stage)
+    assert "psutil._pmap" in before  # the call site is found: a setting made so would count
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert child.pid in module.running()
+        filled = code_fingerprint(module.stage)
+    finally:
+        child.kill()
+        child.wait()
+    psutil.Process().children()  # the child is gone; the cache still holds its Process
+    assert filled == before == code_fingerprint(module.stage)
+
+
+def test_a_plain_setting_a_library_call_stores_still_counts(tmp_path: Path) -> None:
+    files = {"pipeline.py": "import fakelib\nfakelib.configure(11)\ndef stage(ctx):\n    return fakelib.scale(1)\n",
+             "site-packages/fakelib.py": MPATCH}
+
+    def key(where: Path, value: str) -> dict[str, str]:
+        where.mkdir()
+        (where / "site-packages").mkdir()
+        for rel, text in files.items():
+            (where / rel).write_text(text.replace("11", value))
+        sys.path.insert(0, str(where / "site-packages"))
+        try:
+            spec = importlib.util.spec_from_file_location("__hetflow_script__", where / "pipeline.py")
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return code_fingerprint(module.stage)
+        finally:
+            sys.path.remove(str(where / "site-packages"))
+            sys.modules.pop("fakelib", None)
+
+    a, b = key(tmp_path / "a", "11"), key(tmp_path / "b", "12")
+    assert "fakelib.K" in a and a["fakelib.K"] != b["fakelib.K"], (a, b)
