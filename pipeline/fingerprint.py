@@ -273,10 +273,10 @@ class _Walker:
         self.library_state: set[tuple[int, str]] = set()
         """``(id of a library module, global)`` that user code changes only by calling a function of that
         library (``psutil.process_iter()`` stores its cache of Process objects in ``psutil._pmap``): counted by
-        value when it is plain data (a setting: ``lib.configure(2)``), else by its type only -- a library's
-        own objects there (processes, handles) are its state in this process, not something a rank reads,
-        and their text changes as they live (a process's status), so a key made from it would never be
-        made again and a stage waiting for its slot would be stopped as changed."""
+        value, except when it holds only the library's own objects (:func:`_library_own`), which count by
+        type -- those (processes, handles) are its state in this process, not something a rank reads, and
+        their text changes as they live (a process's status), so a key made from it would never be made
+        again and a stage waiting for its slot would be stopped as changed."""
         self.outsiders: dict[str, bool] = {}
         """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
@@ -298,8 +298,7 @@ class _Walker:
             for owner, attr in found:  # a patched value may reach more code: drain again
                 applied.add((id(owner), attr))
                 value = vars(owner).get(attr, _ABSENT)
-                if (id(owner), attr) in self.library_state and not (_plain_data(value) and (
-                        isinstance(value, _SIMPLE) or len(value) > 0)):  # an empty cache: as when it fills
+                if (id(owner), attr) in self.library_state and _library_own(value, owner.__name__.partition(".")[0]):
                     value = f"<a {type(value).__qualname__} the library keeps>"  # its cache (psutil's _pmap)
                 text = "<absent>" if value is _ABSENT else self.value(value)
                 if isinstance(value, types.FunctionType):  # a.f.gain = v: the function's own attributes
@@ -1813,14 +1812,30 @@ ANY_GLOBAL_SET = "<"
 """The first character of an entry of :func:`values_set_after_declaring` that stands for every name."""
 
 
-def _plain_data(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is made only of simple values in lists, tuples, sets and dicts (a few levels deep)."""
-    if isinstance(value, _SIMPLE):
-        return True
-    if depth > 4 or not isinstance(value, (list, tuple, set, frozenset, dict)):
+def _library_own(value: Any, top: str) -> bool:
+    """Whether ``value`` is the library ``top``'s own state: an empty container, or containers (a few levels
+    deep, at most a few thousand members) holding objects of that library's types and simple values, at
+    least one of them the library's.  Plain data (a setting) and an object of another package (a config
+    object the user passed) are not."""
+    found = [False]
+
+    def own(v: Any, depth: int, budget: list[int]) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 4:
+            return False
+        if isinstance(v, _SIMPLE):
+            return True
+        if isinstance(v, (list, tuple, set, frozenset, dict)):
+            items = [*v.keys(), *v.values()] if isinstance(v, dict) else list(v)
+            return all(own(x, depth + 1, budget) for x in items)
+        if (type(v).__module__ or "").partition(".")[0] == top:
+            found[0] = True
+            return True
         return False
-    items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
-    return all(_plain_data(v, depth + 1) for v in items)
+
+    if isinstance(value, (list, tuple, set, frozenset, dict)) and not value:
+        return True  # an empty cache: counted as when it fills
+    return own(value, 0, [4096]) and found[0]
 
 
 def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str,

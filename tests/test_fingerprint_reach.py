@@ -519,9 +519,13 @@ def test_a_library_cache_that_a_call_fills_does_not_move_the_key(tmp_path: Path)
     assert filled == before == code_fingerprint(module.stage)
 
 
-def test_a_plain_setting_a_library_call_stores_still_counts(tmp_path: Path) -> None:
-    files = {"pipeline.py": "import fakelib\nfakelib.configure(11)\ndef stage(ctx):\n    return fakelib.scale(1)\n",
-             "site-packages/fakelib.py": MPATCH}
+@pytest.mark.parametrize("setting", ["fakelib.configure(11)", "fakelib.configure([11])",
+                                     "fakelib.configure({'k': Cfg(11)})"])
+def test_a_setting_a_library_call_stores_still_counts(tmp_path: Path, setting: str) -> None:
+    """Plain data, or an object of the user's (not the library's own), set by calling the library."""
+    script = ("import fakelib\nclass Cfg:\n    def __init__(self, k):\n        self.k = k\n"
+              f"{setting}\ndef stage(ctx):\n    return fakelib.scale(1)\n")
+    files = {"pipeline.py": script, "site-packages/fakelib.py": MPATCH}
 
     def key(where: Path, value: str) -> dict[str, str]:
         where.mkdir()
