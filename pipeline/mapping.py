@@ -202,6 +202,9 @@ class MapRun:
         self.made = 0
         self.before: dict[str, str] = {}
         """``{label: key}`` of the items of the stage's latest earlier execution (to say what changed)."""
+        self.stage_reason = ""
+        """Why the stage as a whole was not reused (its record's reason at the start): when it names a change
+        of the whole stage (its code, a value, a parameter), that, not each item, is what the items ran for."""
         self.progress_file: Path | None = None
         """Where the items' counts are written for ``hetflow serve`` (set when the first chunk starts)."""
         self.tally: dict[str, int] = {}
@@ -346,15 +349,26 @@ class MapRun:
         return f"{len(failed):,} of {len(self.items):,} items failed: {shown}{more}"
 
 
-def describe_changes(before: Mapping[str, str], items: Sequence[Item], most: int = 3) -> str:
-    """What changed in the items since an earlier execution (``before``: label -> key): added, changed, removed."""
+def describe_changes(before: Mapping[str, str], items: Sequence[Item], most: int = 3, stage_reason: str = "") -> str:
+    """What changed in the items since an earlier execution (``before``: label -> key): added, changed, removed.
+
+    An item's key holds the stage's key, so an edit of the stage's code changes every item's key: when no
+    item kept its key and ``stage_reason`` (why the stage as a whole was not reused) names a change beyond
+    the items, that is said instead of "each item changed" (``SCALE changed``, not ``data/a.csv changed``)."""
     if not before:
         return ""
     now = {item.label: item.key for item in items}
     added = [label for label in now if label not in before]
     changed = [label for label in now if label in before and before[label] != now[label]]
     removed = [label for label in before if label not in now]
-    words = [f"{label} added" for label in added] + [f"{label} changed" for label in changed] + \
+    wide = [part for part in stage_reason.split("; ") if part and part != "its items changed"
+            and not any(part in (f"file {label} changed", f"file {label} added", f"file {label} removed")
+                        for label in (*now, *before))]
+    if changed and wide and not any(label in before and before[label] == key for label, key in now.items()):
+        changed = []
+    else:
+        wide = []
+    words = wide + [f"{label} added" for label in added] + [f"{label} changed" for label in changed] + \
         [f"{label} removed" for label in removed]
     if not words:
         return ""

@@ -95,6 +95,7 @@ class MapShell:
                                                                 MapItemRecord.stage == spec.name)
                 .group_by(MapItemRecord.state)).tuples().all())
             run.before = self._labels_before(session, spec.name)
+            run.stage_reason = self._stage_record(session, spec.name).cache_reason or ""
             run.observed = self._drop_stale_items(session, spec.name, earlier)
         if spec.name not in self.rerun:  # --rerun: every item runs again, whatever the items' cache says
             mapping.reusable(items, earlier, self.run_id)
@@ -282,7 +283,7 @@ class MapShell:
                     committed: Mapping[str, ds.Manifest]) -> None:
         spec = run.spec
         now = time.time()
-        summary = run.summary(mapping.describe_changes(getattr(run, "before", {}), run.items))
+        summary = run.summary(mapping.describe_changes(run.before, run.items, stage_reason=run.stage_reason))
         if state == "DONE" and run.failed():
             summary += f"; {run.failure_text()} (accepted: max_failures={spec.max_failures})"
         with self.store.session() as session:
