@@ -183,11 +183,14 @@ def test_the_summary_of_a_resume_counts_the_time_of_this_session_only(tmp_path: 
     assert failed.returncode != 0 and "FAILED" in failed.stdout, failed.stdout + failed.stderr
     run_id = re.search(r"^run (\S+): FAILED", failed.stdout, re.M).group(1)  # type: ignore[union-attr]
     (tmp_path / "fail").unlink()
-    time.sleep(10)  # between the sessions: not this session's time
+    time.sleep(1)  # between the sessions: not this session's time
+    began = time.monotonic()
     resumed = hetflow("resume", run_id, "--workdir", "w", "--no-progress", cwd=tmp_path)
+    session = time.monotonic() - began
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     took = re.search(rf"^run {run_id}: DONE in ([\d.]+)s \(this session\)", resumed.stdout, re.M)
-    assert took is not None and float(took.group(1)) < 10, resumed.stdout
+    # at most the resume's own process time: counted from the first session, it would add that session and the gap
+    assert took is not None and float(took.group(1)) <= session, (session, resumed.stdout)
 
 
 MOVES = '''

@@ -7,6 +7,9 @@ one rank, and a stage that depends on the failure.  Each backend must commit
 byte-identical datasets (content hashes equal to the local backend's), record
 the same state transitions, report the same error for the failing stage, and
 leave no process behind.
+
+RADICAL-Pilot's run is in test_conformance_radical.py, which collects these tests against it: the files that start
+RP sessions share one xdist group (tests/conftest.py), and the other engines' runs need not wait in it.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ from conformance import pipeline as _pipeline
 # Every run here takes half a minute or more (RP: a pilot per run), so the whole module is slow.
 pytestmark = pytest.mark.slow
 
-BACKENDS = ["local", "dask", "dask-tcp", "parsl", "radical"]
+BACKENDS = ["local", "dask", "dask-tcp", "parsl"]  # and "radical": test_conformance_radical.py
 # "dask-tcp": the dask backend with every rank its own Dask task on the TCP communicator
 VARIANTS = {"dask-tcp": ("dask", {"dask": {"communicator": "tcp"}})}
 
 
-def _run(backend: str, workdir: Path) -> dict[str, Any]:
+def run_on(backend: str, workdir: Path) -> dict[str, Any]:
     backend, options = VARIANTS.get(backend, (backend, {}))
     pilot = hf.PilotDescription(name="conformance", backend=backend, cores_per_node=2, gpus_per_node=0,
                                 memory_per_node=2**34, options=options)
@@ -49,7 +52,7 @@ def _run(backend: str, workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _run("local", tmp_path_factory.mktemp("local"))
+    return run_on("local", tmp_path_factory.mktemp("local"))
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -57,7 +60,7 @@ def outcome(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             reference: dict[str, Any]) -> dict[str, Any]:
     if request.param == "local":
         return reference
-    return _run(request.param, tmp_path_factory.mktemp(request.param))
+    return run_on(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.timeout(300)

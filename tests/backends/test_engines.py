@@ -4,6 +4,9 @@ One started backend per engine for the whole module (RP takes ~30 s to start a
 pilot).  Tasks are real MPI programs started on slots the test chooses, as
 the pilot's scheduler would; every backend must give the same outcomes, and
 leave no process behind after ``shutdown()``.
+
+RADICAL-Pilot's engine is in test_engines_radical.py, which collects these tests against it: the files that start
+RP sessions share one xdist group (tests/conftest.py), and the other engines need not wait in it.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ BACKENDS = [
     "local",
     "dask",
     pytest.param("parsl", marks=pytest.mark.slow),
-    pytest.param("radical", marks=pytest.mark.slow),
-]
+]  # and "radical": test_engines_radical.py
 
 MPI_PROGRAM = """
 import json, os, sys
@@ -63,13 +65,13 @@ def _mpi(engine: Engine, slots: list[RankSlot], **kwargs: Any) -> LaunchSpec:
                       slots=probe.slots, cwd=probe.cwd, stdout=probe.stdout, stderr=probe.stderr, **kwargs)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    root = tmp_path_factory.mktemp(request.param)
-    pilot = PilotDescription(name="engine-test", backend=request.param, cores_per_node=2, gpus_per_node=0,
+def started(name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """A started backend of engine ``name`` for a module's tests; stopped after them, checking it left no process."""
+    root = tmp_path_factory.mktemp(name)
+    pilot = PilotDescription(name="engine-test", backend=name, cores_per_node=2, gpus_per_node=0,
                              memory_per_node=2**33)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    backend = get_backend(request.param)(pilot, root / "run")
+    backend = get_backend(name)(pilot, root / "run")
     (root / "run").mkdir(mode=0o700)
     backend.start()
     yield Engine(backend, root)
@@ -77,8 +79,13 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     seen |= {p.pid for p in psutil.Process().children(recursive=True)} - before
     backend.shutdown()
     leftovers = _alive(seen)
-    assert leftovers == [], f"{request.param} left processes behind: {leftovers}"
+    assert leftovers == [], f"{name} left processes behind: {leftovers}"
     assert _alive({p.pid for p in psutil.Process().children(recursive=True)} - before) == []
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    yield from started(request.param, tmp_path_factory)
 
 
 @pytest.mark.timeout(300)
@@ -165,10 +172,14 @@ def test_node_names_cover_the_pilot(engine: Engine) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["dask", pytest.param("parsl", marks=pytest.mark.slow),
-                                  pytest.param("radical", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["dask", pytest.param("parsl", marks=pytest.mark.slow)])  # radical: *_radical.py
 def test_task_spanning_two_nodes(name: str, tmp_path: Path) -> None:
     """A two-node pilot on this host (one Dask worker / Parsl node-file entry / RP node per node)."""
+    spanning_two_nodes(name, tmp_path)
+
+
+def spanning_two_nodes(name: str, tmp_path: Path) -> None:
+    """An MPI task with one rank on each node of a two-node pilot of engine ``name``: one MPI world."""
     pilot = PilotDescription(name="two-nodes", backend=name, nodes=2, cores_per_node=1,  # type: ignore[arg-type]
                              gpus_per_node=0, memory_per_node=2**33)
     run = tmp_path / "run"
@@ -188,27 +199,3 @@ def test_task_spanning_two_nodes(name: str, tmp_path: Path) -> None:
     finally:
         backend.shutdown()
     assert _alive(seen | ({p.pid for p in psutil.Process().children(recursive=True)} - before)) == []
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_radical_can_leave_placement_to_rp(tmp_path: Path) -> None:
-    """``options.radical.placement: rp``: no slots in the RP task, RP's scheduler places the ranks."""
-    from hetflow.tasks.backends.radical import task_description
-
-    pilot = PilotDescription(name="rp-places", backend="radical", cores_per_node=2, gpus_per_node=0,
-                             memory_per_node=2**33, options={"radical": {"placement": "rp"}})
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    backend = get_backend("radical")(pilot, run)
-    backend.start()
-    try:
-        engine = Engine(backend, tmp_path)
-        spec = _mpi(engine, [RankSlot(0, (0,)), RankSlot(0, (1,))])
-        assert "slots" not in task_description(spec, pilot, backend.node_names(), "x", tmp_path)
-        outcome = backend.launch(spec).result(timeout=120)
-        assert outcome.ok, outcome
-        ranks = [json.loads((spec.cwd / f"rank-{r}.json").read_text()) for r in range(2)]
-        assert {r["size"] for r in ranks} == {2}
-    finally:
-        backend.shutdown()

@@ -2,7 +2,7 @@
 
 Before, an exception in a backend's ``launch`` reached the orchestrator's main loop and the
 task stayed RUNNING forever.  Unit level here (backends not started: their own "not started"
-error is a real launch failure, and no engine is needed); tests/backends/test_engines.py
+error is a real launch failure, and no engine is needed); tests/backends/test_engines*.py
 checks the same with started engines, and tests/slurm with a real allocation.
 """
 
