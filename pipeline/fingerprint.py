@@ -1130,23 +1130,42 @@ _SEED_FUNCTIONS = frozenset({"set_random_seed", "seed", "manual_seed", "manual_s
 """Calls that seed a library's global generator (``pl.set_random_seed``, ``np.random.seed``, ``random.seed``,
 ``torch.manual_seed``, ...): their text counts, since a first run without one leaves no state to compare."""
 
+_SHIPPED_SEEDERS = frozenset({"seed", "manual_seed", "set_seed", "seed_everything"})
+"""Seeding calls whose generators (Python's ``random``, numpy's global one, torch's CPU one) a main block that
+calls them gives to the ranks by their state (:func:`hetflow.observed.shipped_generators`): the values the call
+names there (``np.random.seed(args.seed)``) need not be in the key, and are not read from it."""
+
 
 def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``(the call's text, the names it loads)`` for every call of a seeding function (:data:`_SEED_FUNCTIONS`:
     ``pl.set_random_seed(SEED)``, ``np.random.seed(SEED)``) in a module's source: polars' seed cannot be read
-    back, and a generator left unseeded by a first run leaves no state for a later one to compare."""
+    back, and a generator left unseeded by a first run leaves no state for a later one to compare.  A call of
+    :data:`_SHIPPED_SEEDERS` inside the module's ``if __name__ == "__main__":`` block names none: its generators'
+    states are observed and given to the ranks, and the values it names there (``args``) are ones the ranks
+    never compute (:func:`values_set_after_declaring`)."""
     key = hashlib.sha256(source).hexdigest()
     if key not in _SEEDS:
         found = []
-        for node in ast.walk(_parse(source, path)):
-            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) in _SEED_FUNCTIONS or
-                                               getattr(node.func, "id", None) in _SEED_FUNCTIONS):
-                names = tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
+        tree = _parse(source, path)
+        main = {id(node) for block in tree.body if _is_main_guard(block) for node in ast.walk(block)}
+        for node in ast.walk(tree):
+            name = getattr(node.func, "attr", None) or getattr(node.func, "id", None) \
+                if isinstance(node, ast.Call) else None
+            if name in _SEED_FUNCTIONS:
+                shipped = id(node) in main and name in _SHIPPED_SEEDERS
+                names = () if shipped else tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
                 found.append((ast.unparse(node), names))
         if len(_SEEDS) > 4096:
             _SEEDS.clear()
         _SEEDS[key] = tuple(found)
     return _SEEDS[key]
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    """Whether ``node`` is an ``if __name__ == "__main__":`` statement."""
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) \
+        and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {"__name__", "'__main__'"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1760,8 +1779,8 @@ def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> froze
         if isinstance(target, types.FunctionType) and target.__globals__.get("__name__") != home:
             found.update(f"{target.__globals__.get('__name__')}.{g}" for g in _global_stores(target.__code__))
         if "." not in rest and not isinstance(obj, (types.ModuleType, type, types.FunctionType)) and \
-                _method_changes_instance(type(obj), rest, home):
-            found.add(head)  # M.load(5), where a local module's Model.load sets self.w
+                (_method_changes_instance(type(obj), rest, home) or (rest in _GENERATOR_SETTERS and _is_generator(obj))):
+            found.add(head)  # M.load(5), where a local module's Model.load sets self.w; RNG.seed(args.seed)
         if isinstance(obj, types.ModuleType):
             found.add(f"{obj.__name__}.{rest}")
         elif isinstance(obj, (type, types.FunctionType)) and obj.__module__ != home:
@@ -1771,6 +1790,21 @@ def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> froze
         elif isinstance(obj, type):
             found.add(f"class {head}")
     return frozenset(found)
+
+
+_GENERATOR_SETTERS = frozenset({"seed", "setstate", "set_state", "manual_seed", "set_rng_state"})
+"""Methods that set a generator's state: ``RNG.seed(args.seed)`` on a global ``random.Random``, numpy
+``RandomState`` or torch ``Generator`` in the main block changes it where the ranks never execute it."""
+
+
+def _is_generator(value: Any) -> bool:
+    """Whether ``value`` is a random generator object: a ``random.Random``, numpy's ``RandomState`` or
+    ``Generator``, a torch ``Generator``."""
+    import random
+
+    kind = type(value)
+    return isinstance(value, random.Random) or (kind.__name__ in ("RandomState", "Generator")
+                                                and kind.__module__.partition(".")[0] in ("numpy", "torch"))
 
 
 def _method_changes_instance(cls: type, name: str, home: str | None, seen: set[str] | None = None) -> bool:

@@ -526,6 +526,9 @@ class _Start:
     """The global generators' states when ``pipe.run()`` started (:func:`take`)."""
     seeded: frozenset[str] = frozenset()
     """The generators the main block seeded before ``pipe.run()`` (:func:`take`): their state is shipped."""
+    loaded: frozenset[str] = frozenset()
+    """The generators the main block loaded first, not seen to be seeded (:func:`take`): shipped too, and
+    counted only where a stage draws from them."""
 
 
 def _main_guard_line(path: str) -> int | None:
@@ -603,26 +606,33 @@ def take() -> dict[str, str]:
     _Start.seeded = frozenset(name for name, state in _Start.generators.items()
                               if _Start.top_generators is not None and
                               _seeded_since(name, _Start.top_generators.get(name), state, main))
+    _Start.loaded = frozenset(name for name in _Start.generators if _Start.top_generators is not None
+                              and name not in _Start.top_generators and name not in _Start.seeded)
     kept = dict(_Start.top) if _Start.top is not None else now
-    kept.update({f"state {name}": now[f"state {name}"] for name in _Start.seeded if f"state {name}" in now})
+    kept.update({f"state {name}": now[f"state {name}"] for name in _Start.seeded | _Start.loaded
+                 if f"state {name}" in now})
     _Start.taken = {**module_sources(), **module_values((root,) if root else ()), **files_read(), **kept}
     return _Start.taken
 
 
-def shipped_generators(by_value: bool) -> tuple[dict[str, str], bool]:
+def shipped_generators(by_value: bool) -> tuple[dict[str, str], tuple[str, ...]]:
     """The global generators' states (:func:`generator_states`) a stage's ranks restore once their top level
-    ran, as they were when ``pipe.run()`` started, and whether a stage records one only if it drew from it.
+    ran, as they were when ``pipe.run()`` started, and those of them a stage records only if it drew from it.
     For a stage of a session (shipped by value, or imported from a module into a notebook: its ranks run none
     of the session), all of them, recorded only where drawn from: nobody may have seeded them, and a stage
     that draws from none must stay cached in a new kernel.  For a script's stage, those its main block seeded
     (``np.random.seed(int(sys.argv[1]))`` before ``pipe.run()``), which its ranks never execute, recorded as
-    a seed set at the top is.  A main block that only draws (``print(np.random.rand())``) leaves the ranks
-    the state the top set."""
+    a seed set at the top is; and those the top had not loaded and the main block did (``import numpy`` loads
+    no generator: a helper's ``np.random.seed(seed)`` called from the block is the first use), recorded only
+    where drawn from, as a session's: whether the block seeded one cannot be told from its state.  A main
+    block that only draws (``print(np.random.rand())``) from a generator the top loaded leaves the ranks the
+    state the top set."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)  # python - sets "<stdin>"
     if by_value or (_Start.top_generators is None and not (isinstance(path, str) and os.path.isfile(path))
                     and not in_hetflow_process()):
-        return dict(_Start.generators), True
-    return {name: state for name, state in _Start.generators.items() if name in _Start.seeded}, False
+        return dict(_Start.generators), tuple(sorted(_Start.generators))
+    return ({name: state for name, state in _Start.generators.items() if name in _Start.seeded | _Start.loaded},
+            tuple(sorted(_Start.loaded)))
 
 
 GENERATOR_NAMES = ("random", "numpy.random", "torch.random")
