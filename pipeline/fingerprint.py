@@ -594,14 +594,16 @@ class _Walker:
                 continue
             scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
             for kind, chain in _patch_chains(source, path):
-                for owner, attr in _resolve_patch(scope, chain, kind, held):
+                called = kind.startswith("call")
+                for owner, attr in _resolve_patch(scope, chain, "call" if called else kind, held):
                     if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
                         continue  # a module setting its own names: its source counts already
                     names = [attr] if attr is not None else [
                         k for k, v in vars(owner).items() if not k.startswith("__") and not _is_code_like(v)]
                     sites.update(((id(owner), n), (owner, n)) for n in names)
-                    if kind == "call" and not (isinstance(owner, types.ModuleType) and self.is_user(
-                            self.realpath(getattr(owner, "__file__", None) or ""))):
+                    if called and not _passes_an_object(kind, scope) and not (
+                            isinstance(owner, types.ModuleType)
+                            and self.is_user(self.realpath(getattr(owner, "__file__", None) or ""))):
                         self.library_state.update((id(owner), n) for n in names)
                     else:
                         set_directly.update((id(owner), n) for n in names)
@@ -1418,7 +1420,10 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
     ``setattr(a, "K", v)`` / ``delattr`` / ``a.__dict__["K"] = v`` / ``vars(a)["K"] = v``
     give ``("set", ("a", "b", "K"))`` and the like; a name that is not a literal
     (``setattr(a, name, v)``, ``vars(a).update(...)``) ends the chain with None.
-    A call ``a.b.f(...)`` gives ``("call", ("a", "b", "f"))``.
+    A call ``a.b.f(...)`` gives ``("call", ("a", "b", "f"))`` when its arguments are literals
+    (``psutil.process_iter(["pid"])``), ``("call N M", ...)`` when some are names ``N``, ``M`` and the others
+    literals, and ``("call-with", ...)`` when some are other expressions (``lib.set_default(lib.Model(70))``):
+    an object the caller passes (:func:`_passes_an_object`).
     """
     key = hashlib.sha256(source).hexdigest()
     if key in _PATCHES:
@@ -1465,11 +1470,52 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
             else:
                 chain = _names(func)
                 if chain is not None:
-                    found.append(("call", chain))
+                    found.append((_call_kind(node), chain))
     if len(_PATCHES) > 4096:
         _PATCHES.clear()
     _PATCHES[key] = tuple(dict.fromkeys(found))
     return _PATCHES[key]
+
+
+def _literal(node: ast.expr) -> bool:
+    """Whether ``node`` is a literal: a constant, or a list, tuple, set or dict of literals."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant):
+        return True
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return all(_literal(element) for element in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(key is not None and _literal(key) for key in node.keys) and all(map(_literal, node.values))
+    return False
+
+
+def _call_kind(call: ast.Call) -> str:
+    """A call's kind for :func:`_patch_chains`, from its arguments."""
+    arguments = [*call.args, *(keyword.value for keyword in call.keywords)]
+    if not all(_literal(a) or isinstance(a, ast.Name) for a in arguments):
+        return "call-with"
+    return " ".join(["call", *sorted({a.id for a in arguments if isinstance(a, ast.Name)})])
+
+
+def _passes_an_object(kind: str, scope: Mapping[str, Any]) -> bool:
+    """Whether a call of :func:`_patch_chains`' ``kind`` may hand the library an object of the caller's: an
+    argument other than a literal or a name of plain data (``set_default(Cosmology(H0=70))``,
+    ``set_application_registry(ureg)``).  What the library stores from it counts by value, even when it is of
+    the library's own type (:func:`_library_own`): its state is the caller's choice, not a cache."""
+    if kind == "call-with":
+        return True
+    return any(not _plain(scope.get(name)) for name in kind.split()[1:])
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is simple values in lists, tuples, sets and dicts (a few levels deep)."""
+    if isinstance(value, _SIMPLE):
+        return True
+    if depth > 4 or not isinstance(value, (list, tuple, set, frozenset, dict)) or len(value) > 1024:
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+    return all(_plain(v, depth + 1) for v in items)
 
 
 def _names(node: ast.expr) -> tuple[str, ...] | None:
