@@ -423,11 +423,13 @@ class _Walker:
             return
         calls = _seed_calls(source, path)
         if calls:
-            for _, names in calls:
+            for _, names, method_of in calls:
+                if _is_generator(script.get(method_of)):
+                    continue  # RNG.seed(args.seed) in the main block: a stage reading RNG is refused
                 for name in names:
                     if name in script:
                         self.global_value(name, script)
-            self.add("seed calls", _sha(repr(sorted(text for text, _ in calls))))
+            self.add("seed calls", _sha(repr(sorted(text for text, _, _ in calls))))
 
     def class_values(self, module: str, cls: type) -> None:
         """The values, as they are now, of a reached module's class attributes that the reached code names: its
@@ -1126,25 +1128,39 @@ def _polars_settings(pl: types.ModuleType) -> dict[str, Any]:
     return {k: v for k, v in state.items() if _differs(v, _POLARS_DEFAULTS.get(k, _ABSENT))}
 
 
-_SEEDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+_SEEDS: dict[str, tuple[tuple[str, tuple[str, ...], str], ...]] = {}
 _SEED_FUNCTIONS = frozenset({"set_random_seed", "seed", "manual_seed", "manual_seed_all", "set_seed",
                              "seed_everything"})
 """Calls that seed a library's global generator (``pl.set_random_seed``, ``np.random.seed``, ``random.seed``,
 ``torch.manual_seed``, ...): their text counts, since a first run without one leaves no state to compare."""
 
-_SHIPPED_SEEDERS = frozenset({"seed", "manual_seed", "set_seed", "seed_everything"})
-"""Seeding calls whose generators (Python's ``random``, numpy's global one, torch's CPU one) a main block that
-calls them gives to the ranks by their state (:func:`hetflow.observed.shipped_generators`): the values the call
-names there (``np.random.seed(args.seed)``) need not be in the key, and are not read from it."""
+_SHIPPED_SEEDERS = {"seed": ("random", "np.random", "numpy.random"), "manual_seed": ("torch", "torch.random"),
+                    "set_seed": ("transformers", "accelerate", "accelerate.utils"),
+                    "seed_everything": ("lightning", "pytorch_lightning", "pl", "L", "lightning.pytorch")}
+"""Seeding calls (by the name called and what it is called on; called by a bare name too: ``from random import
+seed``, a helper of the user's) whose generators (Python's ``random``, numpy's global one, torch's CPU one) a
+main block that calls them gives to the ranks by their state (:func:`hetflow.observed.shipped_generators`): the
+values the call names there (``np.random.seed(args.seed)``) need not be in the key, and are not read from it.
+Others (``tf.random.set_seed(args.seed)``) seed a generator the ranks are not given: the values they name count,
+and a stage is refused when the block sets them."""
 
 
-def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``(the call's text, the names it loads)`` for every call of a seeding function (:data:`_SEED_FUNCTIONS`:
+def _seeds_a_shipped_generator(func: ast.expr) -> bool:
+    """Whether a call of ``func`` seeds generators the ranks are given (:data:`_SHIPPED_SEEDERS`)."""
+    if isinstance(func, ast.Name):
+        return func.id in _SHIPPED_SEEDERS
+    return isinstance(func, ast.Attribute) and ast.unparse(func.value) in _SHIPPED_SEEDERS.get(func.attr, ())
+
+
+def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    """``(the call's text, the names it loads, the global it is a method of in the main block)`` for every call of a seeding function (:data:`_SEED_FUNCTIONS`:
     ``pl.set_random_seed(SEED)``, ``np.random.seed(SEED)``) in a module's source: polars' seed cannot be read
     back, and a generator left unseeded by a first run leaves no state for a later one to compare.  A call of
     :data:`_SHIPPED_SEEDERS` inside the module's ``if __name__ == "__main__":`` block names none: its generators'
     states are observed and given to the ranks, and the values it names there (``args``) are ones the ranks
-    never compute (:func:`values_set_after_declaring`)."""
+    never compute (:func:`values_set_after_declaring`).  A method called there on a global (``RNG.seed(args.seed)``)
+    gives that global's name: when it is a generator object, a stage that reads it is refused
+    (:func:`late_components`), and the others do not depend on the call."""
     key = hashlib.sha256(source).hexdigest()
     if key not in _SEEDS:
         found = []
@@ -1154,9 +1170,11 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...]], 
             name = getattr(node.func, "attr", None) or getattr(node.func, "id", None) \
                 if isinstance(node, ast.Call) else None
             if name in _SEED_FUNCTIONS:
-                shipped = id(node) in main and name in _SHIPPED_SEEDERS
+                shipped = id(node) in main and _seeds_a_shipped_generator(node.func)
                 names = () if shipped else tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
-                found.append((ast.unparse(node), names))
+                method_of = node.func.value.id if id(node) in main and isinstance(node.func, ast.Attribute) \
+                    and isinstance(node.func.value, ast.Name) else ""
+                found.append((ast.unparse(node), names, method_of))
         if len(_SEEDS) > 4096:
             _SEEDS.clear()
         _SEEDS[key] = tuple(found)

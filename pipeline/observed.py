@@ -529,6 +529,9 @@ class _Start:
     loaded: frozenset[str] = frozenset()
     """The generators the main block loaded first, not seen to be seeded (:func:`take`): shipped too, and
     counted only where a stage draws from them."""
+    traced = False
+    """The top's end could not be watched: another trace function (a debugger, coverage) was set
+    (:func:`watch_top_end`)."""
 
 
 def _main_guard_line(path: str) -> int | None:
@@ -556,7 +559,10 @@ def watch_top_end() -> None:
     function follows the script's lines (and is told of each call, which it ignores).  Not in hetflow's own
     processes, not without a script file or a main block, not under another trace function (a debugger,
     coverage): there the states are those of ``pipe.run()``'s start."""
-    if _Start.watching or _Start.top is not None or in_hetflow_process() or sys.gettrace() is not None:
+    if _Start.watching or _Start.top is not None or in_hetflow_process():
+        return
+    if sys.gettrace() is not None:
+        _Start.traced = True  # what the main block seeded cannot be told: see take()
         return
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
@@ -606,8 +612,9 @@ def take() -> dict[str, str]:
     _Start.seeded = frozenset(name for name, state in _Start.generators.items()
                               if _Start.top_generators is not None and
                               _seeded_since(name, _Start.top_generators.get(name), state, main))
-    _Start.loaded = frozenset(name for name in _Start.generators if _Start.top_generators is not None
-                              and name not in _Start.top_generators and name not in _Start.seeded)
+    _Start.loaded = frozenset(name for name in _Start.generators if name not in _Start.seeded and (
+        _Start.top_generators is not None and name not in _Start.top_generators
+        or _Start.top_generators is None and _Start.traced))  # under a debugger: any may have been seeded
     kept = dict(_Start.top) if _Start.top is not None else now
     kept.update({f"state {name}": now[f"state {name}"] for name in _Start.seeded | _Start.loaded
                  if f"state {name}" in now})
@@ -624,7 +631,9 @@ def shipped_generators(by_value: bool) -> tuple[dict[str, str], tuple[str, ...]]
     (``np.random.seed(int(sys.argv[1]))`` before ``pipe.run()``), which its ranks never execute, recorded as
     a seed set at the top is; and those the top had not loaded and the main block did (``import numpy`` loads
     no generator: a helper's ``np.random.seed(seed)`` called from the block is the first use), recorded only
-    where drawn from, as a session's: whether the block seeded one cannot be told from its state.  A main
+    where drawn from, as a session's: whether the block seeded one cannot be told from its state.  Under a
+    debugger (another trace function: the top's end was not watched), all of them, recorded only where drawn
+    from, for the same reason.  A main
     block that only draws (``print(np.random.rand())``) from a generator the top loaded leaves the ranks the
     state the top set."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)  # python - sets "<stdin>"

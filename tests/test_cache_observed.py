@@ -1078,6 +1078,61 @@ def test_a_seed_from_parse_args_in_the_main_block_is_given_and_a_global_generato
     assert states(script(1))["draw"] == "CACHED"
 
 
+SEEDED_UNDER_A_DEBUGGER = """
+import sys
+
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("traced")
+np.random.seed(0)
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+if __name__ == "__main__":
+    np.random.seed(int(sys.argv[1]))
+    pipe.run()
+"""
+
+DEBUGGER = """
+import runpy
+import sys
+
+sys.settrace(lambda frame, event, arg: None)  # what a debugger (pdb, debugpy) or coverage sets
+sys.argv = ["p.py", *sys.argv[1:]]
+runpy.run_path("p.py", run_name="__main__")
+"""
+
+
+def test_a_seed_the_main_block_sets_under_a_debugger_reaches_the_ranks(tmp_path: Path) -> None:
+    """The eighth red team (traced): under a debugger the top's end is not watched (a trace function is set
+    already), so no generator was taken for seeded by the main block: the ranks drew from the top's seed, and
+    ``p.py 2`` was served run 1's CACHED.  There every generator is now given to the ranks, and counts where a
+    stage draws from it."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SEEDED_UNDER_A_DEBUGGER)
+    (tmp_path / "debug.py").write_text(DEBUGGER)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+
+    def debugged(seed: int) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "debug.py", str(seed)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return status(tmp_path)
+
+    assert value(debugged(1), "draw") == float(np.random.RandomState(1).rand())
+    other = debugged(2)
+    assert states(other) == {"draw": "DONE"}, other
+    assert value(other, "draw") == float(np.random.RandomState(2).rand())
+    assert states(debugged(1)) == {"draw": "CACHED"}
+
+
 RICH_SESSION = '''
 import random
 
