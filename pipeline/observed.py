@@ -558,11 +558,9 @@ def watch_top_end() -> None:
     must count.  Called when a stage is declared (after the imports, as a rule); until the block begins, a trace
     function follows the script's lines (and is told of each call, which it ignores).  Not in hetflow's own
     processes, not without a script file or a main block, not under another trace function (a debugger,
-    coverage): there the states are those of ``pipe.run()``'s start."""
+    coverage): there the states are those of ``pipe.run()``'s start, and the main block may have seeded any
+    generator (:attr:`_Start.traced`)."""
     if _Start.watching or _Start.top is not None or in_hetflow_process():
-        return
-    if sys.gettrace() is not None:
-        _Start.traced = True  # what the main block seeded cannot be told: see take()
         return
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
@@ -572,6 +570,9 @@ def watch_top_end() -> None:
         frame = frame.f_back
     line = _main_guard_line(path) if isinstance(path, str) and frame is not None else None
     if frame is None or line is None or frame.f_lineno >= line:
+        return
+    if sys.gettrace() is not None:
+        _Start.traced = True  # what the main block seeded cannot be told: see take()
         return
     script_frame = frame
 
