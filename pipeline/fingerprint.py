@@ -1167,9 +1167,9 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
         tree = _parse(source, path)
         main = {id(node) for block in tree.body if _is_main_guard(block) for node in ast.walk(block)}
         for node in ast.walk(tree):
-            name = getattr(node.func, "attr", None) or getattr(node.func, "id", None) \
-                if isinstance(node, ast.Call) else None
-            if name in _SEED_FUNCTIONS:
+            if not isinstance(node, ast.Call):
+                continue
+            if (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in _SEED_FUNCTIONS:
                 shipped = id(node) in main and _seeds_a_shipped_generator(node.func)
                 names = () if shipped else tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
                 method_of = node.func.value.id if id(node) in main and isinstance(node.func, ast.Attribute) \
