@@ -423,11 +423,13 @@ class _Walker:
             return
         calls = _seed_calls(source, path)
         if calls:
-            for _, names in calls:
+            for _, names, method_of in calls:
+                if _is_generator(script.get(method_of)):
+                    continue  # RNG.seed(args.seed) in the main block: a stage reading RNG is refused
                 for name in names:
                     if name in script:
                         self.global_value(name, script)
-            self.add("seed calls", _sha(repr(sorted(text for text, _ in calls))))
+            self.add("seed calls", _sha(repr(sorted(text for text, _, _ in calls))))
 
     def class_values(self, module: str, cls: type) -> None:
         """The values, as they are now, of a reached module's class attributes that the reached code names: its
@@ -594,14 +596,16 @@ class _Walker:
                 continue
             scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
             for kind, chain in _patch_chains(source, path):
-                for owner, attr in _resolve_patch(scope, chain, kind, held):
+                called = kind.startswith("call")
+                for owner, attr in _resolve_patch(scope, chain, "call" if called else kind, held):
                     if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
                         continue  # a module setting its own names: its source counts already
                     names = [attr] if attr is not None else [
                         k for k, v in vars(owner).items() if not k.startswith("__") and not _is_code_like(v)]
                     sites.update(((id(owner), n), (owner, n)) for n in names)
-                    if kind == "call" and not (isinstance(owner, types.ModuleType) and self.is_user(
-                            self.realpath(getattr(owner, "__file__", None) or ""))):
+                    if called and not _passes_an_object(kind, scope) and not (
+                            isinstance(owner, types.ModuleType)
+                            and self.is_user(self.realpath(getattr(owner, "__file__", None) or ""))):
                         self.library_state.update((id(owner), n) for n in names)
                     else:
                         set_directly.update((id(owner), n) for n in names)
@@ -1124,29 +1128,64 @@ def _polars_settings(pl: types.ModuleType) -> dict[str, Any]:
     return {k: v for k, v in state.items() if _differs(v, _POLARS_DEFAULTS.get(k, _ABSENT))}
 
 
-_SEEDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+_SEEDS: dict[str, tuple[tuple[str, tuple[str, ...], str], ...]] = {}
 _SEED_FUNCTIONS = frozenset({"set_random_seed", "seed", "manual_seed", "manual_seed_all", "set_seed",
                              "seed_everything"})
 """Calls that seed a library's global generator (``pl.set_random_seed``, ``np.random.seed``, ``random.seed``,
 ``torch.manual_seed``, ...): their text counts, since a first run without one leaves no state to compare."""
 
+_SHIPPED_SEEDERS = {"seed": ("random", "np.random", "numpy.random"), "manual_seed": ("torch", "torch.random"),
+                    "set_seed": ("transformers", "accelerate", "accelerate.utils"),
+                    "seed_everything": ("lightning", "pytorch_lightning", "pl", "L", "lightning.pytorch")}
+"""Seeding calls (by the name called and what it is called on; called by a bare name too: ``from random import
+seed``, a helper of the user's) whose generators (Python's ``random``, numpy's global one, torch's CPU one) a
+main block that calls them gives to the ranks by their state (:func:`hetflow.observed.shipped_generators`): the
+values the call names there (``np.random.seed(args.seed)``) need not be in the key, and are not read from it.
+Others (``tf.random.set_seed(args.seed)``) seed a generator the ranks are not given: the values they name count,
+and a stage is refused when the block sets them."""
 
-def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``(the call's text, the names it loads)`` for every call of a seeding function (:data:`_SEED_FUNCTIONS`:
+
+def _seeds_a_shipped_generator(func: ast.expr) -> bool:
+    """Whether a call of ``func`` seeds generators the ranks are given (:data:`_SHIPPED_SEEDERS`)."""
+    if isinstance(func, ast.Name):
+        return func.id in _SHIPPED_SEEDERS
+    return isinstance(func, ast.Attribute) and ast.unparse(func.value) in _SHIPPED_SEEDERS.get(func.attr, ())
+
+
+def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    """``(the call's text, the names it loads, the global it is a method of in the main block)`` for every call of a seeding function (:data:`_SEED_FUNCTIONS`:
     ``pl.set_random_seed(SEED)``, ``np.random.seed(SEED)``) in a module's source: polars' seed cannot be read
-    back, and a generator left unseeded by a first run leaves no state for a later one to compare."""
+    back, and a generator left unseeded by a first run leaves no state for a later one to compare.  A call of
+    :data:`_SHIPPED_SEEDERS` inside the module's ``if __name__ == "__main__":`` block names none: its generators'
+    states are observed and given to the ranks, and the values it names there (``args``) are ones the ranks
+    never compute (:func:`values_set_after_declaring`).  A method called there on a global (``RNG.seed(args.seed)``)
+    gives that global's name: when it is a generator object, a stage that reads it is refused
+    (:func:`late_components`), and the others do not depend on the call."""
     key = hashlib.sha256(source).hexdigest()
     if key not in _SEEDS:
         found = []
-        for node in ast.walk(_parse(source, path)):
-            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) in _SEED_FUNCTIONS or
-                                               getattr(node.func, "id", None) in _SEED_FUNCTIONS):
-                names = tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
-                found.append((ast.unparse(node), names))
+        tree = _parse(source, path)
+        main = {id(node) for block in tree.body if _is_main_guard(block) for node in ast.walk(block)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            if (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in _SEED_FUNCTIONS:
+                shipped = id(node) in main and _seeds_a_shipped_generator(node.func)
+                names = () if shipped else tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
+                method_of = node.func.value.id if id(node) in main and isinstance(node.func, ast.Attribute) \
+                    and isinstance(node.func.value, ast.Name) else ""
+                found.append((ast.unparse(node), names, method_of))
         if len(_SEEDS) > 4096:
             _SEEDS.clear()
         _SEEDS[key] = tuple(found)
     return _SEEDS[key]
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    """Whether ``node`` is an ``if __name__ == "__main__":`` statement."""
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) \
+        and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {"__name__", "'__main__'"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1399,7 +1438,10 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
     ``setattr(a, "K", v)`` / ``delattr`` / ``a.__dict__["K"] = v`` / ``vars(a)["K"] = v``
     give ``("set", ("a", "b", "K"))`` and the like; a name that is not a literal
     (``setattr(a, name, v)``, ``vars(a).update(...)``) ends the chain with None.
-    A call ``a.b.f(...)`` gives ``("call", ("a", "b", "f"))``.
+    A call ``a.b.f(...)`` gives ``("call", ("a", "b", "f"))`` when its arguments are literals
+    (``psutil.process_iter(["pid"])``), ``("call N M", ...)`` when some are names ``N``, ``M`` and the others
+    literals, and ``("call-with", ...)`` when some are other expressions (``lib.set_default(lib.Model(70))``):
+    an object the caller passes (:func:`_passes_an_object`).
     """
     key = hashlib.sha256(source).hexdigest()
     if key in _PATCHES:
@@ -1446,11 +1488,52 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
             else:
                 chain = _names(func)
                 if chain is not None:
-                    found.append(("call", chain))
+                    found.append((_call_kind(node), chain))
     if len(_PATCHES) > 4096:
         _PATCHES.clear()
     _PATCHES[key] = tuple(dict.fromkeys(found))
     return _PATCHES[key]
+
+
+def _literal(node: ast.expr) -> bool:
+    """Whether ``node`` is a literal: a constant, or a list, tuple, set or dict of literals."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant):
+        return True
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return all(_literal(element) for element in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(key is not None and _literal(key) for key in node.keys) and all(map(_literal, node.values))
+    return False
+
+
+def _call_kind(call: ast.Call) -> str:
+    """A call's kind for :func:`_patch_chains`, from its arguments."""
+    arguments = [*call.args, *(keyword.value for keyword in call.keywords)]
+    if not all(_literal(a) or isinstance(a, ast.Name) for a in arguments):
+        return "call-with"
+    return " ".join(["call", *sorted({a.id for a in arguments if isinstance(a, ast.Name)})])
+
+
+def _passes_an_object(kind: str, scope: Mapping[str, Any]) -> bool:
+    """Whether a call of :func:`_patch_chains`' ``kind`` may hand the library an object of the caller's: an
+    argument other than a literal or a name of plain data (``set_default(Cosmology(H0=70))``,
+    ``set_application_registry(ureg)``).  What the library stores from it counts by value, even when it is of
+    the library's own type (:func:`_library_own`): its state is the caller's choice, not a cache."""
+    if kind == "call-with":
+        return True
+    return any(not _plain(scope.get(name)) for name in kind.split()[1:])
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is simple values in lists, tuples, sets and dicts (a few levels deep)."""
+    if isinstance(value, _SIMPLE):
+        return True
+    if depth > 4 or not isinstance(value, (list, tuple, set, frozenset, dict)) or len(value) > 1024:
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+    return all(_plain(v, depth + 1) for v in items)
 
 
 def _names(node: ast.expr) -> tuple[str, ...] | None:
@@ -1760,8 +1843,8 @@ def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> froze
         if isinstance(target, types.FunctionType) and target.__globals__.get("__name__") != home:
             found.update(f"{target.__globals__.get('__name__')}.{g}" for g in _global_stores(target.__code__))
         if "." not in rest and not isinstance(obj, (types.ModuleType, type, types.FunctionType)) and \
-                _method_changes_instance(type(obj), rest, home):
-            found.add(head)  # M.load(5), where a local module's Model.load sets self.w
+                (_method_changes_instance(type(obj), rest, home) or (rest in _GENERATOR_SETTERS and _is_generator(obj))):
+            found.add(head)  # M.load(5), where a local module's Model.load sets self.w; RNG.seed(args.seed)
         if isinstance(obj, types.ModuleType):
             found.add(f"{obj.__name__}.{rest}")
         elif isinstance(obj, (type, types.FunctionType)) and obj.__module__ != home:
@@ -1771,6 +1854,21 @@ def late_components(names: Iterable[str], namespace: Mapping[str, Any]) -> froze
         elif isinstance(obj, type):
             found.add(f"class {head}")
     return frozenset(found)
+
+
+_GENERATOR_SETTERS = frozenset({"seed", "setstate", "set_state", "manual_seed", "set_rng_state"})
+"""Methods that set a generator's state: ``RNG.seed(args.seed)`` on a global ``random.Random``, numpy
+``RandomState`` or torch ``Generator`` in the main block changes it where the ranks never execute it."""
+
+
+def _is_generator(value: Any) -> bool:
+    """Whether ``value`` is a random generator object: a ``random.Random``, numpy's ``RandomState`` or
+    ``Generator``, a torch ``Generator``."""
+    import random
+
+    kind = type(value)
+    return isinstance(value, random.Random) or (kind.__name__ in ("RandomState", "Generator")
+                                                and kind.__module__.partition(".")[0] in ("numpy", "torch"))
 
 
 def _method_changes_instance(cls: type, name: str, home: str | None, seen: set[str] | None = None) -> bool:

@@ -526,6 +526,12 @@ class _Start:
     """The global generators' states when ``pipe.run()`` started (:func:`take`)."""
     seeded: frozenset[str] = frozenset()
     """The generators the main block seeded before ``pipe.run()`` (:func:`take`): their state is shipped."""
+    loaded: frozenset[str] = frozenset()
+    """The generators the main block loaded first, not seen to be seeded (:func:`take`): shipped too, and
+    counted only where a stage draws from them."""
+    traced = False
+    """The top's end could not be watched: another trace function (a debugger, coverage) was set
+    (:func:`watch_top_end`)."""
 
 
 def _main_guard_line(path: str) -> int | None:
@@ -552,8 +558,9 @@ def watch_top_end() -> None:
     must count.  Called when a stage is declared (after the imports, as a rule); until the block begins, a trace
     function follows the script's lines (and is told of each call, which it ignores).  Not in hetflow's own
     processes, not without a script file or a main block, not under another trace function (a debugger,
-    coverage): there the states are those of ``pipe.run()``'s start."""
-    if _Start.watching or _Start.top is not None or in_hetflow_process() or sys.gettrace() is not None:
+    coverage): there the states are those of ``pipe.run()``'s start, and the main block may have seeded any
+    generator (:attr:`_Start.traced`)."""
+    if _Start.watching or _Start.top is not None or in_hetflow_process():
         return
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
@@ -563,6 +570,9 @@ def watch_top_end() -> None:
         frame = frame.f_back
     line = _main_guard_line(path) if isinstance(path, str) and frame is not None else None
     if frame is None or line is None or frame.f_lineno >= line:
+        return
+    if sys.gettrace() is not None:
+        _Start.traced = True  # what the main block seeded cannot be told: see take()
         return
     script_frame = frame
 
@@ -603,26 +613,36 @@ def take() -> dict[str, str]:
     _Start.seeded = frozenset(name for name, state in _Start.generators.items()
                               if _Start.top_generators is not None and
                               _seeded_since(name, _Start.top_generators.get(name), state, main))
+    _Start.loaded = frozenset(name for name in _Start.generators if name not in _Start.seeded and (
+        _Start.top_generators is not None and name not in _Start.top_generators
+        or _Start.top_generators is None and _Start.traced))  # under a debugger: any may have been seeded
     kept = dict(_Start.top) if _Start.top is not None else now
-    kept.update({f"state {name}": now[f"state {name}"] for name in _Start.seeded if f"state {name}" in now})
+    kept.update({f"state {name}": now[f"state {name}"] for name in _Start.seeded | _Start.loaded
+                 if f"state {name}" in now})
     _Start.taken = {**module_sources(), **module_values((root,) if root else ()), **files_read(), **kept}
     return _Start.taken
 
 
-def shipped_generators(by_value: bool) -> tuple[dict[str, str], bool]:
+def shipped_generators(by_value: bool) -> tuple[dict[str, str], tuple[str, ...]]:
     """The global generators' states (:func:`generator_states`) a stage's ranks restore once their top level
-    ran, as they were when ``pipe.run()`` started, and whether a stage records one only if it drew from it.
+    ran, as they were when ``pipe.run()`` started, and those of them a stage records only if it drew from it.
     For a stage of a session (shipped by value, or imported from a module into a notebook: its ranks run none
     of the session), all of them, recorded only where drawn from: nobody may have seeded them, and a stage
     that draws from none must stay cached in a new kernel.  For a script's stage, those its main block seeded
     (``np.random.seed(int(sys.argv[1]))`` before ``pipe.run()``), which its ranks never execute, recorded as
-    a seed set at the top is.  A main block that only draws (``print(np.random.rand())``) leaves the ranks
-    the state the top set."""
+    a seed set at the top is; and those the top had not loaded and the main block did (``import numpy`` loads
+    no generator: a helper's ``np.random.seed(seed)`` called from the block is the first use), recorded only
+    where drawn from, as a session's: whether the block seeded one cannot be told from its state.  Under a
+    debugger (another trace function: the top's end was not watched), all of them, recorded only where drawn
+    from, for the same reason.  A main
+    block that only draws (``print(np.random.rand())``) from a generator the top loaded leaves the ranks the
+    state the top set."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)  # python - sets "<stdin>"
     if by_value or (_Start.top_generators is None and not (isinstance(path, str) and os.path.isfile(path))
                     and not in_hetflow_process()):
-        return dict(_Start.generators), True
-    return {name: state for name, state in _Start.generators.items() if name in _Start.seeded}, False
+        return dict(_Start.generators), tuple(sorted(_Start.generators))
+    return ({name: state for name, state in _Start.generators.items() if name in _Start.seeded | _Start.loaded},
+            tuple(sorted(_Start.loaded)))
 
 
 GENERATOR_NAMES = ("random", "numpy.random", "torch.random")

@@ -261,7 +261,7 @@ class Orchestrator(MapShell):
         """What the script's top level left when the run started (:mod:`hetflow.observed`)."""
         self.generators = (observed.shipped_generators(False), observed.shipped_generators(True))
         """The generators' states a script's stage and a stage shipped by value restore in their ranks, and
-        whether they record one only if they drew from it (:func:`observed.shipped_generators`)."""
+        those they record only if they drew from them (:func:`observed.shipped_generators`)."""
         self.stage_wrote: set[str] = set()
         """The files this session's stages opened for writing (:func:`observed.stage_written`)."""
         self.wrote_before: frozenset[str] | None = None

@@ -248,9 +248,10 @@ class WorkerSpec:
     """Global random generators' states the rank restores once its top level ran, before the stage (and each map
     item) runs (:func:`hetflow.observed.restore_generators`): what a session or a script's main block seeded,
     which the rank never executes; every rank gets the same states."""
-    generators_if_drawn: bool = False
-    """A generator in ``generators`` counts (its state is observed) only where the stage drew from it: a
-    session's, given whether or not anyone seeded them (:func:`hetflow.observed.shipped_generators`)."""
+    generators_if_drawn: tuple[str, ...] = ()
+    """The generators in ``generators`` that count (their state is observed) only where the stage drew from
+    them: a session's, given whether or not anyone seeded them, and those a script's main block loaded first
+    (:func:`hetflow.observed.shipped_generators`)."""
 
     def __post_init__(self) -> None:
         if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool)
@@ -275,7 +276,7 @@ class WorkerSpec:
                                               not self.item_timeout > 0):
             raise ProtocolError(f"stage {self.stage!r}: item_timeout={self.item_timeout!r} (expected seconds > 0, "
                                 "or null)")
-        unknown = sorted(set(self.generators) - {"random", "numpy.random", "torch.random"})
+        unknown = sorted({*self.generators, *self.generators_if_drawn} - {"random", "numpy.random", "torch.random"})
         if unknown:
             raise ProtocolError(f"stage {self.stage!r}: generators {unknown} (allowed: random, numpy.random, "
                                 "torch.random)")
@@ -332,7 +333,7 @@ class WorkerSpec:
                 "item_isolation": self.item_isolation,
                 "values": list(self.values),
                 "local_installs": [list(self.local_installs[0]), list(self.local_installs[1])],
-                "generators": dict(self.generators), "generators_if_drawn": self.generators_if_drawn}
+                "generators": dict(self.generators), "generators_if_drawn": list(self.generators_if_drawn)}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -369,7 +370,7 @@ class WorkerSpec:
                       "values": top.items("values", str, "strings", ()),
                       "local_installs": _local_installs(top),
                       "generators": top.text_map("generators", {}),
-                      "generators_if_drawn": top.get("generators_if_drawn", (bool,), "true or false", False)}
+                      "generators_if_drawn": top.items("generators_if_drawn", str, "generator names", ())}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:

@@ -177,9 +177,8 @@ def _observe_after(spec: WorkerSpec, seen: tuple[dict[str, str], frozenset[str]]
     filled = observed.filled_in_rank(_declared, _held, spec.local_installs, _shipped_roots(spec)) if _held else {}
     found = {**seen[0], **observed.module_sources((_run_folder(spec),), known=seen[0], before=seen[1]),
              **observed.stage_written((_run_folder(spec),)), **observed.stage_listed((_run_folder(spec),)), **filled}
-    if spec.generators_if_drawn:
-        for name in set(spec.generators) - drew:
-            found.pop(f"state {name}", None)
+    for name in (set(spec.generators) & set(spec.generators_if_drawn)) - drew:
+        found.pop(f"state {name}", None)
     return found
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -953,6 +954,183 @@ def test_a_main_block_that_draws_unseeded_numbers_does_not_make_its_stages_run_e
                               env=env, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
         assert states(status(tmp_path)) == {"one": expected}
+
+
+SEEDED_BY_A_HELPER = """
+import sys
+
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+from labutils import set_seeds
+
+pipe = hf.Pipeline("helperseed")
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+@pipe.stage(map_over={"n": [1, 2]}, outputs=["mapped"])
+def mapped(ctx):
+    return {"mapped": pa.table({"v": [float(np.random.rand())]})}
+
+
+@pipe.stage(outputs=["fixed"])
+def fixed(ctx):
+    return {"fixed": pa.table({"v": [1.0]})}
+
+
+if __name__ == "__main__":
+    set_seeds(int(sys.argv[1]))
+    pipe.run()
+"""
+
+
+def test_a_seed_a_helper_sets_from_the_main_block_reaches_the_ranks_and_another_seed_reruns(tmp_path: Path) -> None:
+    """The eighth red team (helperseed2): ``import numpy as np`` loads no generator (``np.random`` is loaded on
+    first use), so a helper's ``np.random.seed(seed)`` called from the main block was numpy's first use: with no
+    state at the top's end to compare, and no seeding call in the script's own source, the block's seed was
+    not given to the ranks, which drew unseeded, and ``python p.py 2`` was served run 1's CACHED.  A generator
+    the main block loads is now given to the ranks, and counts where a stage draws from it."""
+    import numpy as np
+
+    (tmp_path / "labutils.py").write_text("import numpy as np\n\n\ndef set_seeds(seed):\n    np.random.seed(seed)\n")
+    (tmp_path / "p.py").write_text(SEEDED_BY_A_HELPER)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+
+    def script(seed: int) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "p.py", str(seed)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return status(tmp_path)
+
+    def seeded(seed: int) -> float:
+        return float(np.random.RandomState(seed).rand())
+
+    first = script(1)
+    assert value(first, "draw") == seeded(1)
+    assert Dataset(first["_run"]["datasets"]["mapped"]).to_table()["v"].to_pylist() == [seeded(1)] * 2
+    other = script(2)
+    assert states(other) == {"draw": "DONE", "mapped": "DONE", "fixed": "CACHED"}, other
+    assert "numpy's global random state (np.random.seed) changed" in other["draw"]["cache"]["reason"]
+    assert value(other, "draw") == seeded(2)
+    assert states(script(1)) == {"draw": "CACHED", "mapped": "CACHED", "fixed": "CACHED"}
+
+
+SEEDED_FROM_ARGS = """
+import argparse
+import random
+
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("argseed")
+RNG = random.Random(0)
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+@pipe.stage(outputs=["own"])
+def own(ctx):
+    return {"own": pa.table({"v": [RNG.random()]})}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    np.random.seed(args.seed)
+    RNG.seed(args.seed)
+    pipe.run(check=False)
+"""
+
+
+def test_a_seed_from_parse_args_in_the_main_block_is_given_and_a_global_generator_seeded_there_refused(
+        tmp_path: Path) -> None:
+    """The eighth red team (argseed, rnginst): ``np.random.seed(args.seed)`` in the main block, the usual form,
+    was refused (``it reads args``): the seeding call's names were read into the key, though the block's seed
+    reaches the ranks by its state.  ``RNG.seed(args.seed)`` on a global ``random.Random`` seeded it where the
+    ranks never run: they drew from the top's seed whatever ``--seed`` said, under a DONE stage."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SEEDED_FROM_ARGS)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+
+    def script(seed: int) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "p.py", "--seed", str(seed)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return status(tmp_path)
+
+    first = script(1)
+    assert states(first) == {"draw": "DONE", "own": "FAILED"}, first
+    assert value(first, "draw") == float(np.random.RandomState(1).rand())
+    assert "it reads RNG, which the script sets in its `if __name__ == \"__main__\":` block" in \
+        first["own"]["error"], first["own"]
+    other = script(2)
+    assert states(other)["draw"] == "DONE" and value(other, "draw") == float(np.random.RandomState(2).rand())
+    assert states(script(1))["draw"] == "CACHED"
+
+
+SEEDED_UNDER_A_DEBUGGER = """
+import sys
+
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("traced")
+np.random.seed(0)
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+if __name__ == "__main__":
+    np.random.seed(int(sys.argv[1]))
+    pipe.run()
+"""
+
+DEBUGGER = """
+import runpy
+import sys
+
+sys.settrace(lambda frame, event, arg: None)  # what a debugger (pdb, debugpy) or coverage sets
+sys.argv = ["p.py", *sys.argv[1:]]
+runpy.run_path("p.py", run_name="__main__")
+"""
+
+
+def test_a_seed_the_main_block_sets_under_a_debugger_reaches_the_ranks(tmp_path: Path) -> None:
+    """The eighth red team (traced): under a debugger the top's end is not watched (a trace function is set
+    already), so no generator was taken for seeded by the main block: the ranks drew from the top's seed, and
+    ``p.py 2`` was served run 1's CACHED.  There every generator is now given to the ranks, and counts where a
+    stage draws from it."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SEEDED_UNDER_A_DEBUGGER)
+    (tmp_path / "debug.py").write_text(DEBUGGER)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+
+    def debugged(seed: int) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "debug.py", str(seed)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return status(tmp_path)
+
+    assert value(debugged(1), "draw") == float(np.random.RandomState(1).rand())
+    other = debugged(2)
+    assert states(other) == {"draw": "DONE"}, other
+    assert value(other, "draw") == float(np.random.RandomState(2).rand())
+    assert states(debugged(1)) == {"draw": "CACHED"}
 
 
 RICH_SESSION = '''

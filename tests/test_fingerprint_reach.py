@@ -519,6 +519,48 @@ def test_a_library_cache_that_a_call_fills_does_not_move_the_key(tmp_path: Path)
     assert filled == before == code_fingerprint(module.stage)
 
 
+SETTER_LIB = """
+class Cosmology:
+    def __init__(self, h0):
+        self.h0 = h0
+DEFAULT = None
+def set_default(cosmology):
+    global DEFAULT
+    DEFAULT = cosmology
+def distance(z):
+    return z / DEFAULT.h0
+"""
+
+
+@pytest.mark.parametrize("setting", ["fakelib.set_default(fakelib.Cosmology(11))",
+                                     "COSMO = fakelib.Cosmology(11)\nfakelib.set_default(COSMO)",
+                                     "fakelib.set_default(cosmology=[fakelib.Cosmology(11)])"])
+def test_a_library_object_the_script_hands_a_library_setter_counts_by_value(tmp_path: Path, setting: str) -> None:
+    """The eighth red team (libown): ``default_cosmology.set(FlatLambdaCDM(H0=70))``, pint's
+    ``set_application_registry(ureg)``: the library keeps an object of its own type, but its state is the
+    script's choice.  Counted by type only, as a library's own cache is (``psutil._pmap``), an edit of H0 at
+    the script's top was served CACHED."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.distance(1.0)\n"
+
+    def key(where: Path, value: str) -> dict[str, str]:
+        (where / "site-packages").mkdir(parents=True)
+        (where / "site-packages" / "fakelib.py").write_text(SETTER_LIB)
+        (where / "pipeline.py").write_text(script.replace("11", value))
+        sys.path.insert(0, str(where / "site-packages"))
+        try:
+            spec = importlib.util.spec_from_file_location("__hetflow_script__", where / "pipeline.py")
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return code_fingerprint(module.stage)
+        finally:
+            sys.path.remove(str(where / "site-packages"))
+            sys.modules.pop("fakelib", None)
+
+    a, b = key(tmp_path / "a", "11"), key(tmp_path / "b", "12")
+    assert "fakelib.DEFAULT" in a and a["fakelib.DEFAULT"] != b["fakelib.DEFAULT"], (a, b)
+
+
 @pytest.mark.parametrize("setting", ["fakelib.configure(11)", "fakelib.configure([11])",
                                      "fakelib.configure({'k': Cfg(11)})"])
 def test_a_setting_a_library_call_stores_still_counts(tmp_path: Path, setting: str) -> None:
