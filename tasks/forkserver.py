@@ -30,8 +30,9 @@ Ctrl-C kill its process group as before), stdin from ``/dev/null``, stdout and
 stderr appended to the attempt's logs, the task's working directory and
 environment (less a launcher's ``PMI_*`` variables), then :func:`worker.run
 <hetflow.tasks.worker.run>`: the child is the rank itself, one fork per task.
-MPI starts in the rank as a singleton, so the stage's communicator is a real
-MPI communicator of size 1.  The child leaves the server's loop by returning
+MPI starts in the rank as a singleton when the stage first reads ``ctx.comm``
+(:class:`~hetflow.tasks.context.DeferredWorld`; a stage that never does never
+starts it), so the stage's communicator is a real MPI communicator of size 1.  The child leaves the server's loop by returning
 from it and ends as an interpreter does (threads joined, ``atexit`` handlers
 run, MPI finalized, streams flushed) but without tearing down every module the
 server imported, which would double what a short stage costs.
@@ -570,7 +571,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     _become_task(job)
     from hetflow.tasks import worker
 
-    _exit(worker.run(job.spec), task=True)  # the rank itself: this server is its witness; MPI starts here
+    _exit(worker.run(job.spec), task=True)  # the rank itself: this server is its witness
 
 
 def _exit(code: int, task: bool = False) -> NoReturn:
