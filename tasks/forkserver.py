@@ -400,6 +400,8 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
 
     ``preload``: load each stage's installed imports before forking its first child (:func:`_preload_stage`).
     ``pending``: requests already read (from the server this one replaced)."""
+    from hetflow import observed
+
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -445,6 +447,7 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                 pending = rest
                 sys.stdout.flush()
                 sys.stderr.flush()  # nothing buffered here may be written again by a child
+                observed.mark_imported()  # the child's observations walk only the modules it imports itself
                 try:
                     pid = os.fork()
                 except OSError as exc:

@@ -156,7 +156,7 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
                              files=spec.function.module == "__main__" and bool(spec.function.path))
     found.update(code)
-    loaded = frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
+    loaded = frozenset(name for name, module in observed.imported() if not is_deferred(module))
     observed.recording_writes(True)  # the files the stage writes: one the script's top reads is the run's own
     return found, loaded
 
