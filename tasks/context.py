@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class TrackedParams(Mapping[str, Any]):
@@ -193,7 +193,10 @@ class StageContext:
     :attr:`params_read` says what the stage read.
     """
 
-    comm: Any = _Communicator()  # type: ignore[assignment]
+    if TYPE_CHECKING:
+        comm: Any
+    else:
+        comm: Any = _Communicator()
     """The stage's communicator (a :class:`DeferredWorld` given here is started on first read)."""
     stage: str
     run_id: str
