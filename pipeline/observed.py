@@ -252,13 +252,64 @@ def _file_entry(path: str) -> str | None:
     return digest.hexdigest()
 
 
+class _Forked:
+    """What a fork server had imported when it forked this process (:func:`mark_imported`)."""
+
+    last: tuple[str, Any] | None = None
+    """The last entry of ``sys.modules`` then; ``None`` in a process no fork server forked."""
+    kept: tuple[str, ...] = ()
+    """Those of its modules that a walk may observe (usually none: the server imports installed packages)."""
+
+
+def mark_imported() -> None:
+    """In a fork server, before it forks: its children's walks of the imported modules (:func:`imported`)
+    look only at those imported after the last call, and at those imported before that a walk may observe.
+
+    Decision: the modules a fork server imported are its installed packages, the standard library and
+    hetflow, which no walk observes; walking them in each child touched every module object, and so made
+    the kernel copy every page holding one (copy-on-write), the largest part of what observing cost a
+    trivial task.  Modules are found by ``sys.modules``' order (a dict keeps its insertion order): what a
+    child imports, or deletes and imports again, comes after the server's last entry.  O(1) when nothing
+    was imported since the last call."""
+    from hetflow.tasks.script import is_deferred
+
+    if not sys.modules:
+        return
+    last = next(reversed(sys.modules.items()))
+    if _Forked.last is not None and _Forked.last[0] == last[0] and _Forked.last[1] is last[1]:
+        return
+    modules = list(sys.modules.items())
+    _Forked.last = None  # walk every module for what they keep
+    observed = {name for name, _, _ in _outside()}
+    _Forked.kept = tuple(name for name, module in modules if name in observed or is_deferred(module))
+    _Forked.last = last
+
+
+def imported() -> list[tuple[str, Any]]:
+    """``sys.modules``' entries, in their order; in a fork server's child, only those imported since it
+    forked and those it may observe of the server's (:func:`mark_imported`); every entry if the server's
+    last one was removed from ``sys.modules`` since."""
+    modules = sys.modules
+    last = _Forked.last
+    if last is None:
+        return list(modules.items())
+    since = []
+    for name, module in reversed(modules.items()):
+        if module is last[1] and name == last[0]:
+            break
+        since.append((name, module))
+    else:
+        return list(modules.items())
+    return [(name, modules[name]) for name in _Forked.kept if name in modules] + since[::-1]
+
+
 def _outside(exclude: Iterable[str] = (), before: frozenset[str] | None = None
              ) -> Iterable[tuple[str, types.ModuleType, str]]:
     """``(name, module, real path)`` of the imported modules :func:`module_sources` observes."""
     from hetflow.tasks.script import is_deferred
 
     skip = _EXTERNAL + _hetflow_dirs() + (tuple(exclude) if before is None else ())
-    for name, module in list(sys.modules.items()):
+    for name, module in imported():
         if (before is not None and name in before) or is_deferred(module):  # looking would load it
             continue
         path = getattr(module, "__file__", None)
@@ -800,7 +851,7 @@ def _load_deferred_helpers(exclude: tuple[str, ...]) -> None:
     from hetflow.tasks.script import is_deferred
 
     skip = _EXTERNAL + _hetflow_dirs() + exclude
-    for name, module in list(sys.modules.items()):
+    for name, module in imported():
         if not is_deferred(module) or name.partition(".")[0] == "hetflow":
             continue
         origin = getattr(object.__getattribute__(module, "__spec__"), "origin", None)  # looking would load it

@@ -6,10 +6,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class TrackedParams(Mapping[str, Any]):
@@ -120,6 +120,56 @@ class DeclaredFiles(tuple):  # type: ignore[type-arg]
                        f"({', '.join(str(f) for f in found)}); give more of its path")
 
 
+class DeferredWorld:
+    """A one-rank stage's MPI world, started when the stage first uses ``ctx.comm``.
+
+    Decision: a warm one-rank rank (:mod:`hetflow.tasks.forkserver`) does not start MPI before its stage
+    runs: most such stages never communicate, and starting and ending a world of one is a large part of what
+    a trivial stage costs.  ``start`` starts MPI and returns the communicator (a real ``MPI.Comm``), once;
+    its rank and size are known without it.  Stage code that reaches MPI other than through ``ctx.comm``
+    (``MPI.COMM_WORLD``) must start it first: reading ``ctx.comm`` does."""
+
+    def __init__(self, start: Callable[[], Any]) -> None:
+        self._start: Callable[[], Any] | None = start
+        self._comm: Any = None
+
+    @property
+    def started(self) -> bool:
+        return self._start is None
+
+    def get(self) -> Any:
+        """The communicator, MPI started the first time."""
+        if self._start is not None:
+            self._comm = self._start()
+            self._start = None
+        return self._comm
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+
+class _Communicator:
+    """``StageContext.comm``: the communicator given, or that of a :class:`DeferredWorld`, started on first read.
+
+    A dataclass field whose default is a descriptor: the constructor's value goes through :meth:`__set__`,
+    and every read through :meth:`__get__` (the field has no default: the class-level read raises)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = f"_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError("comm")  # no default: every StageContext is given one
+        value = obj.__dict__[self._slot]
+        return value.get() if isinstance(value, DeferredWorld) else value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self._slot] = value
+
+
 @dataclass(frozen=True)
 class StageContext:
     """The per-rank context of one stage attempt.
@@ -143,7 +193,11 @@ class StageContext:
     :attr:`params_read` says what the stage read.
     """
 
-    comm: Any
+    if TYPE_CHECKING:
+        comm: Any
+    else:
+        comm: Any = _Communicator()
+    """The stage's communicator (a :class:`DeferredWorld` given here is started on first read)."""
     stage: str
     run_id: str
     attempt: int
@@ -182,12 +236,12 @@ class StageContext:
     @property
     def rank(self) -> int:
         """This rank's index in ``comm`` (0 .. ``size`` - 1)."""
-        return int(self.comm.Get_rank())
+        return int(self.__dict__["_comm"].Get_rank())  # a DeferredWorld knows it without starting MPI
 
     @property
     def size(self) -> int:
         """The stage's rank count (``comm``'s size)."""
-        return int(self.comm.Get_size())
+        return int(self.__dict__["_comm"].Get_size())
 
     @property
     def device(self) -> str:

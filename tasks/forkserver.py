@@ -30,8 +30,9 @@ Ctrl-C kill its process group as before), stdin from ``/dev/null``, stdout and
 stderr appended to the attempt's logs, the task's working directory and
 environment (less a launcher's ``PMI_*`` variables), then :func:`worker.run
 <hetflow.tasks.worker.run>`: the child is the rank itself, one fork per task.
-MPI starts in the rank as a singleton, so the stage's communicator is a real
-MPI communicator of size 1.  The child leaves the server's loop by returning
+MPI starts in the rank as a singleton when the stage first reads ``ctx.comm``
+(:class:`~hetflow.tasks.context.DeferredWorld`; a stage that never does never
+starts it), so the stage's communicator is a real MPI communicator of size 1.  The child leaves the server's loop by returning
 from it and ends as an interpreter does (threads joined, ``atexit`` handlers
 run, MPI finalized, streams flushed) but without tearing down every module the
 server imported, which would double what a short stage costs.
@@ -399,6 +400,8 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
 
     ``preload``: load each stage's installed imports before forking its first child (:func:`_preload_stage`).
     ``pending``: requests already read (from the server this one replaced)."""
+    from hetflow import observed
+
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -444,6 +447,7 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                 pending = rest
                 sys.stdout.flush()
                 sys.stderr.flush()  # nothing buffered here may be written again by a child
+                observed.mark_imported()  # the child's observations walk only the modules it imports itself
                 try:
                     pid = os.fork()
                 except OSError as exc:
@@ -570,7 +574,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     _become_task(job)
     from hetflow.tasks import worker
 
-    _exit(worker.run(job.spec), task=True)  # the rank itself: this server is its witness; MPI starts here
+    _exit(worker.run(job.spec), task=True)  # the rank itself: this server is its witness
 
 
 def _exit(code: int, task: bool = False) -> NoReturn:

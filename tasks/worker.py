@@ -156,7 +156,7 @@ def _observe(spec: WorkerSpec) -> tuple[dict[str, str], frozenset[str]]:
     found = observed.in_rank(spec.function.path, exclude=(_run_folder(spec),),  # only a script's top is recorded
                              files=spec.function.module == "__main__" and bool(spec.function.path))
     found.update(code)
-    loaded = frozenset(name for name, module in list(sys.modules.items()) if not is_deferred(module))
+    loaded = frozenset(name for name, module in observed.imported() if not is_deferred(module))
     observed.recording_writes(True)  # the files the stage writes: one the script's top reads is the run's own
     return found, loaded
 
@@ -524,10 +524,20 @@ def run(spec_path: str) -> int:
     else:
         from mpi4py import MPI
 
-        if not MPI.Is_initialized():  # loaded by the fork server, which leaves MPI to each rank
-            _start_mpi(MPI)
-        mpi_comm = MPI.COMM_WORLD.Dup()
-        rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        if MPI.Is_initialized():  # mpi4py started it at import: a launcher's ranks
+            mpi_comm: Any = MPI.COMM_WORLD.Dup()
+            rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        else:  # a warm rank: the fork server loads MPI's library and leaves MPI to each rank, a world of one
+            from .context import DeferredWorld
+
+            def start() -> Any:
+                _start_mpi(MPI)
+                return MPI.COMM_WORLD.Dup()
+
+            mpi_comm = DeferredWorld(start)  # started when the stage reads ctx.comm, if it does
+            rank, size = 0, 1
+            if spec.items:  # a map stage's runner and item children share the rank's world (hetflow.tasks.mapitems)
+                mpi_comm = mpi_comm.get()
 
         def get_comm() -> Any:
             return mpi_comm

@@ -82,3 +82,23 @@ def sleeps_beside(ctx):
     """Runs while the other stage dies, and returns: its end is not its neighbour's."""
     time.sleep(3.0)
     return {"beside": pa.table({"pid": [os.getpid()]})}
+
+
+def mpi_started(ctx):
+    """Whether MPI runs before the stage reads ``ctx.comm``, after ``ctx.rank``/``ctx.size``, and after it does."""
+    from mpi4py import MPI
+
+    before = MPI.Is_initialized()
+    rank, size = ctx.rank, ctx.size
+    after_rank = MPI.Is_initialized()
+    comm = ctx.comm
+    return {"mpi_started": pa.table({
+        "before": [before], "after_rank": [after_rank], "rank": [rank], "size": [size],
+        "after_comm": [MPI.Is_initialized()], "mpi_comm": [isinstance(comm, MPI.Comm)],
+        "same": [comm is ctx.comm], "comm_size": [comm.Get_size()], "gathered": [comm.allgather(7)]})}
+
+
+def mpi_unused(ctx):
+    from mpi4py import MPI
+
+    return {"mpi_unused": pa.table({"started": [MPI.Is_initialized()], "rank": [ctx.rank], "size": [ctx.size]})}

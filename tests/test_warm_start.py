@@ -64,6 +64,23 @@ def test_a_one_rank_stage_starts_warm_with_a_real_communicator_and_more_ranks_st
     assert _servers(Path(run.run_dir)) == []  # ended with the run
 
 
+def test_a_warm_rank_starts_mpi_only_when_its_stage_reads_ctx_comm(tmp_path: Path) -> None:
+    pipe = hf.Pipeline("lazy", pilot=PILOT, workdir=tmp_path)
+    pipe.stage(outputs=["mpi_started"])(W.mpi_started)
+    pipe.stage(outputs=["mpi_unused"])(W.mpi_unused)
+    run = pipe.run()
+    assert run.ok, run
+    (used,) = _lineage(run, "mpi_started")
+    assert not used["before"] and not used["after_rank"] and (used["rank"], used["size"]) == (0, 1), used
+    assert used["after_comm"] and used["mpi_comm"] and used["same"] and used["comm_size"] == 1, used
+    assert used["gathered"] == [7], used
+    (unused,) = _lineage(run, "mpi_unused")
+    assert not unused["started"] and (unused["rank"], unused["size"]) == (0, 1), unused
+    for stage in ("mpi_started", "mpi_unused"):  # MPI finalized at the rank's exit where it started: a clean log
+        log = (Path(run.run_dir) / "stages" / stage / "attempt-1" / "rank-0.log").read_text()
+        assert "MPI" not in log and "Error" not in log, log
+
+
 def test_warm_start_off_starts_one_rank_with_mpiexec(tmp_path: Path) -> None:
     pipe = hf.Pipeline("cold", pilot=COLD, workdir=tmp_path)
     pipe.stage(ranks=1, outputs=["lineage"])(W.lineage)
