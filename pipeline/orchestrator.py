@@ -35,6 +35,7 @@ from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome, node_i
 from hetflow.tasks.paths import UnsafePath, private_dir
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.protocol import (
+    MPI_PACKAGES,
     AttemptFiles,
     Failure,
     RankResult,
@@ -944,6 +945,8 @@ class Orchestrator(MapShell):
             local_installs=_local_installs(),
             generators=self.generators[shipped is not None][0],
             generators_if_drawn=self.generators[shipped is not None][1],
+            mpi_named=keyed is None or not MPI_PACKAGES.isdisjoint(
+                key.removeprefix("module ").partition(".")[0] for key in keyed.code),
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 

@@ -56,6 +56,9 @@ class ScriptImportStop(BaseException):
 log = logging.getLogger(__name__)
 
 VERIFY = ("checksum", "size", "none")
+MPI_PACKAGES = frozenset({"mpi4py", "petsc4py", "slepc4py", "mpi4jax", "horovod", "dolfinx", "firedrake"})
+"""Packages that use MPI by themselves, not only through a communicator a stage is given: a stage whose key
+holds one has MPI started before it runs (:attr:`WorkerSpec.mpi_named`)."""
 ITEM_ISOLATION = ("checked", "fork")
 """How a one-rank map task runs its items: :mod:`hetflow.tasks.mapitems`."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -248,6 +251,10 @@ class WorkerSpec:
     """Global random generators' states the rank restores once its top level ran, before the stage (and each map
     item) runs (:func:`hetflow.observed.restore_generators`): what a session or a script's main block seeded,
     which the rank never executes; every rank gets the same states."""
+    mpi_named: bool = True
+    """The stage's key holds a package that uses MPI by itself (:data:`MPI_PACKAGES`: ``mpi4py``): a warm one-rank
+    rank starts MPI before the stage runs, not when the stage first reads ``ctx.comm``
+    (:class:`~hetflow.tasks.context.DeferredWorld`), so ``MPI.COMM_WORLD`` used without ``ctx.comm`` works."""
     generators_if_drawn: tuple[str, ...] = ()
     """The generators in ``generators`` that count (their state is observed) only where the stage drew from
     them: a session's, given whether or not anyone seeded them, and those a script's main block loaded first
@@ -333,7 +340,8 @@ class WorkerSpec:
                 "item_isolation": self.item_isolation,
                 "values": list(self.values),
                 "local_installs": [list(self.local_installs[0]), list(self.local_installs[1])],
-                "generators": dict(self.generators), "generators_if_drawn": list(self.generators_if_drawn)}
+                "generators": dict(self.generators), "generators_if_drawn": list(self.generators_if_drawn),
+                "mpi_named": self.mpi_named}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
@@ -370,7 +378,8 @@ class WorkerSpec:
                       "values": top.items("values", str, "strings", ()),
                       "local_installs": _local_installs(top),
                       "generators": top.text_map("generators", {}),
-                      "generators_if_drawn": top.items("generators_if_drawn", str, "generator names", ())}
+                      "generators_if_drawn": top.items("generators_if_drawn", str, "generator names", ()),
+                      "mpi_named": top.get("mpi_named", (bool,), "true or false", True)}
         return _construct(cls, where, fields)
 
     def write(self, path: Path, *, durable: bool = True) -> None:

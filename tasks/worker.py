@@ -536,8 +536,8 @@ def run(spec_path: str) -> int:
 
             mpi_comm = DeferredWorld(start)  # started when the stage reads ctx.comm, if it does
             rank, size = 0, 1
-            if spec.items:  # a map stage's runner and item children share the rank's world (hetflow.tasks.mapitems)
-                mpi_comm = mpi_comm.get()
+            if spec.items or spec.mpi_named:  # a map stage's runner and item children share the rank's world
+                mpi_comm = mpi_comm.get()       # (hetflow.tasks.mapitems); a stage naming mpi4py may use it directly
 
         def get_comm() -> Any:
             return mpi_comm

@@ -68,6 +68,7 @@ def test_a_warm_rank_starts_mpi_only_when_its_stage_reads_ctx_comm(tmp_path: Pat
     pipe = hf.Pipeline("lazy", pilot=PILOT, workdir=tmp_path)
     pipe.stage(outputs=["mpi_started"])(W.mpi_started)
     pipe.stage(outputs=["mpi_unused"])(W.mpi_unused)
+    pipe.stage(outputs=["mpi_direct"])(W.mpi_direct)
     run = pipe.run()
     assert run.ok, run
     (used,) = _lineage(run, "mpi_started")
@@ -76,7 +77,9 @@ def test_a_warm_rank_starts_mpi_only_when_its_stage_reads_ctx_comm(tmp_path: Pat
     assert used["gathered"] == [7], used
     (unused,) = _lineage(run, "mpi_unused")
     assert not unused["started"] and (unused["rank"], unused["size"]) == (0, 1), unused
-    for stage in ("mpi_started", "mpi_unused"):  # MPI finalized at the rank's exit where it started: a clean log
+    # code that names mpi4py may use MPI.COMM_WORLD without ctx.comm: MPI is started before it runs
+    assert _lineage(run, "mpi_direct") == [{"gathered": [5], "size": 1}]
+    for stage in ("mpi_started", "mpi_unused", "mpi_direct"):  # MPI finalized at the rank's exit where it started: a clean log
         log = (Path(run.run_dir) / "stages" / stage / "attempt-1" / "rank-0.log").read_text()
         assert "MPI" not in log and "Error" not in log, log
 
