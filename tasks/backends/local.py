@@ -231,7 +231,8 @@ class LocalBackend(Backend):
         if server is None or command is None:
             return None
         try:
-            return server.start_task(command, spec.cwd, env, spec.stdout, spec.stderr)
+            return server.start_task(command, spec.cwd, env, spec.stdout, spec.stderr,
+                                     timeout=spec.timeout)
         except ForkServerGone as exc:
             log.warning("task %s: started with mpiexec: %s", spec.task_id, exc)
             return None
@@ -239,7 +240,10 @@ class LocalBackend(Backend):
     def _wait(self, spec: LaunchSpec, proc: _Process, tree: TreeWatch, started: float,
               future: "Future[TaskOutcome]") -> None:
         timed_out = False
-        deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        # counted from the request: a warm start's imports in the fork server are in the timeout, as a cold
+        # rank's imports are
+        deadline = (None if spec.timeout is None
+                    else time.monotonic() + spec.timeout - max(0.0, time.time() - started))
         while True:
             self._end_escaped(spec, tree)
             left = WATCH if deadline is None else min(WATCH, deadline - time.monotonic())
