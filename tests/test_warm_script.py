@@ -9,9 +9,11 @@ workers fails its stage with its own error; a script edited during its run never
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -227,3 +229,33 @@ def test_an_installed_import_that_blocks_is_ended_by_the_stage_timeout(tmp_path:
     if not cold:
         log = (run_dir / "forkserver.log").read_text()
         assert "took longer than the stage's timeout of 3s" in log, log
+
+
+def test_a_run_interrupted_while_the_server_blocks_in_an_import_leaves_no_process(tmp_path: Path) -> None:
+    """Before, Ctrl-C while the fork server was stuck in a stage's import (no timeout to bound it) ended the
+    server at shutdown, and the task it had been asked for was then started cold, through mpiexec, after
+    its cancel: it outlived the run, blocked in the same import."""
+    import psutil
+
+    (tmp_path / "script.py").write_text(textwrap.dedent(BLOCKS).replace(", timeout=3)", ")"))
+    env = dict(os.environ, COLD="0", **_package(tmp_path, "blockpkg", BLOCKPKG))
+    run = subprocess.Popen([sys.executable, "script.py"], cwd=tmp_path, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".hetflow/runs/*/stages/first/attempt-1/spec.json")):
+            assert time.monotonic() < deadline and run.poll() is None, run.communicate()[0]
+            time.sleep(0.2)
+        time.sleep(2.0)  # the server is in the import now
+        run.send_signal(signal.SIGINT)
+        out, _ = run.communicate(timeout=120)
+        assert "interrupted; running tasks were stopped" in out, out
+        time.sleep(2.0)
+        left = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+        assert not left, [p.info["cmdline"] for p in left]
+    finally:
+        for proc in psutil.process_iter(["cmdline"]):
+            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+        if run.poll() is None:
+            run.kill()

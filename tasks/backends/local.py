@@ -129,6 +129,11 @@ def _private_log(path: Path) -> "int":
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
 
+class _CancelledBeforeStart(Exception):
+    """The task was cancelled before it had a process: none is started (a cold start after the fork server
+    ended at shutdown would outlive the run, the orchestrator gone before it could end it)."""
+
+
 class LocalBackend(Backend):
     name = "local"
 
@@ -182,7 +187,12 @@ class LocalBackend(Backend):
                 future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None, cancelled=True,
                                               detail="cancelled while waiting for cores"))
                 return
-            proc, tree, started = self._start(spec, argv)
+            try:
+                proc, tree, started = self._start(spec, argv)
+            except _CancelledBeforeStart:
+                future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None, cancelled=True,
+                                              detail="cancelled while it was being started"))
+                return
             self._wait(spec, proc, tree, started, future)
         except Exception as exc:  # noqa: BLE001 - the orchestrator waits on this future: it must resolve
             log.error("task %s could not be started: %s: %s", spec.task_id, type(exc).__name__, exc)
@@ -206,6 +216,9 @@ class LocalBackend(Backend):
         started = time.time()
         proc = self._start_warm(spec, env)
         if proc is None:
+            with self._lock:
+                if spec.task_id in self._cancelled:  # while the fork server was asked (and ended by shutdown)
+                    raise _CancelledBeforeStart(spec.task_id)
             stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
             stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
             try:
