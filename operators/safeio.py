@@ -280,6 +280,22 @@ def open_entry(dfd: int, directory: str | os.PathLike[str], name: str, *, refuse
     return fd
 
 
+def open_regular(path: str | os.PathLike[str], *, refuse: Refuse = refusal) -> int:
+    """Open regular file ``path`` for reading, never through a symlink (its last component) nor blocking on
+    a FIFO: how hetflow reads back what another program wrote (a rank's log, its progress), which a stage,
+    or another user of a shared store, could have replaced by a link to a private file or by a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in LINK_ERRNOS:
+            raise refuse(path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise refuse(path)
+    return fd
+
+
 def create_temp(dfd: int, name: str) -> tuple[str, int]:
     """A new 0600 temp file beside ``name`` (O_EXCL, so never an existing file or link): its name and fd."""
     tmp = f".{name}.tmp-{os.getpid()}"

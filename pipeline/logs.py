@@ -12,11 +12,13 @@ follow, and the lines of running stages interleave.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetflow.operators.safeio import UnsafePath, open_regular
 from hetflow.tasks.protocol import AttemptFiles
 from sqlalchemy import select
 
@@ -164,12 +166,19 @@ class LogTail:
 
     offsets: dict[Path, int] = field(default_factory=dict)
     partial: dict[Path, bytes] = field(default_factory=dict)
+    refused: set[Path] = field(default_factory=set)
+    """Logs that are not regular files (a symlink, a FIFO): said once, never read."""
 
     def poll(self, sources: list[tuple[str, Path]], *, flush: bool = False) -> Iterator[str]:
         for label, path in sources:
-            try:
-                fh = open(path, "rb")  # noqa: SIM115 - closed below; a missing file is skipped
-            except OSError:
+            try:  # never through a symlink, never blocking on a FIFO planted in its place
+                fh = os.fdopen(open_regular(path), "rb")
+            except UnsafePath as exc:
+                if path not in self.refused:
+                    self.refused.add(path)
+                    yield visible(f"{label} (not shown: {exc})", newlines=False)
+                continue
+            except OSError:  # a missing file is skipped
                 continue
             with fh:
                 fh.seek(self.offsets.get(path, 0))

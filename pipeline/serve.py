@@ -43,6 +43,11 @@ Decisions:
   :func:`hmac.compare_digest`.  The token is printed once and written only to
   the 0600 note the notebook's link is made from (:mod:`hetflow.display`).
   The Host check comes first: a wrong ``Host`` is 421 with or without a token.
+- A connection has :data:`REQUEST_TIMEOUT` seconds to send its request: one that sends nothing is closed,
+  as anyone on the host may open connections without a token.
+- The run's files the page shows (the stages' progress) are read only when they are regular files, never
+  through a symlink nor from a FIFO: with a shared PostgreSQL store the run shown may be another user's,
+  whose directories are theirs.
 - Query values are checked, never clamped: ``wait`` is a finite number of
   seconds from 0 to :data:`MAX_WAIT`, ``since`` a digest of at most
   :data:`MAX_DIGEST` characters; anything else is a 400 naming the parameter
@@ -56,6 +61,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -65,6 +71,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from hetflow.operators.safeio import open_regular
 from hetflow.tasks.errors import HetflowError
 from hetflow.tasks.protocol import AttemptFiles
 
@@ -86,6 +93,13 @@ LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 TOKEN_HEADER = "X-Hetflow-Token"
 """The request header the page's own requests carry the token in (never a cookie: see the module's decisions)."""
+
+REQUEST_TIMEOUT = 10.0
+"""Seconds a connection may take to send its request (and to take each part of the answer): an idle
+connection is closed, so connections that never send one cannot hold a thread each for good."""
+
+MAX_PROGRESS = 1 << 20
+"""The most bytes of a progress file read (a map stage's counts are a few KiB)."""
 
 RECONCILE_EVERY = 5.0
 """Seconds between looks for runs whose orchestrator died (so such a run stops showing RUNNING)."""
@@ -189,8 +203,9 @@ def stage_progress(log_dir: str | None) -> dict[str, Any] | None:
     ranks have reported none.  Kept once the stage has ended: its last count and loss stay readable."""
     if log_dir is None:
         return None
-    try:  # a map stage: its items' counts (hetflow.mapshell)
-        mapped = json.loads((Path(log_dir) / "map-progress.json").read_text())
+    try:  # a map stage: its items' counts (hetflow.mapshell); a regular file only (no symlink, no FIFO)
+        with os.fdopen(open_regular(Path(log_dir) / "map-progress.json"), "rb") as fh:
+            mapped = json.loads(fh.read(MAX_PROGRESS))
         return {"text": str(mapped["text"]), "items": dict(mapped["items"]), "total": int(mapped["total"])}
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -202,6 +217,7 @@ def stage_progress(log_dir: str | None) -> dict[str, Any] | None:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    timeout = REQUEST_TIMEOUT  # on the socket: reading the request and writing the answer, never the long poll
 
     def _host_refused(self) -> bool:
         """Answer and return ``True`` when the request's ``Host`` does not name this server."""
@@ -273,8 +289,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         try:
             self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):  # the browser went away
-            pass
+        except OSError:  # the browser went away, or stopped reading (REQUEST_TIMEOUT)
+            self.close_connection = True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("serve: " + format, *args)

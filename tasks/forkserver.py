@@ -71,10 +71,12 @@ backend's machine could end it.
 from __future__ import annotations
 
 import ast
+import atexit
 import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -82,7 +84,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -138,13 +142,21 @@ class Job:
     stderr: str | None
     die_with_server: bool = False
     """The child gets SIGKILL when the server dies (a remote server's: nobody else would end it)."""
+    timeout: float | None = None
+    """The stage's timeout (seconds): the longest the server spends importing the stage's packages before it
+    forks the task (:func:`_preload_stage`); ``None``: no bound, as a cold rank has none."""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Job:
+        timeout = data.get("timeout")
+        if timeout is not None:
+            timeout = float(timeout)
+            if not math.isfinite(timeout) or timeout <= 0:
+                raise ValueError(f"timeout {timeout!r}: expected a positive number of seconds")
         return cls(id=int(data["id"]), spec=str(data["spec"]), cwd=str(data["cwd"]),
                    env={str(k): str(v) for k, v in data["env"].items()},
                    stdout=data.get("stdout"), stderr=data.get("stderr"),
-                   die_with_server=bool(data.get("die_with_server", False)))
+                   die_with_server=bool(data.get("die_with_server", False)), timeout=timeout)
 
 
 def _reply(message: Mapping[str, Any]) -> None:
@@ -348,12 +360,19 @@ def _preload_stage(job: Job) -> bool:
     except OSError:
         pass
     try:
-        for name in installed_imports(source):
-            try:
-                importlib.import_module(name)
-            except BaseException as exc:  # noqa: BLE001 - the task's own import meets it again
-                print(f"hetflow fork server: {name} (imported by {path}) not loaded before forking "
-                      f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        try:
+            with _exit_handlers_recorded(), _bounded(job.timeout):
+                for name in installed_imports(source):
+                    try:
+                        importlib.import_module(name)
+                    except _PreloadTimeout:
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - the task's own import meets it again
+                        print(f"hetflow fork server: {name} (imported by {path}) not loaded before forking "
+                              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        except _PreloadTimeout:
+            print(f"hetflow fork server: the imports of {path or spec.function.module} took longer than the "
+                  f"stage's timeout of {job.timeout:g}s; stopped, the task imports them itself", file=sys.stderr)
         _scripts[key] = True
     finally:
         if observed is not None:
@@ -373,6 +392,82 @@ def _preload_stage(job: Job) -> bool:
               "running; forking from it is not safe, the server restarts without loading them", file=sys.stderr)
         return False
     return True
+
+
+class _PreloadTimeout(BaseException):
+    """The stage's imports outlasted its timeout in the server (raised by SIGALRM, see :func:`_bounded`)."""
+
+
+@contextmanager
+def _bounded(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`_PreloadTimeout` in the block once ``seconds`` have passed (no bound when ``None``).
+
+    Decision: an import that blocks (a lock, a network file system, a package that waits at import) must
+    not hold the server: while it imports, it forks nothing and reports no child's end, and the backend's
+    timeout only starts counting once the task is forked.  Bounded by the stage's timeout, the server
+    gives up and forks the task, which imports the package itself, as a cold rank would, and is timed
+    out as a cold rank would be (the backend counts the timeout from its request)."""
+    if seconds is None:
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _PreloadTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_preloaded_exits: list[Callable[..., Any]] = []
+"""The ``atexit`` handlers the stages' imports registered in the server (:func:`_exit_handlers_recorded`)."""
+
+_preloaded_finalizers: list[weakref.finalize] = []  # type: ignore[type-arg]
+"""The ``weakref.finalize`` objects the stages' imports made in the server (run at exit unless told)."""
+
+_recording_exits = False
+
+
+@contextmanager
+def _exit_handlers_recorded() -> Iterator[None]:
+    """Record the ``atexit`` handlers and exit-time finalizers the imports in the block register.
+
+    Decision: what a package registers to run at exit when it is imported is about what that import made
+    in the server (a temporary directory it created, a cache file): one copy, shared by every task forked
+    after.  It runs once, when the server ends, and never in a task (:func:`_forget_preloaded_exits`): a
+    task running it would remove, at its end, what every later task still uses (matplotlib's temporary
+    config directory, made when ``$HOME`` is read-only, is one).  A cold rank runs it once for what its
+    own import made; what a task registers itself runs at its end as before."""
+    global _recording_exits
+    real = atexit.register
+
+    def register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        if _recording_exits:
+            _preloaded_exits.append(func)
+        return real(func, *args, **kwargs)
+
+    before = set(weakref.finalize._registry)  # type: ignore[attr-defined]
+    atexit.register = register  # type: ignore[assignment]
+    _recording_exits = True
+    try:
+        yield
+    finally:
+        _recording_exits = False
+        atexit.register = real  # type: ignore[assignment]
+        _preloaded_finalizers.extend(f for f in list(weakref.finalize._registry)  # type: ignore[attr-defined]
+                                     if f not in before)
+
+
+def _forget_preloaded_exits() -> None:
+    """In a task: the server's exit handlers and finalizers from the stages' imports are not the task's."""
+    for func in _preloaded_exits:
+        atexit.unregister(func)
+    for finalizer in _preloaded_finalizers:
+        finalizer.atexit = False
 
 
 def _observing(script: bool) -> Any:
@@ -495,6 +590,7 @@ def _become_task(job: Job) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _forget_preloaded_exits()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -702,8 +798,9 @@ class ForkServer:
         return True
 
     def start_task(self, spec: str, cwd: Path, env: Mapping[str, str], stdout: Path | None,
-                   stderr: Path | None) -> ForkedTask:
-        """Fork a child running the worker on ``spec``; returns once it runs."""
+                   stderr: Path | None, timeout: float | None = None) -> ForkedTask:
+        """Fork a child running the worker on ``spec``; returns once it runs.  ``timeout``: the stage's, the
+        longest the server may spend importing the stage's packages first (:func:`_bounded`)."""
         clean = {k: v for k, v in env.items() if not k.startswith(LAUNCHER_ENV)}
         event = threading.Event()
         answer: list[Any] = []
@@ -716,7 +813,7 @@ class ForkServer:
             line = json.dumps({"id": ident, "spec": spec, "cwd": str(cwd), "env": clean,
                                "stdout": None if stdout is None else str(stdout),
                                "stderr": None if stderr is None else str(stderr),
-                               "die_with_server": self.remote}) + "\n"
+                               "die_with_server": self.remote, "timeout": timeout}) + "\n"
             try:
                 self._stdin.write(line.encode())
                 self._stdin.flush()

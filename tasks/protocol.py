@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from hetflow.operators.safeio import open_regular
+
 from .errors import ProtocolError
 from .gpu import GPU_VENDORS, GpuVendor
 from .scheduler_types import RankSlot
@@ -60,6 +62,8 @@ MPI_PACKAGES = frozenset({"mpi4py", "petsc4py", "slepc4py", "mpi4jax", "horovod"
 """Packages that use MPI by themselves, not only through a communicator a stage is given: a stage whose key
 holds one has MPI started before it runs (:attr:`WorkerSpec.mpi_named`)."""
 ITEM_ISOLATION = ("checked", "fork")
+MAX_PROGRESS_BYTES = 1 << 20
+"""The most of a rank's progress file read back (a report is a few hundred bytes)."""
 """How a one-rank map task runs its items: :mod:`hetflow.tasks.mapitems`."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENV_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -616,8 +620,9 @@ class AttemptFiles:
         found: dict[int, dict[str, Any]] = {}
         for path in self.directory.glob("progress-*.json"):
             number = path.stem.split("-", 1)[1]
-            try:
-                data = json.loads(path.read_text())
+            try:  # a regular file only: a symlink or a FIFO in its place is skipped, never followed or waited on
+                with os.fdopen(open_regular(path), "rb") as fh:
+                    data = json.loads(fh.read(MAX_PROGRESS_BYTES))
             except (OSError, ValueError):
                 continue
             if number.isdigit() and isinstance(data, dict):

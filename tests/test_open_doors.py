@@ -422,3 +422,56 @@ def test_a_one_node_run_keeps_the_ranks_listening_on_loopback(tmp_path: Path) ->
     assert ranks, f"saw no mpiexec rank listening (hydra: {hydra}, all: {seen})"
     assert all(ipaddress.ip_address(a).is_loopback for a, _ in ranks), f"ranks listen beyond loopback: {ranks}"
     assert seen["warm"] == set(), f"a warm singleton (shared-memory transport only) listens: {seen['warm']}"
+
+
+def test_serve_closes_a_connection_that_sends_no_request(hostile: tuple[Path, str, str]) -> None:
+    """Before, a connection that sent nothing (anyone on the host may open one, no token needed) held a
+    server thread for good; now it is closed after the request timeout, and the server still answers."""
+    tmp, rid, _ = hostile
+    serve, port, token = start_serve(tmp)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=40) for _ in range(20)]
+        idle[0].sendall(b"GET /api/status HTTP/1.1\r\n")  # a request begun, never finished
+        time.sleep(1.0)
+        assert json.loads(ask(port, "/api/status", f"127.0.0.1:{port}", token)[1])["id"] == rid
+        began = time.monotonic()
+        for sock in idle:  # each ends (after a 408 for the one begun): recv() sees the end, no socket timeout
+            while sock.recv(65536):
+                pass
+            sock.close()
+        assert time.monotonic() - began < 30.0, "idle connections were kept open"
+    finally:
+        stop(serve)
+
+
+def test_logs_and_serve_read_a_runs_files_only_when_they_are_regular_files(hostile: tuple[Path, str, str]) -> None:
+    """A run's log or progress file replaced by a FIFO (a stage, or another user whose run a shared store
+    records) made ``hetflow logs`` and every ``/api/status`` of ``serve`` wait for good; one replaced by a
+    symlink showed the file it points to.  Now neither is read: ``logs`` says which file it did not show."""
+    tmp, rid, _ = hostile
+    attempt = tmp / "w" / "runs" / rid / "stages" / "chatty" / "attempt-1"
+    log, progress = attempt / "rank-0.log", attempt / "progress-0.json"
+    secret = tmp / "secret.txt"
+    secret.write_text("PRIVATE KEY MATERIAL\n")
+    kept = log.read_bytes()
+    try:
+        for plant in (lambda p: os.mkfifo(p), lambda p: p.symlink_to(secret)):
+            log.unlink()
+            plant(log)
+            logs = subprocess.run([*HETFLOW, "logs", rid, "chatty", "--workdir", "w"], cwd=tmp, capture_output=True,
+                                  text=True, timeout=60, check=False)
+            assert logs.returncode == 0, logs.stderr
+            assert "PRIVATE KEY" not in logs.stdout, logs.stdout
+            assert f"[chatty rank 0] (not shown: refusing {log}:" in logs.stdout, logs.stdout
+        os.mkfifo(progress)
+        serve, port, token = start_serve(tmp)
+        try:
+            status, body = ask(port, "/api/status", f"127.0.0.1:{port}", token)
+            assert status == 200 and json.loads(body)["stages"][0]["progress"] is None, body
+        finally:
+            stop(serve)
+    finally:
+        for path in (log, progress):
+            if path.is_symlink() or path.exists():
+                path.unlink()
+        log.write_bytes(kept)

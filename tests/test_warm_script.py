@@ -9,9 +9,11 @@ workers fails its stage with its own error; a script edited during its run never
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +135,127 @@ def test_a_script_edited_during_its_run_is_never_executed_in_its_new_version(tmp
     assert "edited while the run went on" in (tmp_path / "script.py").read_text()
     assert "STATE FAILED" in done.stdout, done.stdout + done.stderr
     assert "was changed after this run started" in done.stdout, done.stdout
+
+
+def _package(tmp_path: Path, name: str, source: str) -> dict[str, str]:
+    """An installed package (a ``site-packages`` directory on ``PYTHONPATH``): the env that finds it."""
+    package = tmp_path / "lib" / "site-packages" / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(source))
+    return {"PYTHONPATH": str(package.parent)}
+
+
+EXITPKG = """
+import atexit, os, shutil, tempfile
+CACHE = tempfile.mkdtemp(prefix="exitpkg-")  # as matplotlib makes its config dir when $HOME is read-only
+atexit.register(shutil.rmtree, CACHE, True)
+SCRATCH = tempfile.TemporaryDirectory(prefix="exitpkg-")  # removed at exit by a weakref.finalize
+"""
+
+USES_EXITPKG = HEAD + '''
+import exitpkg
+
+
+def note(name):
+    for folder in (exitpkg.CACHE, exitpkg.SCRATCH.name):  # what the import made must still be there
+        with open(os.path.join(folder, name), "w") as fh:
+            fh.write(name)
+    print("FOLDERS", exitpkg.CACHE, exitpkg.SCRATCH.name, flush=True)
+    return pa.table({"n": [1]})
+
+
+@pipe.stage(outputs=["a"])
+def first(ctx):
+    return {"a": note("first")}
+
+
+@pipe.stage(inputs=["a"], outputs=["b"])
+def second(ctx, a):
+    return {"b": note("second")}
+
+
+if __name__ == "__main__":
+    run = pipe.run(progress=False, check=False)
+    print("STATE", run.state)
+    print("ERROR", run.stage("first").error, run.stage("second").error)
+'''
+
+
+def test_an_installed_imports_exit_handlers_run_once_in_the_server_not_at_each_warm_stages_end(
+        tmp_path: Path) -> None:
+    """Before, each warm stage ran at its end the ``atexit`` handlers and finalizers that the package's import
+    registered in the server: the first stage to end removed the server's directories, and the second
+    failed with FileNotFoundError (it passes cold, where each rank makes its own)."""
+    done, run_dir = _run(tmp_path, script=textwrap.dedent(USES_EXITPKG),
+                         env=_package(tmp_path, "exitpkg", EXITPKG))
+    assert "STATE DONE" in done.stdout, done.stdout + done.stderr
+    logs = "".join(p.read_text() for p in run_dir.glob("stages/*/attempt-1/rank-0.log"))
+    folders = {line.split(maxsplit=1)[1] for line in logs.splitlines() if line.startswith("FOLDERS ")}
+    assert len(folders) == 1, logs  # both stages used the server's: loaded once, shared
+    assert not any(Path(f).exists() for f in folders.pop().split()), "the server removes them when it ends"
+
+
+BLOCKPKG = """
+import time
+with open("/proc/self/cmdline", "rb") as fh:
+    if b"script.py" not in fh.read().split(b"\\0"):  # blocks in a rank or the fork server, not in `python script.py`
+        time.sleep(600)
+"""
+
+BLOCKS = HEAD + '''
+import blockpkg
+
+
+@pipe.stage(outputs=["a"], timeout=3)
+def first(ctx):
+    return {"a": pa.table({"n": [1]})}
+
+
+if __name__ == "__main__":
+    run = pipe.run(progress=False, check=False)
+    print("STATE", run.state, run.stage("first").state)
+    print("ERROR", run.stage("first").error)
+'''
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_an_installed_import_that_blocks_is_ended_by_the_stage_timeout(tmp_path: Path, cold: bool) -> None:
+    """Before, the fork server blocked in its import of the package before forking the task, and the stage's
+    timeout of 3 s never started: the run waited for good.  Cold, the rank's own import is timed out."""
+    done, run_dir = _run(tmp_path, cold=cold, script=textwrap.dedent(BLOCKS),
+                         env=_package(tmp_path, "blockpkg", BLOCKPKG))
+    assert "STATE FAILED TIMED_OUT" in done.stdout, done.stdout + done.stderr
+    assert "exceeded its timeout of 3s" in done.stdout, done.stdout
+    if not cold:
+        log = (run_dir / "forkserver.log").read_text()
+        assert "took longer than the stage's timeout of 3s" in log, log
+
+
+def test_a_run_interrupted_while_the_server_blocks_in_an_import_leaves_no_process(tmp_path: Path) -> None:
+    """Before, Ctrl-C while the fork server was stuck in a stage's import (no timeout to bound it) ended the
+    server at shutdown, and the task it had been asked for was then started cold, through mpiexec, after
+    its cancel: it outlived the run, blocked in the same import."""
+    import psutil
+
+    (tmp_path / "script.py").write_text(textwrap.dedent(BLOCKS).replace(", timeout=3)", ")"))
+    env = dict(os.environ, COLD="0", **_package(tmp_path, "blockpkg", BLOCKPKG))
+    run = subprocess.Popen([sys.executable, "script.py"], cwd=tmp_path, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".hetflow/runs/*/stages/first/attempt-1/spec.json")):
+            assert time.monotonic() < deadline and run.poll() is None, run.communicate()[0]
+            time.sleep(0.2)
+        time.sleep(2.0)  # the server is in the import now
+        run.send_signal(signal.SIGINT)
+        out, _ = run.communicate(timeout=120)
+        assert "interrupted; running tasks were stopped" in out, out
+        time.sleep(2.0)
+        left = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+        assert not left, [p.info["cmdline"] for p in left]
+    finally:
+        for proc in psutil.process_iter(["cmdline"]):
+            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+        if run.poll() is None:
+            run.kill()

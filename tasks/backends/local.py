@@ -129,6 +129,11 @@ def _private_log(path: Path) -> "int":
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
 
+class _CancelledBeforeStart(Exception):
+    """The task was cancelled before it had a process: none is started (a cold start after the fork server
+    ended at shutdown would outlive the run, the orchestrator gone before it could end it)."""
+
+
 class LocalBackend(Backend):
     name = "local"
 
@@ -182,7 +187,12 @@ class LocalBackend(Backend):
                 future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None, cancelled=True,
                                               detail="cancelled while waiting for cores"))
                 return
-            proc, tree, started = self._start(spec, argv)
+            try:
+                proc, tree, started = self._start(spec, argv)
+            except _CancelledBeforeStart:
+                future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None, cancelled=True,
+                                              detail="cancelled while it was being started"))
+                return
             self._wait(spec, proc, tree, started, future)
         except Exception as exc:  # noqa: BLE001 - the orchestrator waits on this future: it must resolve
             log.error("task %s could not be started: %s: %s", spec.task_id, type(exc).__name__, exc)
@@ -206,6 +216,9 @@ class LocalBackend(Backend):
         started = time.time()
         proc = self._start_warm(spec, env)
         if proc is None:
+            with self._lock:
+                if spec.task_id in self._cancelled:  # while the fork server was asked (and ended by shutdown)
+                    raise _CancelledBeforeStart(spec.task_id)
             stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
             stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
             try:
@@ -231,7 +244,8 @@ class LocalBackend(Backend):
         if server is None or command is None:
             return None
         try:
-            return server.start_task(command, spec.cwd, env, spec.stdout, spec.stderr)
+            return server.start_task(command, spec.cwd, env, spec.stdout, spec.stderr,
+                                     timeout=spec.timeout)
         except ForkServerGone as exc:
             log.warning("task %s: started with mpiexec: %s", spec.task_id, exc)
             return None
@@ -239,7 +253,10 @@ class LocalBackend(Backend):
     def _wait(self, spec: LaunchSpec, proc: _Process, tree: TreeWatch, started: float,
               future: "Future[TaskOutcome]") -> None:
         timed_out = False
-        deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        # counted from the request: a warm start's imports in the fork server are in the timeout, as a cold
+        # rank's imports are
+        deadline = (None if spec.timeout is None
+                    else time.monotonic() + spec.timeout - max(0.0, time.time() - started))
         while True:
             self._end_escaped(spec, tree)
             left = WATCH if deadline is None else min(WATCH, deadline - time.monotonic())
