@@ -31,14 +31,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
 from . import arrowtypes, kernels, partition
 from . import collectives as tc
 from .communicator import Communicator
-from .costmodel import Cost, Plan, hockney
+from .costmodel import Cost, Plan, allgather_cost, hockney, shuffle_cost
 from .dtable import DTable
 from .errors import SQLError
 
@@ -64,7 +64,7 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     from . import sqlplan
 
     inputs = _inputs(comm, query, tables)
-    tree, names = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()})
+    tree, names = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()}, copy=False)  # the executor reads it only
     run = _Run(comm, {name: dt.to_arrow() for name, dt in inputs.items()})
     table = run.query(tree, top=True)
     if names is not None and len(names) == table.num_columns:
@@ -75,7 +75,7 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
             for n in dt.schema.names:
                 spelled.setdefault(n.lower(), set()).add(n)
         table = table.rename_columns([next(iter(spelled[n])) if len(spelled.get(n, ())) == 1 else n for n in table.column_names])
-    return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.plans), _checked=True)
+    return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.finish()), _checked=True)
 
 
 def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[str, DTable]:
@@ -112,6 +112,16 @@ def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[s
 
 
 # ---------------------------------------------------------------------------------------- execution
+class _Pending(NamedTuple):
+    """A step of the plan whose estimate waits for the sizes ``_Run.finish`` gathers."""
+
+    operation: str
+    algorithm: str
+    exchange: str
+    slot: int
+    detail: str
+
+
 class _Run:
     """One query's execution on this rank: local DuckDB fragments joined by exchanges."""
 
@@ -121,6 +131,9 @@ class _Run:
         self.rank = comm.Get_rank()
         self.inputs = inputs
         self.plans: list[Plan] = []
+        self._later: list[int] = []  # this rank's bytes of each ``plan_exchange`` step, gathered by ``finish``
+        # tables that are zero-copy projections of another: id -> (the table, the other, {column: its name there})
+        self.derived: dict[int, tuple[pa.Table, pa.Table, dict[str, str]]] = {}
         # the communicator's Hockney α, β, looked up once per query: ``hockney`` is collective (it gathers
         # the host names to find its cache entry), and every cost estimate of the plan reads them
         self.model = hockney(comm)
@@ -143,6 +156,31 @@ class _Run:
         cost = Cost() if cost is None else cost
         model = self.model.describe() if self.p > 1 else ""
         self.plans.append(Plan(operation, algorithm, cost, dict(alternatives or {}), detail, model))
+
+    def plan_exchange(self, operation: str, algorithm: str, exchange: str, *tables: pa.Table, detail: str = "") -> None:
+        """Record a step whose exchange (``"shuffle"``, or ``"allgather"``: a broadcast) of ``tables``
+        was not chosen by their sizes: its estimate needs every rank's bytes, which ``finish`` gathers
+        for all such steps of the query in one collective instead of one per step."""
+        if self.p == 1:
+            self.plan(operation, algorithm, Cost(), detail)
+            return
+        self._later.append(sum(int(t.nbytes) for t in tables))
+        self.plans.append(_Pending(operation, algorithm, exchange, len(self._later) - 1, detail))  # type: ignore[arg-type]
+
+    def finish(self) -> list[Plan]:
+        """The query's plan, the estimates of ``plan_exchange``'s steps filled in; collective when there are any."""
+        if not self._later:
+            return self.plans
+        every = self.comm.allgather(self._later)
+        model, out = self.model, []
+        for step in self.plans:
+            if isinstance(step, _Pending):
+                sizes = [float(rank[step.slot]) for rank in every]
+                cost = shuffle_cost(model, sizes) if step.exchange == "shuffle" else allgather_cost(model, sizes)
+                step = Plan(step.operation, step.algorithm, cost, {}, step.detail, model.describe())
+            out.append(step)
+        self.plans, self._later = out, []
+        return out
 
     def shuffle_by(self, table: pa.Table, keys: pa.Table) -> pa.Table:
         """Hash-shuffle ``table``'s rows by the values of ``keys`` (same rows, one canonical type per key)."""

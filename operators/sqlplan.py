@@ -122,9 +122,10 @@ _PLANS: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, list[str] | Non
 PLAN_CACHE_SIZE = 64
 
 
-def optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] | None]:
+def optimize(query: str, schemas: dict[str, pa.Schema], copy: bool = True) -> tuple[Any, list[str] | None]:
     """sqlglot's optimized tree of ``query`` over tables of ``schemas`` (a copy of the cached one when the
-    same text was planned over the same schemas), and the output column names as the query spells
+    same text was planned over the same schemas; without ``copy``, the cached tree itself, for a caller
+    that does not change it: the ``Executor``), and the output column names as the query spells
     them (the optimizer lower-cases unquoted names; ``None`` when the outer query selects ``*``);
     unknown names raise ``SQLError``."""
     key = (query, tuple(sorted((n, s.remove_metadata().to_string(show_field_metadata=False)) for n, s in schemas.items())))
@@ -134,7 +135,7 @@ def optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] 
         if len(_PLANS) >= PLAN_CACHE_SIZE:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = found
-    return found[0].copy(), found[1]
+    return (found[0].copy() if copy else found[0]), found[1]
 
 
 def _optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] | None]:
@@ -218,12 +219,49 @@ def _reduce_grouped_ctes(tree: Any) -> None:
                 x = other.table
                 if tables[x].name in order and order.index(tables[x].name) >= order.index(table.name):
                     continue  # a CTE the grouped one is computed before
-                own = [f for f in pool if aliases(f) == {x} and not any(True for _ in f.find_all(exp.Subquery, exp.Exists, exp.Select))]
-                if not own:
-                    continue
-                keys = exp.select(other.copy()).from_(tables[x].copy()).where(exp.and_(*(f.copy() for f in own)))
+                own = [f.copy() for f in pool if aliases(f) == {x} and not any(True for _ in f.find_all(exp.Subquery, exp.Exists, exp.Select))]
+                semi = _semi_keys(node, x, ctes, order, table.name)
+                same = [src for col, src in semi if col == other.name]
+                if same and not own:  # the outer rows' keys are a subset of another table's: read those
+                    keys = same[0]
+                else:
+                    own += [exp.In(this=exp.column(col, table=x, quoted=True), query=exp.Subquery(this=src)) for col, src in semi]
+                    if not own:
+                        continue
+                    keys = exp.select(other.copy()).from_(tables[x].copy()).where(exp.and_(*own))
                 cte.where(exp.In(this=key.copy(), query=exp.Subquery(this=keys)), copy=False)
                 break
+
+
+def _semi_keys(node: Any, x: str, ctes: dict[str, Any], order: list[str], before: str) -> list[tuple[str, Any]]:
+    """The semi joins of ``node`` on its table ``x`` that sqlglot writes for ``x.c IN (SELECT ...)``:
+    ``LEFT JOIN u ON u.k = x.c ... WHERE NOT u.k IS NULL`` (TPC-H Q20).  A row of ``x`` that such a
+    ``WHERE`` keeps met a row of ``u`` with ``u.k = x.c``, so ``x.c`` is among ``SELECT u.k FROM u``.
+    Returns ``(c, that SELECT)`` for each, ``u`` an input table or a CTE computed before the CTE
+    ``before`` (the grouped one the keys restrict, which then reads ``u`` too)."""
+    exp = _exp()
+    tested = set()
+    for f in conjuncts(node.args.get("where")):
+        if isinstance(f, exp.Not) and isinstance(f.this, exp.Is) and isinstance(f.this.this, exp.Column) \
+                and isinstance(f.this.expression, exp.Null) and f.this.this.table:
+            tested.add(f.this.this.table)
+    out: list[tuple[str, Any]] = []
+    for j in node.args.get("joins") or []:
+        u = j.this
+        if not (isinstance(u, exp.Table) and not u.args.get("db") and (j.side or "").lower() == "left" and u.alias_or_name in tested):
+            continue
+        if u.name in ctes and (u.name not in order or order.index(u.name) >= order.index(before)):
+            continue
+        for c in conjuncts(j.args.get("on")):
+            if not isinstance(c, exp.EQ):
+                continue
+            a, b = c.left, c.right
+            if isinstance(b, exp.Column) and b.table == u.alias_or_name:
+                a, b = b, a
+            if isinstance(a, exp.Column) and a.table == u.alias_or_name and isinstance(b, exp.Column) and b.table == x:
+                out.append((b.name, exp.select(a.copy()).from_(u.copy())))
+                break
+    return out
 
 
 _INEQUALITIES = ("NEQ", "GT", "GTE", "LT", "LTE")
@@ -550,13 +588,53 @@ class Rel:
         return f"(SELECT * FROM __r{''.join(self.steps)}{where})", {"__r": self.base, **self.tables}
 
 
+#: distinct counts of tables' columns by ``id`` of the table (with a weak reference that tells a table
+#: that is still the one counted from a new one at the same address): the inputs of a query run again,
+#: as a database keeps a table's statistics, are not counted again
+_NDV: dict[int, tuple[Any, dict[str, int]]] = {}
+NDV_CACHE_SIZE = 256
+
+
+def _known_ndv(origin: tuple[pa.Table, dict[str, str], pa.Table] | None, columns: Sequence[str], alias: str) -> list[int] | None:
+    """The remembered distinct counts of ``alias``'s ``columns`` in the table it reads, or ``None``."""
+    if origin is None:
+        return None
+    table, names, _ = origin
+    entry = _NDV.get(id(table))
+    if entry is None or entry[0]() is not table:
+        return None
+    found = [entry[1].get(names.get(f"{alias}.{c}", "")) for c in columns]
+    return None if any(v is None for v in found) else [int(v) for v in found]  # type: ignore[arg-type]
+
+
+def _remember_ndv(origin: tuple[pa.Table, dict[str, str], pa.Table] | None, columns: Sequence[str], alias: str, ndv: Sequence[int]) -> None:
+    import weakref
+
+    if origin is None:
+        return
+    table, names, _ = origin
+    entry = _NDV.get(id(table))
+    if entry is None or entry[0]() is not table:
+        if len(_NDV) >= NDV_CACHE_SIZE:
+            for key in [k for k, (ref, _) in _NDV.items() if ref() is None] or [next(iter(_NDV))]:
+                del _NDV[key]
+        entry = _NDV[id(table)] = (weakref.ref(table), {})
+    for c, n in zip(columns, ndv):
+        if f"{alias}.{c}" in names:
+            entry[1][names[f"{alias}.{c}"]] = int(n)
+
+
 class Executor:
-    """Runs one query tree (and its CTEs) on this rank; every method is collective."""
+    """Runs one query tree (and its CTEs) on this rank; every method is collective.  The tree is read,
+    never changed (``optimize`` hands the cached tree itself): expressions are rewritten on copies."""
 
     def __init__(self, run: _Run, env: dict[str, pa.Table]) -> None:
         self.r = run
         self.env = dict(env)
         self.subqueries: dict[str, pa.Table] = {}  # materialized uncorrelated subqueries, on every rank
+        # each source alias's table as read (an input or a CTE's result), its columns' names there by
+        # physical name (``alias.column``), and the table of those physical columns
+        self.origins: dict[str, tuple[pa.Table, dict[str, str], pa.Table]] = {}
 
     def local(self, sql: str, **tables: pa.Table) -> pa.Table:
         """A local fragment, with the materialized subqueries it names."""
@@ -585,10 +663,10 @@ class Executor:
             table = Executor(self.r, self.env).run(inner)
             r = self.r
             if r.p > 1:
-                sizes = r.sizes(table)
+                before = table
                 table = r.broadcast(table)
-                r.plan("subquery", "broadcast of its result", allgather_cost(r.model, sizes),
-                       f"uncorrelated subquery of {table.num_rows} row(s)")
+                r.plan_exchange("subquery", "broadcast of its result", "allgather", before,
+                                detail=f"uncorrelated subquery of {table.num_rows} row(s)")
             name = f"__sq{len(self.subqueries)}"
             self.subqueries[name] = table
             repl = exp.select("*").from_(exp.to_identifier(name))
@@ -639,12 +717,17 @@ class Executor:
         keep = [(by_lower.get(c.lower(), c), c) for c in sorted(want) if c in table.column_names or c.lower() in by_lower]
         if not keep:  # count(*) and the like need only the rows
             keep = [(table.column_names[0], table.column_names[0])] if table.num_columns else []
-        out = table.select([a for a, _ in keep]).rename_columns([f"{alias}.{c}" for _, c in keep])
+        out = with_part(table.select([a for a, _ in keep]).rename_columns([f"{alias}.{c}" for _, c in keep]), None)
+        found = self.r.derived.get(id(table))
+        if found is not None and found[0] is table:  # a projection of another table: that table's statistics
+            self.origins[alias] = (found[1], {f"{alias}.{c}": found[2][a] for a, c in keep if a in found[2]}, out)
+        else:
+            self.origins[alias] = (table, {f"{alias}.{c}": a for a, c in keep}, out)
         part = part_of(table)
         physical = {a: f"{alias}.{c}" for a, c in keep}
         if part is not None:
             part = tuple((physical[c], t) for c, t in part) if all(c in physical for c, _ in part) else None
-        return alias, with_part(out, None), part
+        return alias, out, part
 
     # ------------------------------------------------------------------ joins
     def rows_of(self, rel: Rel) -> pa.Table:
@@ -923,17 +1006,28 @@ class Executor:
                         eq_cols[side.table].append(side.name)
         if len(rels) <= 2:
             eq_cols = {a: [] for a in rels}  # no choice of order to make: no distinct counts needed
-        local = []
-        for a, t in rels.items():
-            cols = [f"approx_count_distinct({q(f'{a}.{c}')})" for c in eq_cols[a]]
-            where = f" WHERE {filters[a]}" if a in filters else ""
-            if cols:  # (no choice of order between two sources: their unfiltered sizes pick the first)
-                vals = list(self.local(f"SELECT {', '.join(['count(*)', 'sum(0)'] + cols)} FROM t{where}", t=t).to_pylist()[0].values())
-            else:
-                vals = [t.num_rows, 0]
-            n = int(vals[0] or 0)
-            local.append([n, int(t.nbytes * n / t.num_rows) if t.num_rows else 0] + [int(v or 0) for v in vals[2:]])
-        stats = r.comm.allgather(local) if r.p > 1 else [local]
+        local: list[list[int]] = []
+        counted: dict[int, tuple[str, list[str]]] = {}  # the sources DuckDB counts, in one statement
+        for i, (a, t) in enumerate(rels.items()):
+            # (no choice of order between two sources: their unfiltered sizes pick the first)
+            known = _known_ndv(self.origins.get(a), eq_cols[a], a) if eq_cols[a] and a not in filters else None
+            if eq_cols[a] and known is None:
+                counted[i] = (a, [f"count(*) AS __n{i}"] + [f"approx_count_distinct({q(f'{a}.{c}')}) AS __d{i}_{j}"
+                                                            for j, c in enumerate(eq_cols[a])])
+            local.append([t.num_rows, int(t.nbytes)] + (known or []))
+        if counted:
+            names = list(rels)
+            row = self.local("SELECT * FROM " + ", ".join(
+                f"(SELECT {', '.join(cols)} FROM __s{i}{f' WHERE {filters[a]}' if a in filters else ''})" for i, (a, cols) in counted.items()),
+                **{f"__s{i}": rels[a] for i, (a, _) in counted.items()}).to_pylist()[0]
+            for i, (a, _) in counted.items():
+                t, n = rels[names[i]], int(row[f"__n{i}"] or 0)
+                distinct_counts = [int(row[f"__d{i}_{j}"] or 0) for j in range(len(eq_cols[a]))]
+                local[i] = [n, int(t.nbytes * n / t.num_rows) if t.num_rows else 0] + distinct_counts
+                if a not in filters:
+                    _remember_ndv(self.origins.get(a), eq_cols[a], a, distinct_counts)
+        # one source: no order to choose, and its sizes estimate nothing (the ranks skip the allgather alike)
+        stats = r.comm.allgather(local) if r.p > 1 and len(rels) > 1 else [local]
         rows, nbytes, ndv = {}, {}, {}
         for i, a in enumerate(rels):
             rows[a] = sum(s[i][0] for s in stats)
@@ -1040,6 +1134,11 @@ class Executor:
                 name = f"__o{i}"
                 hidden.append(f"{sql_of(e)} AS {q(name)}")
             order_cols.append((name, d, nf))
+        if not top and not hidden and not filter_sql and distinct is None and not order_cols \
+                and node.args.get("limit") is None and node.args.get("offset") is None:
+            plain = self._projection(tables.get(source), exprs, names, self._output_part(part, exprs, names))
+            if plain is not None:
+                return plain
         proj = ", ".join([f"{sql_of(e)} AS {q(n)}" for e, n in zip(exprs, names)] + hidden)
         where = f" WHERE {filter_sql}" if filter_sql else ""
         table = self.local(f"SELECT {proj} FROM {source} AS __src{where}", **tables)
@@ -1051,6 +1150,28 @@ class Executor:
             table = table.select(table.column_names[: len(names)])
         moved = bool(windows) or distinct is not None or bool(order_cols and (limit is not None or offset or top))
         return with_part(table, None if moved else self._output_part(part, exprs, names))
+
+    def _projection(self, base: pa.Table | None, exprs: list[Any], names: list[str], part: Part | None) -> pa.Table | None:
+        """``base``'s columns as ``names``, without a copy, when every expression is one of them (a CTE
+        that only renames an input's columns, as sqlglot writes for a table a query reads twice);
+        ``None`` otherwise; marked as partitioned by ``part``.  The result remembers the table its columns
+        are from (``source``), whose statistics then serve it."""
+        exp = _exp()
+        if base is None or len(set(names)) != len(names) \
+                or not all(isinstance(e, exp.Column) and not e.table and e.name in base.column_names for e in exprs):
+            return None
+        out = with_part(base.select([e.name for e in exprs]).rename_columns(names), part)
+        origin = self.origins_of(base)
+        if origin is not None:
+            self.r.derived[id(out)] = (out, origin[0], {n: origin[1][e.name] for e, n in zip(exprs, names) if e.name in origin[1]})
+        return out
+
+    def origins_of(self, table: pa.Table) -> tuple[pa.Table, dict[str, str]] | None:
+        """The table whose columns ``table`` holds and, by column of ``table``, the name there."""
+        for origin, names, read in self.origins.values():
+            if read is table:
+                return origin, names
+        return None
 
     def _output_part(self, part: Part | None, exprs: list[Any], names: list[str]) -> Part | None:
         """The partitioning of a result whose outputs include the partitioning columns as they are."""
@@ -1120,25 +1241,23 @@ class Executor:
                     partial.append(f"{kind.lower()}({arg}) AS __p{j}")
                     final.append(f"{kind.lower()}(__p{j}) AS __a{j}")
             part = self.local(f"SELECT {', '.join(gsel + partial)} FROM {src} AS t{gby}", **tabs)
-            sizes = r.sizes(part) if r.p > 1 else [float(part.nbytes)]
             if keys:
+                r.plan_exchange("aggregate", "partial aggregate, hash shuffle of the partials on the keys, final aggregate" if r.p > 1 else "local (1 rank)",
+                                "shuffle", part, detail=f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
                 part = r.shuffle(part, gcols)
-                r.plan("aggregate", "partial aggregate, hash shuffle of the partials on the keys, final aggregate" if r.p > 1 else "local (1 rank)",
-                       shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             else:
+                r.plan_exchange("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
+                                "shuffle", part, detail=f"{len(aggs)} aggregate(s)")
                 part = r.gather(part)
-                r.plan("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
-                       shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
             return _final_aggregate(part, gcols + final, gby, keys, gcols, r.rank, mapping)
         if r.p == 1:  # one rank: the aggregate in one fragment
             r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
             return tabs, f"(SELECT {body} FROM {src} AS t" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)})" if keys else ")"), mapping, None
         pre = self.local(f"SELECT {', '.join(['*'] + gsel)} FROM {src} AS t", **tabs) if keys else self.rows_of(cur)
-        sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
+        r.plan_exchange("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
+                        "shuffle", pre, detail=f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
-        r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
-               shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
         return _final_aggregate(pre, gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)], gby, keys, gcols,
                                 r.rank, mapping)
 
@@ -1177,22 +1296,19 @@ class Executor:
         if r.p == 1:
             r.plan("window", "local (1 rank)", Cost(), f"{len(windows)} window function(s)")
             return cur
-        sizes = r.sizes(cur)
         if len(parts) == 1 and next(iter(parts)):
             keys = next(iter(parts))
+            r.plan_exchange("window", f"hash shuffle on PARTITION BY {list(keys)}", "shuffle", cur, detail=f"{len(windows)} window function(s)")
             wk = r.local("SELECT " + ", ".join(f"{k} AS __w{i}" for i, k in enumerate(keys)) + " FROM t", t=cur)
-            out = r.shuffle_by(cur, wk)
-            r.plan("window", f"hash shuffle on PARTITION BY {list(keys)}", shuffle_cost(r.model, sizes), f"{len(windows)} window function(s)")
-            return out
-        r.plan("window", "gather to rank 0 (no common PARTITION BY)", shuffle_cost(r.model, sizes), f"{len(windows)} window function(s)")
+            return r.shuffle_by(cur, wk)
+        r.plan_exchange("window", "gather to rank 0 (no common PARTITION BY)", "shuffle", cur, detail=f"{len(windows)} window function(s)")
         return r.gather(cur)
 
     def distinct(self, table: pa.Table) -> pa.Table:
         r = self.r
         if r.p > 1:
-            sizes = r.sizes(table)
+            r.plan_exchange("distinct", "hash shuffle on all columns", "shuffle", table)
             table = r.shuffle_all(table)
-            r.plan("distinct", "hash shuffle on all columns", shuffle_cost(r.model, sizes))
         return r.local("SELECT DISTINCT * FROM t", t=table)
 
     def order_limit(self, table: pa.Table, order: list[tuple[str, bool, bool]], limit: int | None, offset: int | None, top: bool) -> pa.Table:
@@ -1202,12 +1318,11 @@ class Executor:
         if order and (limit is not None or top or off):
             tail = (f" LIMIT {limit}" if limit is not None else "") + (f" OFFSET {off}" if off else "")
             if r.p > 1:
-                sizes = r.sizes(table)
+                r.plan_exchange("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort", "shuffle", table,
+                                detail=f"ORDER BY {keys}{tail}")
                 if limit is not None:
                     table = r.local(f"SELECT * FROM t ORDER BY {keys} LIMIT {limit + off}", t=table)
                 table = r.gather(table)
-                r.plan("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort",
-                       shuffle_cost(r.model, sizes), f"ORDER BY {keys}{tail}")
             else:
                 r.plan("order_by", "local sort (1 rank)", Cost(), f"ORDER BY {keys}{tail}")
             if r.rank == 0 or r.p == 1:
@@ -1240,9 +1355,8 @@ class Executor:
             r.plan("union", "local concat (UNION ALL)")
         else:
             if r.p > 1:
-                sizes = [x + y for x, y in zip(r.sizes(a), r.sizes(b))]
+                r.plan_exchange(op.lower(), "hash shuffle both sides on all columns", "shuffle", a, b)
                 a, b = r.shuffle_all(a), r.shuffle_all(b)
-                r.plan(op.lower(), "hash shuffle both sides on all columns", shuffle_cost(r.model, sizes))
             out = r.local(f"SELECT * FROM a {op}{'' if distinct else ' ALL'} SELECT * FROM b", a=a, b=b)
         order = []
         for o in (node.args.get("order").expressions if node.args.get("order") else []):
