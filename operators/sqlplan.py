@@ -552,6 +552,7 @@ class Rel:
         self.steps: list[str] = []
         self.where: list[str] = []
         self.equal: dict[str, set[str]] = dict(equal or {})  # columns an inner join's equality made equal in every row
+        self.whole: dict[str, str] = {}  # column -> the pending joined table holding it whole on every rank (broadcast)
 
     def add_equal(self, a: str, b: str) -> None:
         group = self.equal.get(a, {a}) | self.equal.get(b, {b})
@@ -566,10 +567,13 @@ class Rel:
     def pending(self) -> bool:
         return bool(self.steps or self.where)
 
-    def add_join(self, how: str, table: pa.Table, on_sql: str) -> None:
+    def add_join(self, how: str, table: pa.Table, on_sql: str, whole: bool = False) -> None:
+        """Join ``table`` in the next fragment; ``whole``: every rank holds all of its rows."""
         name = f"__j{len(self.tables)}"
         self.tables[name] = table
         self.steps.append(f" {_JOIN_SQL[how]} {name}" + ("" if how == "cross" else f" ON {on_sql}"))
+        if whole and how == "inner":
+            self.whole.update({c: name for c in table.column_names})
 
     def add_where(self, cond: str) -> None:
         self.where.append(cond)
@@ -755,6 +759,7 @@ class Executor:
                 elif a and b and a <= ral and b <= lal:
                     keys.append((c.right, c.left))
         cond = " AND ".join(f"({sql_of(phys(c))})" for c in on) or "TRUE"
+        whole = False  # the right side broadcast: all of it on every rank
         # sizes of the left's base (its pending joins are not run to size it) and the key columns' ranges, in one allgather
         cols = [(f"{a.table}.{a.name}" if isinstance(a, exp.Column) and a.table else None,
                  f"{b.table}.{b.name}" if isinstance(b, exp.Column) and b.table else None) for a, b in keys]
@@ -814,6 +819,7 @@ class Executor:
                 algo = f"hash shuffle of the {' and '.join(moved)} side{'s' if len(moved) > 1 else ''} on {[sql_of(a) for a, _ in keys]}"
             elif choice == "broadcast":
                 right = r.broadcast(right)
+                whole = True
                 algo = "broadcast right"
             else:
                 left_rel = Rel(r.broadcast(self.rows_of(left_rel)), None, left_rel.equal)
@@ -826,6 +832,7 @@ class Executor:
             model = r.model
             if choice == "broadcast":
                 right = r.broadcast(right)
+                whole = True
                 cost = allgather_cost(model, rsizes)
             elif choice == "broadcast_left":
                 left_rel = Rel(r.broadcast(self.rows_of(left_rel)))
@@ -836,7 +843,7 @@ class Executor:
             r.plan("join", {"broadcast": "broadcast right", "broadcast_left": "broadcast left", "gather": "gather both sides to rank 0"}[choice],
                    cost, detail)
         if how in ("inner", "left", "cross"):
-            left_rel.add_join(how, right, cond)
+            left_rel.add_join(how, right, cond, whole)
             if how == "inner":
                 for a, b in keys:
                     if isinstance(a, exp.Column) and a.table and isinstance(b, exp.Column) and b.table:
@@ -1006,6 +1013,10 @@ class Executor:
                         eq_cols[side.table].append(side.name)
         if len(rels) <= 2:
             eq_cols = {a: [] for a in rels}  # no choice of order to make: no distinct counts needed
+        # the filtered rows of every source but the largest here (the likely first) are read once, now, and
+        # counted as they are; the largest's are counted through its filter (the same counts either way)
+        guess = max(rels, key=lambda a: (rels[a].nbytes, -list(rels).index(a)))
+        done = {a: self.local(f"SELECT * FROM t WHERE {filters[a]}", t=t) for a, t in rels.items() if a in filters and a != guess}
         local: list[list[int]] = []
         counted: dict[int, tuple[str, list[str]]] = {}  # the sources DuckDB counts, in one statement
         for i, (a, t) in enumerate(rels.items()):
@@ -1018,8 +1029,9 @@ class Executor:
         if counted:
             names = list(rels)
             row = self.local("SELECT * FROM " + ", ".join(
-                f"(SELECT {', '.join(cols)} FROM __s{i}{f' WHERE {filters[a]}' if a in filters else ''})" for i, (a, cols) in counted.items()),
-                **{f"__s{i}": rels[a] for i, (a, _) in counted.items()}).to_pylist()[0]
+                f"(SELECT {', '.join(cols)} FROM __s{i}{f' WHERE {filters[a]}' if a in filters and a not in done else ''})"
+                for i, (a, cols) in counted.items()),
+                **{f"__s{i}": done.get(a, rels[a]) for i, (a, _) in counted.items()}).to_pylist()[0]
             for i, (a, _) in counted.items():
                 t, n = rels[names[i]], int(row[f"__n{i}"] or 0)
                 distinct_counts = [int(row[f"__d{i}_{j}"] or 0) for j in range(len(eq_cols[a]))]
@@ -1044,9 +1056,10 @@ class Executor:
         first = max(order, key=lambda a: (nbytes[a], -order.index(a)))
         for a, t in list(rels.items()):
             if a in filters and a != first:
-                rels[a] = self.local(f"SELECT * FROM t WHERE {filters[a]}", t=t)
-        cur, have, cur_rows = Rel(rels.pop(first), parts[first]), {first}, float(rows[first])
-        if first in filters:
+                rels[a] = done[a] if a in done else self.local(f"SELECT * FROM t WHERE {filters[a]}", t=t)
+        base = rels.pop(first)
+        cur, have, cur_rows = Rel(done.get(first, base), parts[first]), {first}, float(rows[first])
+        if first in filters and first not in done:
             cur.add_where(filters[first])
         while rels:
             best: tuple[float, int, str] | None = None
@@ -1065,10 +1078,42 @@ class Executor:
             est_rows = best[0] if best is not None else cur_rows * rows[nxt]
             on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
             pool = [c for c in pool if not any(c is o for o in on)]
-            cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross", parts[nxt])
+            table = self.semi_reduce(cur, nxt, rels.pop(nxt), on, ndv)
+            cur = self.join(cur, table, set(have), {nxt}, on, "inner" if on else "cross", parts[nxt])
             have.add(nxt)
             cur_rows = est_rows  # the estimate: the join itself may still be pending in ``cur``
         return cur, have, pool
+
+    #: a source is restricted to the keys of a whole table already joined when that table has at most
+    #: this fraction of the source's distinct values of the key
+    SEMI_REDUCE_FRACTION = 0.5
+
+    def semi_reduce(self, cur: Rel, alias: str, table: pa.Table, on: list[Any], ndv: dict[tuple[str, str], int]) -> pa.Table:
+        """``table`` (the source ``alias``, about to be inner-joined with ``cur`` on ``on``) without the rows
+        whose key cannot meet ``cur``: where an equality of ``on`` makes a column of ``alias`` equal to a
+        column of ``cur`` that inner joins made equal to a column of a table every rank holds whole (a
+        broadcast side, pending in ``cur``), every row the join keeps has a key among that table's values,
+        so the rows of ``table`` with other keys go before the join's exchange sizes it (TPC-H Q9:
+        partsupp, joined after the parts of one name, keeps the rows of those parts instead of being
+        broadcast whole).  Only where that table has at most ``SEMI_REDUCE_FRACTION`` of the source's
+        distinct key values (the same choice on every rank: whole tables and the allgathered counts)."""
+        exp = _exp()
+        if self.r.p == 1 or not cur.whole:
+            return table
+        for c in on:
+            if not isinstance(c, exp.EQ) or not (isinstance(c.left, exp.Column) and isinstance(c.right, exp.Column)):
+                continue
+            mine, other = (c.left, c.right) if c.left.table == alias else (c.right, c.left)
+            if mine.table != alias or other.table == alias or (alias, mine.name) not in ndv:
+                continue
+            col = f"{other.table}.{other.name}"
+            for k in sorted(cur.equal.get(col, {col})):
+                held = cur.whole.get(k)
+                if held is None or cur.tables[held].num_rows > self.SEMI_REDUCE_FRACTION * ndv[(alias, mine.name)]:
+                    continue
+                return self.local(f"SELECT * FROM t WHERE {q(f'{alias}.{mine.name}')} IN (SELECT {q(k)} FROM k)",
+                                  t=table, k=cur.tables[held])
+        return table
 
     def _has_subquery(self, e: Any) -> bool:
         exp = _exp()
