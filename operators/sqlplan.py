@@ -221,11 +221,13 @@ def _reduce_grouped_ctes(tree: Any) -> None:
                     continue  # a CTE the grouped one is computed before
                 own = [f.copy() for f in pool if aliases(f) == {x} and not any(True for _ in f.find_all(exp.Subquery, exp.Exists, exp.Select))]
                 semi = _semi_keys(node, x, ctes, order, table.name)
-                same = [src for col, src in semi if col == other.name]
-                if same and not own:  # the outer rows' keys are a subset of another table's: read those
+                # the outer rows' keys are a subset of another table's: read those (where the three columns
+                # have one type, so that equality is transitive between them)
+                same = [src for col, src, typ in semi if col == other.name and _one_type(typ, other.type, key.type)]
+                if same and not own:
                     keys = same[0]
                 else:
-                    own += [exp.In(this=exp.column(col, table=x, quoted=True), query=exp.Subquery(this=src)) for col, src in semi]
+                    own += [exp.In(this=exp.column(col, table=x, quoted=True), query=exp.Subquery(this=src)) for col, src, _ in semi]
                     if not own:
                         continue
                     keys = exp.select(other.copy()).from_(tables[x].copy()).where(exp.and_(*own))
@@ -233,11 +235,17 @@ def _reduce_grouped_ctes(tree: Any) -> None:
                 break
 
 
-def _semi_keys(node: Any, x: str, ctes: dict[str, Any], order: list[str], before: str) -> list[tuple[str, Any]]:
+def _one_type(*types: Any) -> bool:
+    """Whether sqlglot typed these expressions alike (and knew the type)."""
+    exp = _exp()
+    return all(t is not None and not t.is_type(exp.DataType.Type.UNKNOWN) for t in types) and all(t == types[0] for t in types)
+
+
+def _semi_keys(node: Any, x: str, ctes: dict[str, Any], order: list[str], before: str) -> list[tuple[str, Any, Any]]:
     """The semi joins of ``node`` on its table ``x`` that sqlglot writes for ``x.c IN (SELECT ...)``:
     ``LEFT JOIN u ON u.k = x.c ... WHERE NOT u.k IS NULL`` (TPC-H Q20).  A row of ``x`` that such a
     ``WHERE`` keeps met a row of ``u`` with ``u.k = x.c``, so ``x.c`` is among ``SELECT u.k FROM u``.
-    Returns ``(c, that SELECT)`` for each, ``u`` an input table or a CTE computed before the CTE
+    Returns ``(c, that SELECT, the type of u.k)`` for each, ``u`` an input table or a CTE computed before the CTE
     ``before`` (the grouped one the keys restrict, which then reads ``u`` too)."""
     exp = _exp()
     tested = set()
@@ -245,7 +253,7 @@ def _semi_keys(node: Any, x: str, ctes: dict[str, Any], order: list[str], before
         if isinstance(f, exp.Not) and isinstance(f.this, exp.Is) and isinstance(f.this.this, exp.Column) \
                 and isinstance(f.this.expression, exp.Null) and f.this.this.table:
             tested.add(f.this.this.table)
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[str, Any, Any]] = []
     for j in node.args.get("joins") or []:
         u = j.this
         if not (isinstance(u, exp.Table) and not u.args.get("db") and (j.side or "").lower() == "left" and u.alias_or_name in tested):
@@ -259,7 +267,7 @@ def _semi_keys(node: Any, x: str, ctes: dict[str, Any], order: list[str], before
             if isinstance(b, exp.Column) and b.table == u.alias_or_name:
                 a, b = b, a
             if isinstance(a, exp.Column) and a.table == u.alias_or_name and isinstance(b, exp.Column) and b.table == x:
-                out.append((b.name, exp.select(a.copy()).from_(u.copy())))
+                out.append((b.name, exp.select(a.copy()).from_(u.copy()), a.type))
                 break
     return out
 
