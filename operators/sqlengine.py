@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -65,8 +66,88 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
 
     inputs = _inputs(comm, query, tables)
     tree, names = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()}, copy=False)  # the executor reads it only
-    run = _Run(comm, {name: dt.to_arrow() for name, dt in inputs.items()})
-    table = run.query(tree, top=True)
+    local = {name: dt.to_arrow() for name, dt in inputs.items()}
+    if comm.Get_size() > 1 and SMALL_QUERY_BYTES > 0:
+        needed = _needed(query, tree, local)
+        sizes = [float(b) for b in comm.allgather(sum(int(t.nbytes) for t in needed.values()))]
+        if sum(sizes) < SMALL_QUERY_BYTES:
+            return _on_rank_zero(comm, tree, names, inputs, needed, sizes)
+    run = _Run(comm, local)
+    table = _named(run.query(tree, top=True), names, inputs)
+    return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.finish()), _checked=True)
+
+
+#: a query whose inputs hold fewer bytes than this in the columns it names, summed over the ranks, runs
+#: on rank 0 alone: its inputs' columns are gathered there (one exchange) instead of exchanged step by
+#: step, each step a rendezvous of the ranks that costs more than the work it shares out on such inputs
+#: (docs/benchmarks.md, TPC-H at SF 0.1); 0 turns this off
+SMALL_QUERY_BYTES = 32 * 2**20
+
+
+def _needed(query: str, tree: Any, local: Mapping[str, pa.Table]) -> dict[str, pa.Table]:
+    """This rank's rows of the inputs ``tree`` reads, in the columns ``query`` names (all of them for ``*``)."""
+    from sqlglot import exp
+
+    from . import sqlplan
+
+    ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
+    used = {t.name.lower() for t in tree.find_all(exp.Table) if not t.args.get("db")} - ctes
+    columns = sqlplan.referenced_columns(query)
+    out = {}
+    for name, table in local.items():
+        if name.lower() not in used:
+            continue
+        keep = [c for c in table.column_names if columns is None or c.lower() in columns]
+        out[name] = table.select(keep or table.column_names[:1])
+    return out
+
+
+def _on_rank_zero(comm: Communicator, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable],
+                  needed: Mapping[str, pa.Table], sizes: list[float]) -> DTable:
+    """Gather ``needed`` to rank 0 and run the query there alone; the other ranks hold no row of the result
+    (its schema, the plan, or the error, broadcast from rank 0)."""
+    from . import sqlplan
+
+    whole = {name: tc.gather_table(comm, table, root=0) for name, table in needed.items()}
+    payload: Any = None
+    if comm.Get_rank() == 0:
+        try:
+            from mpi4py import MPI
+
+            run = _Run(MPI.COMM_SELF, {name: pa.concat_tables(parts or [], promote_options="permissive") for name, parts in whole.items()})
+            table = sqlplan.with_part(_named(run.query(tree, top=True), names, inputs), None)
+            payload = (table.schema, run.finish())
+        except Exception as exc:
+            _arrive(comm)
+            comm.bcast(exc if isinstance(exc, SQLError) else SQLError(f"rank 0, running the query alone, failed: {type(exc).__name__}: {exc}"), root=0)
+            raise
+    _arrive(comm)
+    payload = comm.bcast(payload, root=0)
+    if isinstance(payload, SQLError):
+        raise payload
+    schema, plans = payload
+    model = hockney(comm)
+    step = Plan("query", f"gather the inputs to rank 0 and run there ({sum(sizes) / 1e6:.2f} MB in the columns it names, "
+                         f"under {SMALL_QUERY_BYTES / 1e6:.2f} MB)", shuffle_cost(model, sizes), {},
+                f"inputs {sorted(needed)}", model.describe())
+    return DTable(comm, table if comm.Get_rank() == 0 else schema.empty_table(), _plans=(step, *plans), _checked=True)
+
+
+def _arrive(comm: Communicator) -> None:
+    """Wait, without spinning a core, until every rank has come here (an ``Ibarrier`` polled with short
+    sleeps): the ranks other than 0 wait here while rank 0 runs the query, and an MPI collective's own
+    busy wait would take a core from it on a host with fewer cores than processes.  A communicator
+    without ``Ibarrier`` goes on at once (its next collective waits)."""
+    ibarrier = getattr(comm, "Ibarrier", None)
+    if ibarrier is None:
+        return
+    request = ibarrier()
+    while not request.Test():
+        time.sleep(0.0005)
+
+
+def _named(table: pa.Table, names: list[str] | None, inputs: Mapping[str, DTable]) -> pa.Table:
+    """The result's columns named as the query spells them (``names``; ``*``: as the inputs do)."""
     if names is not None and len(names) == table.num_columns:
         table = table.rename_columns([n or old for n, old in zip(names, table.column_names)])
     else:  # ``*``: the inputs' spelling of a name the optimizer lower-cased
@@ -75,7 +156,7 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
             for n in dt.schema.names:
                 spelled.setdefault(n.lower(), set()).add(n)
         table = table.rename_columns([next(iter(spelled[n])) if len(spelled.get(n, ())) == 1 else n for n in table.column_names])
-    return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.finish()), _checked=True)
+    return table
 
 
 def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[str, DTable]:

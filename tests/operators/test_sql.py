@@ -446,3 +446,21 @@ def test_plan_only_sizes_are_gathered_once_per_query(comm: Any) -> None:
     assert counting.allgathers == (3 if size > 1 else 0), counting.allgathers
     plan = result.explain()
     assert "aggregate:" in plan and "order_by:" in plan and (size == 1 or "MB" in plan), plan
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["cte", "window_row_number_and_sums", "nulls_in_aggregates_and_groups"])
+def test_a_query_over_small_inputs_runs_on_rank_0_alone(comm: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs whose named columns hold fewer than ``SMALL_QUERY_BYTES`` over all ranks are gathered to
+    rank 0 and the query runs there alone: the plan says so, every row of the result is on rank 0,
+    DuckDB's answer all the same; an error there is raised on every rank."""
+    from hetflow.operators import SQLError, sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    query, ordered = QUERIES[name]
+    result = _check(comm, query, ordered=ordered, **_tables())
+    if comm.Get_size() > 1:
+        assert result.plans[0].operation == "query" and "gather the inputs to rank 0" in result.plans[0].algorithm, result.explain()
+        assert comm.Get_rank() == 0 or result.local_num_rows == 0
+    with pytest.raises(SQLError, match="Conversion|conversion|failed"):
+        _check(comm, "select cast(model as integer) as m from runs", **_tables())
