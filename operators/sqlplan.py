@@ -70,14 +70,22 @@ def parse(query: str) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def referenced_columns(query: str) -> frozenset[str] | None:
-    """Lower-cased names of every column the query mentions, or ``None`` when it selects ``*``
-    (memoized by the text: parsing costs more than running a small query)."""
+    """Lower-cased names of every column the query mentions, or ``None`` when it selects ``*`` (other
+    than ``count(*)`` and ``EXISTS (SELECT * ...)``, which read no column) (memoized by the text:
+    parsing costs more than running a small query)."""
     exp = _exp()
     try:
         tree = parse(query)
     except SQLError:
         return None
-    if any(True for _ in tree.find_all(exp.Star)) and not all(isinstance(s.parent, exp.Count) for s in tree.find_all(exp.Star)):
+
+    def reads_columns(star: Any) -> bool:
+        if isinstance(star.parent, exp.Count):
+            return False
+        select = star.parent
+        return not (isinstance(select, exp.Select) and isinstance(select.parent, exp.Exists))
+
+    if any(reads_columns(s) for s in tree.find_all(exp.Star)):
         return None
     return frozenset(c.name.lower() for c in tree.find_all(exp.Column))
 

@@ -464,3 +464,15 @@ def test_a_query_over_small_inputs_runs_on_rank_0_alone(comm: Any, name: str, mo
         assert comm.Get_rank() == 0 or result.local_num_rows == 0
     with pytest.raises(SQLError, match="Conversion|conversion|failed"):
         _check(comm, "select cast(model as integer) as m from runs", **_tables())
+
+
+def test_exists_of_star_and_count_star_name_no_column() -> None:
+    """``EXISTS (SELECT * ...)`` and ``count(*)`` read no column: the columns a query names (what a
+    Parquet input reads, and what a small query gathers to rank 0) are the others it mentions; a
+    ``SELECT *`` that returns rows needs them all (``None``)."""
+    from hetflow.operators import sqlplan
+
+    names = sqlplan.referenced_columns("select r.model, count(*) as n from runs r where exists (select * from steps s where s.run_id = r.run_id) group by r.model")
+    assert names == frozenset({"model", "run_id"}), names
+    assert sqlplan.referenced_columns("select * from runs where run_id > 3") is None
+    assert sqlplan.referenced_columns("select * from (select run_id from runs) where exists (select * from steps)") is None
