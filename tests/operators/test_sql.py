@@ -440,9 +440,9 @@ def test_plan_only_sizes_are_gathered_once_per_query(comm: Any) -> None:
 
     counting = _Counting(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
-    steps = DTable(counting, _mine(_tables()["steps"], rank, size))  # type: ignore[arg-type]
+    steps = DTable(counting, _mine(_tables()["steps"], rank, size))
     counting.allgathers = 0
-    result = sql(counting, "select cast(run_id as varchar) as k, sum(energy) as e from steps group by k order by e", steps=steps)  # type: ignore[arg-type]
+    result = sql(counting, "select cast(run_id as varchar) as k, sum(energy) as e from steps group by k order by e", steps=steps)
     assert counting.allgathers == (3 if size > 1 else 0), counting.allgathers
     plan = result.explain()
     assert "aggregate:" in plan and "order_by:" in plan and (size == 1 or "MB" in plan), plan
