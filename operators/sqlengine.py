@@ -18,6 +18,9 @@ Decisions:
   and ``ORDER BY``/``LIMIT`` (local top-k, gather to rank 0).  Every local fragment is a DuckDB
   query over Arrow tables, so expressions, NULLs, decimals and casts follow DuckDB; between two
   exchanges the joins, filters and aggregate run as one fragment.
+- A query over small inputs (under ``SMALL_QUERY_BYTES`` in the columns it names, over all ranks)
+  runs on rank 0 alone after one gather of those columns: there, each exchange of a distributed plan
+  costs a rendezvous of the ranks that the work it shares out does not repay.
 - The algorithm of each step is chosen at run time from the sizes of its inputs (the children run
   first), and recorded as a :class:`~hetflow.operators.costmodel.Plan`: the result's
   ``explain()`` lists the steps with their exchanges and estimated bytes.
