@@ -72,6 +72,10 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     local = {name: dt.to_arrow() for name, dt in inputs.items()}
     if comm.Get_size() > 1 and SMALL_QUERY_BYTES > 0:
         needed = _needed(query, tree, local)
+        if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * SMALL_QUERY_BYTES:
+            # small enough that the query may qualify once each input keeps only the rows its own
+            # conditions pass: filter here (a scan of this rank's rows), and count what is left
+            needed = {name: _prefiltered(tree, name, table) for name, table in needed.items()}
         sizes = [float(b) for b in comm.allgather(sum(int(t.nbytes) for t in needed.values()))]
         if sum(sizes) < SMALL_QUERY_BYTES:
             return _on_rank_zero(comm, tree, names, inputs, needed, sizes)
@@ -80,8 +84,9 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.finish()), _checked=True)
 
 
-#: a query whose inputs hold fewer bytes than this in the columns it names, summed over the ranks, runs
-#: on rank 0 alone: its inputs' columns are gathered there (one exchange) instead of exchanged step by
+#: a query whose inputs hold fewer bytes than this in the columns it names, in the rows that pass each
+#: input's own conditions (``_prefiltered``), summed over the ranks, runs on rank 0 alone: those rows
+#: are gathered there (one exchange) instead of exchanged step by
 #: step, each step a rendezvous of the ranks that costs more than the work it shares out on such inputs
 #: (docs/benchmarks.md, TPC-H at SF 0.1); 0 turns this off
 SMALL_QUERY_BYTES = 32 * 2**20
@@ -107,7 +112,8 @@ def _needed(query: str, tree: Any, local: Mapping[str, pa.Table]) -> dict[str, p
 
 def _on_rank_zero(comm: Communicator, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable],
                   needed: Mapping[str, pa.Table], sizes: list[float]) -> DTable:
-    """Gather ``needed`` to rank 0 and run the query there alone; the other ranks hold no row of the result
+    """Gather ``needed`` (each input's columns the query names, in the rows its own conditions pass, or
+    all of them) to rank 0 and run the query there alone; the other ranks hold no row of the result
     (its schema, the plan, or the error, broadcast from rank 0)."""
     from . import sqlplan
 
@@ -130,10 +136,52 @@ def _on_rank_zero(comm: Communicator, tree: Any, names: list[str] | None, inputs
         raise payload
     schema, plans = payload
     model = hockney(comm)
-    step = Plan("query", f"gather the inputs to rank 0 and run there ({sum(sizes) / 1e6:.2f} MB in the columns it names, "
-                         f"under {SMALL_QUERY_BYTES / 1e6:.2f} MB)", shuffle_cost(model, sizes), {},
+    step = Plan("query", f"gather the inputs to rank 0 and run there ({sum(sizes) / 1e6:.2f} MB in the columns it names and "
+                         f"the rows their own conditions keep, under {SMALL_QUERY_BYTES / 1e6:.2f} MB)", shuffle_cost(model, sizes), {},
                 f"inputs {sorted(needed)}", model.describe())
     return DTable(comm, table if comm.Get_rank() == 0 else schema.empty_table(), _plans=(step, *plans), _checked=True)
+
+
+def _prefiltered(tree: Any, name: str, table: pa.Table) -> pa.Table:
+    """This rank's rows of input ``name`` that pass the conditions of its own that the query puts on it,
+    where applying them before the gather cannot change the answer (rank 0 applies them again): the
+    table read once in the query, in the ``FROM`` or an inner join of a ``SELECT`` without right or
+    full joins, and the conjuncts of that ``SELECT``'s ``WHERE`` (or of its inner join's ``ON``) that
+    read only its columns, without subqueries, aggregates, windows or functions whose value changes
+    between two runs.  ``table`` itself when there is no such condition."""
+    from sqlglot import exp
+
+    from . import sqlplan
+
+    reads = [t for t in tree.find_all(exp.Table) if not t.args.get("db") and t.name.lower() == name.lower()]
+    if len(reads) != 1 or not isinstance(reads[0].parent, (exp.From, exp.Join)) or not isinstance(reads[0].parent.parent, exp.Select):
+        return table
+    source, select = reads[0], reads[0].parent.parent
+    joins = select.args.get("joins") or []
+    if any((j.side or "").lower() in ("right", "full") for j in joins):
+        return table
+    pool = sqlplan.conjuncts(select.args.get("where"))
+    if isinstance(source.parent, exp.Join):
+        join = source.parent
+        if join.side or (join.kind or "").lower() not in ("", "inner"):
+            return table
+        pool += sqlplan.conjuncts(join.args.get("on"))
+    alias = source.alias_or_name
+    by_lower = {c.lower(): c for c in table.column_names}
+    volatile = (exp.Subquery, exp.Select, exp.AggFunc, exp.Window, exp.Anonymous, exp.Rand, exp.CurrentDate,
+                exp.CurrentTime, exp.CurrentTimestamp)
+    mine = []
+    for c in pool:
+        cols = list(c.find_all(exp.Column))
+        if cols and all(col.table == alias and col.name.lower() in by_lower for col in cols) and not any(True for _ in c.find_all(*volatile)):
+            mine.append(c.transform(lambda n: exp.column(by_lower[n.name.lower()], quoted=True) if isinstance(n, exp.Column) else n))
+    if not mine or table.num_rows == 0:
+        return table
+    import numpy as np
+
+    numbered = table.append_column("__hetflow_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    rows = kernels._duck_query(f"SELECT __hetflow_row FROM t WHERE {' AND '.join(f'({sqlplan.sql_of(c)})' for c in mine)}", t=numbered)
+    return arrowtypes.take(table, pa.array(np.sort(rows.column(0).to_numpy())))
 
 
 def _arrive(comm: Communicator) -> None:

@@ -61,6 +61,7 @@ MPI5: dict[str, Callable[[Params], bool]] = {
     # SQL (issue 28 asks for 5 ranks): all of it, about 25 s at 5 ranks on 2 cores
     "test_sql_tpch.py::test_tpch_query_matches_duckdb": EVERY,
     "test_sql_tpch.py::test_parquet_paths_and_globs_as_tables": EVERY,
+    "test_sql_tpch.py::test_tpch_query_on_rank_0_alone_matches_duckdb": EVERY,
     "test_sql.py::test_sql_matches_duckdb": EVERY,
     "test_sql.py::test_limit_without_order_keeps_n_rows": EVERY,
     "test_sql.py::test_explain_shows_the_exchanges": EVERY,

@@ -448,16 +448,28 @@ def test_plan_only_sizes_are_gathered_once_per_query(comm: Any) -> None:
     assert "aggregate:" in plan and "order_by:" in plan and (size == 1 or "MB" in plan), plan
 
 
+SMALL = {
+    "left_join_null_side": ("""
+        select r.run_id, count(s.step) as n from runs r left join steps s on s.run_id = r.run_id and s.step > 10
+        where s.energy is null or s.energy < 0 group by r.run_id""", False),
+    "left_join_kept_side": ("""
+        select r.run_id, r.model, s.step from runs r left join steps s on s.run_id = r.run_id
+        where r.temperature > 300 and r.model <> 'lj' and (s.step is null or s.step < 5)""", False),
+}
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", ["cte", "window_row_number_and_sums", "nulls_in_aggregates_and_groups"])
+@pytest.mark.parametrize("name", ["cte", "window_row_number_and_sums", "nulls_in_aggregates_and_groups", "left_join_null_side",
+                                  "left_join_kept_side"])
 def test_a_query_over_small_inputs_runs_on_rank_0_alone(comm: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inputs whose named columns hold fewer than ``SMALL_QUERY_BYTES`` over all ranks are gathered to
-    rank 0 and the query runs there alone: the plan says so, every row of the result is on rank 0,
+    """Inputs whose named columns hold fewer than ``SMALL_QUERY_BYTES`` over all ranks (in the rows
+    their own conditions keep: a condition on the null side of a left join is not one) are gathered
+    to rank 0 and the query runs there alone: the plan says so, every row of the result is on rank 0,
     DuckDB's answer all the same; an error there is raised on every rank."""
     from hetflow.operators import SQLError, sqlengine
 
     monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
-    query, ordered = QUERIES[name]
+    query, ordered = (QUERIES | SMALL)[name]
     result = _check(comm, query, ordered=ordered, **_tables())
     if comm.Get_size() > 1:
         assert result.plans[0].operation == "query" and "gather the inputs to rank 0" in result.plans[0].algorithm, result.explain()
