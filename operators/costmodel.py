@@ -191,13 +191,37 @@ def cache_path() -> Path:
     return Path(base) / "hetflow" / "hockney.json"
 
 
+#: the MPI attribute key under which an mpi4py communicator keeps its ranks' host names (``_hosts``)
+_hosts_keyval: int | None = None
+
+
+def _hosts(comm: Communicator) -> list[str]:
+    """The sorted host names of ``comm``'s ranks; collective the first time per MPI communicator.
+
+    An mpi4py communicator keeps them as an MPI attribute: every rank sets it at the same collective
+    call, so every rank finds it on later calls and none waits in an allgather the others skip (a
+    duplicate of the communicator does not inherit it).  Other communicators gather them each time."""
+    global _hosts_keyval
+    get, put, create = getattr(comm, "Get_attr", None), getattr(comm, "Set_attr", None), getattr(type(comm), "Create_keyval", None)
+    if get is not None and put is not None and create is not None:
+        if _hosts_keyval is None:
+            _hosts_keyval = int(create())
+        found = get(_hosts_keyval)
+        if found is not None:
+            return list(found)
+    hosts = sorted(set(comm.allgather(socket.gethostname())))
+    if put is not None and _hosts_keyval is not None:
+        put(_hosts_keyval, tuple(hosts))
+    return hosts
+
+
 def _key(comm: Communicator) -> str:
     """Cache key of the measured α, β: the hosts, the rank count and the transport.
 
     MPI and the TCP communicator have very different α and β on the same hosts
     (an order of magnitude apart: docs/benchmarks.md), so they never share an entry.
     """
-    hosts = sorted(set(comm.allgather(socket.gethostname())))
+    hosts = _hosts(comm)
     return f"{','.join(hosts)}|np={comm.Get_size()}|{type(comm).__module__}.{type(comm).__name__}"
 
 

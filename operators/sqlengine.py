@@ -18,6 +18,9 @@ Decisions:
   and ``ORDER BY``/``LIMIT`` (local top-k, gather to rank 0).  Every local fragment is a DuckDB
   query over Arrow tables, so expressions, NULLs, decimals and casts follow DuckDB; between two
   exchanges the joins, filters and aggregate run as one fragment.
+- A query over small inputs (under ``SMALL_QUERY_BYTES`` in the columns it names, over all ranks)
+  runs on rank 0 alone after one gather of those columns: there, each exchange of a distributed plan
+  costs a rendezvous of the ranks that the work it shares out does not repay.
 - The algorithm of each step is chosen at run time from the sizes of its inputs (the children run
   first), and recorded as a :class:`~hetflow.operators.costmodel.Plan`: the result's
   ``explain()`` lists the steps with their exchanges and estimated bytes.
@@ -30,15 +33,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
 from . import arrowtypes, kernels, partition
 from . import collectives as tc
 from .communicator import Communicator
-from .costmodel import Cost, Plan, hockney
+from .costmodel import Cost, Plan, allgather_cost, hockney, shuffle_cost
 from .dtable import DTable
 from .errors import SQLError
 
@@ -64,9 +68,137 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     from . import sqlplan
 
     inputs = _inputs(comm, query, tables)
-    tree, names = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()})
-    run = _Run(comm, {name: dt.to_arrow() for name, dt in inputs.items()})
-    table = run.query(tree, top=True)
+    tree, names = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()}, copy=False)  # the executor reads it only
+    local = {name: dt.to_arrow() for name, dt in inputs.items()}
+    if comm.Get_size() > 1 and SMALL_QUERY_BYTES > 0:
+        needed = _needed(query, tree, local)
+        if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * SMALL_QUERY_BYTES:
+            # small enough that the query may qualify once each input keeps only the rows its own
+            # conditions pass: filter here (a scan of this rank's rows), and count what is left
+            needed = {name: _prefiltered(tree, name, table) for name, table in needed.items()}
+        sizes = [float(b) for b in comm.allgather(sum(int(t.nbytes) for t in needed.values()))]
+        if sum(sizes) < SMALL_QUERY_BYTES:
+            return _on_rank_zero(comm, tree, names, inputs, needed, sizes)
+    run = _Run(comm, local)
+    table = _named(run.query(tree, top=True), names, inputs)
+    return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.finish()), _checked=True)
+
+
+#: a query whose inputs hold fewer bytes than this in the columns it names, in the rows that pass each
+#: input's own conditions (``_prefiltered``), summed over the ranks, runs on rank 0 alone: those rows
+#: are gathered there (one exchange) instead of exchanged step by
+#: step, each step a rendezvous of the ranks that costs more than the work it shares out on such inputs
+#: (docs/benchmarks.md, TPC-H at SF 0.1); 0 turns this off
+SMALL_QUERY_BYTES = 32 * 2**20
+
+
+def _needed(query: str, tree: Any, local: Mapping[str, pa.Table]) -> dict[str, pa.Table]:
+    """This rank's rows of the inputs ``tree`` reads, in the columns ``query`` names (all of them for ``*``)."""
+    from sqlglot import exp
+
+    from . import sqlplan
+
+    ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
+    used = {t.name.lower() for t in tree.find_all(exp.Table) if not t.args.get("db")} - ctes
+    columns = sqlplan.referenced_columns(query)
+    out = {}
+    for name, table in local.items():
+        if name.lower() not in used:
+            continue
+        keep = [c for c in table.column_names if columns is None or c.lower() in columns]
+        out[name] = table.select(keep or table.column_names[:1])
+    return out
+
+
+def _on_rank_zero(comm: Communicator, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable],
+                  needed: Mapping[str, pa.Table], sizes: list[float]) -> DTable:
+    """Gather ``needed`` (each input's columns the query names, in the rows its own conditions pass, or
+    all of them) to rank 0 and run the query there alone; the other ranks hold no row of the result
+    (its schema, the plan, or the error, broadcast from rank 0)."""
+    from . import sqlplan
+
+    whole = {name: tc.gather_table(comm, table, root=0) for name, table in needed.items()}
+    payload: Any = None
+    if comm.Get_rank() == 0:
+        try:
+            from mpi4py import MPI
+
+            run = _Run(MPI.COMM_SELF, {name: pa.concat_tables(parts or [], promote_options="permissive") for name, parts in whole.items()})
+            table = sqlplan.with_part(_named(run.query(tree, top=True), names, inputs), None)
+            payload = (table.schema, run.finish())
+        except Exception as exc:
+            _arrive(comm)
+            comm.bcast(exc if isinstance(exc, SQLError) else SQLError(f"rank 0, running the query alone, failed: {type(exc).__name__}: {exc}"), root=0)
+            raise
+    _arrive(comm)
+    payload = comm.bcast(payload, root=0)
+    if isinstance(payload, SQLError):
+        raise payload
+    schema, plans = payload
+    model = hockney(comm)
+    step = Plan("query", f"gather the inputs to rank 0 and run there ({sum(sizes) / 1e6:.2f} MB in the columns it names and "
+                         f"the rows their own conditions keep, under {SMALL_QUERY_BYTES / 1e6:.2f} MB)", shuffle_cost(model, sizes), {},
+                f"inputs {sorted(needed)}", model.describe())
+    return DTable(comm, table if comm.Get_rank() == 0 else schema.empty_table(), _plans=(step, *plans), _checked=True)
+
+
+def _prefiltered(tree: Any, name: str, table: pa.Table) -> pa.Table:
+    """This rank's rows of input ``name`` that pass the conditions of its own that the query puts on it,
+    where applying them before the gather cannot change the answer (rank 0 applies them again): the
+    table read once in the query, in the ``FROM`` or an inner join of a ``SELECT`` without right or
+    full joins, and the conjuncts of that ``SELECT``'s ``WHERE`` (or of its inner join's ``ON``) that
+    read only its columns, without subqueries, aggregates, windows or functions whose value changes
+    between two runs.  ``table`` itself when there is no such condition."""
+    from sqlglot import exp
+
+    from . import sqlplan
+
+    reads = [t for t in tree.find_all(exp.Table) if not t.args.get("db") and t.name.lower() == name.lower()]
+    if len(reads) != 1 or not isinstance(reads[0].parent, (exp.From, exp.Join)) or not isinstance(reads[0].parent.parent, exp.Select):
+        return table
+    source, select = reads[0], reads[0].parent.parent
+    joins = select.args.get("joins") or []
+    if any((j.side or "").lower() in ("right", "full") for j in joins):
+        return table
+    pool = sqlplan.conjuncts(select.args.get("where"))
+    if isinstance(source.parent, exp.Join):
+        join = source.parent
+        if join.side or (join.kind or "").lower() not in ("", "inner"):
+            return table
+        pool += sqlplan.conjuncts(join.args.get("on"))
+    alias = source.alias_or_name
+    by_lower = {c.lower(): c for c in table.column_names}
+    volatile = (exp.Subquery, exp.Select, exp.AggFunc, exp.Window, exp.Anonymous, exp.Rand, exp.CurrentDate,
+                exp.CurrentTime, exp.CurrentTimestamp)
+    mine = []
+    for c in pool:
+        cols = list(c.find_all(exp.Column))
+        if cols and all(col.table == alias and col.name.lower() in by_lower for col in cols) and not any(True for _ in c.find_all(*volatile)):
+            mine.append(c.transform(lambda n: exp.column(by_lower[n.name.lower()], quoted=True) if isinstance(n, exp.Column) else n))
+    if not mine or table.num_rows == 0:
+        return table
+    import numpy as np
+
+    numbered = table.append_column("__hetflow_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    rows = kernels._duck_query(f"SELECT __hetflow_row FROM t WHERE {' AND '.join(f'({sqlplan.sql_of(c)})' for c in mine)}", t=numbered)
+    return arrowtypes.take(table, pa.array(np.sort(rows.column(0).to_numpy())))
+
+
+def _arrive(comm: Communicator) -> None:
+    """Wait, without spinning a core, until every rank has come here (an ``Ibarrier`` polled with short
+    sleeps): the ranks other than 0 wait here while rank 0 runs the query, and an MPI collective's own
+    busy wait would take a core from it on a host with fewer cores than processes.  A communicator
+    without ``Ibarrier`` goes on at once (its next collective waits)."""
+    ibarrier = getattr(comm, "Ibarrier", None)
+    if ibarrier is None:
+        return
+    request = ibarrier()
+    while not request.Test():
+        time.sleep(0.0005)
+
+
+def _named(table: pa.Table, names: list[str] | None, inputs: Mapping[str, DTable]) -> pa.Table:
+    """The result's columns named as the query spells them (``names``; ``*``: as the inputs do)."""
     if names is not None and len(names) == table.num_columns:
         table = table.rename_columns([n or old for n, old in zip(names, table.column_names)])
     else:  # ``*``: the inputs' spelling of a name the optimizer lower-cased
@@ -75,7 +207,7 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
             for n in dt.schema.names:
                 spelled.setdefault(n.lower(), set()).add(n)
         table = table.rename_columns([next(iter(spelled[n])) if len(spelled.get(n, ())) == 1 else n for n in table.column_names])
-    return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.plans), _checked=True)
+    return table
 
 
 def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[str, DTable]:
@@ -112,6 +244,16 @@ def _inputs(comm: Communicator, query: str, tables: Mapping[str, Any]) -> dict[s
 
 
 # ---------------------------------------------------------------------------------------- execution
+class _Pending(NamedTuple):
+    """A step of the plan whose estimate waits for the sizes ``_Run.finish`` gathers."""
+
+    operation: str
+    algorithm: str
+    exchange: str
+    slot: int
+    detail: str
+
+
 class _Run:
     """One query's execution on this rank: local DuckDB fragments joined by exchanges."""
 
@@ -121,6 +263,9 @@ class _Run:
         self.rank = comm.Get_rank()
         self.inputs = inputs
         self.plans: list[Plan] = []
+        self._later: list[int] = []  # this rank's bytes of each ``plan_exchange`` step, gathered by ``finish``
+        # tables that are zero-copy projections of another: id -> (the table, the other, {column: its name there})
+        self.derived: dict[int, tuple[pa.Table, pa.Table, dict[str, str]]] = {}
         # the communicator's Hockney α, β, looked up once per query: ``hockney`` is collective (it gathers
         # the host names to find its cache entry), and every cost estimate of the plan reads them
         self.model = hockney(comm)
@@ -143,6 +288,31 @@ class _Run:
         cost = Cost() if cost is None else cost
         model = self.model.describe() if self.p > 1 else ""
         self.plans.append(Plan(operation, algorithm, cost, dict(alternatives or {}), detail, model))
+
+    def plan_exchange(self, operation: str, algorithm: str, exchange: str, *tables: pa.Table, detail: str = "") -> None:
+        """Record a step whose exchange (``"shuffle"``, or ``"allgather"``: a broadcast) of ``tables``
+        was not chosen by their sizes: its estimate needs every rank's bytes, which ``finish`` gathers
+        for all such steps of the query in one collective instead of one per step."""
+        if self.p == 1:
+            self.plan(operation, algorithm, Cost(), detail)
+            return
+        self._later.append(sum(int(t.nbytes) for t in tables))
+        self.plans.append(_Pending(operation, algorithm, exchange, len(self._later) - 1, detail))  # type: ignore[arg-type]
+
+    def finish(self) -> list[Plan]:
+        """The query's plan, the estimates of ``plan_exchange``'s steps filled in; collective when there are any."""
+        if not self._later:
+            return self.plans
+        every = self.comm.allgather(self._later)
+        model, out = self.model, []
+        for step in self.plans:
+            if isinstance(step, _Pending):
+                sizes = [float(rank[step.slot]) for rank in every]
+                cost = shuffle_cost(model, sizes) if step.exchange == "shuffle" else allgather_cost(model, sizes)
+                step = Plan(step.operation, step.algorithm, cost, {}, step.detail, model.describe())
+            out.append(step)
+        self.plans, self._later = out, []
+        return out
 
     def shuffle_by(self, table: pa.Table, keys: pa.Table) -> pa.Table:
         """Hash-shuffle ``table``'s rows by the values of ``keys`` (same rows, one canonical type per key)."""

@@ -70,14 +70,22 @@ def parse(query: str) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def referenced_columns(query: str) -> frozenset[str] | None:
-    """Lower-cased names of every column the query mentions, or ``None`` when it selects ``*``
-    (memoized by the text: parsing costs more than running a small query)."""
+    """Lower-cased names of every column the query mentions, or ``None`` when it selects ``*`` (other
+    than ``count(*)`` and ``EXISTS (SELECT * ...)``, which read no column) (memoized by the text:
+    parsing costs more than running a small query)."""
     exp = _exp()
     try:
         tree = parse(query)
     except SQLError:
         return None
-    if any(True for _ in tree.find_all(exp.Star)) and not all(isinstance(s.parent, exp.Count) for s in tree.find_all(exp.Star)):
+
+    def reads_columns(star: Any) -> bool:
+        if isinstance(star.parent, exp.Count):
+            return False
+        select = star.parent
+        return not (isinstance(select, exp.Select) and isinstance(select.parent, exp.Exists))
+
+    if any(reads_columns(s) for s in tree.find_all(exp.Star)):
         return None
     return frozenset(c.name.lower() for c in tree.find_all(exp.Column))
 
@@ -122,9 +130,10 @@ _PLANS: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, list[str] | Non
 PLAN_CACHE_SIZE = 64
 
 
-def optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] | None]:
+def optimize(query: str, schemas: dict[str, pa.Schema], copy: bool = True) -> tuple[Any, list[str] | None]:
     """sqlglot's optimized tree of ``query`` over tables of ``schemas`` (a copy of the cached one when the
-    same text was planned over the same schemas), and the output column names as the query spells
+    same text was planned over the same schemas; without ``copy``, the cached tree itself, for a caller
+    that does not change it: the ``Executor``), and the output column names as the query spells
     them (the optimizer lower-cases unquoted names; ``None`` when the outer query selects ``*``);
     unknown names raise ``SQLError``."""
     key = (query, tuple(sorted((n, s.remove_metadata().to_string(show_field_metadata=False)) for n, s in schemas.items())))
@@ -134,7 +143,7 @@ def optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] 
         if len(_PLANS) >= PLAN_CACHE_SIZE:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = found
-    return found[0].copy(), found[1]
+    return (found[0].copy() if copy else found[0]), found[1]
 
 
 def _optimize(query: str, schemas: dict[str, pa.Schema]) -> tuple[Any, list[str] | None]:
@@ -218,12 +227,57 @@ def _reduce_grouped_ctes(tree: Any) -> None:
                 x = other.table
                 if tables[x].name in order and order.index(tables[x].name) >= order.index(table.name):
                     continue  # a CTE the grouped one is computed before
-                own = [f for f in pool if aliases(f) == {x} and not any(True for _ in f.find_all(exp.Subquery, exp.Exists, exp.Select))]
-                if not own:
-                    continue
-                keys = exp.select(other.copy()).from_(tables[x].copy()).where(exp.and_(*(f.copy() for f in own)))
+                own = [f.copy() for f in pool if aliases(f) == {x} and not any(True for _ in f.find_all(exp.Subquery, exp.Exists, exp.Select))]
+                semi = _semi_keys(node, x, ctes, order, table.name)
+                # the outer rows' keys are a subset of another table's: read those (where the three columns
+                # have one type, so that equality is transitive between them)
+                same = [src for col, src, typ in semi if col == other.name and _one_type(typ, other.type, key.type)]
+                if same and not own:
+                    keys = same[0]
+                else:
+                    own += [exp.In(this=exp.column(col, table=x, quoted=True), query=exp.Subquery(this=src)) for col, src, _ in semi]
+                    if not own:
+                        continue
+                    keys = exp.select(other.copy()).from_(tables[x].copy()).where(exp.and_(*own))
                 cte.where(exp.In(this=key.copy(), query=exp.Subquery(this=keys)), copy=False)
                 break
+
+
+def _one_type(*types: Any) -> bool:
+    """Whether sqlglot typed these expressions alike (and knew the type)."""
+    exp = _exp()
+    return all(t is not None and not t.is_type(exp.DataType.Type.UNKNOWN) for t in types) and all(t == types[0] for t in types)
+
+
+def _semi_keys(node: Any, x: str, ctes: dict[str, Any], order: list[str], before: str) -> list[tuple[str, Any, Any]]:
+    """The semi joins of ``node`` on its table ``x`` that sqlglot writes for ``x.c IN (SELECT ...)``:
+    ``LEFT JOIN u ON u.k = x.c ... WHERE NOT u.k IS NULL`` (TPC-H Q20).  A row of ``x`` that such a
+    ``WHERE`` keeps met a row of ``u`` with ``u.k = x.c``, so ``x.c`` is among ``SELECT u.k FROM u``.
+    Returns ``(c, that SELECT, the type of u.k)`` for each, ``u`` an input table or a CTE computed before the CTE
+    ``before`` (the grouped one the keys restrict, which then reads ``u`` too)."""
+    exp = _exp()
+    tested = set()
+    for f in conjuncts(node.args.get("where")):
+        if isinstance(f, exp.Not) and isinstance(f.this, exp.Is) and isinstance(f.this.this, exp.Column) \
+                and isinstance(f.this.expression, exp.Null) and f.this.this.table:
+            tested.add(f.this.this.table)
+    out: list[tuple[str, Any, Any]] = []
+    for j in node.args.get("joins") or []:
+        u = j.this
+        if not (isinstance(u, exp.Table) and not u.args.get("db") and (j.side or "").lower() == "left" and u.alias_or_name in tested):
+            continue
+        if u.name in ctes and (u.name not in order or order.index(u.name) >= order.index(before)):
+            continue
+        for c in conjuncts(j.args.get("on")):
+            if not isinstance(c, exp.EQ):
+                continue
+            a, b = c.left, c.right
+            if isinstance(b, exp.Column) and b.table == u.alias_or_name:
+                a, b = b, a
+            if isinstance(a, exp.Column) and a.table == u.alias_or_name and isinstance(b, exp.Column) and b.table == x:
+                out.append((b.name, exp.select(a.copy()).from_(u.copy()), a.type))
+                break
+    return out
 
 
 _INEQUALITIES = ("NEQ", "GT", "GTE", "LT", "LTE")
@@ -514,6 +568,7 @@ class Rel:
         self.steps: list[str] = []
         self.where: list[str] = []
         self.equal: dict[str, set[str]] = dict(equal or {})  # columns an inner join's equality made equal in every row
+        self.whole: dict[str, str] = {}  # column -> the pending joined table holding it whole on every rank (broadcast)
 
     def add_equal(self, a: str, b: str) -> None:
         group = self.equal.get(a, {a}) | self.equal.get(b, {b})
@@ -528,10 +583,13 @@ class Rel:
     def pending(self) -> bool:
         return bool(self.steps or self.where)
 
-    def add_join(self, how: str, table: pa.Table, on_sql: str) -> None:
+    def add_join(self, how: str, table: pa.Table, on_sql: str, whole: bool = False) -> None:
+        """Join ``table`` in the next fragment; ``whole``: every rank holds all of its rows."""
         name = f"__j{len(self.tables)}"
         self.tables[name] = table
         self.steps.append(f" {_JOIN_SQL[how]} {name}" + ("" if how == "cross" else f" ON {on_sql}"))
+        if whole and how == "inner":
+            self.whole.update({c: name for c in table.column_names})
 
     def add_where(self, cond: str) -> None:
         self.where.append(cond)
@@ -550,13 +608,53 @@ class Rel:
         return f"(SELECT * FROM __r{''.join(self.steps)}{where})", {"__r": self.base, **self.tables}
 
 
+#: distinct counts of tables' columns by ``id`` of the table (with a weak reference that tells a table
+#: that is still the one counted from a new one at the same address): the inputs of a query run again,
+#: as a database keeps a table's statistics, are not counted again
+_NDV: dict[int, tuple[Any, dict[str, int]]] = {}
+NDV_CACHE_SIZE = 256
+
+
+def _known_ndv(origin: tuple[pa.Table, dict[str, str], pa.Table] | None, columns: Sequence[str], alias: str) -> list[int] | None:
+    """The remembered distinct counts of ``alias``'s ``columns`` in the table it reads, or ``None``."""
+    if origin is None:
+        return None
+    table, names, _ = origin
+    entry = _NDV.get(id(table))
+    if entry is None or entry[0]() is not table:
+        return None
+    found = [entry[1].get(names.get(f"{alias}.{c}", "")) for c in columns]
+    return None if any(v is None for v in found) else [int(v) for v in found]  # type: ignore[arg-type]
+
+
+def _remember_ndv(origin: tuple[pa.Table, dict[str, str], pa.Table] | None, columns: Sequence[str], alias: str, ndv: Sequence[int]) -> None:
+    import weakref
+
+    if origin is None:
+        return
+    table, names, _ = origin
+    entry = _NDV.get(id(table))
+    if entry is None or entry[0]() is not table:
+        if len(_NDV) >= NDV_CACHE_SIZE:
+            for key in [k for k, (ref, _) in _NDV.items() if ref() is None] or [next(iter(_NDV))]:
+                del _NDV[key]
+        entry = _NDV[id(table)] = (weakref.ref(table), {})
+    for c, n in zip(columns, ndv):
+        if f"{alias}.{c}" in names:
+            entry[1][names[f"{alias}.{c}"]] = int(n)
+
+
 class Executor:
-    """Runs one query tree (and its CTEs) on this rank; every method is collective."""
+    """Runs one query tree (and its CTEs) on this rank; every method is collective.  The tree is read,
+    never changed (``optimize`` hands the cached tree itself): expressions are rewritten on copies."""
 
     def __init__(self, run: _Run, env: dict[str, pa.Table]) -> None:
         self.r = run
         self.env = dict(env)
         self.subqueries: dict[str, pa.Table] = {}  # materialized uncorrelated subqueries, on every rank
+        # each source alias's table as read (an input or a CTE's result), its columns' names there by
+        # physical name (``alias.column``), and the table of those physical columns
+        self.origins: dict[str, tuple[pa.Table, dict[str, str], pa.Table]] = {}
 
     def local(self, sql: str, **tables: pa.Table) -> pa.Table:
         """A local fragment, with the materialized subqueries it names."""
@@ -585,10 +683,10 @@ class Executor:
             table = Executor(self.r, self.env).run(inner)
             r = self.r
             if r.p > 1:
-                sizes = r.sizes(table)
+                before = table
                 table = r.broadcast(table)
-                r.plan("subquery", "broadcast of its result", allgather_cost(r.model, sizes),
-                       f"uncorrelated subquery of {table.num_rows} row(s)")
+                r.plan_exchange("subquery", "broadcast of its result", "allgather", before,
+                                detail=f"uncorrelated subquery of {table.num_rows} row(s)")
             name = f"__sq{len(self.subqueries)}"
             self.subqueries[name] = table
             repl = exp.select("*").from_(exp.to_identifier(name))
@@ -639,12 +737,17 @@ class Executor:
         keep = [(by_lower.get(c.lower(), c), c) for c in sorted(want) if c in table.column_names or c.lower() in by_lower]
         if not keep:  # count(*) and the like need only the rows
             keep = [(table.column_names[0], table.column_names[0])] if table.num_columns else []
-        out = table.select([a for a, _ in keep]).rename_columns([f"{alias}.{c}" for _, c in keep])
+        out = with_part(table.select([a for a, _ in keep]).rename_columns([f"{alias}.{c}" for _, c in keep]), None)
+        found = self.r.derived.get(id(table))
+        if found is not None and found[0] is table:  # a projection of another table: that table's statistics
+            self.origins[alias] = (found[1], {f"{alias}.{c}": found[2][a] for a, c in keep if a in found[2]}, out)
+        else:
+            self.origins[alias] = (table, {f"{alias}.{c}": a for a, c in keep}, out)
         part = part_of(table)
         physical = {a: f"{alias}.{c}" for a, c in keep}
         if part is not None:
             part = tuple((physical[c], t) for c, t in part) if all(c in physical for c, _ in part) else None
-        return alias, with_part(out, None), part
+        return alias, out, part
 
     # ------------------------------------------------------------------ joins
     def rows_of(self, rel: Rel) -> pa.Table:
@@ -672,6 +775,7 @@ class Executor:
                 elif a and b and a <= ral and b <= lal:
                     keys.append((c.right, c.left))
         cond = " AND ".join(f"({sql_of(phys(c))})" for c in on) or "TRUE"
+        whole = False  # the right side broadcast: all of it on every rank
         # sizes of the left's base (its pending joins are not run to size it) and the key columns' ranges, in one allgather
         cols = [(f"{a.table}.{a.name}" if isinstance(a, exp.Column) and a.table else None,
                  f"{b.table}.{b.name}" if isinstance(b, exp.Column) and b.table else None) for a, b in keys]
@@ -731,6 +835,7 @@ class Executor:
                 algo = f"hash shuffle of the {' and '.join(moved)} side{'s' if len(moved) > 1 else ''} on {[sql_of(a) for a, _ in keys]}"
             elif choice == "broadcast":
                 right = r.broadcast(right)
+                whole = True
                 algo = "broadcast right"
             else:
                 left_rel = Rel(r.broadcast(self.rows_of(left_rel)), None, left_rel.equal)
@@ -743,6 +848,7 @@ class Executor:
             model = r.model
             if choice == "broadcast":
                 right = r.broadcast(right)
+                whole = True
                 cost = allgather_cost(model, rsizes)
             elif choice == "broadcast_left":
                 left_rel = Rel(r.broadcast(self.rows_of(left_rel)))
@@ -753,7 +859,7 @@ class Executor:
             r.plan("join", {"broadcast": "broadcast right", "broadcast_left": "broadcast left", "gather": "gather both sides to rank 0"}[choice],
                    cost, detail)
         if how in ("inner", "left", "cross"):
-            left_rel.add_join(how, right, cond)
+            left_rel.add_join(how, right, cond, whole)
             if how == "inner":
                 for a, b in keys:
                     if isinstance(a, exp.Column) and a.table and isinstance(b, exp.Column) and b.table:
@@ -923,17 +1029,33 @@ class Executor:
                         eq_cols[side.table].append(side.name)
         if len(rels) <= 2:
             eq_cols = {a: [] for a in rels}  # no choice of order to make: no distinct counts needed
-        local = []
-        for a, t in rels.items():
-            cols = [f"approx_count_distinct({q(f'{a}.{c}')})" for c in eq_cols[a]]
-            where = f" WHERE {filters[a]}" if a in filters else ""
-            if cols:  # (no choice of order between two sources: their unfiltered sizes pick the first)
-                vals = list(self.local(f"SELECT {', '.join(['count(*)', 'sum(0)'] + cols)} FROM t{where}", t=t).to_pylist()[0].values())
-            else:
-                vals = [t.num_rows, 0]
-            n = int(vals[0] or 0)
-            local.append([n, int(t.nbytes * n / t.num_rows) if t.num_rows else 0] + [int(v or 0) for v in vals[2:]])
-        stats = r.comm.allgather(local) if r.p > 1 else [local]
+        # the filtered rows of every source but the largest here (the likely first) are read once, now, and
+        # counted as they are; the largest's are counted through its filter (the same counts either way)
+        guess = max(rels, key=lambda a: (rels[a].nbytes, -list(rels).index(a)))
+        done = {a: self.local(f"SELECT * FROM t WHERE {filters[a]}", t=t) for a, t in rels.items() if a in filters and a != guess}
+        local: list[list[int]] = []
+        counted: dict[int, tuple[str, list[str]]] = {}  # the sources DuckDB counts, in one statement
+        for i, (a, t) in enumerate(rels.items()):
+            # (no choice of order between two sources: their unfiltered sizes pick the first)
+            known = _known_ndv(self.origins.get(a), eq_cols[a], a) if eq_cols[a] and a not in filters else None
+            if eq_cols[a] and known is None:
+                counted[i] = (a, [f"count(*) AS __n{i}"] + [f"approx_count_distinct({q(f'{a}.{c}')}) AS __d{i}_{j}"
+                                                            for j, c in enumerate(eq_cols[a])])
+            local.append([t.num_rows, int(t.nbytes)] + (known or []))
+        if counted:
+            names = list(rels)
+            row = self.local("SELECT * FROM " + ", ".join(
+                f"(SELECT {', '.join(cols)} FROM __s{i}{f' WHERE {filters[a]}' if a in filters and a not in done else ''})"
+                for i, (a, cols) in counted.items()),
+                **{f"__s{i}": done.get(a, rels[a]) for i, (a, _) in counted.items()}).to_pylist()[0]
+            for i, (a, _) in counted.items():
+                t, n = rels[names[i]], int(row[f"__n{i}"] or 0)
+                distinct_counts = [int(row[f"__d{i}_{j}"] or 0) for j in range(len(eq_cols[a]))]
+                local[i] = [n, int(t.nbytes * n / t.num_rows) if t.num_rows else 0] + distinct_counts
+                if a not in filters:
+                    _remember_ndv(self.origins.get(a), eq_cols[a], a, distinct_counts)
+        # one source: no order to choose, and its sizes estimate nothing (the ranks skip the allgather alike)
+        stats = r.comm.allgather(local) if r.p > 1 and len(rels) > 1 else [local]
         rows, nbytes, ndv = {}, {}, {}
         for i, a in enumerate(rels):
             rows[a] = sum(s[i][0] for s in stats)
@@ -950,9 +1072,10 @@ class Executor:
         first = max(order, key=lambda a: (nbytes[a], -order.index(a)))
         for a, t in list(rels.items()):
             if a in filters and a != first:
-                rels[a] = self.local(f"SELECT * FROM t WHERE {filters[a]}", t=t)
-        cur, have, cur_rows = Rel(rels.pop(first), parts[first]), {first}, float(rows[first])
-        if first in filters:
+                rels[a] = done[a] if a in done else self.local(f"SELECT * FROM t WHERE {filters[a]}", t=t)
+        base = rels.pop(first)
+        cur, have, cur_rows = Rel(done.get(first, base), parts[first]), {first}, float(rows[first])
+        if first in filters and first not in done:
             cur.add_where(filters[first])
         while rels:
             best: tuple[float, int, str] | None = None
@@ -971,10 +1094,42 @@ class Executor:
             est_rows = best[0] if best is not None else cur_rows * rows[nxt]
             on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
             pool = [c for c in pool if not any(c is o for o in on)]
-            cur = self.join(cur, rels.pop(nxt), set(have), {nxt}, on, "inner" if on else "cross", parts[nxt])
+            table = self.semi_reduce(cur, nxt, rels.pop(nxt), on, ndv)
+            cur = self.join(cur, table, set(have), {nxt}, on, "inner" if on else "cross", parts[nxt])
             have.add(nxt)
             cur_rows = est_rows  # the estimate: the join itself may still be pending in ``cur``
         return cur, have, pool
+
+    #: a source is restricted to the keys of a whole table already joined when that table has at most
+    #: this fraction of the source's distinct values of the key
+    SEMI_REDUCE_FRACTION = 0.5
+
+    def semi_reduce(self, cur: Rel, alias: str, table: pa.Table, on: list[Any], ndv: dict[tuple[str, str], int]) -> pa.Table:
+        """``table`` (the source ``alias``, about to be inner-joined with ``cur`` on ``on``) without the rows
+        whose key cannot meet ``cur``: where an equality of ``on`` makes a column of ``alias`` equal to a
+        column of ``cur`` that inner joins made equal to a column of a table every rank holds whole (a
+        broadcast side, pending in ``cur``), every row the join keeps has a key among that table's values,
+        so the rows of ``table`` with other keys go before the join's exchange sizes it (TPC-H Q9:
+        partsupp, joined after the parts of one name, keeps the rows of those parts instead of being
+        broadcast whole).  Only where that table has at most ``SEMI_REDUCE_FRACTION`` of the source's
+        distinct key values (the same choice on every rank: whole tables and the allgathered counts)."""
+        exp = _exp()
+        if self.r.p == 1 or not cur.whole:
+            return table
+        for c in on:
+            if not isinstance(c, exp.EQ) or not (isinstance(c.left, exp.Column) and isinstance(c.right, exp.Column)):
+                continue
+            mine, other = (c.left, c.right) if c.left.table == alias else (c.right, c.left)
+            if mine.table != alias or other.table == alias or (alias, mine.name) not in ndv:
+                continue
+            col = f"{other.table}.{other.name}"
+            for k in sorted(cur.equal.get(col, {col})):
+                held = cur.whole.get(k)
+                if held is None or cur.tables[held].num_rows > self.SEMI_REDUCE_FRACTION * ndv[(alias, mine.name)]:
+                    continue
+                return self.local(f"SELECT * FROM t WHERE {q(f'{alias}.{mine.name}')} IN (SELECT {q(k)} FROM k)",
+                                  t=table, k=cur.tables[held])
+        return table
 
     def _has_subquery(self, e: Any) -> bool:
         exp = _exp()
@@ -1040,6 +1195,11 @@ class Executor:
                 name = f"__o{i}"
                 hidden.append(f"{sql_of(e)} AS {q(name)}")
             order_cols.append((name, d, nf))
+        if not top and not hidden and not filter_sql and distinct is None and not order_cols \
+                and node.args.get("limit") is None and node.args.get("offset") is None:
+            plain = self._projection(tables.get(source), exprs, names, self._output_part(part, exprs, names))
+            if plain is not None:
+                return plain
         proj = ", ".join([f"{sql_of(e)} AS {q(n)}" for e, n in zip(exprs, names)] + hidden)
         where = f" WHERE {filter_sql}" if filter_sql else ""
         table = self.local(f"SELECT {proj} FROM {source} AS __src{where}", **tables)
@@ -1051,6 +1211,28 @@ class Executor:
             table = table.select(table.column_names[: len(names)])
         moved = bool(windows) or distinct is not None or bool(order_cols and (limit is not None or offset or top))
         return with_part(table, None if moved else self._output_part(part, exprs, names))
+
+    def _projection(self, base: pa.Table | None, exprs: list[Any], names: list[str], part: Part | None) -> pa.Table | None:
+        """``base``'s columns as ``names``, without a copy, when every expression is one of them (a CTE
+        that only renames an input's columns, as sqlglot writes for a table a query reads twice);
+        ``None`` otherwise; marked as partitioned by ``part``.  The result remembers the table its columns
+        are from (``source``), whose statistics then serve it."""
+        exp = _exp()
+        if base is None or len(set(names)) != len(names) \
+                or not all(isinstance(e, exp.Column) and not e.table and e.name in base.column_names for e in exprs):
+            return None
+        out = with_part(base.select([e.name for e in exprs]).rename_columns(names), part)
+        origin = self.origins_of(base)
+        if origin is not None:
+            self.r.derived[id(out)] = (out, origin[0], {n: origin[1][e.name] for e, n in zip(exprs, names) if e.name in origin[1]})
+        return out
+
+    def origins_of(self, table: pa.Table) -> tuple[pa.Table, dict[str, str]] | None:
+        """The table whose columns ``table`` holds and, by column of ``table``, the name there."""
+        for origin, names, read in self.origins.values():
+            if read is table:
+                return origin, names
+        return None
 
     def _output_part(self, part: Part | None, exprs: list[Any], names: list[str]) -> Part | None:
         """The partitioning of a result whose outputs include the partitioning columns as they are."""
@@ -1120,25 +1302,23 @@ class Executor:
                     partial.append(f"{kind.lower()}({arg}) AS __p{j}")
                     final.append(f"{kind.lower()}(__p{j}) AS __a{j}")
             part = self.local(f"SELECT {', '.join(gsel + partial)} FROM {src} AS t{gby}", **tabs)
-            sizes = r.sizes(part) if r.p > 1 else [float(part.nbytes)]
             if keys:
+                r.plan_exchange("aggregate", "partial aggregate, hash shuffle of the partials on the keys, final aggregate" if r.p > 1 else "local (1 rank)",
+                                "shuffle", part, detail=f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
                 part = r.shuffle(part, gcols)
-                r.plan("aggregate", "partial aggregate, hash shuffle of the partials on the keys, final aggregate" if r.p > 1 else "local (1 rank)",
-                       shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             else:
+                r.plan_exchange("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
+                                "shuffle", part, detail=f"{len(aggs)} aggregate(s)")
                 part = r.gather(part)
-                r.plan("aggregate", "partial aggregate, gather of the partials to rank 0, final aggregate" if r.p > 1 else "local (1 rank)",
-                       shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"{len(aggs)} aggregate(s)")
             return _final_aggregate(part, gcols + final, gby, keys, gcols, r.rank, mapping)
         if r.p == 1:  # one rank: the aggregate in one fragment
             r.plan("aggregate", "local (1 rank)", Cost(), f"keys {[sql_of(k) for k in keys]}, {len(aggs)} aggregate(s)")
             body = ', '.join(gsel + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)])
             return tabs, f"(SELECT {body} FROM {src} AS t" + (f" GROUP BY {', '.join(sql_of(k) for k in keys)})" if keys else ")"), mapping, None
         pre = self.local(f"SELECT {', '.join(['*'] + gsel)} FROM {src} AS t", **tabs) if keys else self.rows_of(cur)
-        sizes = r.sizes(pre) if r.p > 1 else [float(pre.nbytes)]
+        r.plan_exchange("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
+                        "shuffle", pre, detail=f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
         pre = r.shuffle(pre, gcols) if keys else r.gather(pre)
-        r.plan("aggregate", ("hash shuffle of the rows on the keys, aggregate" if keys else "gather of the rows to rank 0, aggregate") if r.p > 1 else "local (1 rank)",
-               shuffle_cost(r.model, sizes) if r.p > 1 else Cost(), f"aggregates whose partials do not combine: {[sql_of(a)[:40] for a in aggs]}")
         return _final_aggregate(pre, gcols + [f'{sql_of(a)} AS __a{j}' for j, a in enumerate(aggs)], gby, keys, gcols,
                                 r.rank, mapping)
 
@@ -1177,22 +1357,19 @@ class Executor:
         if r.p == 1:
             r.plan("window", "local (1 rank)", Cost(), f"{len(windows)} window function(s)")
             return cur
-        sizes = r.sizes(cur)
         if len(parts) == 1 and next(iter(parts)):
             keys = next(iter(parts))
+            r.plan_exchange("window", f"hash shuffle on PARTITION BY {list(keys)}", "shuffle", cur, detail=f"{len(windows)} window function(s)")
             wk = r.local("SELECT " + ", ".join(f"{k} AS __w{i}" for i, k in enumerate(keys)) + " FROM t", t=cur)
-            out = r.shuffle_by(cur, wk)
-            r.plan("window", f"hash shuffle on PARTITION BY {list(keys)}", shuffle_cost(r.model, sizes), f"{len(windows)} window function(s)")
-            return out
-        r.plan("window", "gather to rank 0 (no common PARTITION BY)", shuffle_cost(r.model, sizes), f"{len(windows)} window function(s)")
+            return r.shuffle_by(cur, wk)
+        r.plan_exchange("window", "gather to rank 0 (no common PARTITION BY)", "shuffle", cur, detail=f"{len(windows)} window function(s)")
         return r.gather(cur)
 
     def distinct(self, table: pa.Table) -> pa.Table:
         r = self.r
         if r.p > 1:
-            sizes = r.sizes(table)
+            r.plan_exchange("distinct", "hash shuffle on all columns", "shuffle", table)
             table = r.shuffle_all(table)
-            r.plan("distinct", "hash shuffle on all columns", shuffle_cost(r.model, sizes))
         return r.local("SELECT DISTINCT * FROM t", t=table)
 
     def order_limit(self, table: pa.Table, order: list[tuple[str, bool, bool]], limit: int | None, offset: int | None, top: bool) -> pa.Table:
@@ -1202,12 +1379,11 @@ class Executor:
         if order and (limit is not None or top or off):
             tail = (f" LIMIT {limit}" if limit is not None else "") + (f" OFFSET {off}" if off else "")
             if r.p > 1:
-                sizes = r.sizes(table)
+                r.plan_exchange("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort", "shuffle", table,
+                                detail=f"ORDER BY {keys}{tail}")
                 if limit is not None:
                     table = r.local(f"SELECT * FROM t ORDER BY {keys} LIMIT {limit + off}", t=table)
                 table = r.gather(table)
-                r.plan("order_by", ("local top-k, " if limit is not None else "") + "gather to rank 0, sort",
-                       shuffle_cost(r.model, sizes), f"ORDER BY {keys}{tail}")
             else:
                 r.plan("order_by", "local sort (1 rank)", Cost(), f"ORDER BY {keys}{tail}")
             if r.rank == 0 or r.p == 1:
@@ -1240,9 +1416,8 @@ class Executor:
             r.plan("union", "local concat (UNION ALL)")
         else:
             if r.p > 1:
-                sizes = [x + y for x, y in zip(r.sizes(a), r.sizes(b))]
+                r.plan_exchange(op.lower(), "hash shuffle both sides on all columns", "shuffle", a, b)
                 a, b = r.shuffle_all(a), r.shuffle_all(b)
-                r.plan(op.lower(), "hash shuffle both sides on all columns", shuffle_cost(r.model, sizes))
             out = r.local(f"SELECT * FROM a {op}{'' if distinct else ' ALL'} SELECT * FROM b", a=a, b=b)
         order = []
         for o in (node.args.get("order").expressions if node.args.get("order") else []):

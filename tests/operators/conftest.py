@@ -61,11 +61,13 @@ MPI5: dict[str, Callable[[Params], bool]] = {
     # SQL (issue 28 asks for 5 ranks): all of it, about 25 s at 5 ranks on 2 cores
     "test_sql_tpch.py::test_tpch_query_matches_duckdb": EVERY,
     "test_sql_tpch.py::test_parquet_paths_and_globs_as_tables": EVERY,
+    "test_sql_tpch.py::test_tpch_query_on_rank_0_alone_matches_duckdb": EVERY,
     "test_sql.py::test_sql_matches_duckdb": EVERY,
     "test_sql.py::test_limit_without_order_keeps_n_rows": EVERY,
     "test_sql.py::test_explain_shows_the_exchanges": EVERY,
     "test_sql.py::test_names_keep_the_query_spelling_and_group_by_all": EVERY,
     "test_sql.py::test_copartitioned_sides_are_not_shuffled_again": EVERY,
+    "test_sql.py::test_a_query_over_small_inputs_runs_on_rank_0_alone": EVERY,
     "test_operators_sql_gaps.py::test_decimal_sums_compare_with_literals_and_divide": EVERY,
     "test_operators_sql_gaps.py::test_string_view_in_callables_and_with_columns": EVERY,
     "test_operators_sql_gaps.py::test_count_star": EVERY,
@@ -91,3 +93,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = sorted(k for k in MPI5 if k.split("::")[0] in files and k not in found)
     if stale:
         raise pytest.UsageError(f"tests/operators/conftest.py MPI5 names tests that do not exist: {stale}")
+
+
+@pytest.fixture(autouse=True)
+def _sql_plans_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator tests' SQL runs its distributed plan on their small tables: a query over inputs this
+    small would otherwise run on rank 0 alone (``sqlengine.SMALL_QUERY_BYTES``); the tests of that
+    path set the bound themselves."""
+    from hetflow.operators import sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 0)

@@ -135,3 +135,23 @@ def test_plan_text_shows_bytes_and_the_split() -> None:
 
     text = str(Plan("sort_by", "sample sort", Cost(2.5e6, 0.004, 0.006), {"x": 0.01}))
     assert "estimated 10.00 ms" in text and "exchange 2.50 MB in 4.00 ms" in text and "local 6.00 ms" in text
+
+
+@pytest.mark.mpi
+def test_an_mpi_communicator_keeps_its_host_names(comm: Any) -> None:
+    """The host names that key the Hockney parameters are gathered once per MPI communicator and kept as
+    its attribute (every rank sets it in the same collective call, so no rank skips an allgather the
+    others make); a duplicate of the communicator gathers its own."""
+    import socket
+
+    from hetflow.operators import costmodel
+
+    hosts = costmodel._hosts(comm)
+    assert hosts == sorted(set(comm.allgather(socket.gethostname())))
+    assert comm.Get_attr(costmodel._hosts_keyval) == tuple(hosts)
+    assert costmodel._hosts(comm) == hosts
+    dup = comm.Dup()
+    try:
+        assert dup.Get_attr(costmodel._hosts_keyval) is None
+    finally:
+        dup.Free()

@@ -86,3 +86,24 @@ def test_inequality_correlated_exists_runs_as_semi_and_anti_joins(tpch: Any) -> 
     plan = sql(comm, _tpch.QUERIES[21], **tables).explain()
     assert "semi join" in plan and "anti join" in plan, plan
 
+
+
+@pytest.mark.parametrize("number", sorted(_tpch.QUERIES))
+def test_tpch_query_on_rank_0_alone_matches_duckdb(tpch: Any, number: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every query through the path of a query over small inputs (``SMALL_QUERY_BYTES``): each input's
+    rows filtered by its own conditions on its rank, gathered to rank 0, the query run there alone;
+    DuckDB's answer all the same."""
+    from hetflow.operators import sql, sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 40)
+    comm, tables, paths = tpch
+    query = _tpch.QUERIES[number]
+    result = sql(comm, query, **tables)
+    got = result.gather()
+    if comm.Get_rank() == 0:
+        want = _answer(query, paths)
+        _sqlcheck.assert_same(got, want, ordered="order by" in query.lower(), ctx=f"TPC-H Q{number} on rank 0 of {comm.Get_size()}")
+        assert got.column_names == want.column_names, f"Q{number}: names {got.column_names}, DuckDB {want.column_names}"
+    if comm.Get_size() > 1:
+        assert result.plans[0].operation == "query" and "rank 0" in result.plans[0].algorithm, result.explain()
+        assert comm.Get_rank() == 0 or result.local_num_rows == 0
