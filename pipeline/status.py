@@ -197,8 +197,9 @@ def _read_status(rows: Rows, run_id: str, store_url: str) -> RunStatus:
             counted.setdefault(stage_name, {})[item_state] = count
     # per stage: how many of its tasks were launched and the last of them, in two statements (a map
     # stage has a task per chunk: loading them all, and each one's attempt, made status O(items))
-    launched = dict(rows("SELECT attempts.stage_id, count(*) FROM attempts JOIN stages ON stages.id = "
-                         "attempts.stage_id WHERE stages.run_id = :run GROUP BY attempts.stage_id", {"run": run_id}))
+    launched: dict[int, int] = dict(rows(
+        "SELECT attempts.stage_id, count(*) FROM attempts JOIN stages ON stages.id = attempts.stage_id "
+        "WHERE stages.run_id = :run GROUP BY attempts.stage_id", {"run": run_id}))
     stages = []
     for (stage_id, name, stage_state, stage_started, stage_ended, stage_error, cached_from, outputs, cache_reason,
          cache_hit, _) in records:
@@ -215,7 +216,7 @@ def _read_status(rows: Rows, run_id: str, store_url: str) -> RunStatus:
             signal=signal, cached_from=cached_from, outputs=tuple(_json(outputs) or ()), cache_reason=cache_reason,
             cache_hit=None if cache_hit is None else bool(cache_hit), log_dir=attempt_dir,
             items=counted.get(name)))
-    datasets = dict(rows("SELECT name, path FROM datasets WHERE run_id = :run", {"run": run_id}))
+    datasets: dict[str, str] = dict(rows("SELECT name, path FROM datasets WHERE run_id = :run", {"run": run_id}))
     return RunStatus(id=run_id, pipeline=pipeline, state=state, created=created, started=started, ended=ended,
                      run_dir=run_dir, stages=tuple(stages), datasets=datasets, script=script, error=error,
                      rerun=tuple(_json(rerun) or ()), store_url=store_url)

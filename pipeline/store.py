@@ -27,7 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
                         create_engine, event, func, insert, inspect, select, text, update)
@@ -364,6 +364,23 @@ def _pin_in_batch(session: Session, instance: Any) -> None:
 
 EVENTS = "hetflow.events"
 """``Session.info`` key: the events a :meth:`Store.batch` has recorded and not written yet."""
+
+
+INSERT_BATCH = 5_000
+"""Rows :func:`insert_rows` hands the database in one statement."""
+
+
+def insert_rows(session: Session, model: type[Base], rows: Iterable[dict[str, Any]]) -> None:
+    """Insert ``rows`` (column values) in ``session``'s transaction, :data:`INSERT_BATCH` at a time: a map of
+    100,000 items writes as many item rows and partition rows at its end, never all held as dicts at once."""
+    batch: list[dict[str, Any]] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == INSERT_BATCH:
+            session.execute(insert(model), batch)
+            batch = []
+    if batch:
+        session.execute(insert(model), batch)
 
 
 def _write_events(session: Session) -> None:

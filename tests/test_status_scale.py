@@ -222,7 +222,8 @@ def test_the_sqlite_reader_and_the_store_read_a_run_alike(tmp_path) -> None:  # 
         session.execute(update(AttemptRecord).values(traceback="Traceback\n  here", failed_rank=1, signal=9))
         session.add(DatasetRecord(run_id="r1", name="out", path="/d/out", producer_stage="items", producer_attempt=1,
                                   num_rows=1, num_bytes=1, schema="", fingerprint="f", committed=now))
-        session.add(RunRecord(id="r1-b", pipeline="p", state="DONE", created=now - 10, run_dir="/r", hetflow_version="0"))
+        session.add(RunRecord(id="r1-b", pipeline="p", state="DONE", created=now - 10, run_dir="/r",
+                              hetflow_version="0"))
     url = str(store.url)
     assert quick_status(url, "r1") is not None
     assert quick_status(url, "r1").to_json() == run_status(store, "r1").to_json()   # type: ignore[union-attr]
