@@ -25,6 +25,7 @@ import json
 import math
 import os
 import stat
+import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,6 +170,19 @@ def capacity(spec: StageSpec, cores: int, gpus: int) -> int:
     return max(1, int(fits))
 
 
+def shared(values: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``values`` with the texts under ``keys`` interned (of a list, its first): every item of a map repeats its
+    output's schema, its node, its rank's log file (the first of ``log``) and its directory, which the map holds
+    for each of them until its end."""
+    for key in keys:
+        value = values.get(key)
+        if isinstance(value, str):
+            values[key] = sys.intern(value)
+        elif isinstance(value, list) and value and isinstance(value[0], str):
+            values[key] = [sys.intern(value[0]), *value[1:]]
+    return values
+
+
 def _intact(item: Item) -> bool:
     """Every partition file of the item is there, a regular file of its size and checksum."""
     for name, parts in item.outputs.items():
@@ -194,10 +208,12 @@ def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id
     ``outputs``, ``run_id``, ``cached_from``) produced with intact files, this run's own first."""
     for item in items:
         for record in sorted(earlier.get(item.key, ()), key=lambda r: r.run_id != run_id):
-            candidate = Item(item.index, item.key, item.label, item.where, directory=record.directory,
-                             outputs=dict(record.outputs or {}))
+            outputs = {name: [shared(dict(part), "schema", "node") for part in parts]
+                       for name, parts in (record.outputs or {}).items()}
+            candidate = Item(item.index, item.key, item.label, item.where, directory=sys.intern(record.directory),
+                             outputs=outputs)
             if _intact(candidate):
-                item.state, item.directory, item.outputs = "CACHED", record.directory, candidate.outputs
+                item.state, item.directory, item.outputs = "CACHED", candidate.directory, candidate.outputs
                 item.cached_from = record.cached_from or (None if record.run_id == run_id else record.run_id)
                 break
 
@@ -305,7 +321,7 @@ class MapRun:
                 self.isolated = f"the items from item {item.index} on ran in a process each ({line['forked']})"
             if line["status"] == "ok":
                 self.set_state(item, "DONE")
-                item.error, item.outputs = None, dict(line["outputs"])
+                item.error, item.outputs = None, line["outputs"]  # the line's own (hetflow.mapshell._merge)
                 item.tries += 1
             else:
                 self._failed(item, str(line.get("error") or "failed"))

@@ -400,6 +400,8 @@ def _merge(files: AttemptFiles, ranks: int) -> dict[int, dict[str, Any]]:
             for name, part in (line.get("outputs") or {}).items():
                 outputs.setdefault(name, [])
                 if part is not None:
-                    outputs[name].append({**part["partition"], "schema": part["schema"]})
-        merged[index] = {**first, "outputs": outputs}
+                    entry = {**part["partition"], "schema": part["schema"]}
+                    outputs[name].append(mapping.shared(entry, "schema", "node"))
+        merged[index] = mapping.shared({**first, "outputs": outputs}, "log")
     return merged
+
