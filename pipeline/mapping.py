@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hetflow.operators import dataset as ds
 from hetflow.operators import safeio
@@ -203,13 +203,29 @@ def _intact(item: Item) -> bool:
     return True
 
 
+class Earlier(NamedTuple):
+    """An earlier ``map_items`` row of an item's key, the columns :func:`reusable` reads (a cached map of 100,000
+    items loads as many: its texts are shared as loaded, :func:`shared_outputs`)."""
+
+    run_id: str
+    directory: str
+    outputs: dict[str, list[dict[str, Any]]] | None
+    cached_from: str | None
+
+
+def shared_outputs(outputs: Mapping[str, list[dict[str, Any]]] | None) -> dict[str, list[dict[str, Any]]]:
+    """An item's recorded ``outputs`` with the texts every item repeats shared (:func:`shared`; its partitions'
+    dicts are changed in place)."""
+    return {name: [shared(part, "schema", "node") for part in parts] for name, parts in (outputs or {}).items()}
+
+
 def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id: str) -> None:
     """Mark CACHED each item that an earlier record (``earlier[key]``: records with ``directory``,
-    ``outputs``, ``run_id``, ``cached_from``) produced with intact files, this run's own first."""
+    ``outputs``, ``run_id``, ``cached_from``, such as :class:`Earlier`) produced with intact files, this run's
+    own first."""
     for item in items:
         for record in sorted(earlier.get(item.key, ()), key=lambda r: r.run_id != run_id):
-            outputs = {name: [shared(dict(part), "schema", "node") for part in parts]
-                       for name, parts in (record.outputs or {}).items()}
+            outputs = shared_outputs(record.outputs)
             candidate = Item(item.index, item.key, item.label, item.where, directory=sys.intern(record.directory),
                              outputs=outputs)
             if _intact(candidate):

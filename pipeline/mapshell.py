@@ -86,11 +86,12 @@ class MapShell:
         with self.store.session() as session:
             for start in range(0, len(keys), LOOK_UP_BATCH):
                 # the columns reuse reads, not ORM records: a cached map of 100,000 items loaded as many
-                for record in session.execute(select(
+                for key, run_id, directory, outputs, cached_from in session.execute(select(
                         MapItemRecord.key, MapItemRecord.run_id, MapItemRecord.directory, MapItemRecord.outputs,
                         MapItemRecord.cached_from).where(MapItemRecord.key.in_(keys[start:start + LOOK_UP_BATCH]),
                                                          MapItemRecord.state.in_(("DONE", "CACHED")))):
-                    earlier.setdefault(record.key, []).append(record)
+                    earlier.setdefault(key, []).append(mapping.Earlier(
+                        run_id, sys.intern(directory), mapping.shared_outputs(outputs), cached_from))
             run.row_watermark = session.scalar(select(func.max(MapItemRecord.id))) or 0
             run.row_counts = dict(session.execute(  # an earlier session's rows of this run (a resume's), if any
                 select(MapItemRecord.state, func.count()).where(MapItemRecord.run_id == self.run_id,
