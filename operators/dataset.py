@@ -257,9 +257,24 @@ def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
         os.close(dfd)
 
 
+JSON_PIECES = 8192
+"""Pieces of encoded JSON :func:`_write_json_at` joins and writes at a time."""
+
+
 def _write_json_at(dfd: int, directory: Path, name: str, data: Any, *, durable: bool = True) -> None:
-    text = json.dumps(data, indent=1, sort_keys=True, default=str).encode()
-    safeio.write_at(dfd, directory, name, text, durable=durable, refuse=_refusal)
+    """``data`` as ``json.dumps(data, indent=1, sort_keys=True, default=str)`` writes it, byte for byte, but
+    written as it is encoded: ``json.dumps`` with an indent holds a list of every piece of the text (a few
+    per value: a manifest of 100,000 partitions made millions of them, the peak of a large map's end)."""
+    def write(fh: Any) -> None:
+        pieces: list[str] = []
+        for piece in json.JSONEncoder(indent=1, sort_keys=True, default=str).iterencode(data):
+            pieces.append(piece)
+            if len(pieces) == JSON_PIECES:
+                fh.write("".join(pieces).encode())
+                pieces.clear()
+        fh.write("".join(pieces).encode())
+
+    safeio.write_at(dfd, directory, name, write, durable=durable, refuse=_refusal)
 
 
 def fsync_dir(directory: Path) -> None:

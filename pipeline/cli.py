@@ -26,11 +26,13 @@ from . import __version__
 from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable, absolute_db
 from .filesystem import default_workdir
 from .status import RunStatus, run_status
-from .store import Store, iso, unreadable
+from .storefile import default_url, iso
 from .terminal import visible
 
-if TYPE_CHECKING:  # the orchestrator (and pyarrow) load when a command runs a pipeline, not for status
+if TYPE_CHECKING:  # the orchestrator (and pyarrow) load when a command runs a pipeline, not for status; SQLAlchemy
+    # loads with the store, which `hetflow status` of a SQLite store does without (hetflow.storefile)
     from .pipeline import RunOptions
+    from .store import Store
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 RUN_STATES = ("RUNNING", "DONE", "FAILED", "INTERRUPTED", "CANCELLED", "STOPPED")
@@ -224,8 +226,15 @@ def _workdir(args: argparse.Namespace) -> Path:
     return Path(args.workdir) if getattr(args, "workdir", None) else default_workdir()
 
 
+def _store_url(args: argparse.Namespace) -> str:
+    """The state store's URL, as :func:`_open_store` opens it."""
+    return args.db or os.environ.get("HETFLOW_DB") or default_url(_workdir(args))
+
+
 def _open_store(args: argparse.Namespace) -> Store:
     from sqlalchemy.exc import SQLAlchemyError
+
+    from .store import Store, unreadable
 
     workdir = _workdir(args)
     if args.db is None and not os.environ.get("HETFLOW_DB") and not (workdir / "hetflow.db").exists():
@@ -374,9 +383,9 @@ ITEMS_SHOWN = 1_000
 every item."""
 
 
-def _status_items(store: Any, args: argparse.Namespace) -> int:
+def _status_items(args: argparse.Namespace) -> int:
     """``hetflow status RUN STAGE --items``: one line per item of a map stage (or JSON)."""
-    from .status import map_items
+    from .status import map_items, quick_map_items
 
     if not (args.items and args.stage):
         print("hetflow status: give RUN STAGE --items to list a map stage's items", file=sys.stderr)
@@ -387,7 +396,11 @@ def _status_items(store: Any, args: argparse.Namespace) -> int:
         return EXIT_USAGE
     limit = args.limit if args.limit is not None else (None if args.json else ITEMS_SHOWN)
     try:
-        view = map_items(store, args.run, args.stage, offset=args.offset, limit=limit or None)
+        view = quick_map_items(_store_url(args), args.run, args.stage, offset=args.offset, limit=limit or None)
+        if view is None:  # not a SQLite file, a run to reconcile or to name: the store answers (hetflow.storefile)
+            store = _open_store(args)
+            store.reconcile_dead_runs()  # a run whose orchestrator died shows as ended, not RUNNING
+            view = map_items(store, args.run, args.stage, offset=args.offset, limit=limit or None)
     except (KeyError, ValueError) as exc:
         print(f"hetflow status: {exc.args[0]}", file=sys.stderr)
         return EXIT_FAILED
@@ -413,11 +426,15 @@ def _status_items(store: Any, args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    store = _open_store(args)
-    store.reconcile_dead_runs()  # a run whose orchestrator died shows as ended, not RUNNING
+    from .status import quick_status
+
     if args.items or args.stage:
-        return _status_items(store, args)
-    status = run_status(store, args.run)
+        return _status_items(args)
+    status = quick_status(_store_url(args), args.run)  # a SQLite store, read without SQLAlchemy
+    if status is None:  # not a SQLite file, a run to reconcile or to name: the store answers (hetflow.storefile)
+        store = _open_store(args)
+        store.reconcile_dead_runs()  # a run whose orchestrator died shows as ended, not RUNNING
+        status = run_status(store, args.run)
     if args.json:
         print(json.dumps(status.to_json(), indent=2))
     else:
@@ -728,6 +745,8 @@ def _report(args: argparse.Namespace) -> int:
 def _summary_after(run_id: str, args: argparse.Namespace) -> None:
     """The summary of a run that ended by an exception (Ctrl-C), as recorded; nothing when unreadable."""
     try:
+        from .store import Store
+
         store = Store.for_workdir(_workdir(args), getattr(args, "db", None))
         _print_summary(run_status(store, run_id), args)
     except Exception as exc:  # noqa: BLE001 - the interruption was reported already; this is extra

@@ -25,11 +25,12 @@ import json
 import math
 import os
 import stat
+import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hetflow.operators import dataset as ds
 from hetflow.operators import safeio
@@ -50,9 +51,9 @@ FAILURES_SHOWN = 3
 """Failed items a stage's error names (the rest are counted)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
-    """One item of a map stage in one execution."""
+    """One item of a map stage in one execution (slots: a map holds one per item, twice while it starts)."""
 
     index: int
     key: str
@@ -72,13 +73,23 @@ class Item:
     log: list[Any] | None = None
     """``[rank 0's log file, start, end]``: the span of the file the item's output is in."""
 
+    def again(self) -> Item:
+        """This item as a new execution starts it: no outputs yet (``dataclasses.replace(item, outputs={})``, at
+        a fraction of its cost per item)."""
+        return Item(self.index, self.key, self.label, self.where, self.directory, self.state, self.tries, self.error,
+                    {}, self.cached_from, self.started, self.ended, self.log)
+
     def to_spec(self, outputs: Sequence[str]) -> dict[str, Any]:
         return {"index": self.index, "key": self.key, self.where[0]: self.where[1],
                 "outputs": {name: os.path.join(self.directory, name) for name in outputs}}
 
 
+def _json(data: Any) -> str:
+    return json.dumps(data, sort_keys=True, default=str)
+
+
 def _digest(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(_json(data).encode()).hexdigest()
 
 
 def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], params: Mapping[str, Any],
@@ -121,13 +132,18 @@ def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], par
         for i, row in enumerate(table.to_pylist()):
             text = json.dumps(row, sort_keys=True, default=str)
             found.append((text, ("row", i), {"row": text, "schema": schema}))
+    # each key is _digest({**common, "kind": ..., "item": identity, "turn": n}); its JSON text is spliced from the
+    # item's, made once, and the common part's, made once for all (sorted keys: item, kind, params, stage, turn)
+    after_item = (f', "kind": {_json(mapped.kind)}, "params": {_json(common["params"])}, '
+                  f'"stage": {_json(common["stage"])}, "turn": ')
+    directory = str(items_dir)
     items = []
     seen: dict[str, int] = {}
     for index, (label, where, identity) in enumerate(found):
-        text = json.dumps(identity, sort_keys=True, default=str)
-        seen[text] = seen.get(text, -1) + 1  # equal items (two equal rows) are told apart by their turn
-        key = _digest({**common, "kind": mapped.kind, "item": identity, "turn": seen[text]})
-        items.append(Item(index, key, label, where, directory=str(items_dir)))
+        text = _json(identity)
+        turn = seen[text] = seen.get(text, -1) + 1  # equal items (two equal rows) are told apart by their turn
+        key = hashlib.sha256(f'{{"item": {text}{after_item}{turn}}}'.encode()).hexdigest()
+        items.append(Item(index, key, label, where, directory=directory))
     return items
 
 
@@ -154,6 +170,19 @@ def capacity(spec: StageSpec, cores: int, gpus: int) -> int:
     return max(1, int(fits))
 
 
+def shared(values: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``values`` with the texts under ``keys`` interned (of a list, its first): every item of a map repeats its
+    output's schema, its node, its rank's log file (the first of ``log``) and its directory, which the map holds
+    for each of them until its end."""
+    for key in keys:
+        value = values.get(key)
+        if isinstance(value, str):
+            values[key] = sys.intern(value)
+        elif isinstance(value, list) and value and isinstance(value[0], str):
+            values[key] = [sys.intern(value[0]), *value[1:]]
+    return values
+
+
 def _intact(item: Item) -> bool:
     """Every partition file of the item is there, a regular file of its size and checksum."""
     for name, parts in item.outputs.items():
@@ -174,15 +203,33 @@ def _intact(item: Item) -> bool:
     return True
 
 
+class Earlier(NamedTuple):
+    """An earlier ``map_items`` row of an item's key, the columns :func:`reusable` reads (a cached map of 100,000
+    items loads as many: its texts are shared as loaded, :func:`shared_outputs`)."""
+
+    run_id: str
+    directory: str
+    outputs: dict[str, list[dict[str, Any]]] | None
+    cached_from: str | None
+
+
+def shared_outputs(outputs: Mapping[str, list[dict[str, Any]]] | None) -> dict[str, list[dict[str, Any]]]:
+    """An item's recorded ``outputs`` with the texts every item repeats shared (:func:`shared`; its partitions'
+    dicts are changed in place)."""
+    return {name: [shared(part, "schema", "node") for part in parts] for name, parts in (outputs or {}).items()}
+
+
 def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id: str) -> None:
     """Mark CACHED each item that an earlier record (``earlier[key]``: records with ``directory``,
-    ``outputs``, ``run_id``, ``cached_from``) produced with intact files, this run's own first."""
+    ``outputs``, ``run_id``, ``cached_from``, such as :class:`Earlier`) produced with intact files, this run's
+    own first."""
     for item in items:
         for record in sorted(earlier.get(item.key, ()), key=lambda r: r.run_id != run_id):
-            candidate = Item(item.index, item.key, item.label, item.where, directory=record.directory,
-                             outputs=dict(record.outputs or {}))
+            outputs = shared_outputs(record.outputs)
+            candidate = Item(item.index, item.key, item.label, item.where, directory=sys.intern(record.directory),
+                             outputs=outputs)
             if _intact(candidate):
-                item.state, item.directory, item.outputs = "CACHED", record.directory, candidate.outputs
+                item.state, item.directory, item.outputs = "CACHED", candidate.directory, candidate.outputs
                 item.cached_from = record.cached_from or (None if record.run_id == run_id else record.run_id)
                 break
 
@@ -293,7 +340,7 @@ class MapRun:
                 self.isolated = f"the items from item {item.index} on ran in a process each ({line['forked']})"
             if line["status"] == "ok":
                 self.set_state(item, "DONE")
-                item.error, item.outputs = None, dict(line["outputs"])
+                item.error, item.outputs = None, line["outputs"]  # the line's own (hetflow.mapshell._merge)
                 item.tries += 1
             else:
                 self._failed(item, str(line.get("error") or "failed"))

@@ -33,7 +33,7 @@ from . import cache, mapping, observed
 from .declaration import StageSpec
 from .mapping import MapRun
 from .plan import AttemptEnded, CancelTask, TaskId, TaskRejected, TaskStarted
-from .store import AttemptRecord, MapItemRecord, StageRecord, TaskRecord
+from .store import AttemptRecord, MapItemRecord, StageRecord, TaskRecord, insert_rows
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +78,20 @@ class MapShell:
     def _start_map(self: Any, task: TaskId, ready: list[MapRun]) -> tuple[TaskSubmitted, ...]:
         """The plan enqueued map stage ``task``: reuse what items can be, submit chunks for the rest."""
         spec = self.stages[task.stage]
-        items = [dataclasses.replace(item, outputs={}) for item in self.map_items.get(spec.name, ())]
+        items = [item.again() for item in self.map_items.get(spec.name, ())]
         run = MapRun(spec, task, items)
         self.maps[spec.name] = run
         earlier: dict[str, list[Any]] = {}
         keys = [item.key for item in items]
         with self.store.session() as session:
             for start in range(0, len(keys), LOOK_UP_BATCH):
-                for record in session.scalars(select(MapItemRecord).where(
-                        MapItemRecord.key.in_(keys[start:start + LOOK_UP_BATCH]),
-                        MapItemRecord.state.in_(("DONE", "CACHED")))):
-                    earlier.setdefault(record.key, []).append(record)
+                # the columns reuse reads, not ORM records: a cached map of 100,000 items loaded as many
+                for key, run_id, directory, outputs, cached_from in session.execute(select(
+                        MapItemRecord.key, MapItemRecord.run_id, MapItemRecord.directory, MapItemRecord.outputs,
+                        MapItemRecord.cached_from).where(MapItemRecord.key.in_(keys[start:start + LOOK_UP_BATCH]),
+                                                         MapItemRecord.state.in_(("DONE", "CACHED")))):
+                    earlier.setdefault(key, []).append(mapping.Earlier(
+                        run_id, sys.intern(directory), mapping.shared_outputs(outputs), cached_from))
             run.row_watermark = session.scalar(select(func.max(MapItemRecord.id))) or 0
             run.row_counts = dict(session.execute(  # an earlier session's rows of this run (a resume's), if any
                 select(MapItemRecord.state, func.count()).where(MapItemRecord.run_id == self.run_id,
@@ -308,9 +311,8 @@ class MapShell:
             session.execute(delete(MapItemRecord).where(MapItemRecord.run_id == self.run_id,
                                                         MapItemRecord.stage == spec.name,
                                                         MapItemRecord.id <= run.row_watermark))
-            rows = [_row(self.run_id, spec.name, item) for item in run.items if item.index not in run.recorded]
-            if rows:
-                session.execute(insert(MapItemRecord), rows)
+            insert_rows(session, MapItemRecord, (_row(self.run_id, spec.name, item) for item in run.items
+                                                 if item.index not in run.recorded))
             self.store.event(session, self.run_id, "task", str(run.task), state, error=error,
                              items=run.counts())
 
@@ -400,6 +402,8 @@ def _merge(files: AttemptFiles, ranks: int) -> dict[int, dict[str, Any]]:
             for name, part in (line.get("outputs") or {}).items():
                 outputs.setdefault(name, [])
                 if part is not None:
-                    outputs[name].append({**part["partition"], "schema": part["schema"]})
-        merged[index] = {**first, "outputs": outputs}
+                    entry = {**part["partition"], "schema": part["schema"]}
+                    outputs[name].append(mapping.shared(entry, "schema", "node"))
+        merged[index] = mapping.shared({**first, "outputs": outputs}, "log")
     return merged
+

@@ -56,7 +56,7 @@ from hetflow.tasks.scheduler import (
     TaskSubmitted,
     Tick,
 )
-from sqlalchemy import insert, inspect, select
+from sqlalchemy import inspect, select
 
 from . import __version__, cache, observed
 from .datadir import RunDatasets
@@ -104,6 +104,7 @@ from .store import (
     StageRecord,
     Store,
     TaskRecord,
+    insert_rows,
     owner_id,
 )
 from .terminal import visible
@@ -1199,10 +1200,9 @@ class Orchestrator(MapShell):
         session.add(record)
         session.flush()  # its id, for its partitions' rows: one executemany, not an ORM object each (a map
         # stage's output has a partition per item)
-        if manifest.partitions:
-            session.execute(insert(PartitionRecord), [
-                {"dataset_id": record.id, "index": i, "file": p.file, "rows": p.rows, "bytes": p.bytes,
-                 "checksum": p.checksum, "node": p.node, "rank": p.rank} for i, p in enumerate(manifest.partitions)])
+        insert_rows(session, PartitionRecord, (
+            {"dataset_id": record.id, "index": i, "file": p.file, "rows": p.rows, "bytes": p.bytes,
+             "checksum": p.checksum, "node": p.node, "rank": p.rank} for i, p in enumerate(manifest.partitions)))
         self.recorded.add(name)
         self.dataset_paths[name], self.fingerprints[name] = path, record.fingerprint
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
-
 from .errors import RunFailed
-from .store import AttemptRecord, DatasetRecord, MapItemRecord, RunRecord, StageRecord, Store, TaskRecord, iso
+from .storefile import Rows, iso, running_gone, sqlite_rows, unique_run
 from .terminal import visible
 
 if TYPE_CHECKING:
     from hetflow.operators.dataset import Dataset
+
+    from .store import Store
 
 
 @dataclass(frozen=True)
@@ -163,52 +165,134 @@ class RunStatus:
                 "script": self.script, "error": self.error, "rerun": list(self.rerun), "stages": [s.to_json() for s in self.stages], "datasets": dict(self.datasets)}
 
 
+def _json(value: Any) -> Any:
+    """A JSON column's value: SQLite holds its text, other databases' drivers give it decoded."""
+    return json.loads(value) if isinstance(value, (str, bytes)) else value
+
+
+def _in(name: str, values: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+    """``(:name0, :name1, ...)`` and its parameters, for ``IN``."""
+    params = {f"{name}{i}": value for i, value in enumerate(values)}
+    return "(" + ", ".join(f":{key}" for key in params) + ")", params
+
+
+def _read_status(rows: Rows, run_id: str, store_url: str) -> RunStatus:
+    """Run ``run_id`` (an existing id) as ``rows`` reads it: a statement per stage at most, whatever the size of
+    its maps (their items are counted on their stages' records), and the run's, stages', launches' and
+    datasets' statements."""
+    ((_, pipeline, state, created, started, ended, run_dir, script, error, rerun),) = rows(
+        "SELECT id, pipeline, state, created, started, ended, run_dir, script, error, rerun FROM runs "
+        "WHERE id = :run", {"run": run_id})
+    records = rows('SELECT id, name, state, started, ended, error, cached_from, outputs, cache_reason, cache_hit, '
+                   'item_counts FROM stages WHERE run_id = :run ORDER BY "order"', {"run": run_id})
+    # a map stage's items by state: kept with its record as they are recorded (read whatever the map's
+    # size); counted from the rows only for stages without (plain stages: an index look-up finds none)
+    counted = {r[1]: dict(_json(r[10])) for r in records if _json(r[10])}
+    uncounted = [r[1] for r in records if _json(r[10]) is None]
+    if uncounted:
+        names, params = _in("stage", uncounted)
+        for stage_name, item_state, count in rows(
+                f"SELECT stage, state, count(*) FROM map_items WHERE run_id = :run AND stage IN {names} "
+                "GROUP BY stage, state", {"run": run_id, **params}):
+            counted.setdefault(stage_name, {})[item_state] = count
+    # per stage: how many of its tasks were launched and the last of them, in two statements (a map
+    # stage has a task per chunk: loading them all, and each one's attempt, made status O(items))
+    launched: dict[int, int] = dict(rows(
+        "SELECT attempts.stage_id, count(*) FROM attempts JOIN stages ON stages.id = attempts.stage_id "
+        "WHERE stages.run_id = :run GROUP BY attempts.stage_id", {"run": run_id}))
+    stages = []
+    for (stage_id, name, stage_state, stage_started, stage_ended, stage_error, cached_from, outputs, cache_reason,
+         cache_hit, _) in records:
+        last = rows("SELECT tasks.slots, attempts.traceback, attempts.failed_rank, attempts.signal, "
+                    "attempts.attempt_dir FROM tasks JOIN attempts ON attempts.task_id = tasks.id "
+                    "WHERE tasks.stage_id = :stage ORDER BY tasks.submitted DESC, attempts.id DESC LIMIT 1",
+                    {"stage": stage_id})
+        slots_json, traceback, failed_rank, signal, attempt_dir = last[0] if last else ([], None, None, None, None)
+        slots = tuple(SlotView(s.get("node_name", str(s["node"])), tuple(s["cores"]), tuple(s["gpus"]))
+                      for s in (_json(slots_json) or []))
+        stages.append(StageStatus(
+            name=name, state=stage_state, attempts=launched.get(stage_id, 0), started=stage_started,
+            ended=stage_ended, slots=slots, error=stage_error, traceback=traceback, failed_rank=failed_rank,
+            signal=signal, cached_from=cached_from, outputs=tuple(_json(outputs) or ()), cache_reason=cache_reason,
+            cache_hit=None if cache_hit is None else bool(cache_hit), log_dir=attempt_dir,
+            items=counted.get(name)))
+    datasets: dict[str, str] = dict(rows("SELECT name, path FROM datasets WHERE run_id = :run", {"run": run_id}))
+    return RunStatus(id=run_id, pipeline=pipeline, state=state, created=created, started=started, ended=ended,
+                     run_dir=run_dir, stages=tuple(stages), datasets=datasets, script=script, error=error,
+                     rerun=tuple(_json(rerun) or ()), store_url=store_url)
+
+
+def _session_rows(session: Any) -> Rows:
+    """A :data:`~hetflow.storefile.Rows` reader through a :class:`~hetflow.store.Store` session."""
+    from sqlalchemy import text
+
+    return lambda sql, params: [tuple(row) for row in session.execute(text(sql), dict(params))]
+
+
 def run_status(store: Store, run_id: str | None) -> RunStatus:
     """The status of run ``run_id`` (a unique prefix will do; ``None``: the latest run) read from
     ``store``; :class:`~hetflow.UnknownRun` naming what exists when there is no such run or the
     prefix is ambiguous."""
     found = store.resolve_run(run_id)
     with store.session() as session:
-        run = session.get(RunRecord, found.id)
-        assert run is not None
-        stages = []
-        records = list(session.scalars(select(StageRecord).where(StageRecord.run_id == run.id)
-                                       .order_by(StageRecord.order)))
-        # a map stage's items by state: kept with its record as they are recorded (read whatever the map's
-        # size); counted from the rows only for stages without (plain stages: an index look-up finds none)
-        counted = {r.name: dict(r.item_counts) for r in records if r.item_counts}
-        uncounted = [r.name for r in records if r.item_counts is None]
-        if uncounted:
-            for stage_name, state, count in session.execute(
-                    select(MapItemRecord.stage, MapItemRecord.state, func.count())
-                    .where(MapItemRecord.run_id == run.id, MapItemRecord.stage.in_(uncounted))
-                    .group_by(MapItemRecord.stage, MapItemRecord.state)):
-                counted.setdefault(stage_name, {})[state] = count
-        # per stage: how many of its tasks were launched and the last of them, in two statements (a map
-        # stage has a task per chunk: loading them all, and each one's attempt, made status O(items))
-        launched = dict(session.execute(
-            select(AttemptRecord.stage_id, func.count()).join(StageRecord, StageRecord.id == AttemptRecord.stage_id)
-            .where(StageRecord.run_id == run.id).group_by(AttemptRecord.stage_id)).all())
-        for record in records:
-            last = session.scalars(select(TaskRecord).join(AttemptRecord, AttemptRecord.task_id == TaskRecord.id)
-                                   .where(TaskRecord.stage_id == record.id)
-                                   .order_by(TaskRecord.submitted.desc(), AttemptRecord.id.desc()).limit(1)).first()
-            slots = tuple(SlotView(s.get("node_name", str(s["node"])), tuple(s["cores"]), tuple(s["gpus"]))
-                          for s in (last.slots if last else []))
-            attempt = last.attempt if last else None
-            stages.append(StageStatus(
-                name=record.name, state=record.state, attempts=launched.get(record.id, 0), started=record.started,
-                ended=record.ended, slots=slots, error=record.error,
-                traceback=attempt.traceback if attempt else None,
-                failed_rank=attempt.failed_rank if attempt else None,
-                signal=attempt.signal if attempt else None, cached_from=record.cached_from,
-                outputs=tuple(record.outputs), cache_reason=record.cache_reason,
-                cache_hit=record.cache_hit, log_dir=attempt.attempt_dir if attempt else None,
-                items=counted.get(record.name)))
-        datasets = {d.name: d.path for d in session.scalars(select(DatasetRecord).where(DatasetRecord.run_id == run.id))}
-        return RunStatus(id=run.id, pipeline=run.pipeline, state=run.state, created=run.created, started=run.started,
-                         ended=run.ended, run_dir=run.run_dir, stages=tuple(stages), datasets=datasets,
-                         script=run.script, error=run.error, rerun=tuple(run.rerun or ()), store_url=str(store.url))
+        return _read_status(_session_rows(session), found.id, str(store.url))
+
+
+def quick_status(url: str, run_id: str | None) -> RunStatus | None:
+    """:func:`run_status` of the SQLite store ``url`` read without SQLAlchemy (:mod:`hetflow.storefile`), as
+    ``hetflow status`` answers; ``None`` where :class:`~hetflow.store.Store` must answer instead (not a SQLite
+    file, no run or several that ``run_id`` names, a dead run to record FAILED, a store it cannot read)."""
+    try:
+        with sqlite_rows(url) as rows:
+            if rows is None or running_gone(rows):
+                return None
+            found = unique_run(rows, run_id)
+            return None if found is None else _read_status(rows, found, url)
+    except sqlite3.Error:
+        return None
+
+
+EVERY_ROW = 2**62
+"""``LIMIT`` for no limit: SQLite takes no ``OFFSET`` without one, and this is one every database takes."""
+
+
+def _read_items(rows: Rows, run_id: str, stage: str, offset: int, limit: int | None) -> dict[str, Any]:
+    """:func:`map_items` of run ``run_id`` (an existing id) as ``rows`` reads it."""
+    def record_of(run: str) -> tuple[Any, ...] | None:
+        found = rows("SELECT run_id, cached_from, cache_reason, item_counts FROM stages WHERE run_id = :run "
+                     "AND name = :stage", {"run": run, "stage": stage})
+        return found[0] if found else None
+
+    record = record_of(run_id)
+    if record is None:
+        names = [name for (name,) in rows('SELECT name FROM stages WHERE run_id = :run ORDER BY "order"',
+                                          {"run": run_id})]
+        raise KeyError(f"run {run_id} has no stage {stage!r} (stages: {names})")
+
+    def has_rows(run: str) -> bool:
+        return bool(rows("SELECT id FROM map_items WHERE run_id = :run AND stage = :stage LIMIT 1",
+                         {"run": run, "stage": stage}))
+
+    source, counted = run_id, record
+    if not has_rows(source) and record[1]:
+        source = record[1]
+        counted = record_of(source) or record
+    if not has_rows(source):
+        raise ValueError(f"stage {stage!r} of run {run_id} has no items recorded (a plain stage, or a map "
+                         "stage that has not run)")
+    counts = dict(_json(counted[3]) or {}) if counted[0] == source else {}
+    if not counts:  # a store written before the counts were kept with the stage
+        counts = dict(rows("SELECT state, count(*) FROM map_items WHERE run_id = :run AND stage = :stage "
+                           "GROUP BY state", {"run": source, "stage": stage}))
+    items = [{"index": index, "label": label, "state": state, "tries": tries, "error": error,
+              "cached_from": cached_from, "started": iso(started), "ended": iso(ended)}
+             for index, label, state, tries, error, cached_from, started, ended in rows(
+                 'SELECT "index", label, state, tries, error, cached_from, started, ended FROM map_items '
+                 'WHERE run_id = :run AND stage = :stage ORDER BY "index" LIMIT :limit OFFSET :offset',
+                 {"run": source, "stage": stage, "offset": max(0, offset),
+                  "limit": EVERY_ROW if limit is None else max(0, limit)})]
+    return {"run": run_id, "stage": stage, "items_of_run": source, "counts": counts,
+            "total": sum(counts.values()), "offset": max(0, offset), "summary": record[2], "items": items}
 
 
 def map_items(store: Store, run_id: str | None, stage: str, *, offset: int = 0,
@@ -224,42 +308,27 @@ def map_items(store: Store, run_id: str | None, stage: str, *, offset: int = 0,
     record, so a page costs the same whatever the map's size."""
     found = store.resolve_run(run_id)
     with store.session() as session:
-        record = session.scalars(select(StageRecord).where(StageRecord.run_id == found.id,
-                                                           StageRecord.name == stage)).first()
-        if record is None:
-            names = list(session.scalars(select(StageRecord.name).where(StageRecord.run_id == found.id)
-                                         .order_by(StageRecord.order)))
-            raise KeyError(f"run {found.id} has no stage {stage!r} (stages: {names})")
+        return _read_items(_session_rows(session), found.id, stage, offset, limit)
 
-        def has_rows(run: str) -> bool:
-            return session.scalar(select(MapItemRecord.id).where(MapItemRecord.run_id == run,
-                                                                 MapItemRecord.stage == stage).limit(1)) is not None
 
-        source, counted = found.id, record
-        if not has_rows(source) and record.cached_from:
-            source = record.cached_from
-            counted = session.scalars(select(StageRecord).where(StageRecord.run_id == source,
-                                                                StageRecord.name == stage)).first() or record
-        if not has_rows(source):
-            raise ValueError(f"stage {stage!r} of run {found.id} has no items recorded (a plain stage, or a map "
-                             "stage that has not run)")
-        counts = dict(counted.item_counts or {}) if counted.run_id == source else {}
-        if not counts:  # a store written before the counts were kept with the stage
-            counts = dict(session.execute(select(MapItemRecord.state, func.count()).where(
-                MapItemRecord.run_id == source, MapItemRecord.stage == stage)
-                .group_by(MapItemRecord.state)).tuples().all())
-        query = select(MapItemRecord.index, MapItemRecord.label, MapItemRecord.state, MapItemRecord.tries,
-                       MapItemRecord.error, MapItemRecord.cached_from, MapItemRecord.started,
-                       MapItemRecord.ended).where(MapItemRecord.run_id == source, MapItemRecord.stage == stage) \
-            .order_by(MapItemRecord.index).offset(max(0, offset))
-        if limit is not None:
-            query = query.limit(max(0, limit))
-        items = [{"index": index, "label": label, "state": state, "tries": tries, "error": error,
-                  "cached_from": cached_from, "started": iso(started), "ended": iso(ended)}
-                 for index, label, state, tries, error, cached_from, started, ended in session.execute(query)]
-        return {"run": found.id, "stage": stage, "items_of_run": source, "counts": counts,
-                "total": sum(counts.values()), "offset": max(0, offset), "summary": record.cache_reason,
-                "items": items}
+ITEMS_INDEX = "ix_map_items_run_stage_index"
+"""The index a page of items is read by; a store an older hetflow wrote gains it when a Store opens it."""
+
+
+def quick_map_items(url: str, run_id: str | None, stage: str, *, offset: int = 0,
+                    limit: int | None = None) -> dict[str, Any] | None:
+    """:func:`map_items` of the SQLite store ``url`` read without SQLAlchemy, as ``hetflow status RUN STAGE
+    --items`` answers; ``None`` where :class:`~hetflow.store.Store` must answer instead (as
+    :func:`quick_status`, and a store without the items' index)."""
+    try:
+        with sqlite_rows(url) as rows:
+            if rows is None or running_gone(rows) or not rows(
+                    "SELECT name FROM sqlite_master WHERE type = 'index' AND name = :name", {"name": ITEMS_INDEX}):
+                return None
+            found = unique_run(rows, run_id)
+            return None if found is None else _read_items(rows, found, stage, offset, limit)
+    except sqlite3.Error:
+        return None
 
 
 def item_log(store: Store, run_id: str | None, stage: str, index: int) -> tuple[str, str]:
@@ -267,6 +336,10 @@ def item_log(store: Store, run_id: str | None, stage: str, index: int) -> tuple[
 
     A reused item's output is the one it printed when it ran, in the run that ran it.  ``KeyError`` names
     what is missing (the stage, the item, its output)."""
+    from sqlalchemy import select
+
+    from .store import MapItemRecord
+
     view = map_items(store, run_id, stage, limit=0)  # which run's items, and how many
     with store.session() as session:
         record = session.scalars(select(MapItemRecord).where(MapItemRecord.run_id == view["items_of_run"],

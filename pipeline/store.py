@@ -26,11 +26,9 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
-import psutil
 from sqlalchemy import (JSON, Boolean, ColumnElement, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
                         create_engine, event, func, insert, inspect, select, text, update)
 from sqlalchemy.engine import Engine
@@ -39,15 +37,13 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from .errors import MissingExtraError, RunLocked, StoreUnreadable, UnknownRun
 from .filesystem import JournalMode, journal_mode_for
+# who holds a run, timestamps as text, the default store: in storefile, which ``status`` reads without SQLAlchemy
+from .storefile import START_TOLERANCE, Owner, default_url, iso, owner_gone, owner_id  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"DONE", "FAILED", "TIMED_OUT", "SKIPPED", "CACHED", "CANCELLED", "WALLTIME"})
 SUCCESS = frozenset({"DONE", "CACHED"})
-
-
-def iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="milliseconds")
 
 
 class Base(DeclarativeBase):
@@ -222,99 +218,6 @@ class EventRecord(Base):
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
-# ------------------------------------------------------------------ run ownership
-START_TOLERANCE = 1.5
-"""Seconds two readings of one process's start time may differ: psutil derives it from the boot
-time in ``/proc/stat``, which some kernels report a second apart between reads.  A reused pid
-started that close to the dead owner's start would need the whole pid space to wrap meanwhile."""
-
-
-@dataclass(frozen=True)
-class Owner:
-    """An orchestrator process: ``host:pid:start`` in ``runs.owner``.
-
-    The start time (``psutil.Process().create_time()``) tells a live holder from a later
-    process that got the same pid.  An id without it (``host:pid``, written before) still parses.
-    """
-
-    host: str
-    pid: int
-    start: float | None
-
-    @classmethod
-    def current(cls) -> "Owner":
-        return cls(socket.gethostname(), os.getpid(), round(psutil.Process().create_time(), 2))
-
-    @classmethod
-    def parse(cls, owner: str) -> "Owner":
-        head, _, last = owner.rpartition(":")
-        host, _, pid = head.rpartition(":")
-        if host and pid.isdigit():
-            try:
-                return cls(host, int(pid), float(last))
-            except ValueError:
-                pass
-        if head and last.isdigit():
-            return cls(head, int(last), None)
-        raise ValueError(f"not an owner id {owner!r} (expected host:pid:start)")
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.pid}" + ("" if self.start is None else f":{self.start:.2f}")
-
-    @property
-    def name(self) -> str:
-        """``host:pid``, for messages."""
-        return f"{self.host}:{self.pid}"
-
-    def gone(self) -> str | None:
-        """Why this process is known to be gone, or None (alive, or on another host: unknown)."""
-        if self.host != socket.gethostname():
-            return None
-        try:
-            proc = psutil.Process(self.pid)
-            started, zombie = proc.create_time(), proc.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return f"its orchestrator ({self.name}) ended without recording an outcome"
-        except psutil.AccessDenied:
-            return None
-        if zombie:
-            return f"its orchestrator ({self.name}) ended without recording an outcome"
-        if self.start is not None and abs(started - self.start) > START_TOLERANCE:
-            return (f"its orchestrator ({self.name}, started {iso(self.start)}) ended without recording an "
-                    f"outcome; pid {self.pid} now belongs to a process started {iso(started)}")
-        return None
-
-
-def owner_id() -> str:
-    """This process's owner id, as :meth:`Store.claim_run` records it."""
-    return str(Owner.current())
-
-
-def owner_gone(owner: str | None, lease_until: float | None, *, now: float | None = None) -> str | None:
-    """Why the recorded holder of a run no longer holds it, or None while it does.
-
-    On this host the process decides (gone, a zombie, or its pid reused: gone; alive: holds it,
-    whatever its lease says).  On another host only the lease can: expired means gone.  An id
-    without a start time (older hetflow) counts as alive only while its pid exists and its lease runs.
-    """
-    if not owner:
-        return "no orchestrator holds it"
-    now = time.time() if now is None else now
-    try:
-        holder = Owner.parse(owner)
-    except ValueError:
-        holder = None
-    if holder is not None and holder.host == socket.gethostname():
-        why = holder.gone()
-        if why is not None or holder.start is not None:
-            return why
-    if lease_until is None or lease_until < now:
-        name = holder.name if holder else owner
-        return (f"its orchestrator ({name}) stopped renewing its lease"
-                + ("" if lease_until is None else f" (expired {iso(lease_until)})"))
-    return None
-
-
 @dataclass(frozen=True)
 class Claim:
     """What :meth:`Store.claim_run` took: the run as now recorded, and from whom."""
@@ -463,16 +366,29 @@ EVENTS = "hetflow.events"
 """``Session.info`` key: the events a :meth:`Store.batch` has recorded and not written yet."""
 
 
+INSERT_BATCH = 5_000
+"""Rows :func:`insert_rows` hands the database in one statement."""
+
+
+def insert_rows(session: Session, model: type[Base], rows: Iterable[dict[str, Any]]) -> None:
+    """Insert ``rows`` (column values) in ``session``'s transaction, :data:`INSERT_BATCH` at a time: a map of
+    100,000 items writes as many item rows and partition rows at its end, never all held as dicts at once."""
+    batch: list[dict[str, Any]] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == INSERT_BATCH:
+            session.execute(insert(model), batch)
+            batch = []
+    if batch:
+        session.execute(insert(model), batch)
+
+
 def _write_events(session: Session) -> None:
     """Write the events a batch has recorded, in one INSERT of many rows (not one ORM object each)."""
     pending = session.info.get(EVENTS)
     if pending:
         session.execute(insert(EventRecord), list(pending))
         pending.clear()
-
-
-def default_url(workdir: Path) -> str:
-    return f"sqlite:///{(workdir / 'hetflow.db').resolve()}"
 
 
 class Store:

@@ -108,7 +108,7 @@ def test_status_counts_a_map_s_items_from_its_stage_record_without_reading_them(
     assert view.stage("total").items is None
     # the only look at the items' table is for the plain stage, by the (run, stage, index) index: no row read
     looks = [s for s in seen if "map_items" in s]
-    assert len(looks) == 1 and "map_items.stage IN" in looks[0], looks
+    assert len(looks) == 1 and "AND stage IN" in looks[0], looks
     older = _map_store(tmp_path / "older", 3000, counts=False)   # a store written before the counts were kept
     assert run_status(older, "r1").stage("items").items == {"DONE": 2700, "FAILED": 300}
 
@@ -182,3 +182,69 @@ def test_a_read_only_store_an_older_hetflow_wrote_is_read_without_being_changed(
     assert {stage.name: stage.state for stage in view.stages} == {"items": "DONE", "total": "DONE"}
     assert [stage.items for stage in view.stages if stage.name == "items"][0]["FAILED"] == 3
     assert path.read_bytes() == before
+
+
+def test_status_of_a_sqlite_store_loads_no_sqlalchemy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``hetflow status`` (and ``status RUN STAGE --items``) of a SQLite store read it with the standard library's
+    sqlite3: importing SQLAlchemy and the store's models took most of the command's time, whatever the run."""
+    import subprocess
+    import sys
+
+    store = _map_store(tmp_path, 300)
+    probe = ("import sys\nfrom hetflow.cli import main\n"
+             "for argv in (['status', 'r1'], ['status', 'r1', '--json'], ['status', 'r1', 'items', '--items']):\n"
+             "    assert main(argv + ['--db', sys.argv[1]]) == 0, argv\n"
+             "print('loaded', sorted(m for m in sys.modules if m.split('.')[0] == 'sqlalchemy')[:3])")
+    done = subprocess.run([sys.executable, "-c", probe, str(store.url)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "items of run r1: 300 items: 270 done, 30 failed" in done.stdout, done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "loaded []", done.stdout + done.stderr
+
+
+def test_the_sqlite_reader_and_the_store_read_a_run_alike(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """:func:`quick_status` and :func:`quick_map_items` (sqlite3) give what the store's session gives, and leave
+    to the store what it must answer: a prefix naming no run or several, a RUNNING run whose orchestrator is
+    gone (recorded FAILED first), a file that is not a store."""
+    from sqlalchemy import update
+
+    from hetflow.status import map_items, quick_map_items, quick_status
+    from hetflow.store import DatasetRecord
+
+    store = _map_store(tmp_path, 300)
+    now = time.time()
+    with store.session() as session:
+        session.execute(update(RunRecord).where(RunRecord.id == "r1").values(rerun=["items"], error="why"))
+        session.execute(update(StageRecord).where(StageRecord.name == "items").values(
+            cache_hit=False, cache_reason="map 300 items: 0 cached, 300 ran", outputs=["out"], error="two\nlines"))
+        session.execute(update(StageRecord).where(StageRecord.name == "total").values(cache_hit=True,
+                                                                                      cached_from="r0"))
+        session.execute(update(AttemptRecord).values(traceback="Traceback\n  here", failed_rank=1, signal=9))
+        session.add(DatasetRecord(run_id="r1", name="out", path="/d/out", producer_stage="items", producer_attempt=1,
+                                  num_rows=1, num_bytes=1, schema="", fingerprint="f", committed=now))
+        session.add(RunRecord(id="r1-b", pipeline="p", state="DONE", created=now - 10, run_dir="/r",
+                              hetflow_version="0"))
+    url = str(store.url)
+    assert quick_status(url, "r1") is not None
+    assert quick_status(url, "r1").to_json() == run_status(store, "r1").to_json()   # type: ignore[union-attr]
+    assert quick_status(url, None).to_json() == run_status(store, None).to_json()   # type: ignore[union-attr]
+    assert quick_status(url, "r1-").id == "r1-b"   # type: ignore[union-attr]
+    for offset, limit in ((0, None), (295, 10), (0, 0), (400, 5)):
+        assert quick_map_items(url, "r1", "items", offset=offset, limit=limit) == \
+            map_items(store, "r1", "items", offset=offset, limit=limit)
+    import pytest
+
+    with pytest.raises(KeyError, match="run r1 has no stage 'nope' \\(stages: \\['items', 'total'\\]\\)"):
+        quick_map_items(url, "r1", "nope")
+    with pytest.raises(ValueError, match="stage 'total' of run r1 has no items recorded"):
+        quick_map_items(url, "r1", "total")
+    assert quick_status(url, "r") is None and quick_status(url, "r2") is None   # several, none: the store says
+    assert quick_status(f"sqlite:///{tmp_path}/absent.db", "r1") is None
+    (tmp_path / "junk.db").write_bytes(b"not a database" * 100)
+    assert quick_status(f"sqlite:///{tmp_path}/junk.db", "r1") is None
+    with store.session() as session:   # an orchestrator on this host that is gone (no such pid)
+        session.add(RunRecord(id="r3", pipeline="p", state="RUNNING", created=now, run_dir="/r", hetflow_version="0",
+                              owner=f"{__import__('socket').gethostname()}:{2**22 + 7}:1.00", lease_until=now + 600))
+    assert quick_status(url, "r1") is None and quick_map_items(url, "r1", "items") is None
+    store.reconcile_dead_runs()
+    assert quick_status(url, "r3").state == "FAILED"   # type: ignore[union-attr]

@@ -111,6 +111,51 @@ def test_runs_resume_and_status_on_postgres(postgres_url: str, tmp_path: Path) -
     assert f'"{run.id}"' in shown.stdout and '"DONE"' in shown.stdout
 
 
+
+MAPPED = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("mapped")
+
+@pipe.stage(map_over={"i": [0, 1, 2, 3, 4]}, outputs=["out"])
+def fit(ctx):
+    return {"out": pa.table({"i": [ctx.params["i"]]})}
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+def test_status_of_a_map_on_postgres_reads_what_sqlite_would(postgres_url: str, tmp_path: Path) -> None:
+    """``status`` and ``status RUN STAGE --items`` read a PostgreSQL store by the same SQL as a SQLite one
+    (:mod:`hetflow.storefile`), through SQLAlchemy: its driver gives JSON columns decoded and booleans as such."""
+    (tmp_path / "mapped.py").write_text(MAPPED)
+    env = dict(os.environ, HETFLOW_DB=postgres_url)
+    cli = [sys.executable, "-m", "hetflow.cli"]
+    for _ in range(2):   # the second run reuses the map whole
+        ran = subprocess.run([*cli, "run", "mapped.py", "--no-progress"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, ran.stderr
+    listed = subprocess.run([*cli, "runs", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    first, second = sorted((r for r in json.loads(listed.stdout) if r["pipeline"] == "mapped"),
+                           key=lambda r: r["created"])
+    shown = subprocess.run([*cli, "status", first["id"], "--json"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    (stage,) = json.loads(shown.stdout)["stages"]
+    assert stage["items"] == {"DONE": 5} and stage["outputs"] == ["out"] and stage["cache"]["hit"] is False
+    assert stage["slots"] and stage["slots"][0]["cores"], stage
+    shown = subprocess.run([*cli, "status", second["id"], "--json"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert json.loads(shown.stdout)["stages"][0]["cache"]["hit"] is True
+    items = subprocess.run([*cli, "status", second["id"], "fit", "--items", "--json", "--offset", "3"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    view = json.loads(items.stdout)
+    assert view["items_of_run"] == first["id"] and view["total"] == 5
+    assert [(i["index"], i["label"], i["state"]) for i in view["items"]] == [(3, '{"i": 3}', "DONE"),
+                                                                              (4, '{"i": 4}', "DONE")]
+
 HELD = '''
 import time
 from pathlib import Path
