@@ -299,7 +299,7 @@ class _Walker:
                 applied.add((id(owner), attr))
                 value = vars(owner).get(attr, _ABSENT)
                 if (id(owner), attr) in self.library_state and _library_own(value, owner.__name__.partition(".")[0]):
-                    value = f"<a {type(value).__qualname__} the library keeps>"  # its cache (psutil's _pmap)
+                    value = library_kept(value)  # its cache (psutil's _pmap)
                 text = "<absent>" if value is _ABSENT else self.value(value)
                 if isinstance(value, types.FunctionType):  # a.f.gain = v: the function's own attributes
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
@@ -1908,6 +1908,12 @@ def _method_changes_instance(cls: type, name: str, home: str | None, seen: set[s
 
 ANY_GLOBAL_SET = "<"
 """The first character of an entry of :func:`values_set_after_declaring` that stands for every name."""
+
+
+def library_kept(value: Any) -> str:
+    """What the key counts of a library global that is the library's own state (:func:`_library_own`): its
+    type; a rank digests its own the same way (:func:`hetflow.observed.code_in_rank`)."""
+    return f"<a {type(value).__qualname__} the library keeps>"
 
 
 def _library_own(value: Any, top: str) -> bool:

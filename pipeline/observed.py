@@ -21,6 +21,10 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
   that now holds the key's content was filled by the module's own code in the
   stage, as the session's call of the same helper filled it: not a value the
   session set (:func:`differed`).
+* ``kept NAME`` (rank only): a library global the key counted by type as the
+  library's own state (``MPI.COMM_WORLD.Get_rank()`` in a module: its calls
+  change ``mpi4py.MPI.COMM_WORLD``), digested by that rule in the rank; one that
+  matches the key's is not a value the ranks computed otherwise (:func:`differed`).
 * ``module PATH``: the source of every imported module that is neither under the
   stage's own directory (those the key hashes as it reaches them), nor part of
   the standard library, ``site-packages`` or hetflow: a helper module reached
@@ -416,6 +420,8 @@ def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterabl
         except Exception:  # noqa: BLE001 - its text form failed here: not compared
             continue
         found[f"code {label}"] = fingerprint._sha(text)
+        if value is not _ABSENT and fingerprint._library_own(value, label.partition(".")[0]):
+            found[f"kept {label}"] = fingerprint._sha(walker.value(fingerprint.library_kept(value)))
     return found
 
 
@@ -894,10 +900,13 @@ OTHER_VALUE = "<another value in its ranks>"
 def differed(rank: Mapping[str, str], code: Mapping[str, str]) -> list[str]:
     """The components of the key's code (``code``) that a rank made otherwise (:func:`code_in_rank`), less a
     module's container the stage itself filled in place to the key's content (:func:`filled_in_rank`): the
-    module's own code made it what the key holds, in the rank as where the key was made."""
+    module's own code made it what the key holds, in the rank as where the key was made; and less a library's
+    own state the key counted by type (``kept NAME``: ``MPI.COMM_WORLD.Get_rank()`` in a module makes
+    ``mpi4py.MPI.COMM_WORLD`` a library global its calls change, :func:`hetflow.fingerprint.library_kept`),
+    which the rank holds by the same rule."""
     return sorted(name for key, value in rank.items() if key.startswith("code ")
                   and (name := key[len("code "):]) in code and code[name] != value
-                  and rank.get(f"filled {name}") != code[name])
+                  and rank.get(f"filled {name}") != code[name] and rank.get(f"kept {name}") != code[name])
 
 
 MAX_RECORDED = 1_000

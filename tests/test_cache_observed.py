@@ -617,6 +617,36 @@ def test_a_global_made_anew_in_each_rank_is_named_at_the_end_of_the_run_with_wha
         assert shown["pid"]["cache"]["reason"].startswith("not cached: PID differs in its ranks"), shown["pid"]
 
 
+MPI_WORLD = '''
+import pyarrow as pa
+import hetflow as hf
+from mpi4py import MPI
+
+pipe = hf.Pipeline("mpiworld", pilot="local")
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"v": [MPI.COMM_WORLD.Get_rank()]})}
+
+
+@pipe.stage(ranks=2, outputs=["two"])
+def two(ctx):
+    return {"two": pa.table({"v": [MPI.COMM_WORLD.Get_rank()]})}
+'''
+
+
+def test_a_stage_calling_mpi_comm_world_through_the_scripts_mpi_module_is_cached(tmp_path: Path) -> None:
+    """Red team: ``MPI.COMM_WORLD.Get_rank()`` makes ``mpi4py.MPI.COMM_WORLD`` a library global its calls
+    change, which the key counts by type (the library's own state); the rank digested it by its value, so
+    every such stage, one rank or two, "differs in its ranks" and was never served from the cache."""
+    (tmp_path / "p.py").write_text(MPI_WORLD)
+    first = run(tmp_path)
+    assert states(first) == {"one": "DONE", "two": "DONE"}
+    assert "differs in its ranks" not in first["one"]["cache"]["reason"], first["one"]["cache"]
+    assert states(run(tmp_path)) == {"one": "CACHED", "two": "CACHED"}
+
+
 CONFIGURED_HELPER = '''
 import json
 import os
