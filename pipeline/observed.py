@@ -773,7 +773,7 @@ def _seeded_since(name: str, before: str | None, after: str, script: str | None)
     """Whether generator ``name`` went from state ``before`` (the top's end) to ``after`` (``pipe.run()``) by
     more than draws: a seeding call (``np.random.seed``, ``random.seed``, ``torch.manual_seed``).  Draws
     only move a Mersenne Twister's position and regenerate its block; a seed replaces the block.  torch
-    keeps the seed it was last given.  A generator the top had not loaded (``np.random`` first used in the
+    keeps the seed it was last given; the same seed given again leaves that seed's fresh state.  A generator the top had not loaded (``np.random`` first used in the
     main block) counts as seeded when the ``script`` holds a seeding call: a library the block imports
     loads it unseeded too (pandas)."""
     import json
@@ -784,7 +784,12 @@ def _seeded_since(name: str, before: str | None, after: str, script: str | None)
         return False
     old, new = json.loads(before), json.loads(after)
     if name == "torch.random":
-        return bool(old[0] != new[0])
+        if old[0] != new[0]:
+            return True
+        import torch  # the seed the top gave, given again after the top drew (a model's initialisation)
+
+        return bool(new[1] != old[1] and
+                    new[1] == torch.Generator().manual_seed(int(new[0])).get_state().numpy().tobytes().hex())
     if name == "random":
         old_keys, old_pos, new_keys = old[1][:_MT_SIZE], old[1][_MT_SIZE], new[1][:_MT_SIZE]
     else:

@@ -1049,6 +1049,44 @@ def test_a_seed_a_helper_sets_from_the_main_block_reaches_the_ranks_and_another_
     assert states(script(1)) == {"draw": "CACHED", "mapped": "CACHED", "fixed": "CACHED"}
 
 
+TORCH_SEEDED_AGAIN = """
+import sys
+
+import pyarrow as pa
+import torch
+import hetflow as hf
+
+pipe = hf.Pipeline("torchsame")
+torch.manual_seed(0)
+WEIGHTS = torch.rand(3)  # a model's initialisation at the top draws
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(torch.rand(1)[0])]})}
+
+
+if __name__ == "__main__":
+    torch.manual_seed(int(sys.argv[1]))
+    pipe.run()
+"""
+
+
+def test_the_tops_torch_seed_given_again_in_the_main_block_reaches_the_ranks(tmp_path: Path) -> None:
+    """Red team: ``torch.manual_seed(0)`` at the top, a draw there, and the main block's ``torch.manual_seed(0)``
+    (a ``--seed`` whose default is the top's): torch's seed was the same, so the block was taken for one that
+    only drew, and the ranks drew from the top's state after its draws, not seed 0's, where ``python p.py 1``
+    drew seed 1's."""
+    torch = pytest.importorskip("torch")
+    (tmp_path / "p.py").write_text(TORCH_SEEDED_AGAIN)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    done = subprocess.run([sys.executable, "p.py", "0"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = float(torch.rand(1, generator=torch.Generator().manual_seed(0))[0])
+    assert value(status(tmp_path), "draw") == expected
+
+
 SEEDED_FROM_ARGS = """
 import argparse
 import random
