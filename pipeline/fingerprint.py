@@ -1182,10 +1182,13 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
 
 
 def _is_main_guard(node: ast.AST) -> bool:
-    """Whether ``node`` is an ``if __name__ == "__main__":`` statement."""
+    """Whether ``node`` is an ``if __name__ == "__main__":`` statement, or one whose test is that comparison
+    ``and`` others (``if __name__ == "__main__" and len(sys.argv) > 1:``): its block too runs only where the
+    script is ``__main__``, never in a rank."""
     test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-    return isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) \
-        and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {"__name__", "'__main__'"}
+    tests = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+    return any(isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)
+               and {ast.unparse(t.left), ast.unparse(t.comparators[0])} == {"__name__", "'__main__'"} for t in tests)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -600,10 +600,10 @@ def _main_guard_line(path: str) -> int | None:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
         return None
+    from .fingerprint import _is_main_guard
+
     for node in tree.body:
-        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) \
-                and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {"__name__", "'__main__'"}:
+        if _is_main_guard(node):
             return node.lineno
     return None
 

@@ -1087,6 +1087,45 @@ def test_the_tops_torch_seed_given_again_in_the_main_block_reaches_the_ranks(tmp
     assert value(status(tmp_path), "draw") == expected
 
 
+SEEDED_UNDER_AN_AND_GUARD = """
+import sys
+
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("guard")
+np.random.seed(0)
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:
+    np.random.seed(int(sys.argv[1]))
+    pipe.run()
+"""
+
+
+def test_a_seed_set_under_a_main_guard_with_a_further_condition_reaches_the_ranks(tmp_path: Path) -> None:
+    """Red team: ``if __name__ == "__main__" and len(sys.argv) > 1:`` was not taken for the main block, so the
+    seed it set was neither given to the ranks nor in the key: ``python p.py 1`` drew the top's seed 0 and
+    ``python p.py 2`` was served that, CACHED."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SEEDED_UNDER_AN_AND_GUARD)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    for seed in (1, 2):
+        done = subprocess.run([sys.executable, "p.py", str(seed)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = status(tmp_path)
+        assert states(shown) == {"draw": "DONE"}, shown
+        assert value(shown, "draw") == float(np.random.RandomState(seed).rand())
+
+
 SEEDED_FROM_ARGS = """
 import argparse
 import random
