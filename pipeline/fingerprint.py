@@ -299,7 +299,7 @@ class _Walker:
                 applied.add((id(owner), attr))
                 value = vars(owner).get(attr, _ABSENT)
                 if (id(owner), attr) in self.library_state and _library_own(value, owner.__name__.partition(".")[0]):
-                    value = f"<a {type(value).__qualname__} the library keeps>"  # its cache (psutil's _pmap)
+                    value = library_kept(value)  # its cache (psutil's _pmap)
                 text = "<absent>" if value is _ABSENT else self.value(value)
                 if isinstance(value, types.FunctionType):  # a.f.gain = v: the function's own attributes
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
@@ -1182,10 +1182,13 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
 
 
 def _is_main_guard(node: ast.AST) -> bool:
-    """Whether ``node`` is an ``if __name__ == "__main__":`` statement."""
+    """Whether ``node`` is an ``if __name__ == "__main__":`` statement, or one whose test is that comparison
+    ``and`` others (``if __name__ == "__main__" and len(sys.argv) > 1:``): its block too runs only where the
+    script is ``__main__``, never in a rank."""
     test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-    return isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) \
-        and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {"__name__", "'__main__'"}
+    tests = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+    return any(isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)
+               and {ast.unparse(t.left), ast.unparse(t.comparators[0])} == {"__name__", "'__main__'"} for t in tests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1908,6 +1911,12 @@ def _method_changes_instance(cls: type, name: str, home: str | None, seen: set[s
 
 ANY_GLOBAL_SET = "<"
 """The first character of an entry of :func:`values_set_after_declaring` that stands for every name."""
+
+
+def library_kept(value: Any) -> str:
+    """What the key counts of a library global that is the library's own state (:func:`_library_own`): its
+    type; a rank digests its own the same way (:func:`hetflow.observed.code_in_rank`)."""
+    return f"<a {type(value).__qualname__} the library keeps>"
 
 
 def _library_own(value: Any, top: str) -> bool:

@@ -21,6 +21,10 @@ returned: :func:`in_rank`, :func:`code_in_rank`):
   that now holds the key's content was filled by the module's own code in the
   stage, as the session's call of the same helper filled it: not a value the
   session set (:func:`differed`).
+* ``kept NAME`` (rank only): a library global the key counted by type as the
+  library's own state (``MPI.COMM_WORLD.Get_rank()`` in a module: its calls
+  change ``mpi4py.MPI.COMM_WORLD``), digested by that rule in the rank; one that
+  matches the key's is not a value the ranks computed otherwise (:func:`differed`).
 * ``module PATH``: the source of every imported module that is neither under the
   stage's own directory (those the key hashes as it reaches them), nor part of
   the standard library, ``site-packages`` or hetflow: a helper module reached
@@ -416,6 +420,8 @@ def code_in_rank(func: Any, labels: Iterable[str], local_installs: tuple[Iterabl
         except Exception:  # noqa: BLE001 - its text form failed here: not compared
             continue
         found[f"code {label}"] = fingerprint._sha(text)
+        if value is not _ABSENT and fingerprint._library_own(value, label.partition(".")[0]):
+            found[f"kept {label}"] = fingerprint._sha(walker.value(fingerprint.library_kept(value)))
     return found
 
 
@@ -594,10 +600,10 @@ def _main_guard_line(path: str) -> int | None:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
         return None
+    from .fingerprint import _is_main_guard
+
     for node in tree.body:
-        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) \
-                and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {"__name__", "'__main__'"}:
+        if _is_main_guard(node):
             return node.lineno
     return None
 
@@ -767,7 +773,7 @@ def _seeded_since(name: str, before: str | None, after: str, script: str | None)
     """Whether generator ``name`` went from state ``before`` (the top's end) to ``after`` (``pipe.run()``) by
     more than draws: a seeding call (``np.random.seed``, ``random.seed``, ``torch.manual_seed``).  Draws
     only move a Mersenne Twister's position and regenerate its block; a seed replaces the block.  torch
-    keeps the seed it was last given.  A generator the top had not loaded (``np.random`` first used in the
+    keeps the seed it was last given; the same seed given again leaves that seed's fresh state.  A generator the top had not loaded (``np.random`` first used in the
     main block) counts as seeded when the ``script`` holds a seeding call: a library the block imports
     loads it unseeded too (pandas)."""
     import json
@@ -778,7 +784,12 @@ def _seeded_since(name: str, before: str | None, after: str, script: str | None)
         return False
     old, new = json.loads(before), json.loads(after)
     if name == "torch.random":
-        return bool(old[0] != new[0])
+        if old[0] != new[0]:
+            return True
+        import torch  # the seed the top gave, given again after the top drew (a model's initialisation)
+
+        return bool(new[1] != old[1] and
+                    new[1] == torch.Generator().manual_seed(int(new[0])).get_state().numpy().tobytes().hex())
     if name == "random":
         old_keys, old_pos, new_keys = old[1][:_MT_SIZE], old[1][_MT_SIZE], new[1][:_MT_SIZE]
     else:
@@ -894,10 +905,13 @@ OTHER_VALUE = "<another value in its ranks>"
 def differed(rank: Mapping[str, str], code: Mapping[str, str]) -> list[str]:
     """The components of the key's code (``code``) that a rank made otherwise (:func:`code_in_rank`), less a
     module's container the stage itself filled in place to the key's content (:func:`filled_in_rank`): the
-    module's own code made it what the key holds, in the rank as where the key was made."""
+    module's own code made it what the key holds, in the rank as where the key was made; and less a library's
+    own state the key counted by type (``kept NAME``: ``MPI.COMM_WORLD.Get_rank()`` in a module makes
+    ``mpi4py.MPI.COMM_WORLD`` a library global its calls change, :func:`hetflow.fingerprint.library_kept`),
+    which the rank holds by the same rule."""
     return sorted(name for key, value in rank.items() if key.startswith("code ")
                   and (name := key[len("code "):]) in code and code[name] != value
-                  and rank.get(f"filled {name}") != code[name])
+                  and rank.get(f"filled {name}") != code[name] and rank.get(f"kept {name}") != code[name])
 
 
 MAX_RECORDED = 1_000

@@ -314,7 +314,7 @@ def installed_imports(source: bytes) -> list[str]:
 def _preload_stage(job: Job) -> bool:
     """Import here, once, the installed packages that the script (or module) of ``job``'s stage imports
     at its top, so every task forked after shares them; False when the server must not fork any more
-    (an import left threads running).  The script itself is never executed here (each task executes it,
+    (an import left threads running, or was stopped halfway by the stage's timeout).  The script itself is never executed here (each task executes it,
     as a cold start would: what it creates at its top, an RNG, an open file, a temporary directory, a
     signal handler, is each task's own); an import that fails is left to the task, which meets it."""
     from hetflow.tasks.gpu import GPU_VENDORS, VISIBLE_DEVICES
@@ -359,6 +359,7 @@ def _preload_stage(job: Job) -> bool:
         os.chdir(job.cwd)  # where the task runs, as a cold start imports them: a ./matplotlibrc is the task's
     except OSError:
         pass
+    timed_out = False
     try:
         try:
             with _exit_handlers_recorded(), _bounded(job.timeout):
@@ -370,9 +371,11 @@ def _preload_stage(job: Job) -> bool:
                     except BaseException as exc:  # noqa: BLE001 - the task's own import meets it again
                         print(f"hetflow fork server: {name} (imported by {path}) not loaded before forking "
                               f"({type(exc).__name__}: {exc})", file=sys.stderr)
-        except _PreloadTimeout:
+        except _PreloadTimeout:  # an import stopped halfway leaves its parts in sys.modules: not forked from
+            timed_out = True
             print(f"hetflow fork server: the imports of {path or spec.function.module} took longer than the "
-                  f"stage's timeout of {job.timeout:g}s; stopped, the task imports them itself", file=sys.stderr)
+                  f"stage's timeout of {job.timeout:g}s; stopped, the server restarts without loading them "
+                  "and each task imports them itself", file=sys.stderr)
         _scripts[key] = True
     finally:
         if observed is not None:
@@ -386,6 +389,8 @@ def _preload_stage(job: Job) -> bool:
         os.close(saved_fds[1])
         os.environ.clear()
         os.environ.update(saved_env)
+    if timed_out:
+        return False
     threads = _threads() - before
     if threads > 0:
         print(f"hetflow fork server: the imports of {path or spec.function.module} left {threads} thread(s) "
@@ -406,7 +411,10 @@ def _bounded(seconds: float | None) -> Iterator[None]:
     not hold the server: while it imports, it forks nothing and reports no child's end, and the backend's
     timeout only starts counting once the task is forked.  Bounded by the stage's timeout, the server
     gives up and forks the task, which imports the package itself, as a cold rank would, and is timed
-    out as a cold rank would be (the backend counts the timeout from its request)."""
+    out as a cold rank would be (the backend counts the timeout from its request).  The import stopped
+    halfway leaves the modules it had loaded (a C extension set up once per process: ``torch._C``) in
+    ``sys.modules``, where every later task's own import of the package would meet them and fail, so the
+    server then replaces itself by one that loads no script's imports (:func:`_restart`)."""
     if seconds is None:
         yield
         return

@@ -617,6 +617,36 @@ def test_a_global_made_anew_in_each_rank_is_named_at_the_end_of_the_run_with_wha
         assert shown["pid"]["cache"]["reason"].startswith("not cached: PID differs in its ranks"), shown["pid"]
 
 
+MPI_WORLD = '''
+import pyarrow as pa
+import hetflow as hf
+from mpi4py import MPI
+
+pipe = hf.Pipeline("mpiworld", pilot="local")
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"v": [MPI.COMM_WORLD.Get_rank()]})}
+
+
+@pipe.stage(ranks=2, outputs=["two"])
+def two(ctx):
+    return {"two": pa.table({"v": [MPI.COMM_WORLD.Get_rank()]})}
+'''
+
+
+def test_a_stage_calling_mpi_comm_world_through_the_scripts_mpi_module_is_cached(tmp_path: Path) -> None:
+    """Red team: ``MPI.COMM_WORLD.Get_rank()`` makes ``mpi4py.MPI.COMM_WORLD`` a library global its calls
+    change, which the key counts by type (the library's own state); the rank digested it by its value, so
+    every such stage, one rank or two, "differs in its ranks" and was never served from the cache."""
+    (tmp_path / "p.py").write_text(MPI_WORLD)
+    first = run(tmp_path)
+    assert states(first) == {"one": "DONE", "two": "DONE"}
+    assert "differs in its ranks" not in first["one"]["cache"]["reason"], first["one"]["cache"]
+    assert states(run(tmp_path)) == {"one": "CACHED", "two": "CACHED"}
+
+
 CONFIGURED_HELPER = '''
 import json
 import os
@@ -1017,6 +1047,83 @@ def test_a_seed_a_helper_sets_from_the_main_block_reaches_the_ranks_and_another_
     assert "numpy's global random state (np.random.seed) changed" in other["draw"]["cache"]["reason"]
     assert value(other, "draw") == seeded(2)
     assert states(script(1)) == {"draw": "CACHED", "mapped": "CACHED", "fixed": "CACHED"}
+
+
+TORCH_SEEDED_AGAIN = """
+import sys
+
+import pyarrow as pa
+import torch
+import hetflow as hf
+
+pipe = hf.Pipeline("torchsame")
+torch.manual_seed(0)
+WEIGHTS = torch.rand(3)  # a model's initialisation at the top draws
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(torch.rand(1)[0])]})}
+
+
+if __name__ == "__main__":
+    torch.manual_seed(int(sys.argv[1]))
+    pipe.run()
+"""
+
+
+def test_the_tops_torch_seed_given_again_in_the_main_block_reaches_the_ranks(tmp_path: Path) -> None:
+    """Red team: ``torch.manual_seed(0)`` at the top, a draw there, and the main block's ``torch.manual_seed(0)``
+    (a ``--seed`` whose default is the top's): torch's seed was the same, so the block was taken for one that
+    only drew, and the ranks drew from the top's state after its draws, not seed 0's, where ``python p.py 1``
+    drew seed 1's."""
+    torch = pytest.importorskip("torch")
+    (tmp_path / "p.py").write_text(TORCH_SEEDED_AGAIN)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    done = subprocess.run([sys.executable, "p.py", "0"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = float(torch.rand(1, generator=torch.Generator().manual_seed(0))[0])
+    assert value(status(tmp_path), "draw") == expected
+
+
+SEEDED_UNDER_AN_AND_GUARD = """
+import sys
+
+import numpy as np
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("guard")
+np.random.seed(0)
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:
+    np.random.seed(int(sys.argv[1]))
+    pipe.run()
+"""
+
+
+def test_a_seed_set_under_a_main_guard_with_a_further_condition_reaches_the_ranks(tmp_path: Path) -> None:
+    """Red team: ``if __name__ == "__main__" and len(sys.argv) > 1:`` was not taken for the main block, so the
+    seed it set was neither given to the ranks nor in the key: ``python p.py 1`` drew the top's seed 0 and
+    ``python p.py 2`` was served that, CACHED."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SEEDED_UNDER_AN_AND_GUARD)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    for seed in (1, 2):
+        done = subprocess.run([sys.executable, "p.py", str(seed)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = status(tmp_path)
+        assert states(shown) == {"draw": "DONE"}, shown
+        assert value(shown, "draw") == float(np.random.RandomState(seed).rand())
 
 
 SEEDED_FROM_ARGS = """

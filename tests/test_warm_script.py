@@ -231,6 +231,63 @@ def test_an_installed_import_that_blocks_is_ended_by_the_stage_timeout(tmp_path:
         assert "took longer than the stage's timeout of 3s" in log, log
 
 
+HALFCORE = """
+REGISTERED = set()
+
+
+def register(name):  # as a C extension's set-up, once per process (torch: "already has a docstring")
+    if name in REGISTERED:
+        raise RuntimeError(f"{name} is set up already in this process")
+    REGISTERED.add(name)
+"""
+
+HALFPKG = """
+import time
+import halfcore
+halfcore.register("halfpkg")
+with open("/proc/self/cmdline", "rb") as fh:
+    if b"script.py" not in fh.read().split(b"\\0"):  # slow in a rank or the fork server, not in `python script.py`
+        time.sleep(4)
+"""
+
+HALF = HEAD + '''
+import halfpkg
+
+
+@pipe.stage(outputs=["a"], timeout=2)
+def first(ctx):
+    return {"a": pa.table({"n": [1]})}
+
+
+@pipe.stage(outputs=["b"])
+def second(ctx):
+    return {"b": pa.table({"n": [2]})}
+
+
+if __name__ == "__main__":
+    run = pipe.run(progress=False, check=False)
+    print("STATE", run.stage("first").state, run.stage("second").state)
+    print("ERROR", run.stage("second").error)
+'''
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_an_import_the_stage_timeout_stopped_in_the_server_does_not_break_the_next_stages(
+        tmp_path: Path, cold: bool) -> None:
+    """Before, the fork server stopped at the first stage's timeout of 2 s in the middle of a slow import
+    (``import torch`` on a cold file system) and went on forking from the half-imported state: the second
+    stage (no timeout) then failed in its own import of the package (torch: ``module 'torch' has no attribute
+    'distributed'``), where cold it ran.  Now the server restarts without the script's imports."""
+    _package(tmp_path, "halfcore", HALFCORE)
+    done, run_dir = _run(tmp_path, cold=cold, script=textwrap.dedent(HALF),
+                         env=_package(tmp_path, "halfpkg", HALFPKG))
+    assert "STATE TIMED_OUT DONE" in done.stdout, done.stdout + done.stderr
+    assert _row(run_dir, "b") == {"n": 2}
+    if not cold:
+        log = (run_dir / "forkserver.log").read_text()
+        assert "took longer than the stage's timeout of 2s; stopped, the server restarts" in log, log
+
+
 def test_a_run_interrupted_while_the_server_blocks_in_an_import_leaves_no_process(tmp_path: Path) -> None:
     """Before, Ctrl-C while the fork server was stuck in a stage's import (no timeout to bound it) ended the
     server at shutdown, and the task it had been asked for was then started cold, through mpiexec, after
