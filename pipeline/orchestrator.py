@@ -36,6 +36,7 @@ from hetflow.tasks.paths import UnsafePath, private_dir
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.protocol import (
     MPI_PACKAGES,
+    WITHOUT_MPI,
     AttemptFiles,
     Failure,
     RankResult,
@@ -946,8 +947,7 @@ class Orchestrator(MapShell):
             local_installs=_local_installs(),
             generators=self.generators[shipped is not None][0],
             generators_if_drawn=self.generators[shipped is not None][1],
-            mpi_named=keyed is None or not MPI_PACKAGES.isdisjoint(
-                key.removeprefix("module ").partition(".")[0] for key in keyed.code),
+            mpi_named=keyed is None or _may_use_mpi(keyed.code),
         ).write(files.spec, durable=False)  # read at once by the worker; after a crash the attempt is redone
         return files
 
@@ -1240,6 +1240,19 @@ class Orchestrator(MapShell):
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final
+
+
+def _may_use_mpi(code: Mapping[str, str]) -> bool:
+    """Whether a stage with this code fingerprint may call MPI other than through ``ctx.comm``: its key names
+    a package that uses MPI (:data:`~hetflow.tasks.protocol.MPI_PACKAGES`), or an installed package (counted by
+    its version) not known to be without it (:data:`~hetflow.tasks.protocol.WITHOUT_MPI`)."""
+    for key, digest in code.items():
+        top = key.removeprefix("module ").partition(".")[0]
+        if top in MPI_PACKAGES:
+            return True
+        if key.startswith("module ") and len(digest) != 64 and top not in WITHOUT_MPI:  # a version: installed
+            return True
+    return False
 
 
 def _worker_sys_path(spec: StageSpec, base: Path) -> tuple[str, ...]:

@@ -61,6 +61,11 @@ VERIFY = ("checksum", "size", "none")
 MPI_PACKAGES = frozenset({"mpi4py", "petsc4py", "slepc4py", "mpi4jax", "horovod", "dolfinx", "firedrake"})
 """Packages that use MPI by themselves, not only through a communicator a stage is given: a stage whose key
 holds one has MPI started before it runs (:attr:`WorkerSpec.mpi_named`)."""
+WITHOUT_MPI = frozenset({"numpy", "pyarrow", "pandas", "polars", "duckdb", "scipy", "sklearn", "matplotlib", "torch",
+                         "psutil", "yaml", "sqlalchemy", "rich", "PIL", "tqdm", "hetflow"})
+"""Installed packages known not to call mpi4py: a warm one-rank stage whose key holds only these (and the user's
+own modules) starts MPI when it first reads ``ctx.comm``; any other installed package might import mpi4py
+inside a function and call MPI before that (which would abort), so with one MPI is started first."""
 ITEM_ISOLATION = ("checked", "fork")
 MAX_PROGRESS_BYTES = 1 << 20
 """The most of a rank's progress file read back (a report is a few hundred bytes)."""
@@ -256,9 +261,10 @@ class WorkerSpec:
     item) runs (:func:`hetflow.observed.restore_generators`): what a session or a script's main block seeded,
     which the rank never executes; every rank gets the same states."""
     mpi_named: bool = True
-    """The stage's key holds a package that uses MPI by itself (:data:`MPI_PACKAGES`: ``mpi4py``): a warm one-rank
-    rank starts MPI before the stage runs, not when the stage first reads ``ctx.comm``
-    (:class:`~hetflow.tasks.context.DeferredWorld`), so ``MPI.COMM_WORLD`` used without ``ctx.comm`` works."""
+    """The stage's key holds a package that uses MPI by itself (:data:`MPI_PACKAGES`: ``mpi4py``) or one hetflow
+    does not know to be without MPI (:data:`WITHOUT_MPI`): a warm one-rank rank starts MPI before the stage runs,
+    not when the stage first reads ``ctx.comm`` (:class:`~hetflow.tasks.context.DeferredWorld`), so
+    ``MPI.COMM_WORLD`` used without ``ctx.comm``, there or inside such a package, works."""
     generators_if_drawn: tuple[str, ...] = ()
     """The generators in ``generators`` that count (their state is observed) only where the stage drew from
     them: a session's, given whether or not anyone seeded them, and those a script's main block loaded first

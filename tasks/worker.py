@@ -482,6 +482,30 @@ def _start_mpi(mpi: Any) -> None:
     atexit.register(lambda: None if mpi.Is_finalized() else mpi.Finalize())
 
 
+_MPI_WITHOUT_START = frozenset({"Is_initialized", "Is_finalized", "Get_version", "Get_library_version"})
+
+
+def _start_on_first_use(mpi: Any, world: Any) -> None:
+    """Make ``mpi4py.MPI``, as code imports it from now on (``from mpi4py import MPI`` in a function of an
+    installed package the key does not show), a module that starts this rank's deferred MPI world
+    (:class:`~hetflow.tasks.context.DeferredWorld`) when any of its names but a few questions is first read:
+    MPI used before it is started would abort the rank.  Code that took the module before (at import, in
+    the fork server) holds it itself; a stage whose key shows such code has MPI started before it runs."""
+    import types
+
+    import mpi4py
+
+    class StartingMPI(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            if not name.startswith("__") and name not in _MPI_WITHOUT_START:
+                world.get()
+                sys.modules["mpi4py.MPI"] = mpi4py.MPI = mpi  # type: ignore[attr-defined]
+            return getattr(mpi, name)
+
+    starting = StartingMPI("mpi4py.MPI", getattr(mpi, "__doc__", None))
+    sys.modules["mpi4py.MPI"] = mpi4py.MPI = starting  # type: ignore[attr-defined]
+
+
 def own_output(files: AttemptFiles, rank: int) -> None:
     """Send this process's stdout and stderr (file descriptors 1 and 2: ``print``, ``ctx.log``,
     C libraries, child processes) to ``rank-<rank>.log``, line-buffered.
@@ -538,6 +562,8 @@ def run(spec_path: str) -> int:
             rank, size = 0, 1
             if spec.items or spec.mpi_named:  # a map stage's runner and item children share the rank's world
                 mpi_comm = mpi_comm.get()       # (hetflow.tasks.mapitems); a stage naming mpi4py may use it directly
+            else:
+                _start_on_first_use(MPI, mpi_comm)
 
         def get_comm() -> Any:
             return mpi_comm

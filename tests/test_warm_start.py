@@ -84,6 +84,42 @@ def test_a_warm_rank_starts_mpi_only_when_its_stage_reads_ctx_comm(tmp_path: Pat
         assert "MPI" not in log and "Error" not in log, log
 
 
+LAZY_MPI_USER = '''
+import pyarrow as pa
+import hetflow as hf
+import mpilib
+
+pipe = hf.Pipeline("lazy-mpi-user", pilot="local")
+
+
+@pipe.stage(outputs=["sizes"])
+def sizes(ctx):
+    return {"sizes": pa.table({"size": [mpilib.world_size()], "rank": [ctx.rank]})}
+
+
+if __name__ == "__main__":
+    run = pipe.run(progress=False, check=False)
+    print(run.state, run.stage("sizes").error)
+    if run.ok:
+        print(run.dataset("sizes").to_table().to_pylist())
+'''
+
+
+def test_an_installed_package_that_imports_mpi4py_when_called_finds_mpi_started(tmp_path: Path) -> None:
+    """Red team 9 (mpilazy): a package on the path with no version (so not in the key) that imports mpi4py
+    inside a function and calls MPI.COMM_WORLD, from a warm one-rank stage that never reads ctx.comm,
+    aborted the rank ("an MPI routine before initializing"); cold it ran."""
+    lib = tmp_path / "site-packages" / "mpilib"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text("def world_size():\n    from mpi4py import MPI\n"
+                                     "    return MPI.COMM_WORLD.Get_size()\n")
+    (tmp_path / "p.py").write_text(LAZY_MPI_USER)
+    done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path / "site-packages"),
+                                   HETFLOW_WORKDIR=str(tmp_path / "work")))
+    assert done.stdout.splitlines()[:2] == ["DONE None", "[{'size': 1, 'rank': 0}]"], done.stdout + done.stderr
+
+
 def test_warm_start_off_starts_one_rank_with_mpiexec(tmp_path: Path) -> None:
     pipe = hf.Pipeline("cold", pilot=COLD, workdir=tmp_path)
     pipe.stage(ranks=1, outputs=["lineage"])(W.lineage)
