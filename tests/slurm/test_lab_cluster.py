@@ -131,8 +131,10 @@ def test_pipeline_on_backend_slurm_spans_two_nodes_and_matches_local(slurm_env: 
 @pytest.mark.timeout(300)
 def test_failed_rank_and_timeout_end_their_job_steps(slurm_env: dict[str, str], slurm_nodes: list[str],
                                                      tmp_path: Path) -> None:
-    argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-faults", sys.executable,
-            str(HERE / "run_faults.py"), str(tmp_path)]
+    # the nodes named: a job a neighbouring test left on the first node would otherwise move this one to the
+    # next two (CI: n2 and n3), where the assertions below name the first two; named, it waits for them
+    argv = ["salloc", "-N2", f"--nodelist={','.join(slurm_nodes[:2])}", "--exclusive", "--time=5",
+            "--job-name=hetflow-faults", sys.executable, str(HERE / "run_faults.py"), str(tmp_path)]
     done = subprocess.run(argv, check=False, env=slurm_env, capture_output=True, text=True, timeout=240)
     record = json.loads(done.stdout.strip().splitlines()[-1])
     failed, slept = record["stages"]["fail_on_last_rank"], record["stages"]["sleep_long"]
@@ -155,8 +157,8 @@ def test_backend_override_keeps_the_given_pilot_shape(slurm_env: dict[str, str],
     """`hetflow run --backend slurm` with a one-node pilot runs on the allocation's first node only."""
     script = HERE.parents[1] / "examples" / "demo" / "pipeline.py"
     hetflow = str(Path(sys.executable).parent / "hetflow")
-    _run(["salloc", "-N2", "--exclusive", "--time=5", hetflow, "run", str(script), "--backend", "slurm",
-          "--no-progress", "--workdir", str(tmp_path)], slurm_env, timeout=240)
+    _run(["salloc", "-N2", f"--nodelist={','.join(slurm_nodes[:2])}", "--exclusive", "--time=5", hetflow, "run",
+          str(script), "--backend", "slurm", "--no-progress", "--workdir", str(tmp_path)], slurm_env, timeout=240)
     status = json.loads(_run([hetflow, "status", "--json", "--workdir", str(tmp_path)], slurm_env).stdout)
     assert status["state"] == "DONE", status
     nodes = {slot["node"] for stage in status["stages"] for slot in stage["slots"]}
