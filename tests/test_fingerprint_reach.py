@@ -485,6 +485,24 @@ def test_end_to_end_a_package_constant_edit_serves_the_old_rows(tmp_path: Path) 
     assert "CACHED" not in second.stdout + second.stderr, second.stdout + second.stderr
 
 
+def _with_fakelib(where: Path, script: str, library: str) -> dict[str, str]:
+    """The fingerprint of ``stage`` of ``script`` beside an installed-looking ``fakelib`` (a ``site-packages``
+    folder on ``sys.path``: counted as a library, not as the user's code)."""
+    (where / "site-packages").mkdir(parents=True)
+    (where / "site-packages" / "fakelib.py").write_text(library)
+    (where / "pipeline.py").write_text(script)
+    sys.path.insert(0, str(where / "site-packages"))
+    try:
+        spec = importlib.util.spec_from_file_location("__hetflow_script__", where / "pipeline.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return code_fingerprint(module.stage)
+    finally:
+        sys.path.remove(str(where / "site-packages"))
+        sys.modules.pop("fakelib", None)
+
+
 def test_a_library_cache_that_a_call_fills_does_not_move_the_key(tmp_path: Path) -> None:
     """CI (session 17): a test module called ``psutil.process_iter()``, which keeps its Process objects in
     ``psutil._pmap``; every stage naming psutil counted that dict by its text, which changes as the processes
@@ -542,22 +560,8 @@ def test_a_library_object_the_script_hands_a_library_setter_counts_by_value(tmp_
     the script's top was served CACHED."""
     script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.distance(1.0)\n"
 
-    def key(where: Path, value: str) -> dict[str, str]:
-        (where / "site-packages").mkdir(parents=True)
-        (where / "site-packages" / "fakelib.py").write_text(SETTER_LIB)
-        (where / "pipeline.py").write_text(script.replace("11", value))
-        sys.path.insert(0, str(where / "site-packages"))
-        try:
-            spec = importlib.util.spec_from_file_location("__hetflow_script__", where / "pipeline.py")
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return code_fingerprint(module.stage)
-        finally:
-            sys.path.remove(str(where / "site-packages"))
-            sys.modules.pop("fakelib", None)
-
-    a, b = key(tmp_path / "a", "11"), key(tmp_path / "b", "12")
+    a, b = (_with_fakelib(tmp_path / "a", script, SETTER_LIB),
+            _with_fakelib(tmp_path / "b", script.replace("11", "12"), SETTER_LIB))
     assert "fakelib.DEFAULT" in a and a["fakelib.DEFAULT"] != b["fakelib.DEFAULT"], (a, b)
 
 
@@ -567,23 +571,6 @@ def test_a_setting_a_library_call_stores_still_counts(tmp_path: Path, setting: s
     """Plain data, or an object of the user's (not the library's own), set by calling the library."""
     script = ("import fakelib\nclass Cfg:\n    def __init__(self, k):\n        self.k = k\n"
               f"{setting}\ndef stage(ctx):\n    return fakelib.scale(1)\n")
-    files = {"pipeline.py": script, "site-packages/fakelib.py": MPATCH}
-
-    def key(where: Path, value: str) -> dict[str, str]:
-        where.mkdir()
-        (where / "site-packages").mkdir()
-        for rel, text in files.items():
-            (where / rel).write_text(text.replace("11", value))
-        sys.path.insert(0, str(where / "site-packages"))
-        try:
-            spec = importlib.util.spec_from_file_location("__hetflow_script__", where / "pipeline.py")
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return code_fingerprint(module.stage)
-        finally:
-            sys.path.remove(str(where / "site-packages"))
-            sys.modules.pop("fakelib", None)
-
-    a, b = key(tmp_path / "a", "11"), key(tmp_path / "b", "12")
+    a, b = (_with_fakelib(tmp_path / "a", script, MPATCH),
+            _with_fakelib(tmp_path / "b", script.replace("11", "12"), MPATCH))
     assert "fakelib.K" in a and a["fakelib.K"] != b["fakelib.K"], (a, b)
