@@ -53,6 +53,12 @@ its SLURM_CONF in the environment), twice per repeat, alternated: ``slurm``
 (one-rank stages forked by the per-node agents) and ``slurm-steps``
 (``options.slurm.warm_start: false``, one ``srun`` job step per stage, as
 before the agents); no peers (benchmarks/backends.py --lab --stages has them).
+
+``--saturating N`` then runs the simulator's saturating workload scaled to this
+machine, N zero-length tasks, through the simulator and for real on the local
+pilot (benchmarks/saturating.py, whose docstring says how it is scaled): the
+scheduler's placements per second beside the runtime's tasks per second, in
+the same run and the same JSON (``"saturating"``).
 """
 
 from __future__ import annotations
@@ -280,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="CI size: 16 tasks, 1 repeat, no peers")
     parser.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--lab", action="store_true", help="backend slurm on the lab cluster (module docstring)")
+    parser.add_argument("--saturating", type=int, default=0, metavar="N",
+                        help="also run the simulator's saturating workload of N tasks for real (benchmarks/saturating.py)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.child:
@@ -311,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             styles.remove("torch")
             print("torch is not installed: the 'torch' style is left out", file=sys.stderr)
+    if not styles and not peers:
+        if not args.saturating:
+            parser.error("nothing to run: give --styles, --peers or --saturating")
+        return _finish({"cpus": os.cpu_count()}, args, builds[""])
     n, small = args.tasks, max(2, args.tasks // 4)
     with tempfile.TemporaryDirectory(prefix="hf-pyc-") as pyc:
         if args.bytecode:
@@ -384,6 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, ratio in result["ratios"].items():
             print(f"{name} / {reference}: end to end {ratio['end_to_end']:.2f}x, steady state "
                   f"{ratio['steady']:.2f}x; in run {ratio['in_run']:.2f}x, steady in run {ratio['steady_in_run']:.2f}x")
+    return _finish(result, args, builds[""])
+
+
+def _finish(result: dict[str, Any], args: argparse.Namespace, env: dict[str, str]) -> int:
+    """The ``--saturating`` part, then the JSON file."""
+    if args.saturating:
+        import saturating  # beside this file
+
+        result["saturating"] = saturating.run(args.saturating, repeats=args.repeats, env=env)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

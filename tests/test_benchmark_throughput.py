@@ -88,3 +88,29 @@ def test_map_scale_benchmark_reports_items_per_second_memory_store_and_status_la
         assert 0 < cpu["min"] <= cpu["median"] <= cpu["max"], name
     during = data["during"]   # status while the run goes: each call's items counted are at most all of them
     assert all(0 <= done <= 12 for done in during["items_done_when_timed"]), during
+
+
+@pytest.mark.timeout(600)
+def test_saturating_workload_runs_for_real_beside_the_simulator(tmp_path: Path) -> None:
+    """``throughput.py --saturating N``: the simulator's workload scaled to a 2-core, 2-GPU node, placed by the
+    simulator and run as real stages; every kind keeps its shape within the node."""
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--styles", "", "--peers", "",
+                           "--repeats", "1", "--saturating", "45", "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())["saturating"]
+    assert data["tasks"] == sum(data["kinds"].values()) >= 45
+    # the builtin mix: whole-node dataframe tasks, one-GPU training, one-core analysis (train-multi is drawn
+    # for a quarter of the pipelines)
+    assert {"dataframe", "train", "analysis"} <= set(data["kinds"]) <= {"dataframe", "train", "train-multi", "analysis"}
+    shapes = data["requests"]
+    assert shapes["dataframe"]["ranks"] == 2 and shapes["dataframe"]["gpus_per_rank"] == 0
+    assert shapes["train"]["ranks"] == 1 and shapes["train"]["gpus_per_rank"] == 1
+    assert shapes["analysis"]["ranks"] == 1 and shapes["analysis"]["gpus_per_rank"] == 0
+    for shape in shapes.values():
+        assert shape["ranks"] * shape["cores_per_rank"] <= 2 and shape["ranks"] * shape["gpus_per_rank"] <= 2
+    assert data["sim_placements_per_s"]["median"] > 0 and data["end_to_end"]["median"] > 0
+    assert data["end_to_end"]["median"] < data["in_run"]["median"]
+    assert data["cpu_ms_per_task"]["median"] > 0
+    assert "placements/s of scheduler time" in proc.stdout and "tasks/s end to end" in proc.stdout
