@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.pilot import PilotDescription
 from hetflow.tasks.simulator import simulate
