@@ -189,15 +189,19 @@ def _witness(pid: int, status: int) -> None:
     attempt_dir = _tasks.pop(pid, None)
     if attempt_dir is None:
         return
+    from . import warmranks
+
     if status != 0:
         from hetflow.tasks import shm
         from hetflow.tasks.protocol import AttemptFiles
         from hetflow.tasks.witness import record_end
 
-        record_end(Path(attempt_dir), pid, status)
+        if not warmranks.ended_by_launcher(pid):
+            record_end(Path(attempt_dir), pid, status)
         shm.remove_recorded(AttemptFiles(Path(attempt_dir)).shm_segments(pid))
     _end_orphans()
-    _reply({"pid": pid, "status": status})
+    if not warmranks.ended(pid, status):  # a warm rank's end goes to its stub
+        _reply({"pid": pid, "status": status})
 
 
 def _signal_task(pid: int, sig: int) -> None:
@@ -483,7 +487,9 @@ def _observing(script: bool) -> Any:
     is a script's (its ranks record what their top level read); else None."""
     if not script:
         return None
-    from hetflow import observed  # the rank's own observations: the worker imports it too
+    from hetflow import (
+        observed,  # the rank's own observations: the worker imports it too
+    )
 
     observed.install()
     observed.recording(True)
@@ -493,6 +499,9 @@ def _observing(script: bool) -> Any:
 def _restart(pending: bytes) -> NoReturn:
     """Replace this process by a server that loads no script's imports: same pid, pipes and children;
     ``pending`` (requests read but not served yet) and the running tasks are handed to it."""
+    from . import warmranks
+
+    warmranks.before_restart()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-c", BOOT, FORK_SERVER, NO_SCRIPTS, pending.hex(),
                               json.dumps(_tasks)])
@@ -504,6 +513,8 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
     ``preload``: load each stage's installed imports before forking its first child (:func:`_preload_stage`).
     ``pending``: requests already read (from the server this one replaced)."""
     from hetflow import observed
+
+    from . import warmranks
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -517,7 +528,7 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
             if first:
                 first = False  # serve what the replaced server had read before waiting for more
             else:
-                ready, _, _ = select.select([0, wake_r], [], [])
+                ready, _, _ = select.select([0, wake_r, *warmranks.fds()], [], [])
             if wake_r in ready:
                 os.read(wake_r, 4096)
                 _reap()
@@ -527,6 +538,9 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                     _reap()
                     return None
                 pending += data
+            for rank in warmranks.ready(ready):  # the stubs of warm multi-rank tasks
+                if _fork(rank, wake_r, wake_w):
+                    return rank
             while b"\n" in pending:
                 line, rest = pending.split(b"\n", 1)
                 if line.startswith(b'{"log":'):  # an early server, adopted by a run: its log from now on
@@ -539,6 +553,12 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                         pending = rest
                         _signal_task(int(data["pid"]), int(data["signal"]))
                         continue
+                    if "forget" in data:  # a warm multi-rank task's mpiexec has ended
+                        pending = rest
+                        answer = warmranks.forget(str(data["forget"]), data.get("id"))
+                        if answer is not None:
+                            _reply(answer)
+                        continue
                     job = Job.from_data(data)
                 except (ValueError, KeyError, TypeError, AttributeError) as exc:
                     pending = rest
@@ -548,25 +568,47 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                     signal.set_wakeup_fd(-1)
                     _restart(pending)  # this request is served by the new server
                 pending = rest
-                sys.stdout.flush()
-                sys.stderr.flush()  # nothing buffered here may be written again by a child
-                observed.mark_imported()  # the child's observations walk only the modules it imports itself
-                try:
-                    pid = os.fork()
-                except OSError as exc:
-                    _reply({"id": job.id, "error": f"fork failed: {exc}"})
+                if "ranks" in data:  # a warm multi-rank task: its stubs will connect (hetflow.tasks.warmranks)
+                    _reply(warmranks.register(job, data))
                     continue
-                if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    os.close(wake_r)
-                    os.close(wake_w)
-                    _tasks.clear()
+                if _fork(job, wake_r, wake_w):
                     return job
-                _tasks[pid] = str(Path(job.spec).parent)  # the worker's attempt directory
-                _reply({"id": job.id, "pid": pid})
     finally:
         if os.getpid() == _server_pid:
             signal.set_wakeup_fd(-1)
+
+
+def _fork(job: Job, wake_r: int, wake_w: int) -> bool:
+    """Fork ``job``'s child; True in the child.  The server learns the child's pid as its witness, and the
+    one who asked (the backend, or a warm rank's stub) is told it, or why it failed."""
+    from hetflow import observed
+
+    from . import warmranks
+
+    sys.stdout.flush()
+    sys.stderr.flush()  # nothing buffered here may be written again by a child
+    observed.mark_imported()  # the child's observations walk only the modules it imports itself
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        if isinstance(job, warmranks.RankJob):
+            warmranks.fork_failed(job, f"fork failed: {exc}")
+        else:
+            _reply({"id": job.id, "error": f"fork failed: {exc}"})
+        return False
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        os.close(wake_r)
+        os.close(wake_w)
+        _tasks.clear()
+        warmranks.in_child()
+        return True
+    _tasks[pid] = str(Path(job.spec).parent)  # the worker's attempt directory
+    if isinstance(job, warmranks.RankJob):
+        warmranks.forked(job, pid)
+    else:
+        _reply({"id": job.id, "pid": pid})
+    return False
 
 
 def _log_to(line: bytes) -> None:
@@ -678,7 +720,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
     _become_task(job)
     from hetflow.tasks import worker
 
-    _exit(worker.run(job.spec), task=True)  # the rank itself: this server is its witness
+    from . import warmranks
+
+    launched = False
+    if isinstance(job, warmranks.RankJob):  # one rank of a warm multi-rank task, started by its stub
+        warmranks.become_rank(job)
+        launched = True
+    _exit(worker.run(job.spec, launched=launched), task=True)  # the rank itself: this server is its witness
 
 
 def _exit(code: int, task: bool = False) -> NoReturn:
@@ -833,6 +881,51 @@ class ForkServer:
             raise ForkServerGone(str(answer[0]))
         return answer[0]
 
+    def register_ranks(self, spec: str, cwd: Path, ranks: int, timeout: float | None = None) -> tuple[str, str]:
+        """Have the server take the ``ranks`` stubs of a warm multi-rank task (:mod:`hetflow.tasks.warmranks`),
+        its stage's packages imported first; returns its socket's path and the task's token.  Raises
+        :class:`ForkServerGone` when it cannot (the caller starts the task cold)."""
+        event = threading.Event()
+        answer: list[Any] = []
+        with self._lock:
+            if not self.alive or self.remote:
+                raise ForkServerGone("no fork server on this machine")
+            self._next += 1
+            ident = self._next
+            self._waiting[ident] = (event, answer)
+            line = json.dumps({"id": ident, "spec": spec, "cwd": str(cwd), "env": {}, "ranks": ranks,
+                               "timeout": timeout}) + "\n"
+            try:
+                self._stdin.write(line.encode())
+                self._stdin.flush()
+            except (OSError, ValueError) as exc:
+                self._waiting.pop(ident, None)
+                raise ForkServerGone(f"the fork server has ended ({exc})") from None
+        event.wait()
+        if not isinstance(answer[0], tuple):
+            raise ForkServerGone(str(answer[0]))
+        return answer[0]  # type: ignore[no-any-return]
+
+    def forget_ranks(self, token: str, timeout: float = 30.0) -> bool:
+        """The ``mpiexec`` of the warm multi-rank task of ``token`` has ended: no stub may use the token any
+        more; returns once the server has reaped its ranks (killing any still running) and ended what they
+        left behind, False if it did not answer within ``timeout`` seconds."""
+        event = threading.Event()
+        answer: list[Any] = []
+        with self._lock:
+            if not self.alive:
+                return True  # its children died with it
+            self._next += 1
+            ident = self._next
+            self._waiting[ident] = (event, answer)
+            try:
+                self._stdin.write((json.dumps({"id": ident, "forget": token}) + "\n").encode())
+                self._stdin.flush()
+            except (OSError, ValueError):
+                self._waiting.pop(ident, None)
+                return True
+        return event.wait(timeout)
+
     def _read(self, stream: IO[bytes]) -> None:
         """Replies, in the server's order: a child's pid always comes before its end."""
         for raw in stream:
@@ -851,6 +944,10 @@ class ForkServer:
                         task = self._running[int(message["pid"])] = ForkedTask(int(message["pid"]), [],
                                                                                         self)
                         waiter[1].append(task)
+                    elif "socket" in message:  # a warm multi-rank task's registration
+                        waiter[1].append((str(message["socket"]), str(message["token"])))
+                    elif "forgotten" in message:  # and its ranks are gone
+                        waiter[1].append(True)
                     else:
                         waiter[1].append(message.get("error", "the fork server failed"))
                     waiter[0].set()

@@ -528,7 +528,10 @@ def own_output(files: AttemptFiles, rank: int) -> None:
             reconfigure(line_buffering=True)
 
 
-def run(spec_path: str) -> int:
+def run(spec_path: str, launched: bool = False) -> int:
+    """Run this process's rank of the stage in ``spec_path``; its exit code.  ``launched``: a warm rank
+    of a multi-rank task (:mod:`hetflow.tasks.warmranks`), forked with its launcher's PMI connection but
+    MPI not started: it starts it now and joins the launcher's world."""
     kind = _communicator_kind()
     spec = WorkerSpec.read(Path(spec_path))
     world: list[Any] = []
@@ -548,6 +551,8 @@ def run(spec_path: str) -> int:
     else:
         from mpi4py import MPI
 
+        if launched and not MPI.Is_initialized():
+            _start_mpi(MPI)
         if MPI.Is_initialized():  # mpi4py started it at import: a launcher's ranks
             mpi_comm: Any = MPI.COMM_WORLD.Dup()
             rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()

@@ -45,7 +45,7 @@ def _lineage(run: hf.RunStatus, name: str = "lineage") -> list[dict]:
     return open_dataset(Path(run.run_dir) / "datasets" / name).to_table().to_pylist()
 
 
-def test_a_one_rank_stage_starts_warm_with_a_real_communicator_and_more_ranks_start_with_mpiexec(
+def test_a_one_rank_stage_starts_warm_with_a_real_communicator_and_so_do_two_ranks_under_mpiexec(
         tmp_path: Path) -> None:
     pipe = hf.Pipeline("warm", pilot=PILOT, workdir=tmp_path)
     pipe.stage(ranks=1, outputs=["lineage"])(W.lineage)
@@ -60,7 +60,9 @@ def test_a_one_rank_stage_starts_warm_with_a_real_communicator_and_more_ranks_st
     assert one["fi_provider_path"] == os.devnull, one  # libfabric's shm only: no dynamic provider is loaded
     assert Path(one["cwd"]) == Path(run.run_dir) / "stages" / "lineage" / "attempt-1"
     two = _lineage(run, "lineage2")
-    assert len(two) == 2 and all("hydra_pmi_proxy" in r["starter"] and r["size"] == 2 for r in two), two
+    # forked by the server too, their stubs started by mpiexec (hetflow.tasks.warmranks): one world of two
+    assert len(two) == 2 and all("hetflow.tasks.forkserver" in r["starter"] and r["size"] == 2 for r in two), two
+    assert sorted(r["gathered"] == [0, 1] for r in two) == [True, True], two
     assert _servers(Path(run.run_dir)) == []  # ended with the run
 
 

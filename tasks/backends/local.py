@@ -124,6 +124,20 @@ def _warm_command(spec: LaunchSpec) -> str | None:
     return argv[3]
 
 
+def _warm_ranks_command(spec: LaunchSpec) -> str | None:
+    """The spec path when ``spec`` is a worker of several ranks on one node, one core each and no GPUs,
+    whose ranks the fork server can start under ``mpiexec`` (:mod:`hetflow.tasks.warmranks`)."""
+    slots = spec.slots
+    if len(slots) < 2 or len({slot.node for slot in slots}) != 1:
+        return None
+    if any(len(slot.cores) > 1 or slot.gpus for slot in slots):
+        return None
+    argv = spec.argv
+    if len(argv) != 4 or tuple(argv[:3]) != (sys.executable, "-m", "hetflow.tasks.worker"):
+        return None
+    return argv[3]
+
+
 def _private_log(path: Path) -> "int":
     """An append-only log file readable by this user only (whatever the umask)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -147,6 +161,8 @@ class LocalBackend(Backend):
         self._ledger: CoreLedger | None = None
         self._warm = warm_start(pilot)
         self._server: ForkServer | None = None
+        self._tokens: dict[str, tuple[ForkServer, str]] = {}
+        """Warm multi-rank tasks' registrations with the fork server, by task id."""
 
     def start(self) -> None:
         self._launcher = Mpiexec(find_mpiexec())
@@ -203,6 +219,7 @@ class LocalBackend(Backend):
                 future.set_result(TaskOutcome(task_id=spec.task_id, returncode=None,
                                               detail=f"could not start: {type(exc).__name__}: {exc}"))
         finally:
+            self._forget_ranks(spec)
             if booked:
                 ledger.release(cpus)
             with self._lock:
@@ -219,6 +236,7 @@ class LocalBackend(Backend):
             with self._lock:
                 if spec.task_id in self._cancelled:  # while the fork server was asked (and ended by shutdown)
                     raise _CancelledBeforeStart(spec.task_id)
+            argv = self._warm_ranks(spec, argv, env)
             stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
             stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
             try:
@@ -250,6 +268,40 @@ class LocalBackend(Backend):
             log.warning("task %s: started with mpiexec: %s", spec.task_id, exc)
             return None
 
+    def _warm_ranks(self, spec: LaunchSpec, argv: list[str], env: dict[str, str]) -> list[str]:
+        """``argv``, or, for a task of several ranks the fork server can start (:func:`_warm_ranks_command`,
+        this machine's ``mpiexec`` from the ``mpich`` wheel, MPI as the communicator), ``mpiexec`` running a
+        stub per rank that has the fork server fork it (:mod:`hetflow.tasks.warmranks`); ``env`` then
+        gets the server's socket and the task's token."""
+        command = _warm_ranks_command(spec)
+        if command is None or self._launcher is None or self.node_names() != ["localhost"]:
+            return argv
+        if os.environ.get(MPIEXEC_ENV) or self._launcher.executable != str(Path(sys.executable).parent / "mpiexec"):
+            return argv  # a site's MPI: its PMI may not be the one the preloaded library speaks
+        if env.get("HETFLOW_COMM", "mpi") != "mpi":
+            return argv
+        server = self._fork_server()
+        if server is None:
+            return argv
+        from ..rankstub import SOCKET_ENV, TOKEN_ENV
+        from ..warmranks import stub_argv
+
+        try:
+            path, token = server.register_ranks(command, spec.cwd, len(spec.slots), timeout=spec.timeout)
+        except ForkServerGone as exc:
+            log.warning("task %s: its ranks started cold: %s", spec.task_id, exc)
+            return argv
+        with self._lock:
+            self._tokens[spec.task_id] = (server, token)
+        env.update({SOCKET_ENV: path, TOKEN_ENV: token})
+        return self._launcher.argv(stub_argv(command), spec.slots, self.node_names())
+
+    def _forget_ranks(self, spec: LaunchSpec) -> None:
+        with self._lock:
+            registered = self._tokens.pop(spec.task_id, None)
+        if registered is not None and not registered[0].forget_ranks(registered[1]):
+            log.warning("task %s: the fork server did not confirm that its ranks had ended", spec.task_id)
+
     def _wait(self, spec: LaunchSpec, proc: _Process, tree: TreeWatch, started: float,
               future: "Future[TaskOutcome]") -> None:
         timed_out = False
@@ -271,6 +323,7 @@ class LocalBackend(Backend):
                             spec.task_id, spec.timeout)
                 self._kill_group(proc, tree)
                 break
+        self._forget_ranks(spec)  # a warm task's ranks are the fork server's: gone, with what they left, first
         outlived = tree.end()
         if outlived:
             log.warning("task %s: ended %d processes that outlived it: pids %s", spec.task_id, len(outlived), outlived)
