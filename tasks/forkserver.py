@@ -520,6 +520,7 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD wakes the select
+    warmranks.restore()  # the warm ranks of the server this one replaced
     _reap()  # children that ended while the server was being replaced
     first = bool(pending)
     ready: list[int] = []

@@ -324,13 +324,48 @@ def ended(pid: int, status: int) -> bool:
     return True
 
 
+STATE_ENV = "HETFLOW_WARM_RANKS_STATE"
+"""Where a server that replaces itself (``exec``) leaves this module's state for its successor."""
+
+
 def before_restart() -> None:
-    """The server is about to replace itself (``exec``): the stubs' connections do not survive it, so the
-    warm ranks running are killed (their tasks fail as if a rank had been; a stub not yet served starts its
-    rank cold)."""
-    for pid in list(_children):
-        _kill(pid)
-    _remove()
+    """The server is about to replace itself (``exec``, same pid and children): its socket, the running
+    ranks' stubs' connections and the registrations are handed over (:func:`restore`); a stub not served
+    yet is told to start its rank cold."""
+    if _listener is None:
+        return
+    for fd, stub in list(_stubs.items()):
+        if stub.pid is None:
+            _refuse(fd, stub, "the fork server is restarting")
+        else:
+            os.set_inheritable(fd, True)
+    _listener.set_inheritable(True)
+    os.environ[STATE_ENV] = json.dumps({
+        "listener": _listener.fileno(), "folder": _folder, "gone": sorted(_gone),
+        "stubs": {str(fd): [stub.pid, stub.token] for fd, stub in _stubs.items()},
+        "registered": {token: [r.spec, r.ranks, r.timeout, r.connected, sorted(r.running), r.forgotten]
+                       for token, r in _registered.items()}})
+
+
+def restore() -> None:
+    """In a server that replaced itself: take over what :func:`before_restart` handed over."""
+    global _listener, _folder, _owner
+    text = os.environ.pop(STATE_ENV, None)
+    if text is None:
+        return
+    state = json.loads(text)
+    _listener = socket.socket(fileno=int(state["listener"]))
+    _listener.set_inheritable(False)
+    _folder, _owner = state["folder"], os.getpid()
+    atexit.register(_remove)
+    _gone.update(int(pid) for pid in state["gone"])
+    for token, (spec, ranks, timeout, connected, running, forgotten) in state["registered"].items():
+        _registered[token] = _Registration(spec, ranks, timeout, connected, set(running), forgotten)
+    for fd, (pid, token) in state["stubs"].items():
+        stub = _Stub(socket.socket(fileno=int(fd)), pid=pid, token=token)
+        stub.sock.set_inheritable(False)
+        _stubs[int(fd)] = stub
+        _children[pid] = stub
 
 
 def in_child() -> None:

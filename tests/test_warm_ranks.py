@@ -7,6 +7,9 @@ and faults (a rank that raises, a SIGKILL, a timeout) end the stage with nothing
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,3 +94,77 @@ def test_a_warm_two_rank_stage_that_times_out_ends_both_ranks(tmp_path: Path) ->
     assert time.time() - started < 40
     pids = _pids(run, "both_hang")
     assert len(pids) == 2 and not _alive(pids)
+
+
+RESTARTING = '''
+import os, sys, time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import hetflow as hf
+import importlib
+
+pipe = hf.Pipeline("restarting", pilot=hf.PilotDescription(name="four", cores_per_node=4, gpus_per_node=0,
+                                                            memory_per_node=2**34))
+
+
+@pipe.stage(ranks=2, timeout=120, outputs=["reduced"])
+def reduces(ctx):
+    starter = " ".join(psutil.Process(os.getppid()).cmdline())
+    (Path(ctx.workdir) / f"starter-{ctx.rank}.txt").write_text(starter)
+    log = Path(ctx.workdir).parents[2] / "forkserver.log"
+    deadline = time.time() + 90
+    while "restarts without" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
+        time.sleep(0.05)
+    return {"reduced": pa.table({"rank": [ctx.rank], "total": [ctx.comm.allreduce(ctx.rank + 1)],
+                                 "starter": [starter]})}
+
+
+@pipe.stage(outputs=["started"])
+def waits(ctx):
+    folder = Path(ctx.workdir).parents[1] / "reduces" / "attempt-1"
+    while not all((folder / f"starter-{r}.txt").exists() for r in (0, 1)):
+        time.sleep(0.05)
+    return {"started": pa.table({"x": [1]})}
+
+
+# not imported at the script's top (the server would load threadpkg with the script's imports, before any stage)
+pipe.stage(inputs=["started"], outputs=["threads"])(importlib.import_module("other").threaded)
+
+if __name__ == "__main__":
+    run = pipe.run(progress=False, check=False)
+    print(run.state, [(s.name, s.state, s.error) for s in run.stages])
+    if run.ok:
+        print(sorted(run.dataset("reduced").to_table().to_pylist(), key=lambda r: r["rank"]))
+'''
+
+OTHER = '''
+import threadpkg
+import pyarrow as pa
+
+
+def threaded(ctx, started):
+    return {"threads": pa.table({"loaded": ["threadpkg" in __import__("sys").modules]})}
+'''
+
+
+def test_warm_ranks_carry_on_when_the_fork_server_restarts_beside_them(tmp_path: Path) -> None:
+    """Another stage's installed import leaves a thread running while a warm two-rank stage runs: the server
+    replaces itself (``exec``, without the script's imports), and hands the ranks' stubs' connections to its
+    successor, which reports the ranks' ends: the stage finishes as if nothing had happened."""
+    site = tmp_path / "lib" / "site-packages" / "threadpkg"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("import threading, time\n"
+                                      "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    (tmp_path / "flow.py").write_text(RESTARTING)
+    (site.parent / "other.py").write_text(OTHER)  # installed: the server loads its imports for its stage
+    done = subprocess.run([sys.executable, "flow.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+                          env=dict(os.environ, PYTHONPATH=str(site.parent), HETFLOW_WORKDIR=str(tmp_path / "w")))
+    lines = done.stdout.splitlines()
+    assert lines and lines[0].startswith("DONE"), done.stdout + done.stderr
+    rows = ast.literal_eval(lines[1])
+    assert [(r["rank"], r["total"]) for r in rows] == [(0, 3), (1, 3)], rows
+    assert all(SERVER in r["starter"] for r in rows), rows
+    (log,) = (tmp_path / "w" / "runs").glob("*/forkserver.log")
+    assert "restarts without loading them" in log.read_text()
