@@ -159,7 +159,8 @@ def test_warm_ranks_carry_on_when_the_fork_server_restarts_beside_them(tmp_path:
                                       "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
     (tmp_path / "flow.py").write_text(RESTARTING)
     (site.parent / "other.py").write_text(OTHER)  # installed: the server loads its imports for its stage
-    done = subprocess.run([sys.executable, "flow.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    done = subprocess.run([sys.executable, "flow.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          check=False,
                           env=dict(os.environ, PYTHONPATH=str(site.parent), HETFLOW_WORKDIR=str(tmp_path / "w")))
     lines = done.stdout.splitlines()
     assert lines and lines[0].startswith("DONE"), done.stdout + done.stderr
