@@ -393,6 +393,7 @@ def become_rank(job: RankJob) -> None:
             os.close(fd)
     os.environ.clear()
     os.environ.update(job.env)  # exactly what Hydra gave the stub: no transport chosen for a world of one
+    os.environ.pop("HYDI_CONTROL_FD", None)  # the proxy's descriptor in the stub, not passed: nothing here
     pmi = job.fds.get("PMI_FD")
     if pmi is not None:
         os.set_inheritable(pmi, True)  # as Hydra's, which the rank's own exec kept

@@ -233,10 +233,10 @@ class LocalBackend(Backend):
         started = time.time()
         proc = self._start_warm(spec, env)
         if proc is None:
+            argv = self._warm_ranks(spec, argv, env)
             with self._lock:
                 if spec.task_id in self._cancelled:  # while the fork server was asked (and ended by shutdown)
                     raise _CancelledBeforeStart(spec.task_id)
-            argv = self._warm_ranks(spec, argv, env)
             stdout = _private_log(spec.stdout) if spec.stdout else subprocess.DEVNULL
             stderr = _private_log(spec.stderr) if spec.stderr else subprocess.DEVNULL
             try:
