@@ -512,8 +512,6 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
 
     ``preload``: load each stage's installed imports before forking its first child (:func:`_preload_stage`).
     ``pending``: requests already read (from the server this one replaced)."""
-    from hetflow import observed
-
     from . import warmranks
 
     wake_r, wake_w = os.pipe()
@@ -602,7 +600,7 @@ def _fork(job: Job, wake_r: int, wake_w: int) -> bool:
         os.close(wake_r)
         os.close(wake_w)
         _tasks.clear()
-        warmranks.in_child()
+        warmranks.in_child(job)
         return True
     _tasks[pid] = str(Path(job.spec).parent)  # the worker's attempt directory
     if isinstance(job, warmranks.RankJob):

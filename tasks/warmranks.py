@@ -94,6 +94,8 @@ _owner = 0
 _registered: dict[str, _Registration] = {}
 _stubs: dict[int, _Stub] = {}  # by the connection's fd
 _children: dict[int, _Stub] = {}  # by the rank's pid
+_held: set[int] = set()
+"""Descriptors received for ranks not forked yet: a rank forked meanwhile must not keep another's."""
 _gone: set[int] = set()
 """Ranks killed because their stub was: ended by the launcher, not by themselves."""
 
@@ -229,6 +231,7 @@ def _message(fd: int, stub: _Stub, line: bytes) -> RankJob | None:
     registration.connected += 1
     stub.token = token
     received = dict(zip(names, stub.fds))
+    _held.update(stub.fds)
     stub.fds = []
     return RankJob(id=fd, spec=registration.spec, cwd=str(message["cwd"]),
                    env={str(k): str(v) for k, v in message["env"].items()}, stdout=None, stderr=None,
@@ -267,6 +270,7 @@ def forked(job: RankJob, pid: int) -> None:
     """The server forked ``job``'s rank as ``pid``: its stub learns it; the received descriptors are the child's."""
     for received in job.fds.values():
         os.close(received)
+        _held.discard(received)
     stub = _stubs.get(job.id)
     if stub is None:  # the stub went while the rank was forked
         _gone.add(pid)
@@ -292,6 +296,7 @@ def _kill(pid: int) -> None:
 def fork_failed(job: RankJob, why: str) -> None:
     for received in job.fds.values():
         os.close(received)
+        _held.discard(received)
     stub = _stubs.get(job.id)
     if stub is not None:
         _send(stub, {"error": why})  # the stub becomes the rank itself, cold
@@ -368,9 +373,14 @@ def restore() -> None:
         _children[pid] = stub
 
 
-def in_child() -> None:
-    """In every child the server forks: none of the server's sockets is kept."""
+def in_child(job: Job) -> None:
+    """In every child the server forks: none of the server's sockets is kept, nor what it received for
+    other ranks (a rank that held another's PMI socket would keep it open past that rank's end)."""
     global _listener
+    own = set(job.fds.values()) if isinstance(job, RankJob) else set()
+    for received in _held - own:
+        os.close(received)
+    _held.clear()
     for stub in _stubs.values():
         stub.sock.close()
         for received in stub.fds:
@@ -398,3 +408,35 @@ def become_rank(job: RankJob) -> None:
     if pmi is not None:
         os.set_inheritable(pmi, True)  # as Hydra's, which the rank's own exec kept
         os.environ["PMI_FD"] = str(pmi)
+        atexit.register(_finalize_pmi, pmi)  # runs after MPI_Finalize, registered later (atexit: last in, first out)
+
+
+PMI_ACK_WAIT = 10.0
+"""Seconds a rank waits for Hydra's ``finalize_ack``."""
+
+
+def _finalize_pmi(fd: int) -> None:
+    """Tell Hydra that this rank has finalized (PMI-1's ``cmd=finalize``, answered by ``finalize_ack``).
+
+    MPICH does this in a C exit handler, after ``MPI_Finalize``; a rank forked by the server ends by
+    ``os._exit`` (:func:`hetflow.tasks.forkserver._exit`), which runs no C exit handler, and Hydra takes a
+    PMI socket closed without it for a crash: it kills the task's other ranks.  Nothing is sent for a rank
+    whose MPI was not finalized (it failed, or aborted: then that is what Hydra should see)."""
+    import select
+
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        return
+    try:
+        os.write(fd, b"cmd=finalize\n")
+        answer = b""
+        while b"\n" not in answer:
+            ready, _, _ = select.select([fd], [], [], PMI_ACK_WAIT)
+            data = os.read(fd, 1024) if ready else b""
+            if not data:
+                break
+            answer += data
+        os.close(fd)
+    except OSError:
+        pass

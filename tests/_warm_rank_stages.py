@@ -54,3 +54,10 @@ def both_hang(ctx):
     _note_starter(ctx)
     while True:
         time.sleep(0.1)
+
+
+def reduces_into(ctx):
+    """The sum of the ranks' numbers over their world, into the output ``params["out"]``."""
+    starter = _note_starter(ctx)
+    return {ctx.params["out"]: pa.table({"rank": [ctx.rank], "total": [ctx.comm.allreduce(ctx.rank + 1)],
+                                         "starter": [starter]})}

@@ -54,6 +54,23 @@ def test_a_two_rank_stage_starts_warm_and_its_ranks_reduce_over_their_world(tmp_
         assert f"rank {rank} says hello" in (_attempt(run, "allreduces") / f"rank-{rank}.log").read_text()
 
 
+def test_three_warm_ranks_end_cleanly_stage_after_stage(tmp_path: Path) -> None:
+    """A warm rank ends by ``os._exit``, which skips MPICH's C exit handler that tells Hydra the rank has
+    finalized; without it Hydra took each rank's closed PMI socket for a crash and killed the ranks still
+    ending (most stages of three ranks failed "on their way out", killed by signal 9)."""
+    pilot = hf.PilotDescription(name="three-cores", cores_per_node=3, gpus_per_node=0, memory_per_node=2**34)
+    pipe = hf.Pipeline("warm-three", pilot=pilot, workdir=tmp_path)
+    for i in range(4):
+        pipe.stage(name=f"reduces{i}", ranks=3, outputs=[f"out{i}"], params={"out": f"out{i}"})(R.reduces_into)
+    run = pipe.run(check=False)
+    assert run.ok, [(s.name, s.error) for s in run.stages]
+    for i in range(4):
+        rows = sorted(run.dataset(f"out{i}").to_table().to_pylist(), key=lambda r: r["rank"])
+        assert [(r["rank"], r["total"]) for r in rows] == [(0, 6), (1, 6), (2, 6)], rows
+        assert all(SERVER in r["starter"] for r in rows), rows
+        assert "BAD TERMINATION" not in (_attempt(run, f"reduces{i}") / "stdout.log").read_text()
+
+
 def test_a_warm_rank_that_raises_fails_the_stage_naming_it_and_the_other_rank_ends(tmp_path: Path) -> None:
     pipe = hf.Pipeline("warm-raises", pilot=PILOT, workdir=tmp_path)
     pipe.stage(ranks=2, timeout=120, retries=0)(R.one_raises)
