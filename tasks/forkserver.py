@@ -487,9 +487,7 @@ def _observing(script: bool) -> Any:
     is a script's (its ranks record what their top level read); else None."""
     if not script:
         return None
-    from hetflow import (
-        observed,  # the rank's own observations: the worker imports it too
-    )
+    from hetflow import observed  # the rank's own observations: the worker imports it too
 
     observed.install()
     observed.recording(True)

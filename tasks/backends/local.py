@@ -13,7 +13,10 @@ that has the worker's imports done (:mod:`hetflow.tasks.forkserver`): the
 same worker in a child that leads its own session, so timeouts, cancels and
 the tree watch work on it as on ``mpiexec`` (the server is its witness).  A pilot turns this
 off with ``options.local.warm_start: false``; a fork server that has ended
-leaves the tasks after it to ``mpiexec``.
+leaves the tasks after it to ``mpiexec``.  A task of several ranks on one core
+each, without GPUs, keeps ``mpiexec`` as its launcher but has its ranks forked
+by that server too (:mod:`hetflow.tasks.warmranks`): ``mpiexec`` starts a stub
+per rank that hands its PMI connection to the server.
 
 A one-node pilot keeps MPI on loopback: the ranks' own listening sockets
 (UCX's TCP transport of MPICH's ch4:ucx, or libfabric's tcp/sockets providers
