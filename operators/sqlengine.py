@@ -18,9 +18,13 @@ Decisions:
   and ``ORDER BY``/``LIMIT`` (local top-k, gather to rank 0).  Every local fragment is a DuckDB
   query over Arrow tables, so expressions, NULLs, decimals and casts follow DuckDB; between two
   exchanges the joins, filters and aggregate run as one fragment.
-- A query over small inputs (under ``SMALL_QUERY_BYTES`` in the columns it names, over all ranks)
-  runs on rank 0 alone after one gather of those columns: there, each exchange of a distributed plan
-  costs a rendezvous of the ranks that the work it shares out does not repay.
+- A query over small inputs (under ``SMALL_QUERY_BYTES`` in the columns it names, over all ranks;
+  ``SINGLE_SOURCE_BYTES`` for a query of one table) runs on rank 0 alone after one gather of those
+  columns, as written, in one DuckDB statement (DuckDB plans and decorrelates it): there, each
+  exchange of a distributed plan costs a rendezvous of the ranks that the work it shares out does
+  not repay, and each of its fragments a DuckDB statement.  sqlglot still checks it first (unknown
+  names with their position, and what the distributed plan refuses), so that whether a query runs
+  does not depend on the size of its inputs.  At one rank every query runs so.
 - The algorithm of each step is chosen at run time from the sizes of its inputs (the children run
   first), and recorded as a :class:`~hetflow.operators.costmodel.Plan`: the result's
   ``explain()`` lists the steps with their exchanges and estimated bytes.
