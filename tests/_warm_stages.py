@@ -135,6 +135,8 @@ def environment(ctx):
 
     import numpy as np
 
+    started = time.time()
+    time.sleep(float(ctx.params.get("sleep", 0)))
     np.ones((64, 64)) @ np.ones((64, 64))  # the BLAS in use
     torch = sys.modules.get("torch")
     started_by = starter()
@@ -147,4 +149,5 @@ def environment(ctx):
         "warm": [started_by is not None and "hetflow.tasks.forkserver" in " ".join(started_by.cmdline())
                  and started_by.pid == os.getppid()],
         "pid": [os.getpid()], "ppid": [os.getppid()],
-        "cuda": [os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")]})}
+        "cuda": [os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")], "started": [started],
+        "ended": [time.time()]})}
