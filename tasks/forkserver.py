@@ -344,10 +344,12 @@ def _preload_stage(job: Job) -> bool:
         spec = WorkerSpec.read(Path(job.spec))
     except ProtocolError:
         return True  # the child reports it
+    global _clean
     key = (spec.function.module, spec.function.path)
     if key in _scripts:
         return True
     _scripts[key] = False
+    _clean = False  # what these imports do is checked again before the next GPU fork
     path = spec.function.path
     if spec.function.module != "__main__":
         try:
@@ -568,7 +570,7 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                     signal.set_wakeup_fd(-1)
                     _restart(pending)  # this request is served by the new server
                 pending = rest
-                unsafe = gpu_unsafe() if job.gpus else None
+                unsafe = _gpu_fork_refused() if job.gpus else None
                 if unsafe is not None:
                     _refuse_gpus(job, unsafe)
                     continue
@@ -609,8 +611,8 @@ def gpu_unsafe() -> str | None:
     Decision: a child forked after its parent initialised CUDA cannot use CUDA (the driver's state is not
     carried over a fork; PyTorch refuses, "Cannot re-initialize CUDA in forked subprocess"), while a child
     forked before can.  The server imports with no device visible, but an installed import may still
-    initialise the driver (asking for devices, or loading a library that does); it is checked before every
-    GPU fork, not once, since each stage's imports may change it.  Unreadable ``/proc``: unsafe."""
+    initialise the driver (asking for devices, or loading a library that does).  Unreadable ``/proc``: unsafe.
+    The server asks before each GPU fork (:func:`_gpu_fork_refused`)."""
     try:
         with open("/proc/self/maps") as fh:
             for line in fh:
@@ -630,6 +632,22 @@ def gpu_unsafe() -> str | None:
     except OSError as exc:
         return f"cannot tell whether a GPU runtime is initialised in the fork server ({exc})"
     return None
+
+
+_clean = False
+"""The server was found clean (:func:`gpu_unsafe`) and has run no other code than its own since: the stages'
+imports are the only code it runs that is not hetflow's, and each new one clears this (:func:`_preload_stage`)."""
+
+
+def _gpu_fork_refused() -> str | None:
+    """:func:`gpu_unsafe`, read again only after the server imported something since it last found itself
+    clean (reading ``/proc/self/maps`` costs milliseconds, a warm start's own order of cost)."""
+    global _clean
+    if _clean:
+        return None
+    reason = gpu_unsafe()
+    _clean = reason is None
+    return reason
 
 
 _refused: set[str] = set()
