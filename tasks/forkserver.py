@@ -596,8 +596,9 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
 
 
 GPU_DRIVER_LIBRARIES = ("libcuda.so",)
-"""Basenames (prefixes) of GPU driver libraries: loaded in a process once its GPU runtime is initialised (the
-CUDA runtime, ``libcudart``, loads ``libcuda`` on its first call; ``import torch`` does not)."""
+"""Basenames (prefixes) of GPU driver libraries, loaded into a process when its GPU runtime initialises (the CUDA
+runtime, ``libcudart``, opens ``libcuda`` on its first call).  Were ``import torch`` to load it already, every GPU
+rank would start cold: safe, and scripts/gpu_check_warm.py, run on a GPU machine, says so."""
 
 GPU_DEVICE_FILES = ("/dev/nvidia",)
 """Prefixes of the device files a process initialising the NVIDIA driver opens and maps."""
