@@ -23,10 +23,9 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 import hetflow as hf
 import pyarrow as pa
+import torch
 
 
 def _forked_by_the_fork_server() -> bool:
@@ -74,7 +73,8 @@ pipe.stage(name="second", ranks=1, gpus_per_rank=1, params={"device": ARGS.devic
 def main() -> int:
     args = ARGS
     if args.device == "cuda":
-        from hetflow.tasks.gpu import detect_gpus  # nvidia-smi: the orchestrator itself never starts CUDA
+        # nvidia-smi: the orchestrator itself never starts CUDA
+        from hetflow.tasks.gpu import detect_gpus
 
         gpus = detect_gpus().count
         if gpus < 1:

@@ -118,8 +118,9 @@ def _openblas_threads() -> int | None:
     """Threads numpy's OpenBLAS uses now (None when numpy's OpenBLAS is not loaded)."""
     import ctypes
 
-    for line in open("/proc/self/maps"):
-        path = line.split()[-1] if line.split() else ""
+    with open("/proc/self/maps") as fh:
+        paths = [line.split()[-1] for line in fh if "openblas" in line.lower()]
+    for path in paths:
         if "openblas" in os.path.basename(path).lower():
             lib = ctypes.CDLL(path)
             for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",

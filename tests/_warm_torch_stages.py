@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch  # noqa: F401 - what the test is about: a module-level import of torch
-
 import _warm_stages as W
+import torch  # noqa: F401 - what the test is about: a module-level import of torch
 
 
 def environment(ctx):

@@ -23,8 +23,8 @@ import _warm_stages as W
 import _warm_torch_stages as T
 import hetflow as hf
 import pytest
-from hetflow.tasks.forkserver import LAUNCHER_ENV, NO_PROVIDER_DIR, SINGLETON_ENV
 from hetflow.operators.dataset import open_dataset
+from hetflow.tasks.forkserver import LAUNCHER_ENV, NO_PROVIDER_DIR, SINGLETON_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server needs Linux")
 
