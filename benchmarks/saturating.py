@@ -23,7 +23,8 @@ placing, starting and recording each task.
 Reported, medians with min-max over ``--repeats``: real tasks per second end
 to end (``N / T``, from before ``python script.py`` starts to all stages
 ended), real tasks per second in ``pipe.run()``, the CPU seconds of all the
-run's processes per task, and the simulator's placements per second of
+run's processes per task, the script's (the orchestrator's) peak RSS, the
+store's size on disk, and the simulator's placements per second of
 scheduler time with its wall time for the whole workload.
 """
 
@@ -49,7 +50,7 @@ from hetflow.tasks.simulator import simulate
 from hetflow.tasks.workload import Workload, generate
 
 SCRIPT = '''
-import json, time
+import json, resource, time
 import hetflow as hf
 
 pipe = hf.Pipeline("saturating", pilot=hf.PilotDescription(
@@ -70,6 +71,7 @@ if __name__ == "__main__":
     started = time.perf_counter()
     run = pipe.run(progress=False)
     print("RESULTS_AT", time.time(), flush=True)
+    print("RSS_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, flush=True)
     print("SECONDS", time.perf_counter() - started, run.state)
 '''
 
@@ -107,12 +109,14 @@ def real_run(workload: Workload, cores: int, gpus: int, env: dict[str, str] | No
         marks = {}
         for line in done.stdout.splitlines():
             name, _, value = line.partition(" ")
-            if name in ("RESULTS_AT", "SECONDS"):
+            if name in ("RESULTS_AT", "SECONDS", "RSS_MB"):
                 marks[name] = float(value.split()[0])
         if done.returncode != 0 or "RESULTS_AT" not in marks or not done.stdout.rstrip().endswith("DONE"):
             raise RuntimeError(f"saturating x{len(workload)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
-        return {"total": marks["RESULTS_AT"] - started, "in_run": marks["SECONDS"], "cpu": cpu}
+        store = sum(p.stat().st_size for p in (Path(tmp) / ".hetflow").glob("hetflow.db*"))
+        return {"total": marks["RESULTS_AT"] - started, "in_run": marks["SECONDS"], "cpu": cpu,
+                "rss_mb": marks["RSS_MB"], "store_mb": store / 2**20}
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -135,7 +139,8 @@ def run(tasks: int, repeats: int = 1, cores: int = 2, gpus: int = 2, seed: int =
     shapes = {workload.kinds[int(workload.kind_of[i])]: dataclasses.asdict(workload.requests[int(r)])
               for i, r in enumerate(workload.request_of.tolist())}
     figures: dict[str, list[float]] = {"sim_placements_per_s": [], "sim_wall_s": [], "end_to_end": [],
-                                       "in_run": [], "cpu_ms_per_task": []}
+                                       "in_run": [], "cpu_ms_per_task": [], "orchestrator_rss_mb": [],
+                                       "store_mb": []}
     loads = []
     for repeat in range(repeats):
         result = simulate(pilot(cores, gpus), workload)
@@ -146,6 +151,8 @@ def run(tasks: int, repeats: int = 1, cores: int = 2, gpus: int = 2, seed: int =
         figures["end_to_end"].append(n / got["total"])
         figures["in_run"].append(n / got["in_run"])
         figures["cpu_ms_per_task"].append(1000 * got["cpu"] / n)
+        figures["orchestrator_rss_mb"].append(got["rss_mb"])
+        figures["store_mb"].append(got["store_mb"])
         print(f"repeat {repeat + 1}: simulator {result.placements_per_second:,.0f} placements/s; real "
               f"{n / got['total']:.1f} tasks/s end to end ({got['total']:.1f} s), load {loads[-1]:.1f}",
               file=sys.stderr, flush=True)
@@ -155,6 +162,8 @@ def run(tasks: int, repeats: int = 1, cores: int = 2, gpus: int = 2, seed: int =
           f"{_fmt(figures['sim_wall_s'], 2)} s wall for the workload")
     print(f"  real, local pilot: {_fmt(figures['end_to_end'])} tasks/s end to end, {_fmt(figures['in_run'])} in "
           f"pipe.run(); CPU of all processes {_fmt(figures['cpu_ms_per_task'])} ms per task")
+    print(f"  the script's process (the orchestrator) peaked at {_fmt(figures['orchestrator_rss_mb'])} MB; the "
+          f"store holds {_fmt(figures['store_mb'], 2)} MB")
     ratio = statistics.median(figures["sim_placements_per_s"]) / statistics.median(figures["end_to_end"])
     print(f"  the simulator's scheduler places {ratio:,.0f}x faster than the runtime runs the tasks end to end")
     return {"tasks": n, "kinds": kinds, "requests": shapes, "cores": cores, "gpus": gpus, "repeats": repeats,

@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py [--tasks 200] [--repeats 3] [--out FILE.json]
     python benchmarks/throughput.py --styles map --tasks 1000 --peers parsl --against main=/tmp/hfmain/lib
+    python benchmarks/throughput.py --styles gpu,cores2 --tasks 40 --peers "" --against main=/tmp/hfmain/lib
     python benchmarks/throughput.py --quick          # CI size (a test runs it)
     python benchmarks/throughput.py --lab [--tasks 100]   # backend slurm on the lab cluster
 
@@ -13,6 +14,10 @@ table (128 int64 values), on two workers (the 2-core machine):
 - ``hetflow map``: one map stage of N items (``map_over={"i": range(N)}``), one output of N partitions;
 - ``hetflow torch``: the loop script with a ``torch.nn.Module`` subclass
   at module level (as ``hf.ml.register_architecture`` needs), which no stage uses;
+- ``hetflow gpu``: the loop script's stages with ``gpus_per_rank=1`` on a pilot that declares two
+  (NVIDIA) GPUs, which no stage uses (not in the default ``--styles``);
+- ``hetflow cores2``: the loop script's stages with ``cores_per_rank=2`` (one at a time; not in the
+  default ``--styles``);
 - ``parsl``: a ``@python_app`` returning the table's bytes, HighThroughputExecutor
   with a LocalProvider and 2 workers, N apps submitted at once;
 - ``dask``: ``client.map`` of the same function on a LocalCluster of 2 single-threaded workers.
@@ -99,7 +104,7 @@ def make(i):
     return body
 
 for i in range({n}):
-    pipe.stage(make(i), name=f"s{{i}}", outputs=[f"out{{i}}"])
+    pipe.stage(make(i), name=f"s{{i}}", outputs=[f"out{{i}}"]{resources})
 '''
 
 MAP = '''
@@ -126,22 +131,27 @@ if __name__ == "__main__":
 """
 
 LOCAL_PILOT = 'hf.PilotDescription(name="two-cores", cores_per_node=2, memory_per_node=2**33)'
+GPU_PILOT = ('hf.PilotDescription(name="two-cores-two-gpus", cores_per_node=2, gpus_per_node=2, gpu_vendor="nvidia", '
+             'memory_per_node=2**33)')
+RESOURCES = {"gpu": ", gpus_per_rank=1", "cores2": ", cores_per_rank=2"}
+"""The loop script's stage resources, by style (the others: one core, no GPU)."""
 LAB_PILOT = 'hf.PilotDescription(name="lab", backend="slurm", options={{"slurm": {{"warm_start": {warm}}}}})'
 LAB_STYLES = {"slurm": "True", "slurm-steps": "False"}
 """The ``--lab`` styles: the loop script on backend slurm, with and without its agents."""
-STYLES = ("decorated", "loop", "torch", "map", *LAB_STYLES)
+STYLES = ("decorated", "loop", "torch", "map", *RESOURCES, *LAB_STYLES)
 PEERS = ("parsl", "dask")
 
 
 def script(style: str, n: int) -> str:
-    pilot = LAB_PILOT.format(warm=LAB_STYLES[style]) if style in LAB_STYLES else LOCAL_PILOT
+    pilot = (LAB_PILOT.format(warm=LAB_STYLES[style]) if style in LAB_STYLES
+             else GPU_PILOT if style == "gpu" else LOCAL_PILOT)
     head = SCRIPT_HEAD.format(torch=TORCH if style == "torch" else "", pilot=pilot)
     if style == "decorated":
         body = "".join(DECORATED.format(i=i, rows=ROWS) for i in range(n))
     elif style == "map":
         body = MAP.format(n=n, rows=ROWS)
     else:
-        body = LOOP.format(n=n, rows=ROWS)
+        body = LOOP.format(n=n, rows=ROWS, resources=RESOURCES.get(style, ""))
     return textwrap.dedent(head) + body + SCRIPT_TAIL
 
 

@@ -107,7 +107,7 @@ def q(name: str) -> str:
 _FRAGMENT = compile("__hf_out = __hf_con.sql(__hf_sql).to_arrow_table()", "<hetflow fragment>", "exec")
 
 
-def _duck_query(sql: str, **tables: pa.Table) -> pa.Table:
+def _duck_query(sql: str, /, **tables: pa.Table) -> pa.Table:
     """Run ``sql`` on this thread's DuckDB connection over ``tables`` (Arrow, by name).
 
     The tables reach DuckDB through its replacement scan of the calling frame's names: the query runs

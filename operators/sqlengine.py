@@ -18,9 +18,13 @@ Decisions:
   and ``ORDER BY``/``LIMIT`` (local top-k, gather to rank 0).  Every local fragment is a DuckDB
   query over Arrow tables, so expressions, NULLs, decimals and casts follow DuckDB; between two
   exchanges the joins, filters and aggregate run as one fragment.
-- A query over small inputs (under ``SMALL_QUERY_BYTES`` in the columns it names, over all ranks)
-  runs on rank 0 alone after one gather of those columns: there, each exchange of a distributed plan
-  costs a rendezvous of the ranks that the work it shares out does not repay.
+- A query over small inputs (under ``SMALL_QUERY_BYTES`` in the columns it names, over all ranks;
+  ``SINGLE_SOURCE_BYTES`` for a query of one table) runs on rank 0 alone after one gather of those
+  columns, as written, in one DuckDB statement (DuckDB plans and decorrelates it): there, each
+  exchange of a distributed plan costs a rendezvous of the ranks that the work it shares out does
+  not repay, and each of its fragments a DuckDB statement.  sqlglot still checks it first (unknown
+  names with their position, and what the distributed plan refuses), so that whether a query runs
+  does not depend on the size of its inputs.  At one rank every query runs so.
 - The algorithm of each step is chosen at run time from the sizes of its inputs (the children run
   first), and recorded as a :class:`~hetflow.operators.costmodel.Plan`: the result's
   ``explain()`` lists the steps with their exchanges and estimated bytes.
@@ -37,6 +41,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 
 from . import arrowtypes, kernels, partition
@@ -70,26 +75,45 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
     inputs = _inputs(comm, query, tables)
     tree, names = sqlplan.optimize(query, {name: dt.schema for name, dt in inputs.items()}, copy=False)  # the executor reads it only
     local = {name: dt.to_arrow() for name, dt in inputs.items()}
-    if comm.Get_size() > 1 and SMALL_QUERY_BYTES > 0:
+    if SMALL_QUERY_BYTES > 0:
+        if comm.Get_size() == 1:
+            return _alone_here(comm, query, tree, names, inputs, local)
         needed = _needed(query, tree, local)
-        if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * SMALL_QUERY_BYTES:
+        bound = min(SINGLE_SOURCE_BYTES, SMALL_QUERY_BYTES) if _single_source(tree) else SMALL_QUERY_BYTES
+        if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * bound:
             # small enough that the query may qualify once each input keeps only the rows its own
             # conditions pass: filter here (a scan of this rank's rows), and count what is left
             needed = {name: _prefiltered(tree, name, table) for name, table in needed.items()}
-        sizes = [float(b) for b in comm.allgather(sum(int(t.nbytes) for t in needed.values()))]
-        if sum(sizes) < SMALL_QUERY_BYTES:
-            return _on_rank_zero(comm, tree, names, inputs, needed, sizes)
+        mine = sum(int(t.nbytes) for t in needed.values())
+        # with the bytes, each table's IPC size: the one gather that follows needs no counts of its own
+        every = comm.allgather((mine, [tc.ipc_size(needed[n]) for n in sorted(needed)] if mine < bound else None))
+        sizes = [float(b) for b, _ in every]
+        if sum(sizes) < bound:
+            return _on_rank_zero(comm, query, tree, names, inputs, needed, sizes, [s for _, s in every], bound)
     run = _Run(comm, local)
     table = _named(run.query(tree, top=True), names, inputs)
     return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.finish()), _checked=True)
 
 
 #: a query whose inputs hold fewer bytes than this in the columns it names, in the rows that pass each
-#: input's own conditions (``_prefiltered``), summed over the ranks, runs on rank 0 alone: those rows
-#: are gathered there (one exchange) instead of exchanged step by
+#: input's own conditions (``_prefiltered``), summed over the ranks, runs on rank 0 alone, as one DuckDB
+#: statement: those rows are gathered there (one exchange) instead of exchanged step by
 #: step, each step a rendezvous of the ranks that costs more than the work it shares out on such inputs
-#: (docs/benchmarks.md, TPC-H at SF 0.1); 0 turns this off
-SMALL_QUERY_BYTES = 32 * 2**20
+#: (docs/benchmarks.md, TPC-H at SF 0.1 and 1); at one rank every query runs so; 0 turns this off
+SMALL_QUERY_BYTES = 64 * 2**20
+#: the same bound for a query that reads one table once (no join, no subquery: TPC-H Q1, Q6), whose
+#: distributed plan exchanges no rows before its aggregate, only the partial aggregates after it
+SINGLE_SOURCE_BYTES = 8 * 2**20
+
+#: the tag of rank 0's message that ends a query it ran alone (the result's schema and plan, or the error)
+_DONE_TAG = 2828
+
+
+def _single_source(tree: Any) -> bool:
+    """Whether ``tree`` reads one table, once, in one ``SELECT`` (no join, subquery, CTE or set operation)."""
+    from sqlglot import exp
+
+    return sum(1 for _ in tree.find_all(exp.Table)) == 1 and sum(1 for _ in tree.find_all(exp.Select)) == 1
 
 
 def _needed(query: str, tree: Any, local: Mapping[str, pa.Table]) -> dict[str, pa.Table]:
@@ -110,64 +134,167 @@ def _needed(query: str, tree: Any, local: Mapping[str, pa.Table]) -> dict[str, p
     return out
 
 
-def _on_rank_zero(comm: Communicator, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable],
-                  needed: Mapping[str, pa.Table], sizes: list[float]) -> DTable:
+def _on_rank_zero(comm: Communicator, query: str, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable],
+                  needed: Mapping[str, pa.Table], sizes: list[float], ipc: list[list[int] | None], bound: int) -> DTable:
     """Gather ``needed`` (each input's columns the query names, in the rows its own conditions pass, or
-    all of them) to rank 0 and run the query there alone; the other ranks hold no row of the result
-    (its schema, the plan, or the error, broadcast from rank 0)."""
+    all of them) to rank 0 in one exchange and run the query there alone, as one DuckDB statement; the
+    other ranks hold no row of the result (its schema, the plan, or the error, sent by rank 0, which
+    they wait for without spinning a core)."""
     from . import sqlplan
 
-    whole = {name: tc.gather_table(comm, table, root=0) for name, table in needed.items()}
-    payload: Any = None
-    if comm.Get_rank() == 0:
-        try:
-            from mpi4py import MPI
-
-            run = _Run(MPI.COMM_SELF, {name: pa.concat_tables(parts or [], promote_options="permissive") for name, parts in whole.items()})
-            table = sqlplan.with_part(_named(run.query(tree, top=True), names, inputs), None)
-            payload = (table.schema, run.finish())
-        except Exception as exc:
-            _arrive(comm)
-            comm.bcast(exc if isinstance(exc, SQLError) else SQLError(f"rank 0, running the query alone, failed: {type(exc).__name__}: {exc}"), root=0)
-            raise
-    _arrive(comm)
-    payload = comm.bcast(payload, root=0)
-    if isinstance(payload, SQLError):
-        raise payload
-    schema, plans = payload
+    sqlplan.check_supported(tree)   # what the distributed plan refuses is refused here too, on every rank
+    whole = _gather_inputs(comm, needed, ipc)
     model = hockney(comm)
-    step = Plan("query", f"gather the inputs to rank 0 and run there ({sum(sizes) / 1e6:.2f} MB in the columns it names and "
-                         f"the rows their own conditions keep, under {SMALL_QUERY_BYTES / 1e6:.2f} MB)", shuffle_cost(model, sizes), {},
-                f"inputs {sorted(needed)}", model.describe())
-    return DTable(comm, table if comm.Get_rank() == 0 else schema.empty_table(), _plans=(step, *plans), _checked=True)
+    step = Plan("query", f"gather the inputs to rank 0 and run there as one DuckDB statement ({sum(sizes) / 1e6:.2f} MB in the "
+                         f"columns it names and the rows their own conditions keep, under {bound / 1e6:.2f} MB)",
+                shuffle_cost(model, sizes), {}, f"inputs {sorted(needed)}", model.describe())
+    if comm.Get_rank() != 0:
+        payload = _await_rank_zero(comm)
+        if isinstance(payload, SQLError):
+            raise payload
+        return DTable(comm, payload.empty_table(), _plans=(step,), _checked=True)
+    assert whole is not None
+    try:
+        table = sqlplan.with_part(_direct(query, tree, names, inputs, whole), None)
+    except Exception as exc:
+        error = exc if isinstance(exc, SQLError) else SQLError(f"rank 0, running the query alone, failed: {type(exc).__name__}: {exc}")
+        for dest in range(1, comm.Get_size()):
+            comm.send(error, dest=dest, tag=_DONE_TAG)
+        if error is exc:
+            raise
+        raise error from exc
+    for dest in range(1, comm.Get_size()):
+        comm.send(table.schema, dest=dest, tag=_DONE_TAG)
+    return DTable(comm, table, _plans=(step,), _checked=True)
+
+
+def _alone_here(comm: Communicator, query: str, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable],
+                local: Mapping[str, pa.Table]) -> DTable:
+    """At one rank: the query as one DuckDB statement over the inputs."""
+    from . import sqlplan
+
+    sqlplan.check_supported(tree)
+    table = sqlplan.with_part(_direct(query, tree, names, inputs, local), None)
+    return DTable(comm, table, _plans=(Plan("query", "one DuckDB statement (one rank)", Cost(), {}, f"inputs {sorted(local)}", ""),), _checked=True)
+
+
+def _direct(query: str, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable], tables: Mapping[str, pa.Table]) -> pa.Table:
+    """``query`` as written, run by DuckDB in one statement over ``tables`` (DuckDB plans it and
+    decorrelates its subqueries itself), its columns named as the distributed plan names them."""
+    import duckdb
+
+    from . import sqlplan
+
+    by_lower = {name.lower(): table for name, table in tables.items()}
+    scope = {spelled: by_lower[spelled.lower()] for spelled in sqlplan.table_spellings(query) if spelled.lower() in by_lower}
+    try:
+        out = kernels._duck_query(query, **scope)
+    except duckdb.Error as exc:
+        raise SQLError(f"the query failed: {str(exc).splitlines()[0]}") from exc
+    outputs = sqlplan.output_names(tree)
+    if outputs is not None and len(outputs) == out.num_columns:
+        out = out.rename_columns(outputs)
+    return _named(out, names, inputs)
+
+
+def _gather_inputs(comm: Communicator, needed: Mapping[str, pa.Table], ipc: list[list[int] | None]) -> dict[str, pa.Table] | None:
+    """Every rank's ``needed`` tables on rank 0, each concatenated in rank order (``None`` elsewhere):
+    one ``Gatherv`` of their IPC streams, whose sizes (``ipc``, by rank, the tables in name order) the
+    ranks exchanged with their bytes."""
+    order = sorted(needed)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    counts = np.array([0 if r == 0 or s is None else sum(s) for r, s in enumerate(ipc)], dtype=np.int64)
+    if any(s is None for s in ipc[1:]) or int(counts.sum()) >= tc._MAX_CHUNK:  # sizes not exchanged, or too large for one message
+        whole = {name: tc.gather_table(comm, needed[name], root=0) for name in order}
+        return {n: pa.concat_tables(p or [], promote_options="permissive") for n, p in whole.items()} if rank == 0 else None
+    from mpi4py import MPI
+
+    if rank != 0:
+        sendbuf, _ = tc.serialize([needed[n] for n in order])
+        comm.Gatherv([sendbuf, MPI.BYTE], None, root=0)
+        return None
+    recvbuf = np.empty(int(counts.sum()), dtype=np.uint8)
+    displs = np.zeros(size, dtype=np.int64)
+    np.cumsum(counts[:-1], out=displs[1:])
+    comm.Gatherv([np.empty(0, dtype=np.uint8), MPI.BYTE], [recvbuf, (counts, displs), MPI.BYTE], root=0)
+    flat = np.array([b for s in ipc[1:] for b in (s or [])], dtype=np.int64)
+    tables = tc.deserialize(recvbuf, flat)
+    parts: dict[str, list[pa.Table]] = {n: [needed[n]] for n in order}
+    for i, table in enumerate(tables):
+        name = order[i % len(order)]
+        parts[name].append(table if table is not None else needed[name].slice(0, 0))
+    return {n: pa.concat_tables(p, promote_options="permissive") for n, p in parts.items()}
+
+
+def _await_rank_zero(comm: Communicator) -> Any:
+    """Rank 0's message ending a query it ran alone, waited for without spinning a core (``Iprobe``
+    polled with short sleeps): an MPI receive's own busy wait would take a core from rank 0 on a host
+    with fewer cores than processes.  A communicator without ``Iprobe`` receives at once."""
+    iprobe = getattr(comm, "Iprobe", None)
+    if iprobe is not None:
+        while not iprobe(source=0, tag=_DONE_TAG):
+            time.sleep(0.0002)
+    return comm.recv(source=0, tag=_DONE_TAG)
 
 
 def _prefiltered(tree: Any, name: str, table: pa.Table) -> pa.Table:
-    """This rank's rows of input ``name`` that pass the conditions of its own that the query puts on it,
-    where applying them before the gather cannot change the answer (rank 0 applies them again): the
-    table read once in the query, in the ``FROM`` or an inner join of a ``SELECT`` without right or
-    full joins, and the conjuncts of that ``SELECT``'s ``WHERE`` (or of its inner join's ``ON``) that
-    read only its columns, without subqueries, aggregates, windows or functions whose value changes
-    between two runs.  ``table`` itself when there is no such condition."""
+    """This rank's rows of input ``name`` that pass the conditions of its own that the query puts on it
+    (``_own_conditions``), in ``table``'s schema; ``table`` itself when there is no such condition."""
+    where = _own_conditions(tree, name, tuple(table.column_names))
+    if where is None or table.num_rows == 0:
+        return table
+    kept = kernels._duck_query(f"SELECT * FROM t WHERE {where}", t=table)
+    try:
+        return kept.cast(table.schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # a type DuckDB hands back otherwise: select by row number
+        numbered = table.append_column("__hetflow_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+        rows = kernels._duck_query(f"SELECT __hetflow_row FROM t WHERE {where}", t=numbered)
+        return arrowtypes.take(table, pa.array(np.sort(rows.column(0).to_numpy())))
+
+
+#: ``_own_conditions`` by (the optimized tree, kept with its entry so that its id is not reused, input, columns)
+_CONDITIONS: dict[tuple[int, str, tuple[str, ...]], tuple[Any, str | None]] = {}
+
+
+def _own_conditions(tree: Any, name: str, columns: tuple[str, ...]) -> str | None:
+    """The conditions of its own that the query puts on input ``name`` (of ``columns``), as one DuckDB
+    ``WHERE`` over the input's column names, where applying them before the gather cannot change the
+    answer (rank 0 applies them again): the table read once in the query, in the ``FROM`` or an inner
+    join of a ``SELECT`` without right or full joins, and the conjuncts of that ``SELECT``'s ``WHERE`` (or
+    of its inner join's ``ON``) that read only its columns, without subqueries, aggregates, windows or
+    functions whose value changes between two runs; ``None`` when there is none (memoized: a query run
+    again reads its cached tree)."""
+    key = (id(tree), name, columns)
+    found = _CONDITIONS.get(key)
+    if found is not None and found[0] is tree:
+        return found[1]
+    if len(_CONDITIONS) > 1024:
+        _CONDITIONS.clear()
+    where = _find_own_conditions(tree, name, columns)
+    _CONDITIONS[key] = (tree, where)
+    return where
+
+
+def _find_own_conditions(tree: Any, name: str, columns: tuple[str, ...]) -> str | None:
     from sqlglot import exp
 
     from . import sqlplan
 
     reads = [t for t in tree.find_all(exp.Table) if not t.args.get("db") and t.name.lower() == name.lower()]
     if len(reads) != 1 or not isinstance(reads[0].parent, (exp.From, exp.Join)) or not isinstance(reads[0].parent.parent, exp.Select):
-        return table
+        return None
     source, select = reads[0], reads[0].parent.parent
     joins = select.args.get("joins") or []
     if any((j.side or "").lower() in ("right", "full") for j in joins):
-        return table
+        return None
     pool = sqlplan.conjuncts(select.args.get("where"))
     if isinstance(source.parent, exp.Join):
         join = source.parent
         if join.side or (join.kind or "").lower() not in ("", "inner"):
-            return table
+            return None
         pool += sqlplan.conjuncts(join.args.get("on"))
     alias = source.alias_or_name
-    by_lower = {c.lower(): c for c in table.column_names}
+    by_lower = {c.lower(): c for c in columns}
     volatile = (exp.Subquery, exp.Select, exp.AggFunc, exp.Window, exp.Anonymous, exp.Rand, exp.CurrentDate,
                 exp.CurrentTime, exp.CurrentTimestamp)
     mine = []
@@ -175,26 +302,7 @@ def _prefiltered(tree: Any, name: str, table: pa.Table) -> pa.Table:
         cols = list(c.find_all(exp.Column))
         if cols and all(col.table == alias and col.name.lower() in by_lower for col in cols) and not any(True for _ in c.find_all(*volatile)):
             mine.append(c.transform(lambda n: exp.column(by_lower[n.name.lower()], quoted=True) if isinstance(n, exp.Column) else n))
-    if not mine or table.num_rows == 0:
-        return table
-    import numpy as np
-
-    numbered = table.append_column("__hetflow_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
-    rows = kernels._duck_query(f"SELECT __hetflow_row FROM t WHERE {' AND '.join(f'({sqlplan.sql_of(c)})' for c in mine)}", t=numbered)
-    return arrowtypes.take(table, pa.array(np.sort(rows.column(0).to_numpy())))
-
-
-def _arrive(comm: Communicator) -> None:
-    """Wait, without spinning a core, until every rank has come here (an ``Ibarrier`` polled with short
-    sleeps): the ranks other than 0 wait here while rank 0 runs the query, and an MPI collective's own
-    busy wait would take a core from it on a host with fewer cores than processes.  A communicator
-    without ``Ibarrier`` goes on at once (its next collective waits)."""
-    ibarrier = getattr(comm, "Ibarrier", None)
-    if ibarrier is None:
-        return
-    request = ibarrier()
-    while not request.Test():
-        time.sleep(0.0005)
+    return " AND ".join(f"({sqlplan.sql_of(c)})" for c in mine) if mine else None
 
 
 def _named(table: pa.Table, names: list[str] | None, inputs: Mapping[str, DTable]) -> pa.Table:

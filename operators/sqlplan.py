@@ -377,6 +377,83 @@ def _name_outputs(tree: Any) -> list[str] | None:
     return names
 
 
+@functools.lru_cache(maxsize=256)
+def table_spellings(query: str) -> tuple[str, ...]:
+    """The names of the tables ``query`` reads, as it spells them (DuckDB looks a table up by its exact
+    name), memoized by the text."""
+    exp = _exp()
+    return tuple(sorted({t.name for t in parse(query).find_all(exp.Table) if not t.args.get("db") and t.name}))
+
+
+def output_names(tree: Any) -> list[str] | None:
+    """The output column names of an optimized tree (its first ``SELECT``'s, for a set operation), as
+    the distributed plan names its result before ``sql`` spells them as the query does."""
+    exp = _exp()
+    node = tree
+    while isinstance(node, exp.SetOperation):
+        node = node.left
+    if not isinstance(node, exp.Select):
+        return None
+    return [e.alias_or_name for e in node.expressions]
+
+
+_SUPPORTED: dict[int, tuple[Any, SQLError | None]] = {}
+
+
+def check_supported(tree: Any) -> None:
+    """Raise the ``SQLError`` the distributed plan would raise for a construct it does not run (``WITH
+    RECURSIVE``, ``QUALIFY``, ``DISTINCT ON``, ``GROUPING SETS``/``CUBE``/``ROLLUP``, ``JOIN ... USING``,
+    a correlated subquery the optimizer left), so that a query runs, or not, whatever the size of its
+    inputs: one that rank 0 runs alone in DuckDB, which would run them, is refused the same (memoized
+    by the optimized tree, which the plan cache keeps)."""
+    found = _SUPPORTED.get(id(tree))
+    if found is None or found[0] is not tree:
+        if len(_SUPPORTED) > 2 * PLAN_CACHE_SIZE:
+            _SUPPORTED.clear()
+        found = (tree, _unsupported(tree))
+        _SUPPORTED[id(tree)] = found
+    if found[1] is not None:
+        raise found[1]
+
+
+def _grouping_sets(group: Any) -> bool:
+    """Whether a ``GROUP BY`` has grouping sets, a cube or a rollup (as its arguments, or as its keys:
+    sqlglot parses ``GROUP BY ROLLUP (x)`` so)."""
+    exp = _exp()
+    if group is None:
+        return False
+    return any(group.args.get(k) for k in ("grouping_sets", "cube", "rollup")) \
+        or any(isinstance(e, (exp.Rollup, exp.Cube, exp.GroupingSets)) for e in group.expressions)
+
+
+def _unsupported(tree: Any) -> SQLError | None:
+    exp = _exp()
+    for with_ in tree.find_all(exp.With):
+        if with_.args.get("recursive"):
+            return SQLError(f"WITH RECURSIVE is not supported{_where(with_, '')}")
+    for node in tree.find_all(exp.Select):
+        for bad in ("distinct_on", "qualify", "pivots", "laterals"):
+            if node.args.get(bad):
+                return SQLError(f"{bad.upper()} is not supported{_where(node.args[bad], '')}")
+        distinct = node.args.get("distinct")
+        if distinct is not None and distinct.args.get("on"):
+            return SQLError("DISTINCT ON is not supported")
+        group = node.args.get("group")
+        if _grouping_sets(group):
+            return SQLError("GROUPING SETS, CUBE and ROLLUP are not supported")
+        for j in node.args.get("joins") or []:
+            if j.args.get("using"):
+                return SQLError(f"JOIN ... USING is not supported here, write ON{_where(j, '')}")
+        if node is not tree and not isinstance(node.parent, (exp.CTE, exp.SetOperation)) \
+                and not (isinstance(node.parent, exp.Subquery) and isinstance(node.parent.parent, (exp.From, exp.Join))):
+            defined = {t.alias_or_name for t in node.find_all(exp.Table, exp.Subquery)} | {c.alias_or_name for c in node.find_all(exp.CTE)}
+            free = aliases(node) - defined
+            if free:
+                return SQLError(f"a correlated subquery the optimizer could not turn into a join is not supported "
+                                f"(it reads {sorted(free)} of the outer query): {sql_of(node)[:100]}")
+    return None
+
+
 # ---------------------------------------------------------------------------------------- helpers
 def q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
@@ -1159,7 +1236,7 @@ class Executor:
             order.append((e, bool(o.args.get("desc")), bool(o.args.get("nulls_first"))))
         having = node.args.get("having")
         group = node.args.get("group")
-        if group is not None and any(group.args.get(k) for k in ("grouping_sets", "cube", "rollup")):
+        if _grouping_sets(group):
             raise SQLError("GROUPING SETS, CUBE and ROLLUP are not supported")
         exprs = [phys(self.materialize(e)) if self._has_subquery(e) else phys(e) for _, e in outputs]
         having_e = phys(self.materialize(having.this)) if having is not None else None

@@ -16,9 +16,11 @@
 #
 # The checks: the CUDA tests of the loader and the vendor tests (pytest), benchmarks/ml.py on the
 # device (training and inference against plain PyTorch, copy rate against the pinned limit), and
-# scripts/gpu_check_pipeline.py (photo-z train and predict on the GPU through hetflow).  Everything
-# printed goes to files under $OUT (the device tool's result folder; ./gpu-check-out by default):
-# env.txt, tests.txt, bench-ml.txt, bench-ml.json, pipeline.txt, pipeline.json, summary.txt.
+# scripts/gpu_check_pipeline.py (photo-z train and predict on the GPU through hetflow), and
+# scripts/gpu_check_warm.py (one-rank GPU stages forked warm by the fork server, torch on the GPU, each
+# seeing exactly its slot's GPUs).  Everything printed goes to files under $OUT (the device tool's
+# result folder; ./gpu-check-out by default): env.txt, tests.txt, bench-ml.txt, bench-ml.json,
+# pipeline.txt, pipeline.json, warm.txt, warm.json, summary.txt.
 # Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -130,12 +132,16 @@ print("hetflow detects", detect_gpus())
 EOF
 } >>"$OUT/env.txt" 2>&1
 
-STEPS=${STEPS:-tests bench pipeline}  # a subset makes a shorter run
+STEPS=${STEPS:-warm tests bench pipeline}  # a subset makes a shorter run
 wants() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 wants tests && step "CUDA loader tests and GPU-vendor tests" "$OUT/tests.txt" \
     "$PY" -m pytest -q -p no:cacheprovider tests/ml/test_loader_cuda.py tests/test_gpu_vendor.py \
     tests/ml/test_loader_device.py -rs
+
+# seconds: the fork server imports torch with no GPU visible and forks the GPU stages (docs/hpc.md)
+wants warm && step "one-rank GPU stages started warm by the fork server ($DEVICE)" "$OUT/warm.txt" \
+    "$PY" scripts/gpu_check_warm.py --device "$DEVICE" --workdir "$WORK/warm" --out "$OUT/warm.json"
 
 if [ "$DEVICE" = cuda ]; then
     wants bench && step "benchmarks/ml.py on the GPU" "$OUT/bench-ml.txt" \

@@ -24,6 +24,18 @@ it.  An import that leaves a thread running (a forked child would get a copy
 of its locks but not the thread) makes the server replace itself, by ``exec``
 with the same pid, pipes and children, with one that loads no such imports.
 
+A rank on several cores is forked as one on a single core is; the worker pins
+it to its cores and sets its thread-count variables as in a cold rank, and the
+libraries the server loaded with one thread (numpy's OpenBLAS, torch) are
+told the rank's core count (:func:`_preloaded_threads`), as they would have
+read it from those variables.  A rank with GPUs is forked only while the
+server is clean (:func:`gpu_unsafe`: the CUDA driver is not loaded here, so
+no import in the server initialised it; forking after that breaks the
+child, forking before is fine); otherwise the server answers ``{"id",
+"cold"}`` with the reason, logged once, and the backend starts the task
+cold.  The worker sets the rank's visible-devices variables before any stage
+code runs (the script's top included), as in a cold rank.
+
 The child is what ``mpiexec -n 1 python -m hetflow.tasks.worker SPEC`` would
 have been: the leader of a new session (so the backend's timeout, cancel and
 Ctrl-C kill its process group as before), stdin from ``/dev/null``, stdout and
@@ -50,8 +62,8 @@ server forks nothing: only a rank killed while it had left something running
 makes it wait.
 
 Protocol, one JSON object per line: the backend writes ``{"id", "spec",
-"cwd", "env", "stdout", "stderr", "die_with_server"}``; the server answers ``{"id", "pid"}``
-once the child is forked (or ``{"id", "error"}``) and ``{"pid", "status"}``
+"cwd", "env", "stdout", "stderr", "die_with_server", "timeout", "threads", "gpus"}``; the server answers ``{"id", "pid"}``
+once the child is forked (or ``{"id", "error"}``, or ``{"id", "cold"}``: start it cold) and ``{"pid", "status"}``
 (the wait status, after the witness's work) when a child has ended; ``{"pid", "signal"}`` asks it to
 signal the process group of a child it forked (what the backend does with ``killpg`` where it can: a
 server on another node, a Slurm agent, has children whose pids mean nothing on the backend's machine),
@@ -145,6 +157,10 @@ class Job:
     timeout: float | None = None
     """The stage's timeout (seconds): the longest the server spends importing the stage's packages before it
     forks the task (:func:`_preload_stage`); ``None``: no bound, as a cold rank has none."""
+    threads: int = 1
+    """The rank's core count: the thread count of the libraries the server loaded (:func:`_preloaded_threads`)."""
+    gpus: bool = False
+    """The rank has GPUs: forked only while no GPU runtime is initialised here (:func:`gpu_unsafe`)."""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Job:
@@ -153,10 +169,14 @@ class Job:
             timeout = float(timeout)
             if not math.isfinite(timeout) or timeout <= 0:
                 raise ValueError(f"timeout {timeout!r}: expected a positive number of seconds")
+        threads = int(data.get("threads", 1))
+        if threads < 1:
+            raise ValueError(f"threads {threads!r}: expected a positive number of cores")
         return cls(id=int(data["id"]), spec=str(data["spec"]), cwd=str(data["cwd"]),
                    env={str(k): str(v) for k, v in data["env"].items()},
                    stdout=data.get("stdout"), stderr=data.get("stderr"),
-                   die_with_server=bool(data.get("die_with_server", False)), timeout=timeout)
+                   die_with_server=bool(data.get("die_with_server", False)), timeout=timeout,
+                   threads=threads, gpus=bool(data.get("gpus", False)))
 
 
 def _reply(message: Mapping[str, Any]) -> None:
@@ -328,10 +348,12 @@ def _preload_stage(job: Job) -> bool:
         spec = WorkerSpec.read(Path(job.spec))
     except ProtocolError:
         return True  # the child reports it
+    global _clean
     key = (spec.function.module, spec.function.path)
     if key in _scripts:
         return True
     _scripts[key] = False
+    _clean = False  # what these imports do is checked again before the next GPU fork
     path = spec.function.path
     if spec.function.module != "__main__":
         try:
@@ -568,6 +590,10 @@ def serve(preload: bool = True, pending: bytes = b"") -> Job | None:
                 if "ranks" in data:  # a warm multi-rank task: its stubs will connect (hetflow.tasks.warmranks)
                     _reply(warmranks.register(job, data))
                     continue
+                unsafe = _gpu_fork_refused() if job.gpus else None
+                if unsafe is not None:
+                    _refuse_gpus(job, unsafe)
+                    continue
                 if _fork(job, wake_r, wake_w):
                     return job
     finally:
@@ -606,6 +632,108 @@ def _fork(job: Job, wake_r: int, wake_w: int) -> bool:
     else:
         _reply({"id": job.id, "pid": pid})
     return False
+
+
+GPU_DRIVER_LIBRARIES = ("libcuda.so",)
+"""Basenames (prefixes) of GPU driver libraries, loaded into a process when its GPU runtime initialises (the CUDA
+runtime, ``libcudart``, opens ``libcuda`` on its first call).  Were ``import torch`` to load it already, every GPU
+rank would start cold: safe, and scripts/gpu_check_warm.py, run on a GPU machine, says so."""
+
+GPU_DEVICE_FILES = ("/dev/nvidia",)
+"""Prefixes of the device files a process initialising the NVIDIA driver opens and maps."""
+
+
+def gpu_unsafe() -> str | None:
+    """Why a rank with GPUs must not be forked from this process now, or ``None`` when it is clean: no GPU
+    driver library is mapped and no GPU device file is open or mapped (:data:`GPU_DRIVER_LIBRARIES`,
+    :data:`GPU_DEVICE_FILES`).
+
+    Decision: a child forked after its parent initialised CUDA cannot use CUDA (the driver's state is not
+    carried over a fork; PyTorch refuses, "Cannot re-initialize CUDA in forked subprocess"), while a child
+    forked before can.  The server imports with no device visible, but an installed import may still
+    initialise the driver (asking for devices, or loading a library that does).  Unreadable ``/proc``: unsafe.
+    The server asks before each GPU fork (:func:`_gpu_fork_refused`)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if os.path.basename(path).startswith(GPU_DRIVER_LIBRARIES):
+                    return f"the GPU driver library {path} is loaded in the fork server"
+                if path.startswith(GPU_DEVICE_FILES):
+                    return f"the GPU device {path} is mapped in the fork server"
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(GPU_DEVICE_FILES):
+                return f"the GPU device {target} is open in the fork server"
+    except OSError as exc:
+        return f"cannot tell whether a GPU runtime is initialised in the fork server ({exc})"
+    return None
+
+
+_clean = False
+"""The server was found clean (:func:`gpu_unsafe`) and has run no other code than its own since: the stages'
+imports are the only code it runs that is not hetflow's, and each new one clears this (:func:`_preload_stage`)."""
+
+
+def _gpu_fork_refused() -> str | None:
+    """:func:`gpu_unsafe`, read again only after the server imported something since it last found itself
+    clean (reading ``/proc/self/maps`` costs milliseconds, a warm start's own order of cost)."""
+    global _clean
+    if _clean:
+        return None
+    reason = gpu_unsafe()
+    _clean = reason is None
+    return reason
+
+
+_refused: set[str] = set()
+"""The reasons this server gave for starting a GPU rank cold (each is logged once)."""
+
+
+def _refuse_gpus(job: Job, reason: str) -> None:
+    """Answer ``job`` (a rank with GPUs) with "start it cold", and say why in the server's log, once."""
+    if reason not in _refused:
+        _refused.add(reason)
+        print(f"hetflow fork server: a stage with GPUs starts cold: {reason}, and forking after a GPU runtime "
+              "is initialised breaks the child; every later stage with GPUs of this run starts cold too",
+              file=sys.stderr, flush=True)
+    _reply({"id": job.id, "cold": reason})
+
+
+def _preloaded_threads(count: int) -> None:
+    """In a task on ``count`` cores: the libraries the server loaded with one thread (:data:`BLAS_ENV`),
+    numpy's OpenBLAS and torch's intra-op pool, use ``count`` threads, as a cold rank's read it from the
+    variables its worker sets (``OMP_NUM_THREADS`` and the like: the rank's core count)."""
+    if count <= 1:
+        return  # what they were loaded with
+    torch = sys.modules.get("torch")
+    if torch is not None and callable(getattr(torch, "set_num_threads", None)):
+        torch.set_num_threads(count)
+    if "numpy" not in sys.modules:
+        return
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {p for line in fh if len(parts := line.split(None, 5)) == 6
+                     and "openblas" in os.path.basename(p := parts[5].strip()).lower()}
+    except OSError:
+        return
+    for path in paths:
+        try:
+            library = ctypes.CDLL(path)  # loaded already: its handle, nothing runs again
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            setter = getattr(library, name, None)
+            if setter is not None:
+                setter(ctypes.c_int(count))
+                break
 
 
 def _log_to(line: bytes) -> None:
@@ -654,6 +782,7 @@ def _become_task(job: Job) -> None:
         for name, value in NO_PROVIDER_DIR.items():
             os.environ.setdefault(name, value)
     _fresh_random_state()
+    _preloaded_threads(job.threads)
     from hetflow.tasks import worker
 
     sys.argv = [str(worker.__file__), job.spec]
@@ -851,9 +980,12 @@ class ForkServer:
         return True
 
     def start_task(self, spec: str, cwd: Path, env: Mapping[str, str], stdout: Path | None,
-                   stderr: Path | None, timeout: float | None = None) -> ForkedTask:
+                   stderr: Path | None, timeout: float | None = None, *, threads: int = 1,
+                   gpus: bool = False) -> ForkedTask:
         """Fork a child running the worker on ``spec``; returns once it runs.  ``timeout``: the stage's, the
-        longest the server may spend importing the stage's packages first (:func:`_bounded`)."""
+        longest the server may spend importing the stage's packages first (:func:`_bounded`); ``threads``:
+        the rank's core count; ``gpus``: it has GPUs, and :class:`ColdStart` is raised when the server
+        cannot fork it safely (:func:`gpu_unsafe`)."""
         clean = {k: v for k, v in env.items() if not k.startswith(LAUNCHER_ENV)}
         event = threading.Event()
         answer: list[Any] = []
@@ -866,7 +998,8 @@ class ForkServer:
             line = json.dumps({"id": ident, "spec": spec, "cwd": str(cwd), "env": clean,
                                "stdout": None if stdout is None else str(stdout),
                                "stderr": None if stderr is None else str(stderr),
-                               "die_with_server": self.remote, "timeout": timeout}) + "\n"
+                               "die_with_server": self.remote, "timeout": timeout, "threads": threads,
+                               "gpus": gpus}) + "\n"
             try:
                 self._stdin.write(line.encode())
                 self._stdin.flush()
@@ -874,6 +1007,8 @@ class ForkServer:
                 self._waiting.pop(ident, None)
                 raise ForkServerGone(f"the fork server has ended ({exc})") from None
         event.wait()
+        if isinstance(answer[0], ColdStart):
+            raise answer[0]
         if not isinstance(answer[0], ForkedTask):
             raise ForkServerGone(str(answer[0]))
         return answer[0]
@@ -945,6 +1080,8 @@ class ForkServer:
                         waiter[1].append((str(message["socket"]), str(message["token"])))
                     elif "forgotten" in message:  # and its ranks are gone
                         waiter[1].append(True)
+                    elif "cold" in message:
+                        waiter[1].append(ColdStart(str(message["cold"])))
                     else:
                         waiter[1].append(message.get("error", "the fork server failed"))
                     waiter[0].set()
@@ -1007,6 +1144,11 @@ class ForkServer:
 
 class ForkServerGone(HetflowError, RuntimeError):
     """The fork server cannot start a task (it has ended); the caller starts the task cold."""
+
+
+class ColdStart(HetflowError, RuntimeError):
+    """The fork server will not start this task (a rank with GPUs, and a GPU runtime is initialised in the
+    server: :func:`gpu_unsafe`); the caller starts it cold.  The server goes on serving others."""
 
 
 _early: list[ForkServer] = []

@@ -112,3 +112,43 @@ def mpi_direct(ctx):
     from mpi4py import MPI
 
     return {"mpi_direct": pa.table({"gathered": [MPI.COMM_WORLD.allgather(5)], "size": [MPI.COMM_WORLD.Get_size()]})}
+
+
+def _openblas_threads() -> int | None:
+    """Threads numpy's OpenBLAS uses now (None when numpy's OpenBLAS is not loaded)."""
+    import ctypes
+
+    with open("/proc/self/maps") as fh:
+        paths = [line.split()[-1] for line in fh if "openblas" in line.lower()]
+    for path in paths:
+        if "openblas" in os.path.basename(path).lower():
+            lib = ctypes.CDLL(path)
+            for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                         "openblas_get_num_threads"):
+                if hasattr(lib, name):
+                    return int(getattr(lib, name)())
+    return None
+
+
+def environment(ctx):
+    """What this rank was given: its environment, CPU affinity, BLAS and torch thread counts, who started it."""
+    import json
+
+    import numpy as np
+
+    started = time.time()
+    time.sleep(float(ctx.params.get("sleep", 0)))
+    np.ones((64, 64)) @ np.ones((64, 64))  # the BLAS in use
+    torch = sys.modules.get("torch")
+    started_by = starter()
+    return {ctx.stage + "_env": pa.table({
+        "env": [json.dumps(dict(os.environ), sort_keys=True)],
+        "affinity": [sorted(os.sched_getaffinity(0))],
+        "openblas_threads": [_openblas_threads()],
+        "torch_threads": [torch.get_num_threads() if torch is not None else -1],
+        "torch_interop_threads": [torch.get_num_interop_threads() if torch is not None else -1],
+        "warm": [started_by is not None and "hetflow.tasks.forkserver" in " ".join(started_by.cmdline())
+                 and started_by.pid == os.getppid()],
+        "pid": [os.getpid()], "ppid": [os.getppid()],
+        "cuda": [os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")], "started": [started],
+        "ended": [time.time()]})}

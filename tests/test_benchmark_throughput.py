@@ -112,5 +112,6 @@ def test_saturating_workload_runs_for_real_beside_the_simulator(tmp_path: Path) 
         assert shape["ranks"] * shape["cores_per_rank"] <= 2 and shape["ranks"] * shape["gpus_per_rank"] <= 2
     assert data["sim_placements_per_s"]["median"] > 0 and data["end_to_end"]["median"] > 0
     assert data["end_to_end"]["median"] < data["in_run"]["median"]
-    assert data["cpu_ms_per_task"]["median"] > 0
+    assert data["cpu_ms_per_task"]["median"] > 0 and data["orchestrator_rss_mb"]["median"] > 50
+    assert data["store_mb"]["median"] > 0
     assert "placements/s of scheduler time" in proc.stdout and "tasks/s end to end" in proc.stdout

@@ -8,15 +8,21 @@ whatever it saw there that outlived it (a witness killed by SIGKILL cannot do
 its part: :mod:`hetflow.tasks.proctree`).  Nothing outlives
 :meth:`LocalBackend.shutdown`.
 
-A one-rank task on one core without GPUs is started warm, by a fork server
-that has the worker's imports done (:mod:`hetflow.tasks.forkserver`): the
-same worker in a child that leads its own session, so timeouts, cancels and
-the tree watch work on it as on ``mpiexec`` (the server is its witness).  A pilot turns this
-off with ``options.local.warm_start: false``; a fork server that has ended
-leaves the tasks after it to ``mpiexec``.  A task of several ranks on one core
-each, without GPUs, keeps ``mpiexec`` as its launcher but has its ranks forked
-by that server too (:mod:`hetflow.tasks.warmranks`): ``mpiexec`` starts a stub
-per rank that hands its PMI connection to the server.
+A one-rank task is started warm, by a fork server that has the worker's
+imports done (:mod:`hetflow.tasks.forkserver`): the same worker in a child
+that leads its own session, so timeouts, cancels and the tree watch work on it
+as on ``mpiexec`` (the server is its witness).  Whatever its cores: the rank
+pins itself to them and sets its thread counts, as a cold rank does.  With
+GPUs only on an NVIDIA pilot, and only while the server has not loaded the
+CUDA driver (it refuses the fork otherwise, and the task starts cold): forking
+after the driver is initialised breaks the child.  AMD GPUs stay cold (HIP's
+libraries are loaded by ``import torch``; no sound "not initialised yet" test
+is made).  A pilot turns warm starts off with ``options.local.warm_start:
+false``; a fork server that has ended leaves the tasks after it to ``mpiexec``.
+A task of several ranks on one node, one core each and no GPUs, keeps
+``mpiexec`` as its launcher but has its ranks forked by that server too
+(:mod:`hetflow.tasks.warmranks`): ``mpiexec`` starts a stub per rank that hands
+its PMI connection to the server.
 
 A one-node pilot keeps MPI on loopback: the ranks' own listening sockets
 (UCX's TCP transport of MPICH's ch4:ucx, or libfabric's tcp/sockets providers
@@ -45,7 +51,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import ConfigError, HetflowError
-from ..forkserver import ForkServer, ForkServerGone, adopt_early
+from ..forkserver import ColdStart, ForkServer, ForkServerGone, adopt_early
 from ..launchers.mpiexec import Mpiexec
 from ..ledger import CoreLedger, real_cpus
 from ..proctree import TreeWatch
@@ -117,10 +123,18 @@ def warm_start(pilot: object, backend: str = "local") -> bool:
     return value
 
 
-def _warm_command(spec: LaunchSpec) -> str | None:
-    """The spec path when ``spec`` is one worker rank the fork server can start: one core, no GPUs."""
+WARM_GPU_VENDORS = ("nvidia",)
+"""Vendors whose GPU ranks the local fork server may start: those with a sound test that the server has not
+initialised the GPU runtime (NVIDIA: the driver library is not loaded, :func:`hetflow.tasks.forkserver.gpu_unsafe`)."""
+
+
+def _warm_command(spec: LaunchSpec, *, cores: bool = False, gpus: bool = False) -> str | None:
+    """The spec path when ``spec`` is one worker rank the fork server can start; ``cores``: on any number of
+    cores (else one), ``gpus``: with GPUs too (else none)."""
     argv = spec.argv
-    if len(spec.slots) != 1 or len(spec.slots[0].cores) > 1 or spec.slots[0].gpus:
+    if len(spec.slots) != 1:
+        return None
+    if (len(spec.slots[0].cores) > 1 and not cores) or (spec.slots[0].gpus and not gpus):
         return None
     if len(argv) != 4 or tuple(argv[:3]) != (sys.executable, "-m", "hetflow.tasks.worker"):
         return None
@@ -166,6 +180,7 @@ class LocalBackend(Backend):
         self._server: ForkServer | None = None
         self._tokens: dict[str, tuple[ForkServer, str]] = {}
         """Warm multi-rank tasks' registrations with the fork server, by task id."""
+        self._warm_gpus = getattr(pilot, "vendor", None) in WARM_GPU_VENDORS
 
     def start(self) -> None:
         self._launcher = Mpiexec(find_mpiexec())
@@ -260,13 +275,17 @@ class LocalBackend(Backend):
 
     def _start_warm(self, spec: LaunchSpec, env: dict[str, str]) -> _Process | None:
         """Start ``spec`` by the fork server, if it can take it; ``None``: start it with ``mpiexec``."""
-        command = _warm_command(spec)
+        command = _warm_command(spec, cores=True, gpus=self._warm_gpus)
         server = self._fork_server() if command is not None else None
         if server is None or command is None:
             return None
         try:
             return server.start_task(command, spec.cwd, env, spec.stdout, spec.stderr,
-                                     timeout=spec.timeout)
+                                     timeout=spec.timeout, threads=max(1, len(spec.slots[0].cores)),
+                                     gpus=bool(spec.slots[0].gpus))
+        except ColdStart as exc:
+            log.info("task %s: started with mpiexec: %s", spec.task_id, exc)
+            return None
         except ForkServerGone as exc:
             log.warning("task %s: started with mpiexec: %s", spec.task_id, exc)
             return None

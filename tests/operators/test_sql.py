@@ -478,6 +478,78 @@ def test_a_query_over_small_inputs_runs_on_rank_0_alone(comm: Any, name: str, mo
         _check(comm, "select cast(model as integer) as m from runs", **_tables())
 
 
+class _Rendezvous(_Counting):
+    """A communicator that counts the object allgathers and the ``Gatherv``s it forwards."""
+
+    def __init__(self, comm: Any) -> None:
+        super().__init__(comm)
+        self.gathervs = 0
+
+    def Gatherv(self, *args: Any, **kwargs: Any) -> Any:
+        self.gathervs += 1
+        return self._comm.Gatherv(*args, **kwargs)
+
+
+@pytest.mark.mpi
+def test_a_small_query_is_one_duckdb_statement_after_one_gather(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A query over small inputs that rank 0 runs alone is the query itself, one DuckDB statement (DuckDB
+    decorrelates its subquery), after one gather of every input it reads and one allgather of their sizes
+    (one more for the hosts of a new communicator); at one rank, that statement alone. DuckDB's answer
+    all the same, columns named as the query spells them."""
+    from hetflow.operators import DTable, kernels, sql, sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    statements: list[str] = []
+    real = kernels._duck_query
+
+    def counted(query: str, /, **tables: pa.Table) -> pa.Table:
+        statements.append(query)
+        return real(query, **tables)
+
+    monkeypatch.setattr(kernels, "_duck_query", counted)
+    query = """
+        select r.model, count(*) as n, avg(s.energy), sum(s.cost) as cost
+        from runs r join steps s on s.run_id = r.run_id
+        where s.energy < (select avg(s2.energy) from steps s2 where s2.run_id = r.run_id)
+        group by r.model order by r.model nulls last"""
+    counting = _Rendezvous(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    tables = _tables()
+    dts = {name: DTable(counting, _mine(t, rank, size)) for name, t in tables.items()}
+    counting.allgathers = 0
+    statements.clear()
+    result = sql(counting, query, **dts)
+    ran, rendezvous = list(statements), (counting.allgathers, counting.gathervs)
+    got = result.gather()
+    if rank == 0:
+        want = _sqlcheck.duckdb_answer(query, **tables)
+        _sqlcheck.assert_same(got, want, ordered=True, ctx=f"one statement at {size} rank(s)")
+        assert got.column_names == ["model", "n", "avg(s.energy)", "cost"], got.column_names
+        assert ran == [query], ran
+    else:
+        assert ran == [] and result.local_num_rows == 0, ran
+    assert rendezvous == ((2, 1) if size > 1 else (0, 0)), rendezvous
+    assert "one DuckDB statement" in result.plans[0].algorithm, result.explain()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("query, message", [
+    ("select run_id, model from runs qualify row_number() over (partition by model order by run_id) = 1", "QUALIFY is not supported"),
+    ("select model, count(*) as n from runs group by rollup (model)", "GROUPING SETS, CUBE and ROLLUP are not supported"),
+    ("select run_id, nowhere from runs", "nowhere.*Line: 1, Col: 22"),
+])
+def test_a_small_query_is_refused_what_the_distributed_plan_refuses(comm: Any, query: str, message: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """DuckDB would run these, but the distributed plan does not: on small inputs, which rank 0 runs
+    alone in one DuckDB statement, every rank raises the same ``SQLError`` (a query runs, or not, whatever
+    the size of its inputs), and an unknown column still names its position."""
+    from hetflow.operators import SQLError, sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    with pytest.raises(SQLError, match=message):
+        _check(comm, query, **_tables())
+
+
 def test_exists_of_star_and_count_star_name_no_column() -> None:
     """``EXISTS (SELECT * ...)`` and ``count(*)`` read no column: the columns a query names (what a
     Parquet input reads, and what a small query gathers to rank 0) are the others it mentions; a

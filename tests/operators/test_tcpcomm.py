@@ -92,6 +92,13 @@ def _suite(comm: Any, out: Path) -> None:
     lt, rt = DTable(comm, left), DTable(comm, right)
     outputs = {"join": lt.join(rt, "k"), "sort": lt.sort_by([("k", "ascending"), ("a", "descending")]),
                "group_by": lt.group_by("g").aggregate([("a", "sum"), ("a", "count"), ("k", "max")])}
+    # SQL over small inputs: rank 0 runs it alone, the others wait for its message (no Iprobe here)
+    from hetflow.operators import sql
+
+    small = sql(comm, "select l.g, count(*) as n, sum(r.b) as b from l join r on l.k = r.k where l.a > -1 group by l.g order by l.g",
+                l=lt, r=rt)
+    res["sql"] = [small.plans[0].operation, small.local_num_rows]
+    outputs["sql"] = small
     for name, dt in outputs.items():
         whole = dt.gather(root=0)
         if rank == 0:
@@ -238,6 +245,25 @@ def _whole(size: int) -> tuple[pa.Table, pa.Table]:
 
 def _read(work: Path, name: str) -> pa.Table:
     return pa.ipc.open_file(str(work / f"{name}.arrow")).read_all()
+
+
+@pytest.mark.timeout(180)
+def test_sql_over_small_inputs_runs_on_rank_0(suite: tuple[int, Path]) -> None:
+    """Over a TCP communicator too (no ``Iprobe``: the other ranks receive rank 0's closing message
+    at once), a small query runs on rank 0 alone, as one DuckDB statement: DuckDB's answer."""
+    import duckdb
+
+    size, work = suite
+    res = [json.loads((work / f"rank-{r}.json").read_text()) for r in range(size)]
+    left, right = _whole(size)
+    con = duckdb.connect()
+    con.register("l", left)
+    con.register("r", right)
+    want = con.execute(
+        "select l.g, count(*) as n, sum(r.b) as b from l join r on l.k = r.k where l.a > -1 group by l.g order by l.g").fetchall()
+    got = _read(work, "sql")
+    assert list(zip(*(got.column(c).to_pylist() for c in ("g", "n", "b")))) == want
+    assert [r["sql"] for r in res] == [["query", len(want)]] + [["query", 0]] * (size - 1), res
 
 
 @pytest.mark.timeout(180)
