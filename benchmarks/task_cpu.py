@@ -9,7 +9,8 @@ process and work directory with ``small`` and then ``large`` stages; the figure 
 (``RUSAGE_SELF``, printed by the script) and for all processes (this process's
 ``RUSAGE_CHILDREN``: the script, its fork server and every stage, as each is waited
 for).  CPU, not wall time, because a shared machine's load moves wall time by a
-third within minutes.  ``--against`` names another installation's Python (an older
+third within minutes; and the CPU of a whole run of ``small`` stages (``--small 1``: what a run costs
+besides its stages).  ``--against`` names another installation's Python (an older
 checkout's venv) to measure in the same run, alternated; medians of the repeats.
 """
 
@@ -63,17 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU per task, marginal between {args.small} and {args.large} stages, medians of {args.repeats}")
     for style in [s for s in args.styles.split(",") if s]:
         rows: dict[str, list[tuple[float, float]]] = {name: [] for name in pythons}
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in pythons}
         for repeat in range(args.repeats):
             order = list(pythons.items())
             for name, python in (order if repeat % 2 == 0 else order[::-1]):
                 small, large = measure(python, style, args.small), measure(python, style, args.large)
                 rows[name].append(tuple((b - a) / (args.large - args.small) for a, b in zip(small, large)))
+                runs[name].append(small)
         for name, values in rows.items():
             own = statistics.median(v[0] for v in values) * 1e3
             total = statistics.median(v[1] for v in values) * 1e3
             spread = [v[1] * 1e3 for v in values]
             print(f"{style:10s} {name:8s} orchestrator {own:6.1f} ms   all processes {total:6.1f} ms "
                   f"({min(spread):.1f}-{max(spread):.1f})")
+        for name, values in runs.items():  # what the run costs besides its stages when --small is 1
+            own = statistics.median(v[0] for v in values)
+            spread = [v[1] for v in values]
+            print(f"{style:10s} {name:8s} a run of {args.small}: orchestrator {own:.3f} s   all processes "
+                  f"{statistics.median(spread):.3f} s ({min(spread):.3f}-{max(spread):.3f})")
     return 0
 
 

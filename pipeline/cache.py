@@ -162,6 +162,18 @@ def written_by_stages(session: Any, pipeline: str) -> frozenset[str]:
     return frozenset(found)
 
 
+NO_EARLIER = "no earlier execution"
+""":func:`why_run`'s reason for a stage that no run of its pipeline has committed."""
+
+
+def any_committed(session: Any) -> bool:
+    """Whether the store holds any committed stage execution (DONE or CACHED), of any run or pipeline.
+
+    :func:`look_up`'s candidates and :func:`why_run`'s last execution are all such records, so where there
+    is none (a first run in its work directory) both are known empty without their queries."""
+    return session.scalars(select(StageRecord.id).where(StageRecord.state.in_(SUCCESS)).limit(1)).first() is not None
+
+
 def why_run(session: Any, *, pipeline: str, run_id: str, stage: str, material: KeyMaterial,
             params: Mapping[str, Any], damaged: Sequence[str]) -> str:
     """Why ``stage`` has no reusable output: what changed since its last committed execution."""
@@ -172,7 +184,7 @@ def why_run(session: Any, *, pipeline: str, run_id: str, stage: str, material: K
                                   StageRecord.state.in_(SUCCESS), StageRecord.cache_material.is_not(None))
                            .order_by(StageRecord.ended.desc()).limit(1)).first()
     if last is None:
-        return "no earlier execution"
+        return NO_EARLIER
     return describe(last.cache_material, material.to_json(), last.params_read, last.params or {}, params)
 
 

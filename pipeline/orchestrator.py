@@ -278,6 +278,13 @@ class Orchestrator(MapShell):
         self.chunk_of: dict[str, MapRun] = {}
         self.map_items: dict[str, list[Item]] = {}
         """Each map stage's items as its key was made."""
+        self.committed: bool | None = None
+        """Whether the store held a committed stage execution when the current loop step first looked one
+        up (:func:`cache.any_committed`); None outside a step, and in a step before its first look-up.
+        Decision: asked once per step, not per stage: a first run's look-ups then make no query each.
+        Within a step nothing of this run becomes committed unless something was already (a hit needs a
+        committed record; a stage that ends has another key and name than those looked up after it), and a
+        run of another process that commits meanwhile is one whose commit came after these look-ups."""
         self.made_dirs: set[Path] = set()
         """Directories of this run this orchestrator has made (or checked) already: made once, not per attempt."""
         self.stop_asked: tuple[str, str] | None = None
@@ -470,10 +477,12 @@ class Orchestrator(MapShell):
                 if callable(handler):  # Python's Ctrl-C, hetflow's SIGTERM: both raise
                     held[sig] = handler
                     signal.signal(sig, lambda number, _frame: arrived.append(number))
+        self.committed = None
         try:
             with self.store.batch():
                 yield
         finally:
+            self.committed = None
             for sig, handler in held.items():
                 signal.signal(sig, handler)
         if arrived:
@@ -707,9 +716,14 @@ class Orchestrator(MapShell):
     def _look_up_locked(self, spec: StageSpec, material: cache.KeyMaterial, key: str,
                         params: dict[str, Any]) -> CacheChecked:
         with self.store.session() as session:
-            hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
-                                                params=params, outputs=spec.outputs, now=self.observed_start,
-                                                observed=True, written=lambda: self._written_by_stages(session))
+            if self.committed is None:
+                self.committed = cache.any_committed(session)
+            if self.committed:
+                hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
+                                                    params=params, outputs=spec.outputs, now=self.observed_start,
+                                                    observed=True, written=lambda: self._written_by_stages(session))
+            else:  # nothing committed in the store: no candidate, no earlier execution to compare with
+                hit, found, damaged = None, {}, []
             for problem in damaged:
                 log.warning("stage %s: not reusing a cached output: %s", spec.name, problem)
             if hit is None:
@@ -717,7 +731,8 @@ class Orchestrator(MapShell):
             record = self._stage_record(session, spec.name)
             if hit is None:
                 reason = cache.why_run(session, pipeline=self.name, run_id=self.run_id, stage=spec.name,
-                                       material=material, params=params, damaged=damaged)
+                                       material=material, params=params, damaged=damaged) \
+                    if self.committed else cache.NO_EARLIER
                 record.cache_reason, record.cache_hit = reason, False
                 return CacheChecked(spec.name, False, reason)
             # a resume finds what this run committed earlier: the record stays as it was (its times, attempts,

@@ -441,15 +441,12 @@ class Pipeline:
         started: what follows imports the orchestrator and opens the store meanwhile); ``options`` as pinned,
         ``typed`` as the command line gave them (for the commands printed).  ``freeze``: move
         what this process holds, the orchestrator's imports too, to the collector's permanent generation."""
+        from hetflow.tasks.collector import paused
         from hetflow.tasks.paths import private_dir
 
-        from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
-        from .store import Store
-
-        if freeze:
-            import gc
-
-            gc.freeze()
+        with paused(freeze=freeze):  # no collections of what the imports make (hetflow.tasks.collector)
+            from .orchestrator import Orchestrator  # heavy (SQLAlchemy): only where a run starts
+            from .store import Store
 
         root = Path(options.workdir or workdir or self.workdir
                     or Path(options.cwd or os.curdir) / default_workdir()).resolve()

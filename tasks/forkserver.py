@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import gc
 import importlib
 import importlib.util
 import json
@@ -103,6 +104,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from .collector import paused
 from .errors import HetflowError
 from .protocol import FORK_SERVER
 
@@ -388,7 +390,7 @@ def _preload_stage(job: Job) -> bool:
     timed_out = False
     try:
         try:
-            with _exit_handlers_recorded(), _bounded(job.timeout):
+            with _exit_handlers_recorded(), _bounded(job.timeout), paused(freeze=True):
                 for name in installed_imports(source):
                     try:
                         importlib.import_module(name)
@@ -765,6 +767,7 @@ def _become_task(job: Job) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    gc.unfreeze()  # what the server froze is collected (and listed by gc) in the task as in a cold start
     _forget_preloaded_exits()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -804,17 +807,18 @@ def _fresh_random_state() -> None:
 def _preload() -> None:
     saved = {name: os.environ.get(name) for name in BLAS_ENV}
     os.environ.update({name: "1" for name in BLAS_ENV})
-    import mpi4py
+    with paused(freeze=True):  # kept for the server's life: no collection walks it (hetflow.tasks.collector)
+        import mpi4py
 
-    mpi4py.rc.initialize = mpi4py.rc.finalize = False  # each rank starts (and ends) its own MPI
-    from mpi4py import MPI  # noqa: F401 - the library loaded, not started
+        mpi4py.rc.initialize = mpi4py.rc.finalize = False  # each rank starts (and ends) its own MPI
+        from mpi4py import MPI  # noqa: F401 - the library loaded, not started
 
-    for name in PRELOAD:
-        importlib.import_module(name)
-    if importlib.util.find_spec("pandas") is not None:
-        importlib.import_module("pandas")  # pyarrow loads it for pa.table(dict) and to_pandas(): once, here
-        importlib.import_module("pyarrow.pandas_compat")  # and these, on the first table it makes
-        importlib.import_module("pyarrow.vendored.version")
+        for name in PRELOAD:
+            importlib.import_module(name)
+        if importlib.util.find_spec("pandas") is not None:
+            importlib.import_module("pandas")  # pyarrow loads it for pa.table(dict) and to_pandas(): once, here
+            importlib.import_module("pyarrow.pandas_compat")  # and these, on the first table it makes
+            importlib.import_module("pyarrow.vendored.version")
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)

@@ -105,6 +105,7 @@ if __name__ == "__main__":
     run = pipe.run(progress=False)
     tasks = [table for table in SELECTS if table in ("tasks", "attempts")]
     print("FSYNCS", len(FSYNCS), len(COMMITS), SELECTS.count("stages"), len(tasks), run.state)
+    print("STAGES", " ".join(f"{s.name}={s.state}:{s.cache_reason}".replace(" ", "_") for s in run.stages))
 '''
 
 
@@ -133,9 +134,30 @@ def test_the_orchestrator_flushes_a_stage_s_manifest_commits_once_and_reads_only
     # one (CI: 7 for 8 more stages, two of them ending at once), so fewer is right; its cache miss rides along
     # (a commit of its own before: two per stage)
     assert 0.5 <= (many_commits - few_commits) / 8 <= 1.25, (few_commits, many_commits)
-    # per stage: the cache's candidates and why it missed, and its record in the batch that looks it up; its record
-    # is not read again by later batches (before: five reads), nor its task and attempt records, which the
-    # orchestrator made (before: five reads); the status view at the run's end reads its last task and attempt
-    # in one statement (before: two)
-    assert (many_stages - few_stages) / 8 == 3, (few_stages, many_stages)
+    # per stage: its record in the batch that looks it up; a first run in its work directory asks once per loop
+    # step whether the store holds any committed execution, and without one queries neither the cache's
+    # candidates nor why the stage missed (before: both, for each stage); its record is not read again by later
+    # batches (before: five reads), nor its task and attempt records, which the orchestrator made (before: five
+    # reads); the status view at the run's end reads its last task and attempt in one statement (before: two)
+    assert (many_stages - few_stages) / 8 == 1, (few_stages, many_stages)
     assert (many_tasks - few_tasks) / 8 == 1, (few_tasks, many_tasks)
+
+
+@pytest.mark.timeout(600)
+def test_a_run_after_a_first_run_finds_its_stages_in_the_cache_and_a_first_run_says_why_it_ran(
+        tmp_path: Path) -> None:
+    """The first run's look-ups skip their queries (nothing committed in the store): every stage runs, and says
+    it had no earlier execution; the next run in the same work directory asks the store per stage and reuses
+    every output, naming the run it comes from."""
+    (tmp_path / "p.py").write_text(textwrap.dedent(SCRIPT))
+    reasons = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "p.py", "3"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, check=False)
+        lines = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("STAGES ")]
+        assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+        reasons.append(dict(item.split("=", 1) for item in lines[0]))
+    first, second = reasons
+    assert first == {f"s{i}": "DONE:no_earlier_execution" for i in range(3)}, first
+    assert sorted(second) == ["s0", "s1", "s2"], second
+    assert all(value.startswith("CACHED:unchanged_since_run_fsyncs-") for value in second.values()), second

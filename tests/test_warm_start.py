@@ -435,3 +435,58 @@ def test_a_blocking_run_keeps_what_the_process_held_before_it_out_of_the_collect
         assert before == 0 and during > 10_000 and after == 0, done.stdout
     else:  # the user's frozen objects stay frozen (some were freed meanwhile); none were added
         assert before > 0 and during <= before and 0 < after <= before, done.stdout
+
+
+UNCOLLECTED = '''
+import gc, sys
+import pyarrow as pa
+import hetflow as hf
+
+during = []
+
+
+def importing_the_orchestrator():
+    orchestrator = sys.modules.get("hetflow.orchestrator")
+    return "sqlalchemy" in sys.modules and not hasattr(orchestrator, "Orchestrator")
+
+
+gc.callbacks.append(lambda phase, info: during.append(importing_the_orchestrator()) if phase == "start" else None)
+pipe = hf.Pipeline("uncollected", pilot=hf.PilotDescription(name="two-cores", cores_per_node=2,
+                                                             memory_per_node=2**33))
+
+
+@pipe.stage(outputs=["seen"])
+def seen(ctx):
+    import gc
+    import pandas  # loaded by the fork server before it forked this rank
+
+    return {"seen": pa.table({"enabled": [gc.isenabled()], "frozen": [gc.get_freeze_count()],
+                              "listed": [any(o is pandas.DataFrame for o in gc.get_objects())]})}
+
+
+if __name__ == "__main__":
+    run = pipe.run(progress=False, workdir=sys.argv[1], check=False)
+    print("RUN", run.state, "COLLECTIONS", sum(during), "OF", len(during), "ENABLED", gc.isenabled(),
+          "FROZEN", gc.get_freeze_count())
+'''
+
+
+def test_a_run_imports_its_orchestrator_without_collections_and_a_warm_rank_collects_as_a_cold_one(
+        tmp_path: Path) -> None:
+    """The orchestrator's imports (SQLAlchemy's ORM, the store) run with the collector paused: no collection
+    starts while they load (hetflow.tasks.collector); after the run the collector is on and nothing stays
+    frozen.  The fork server imports its packages the same way and freezes them, but a rank it forks sees
+    the collector as a cold start does: on, nothing frozen, the server's objects listed by ``gc``."""
+    (tmp_path / "flow.py").write_text(UNCOLLECTED)
+    done = subprocess.run([sys.executable, "flow.py", str(tmp_path / "work")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    words = done.stdout.split()
+    at = words.index("RUN")
+    assert words[at + 1] == "DONE", done.stdout + done.stderr
+    collections, total = int(words[at + 3]), int(words[at + 5])
+    assert collections == 0 and total > 0, done.stdout  # collections happened, none while the imports ran
+    assert words[at + 7] == "True" and words[at + 9] == "0", done.stdout
+    (rank,) = open_dataset(tmp_path / "work" / "runs" / os.listdir(tmp_path / "work" / "runs")[0] / "datasets" /
+                           "seen").to_table().to_pylist()
+    assert rank == {"enabled": True, "frozen": 0, "listed": True}, rank
