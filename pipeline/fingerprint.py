@@ -277,6 +277,10 @@ class _Walker:
         type -- those (processes, handles) are its state in this process, not something a rank reads, and
         their text changes as they live (a process's status), so a key made from it would never be made
         again and a stage waiting for its slot would be stopped as changed."""
+        self.library_calls: dict[tuple[int, str], set[str]] = {}
+        """The calls that set each global of :attr:`library_state`, as their text and the values of the names
+        they pass: what a global counted by type was made from (``lib.use("planck")`` storing a
+        ``lib.Cosmology``), a component of its own (``NAME as the calls set it``) that a rank does not digest."""
         self.outsiders: dict[str, bool] = {}
         """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
@@ -299,7 +303,9 @@ class _Walker:
                 applied.add((id(owner), attr))
                 value = vars(owner).get(attr, _ABSENT)
                 if (id(owner), attr) in self.library_state and _library_own(value, owner.__name__.partition(".")[0]):
-                    value = library_kept(value)  # its cache (psutil's _pmap)
+                    value = library_kept(value)  # its cache (psutil's _pmap): by type, and by the calls made
+                    self.add(f"{_owner_name(owner)}.{attr} as the calls set it",
+                             _sha("\n".join(sorted(self.library_calls.get((id(owner), attr), ())))))
                 text = "<absent>" if value is _ABSENT else self.value(value)
                 if isinstance(value, types.FunctionType):  # a.f.gain = v: the function's own attributes
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
@@ -595,7 +601,7 @@ class _Walker:
             except OSError:
                 continue
             scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
-            for kind, chain in _patch_chains(source, path):
+            for kind, chain, text in _patch_chains(source, path):
                 called = kind.startswith("call")
                 for owner, attr in _resolve_patch(scope, chain, "call" if called else kind, held):
                     if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
@@ -607,6 +613,9 @@ class _Walker:
                             isinstance(owner, types.ModuleType)
                             and self.is_user(self.realpath(getattr(owner, "__file__", None) or ""))):
                         self.library_state.update((id(owner), n) for n in names)
+                        said = " ".join([text, *(f"{n}={self.value(scope[n])}" for n in kind.split()[1:])])
+                        for n in names:
+                            self.library_calls.setdefault((id(owner), n), set()).add(said)
                     else:
                         set_directly.update((id(owner), n) for n in names)
         self.library_state -= set_directly
@@ -1431,10 +1440,10 @@ def _parse(source: bytes, path: str) -> ast.Module:
 
 
 _Chain = tuple[str | None, ...]
-_PATCHES: dict[str, tuple[tuple[str, _Chain], ...]] = {}
+_PATCHES: dict[str, tuple[tuple[str, _Chain, str], ...]] = {}
 
 
-def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
+def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain, str], ...]:
     """Where a module's source may set a value on another object: ``("set", names)`` and ``("call", names)``.
 
     ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v``, ``D[k] = v`` and
@@ -1444,12 +1453,23 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
     A call ``a.b.f(...)`` gives ``("call", ("a", "b", "f"))`` when its arguments are literals
     (``psutil.process_iter(["pid"])``), ``("call N M", ...)`` when some are names ``N``, ``M`` and the others
     literals, and ``("call-with", ...)`` when some are other expressions (``lib.set_default(lib.Model(70))``):
-    an object the caller passes (:func:`_passes_an_object`).
+    an object the caller passes (:func:`_passes_an_object`); so does a name a function binds itself (its
+    parameter: ``def setup(h0): lib.set_h0(h0)``), whose value the call site does not show.  The third
+    member is a call's own text (``lib.set_h0(67)``), empty for the others: what a library stores from
+    literals is the caller's choice as much as an object it hands over (:meth:`_Walker.patch_sites`).
     """
     key = hashlib.sha256(source).hexdigest()
     if key in _PATCHES:
         return _PATCHES[key]
-    found: list[tuple[str, _Chain]] = []
+    found: list[tuple[str, _Chain, str]] = []
+    tree = _parse(source, path)
+    bound: dict[int, set[str]] = {}  # a call inside a function: the names the functions around it bind
+    for definition in ast.walk(tree):
+        if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            own = _function_locals(definition)
+            for call in ast.walk(definition):
+                if isinstance(call, ast.Call):
+                    bound.setdefault(id(call), set()).update(own)
 
     def target(node: ast.expr) -> None:
         if isinstance(node, (ast.Tuple, ast.List)):
@@ -1460,18 +1480,18 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
         elif isinstance(node, ast.Attribute):
             chain = _names(node)
             if chain is not None and len(chain) > 1:
-                found.append(("set", chain))
+                found.append(("set", chain, ""))
         elif isinstance(node, ast.Subscript):
             namespace = _namespace_of(node.value)
             if namespace is not None:
                 name = node.slice.value if isinstance(node.slice, ast.Constant) else None
-                found.append(("set", namespace + (name if isinstance(name, str) else None,)))
+                found.append(("set", namespace + (name if isinstance(name, str) else None,), ""))
             elif isinstance(node.value, ast.Name):
-                found.append(("set", (node.value.id,)))  # CFG[k] = v: the object CFG names, changed in place
+                found.append(("set", (node.value.id,), ""))  # CFG[k] = v: the object CFG names, changed in place
             else:
                 target(node.value)
 
-    for node in ast.walk(_parse(source, path)):
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Assign, ast.Delete)):
             for each in node.targets:
                 target(each)
@@ -1483,15 +1503,15 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
                 chain = _names(node.args[0])
                 name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
                 if chain is not None:
-                    found.append(("set", chain + (name if isinstance(name, str) else None,)))
+                    found.append(("set", chain + (name if isinstance(name, str) else None,), ""))
             elif isinstance(func, ast.Attribute) and _namespace_of(func.value) is not None:
-                found.append(("set", _namespace_of(func.value) + (None,)))  # type: ignore[operator]
+                found.append(("set", _namespace_of(func.value) + (None,), ""))  # type: ignore[operator]
             elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Subscript):
                 target(func.value)  # a.D[k].append(v)
             else:
                 chain = _names(func)
                 if chain is not None:
-                    found.append((_call_kind(node), chain))
+                    found.append((_call_kind(node, bound.get(id(node), set())), chain, ast.unparse(node)))
     if len(_PATCHES) > 4096:
         _PATCHES.clear()
     _PATCHES[key] = tuple(dict.fromkeys(found))
@@ -1511,10 +1531,11 @@ def _literal(node: ast.expr) -> bool:
     return False
 
 
-def _call_kind(call: ast.Call) -> str:
-    """A call's kind for :func:`_patch_chains`, from its arguments."""
+def _call_kind(call: ast.Call, local: set[str]) -> str:
+    """A call's kind for :func:`_patch_chains`, from its arguments (``local``: the names the functions around
+    the call bind, whose values its module does not hold)."""
     arguments = [*call.args, *(keyword.value for keyword in call.keywords)]
-    if not all(_literal(a) or isinstance(a, ast.Name) for a in arguments):
+    if not all(_literal(a) or (isinstance(a, ast.Name) and a.id not in local) for a in arguments):
         return "call-with"
     return " ".join(["call", *sorted({a.id for a in arguments if isinstance(a, ast.Name)})])
 
@@ -1526,7 +1547,7 @@ def _passes_an_object(kind: str, scope: Mapping[str, Any]) -> bool:
     the library's own type (:func:`_library_own`): its state is the caller's choice, not a cache."""
     if kind == "call-with":
         return True
-    return any(not _plain(scope.get(name)) for name in kind.split()[1:])
+    return any(name not in scope or not _plain(scope[name]) for name in kind.split()[1:])
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
