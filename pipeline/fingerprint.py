@@ -1169,7 +1169,9 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
     states are observed and given to the ranks, and the values it names there (``args``) are ones the ranks
     never compute (:func:`values_set_after_declaring`).  A method called there on a global (``RNG.seed(args.seed)``)
     gives that global's name: when it is a generator object, a stage that reads it is refused
-    (:func:`late_components`), and the others do not depend on the call."""
+    (:func:`late_components`), and the others do not depend on the call.  Nor do they on a method called there on
+    a generator the call makes (``g = torch.Generator().manual_seed(args.seed)``): it seeds that one only, and a
+    global it is kept in is refused to a stage that reads it, as the block set it."""
     key = hashlib.sha256(source).hexdigest()
     if key not in _SEEDS:
         found = []
@@ -1180,7 +1182,10 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
                 continue
             if (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in _SEED_FUNCTIONS:
                 shipped = id(node) in main and _seeds_a_shipped_generator(node.func)
-                names = () if shipped else tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
+                fresh = id(node) in main and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Call)  # torch.Generator().manual_seed(args.seed): its own
+                names = () if shipped or fresh else tuple(sorted({n.id for n in ast.walk(node)
+                                                                  if isinstance(n, ast.Name)}))
                 method_of = node.func.value.id if id(node) in main and isinstance(node.func, ast.Attribute) \
                     and isinstance(node.func.value, ast.Name) else ""
                 found.append((ast.unparse(node), names, method_of))

@@ -1185,6 +1185,55 @@ def test_a_seed_from_parse_args_in_the_main_block_is_given_and_a_global_generato
     assert states(script(1))["draw"] == "CACHED"
 
 
+SPLIT_BY_ITS_OWN_GENERATOR = """
+import argparse
+
+import numpy as np
+import pyarrow as pa
+import torch
+import hetflow as hf
+
+pipe = hf.Pipeline("ownsplit")
+np.random.seed(0)
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    g = torch.Generator().manual_seed(args.seed)
+    print("held out", torch.randperm(6, generator=g)[:3].tolist())
+    pipe.run(check=False)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_generator_the_main_block_makes_and_seeds_for_itself_refuses_no_stage(tmp_path: Path) -> None:
+    """Red team 10: ``g = torch.Generator().manual_seed(args.seed)`` in the main block (a split drawn there) put
+    ``args`` in every stage's key, as the values a seeding call names: every stage was refused ('it reads
+    args'), though none reads ``g``, which seeds only itself."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SPLIT_BY_ITS_OWN_GENERATOR)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+
+    def script(seed: int) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "p.py", "--seed", str(seed)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=250, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return status(tmp_path)
+
+    first = script(1)
+    assert states(first) == {"draw": "DONE"}, first
+    assert value(first, "draw") == float(np.random.RandomState(0).rand())
+    assert states(script(2)) == {"draw": "CACHED"}  # the stage reads neither the seed nor g
+
+
 SEEDED_UNDER_A_DEBUGGER = """
 import sys
 
