@@ -990,6 +990,13 @@ class _Walker:
                 return f"{kind} {_sha(obj.get_state().numpy().tobytes())}"
             except Exception:  # noqa: BLE001 - a generator whose state cannot be read: not digested
                 pass
+        if type(obj).__module__ == "mpi4py.MPI":  # a predefined handle (MPI.COMM_WORLD, MPI.DOUBLE) by its name,
+            try:                                   # which mpi4py gives without MPI started; no other one
+                name = obj.__reduce__()
+            except Exception:  # noqa: BLE001 - a handle it cannot name (a Dup()'d communicator): not digested
+                name = None
+            if isinstance(name, str):
+                return f"mpi4py.MPI.{name}"
         if isinstance(obj, _LOCKS):
             return f"<lock {kind}>"
         state = _instance_state(obj)

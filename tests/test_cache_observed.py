@@ -1185,6 +1185,47 @@ def test_a_seed_from_parse_args_in_the_main_block_is_given_and_a_global_generato
     assert states(script(1))["draw"] == "CACHED"
 
 
+COMM_AT_THE_TOP = """
+import pyarrow as pa
+import hetflow as hf
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+pipe = hf.Pipeline("commtop")
+
+
+@pipe.stage(outputs=["pair"], ranks=2)
+def pair(ctx):
+    return {"pair": pa.table({"v": [comm.Get_size() * 10 + comm.Get_rank()]})}
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"v": [comm.Get_size()]})}
+
+
+if __name__ == "__main__":
+    pipe.run(check=False)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_communicator_the_scripts_top_holds_is_cached(tmp_path: Path) -> None:
+    """Red team 10: ``comm = MPI.COMM_WORLD`` at the script's top (the usual mpi4py form) made every stage that
+    reads ``comm`` 'not cached': the communicator's text form is its type and address.  A predefined handle
+    counts by its name."""
+    (tmp_path / "p.py").write_text(COMM_AT_THE_TOP)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    for expected in ("DONE", "CACHED"):
+        done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=250,
+                              env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = status(tmp_path)
+        assert states(shown) == {"pair": expected, "one": expected}, shown
+        assert Dataset(shown["_run"]["datasets"]["pair"]).to_table()["v"].to_pylist() == [20, 21]
+        assert value(shown, "one") == 1
+
+
 SPLIT_BY_ITS_OWN_GENERATOR = """
 import argparse
 
