@@ -281,6 +281,10 @@ class _Walker:
         """The calls that set each global of :attr:`library_state`, as their text and the values of the names
         they pass: what a global counted by type was made from (``lib.use("planck")`` storing a
         ``lib.Cosmology``), a component of its own (``NAME as the calls set it``) that a rank does not digest."""
+        self.library_local: set[tuple[int, str]] = set()
+        """The globals of :attr:`library_state` that a call inside a function sets from a name the function binds
+        (its parameter: ``def setup(h0): lib.set_h0(h0)``), whose value the call's text does not show: one that
+        holds a single object of the library's (a setting, not a cache of many) counts by value."""
         self.outsiders: dict[str, bool] = {}
         """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
@@ -302,7 +306,8 @@ class _Walker:
             for owner, attr in found:  # a patched value may reach more code: drain again
                 applied.add((id(owner), attr))
                 value = vars(owner).get(attr, _ABSENT)
-                if (id(owner), attr) in self.library_state and _library_own(value, owner.__name__.partition(".")[0]):
+                if (id(owner), attr) in self.library_state and _library_own(value, owner.__name__.partition(".")[0]) \
+                        and not ((id(owner), attr) in self.library_local and not isinstance(value, _CONTAINER_TYPES)):
                     value = library_kept(value)  # its cache (psutil's _pmap): by type, and by the calls made
                     self.add(f"{_owner_name(owner)}.{attr} as the calls set it",
                              _sha("\n".join(sorted(self.library_calls.get((id(owner), attr), ())))))
@@ -613,7 +618,10 @@ class _Walker:
                             isinstance(owner, types.ModuleType)
                             and self.is_user(self.realpath(getattr(owner, "__file__", None) or ""))):
                         self.library_state.update((id(owner), n) for n in names)
-                        said = " ".join([text, *(f"{n}={self.value(scope[n])}" for n in kind.split()[1:])])
+                        if kind == "call-local":
+                            self.library_local.update((id(owner), n) for n in names)
+                        said = " ".join([text, *(f"{n}={self.value(scope[n])}" for n in kind.split()[1:]
+                                                 if n in scope)])
                         for n in names:
                             self.library_calls.setdefault((id(owner), n), set()).add(said)
                     else:
@@ -1465,8 +1473,9 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain, str], ..
     A call ``a.b.f(...)`` gives ``("call", ("a", "b", "f"))`` when its arguments are literals
     (``psutil.process_iter(["pid"])``), ``("call N M", ...)`` when some are names ``N``, ``M`` and the others
     literals, and ``("call-with", ...)`` when some are other expressions (``lib.set_default(lib.Model(70))``):
-    an object the caller passes (:func:`_passes_an_object`); so does a name a function binds itself (its
-    parameter: ``def setup(h0): lib.set_h0(h0)``), whose value the call site does not show.  The third
+    an object the caller passes (:func:`_passes_an_object`); ``("call-local", ...)`` when some are names a
+    function around the call binds itself (its parameter: ``def setup(h0): lib.set_h0(h0)``), whose value the
+    call site does not show (:attr:`_Walker.library_local`).  The third
     member is a call's own text (``lib.set_h0(67)``), empty for the others: what a library stores from
     literals is the caller's choice as much as an object it hands over (:meth:`_Walker.patch_sites`).
     """
@@ -1547,8 +1556,10 @@ def _call_kind(call: ast.Call, local: set[str]) -> str:
     """A call's kind for :func:`_patch_chains`, from its arguments (``local``: the names the functions around
     the call bind, whose values its module does not hold)."""
     arguments = [*call.args, *(keyword.value for keyword in call.keywords)]
-    if not all(_literal(a) or (isinstance(a, ast.Name) and a.id not in local) for a in arguments):
+    if not all(_literal(a) or isinstance(a, ast.Name) for a in arguments):
         return "call-with"
+    if any(isinstance(a, ast.Name) and a.id in local for a in arguments):
+        return "call-local"
     return " ".join(["call", *sorted({a.id for a in arguments if isinstance(a, ast.Name)})])
 
 
@@ -1557,8 +1568,8 @@ def _passes_an_object(kind: str, scope: Mapping[str, Any]) -> bool:
     argument other than a literal or a name of plain data (``set_default(Cosmology(H0=70))``,
     ``set_application_registry(ureg)``).  What the library stores from it counts by value, even when it is of
     the library's own type (:func:`_library_own`): its state is the caller's choice, not a cache."""
-    if kind == "call-with":
-        return True
+    if kind in ("call-with", "call-local"):
+        return kind == "call-with"
     return any(name not in scope or not _plain(scope[name]) for name in kind.split()[1:])
 
 
@@ -1950,6 +1961,9 @@ def library_kept(value: Any) -> str:
     """What the key counts of a library global that is the library's own state (:func:`_library_own`): its
     type; a rank digests its own the same way (:func:`hetflow.observed.code_in_rank`)."""
     return f"<a {type(value).__qualname__} the library keeps>"
+
+
+_CONTAINER_TYPES = (list, tuple, set, frozenset, dict)
 
 
 def _library_own(value: Any, top: str) -> bool:

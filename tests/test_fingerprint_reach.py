@@ -504,17 +504,19 @@ def _with_fakelib(where: Path, script: str, library: str) -> dict[str, str]:
         sys.modules.pop("fakelib", None)
 
 
-def test_a_library_cache_that_a_call_fills_does_not_move_the_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attrs", ['["pid"]', "attrs"])
+def test_a_library_cache_that_a_call_fills_does_not_move_the_key(tmp_path: Path, attrs: str) -> None:
     """CI (session 17): a test module called ``psutil.process_iter()``, which keeps its Process objects in
     ``psutil._pmap``; every stage naming psutil counted that dict by its text, which changes as the processes
-    live (a status), so a stage that waited for its slot was stopped as 'changed while it waited'."""
+    live (a status), so a stage that waited for its slot was stopped as 'changed while it waited'.  Also when
+    the call passes the helper's own parameter (red team 10 made a bare object set so count by value)."""
     import psutil
 
-    files = {"pipeline.py": """
+    files = {"pipeline.py": f"""
         import subprocess, sys
         import psutil
-        def running():
-            return [p.pid for p in psutil.process_iter(["pid"])]
+        def running(attrs=("pid",)):
+            return [p.pid for p in psutil.process_iter({attrs})]
         def stage(ctx):
             return psutil.cpu_count()
     """}
