@@ -277,6 +277,14 @@ class _Walker:
         type -- those (processes, handles) are its state in this process, not something a rank reads, and
         their text changes as they live (a process's status), so a key made from it would never be made
         again and a stage waiting for its slot would be stopped as changed."""
+        self.library_calls: dict[tuple[int, str], set[str]] = {}
+        """The calls that set each global of :attr:`library_state`, as their text and the values of the names
+        they pass: what a global counted by type was made from (``lib.use("planck")`` storing a
+        ``lib.Cosmology``), a component of its own (``NAME as the calls set it``) that a rank does not digest."""
+        self.library_local: set[tuple[int, str]] = set()
+        """The globals of :attr:`library_state` that a call inside a function sets from a name the function binds
+        (its parameter: ``def setup(h0): lib.set_h0(h0)``), whose value the call's text does not show: one that
+        holds a single object of the library's (a setting, not a cache of many) counts by value."""
         self.outsiders: dict[str, bool] = {}
         """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
@@ -298,8 +306,11 @@ class _Walker:
             for owner, attr in found:  # a patched value may reach more code: drain again
                 applied.add((id(owner), attr))
                 value = vars(owner).get(attr, _ABSENT)
-                if (id(owner), attr) in self.library_state and _library_own(value, owner.__name__.partition(".")[0]):
-                    value = library_kept(value)  # its cache (psutil's _pmap)
+                if (id(owner), attr) in self.library_state and _library_own(value, owner.__name__.partition(".")[0]) \
+                        and not ((id(owner), attr) in self.library_local and not isinstance(value, _CONTAINER_TYPES)):
+                    value = library_kept(value)  # its cache (psutil's _pmap): by type, and by the calls made
+                    self.add(f"{_owner_name(owner)}.{attr} as the calls set it",
+                             _sha("\n".join(sorted(self.library_calls.get((id(owner), attr), ())))))
                 text = "<absent>" if value is _ABSENT else self.value(value)
                 if isinstance(value, types.FunctionType):  # a.f.gain = v: the function's own attributes
                     text += " attributes " + self.value({k: v for k, v in vars(value).items()
@@ -595,7 +606,7 @@ class _Walker:
             except OSError:
                 continue
             scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
-            for kind, chain in _patch_chains(source, path):
+            for kind, chain, text in _patch_chains(source, path):
                 called = kind.startswith("call")
                 for owner, attr in _resolve_patch(scope, chain, "call" if called else kind, held):
                     if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
@@ -607,6 +618,12 @@ class _Walker:
                             isinstance(owner, types.ModuleType)
                             and self.is_user(self.realpath(getattr(owner, "__file__", None) or ""))):
                         self.library_state.update((id(owner), n) for n in names)
+                        if kind == "call-local":
+                            self.library_local.update((id(owner), n) for n in names)
+                        said = " ".join([text, *(f"{n}={self.value(scope[n])}" for n in kind.split()[1:]
+                                                 if n in scope)])
+                        for n in names:
+                            self.library_calls.setdefault((id(owner), n), set()).add(said)
                     else:
                         set_directly.update((id(owner), n) for n in names)
         self.library_state -= set_directly
@@ -981,6 +998,13 @@ class _Walker:
                 return f"{kind} {_sha(obj.get_state().numpy().tobytes())}"
             except Exception:  # noqa: BLE001 - a generator whose state cannot be read: not digested
                 pass
+        if type(obj).__module__ == "mpi4py.MPI":  # a predefined handle (MPI.COMM_WORLD, MPI.DOUBLE) by its name,
+            try:                                   # which mpi4py gives without MPI started; no other one
+                name = obj.__reduce__()
+            except Exception:  # noqa: BLE001 - a handle it cannot name (a Dup()'d communicator): not digested
+                name = None
+            if isinstance(name, str):
+                return f"mpi4py.MPI.{name}"
         if isinstance(obj, _LOCKS):
             return f"<lock {kind}>"
         state = _instance_state(obj)
@@ -1160,7 +1184,9 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
     states are observed and given to the ranks, and the values it names there (``args``) are ones the ranks
     never compute (:func:`values_set_after_declaring`).  A method called there on a global (``RNG.seed(args.seed)``)
     gives that global's name: when it is a generator object, a stage that reads it is refused
-    (:func:`late_components`), and the others do not depend on the call."""
+    (:func:`late_components`), and the others do not depend on the call.  Nor do they on a method called there on
+    a generator the call makes (``g = torch.Generator().manual_seed(args.seed)``): it seeds that one only, and a
+    global it is kept in is refused to a stage that reads it, as the block set it."""
     key = hashlib.sha256(source).hexdigest()
     if key not in _SEEDS:
         found = []
@@ -1171,7 +1197,10 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
                 continue
             if (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in _SEED_FUNCTIONS:
                 shipped = id(node) in main and _seeds_a_shipped_generator(node.func)
-                names = () if shipped else tuple(sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}))
+                fresh = id(node) in main and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Call)  # torch.Generator().manual_seed(args.seed): its own
+                names = () if shipped or fresh else tuple(sorted({n.id for n in ast.walk(node)
+                                                                  if isinstance(n, ast.Name)}))
                 method_of = node.func.value.id if id(node) in main and isinstance(node.func, ast.Attribute) \
                     and isinstance(node.func.value, ast.Name) else ""
                 found.append((ast.unparse(node), names, method_of))
@@ -1431,10 +1460,10 @@ def _parse(source: bytes, path: str) -> ast.Module:
 
 
 _Chain = tuple[str | None, ...]
-_PATCHES: dict[str, tuple[tuple[str, _Chain], ...]] = {}
+_PATCHES: dict[str, tuple[tuple[str, _Chain, str], ...]] = {}
 
 
-def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
+def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain, str], ...]:
     """Where a module's source may set a value on another object: ``("set", names)`` and ``("call", names)``.
 
     ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v``, ``D[k] = v`` and
@@ -1444,12 +1473,24 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
     A call ``a.b.f(...)`` gives ``("call", ("a", "b", "f"))`` when its arguments are literals
     (``psutil.process_iter(["pid"])``), ``("call N M", ...)`` when some are names ``N``, ``M`` and the others
     literals, and ``("call-with", ...)`` when some are other expressions (``lib.set_default(lib.Model(70))``):
-    an object the caller passes (:func:`_passes_an_object`).
+    an object the caller passes (:func:`_passes_an_object`); ``("call-local", ...)`` when some are names a
+    function around the call binds itself (its parameter: ``def setup(h0): lib.set_h0(h0)``), whose value the
+    call site does not show (:attr:`_Walker.library_local`).  The third
+    member is a call's own text (``lib.set_h0(67)``), empty for the others: what a library stores from
+    literals is the caller's choice as much as an object it hands over (:meth:`_Walker.patch_sites`).
     """
     key = hashlib.sha256(source).hexdigest()
     if key in _PATCHES:
         return _PATCHES[key]
-    found: list[tuple[str, _Chain]] = []
+    found: list[tuple[str, _Chain, str]] = []
+    tree = _parse(source, path)
+    bound: dict[int, set[str]] = {}  # a call inside a function: the names the functions around it bind
+    for definition in ast.walk(tree):
+        if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            own = _function_locals(definition)
+            for call in ast.walk(definition):
+                if isinstance(call, ast.Call):
+                    bound.setdefault(id(call), set()).update(own)
 
     def target(node: ast.expr) -> None:
         if isinstance(node, (ast.Tuple, ast.List)):
@@ -1460,18 +1501,18 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
         elif isinstance(node, ast.Attribute):
             chain = _names(node)
             if chain is not None and len(chain) > 1:
-                found.append(("set", chain))
+                found.append(("set", chain, ""))
         elif isinstance(node, ast.Subscript):
             namespace = _namespace_of(node.value)
             if namespace is not None:
                 name = node.slice.value if isinstance(node.slice, ast.Constant) else None
-                found.append(("set", namespace + (name if isinstance(name, str) else None,)))
+                found.append(("set", namespace + (name if isinstance(name, str) else None,), ""))
             elif isinstance(node.value, ast.Name):
-                found.append(("set", (node.value.id,)))  # CFG[k] = v: the object CFG names, changed in place
+                found.append(("set", (node.value.id,), ""))  # CFG[k] = v: the object CFG names, changed in place
             else:
                 target(node.value)
 
-    for node in ast.walk(_parse(source, path)):
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Assign, ast.Delete)):
             for each in node.targets:
                 target(each)
@@ -1483,15 +1524,15 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain], ...]:
                 chain = _names(node.args[0])
                 name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
                 if chain is not None:
-                    found.append(("set", chain + (name if isinstance(name, str) else None,)))
+                    found.append(("set", chain + (name if isinstance(name, str) else None,), ""))
             elif isinstance(func, ast.Attribute) and _namespace_of(func.value) is not None:
-                found.append(("set", _namespace_of(func.value) + (None,)))  # type: ignore[operator]
+                found.append(("set", _namespace_of(func.value) + (None,), ""))  # type: ignore[operator]
             elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Subscript):
                 target(func.value)  # a.D[k].append(v)
             else:
                 chain = _names(func)
                 if chain is not None:
-                    found.append((_call_kind(node), chain))
+                    found.append((_call_kind(node, bound.get(id(node), set())), chain, ast.unparse(node)))
     if len(_PATCHES) > 4096:
         _PATCHES.clear()
     _PATCHES[key] = tuple(dict.fromkeys(found))
@@ -1511,11 +1552,14 @@ def _literal(node: ast.expr) -> bool:
     return False
 
 
-def _call_kind(call: ast.Call) -> str:
-    """A call's kind for :func:`_patch_chains`, from its arguments."""
+def _call_kind(call: ast.Call, local: set[str]) -> str:
+    """A call's kind for :func:`_patch_chains`, from its arguments (``local``: the names the functions around
+    the call bind, whose values its module does not hold)."""
     arguments = [*call.args, *(keyword.value for keyword in call.keywords)]
     if not all(_literal(a) or isinstance(a, ast.Name) for a in arguments):
         return "call-with"
+    if any(isinstance(a, ast.Name) and a.id in local for a in arguments):
+        return "call-local"
     return " ".join(["call", *sorted({a.id for a in arguments if isinstance(a, ast.Name)})])
 
 
@@ -1524,9 +1568,9 @@ def _passes_an_object(kind: str, scope: Mapping[str, Any]) -> bool:
     argument other than a literal or a name of plain data (``set_default(Cosmology(H0=70))``,
     ``set_application_registry(ureg)``).  What the library stores from it counts by value, even when it is of
     the library's own type (:func:`_library_own`): its state is the caller's choice, not a cache."""
-    if kind == "call-with":
-        return True
-    return any(not _plain(scope.get(name)) for name in kind.split()[1:])
+    if kind in ("call-with", "call-local"):
+        return kind == "call-with"
+    return any(name not in scope or not _plain(scope[name]) for name in kind.split()[1:])
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
@@ -1917,6 +1961,9 @@ def library_kept(value: Any) -> str:
     """What the key counts of a library global that is the library's own state (:func:`_library_own`): its
     type; a rank digests its own the same way (:func:`hetflow.observed.code_in_rank`)."""
     return f"<a {type(value).__qualname__} the library keeps>"
+
+
+_CONTAINER_TYPES = (list, tuple, set, frozenset, dict)
 
 
 def _library_own(value: Any, top: str) -> bool:

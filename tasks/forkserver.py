@@ -97,8 +97,9 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -388,6 +389,7 @@ def _preload_stage(job: Job) -> bool:
     except OSError:
         pass
     timed_out = False
+    loaded = set(sys.modules)
     try:
         try:
             with _exit_handlers_recorded(), _bounded(job.timeout), paused(freeze=True):
@@ -405,6 +407,8 @@ def _preload_stage(job: Job) -> bool:
                   f"stage's timeout of {job.timeout:g}s; stopped, the server restarts without loading them "
                   "and each task imports them itself", file=sys.stderr)
         _scripts[key] = True
+        global mpi_held
+        mpi_held = mpi_held or _hold_mpi(set(sys.modules) - loaded)
     finally:
         if observed is not None:
             observed.keep_preloaded()  # what they read at import, each rank's top level's own (hetflow.observed)
@@ -425,6 +429,35 @@ def _preload_stage(job: Job) -> bool:
               "running; forking from it is not safe, the server restarts without loading them", file=sys.stderr)
         return False
     return True
+
+
+mpi_held = False
+"""A package this server imported for a script holds ``mpi4py.MPI`` or one of its objects (``from mpi4py import
+MPI`` and ``COMM = MPI.COMM_WORLD`` at its top): its functions call MPI through what they hold, not through the
+module a rank that defers MPI puts in its place (:func:`hetflow.tasks.worker._start_on_first_use`), so every
+rank forked from here starts MPI before its stage, as a cold rank has it started (a package without a version
+is not in the key, which :attr:`~hetflow.tasks.protocol.WorkerSpec.mpi_named` reads)."""
+
+
+def _hold_mpi(names: Iterable[str]) -> bool:
+    """Whether a module of ``names`` (not mpi4py's or hetflow's own) holds ``mpi4py.MPI`` or an object of it, at
+    its top or in a class attribute of a class there."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return False
+
+    def of_mpi(value: Any) -> bool:
+        return value is mpi or getattr(type(value), "__module__", None) == "mpi4py.MPI"
+
+    for name in names:
+        module = sys.modules.get(name)
+        if name.partition(".")[0] in ("mpi4py", "hetflow") or not isinstance(module, types.ModuleType):
+            continue
+        for value in list(vars(module).values()):
+            if of_mpi(value) or (isinstance(value, type) and value.__module__ == name
+                                 and any(of_mpi(v) for v in list(vars(value).values()))):
+                return True
+    return False
 
 
 class _PreloadTimeout(BaseException):
@@ -856,7 +889,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if isinstance(job, warmranks.RankJob):  # one rank of a warm multi-rank task, started by its stub
         warmranks.become_rank(job)
         launched = True
-    _exit(worker.run(job.spec, launched=launched), task=True)  # the rank itself: this server is its witness
+    # the rank itself: this server is its witness
+    _exit(worker.run(job.spec, launched=launched, mpi_held=mpi_held), task=True)
 
 
 def _exit(code: int, task: bool = False) -> NoReturn:

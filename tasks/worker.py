@@ -483,6 +483,10 @@ def _start_mpi(mpi: Any) -> None:
 
 
 _MPI_WITHOUT_START = frozenset({"Is_initialized", "Is_finalized", "Get_version", "Get_library_version"})
+_MPI_STARTS = frozenset({"Init", "Init_thread"})
+"""What :func:`_start_on_first_use` serves by starting the deferred world: code that asks ``Is_initialized()``
+(False until then) and starts MPI itself (``if not MPI.Is_initialized(): MPI.Init()``) finds it started, as
+a second ``MPI_Init`` would fail."""
 
 
 def _start_on_first_use(mpi: Any, world: Any) -> None:
@@ -500,6 +504,8 @@ def _start_on_first_use(mpi: Any, world: Any) -> None:
             if not name.startswith("__") and name not in _MPI_WITHOUT_START:
                 world.get()
                 sys.modules["mpi4py.MPI"] = mpi4py.MPI = mpi  # type: ignore[attr-defined]
+                if name in _MPI_STARTS:
+                    return lambda *args, **kwargs: None if name == "Init" else mpi.Query_thread()
             return getattr(mpi, name)
 
     starting = StartingMPI("mpi4py.MPI", getattr(mpi, "__doc__", None))
@@ -528,10 +534,12 @@ def own_output(files: AttemptFiles, rank: int) -> None:
             reconfigure(line_buffering=True)
 
 
-def run(spec_path: str, launched: bool = False) -> int:
+def run(spec_path: str, launched: bool = False, mpi_held: bool = False) -> int:
     """Run this process's rank of the stage in ``spec_path``; its exit code.  ``launched``: a warm rank
     of a multi-rank task (:mod:`hetflow.tasks.warmranks`), forked with its launcher's PMI connection but
-    MPI not started: it starts it now and joins the launcher's world."""
+    MPI not started: it starts it now and joins the launcher's world.  ``mpi_held``: a package the fork
+    server imported holds ``mpi4py.MPI`` (:data:`hetflow.tasks.forkserver.mpi_held`), so a warm one-rank
+    task starts MPI before its stage."""
     kind = _communicator_kind()
     spec = WorkerSpec.read(Path(spec_path))
     world: list[Any] = []
@@ -565,7 +573,7 @@ def run(spec_path: str, launched: bool = False) -> int:
 
             mpi_comm = DeferredWorld(start)  # started when the stage reads ctx.comm, if it does
             rank, size = 0, 1
-            if spec.items or spec.mpi_named:  # a map stage's runner and item children share the rank's world
+            if spec.items or spec.mpi_named or mpi_held:  # a map stage's runner and item children share the rank's world
                 mpi_comm = mpi_comm.get()       # (hetflow.tasks.mapitems); a stage naming mpi4py may use it directly
             else:
                 _start_on_first_use(MPI, mpi_comm)

@@ -1185,6 +1185,96 @@ def test_a_seed_from_parse_args_in_the_main_block_is_given_and_a_global_generato
     assert states(script(1))["draw"] == "CACHED"
 
 
+COMM_AT_THE_TOP = """
+import pyarrow as pa
+import hetflow as hf
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+pipe = hf.Pipeline("commtop")
+
+
+@pipe.stage(outputs=["pair"], ranks=2)
+def pair(ctx):
+    return {"pair": pa.table({"v": [comm.Get_size() * 10 + comm.Get_rank()]})}
+
+
+@pipe.stage(outputs=["one"])
+def one(ctx):
+    return {"one": pa.table({"v": [comm.Get_size()]})}
+
+
+if __name__ == "__main__":
+    pipe.run(check=False)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_communicator_the_scripts_top_holds_is_cached(tmp_path: Path) -> None:
+    """Red team 10: ``comm = MPI.COMM_WORLD`` at the script's top (the usual mpi4py form) made every stage that
+    reads ``comm`` 'not cached': the communicator's text form is its type and address.  A predefined handle
+    counts by its name."""
+    (tmp_path / "p.py").write_text(COMM_AT_THE_TOP)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+    for expected in ("DONE", "CACHED"):
+        done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=250,
+                              env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = status(tmp_path)
+        assert states(shown) == {"pair": expected, "one": expected}, shown
+        assert Dataset(shown["_run"]["datasets"]["pair"]).to_table()["v"].to_pylist() == [20, 21]
+        assert value(shown, "one") == 1
+
+
+SPLIT_BY_ITS_OWN_GENERATOR = """
+import argparse
+
+import numpy as np
+import pyarrow as pa
+import torch
+import hetflow as hf
+
+pipe = hf.Pipeline("ownsplit")
+np.random.seed(0)
+
+
+@pipe.stage(outputs=["draw"])
+def draw(ctx):
+    return {"draw": pa.table({"v": [float(np.random.rand())]})}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    g = torch.Generator().manual_seed(args.seed)
+    print("held out", torch.randperm(6, generator=g)[:3].tolist())
+    pipe.run(check=False)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_generator_the_main_block_makes_and_seeds_for_itself_refuses_no_stage(tmp_path: Path) -> None:
+    """Red team 10: ``g = torch.Generator().manual_seed(args.seed)`` in the main block (a split drawn there) put
+    ``args`` in every stage's key, as the values a seeding call names: every stage was refused ('it reads
+    args'), though none reads ``g``, which seeds only itself."""
+    import numpy as np
+
+    (tmp_path / "p.py").write_text(SPLIT_BY_ITS_OWN_GENERATOR)
+    env = dict(os.environ, HETFLOW_WORKDIR=str(tmp_path / "work"))
+
+    def script(seed: int) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "p.py", "--seed", str(seed)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=250, env=env, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return status(tmp_path)
+
+    first = script(1)
+    assert states(first) == {"draw": "DONE"}, first
+    assert value(first, "draw") == float(np.random.RandomState(0).rand())
+    assert states(script(2)) == {"draw": "CACHED"}  # the stage reads neither the seed nor g
+
+
 SEEDED_UNDER_A_DEBUGGER = """
 import sys
 

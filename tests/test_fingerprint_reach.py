@@ -8,6 +8,7 @@ the edits in the ``leaves`` tests must not.  The end-to-end test runs hetflow.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -503,17 +504,19 @@ def _with_fakelib(where: Path, script: str, library: str) -> dict[str, str]:
         sys.modules.pop("fakelib", None)
 
 
-def test_a_library_cache_that_a_call_fills_does_not_move_the_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attrs", ['["pid"]', "attrs"])
+def test_a_library_cache_that_a_call_fills_does_not_move_the_key(tmp_path: Path, attrs: str) -> None:
     """CI (session 17): a test module called ``psutil.process_iter()``, which keeps its Process objects in
     ``psutil._pmap``; every stage naming psutil counted that dict by its text, which changes as the processes
-    live (a status), so a stage that waited for its slot was stopped as 'changed while it waited'."""
+    live (a status), so a stage that waited for its slot was stopped as 'changed while it waited'.  Also when
+    the call passes the helper's own parameter (red team 10 made a bare object set so count by value)."""
     import psutil
 
-    files = {"pipeline.py": """
+    files = {"pipeline.py": f"""
         import subprocess, sys
         import psutil
-        def running():
-            return [p.pid for p in psutil.process_iter(["pid"])]
+        def running(attrs=("pid",)):
+            return [p.pid for p in psutil.process_iter({attrs})]
         def stage(ctx):
             return psutil.cpu_count()
     """}
@@ -574,3 +577,75 @@ def test_a_setting_a_library_call_stores_still_counts(tmp_path: Path, setting: s
     a, b = (_with_fakelib(tmp_path / "a", script, MPATCH),
             _with_fakelib(tmp_path / "b", script.replace("11", "12"), MPATCH))
     assert "fakelib.K" in a and a["fakelib.K"] != b["fakelib.K"], (a, b)
+
+
+PRESET_LIB = SETTER_LIB + """
+PRESETS = {"planck": 67, "wmap": 70}
+def use(name):
+    global DEFAULT
+    DEFAULT = Cosmology(PRESETS[name])
+def set_h0(h0):
+    global DEFAULT
+    DEFAULT = Cosmology(h0)
+"""
+
+
+@pytest.mark.parametrize("setting, edit", [
+    ("fakelib.use('planck')", ("planck", "wmap")),
+    ("fakelib.set_h0(h0=11)", ("11", "12")),
+    ("H0 = 11\nfakelib.set_h0(H0)", ("11", "12")),
+    ("def setup(h0):\n    fakelib.set_h0(h0)\nsetup(11)", ("11", "12")),
+    ("def setup(c):\n    fakelib.set_default(c)\nsetup(fakelib.Cosmology(11))", ("11", "12")),
+])
+def test_a_library_object_a_setter_makes_from_the_scripts_arguments_counts_them(
+        tmp_path: Path, setting: str, edit: tuple[str, str]) -> None:
+    """The tenth red team: ``default_cosmology.set("Planck18")``-like setters given literals or plain names
+    store an object of the library's own type, counted by type as its cache is; the call's arguments (or, in
+    a helper, the helper's parameter) did not count, so an edit of them was served CACHED."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.distance(1.0)\n"
+    a, b = (_with_fakelib(tmp_path / "a", script, PRESET_LIB),
+            _with_fakelib(tmp_path / "b", script.replace(*edit), PRESET_LIB))
+    assert "fakelib.DEFAULT" in a and a != b, (a, b)
+    again = _with_fakelib(tmp_path / "c", script, PRESET_LIB)
+    assert again == a  # and the same call makes the same key
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("setting", ["fakelib.set_h0(11)", "def setup(h0):\n    fakelib.set_h0(h0)\nsetup(11)"])
+def test_end_to_end_an_edit_of_a_library_setters_argument_reruns_the_stage(tmp_path: Path, setting: str) -> None:
+    """``hetflow run`` twice, the setter's argument edited between: the second run re-runs the stage and its
+    rows are the new argument's; a third, unchanged, is served from the cache."""
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "fakelib.py").write_text(PRESET_LIB)
+    script = textwrap.dedent("""
+        import pyarrow as pa
+        import hetflow as hf
+        import fakelib
+        SETTING
+        pipe = hf.Pipeline("setter")
+
+        @pipe.stage(outputs=["out"])
+        def stage(ctx):
+            return {"out": pa.table({"v": [fakelib.distance(1.0)]})}
+
+        if __name__ == "__main__":
+            pipe.run()
+    """)
+    hetflow = [sys.executable, "-m", "hetflow.cli"] if not os.path.exists(Path(sys.executable).parent / "hetflow") \
+        else [str(Path(sys.executable).parent / "hetflow")]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site-packages")}
+    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
+    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
+
+    def once(h0: str) -> tuple[str, float]:
+        (tmp_path / "pipeline.py").write_text(script.replace("SETTING", setting.replace("11", h0)))
+        subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150, env=env)
+        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True,
+                                          env=env).stdout)
+        from hetflow.operators.dataset import Dataset
+
+        return shown["stages"][0]["state"], Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+
+    assert once("11") == ("DONE", 1 / 11)
+    assert once("12") == ("DONE", 1 / 12)
+    assert once("12") == ("CACHED", 1 / 12)

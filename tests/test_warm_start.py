@@ -122,6 +122,28 @@ def test_an_installed_package_that_imports_mpi4py_when_called_finds_mpi_started(
     assert done.stdout.splitlines()[:2] == ["DONE None", "[{'size': 1, 'rank': 0}]"], done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("package", [
+    "from mpi4py import MPI\nCOMM = MPI.COMM_WORLD\ndef world_size():\n    return COMM.Get_size()\n",
+    "from mpi4py import MPI\nclass World:\n    comm = MPI.COMM_WORLD\n"
+    "def world_size():\n    return World.comm.Get_size()\n",
+    "def world_size():\n    from mpi4py import MPI\n    if not MPI.Is_initialized():\n        MPI.Init()\n"
+    "    return MPI.COMM_WORLD.Get_size()\n",
+], ids=["held-at-its-top", "held-in-a-class", "initialized-if-not"])
+def test_an_installed_package_holding_mpi_from_its_import_finds_mpi_started(tmp_path: Path, package: str) -> None:
+    """Red team 10: a package on the path with no version (not in the key) that holds ``MPI.COMM_WORLD`` from its
+    own top (the fork server imported it before any rank put its deferring ``mpi4py.MPI`` in place) aborted the
+    warm rank ("an MPI routine before initializing"); one asking ``MPI.Is_initialized()`` before ``MPI.Init()``
+    was told False and its Init failed ("MPI_INIT more than once").  Cold, both ran."""
+    lib = tmp_path / "site-packages" / "mpilib"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text(package)
+    (tmp_path / "p.py").write_text(LAZY_MPI_USER)
+    done = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path / "site-packages"),
+                                   HETFLOW_WORKDIR=str(tmp_path / "work")))
+    assert done.stdout.splitlines()[:2] == ["DONE None", "[{'size': 1, 'rank': 0}]"], done.stdout + done.stderr
+
+
 def test_warm_start_off_starts_one_rank_with_mpiexec(tmp_path: Path) -> None:
     pipe = hf.Pipeline("cold", pilot=COLD, workdir=tmp_path)
     pipe.stage(ranks=1, outputs=["lineage"])(W.lineage)
