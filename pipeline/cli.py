@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no live progress display")
     run.add_argument("--run-id", help="the run's id: a new run gets it, an existing run of that id is resumed "
                                       "(hetflow submit chooses it)")
+    run.add_argument("--submitted", type=Path, help=argparse.SUPPRESS)  # hetflow submit's note (submit.check_unchanged)
     _store_args(run)
 
     submit = sub.add_parser("submit", help="write a Slurm batch script that runs a pipeline script, and sbatch it")
@@ -786,6 +787,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from .submit import check_run_id
 
                 check_run_id(args.run_id)
+                if args.submitted is not None:
+                    from .submit import check_unchanged
+
+                    check_unchanged(args.submitted, args.run_id, _workdir(args), args.db)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, param_text=dict(args.param), db=args.db,
                                  data_dir=args.data_dir,
                                  backend=args.backend, progress=False if args.no_progress else None,
