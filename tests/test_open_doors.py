@@ -475,3 +475,56 @@ def test_logs_and_serve_read_a_runs_files_only_when_they_are_regular_files(hosti
             if path.is_symlink() or path.exists():
                 path.unlink()
         log.write_bytes(kept)
+
+
+SHARED = textwrap.dedent('''
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import hetflow as hf
+
+    pipe = hf.Pipeline("shared")
+
+
+    @pipe.stage(files=["data/*.csv"], map_over="files", outputs=["rows"])
+    def rows(ctx):
+        return {"rows": pcsv.read_csv(ctx.item)}
+
+
+    @pipe.stage(inputs=["rows"], outputs=["total"])
+    def total(ctx, rows):
+        return {"total": pa.table({"sum": [sum(rows["x"].to_pylist())]})}
+
+
+    if __name__ == "__main__":
+        pipe.run()
+''')
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="files of another user are made with chown, which needs root")
+def test_the_cache_never_serves_another_users_files_from_a_shared_store(tmp_path: Path) -> None:
+    """Before, the cache served any run the store recorded under the stage's key: in a store users share,
+    another user can record a run of your keys (they are in the store) whose outputs are files of theirs,
+    and your stages went on from their data as CACHED.  Here the other user's run is one made in another
+    work directory, its outputs then given to uid 4242: nothing of it is reused, every stage and item runs."""
+    db = ["--db", f"sqlite:///{tmp_path / 'team.db'}"]
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    for where in (theirs, mine):
+        (where / "data").mkdir(parents=True)
+        (where / "shared.py").write_text(SHARED)
+        for i in range(2):
+            (where / "data" / f"{i}.csv").write_text(f"x\n{i + 1}\n")
+    made = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress", *db], cwd=theirs, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    for path in [theirs / ".hetflow" / "runs", *(theirs / ".hetflow" / "runs").rglob("*")]:
+        os.lchown(path, 4242, 4242)
+    done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress", *db], cwd=mine, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    status = json.loads(subprocess.run([*HETFLOW, "status", "--json", *db], cwd=mine, capture_output=True,
+                                       text=True, timeout=60).stdout)
+    assert status["run_dir"].startswith(str(mine)), status["run_dir"]
+    states = {stage["name"]: stage["state"] for stage in status["stages"]}
+    assert states == {"rows": "DONE", "total": "DONE"}, (states, done.stdout)
+    assert "belongs to another user (uid 4242)" in done.stdout, done.stdout
+    assert "map 2 items: 0 cached, 2 ran" in done.stdout, done.stdout
