@@ -528,3 +528,42 @@ def test_the_cache_never_serves_another_users_files_from_a_shared_store(tmp_path
     assert states == {"rows": "DONE", "total": "DONE"}, (states, done.stdout)
     assert "belongs to another user (uid 4242)" in done.stdout, done.stdout
     assert "map 2 items: 0 cached, 2 ran" in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user is made with chown, which needs root")
+def test_resume_never_executes_a_script_another_user_could_have_written(tmp_path: Path) -> None:
+    """Before, ``hetflow resume RUN`` executed whatever file the run's record named: anyone who can write a
+    shared store could name a script of theirs in your run's record, and your resume ran their code as you.
+    Now a recorded script owned by another user (or writable by others) is refused in one line, and the run,
+    its record restored, still resumes."""
+    import sqlite3
+
+    (tmp_path / "shared.py").write_text(SHARED.replace('sum(rows["x"].to_pylist())', "1 / 0"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "0.csv").write_text("x\n1\n")
+    failed = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert failed.returncode == 1, failed.stderr
+    run_id = json.loads(subprocess.run([*HETFLOW, "status", "--json"], cwd=tmp_path, capture_output=True,
+                                       text=True, timeout=60).stdout)["id"]
+    theirs = tmp_path / "theirs.py"
+    theirs.write_text(f"open({str(tmp_path / 'PWNED')!r}, 'w').write('ran as you')\n")
+    store = sqlite3.connect(tmp_path / ".hetflow" / "hetflow.db")
+    for owner, mode in ((4242, 0o644), (os.geteuid(), 0o666)):
+        os.chown(theirs, owner, owner)
+        theirs.chmod(mode)
+        with store:
+            store.execute("update runs set script = ? where id = ?", (str(theirs), run_id))
+        resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress"], cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=300)
+        assert resumed.returncode == 2, (resumed.stdout, resumed.stderr)
+        assert f"refusing to execute its recorded script {theirs}" in resumed.stderr, resumed.stderr
+        assert len(resumed.stderr.strip().splitlines()) == 1, resumed.stderr
+        assert not (tmp_path / "PWNED").exists()
+    (tmp_path / "shared.py").write_text(SHARED)
+    with store:
+        store.execute("update runs set script = ? where id = ?", (str(tmp_path / "shared.py"), run_id))
+    store.close()
+    resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
