@@ -567,3 +567,31 @@ def test_resume_never_executes_a_script_another_user_could_have_written(tmp_path
     resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress"], cwd=tmp_path, capture_output=True,
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another user is made with chown, which needs root")
+def test_a_run_refuses_a_work_directory_another_user_can_replace_things_in(tmp_path: Path) -> None:
+    """Before, a run used a work directory another user owned (a colleague made ./.hetflow first, 0777 as a
+    courtesy), or one others could write: whoever can rename its entries can put a state store and runs/ of
+    theirs in place of yours, whose records the next run reuses as its cached results.  Now the run is
+    refused in one line before it starts, the directory left as it was; status still reads it."""
+    (tmp_path / "shared.py").write_text(SHARED)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "0.csv").write_text("x\n1\n")
+    workdir = tmp_path / ".hetflow"
+    workdir.mkdir()
+    for owner, mode, problem in ((4242, 0o755, f"belongs to uid 4242, not to you (uid {os.geteuid()})"),
+                                 (os.geteuid(), 0o777, "has mode 0777, which lets others write it")):
+        os.chown(workdir, owner, owner)
+        workdir.chmod(mode)
+        done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert done.stderr == (f"hetflow: error: pipeline 'shared': work directory {workdir} {problem}: another user "
+                               "could replace its state store and runs with theirs; run in a work directory of "
+                               "your own (--workdir)\n")
+        assert not (workdir / "runs").exists() and workdir.stat().st_mode & 0o777 == mode
+    workdir.chmod(0o700)
+    done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
