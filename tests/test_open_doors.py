@@ -591,7 +591,13 @@ def test_a_run_refuses_a_work_directory_another_user_can_replace_things_in(tmp_p
                                "could replace its state store and runs with theirs; run in a work directory of "
                                "your own (--workdir)\n")
         assert not (workdir / "runs").exists() and workdir.stat().st_mode & 0o777 == mode
-    workdir.chmod(0o700)
+    (workdir / "runs").mkdir()  # sticky (a fresh tmpfs): others cannot rename ours, but may make theirs first
+    os.chown(workdir / "runs", 4242, 4242)
+    workdir.chmod(0o1777)
+    done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and f"{workdir} holds runs of uid 4242, not yours" in done.stderr, done.stderr
+    (workdir / "runs").rmdir()
     done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
