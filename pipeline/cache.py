@@ -17,7 +17,10 @@ nothing else (docs/caching.md):
 
 A candidate is reused only when every partition file of every output is there
 with its size (and its checksum, when the output is small enough to check
-cheaply); a damaged one is passed over with a warning naming the file.
+cheaply); a damaged one is passed over with a warning naming the file.  On a
+file system, only outputs whose directory and files are this user's are reused
+(:func:`foreign`): a store that users share records their runs too, and any of
+them could record a run of your key whose "outputs" are files of theirs.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hetflow.operators import dataset as ds
+from hetflow.operators.location import is_object_store
 from sqlalchemy import select
 
 from . import __version__
@@ -100,8 +106,35 @@ def params_match(read: Sequence[str] | None, then: Mapping[str, Any], now: Mappi
 
 def damage(record: DatasetRecord) -> str | None:
     """Why the committed dataset ``record`` cannot be served as it is, or ``None`` if it is intact
-    (:func:`hetflow.operators.dataset.damage`: on a file system or an object store alike)."""
-    return ds.damage(record.path, fingerprint=record.fingerprint, checksum_up_to=CHECKSUM_BYTES)
+    (:func:`hetflow.operators.dataset.damage`: on a file system or an object store alike), and this user's
+    (:func:`foreign`)."""
+    return foreign(record.path) or ds.damage(record.path, fingerprint=record.fingerprint,
+                                             checksum_up_to=CHECKSUM_BYTES)
+
+
+def foreign(path: str) -> str | None:
+    """Why the file-system dataset at ``path`` is not this user's to reuse (its directory or a file in it
+    belongs to another user), or ``None``.  Decision: the cache serves only what this user's own runs
+    wrote.  In a store that several users share, anyone can record a run under your stage's key (the keys
+    are in the store) whose outputs are files of theirs; served, your pipeline would go on from their
+    data as if your stage had made it.  An object store's datasets are reached with your credentials,
+    and are not checked here."""
+    if is_object_store(path):
+        return None
+    me = os.geteuid()
+    directory = Path(path)
+    try:
+        entries = [directory, *directory.iterdir()]
+    except OSError:
+        return None  # missing or unreadable: ds.damage says which
+    for entry in entries:
+        try:
+            owner = os.lstat(entry).st_uid
+        except OSError:
+            continue
+        if owner != me:
+            return f"{entry} belongs to another user (uid {owner}): only your own runs' outputs are reused"
+    return None
 
 
 def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[str, Any],

@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no live progress display")
     run.add_argument("--run-id", help="the run's id: a new run gets it, an existing run of that id is resumed "
                                       "(hetflow submit chooses it)")
+    run.add_argument("--submitted", type=Path, help=argparse.SUPPRESS)  # hetflow submit's note (submit.check_unchanged)
     _store_args(run)
 
     submit = sub.add_parser("submit", help="write a Slurm batch script that runs a pipeline script, and sbatch it")
@@ -281,6 +282,35 @@ def _run_script(script: str, options: RunOptions, args: argparse.Namespace | Non
     for status in runs:
         _print_summary(status, args, since=began)
     return EXIT_OK if runs and all(r.ok for r in runs) else EXIT_FAILED
+
+
+def _check_recorded_script(script: str, run_id: str) -> None:
+    """Refuse (:class:`~hetflow.errors.UnsafeScript`) to execute the script run ``run_id`` records unless it is
+    this user's (or root's) and others may not write it (group-writable is allowed: with a user's private
+    group, umask 002 makes every file so).
+
+    Decision: ``hetflow resume`` executes the file the store names, and a store that users share (a
+    PostgreSQL server) is written by all of them: one of them could name a script of theirs in your run's
+    record, and resuming would run their code as you, as unpickling a file of theirs would
+    (:func:`hetflow.tasks.shipping.read_checked`).  A script you typed yourself (``hetflow run``) is not
+    checked; one the store names must be one only you (or the system) could have written."""
+    import stat
+
+    from .errors import UnsafeScript
+
+    try:
+        info = os.stat(script)
+    except OSError as exc:
+        raise UnsafeScript(f"run {run_id}: its script {script} cannot be read ({exc.strerror}); "
+                           f"run it again with hetflow run") from None
+    problems = []
+    if info.st_uid not in (os.geteuid(), 0):
+        problems.append(f"it is owned by uid {info.st_uid}, not by you (uid {os.geteuid()})")
+    if info.st_mode & stat.S_IWOTH:
+        problems.append(f"its mode {stat.S_IMODE(info.st_mode):04o} lets others write it")
+    if problems:
+        raise UnsafeScript(f"run {run_id}: refusing to execute its recorded script {script}: {'; '.join(problems)} "
+                           "(another user may have written it or the store's record of it)")
 
 
 def _resume_recorded(record: Any, args: argparse.Namespace) -> int:
@@ -786,6 +816,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from .submit import check_run_id
 
                 check_run_id(args.run_id)
+                if args.submitted is not None:
+                    from .submit import check_unchanged
+
+                    check_unchanged(args.submitted, args.run_id, _workdir(args), args.db)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, param_text=dict(args.param), db=args.db,
                                  data_dir=args.data_dir,
                                  backend=args.backend, progress=False if args.no_progress else None,
@@ -799,6 +833,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = store.resolve_run(args.run)
             if not record.script:
                 return _resume_recorded(record, args)
+            _check_recorded_script(record.script, record.id)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  data_dir=args.data_dir,
                                  run_id=record.id, progress=False if args.no_progress else None,

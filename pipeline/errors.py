@@ -35,6 +35,10 @@ class UnknownRun(HetflowError, LookupError):
     """No run with that id in the state store."""
 
 
+class UnsafeScript(HetflowError, PermissionError):
+    """A run's recorded script that ``hetflow resume`` will not execute: another user may have written it."""
+
+
 def batch_resume_command() -> str | None:
     """``sbatch BATCH`` inside a job ``hetflow submit`` made (its script exports ``HETFLOW_RESUME_BATCH``):
     ``hetflow resume`` on a login node would use the script's own pilot.  ``None`` elsewhere."""

@@ -244,11 +244,19 @@ def collect_garbage(store: Store, runs_dir: Path | None, *, dry_run: bool = Fals
     Kept: every DONE run, every running run, the latest run of each pipeline whatever its state
     (the one to resume), and every dataset a kept run uses.  ``grace``: seconds a leftover directory or
     object is left alone (default :data:`ORPHAN_GRACE` for directories, :data:`OBJECT_GRACE` for objects).
+
+    Decision: with ``runs_dir`` (the work directory's ``runs/``), only the runs whose directory is there are
+    candidates, and "latest" is among them.  A store that work directories share (a team's PostgreSQL
+    server, one ``HETFLOW_DB`` for scratch and home) holds other directories' runs: a newer run of the same
+    pipeline elsewhere, another user's, must not make this one's latest failure (the one to resume) go,
+    nor may this ``gc`` remove a run it does not hold; each is collected from its own work directory.
     """
     store.reconcile_dead_runs()
     with store.session() as session:
-        runs = list(session.execute(select(RunRecord.id, RunRecord.pipeline, RunRecord.state)
-                                    .order_by(RunRecord.created)))
+        runs = [(run_id, pipeline, state) for run_id, pipeline, state, run_dir in session.execute(
+                    select(RunRecord.id, RunRecord.pipeline, RunRecord.state, RunRecord.run_dir)
+                    .order_by(RunRecord.created))
+                if runs_dir is None or _inside(os.path.realpath(run_dir), os.path.realpath(runs_dir))]
     latest = {pipeline: run_id for run_id, pipeline, _ in runs}
     doomed = [run_id for run_id, pipeline, state in runs if state in RESUMABLE and latest[pipeline] != run_id]
     result = remove_runs(store, doomed, dry_run=dry_run) if doomed else Removal()

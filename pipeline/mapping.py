@@ -184,7 +184,9 @@ def shared(values: dict[str, Any], *keys: str) -> dict[str, Any]:
 
 
 def _intact(item: Item) -> bool:
-    """Every partition file of the item is there, a regular file of its size and checksum."""
+    """Every partition file of the item is there, a regular file of this user's (another user may record items
+    of your keys in a shared store: :func:`hetflow.cache.foreign`) of its size and checksum."""
+    me = os.geteuid()
     for name, parts in item.outputs.items():
         for part in parts:
             path = os.path.join(item.directory, name, part["file"])
@@ -192,7 +194,7 @@ def _intact(item: Item) -> bool:
                 info = os.lstat(path)
             except OSError:
                 return False
-            if not stat.S_ISREG(info.st_mode) or info.st_size != part["bytes"]:
+            if not stat.S_ISREG(info.st_mode) or info.st_size != part["bytes"] or info.st_uid != me:
                 return False
             crc = 0
             with open(path, "rb", buffering=0) as fh:

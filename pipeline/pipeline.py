@@ -107,6 +107,38 @@ class Declared(BaseException):
 _overrides: list[tuple[RunOptions, list[RunStatus], list[RunHandle]]] = []
 
 
+def _check_own_workdir(pipeline: str, root: Path) -> None:
+    """Refuse (:class:`PipelineError`) to run in a work directory that is another user's (root's excepted) or
+    that others may write.
+
+    Decision: whoever can rename entries of the work directory can put a state store and ``runs/`` of theirs
+    in place of yours, and the next run would reuse, as its cached results, what they recorded there.  A
+    directory hetflow makes is 0700 and yours; one made otherwise is never chmod-ed, only refused.
+    Group-writable is allowed (a user's private group makes every directory so under umask 002), and so is a
+    sticky one others may write (1777, a fresh tmpfs) as long as its state store and ``runs/`` are yours.
+    Reading such a directory (``status``, ``runs``) is not refused."""
+    import stat
+
+    info = os.stat(root)
+    problems = []
+    if info.st_uid not in (os.geteuid(), 0):
+        problems.append(f"belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})")
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        problems.append(f"has mode {stat.S_IMODE(info.st_mode):04o}, which lets others write it")
+    elif info.st_mode & stat.S_IWOTH:  # sticky (1777, a fresh tmpfs): others cannot rename ours, but may make theirs
+        for name in ("hetflow.db", "runs"):
+            try:
+                owner = os.lstat(root / name).st_uid
+            except OSError:
+                continue
+            if owner != os.geteuid():
+                problems.append(f"holds {name} of uid {owner}, not yours (uid {os.geteuid()})")
+    if problems:
+        raise PipelineError(f"pipeline {pipeline!r}: work directory {root} {' and '.join(problems)}: another user "
+                            "could replace its state store and runs with theirs; run in a work directory of your "
+                            "own (--workdir)")
+
+
 @contextmanager
 def run_options(options: RunOptions) -> Iterator[list[RunStatus]]:
     """Apply ``options`` to every ``Pipeline.run()`` inside the block; yields the list of runs made."""
@@ -458,6 +490,7 @@ class Pipeline:
         except OSError as exc:
             raise PipelineError(f"pipeline {self.name!r}: work directory {root} is not usable: "
                                 f"{exc.strerror or exc}") from None
+        _check_own_workdir(self.name, root)
         store = Store.for_workdir(root, options.db or db or self.db)
         given = store_argv(typed.workdir or workdir or self.workdir, typed.db or db or self.db)  # as typed
         resume_id = options.run_id or run_id

@@ -24,6 +24,8 @@ starts there.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import runpy
@@ -60,6 +62,10 @@ class ScriptError(SubmitError):
     """The pipeline script fails before it reaches its run (a SyntaxError, an exception at its top level)."""
 
 
+class ChangedInQueue(SubmitError):
+    """The job would start its run from a script or pilot config that changed after ``hetflow submit`` checked it."""
+
+
 @dataclass(frozen=True)
 class Submitted:
     job_id: str
@@ -84,10 +90,13 @@ def check_run_id(run_id: str) -> str:
 
 
 def job_command(script: Path, *, pilot: str, run_id: str, workdir: Path, db: str | None,
-                params: Sequence[str], data_dir: str | None = None) -> list[str]:
-    """The ``hetflow run`` argv the job executes (this Python, so the same installation runs it)."""
+                params: Sequence[str], data_dir: str | None = None, checked: Path | None = None) -> list[str]:
+    """The ``hetflow run`` argv the job executes (this Python, so the same installation runs it).
+    ``checked``: the note of what was checked (:func:`write_checked`), compared when the job starts the run."""
     argv = [sys.executable, "-m", "hetflow.cli", "run", str(script), "--pilot", pilot, "--backend", "slurm",
             "--run-id", run_id, "--workdir", str(workdir), "--no-progress"]
+    if checked is not None:
+        argv += ["--submitted", str(checked)]
     if db is not None:
         argv += ["--db", db]
     if data_dir is not None:
@@ -95,6 +104,53 @@ def job_command(script: Path, *, pilot: str, run_id: str, workdir: Path, db: str
     for param in params:  # KEY=VALUE as the user typed it: the job parses it as hetflow run does
         argv += ["--param", param]
     return argv
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def write_checked(note: Path, script: Path, pilot: str) -> None:
+    """Note the digests of the script and of the pilot config file (``pilot``, when it names a file rather
+    than a shipped config) as ``hetflow submit`` checked them, for :func:`check_unchanged` in the job."""
+    files = {"script": str(script)}
+    if Path(pilot).is_file():
+        files["pilot"] = pilot
+    data = {"submitted": time.time(), "files": {what: [path, _digest(Path(path))] for what, path in files.items()}}
+    fd = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(data, out)
+
+
+def check_unchanged(note: Path, run_id: str, workdir: Path, db: str | None) -> None:
+    """In the job, before the script runs: raise :class:`ChangedInQueue` when run ``run_id`` does not exist
+    yet and the script or pilot config differs from what ``hetflow submit`` checked (``note``).
+
+    Decision: a job waits in the queue, and the files it reads are read when it starts.  A user who edits
+    the script (or the config) and submits again would otherwise get two jobs that both run the last
+    version, each reported as the run that was submitted; so a job starts its run only from what was
+    checked, and says what changed.  Once the run exists (a requeued job, a chained successor, the batch
+    script run again after fixing a failure) it is resumed from the files as they are then, as
+    ``hetflow resume`` would; the modules the script imports are read when the job runs."""
+    from .store import Store
+
+    if Store.for_workdir(workdir, db).find_run(run_id) is not None:
+        return
+    try:
+        data = json.loads(note.read_text())
+        files = {what: (str(path), digest) for what, (path, digest) in data["files"].items()}
+        submitted = float(data["submitted"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ChangedInQueue(f"run {run_id}: cannot read what hetflow submit checked ({note}: {exc}); "
+                             "submit the script again") from None
+    for what, (path, digest) in sorted(files.items()):
+        if _digest(Path(path)) != digest:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted))
+            raise ChangedInQueue(f"run {run_id}: the {what} {path} changed after hetflow submit checked it "
+                                 f"({when}): this job runs nothing; submit it again")
 
 
 def successor_command(run_id: str, batch: Path, *, workdir: Path, db: str | None) -> list[str]:
@@ -267,8 +323,10 @@ def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db:
     folder = workdir / "submit"
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     log = folder / f"{run_id}-%j.out"
+    checked = folder / f"{run_id}.checked.json"
+    write_checked(checked, path, pilot_arg)
     command = job_command(path, pilot=pilot_arg, run_id=run_id, workdir=workdir, db=db, params=params,
-                          data_dir=data_dir)
+                          data_dir=data_dir, checked=checked)
     batch = folder / f"{run_id}.sbatch"
     text = batch_script(description, command, job_name=f"hetflow-{run_id}"[:128], output=log, chdir=start,
                         successor=successor_command(run_id, batch, workdir=workdir, db=db), chain=chain,
@@ -280,6 +338,7 @@ def submit(script: str, *, pilot: str, params: Sequence[str], workdir: Path, db:
         job_id = _sbatch(sbatch_argv(batch), batch)
     except SubmitRefused:
         batch.unlink()  # no script lies beside the logs for a job that does not exist
+        checked.unlink()
         raise
     return Submitted(job_id=job_id, run_id=run_id, script=batch, log=log)
 

@@ -21,8 +21,10 @@ child too.  While the imports run, the server's standard streams are its log
 and ``/dev/null`` (never the protocol's pipes) and it sees the environment of
 a rank without GPUs.  An import that fails is left to the child, which meets
 it.  An import that leaves a thread running (a forked child would get a copy
-of its locks but not the thread) makes the server replace itself, by ``exec``
-with the same pid, pipes and children, with one that loads no such imports.
+of its locks but not the thread), or a file, socket or pipe open (children
+would share its offset or connection: one would read what another left), makes
+the server replace itself, by ``exec`` with the same pid, pipes and children,
+with one that loads no such imports.
 
 A rank on several cores is forked as one on a single core is; the worker pins
 it to its cores and sets its thread-count variables as in a cold rank, and the
@@ -93,6 +95,7 @@ import math
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -300,6 +303,26 @@ def _threads() -> int:
         return threading.active_count()
 
 
+def _shared_files() -> set[tuple[int, int, int]]:
+    """This process's descriptors that a forked child would share with the server and its other children:
+    regular files (one file offset for all), sockets and pipes (one connection, one stream), each as
+    ``(fd, device, inode)``.  Terminals, character devices (``/dev/null``, ``/dev/urandom``) and
+    directories carry no state a child could take from another."""
+    found = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            info = os.fstat(int(name))
+        except (OSError, ValueError):
+            continue  # the listing's own descriptor, closed by now
+        if stat.S_ISREG(info.st_mode) or stat.S_ISSOCK(info.st_mode) or stat.S_ISFIFO(info.st_mode):
+            found.add((int(name), info.st_dev, info.st_ino))
+    return found
+
+
 def installed_imports(source: bytes) -> list[str]:
     """The modules a script (or module) imports at its top level (``import a.b``, ``from a.b import c``,
     also inside ``if``/``try``/``with`` blocks) that are installed packages (in a ``site-packages``
@@ -373,6 +396,7 @@ def _preload_stage(job: Job) -> bool:
 
         prepare(path, source)  # parsed and compiled once here, executed by each task
     before = _threads()  # pyarrow's own (its allocator's): there before the server forked anything
+    files_before = _shared_files()
     saved_env, saved_fds = dict(os.environ), (os.dup(0), os.dup(1))
     for vendor in GPU_VENDORS:  # as a rank without GPUs sees it: nothing initialises a GPU before a fork
         os.environ.update({name: "" for name in VISIBLE_DEVICES[vendor]})
@@ -427,6 +451,12 @@ def _preload_stage(job: Job) -> bool:
     if threads > 0:
         print(f"hetflow fork server: the imports of {path or spec.function.module} left {threads} thread(s) "
               "running; forking from it is not safe, the server restarts without loading them", file=sys.stderr)
+        return False
+    opened = sorted(fd for fd, *_ in _shared_files() - files_before)
+    if opened:
+        print(f"hetflow fork server: the imports of {path or spec.function.module} left {len(opened)} file(s), "
+              f"socket(s) or pipe(s) open (descriptors {', '.join(map(str, opened))}); forked tasks would share "
+              "their offsets and connections, the server restarts without loading them", file=sys.stderr)
         return False
     return True
 

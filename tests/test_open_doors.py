@@ -475,3 +475,129 @@ def test_logs_and_serve_read_a_runs_files_only_when_they_are_regular_files(hosti
             if path.is_symlink() or path.exists():
                 path.unlink()
         log.write_bytes(kept)
+
+
+SHARED = textwrap.dedent('''
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import hetflow as hf
+
+    pipe = hf.Pipeline("shared")
+
+
+    @pipe.stage(files=["data/*.csv"], map_over="files", outputs=["rows"])
+    def rows(ctx):
+        return {"rows": pcsv.read_csv(ctx.item)}
+
+
+    @pipe.stage(inputs=["rows"], outputs=["total"])
+    def total(ctx, rows):
+        return {"total": pa.table({"sum": [sum(rows["x"].to_pylist())]})}
+
+
+    if __name__ == "__main__":
+        pipe.run()
+''')
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="files of another user are made with chown, which needs root")
+def test_the_cache_never_serves_another_users_files_from_a_shared_store(tmp_path: Path) -> None:
+    """Before, the cache served any run the store recorded under the stage's key: in a store users share,
+    another user can record a run of your keys (they are in the store) whose outputs are files of theirs,
+    and your stages went on from their data as CACHED.  Here the other user's run is one made in another
+    work directory, its outputs then given to uid 4242: nothing of it is reused, every stage and item runs."""
+    db = ["--db", f"sqlite:///{tmp_path / 'team.db'}"]
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    for where in (theirs, mine):
+        (where / "data").mkdir(parents=True)
+        (where / "shared.py").write_text(SHARED)
+        for i in range(2):
+            (where / "data" / f"{i}.csv").write_text(f"x\n{i + 1}\n")
+    made = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress", *db], cwd=theirs, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    for path in [theirs / ".hetflow" / "runs", *(theirs / ".hetflow" / "runs").rglob("*")]:
+        os.lchown(path, 4242, 4242)
+    done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress", *db], cwd=mine, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    status = json.loads(subprocess.run([*HETFLOW, "status", "--json", *db], cwd=mine, capture_output=True,
+                                       text=True, timeout=60).stdout)
+    assert status["run_dir"].startswith(str(mine)), status["run_dir"]
+    states = {stage["name"]: stage["state"] for stage in status["stages"]}
+    assert states == {"rows": "DONE", "total": "DONE"}, (states, done.stdout)
+    assert "belongs to another user (uid 4242)" in done.stdout, done.stdout
+    assert "map 2 items: 0 cached, 2 ran" in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user is made with chown, which needs root")
+def test_resume_never_executes_a_script_another_user_could_have_written(tmp_path: Path) -> None:
+    """Before, ``hetflow resume RUN`` executed whatever file the run's record named: anyone who can write a
+    shared store could name a script of theirs in your run's record, and your resume ran their code as you.
+    Now a recorded script owned by another user (or writable by others) is refused in one line, and the run,
+    its record restored, still resumes."""
+    import sqlite3
+
+    (tmp_path / "shared.py").write_text(SHARED.replace('sum(rows["x"].to_pylist())', "1 / 0"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "0.csv").write_text("x\n1\n")
+    failed = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert failed.returncode == 1, failed.stderr
+    run_id = json.loads(subprocess.run([*HETFLOW, "status", "--json"], cwd=tmp_path, capture_output=True,
+                                       text=True, timeout=60).stdout)["id"]
+    theirs = tmp_path / "theirs.py"
+    theirs.write_text(f"open({str(tmp_path / 'PWNED')!r}, 'w').write('ran as you')\n")
+    store = sqlite3.connect(tmp_path / ".hetflow" / "hetflow.db")
+    for owner, mode in ((4242, 0o644), (os.geteuid(), 0o666)):
+        os.chown(theirs, owner, owner)
+        theirs.chmod(mode)
+        with store:
+            store.execute("update runs set script = ? where id = ?", (str(theirs), run_id))
+        resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress"], cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=300)
+        assert resumed.returncode == 2, (resumed.stdout, resumed.stderr)
+        assert f"refusing to execute its recorded script {theirs}" in resumed.stderr, resumed.stderr
+        assert len(resumed.stderr.strip().splitlines()) == 1, resumed.stderr
+        assert not (tmp_path / "PWNED").exists()
+    (tmp_path / "shared.py").write_text(SHARED)
+    with store:
+        store.execute("update runs set script = ? where id = ?", (str(tmp_path / "shared.py"), run_id))
+    store.close()
+    resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another user is made with chown, which needs root")
+def test_a_run_refuses_a_work_directory_another_user_can_replace_things_in(tmp_path: Path) -> None:
+    """Before, a run used a work directory another user owned (a colleague made ./.hetflow first, 0777 as a
+    courtesy), or one others could write: whoever can rename its entries can put a state store and runs/ of
+    theirs in place of yours, whose records the next run reuses as its cached results.  Now the run is
+    refused in one line before it starts, the directory left as it was; status still reads it."""
+    (tmp_path / "shared.py").write_text(SHARED)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "0.csv").write_text("x\n1\n")
+    workdir = tmp_path / ".hetflow"
+    workdir.mkdir()
+    for owner, mode, problem in ((4242, 0o755, f"belongs to uid 4242, not to you (uid {os.geteuid()})"),
+                                 (os.geteuid(), 0o777, "has mode 0777, which lets others write it")):
+        os.chown(workdir, owner, owner)
+        workdir.chmod(mode)
+        done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert done.stderr == (f"hetflow: error: pipeline 'shared': work directory {workdir} {problem}: another user "
+                               "could replace its state store and runs with theirs; run in a work directory of "
+                               "your own (--workdir)\n")
+        assert not (workdir / "runs").exists() and workdir.stat().st_mode & 0o777 == mode
+    (workdir / "runs").mkdir()  # sticky (a fresh tmpfs): others cannot rename ours, but may make theirs first
+    os.chown(workdir / "runs", 4242, 4242)
+    workdir.chmod(0o1777)
+    done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and f"{workdir} holds runs of uid 4242, not yours" in done.stderr, done.stderr
+    (workdir / "runs").rmdir()
+    done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

@@ -407,3 +407,39 @@ def test_a_damaged_state_store_is_one_line(tmp_path: Path, damage: bytes) -> Non
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stderr.startswith("hetflow: error: cannot read the state store sqlite:///"), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def done_id(cwd: Path, store: list[str]) -> str:
+    (run,) = json.loads(hetflow_cmd("runs", "--json", "--state", "DONE", *store, cwd=cwd).stdout)
+    return str(run["id"])
+
+
+def test_gc_in_one_work_directory_leaves_the_runs_of_another_that_shares_its_store(tmp_path: Path) -> None:
+    """Before, ``gc`` took every run of the store as its own: in a store two work directories share (a team's
+    PostgreSQL server, one ``HETFLOW_DB``), A's newer run of the same pipeline made B's latest failure "not
+    the latest", and A's ``gc`` removed its record and its directory in B's work directory: B could not resume."""
+    db = ["--db", f"sqlite:///{tmp_path / 'team.db'}"]
+    mine, theirs = tmp_path / "A", tmp_path / "B"
+    mine.mkdir()
+    theirs.mkdir()
+    (theirs / "chain.py").write_text(SCRIPT.replace("FACTOR", "(1 / 0)"))
+    failures = [hetflow_cmd("run", "chain.py", "--no-progress", *db, cwd=theirs) for _ in range(2)]
+    assert [f.returncode for f in failures] == [1, 1], failures[-1].stderr
+    write_script(mine)
+    done = hetflow_cmd("run", "chain.py", "--no-progress", *db, cwd=mine)
+    assert done.returncode == 0, done.stderr
+    old, latest, _ = json.loads(hetflow_cmd("runs", "--json", *db, cwd=mine).stdout)
+
+    collected = hetflow_cmd("gc", *db, cwd=mine)
+    assert collected.returncode == 0 and collected.stdout.strip() == "nothing to remove", collected.stdout
+    assert len(json.loads(hetflow_cmd("runs", "--json", *db, cwd=mine).stdout)) == 3
+    assert Path(old["run_dir"]).is_dir() and Path(latest["run_dir"]).is_dir()
+
+    collected = hetflow_cmd("gc", *db, cwd=theirs)  # B's own gc: its older failure goes, its latest stays
+    assert collected.returncode == 0 and f"removed run {old['id']}" in collected.stdout, collected.stdout
+    assert [r["id"] for r in json.loads(hetflow_cmd("runs", "--json", *db, cwd=theirs).stdout)] == \
+        [latest["id"], done_id(mine, db)]
+    write_script(theirs)
+    resumed = hetflow_cmd("resume", latest["id"], "--no-progress", *db, cwd=theirs)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(hetflow_cmd("status", latest["id"], "--json", *db, cwd=theirs).stdout)["state"] == "DONE"

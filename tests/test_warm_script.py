@@ -316,3 +316,65 @@ def test_a_run_interrupted_while_the_server_blocks_in_an_import_leaves_no_proces
                 proc.kill()
         if run.poll() is None:
             run.kill()
+
+
+FILEPKG = """
+import os
+import socket
+HERE = os.path.dirname(__file__)
+with open(os.path.join(HERE, "table.txt"), "w") as fh:
+    fh.write("0123456789" * 10)
+TABLE = open(os.path.join(HERE, "table.txt"))  # read lazily, as a package holding a lookup table open does
+RAW = os.open(os.path.join(HERE, "table.txt"), os.O_RDONLY)
+LINK, PEER = socket.socketpair()  # a connection made at import (a database client, a message queue)
+"""
+
+USES_FILEPKG = HEAD + '''
+import filepkg
+
+
+def take():
+    filepkg.PEER.sendall(b"x" * 3)
+    got = filepkg.LINK.recv(100, socket.MSG_DONTWAIT)
+    return pa.table({"text": [len(filepkg.TABLE.read())], "raw": [len(os.read(filepkg.RAW, 1000))],
+                     "link": [len(got)]})
+
+
+@pipe.stage(outputs=["a"])
+def first(ctx):
+    return {"a": take()}
+
+
+@pipe.stage(outputs=["b"])
+def second(ctx):
+    taken = take()
+    filepkg.PEER.sendall(b"y" * 5)  # left unread: a shared connection would hand it to the next task
+    return {"b": taken}
+
+
+@pipe.stage(inputs=["a", "b"], outputs=["c"])
+def third(ctx, a, b):
+    return {"c": take()}
+
+
+if __name__ == "__main__":
+    run = pipe.run(progress=False, check=False)
+    print("STATE", run.state)
+    print("ERROR", run.stage("first").error, run.stage("second").error)
+'''
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_files_and_connections_an_installed_import_opens_are_each_warm_stages_own(tmp_path: Path,
+                                                                                    cold: bool) -> None:
+    """Before, the server imported the package once and forked every stage from it: the stages shared one
+    file offset (the second stage read 0 bytes of the file the first had read to its end, and stored that)
+    and one connection (a stage received what another had sent).  Cold, each rank opens its own."""
+    script = textwrap.dedent(USES_FILEPKG).replace("import os\n", "import os\nimport socket\n", 1)
+    done, run_dir = _run(tmp_path, cold=cold, script=script, env=_package(tmp_path, "filepkg", FILEPKG))
+    assert "STATE DONE" in done.stdout, done.stdout + done.stderr
+    for name in ("a", "b", "c"):
+        assert _row(run_dir, name) == {"text": 100, "raw": 100, "link": 3}, (name, _row(run_dir, name))
+    if not cold:
+        log = (run_dir / "forkserver.log").read_text()
+        assert "left 4 file(s), socket(s) or pipe(s) open" in log and "restarts without loading them" in log, log

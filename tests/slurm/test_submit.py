@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -235,4 +236,62 @@ def test_submit_from_where_it_was_typed_though_the_script_changes_directory(slur
     log = (tmp_path / ".hetflow" / "submit" / f"{run_id}-{job_id}.out").read_text()
     assert state == "DONE", log
     assert list((tmp_path / "data").iterdir()) == []                       # nothing went where the script moved
+    assert _leftovers(str(tmp_path)) == []
+
+
+def _held_submit(tmp_path: Path, env: dict[str, str]) -> tuple[str, str]:
+    """``hetflow submit p.py --pilot lab.yaml`` through an ``sbatch`` that holds the job (``--hold``): it waits
+    in the queue, as a job does on a busy machine, until :func:`_release_and_wait` releases it."""
+    out = subprocess.run([HETFLOW, "submit", "p.py", "--pilot", "lab.yaml"], cwd=tmp_path, env=env, check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0].split()
+    job_id, run_id = first[3].rstrip(":"), first[5]
+    assert _run(["squeue", "-h", "-j", job_id, "-o", "%T"], env).stdout.strip() == "PENDING"
+    return job_id, run_id
+
+
+def _release_and_wait(tmp_path: Path, env: dict[str, str], job_id: str, run_id: str) -> tuple[int, str]:
+    """Release the held job, wait until it has left the queue; ``hetflow status``'s exit code and the job's log."""
+    _run(["scontrol", "release", job_id], env)
+    deadline = time.monotonic() + 200
+    while _run(["squeue", "-h", "-j", job_id, "-o", "%T"], env).stdout.strip():
+        assert time.monotonic() < deadline, f"job {job_id} still queued"
+        time.sleep(1)
+    status = subprocess.run([HETFLOW, "status", run_id, "--json"], cwd=tmp_path, env=env, check=False,
+                            capture_output=True, text=True)
+    log = (tmp_path / ".hetflow" / "submit" / f"{run_id}-{job_id}.out").read_text()
+    return status.returncode, log
+
+
+@pytest.mark.timeout(600)
+def test_a_job_starts_its_run_only_from_the_script_and_config_submit_checked(slurm_env: dict[str, str],
+                                                                              tmp_path: Path) -> None:
+    """Before, a job read the script and the pilot config when it started: a user who edited them while the
+    job waited (to submit the next variant) had it run the edited script under the submitted run's id, and a
+    config edited after the check was read unchecked.  Now the job refuses, naming the file; unchanged, it runs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\nexec {shutil.which("sbatch", path=slurm_env["PATH"])} --hold "$@"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    env = dict(slurm_env, PATH=f"{bin_dir}:{slurm_env['PATH']}")
+    (tmp_path / "p.py").write_text(MOVES)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "lab.yaml").write_text("name: lab\nbackend: slurm\nnodes: 1\nwalltime: '00:05:00'\n")
+
+    job_id, run_id = _held_submit(tmp_path, env)
+    (tmp_path / "p.py").write_text((tmp_path / "p.py").read_text().replace('{"n": 1}', '{"n": 2}'))
+    code, log = _release_and_wait(tmp_path, env, job_id, run_id)
+    assert code == 2, log  # no such run: nothing ran
+    assert f"the script {tmp_path / 'p.py'} changed after hetflow submit checked it" in log, log
+
+    job_id, run_id = _held_submit(tmp_path, env)
+    (tmp_path / "lab.yaml").write_text("name: lab\nbackend: slurm\nnodes: 1\nwalltime: '00:50:00'\n")
+    code, log = _release_and_wait(tmp_path, env, job_id, run_id)
+    assert code == 2 and f"the pilot {tmp_path / 'lab.yaml'} changed after hetflow submit checked it" in log, log
+
+    job_id, run_id = _held_submit(tmp_path, env)
+    code, log = _release_and_wait(tmp_path, env, job_id, run_id)
+    assert code == 0 and "DONE" in log, log
+    _no_jobs_left(slurm_env)
     assert _leftovers(str(tmp_path)) == []
