@@ -16,7 +16,8 @@ on two whole nodes of the lab cluster that it asks Slurm for itself:
 
 ``start`` returns when the peer has run one task (its workers are up);
 ``run(n)`` submits ``n`` tasks at once and waits for every result;
-``close`` ends the peer and its Slurm job.  The function is passed in: it must
+``close`` ends the peer and its Slurm job.  RP's results are the same bytes as base64 text (its master
+decodes a function's result as UTF-8).  The function is passed in: it must
 be ``__main__``'s, which the engines ship by value.
 """
 
@@ -37,7 +38,7 @@ BIN = os.path.dirname(sys.executable)
 
 
 class ParslSlurm:
-    def __init__(self, run_dir: str, func: Callable[[int], bytes]) -> None:
+    def __init__(self, run_dir: str, func: Callable[..., Any]) -> None:
         import parsl
         from parsl.config import Config
         from parsl.executors import HighThroughputExecutor
@@ -67,7 +68,7 @@ class ParslSlurm:
 
 
 class DaskSlurm:
-    def __init__(self, run_dir: str, func: Callable[[int], bytes]) -> None:
+    def __init__(self, run_dir: str, func: Callable[..., Any]) -> None:
         from dask.distributed import Client
         from dask_jobqueue.slurm import SLURMCluster
 
@@ -94,7 +95,7 @@ class DaskSlurm:
 
 
 class RaptorSlurm:
-    def __init__(self, run_dir: str, func: Callable[[int], bytes]) -> None:
+    def __init__(self, run_dir: str, func: Callable[..., Any]) -> None:
         import radical.pilot as rp
 
         from hetflow.tasks.backends.radical import resource_config
@@ -140,7 +141,7 @@ class RaptorSlurm:
         for i in range(n):
             master = self.masters[i % len(self.masters)]
             tasks += master.submit_tasks([rp.TaskDescription({"mode": rp.TASK_FUNCTION,
-                                                              "function": rp.PythonTask(self.func, (i,), {})})])
+                                                              "function": rp.PythonTask(self.func, (i, True), {})})])
         self.tmgr.wait_tasks([t.uid for t in tasks])
         bad = [t for t in tasks if t.state != rp.DONE or len(t.return_value or b"") < 1000]
         if bad:
@@ -150,7 +151,7 @@ class RaptorSlurm:
         self.session.close(download=False)
 
 
-def peer(name: str, run_dir: str, func: Callable[[int], bytes]) -> Any:
+def peer(name: str, run_dir: str, func: Callable[..., Any]) -> Any:
     os.makedirs(run_dir, exist_ok=True)
     return {"parsl-slurm": ParslSlurm, "dask-slurm": DaskSlurm, "rp-raptor": RaptorSlurm}[name](run_dir, func)
 

@@ -58,8 +58,9 @@ SLURM_CONF in the environment), two whole nodes each:
 - the peers' native tasks (benchmarks/lab_peers.py), each asking Slurm for its
   own two-node job: ``parsl-slurm`` (``python_app``, HighThroughputExecutor,
   ``SlurmProvider`` with ``SrunLauncher``), ``dask-slurm`` (``client.submit``,
-  dask-jobqueue's ``SLURMCluster``), ``rp-raptor`` (RADICAL-Pilot Raptor
-  function tasks).
+  dask-jobqueue's ``SLURMCluster``), and, when named in ``--peers``, ``rp-raptor``
+  (RADICAL-Pilot Raptor function tasks; on the lab cluster its first task has not
+  completed within 300 s yet, its master and workers up: docs/benchmarks.md).
 
 A job's queueing and start are in the peers' and hetflow's end to end times
 alike; the ratios are against the best peer on each measure.
@@ -197,16 +198,20 @@ def peer_run(name: str, n: int, env: dict[str, str] | None = None) -> dict[str, 
                 "startup": marks["READY_AT"] - started}
 
 
-def table_bytes(i: int, rows: int = ROWS) -> bytes:
-    """The peers' task: the same 1 KB table, returned as Arrow IPC bytes (a result must travel back).
+def table_bytes(i: int, text: bool = False, rows: int = ROWS) -> bytes | str:
+    """The peers' task: the same 1 KB table, returned as Arrow IPC bytes (a result must travel back); ``text``:
+    as base64 text (RP's Raptor master decodes a function's result as UTF-8).
     Self-contained (``rows`` a default): Parsl ships a ``__main__`` function by value, without its globals."""
+    import base64
+
     import pyarrow as pa
 
     table = pa.table({"x": pa.array(range(rows), pa.int64())})
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
-    return bytes(sink.getvalue())
+    data = bytes(sink.getvalue())
+    return base64.b64encode(data).decode() if text else data
 
 
 class Parsl:
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--styles", help="default decorated,loop,torch; with --lab slurm,slurm-map")
-    parser.add_argument("--peers", help="default parsl,dask; with --lab parsl-slurm,dask-slurm,rp-raptor")
+    parser.add_argument("--peers", help="default parsl,dask; with --lab parsl-slurm,dask-slurm (rp-raptor: named)")
     parser.add_argument("--against", action="append", default=[], metavar="LABEL=DIR",
                         help="also run hetflow with DIR first on PYTHONPATH (another checkout's packages)")
     parser.add_argument("--bytecode", action="store_true",
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.environ.get("SLURM_CONF"):
             parser.error("--lab needs the lab cluster's SLURM_CONF: eval \"$(scripts/slurm-cluster.sh env)\"")
         args.styles = "slurm,slurm-map" if args.styles is None else args.styles
-        args.peers = ",".join(LAB_PEERS) if args.peers is None else args.peers
+        args.peers = "parsl-slurm,dask-slurm" if args.peers is None else args.peers
         if set(args.styles.split(",")) - set(LAB_STYLES) - {""} or set(args.peers.split(",")) - set(LAB_PEERS) - {""}:
             parser.error(f"--lab runs the styles {', '.join(LAB_STYLES)} and the peers {', '.join(LAB_PEERS)}")
     args.styles = "decorated,loop,torch" if args.styles is None else args.styles
