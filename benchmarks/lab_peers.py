@@ -28,8 +28,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 NODES = 2
 WORKERS_PER_NODE = os.cpu_count() or 2
@@ -97,7 +98,6 @@ class DaskSlurm:
 class RaptorSlurm:
     def __init__(self, run_dir: str, func: Callable[..., Any]) -> None:
         import radical.pilot as rp
-
         from hetflow.tasks.backends.radical import resource_config
         from hetflow.tasks.pilot import PilotDescription
 

@@ -51,7 +51,13 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ..errors import ConfigError, HetflowError
-from ..forkserver import ForkedTask, ForkServer, ForkServerGone, adopt_early, start_early
+from ..forkserver import (
+    ForkedTask,
+    ForkServer,
+    ForkServerGone,
+    adopt_early,
+    start_early,
+)
 from ..launchers.srun import SrunStep, failure_report, step_env
 from ..protocol import tail
 from ..slurm_allocation import Allocation, current_allocation, lost_nodes

@@ -103,7 +103,6 @@ def who(ctx):
     import os
     import pathlib
     import socket
-
     import time
 
     parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
