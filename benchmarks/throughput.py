@@ -59,8 +59,7 @@ SLURM_CONF in the environment), two whole nodes each:
   own two-node job: ``parsl-slurm`` (``python_app``, HighThroughputExecutor,
   ``SlurmProvider`` with ``SrunLauncher``), ``dask-slurm`` (``client.submit``,
   dask-jobqueue's ``SLURMCluster``), and, when named in ``--peers``, ``rp-raptor``
-  (RADICAL-Pilot Raptor function tasks; on the lab cluster its first task has not
-  completed within 300 s yet, its master and workers up: docs/benchmarks.md).
+  (RADICAL-Pilot Raptor function tasks; its pilot job alone takes about a minute to start).
 
 A job's queueing and start are in the peers' and hetflow's end to end times
 alike; the ratios are against the best peer on each measure.
