@@ -4,7 +4,7 @@
     python benchmarks/throughput.py --styles map --tasks 1000 --peers parsl --against main=/tmp/hfmain/lib
     python benchmarks/throughput.py --styles gpu,cores2 --tasks 40 --peers "" --against main=/tmp/hfmain/lib
     python benchmarks/throughput.py --quick          # CI size (a test runs it)
-    python benchmarks/throughput.py --lab [--tasks 100]   # backend slurm on the lab cluster
+    python benchmarks/throughput.py --lab [--tasks 200]   # backend slurm and the peers' native tasks, lab cluster
 
 Every system runs N independent trivial one-rank tasks, each making a 1 KB
 table (128 int64 values), on two workers (the 2-core machine):
@@ -52,12 +52,22 @@ each), as a user's machine does; without it the environment decides (this
 project's machine sets ``PYTHONDONTWRITEBYTECODE=1``, which makes every start
 compile hetflow's modules again).
 
-``--lab`` runs the loop-made script with a ``backend: slurm`` pilot inside
-``salloc -N2 --exclusive`` on the Slurm lab cluster (scripts/slurm-cluster.sh,
-its SLURM_CONF in the environment), twice per repeat, alternated: ``slurm``
-(one-rank stages forked by the per-node agents) and ``slurm-steps``
-(``options.slurm.warm_start: false``, one ``srun`` job step per stage, as
-before the agents); no peers (benchmarks/backends.py --lab --stages has them).
+``--lab`` runs on the Slurm lab cluster (scripts/slurm-cluster.sh, its
+SLURM_CONF in the environment), two whole nodes each:
+
+- ``hetflow slurm``: the loop-made script with a ``backend: slurm`` pilot in
+  ``salloc -N2 --exclusive`` (one-rank stages forked by the per-node agents);
+- ``hetflow slurm-map``: the map script, the same way (its items in runners the agents fork);
+- ``hetflow slurm-steps`` (only when named in ``--styles``): the loop script with
+  ``options.slurm.warm_start: false``, one ``srun`` job step per stage;
+- the peers' native tasks (benchmarks/lab_peers.py), each asking Slurm for its
+  own two-node job: ``parsl-slurm`` (``python_app``, HighThroughputExecutor,
+  ``SlurmProvider`` with ``SrunLauncher``), ``dask-slurm`` (``client.submit``,
+  dask-jobqueue's ``SLURMCluster``), and, when named in ``--peers``, ``rp-raptor``
+  (RADICAL-Pilot Raptor function tasks; its pilot job alone takes about a minute to start).
+
+A job's queueing and start are in the peers' and hetflow's end to end times
+alike; the ratios are against the best peer on each measure.
 
 ``--saturating N`` then runs the simulator's saturating workload scaled to this
 machine, N zero-length tasks, through the simulator and for real on the local
@@ -136,10 +146,13 @@ GPU_PILOT = ('hf.PilotDescription(name="two-cores-two-gpus", cores_per_node=2, g
 RESOURCES = {"gpu": ", gpus_per_rank=1", "cores2": ", cores_per_rank=2"}
 """The loop script's stage resources, by style (the others: one core, no GPU)."""
 LAB_PILOT = 'hf.PilotDescription(name="lab", backend="slurm", options={{"slurm": {{"warm_start": {warm}}}}})'
-LAB_STYLES = {"slurm": "True", "slurm-steps": "False"}
-"""The ``--lab`` styles: the loop script on backend slurm, with and without its agents."""
+LAB_STYLES = {"slurm": "True", "slurm-map": "True", "slurm-steps": "False"}
+"""The ``--lab`` styles: on backend slurm, the loop script with its agents (``slurm``) and without
+(``slurm-steps``), and the map script with its agents (``slurm-map``)."""
 STYLES = ("decorated", "loop", "torch", "map", *RESOURCES, *LAB_STYLES)
-PEERS = ("parsl", "dask")
+LAB_PEERS = ("parsl-slurm", "dask-slurm", "rp-raptor")
+"""The peers' native function tasks on the lab cluster (benchmarks/lab_peers.py)."""
+PEERS = ("parsl", "dask", *LAB_PEERS)
 
 
 def script(style: str, n: int) -> str:
@@ -148,7 +161,7 @@ def script(style: str, n: int) -> str:
     head = SCRIPT_HEAD.format(torch=TORCH if style == "torch" else "", pilot=pilot)
     if style == "decorated":
         body = "".join(DECORATED.format(i=i, rows=ROWS) for i in range(n))
-    elif style == "map":
+    elif style in ("map", "slurm-map"):
         body = MAP.format(n=n, rows=ROWS)
     else:
         body = LOOP.format(n=n, rows=ROWS, resources=RESOURCES.get(style, ""))
@@ -200,16 +213,20 @@ def peer_run(name: str, n: int, env: dict[str, str] | None = None) -> dict[str, 
                 "startup": marks["READY_AT"] - started}
 
 
-def table_bytes(i: int, rows: int = ROWS) -> bytes:
-    """The peers' task: the same 1 KB table, returned as Arrow IPC bytes (a result must travel back).
+def table_bytes(i: int, text: bool = False, rows: int = ROWS) -> bytes | str:
+    """The peers' task: the same 1 KB table, returned as Arrow IPC bytes (a result must travel back); ``text``:
+    as base64 text (RP's Raptor master decodes a function's result as UTF-8).
     Self-contained (``rows`` a default): Parsl ships a ``__main__`` function by value, without its globals."""
+    import base64
+
     import pyarrow as pa
 
     table = pa.table({"x": pa.array(range(rows), pa.int64())})
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
-    return bytes(sink.getvalue())
+    data = bytes(sink.getvalue())
+    return base64.b64encode(data).decode() if text else data
 
 
 class Parsl:
@@ -262,7 +279,13 @@ class Dask:
 
 def child(name: str, n: int) -> int:
     """A peer's whole run in this process: start it, one task to know its workers are up, then ``n``."""
-    peer: Parsl | Dask = (Parsl if name == "parsl" else Dask)(os.path.join(os.getcwd(), name))
+    run_dir = os.path.join(os.getcwd(), name)
+    if name in LAB_PEERS:
+        from lab_peers import peer as lab_peer  # beside this file
+
+        peer: Any = lab_peer(name, run_dir, table_bytes)
+    else:
+        peer = (Parsl if name == "parsl" else Dask)(run_dir)
     try:
         print("READY_AT", time.time(), flush=True)
         started = time.perf_counter()
@@ -287,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--styles", default="decorated,loop,torch")
-    parser.add_argument("--peers", default="parsl,dask")
+    parser.add_argument("--styles", help="default decorated,loop,torch; with --lab slurm,slurm-map")
+    parser.add_argument("--peers", help="default parsl,dask; with --lab parsl-slurm,dask-slurm (rp-raptor: named)")
     parser.add_argument("--against", action="append", default=[], metavar="LABEL=DIR",
                         help="also run hetflow with DIR first on PYTHONPATH (another checkout's packages)")
     parser.add_argument("--bytecode", action="store_true",
@@ -305,7 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.lab:
         if not os.environ.get("SLURM_CONF"):
             parser.error("--lab needs the lab cluster's SLURM_CONF: eval \"$(scripts/slurm-cluster.sh env)\"")
-        args.styles, args.peers = ",".join(LAB_STYLES), ""
+        args.styles = "slurm,slurm-map" if args.styles is None else args.styles
+        args.peers = "parsl-slurm,dask-slurm" if args.peers is None else args.peers
+        if set(args.styles.split(",")) - set(LAB_STYLES) - {""} or set(args.peers.split(",")) - set(LAB_PEERS) - {""}:
+            parser.error(f"--lab runs the styles {', '.join(LAB_STYLES)} and the peers {', '.join(LAB_PEERS)}")
+    args.styles = "decorated,loop,torch" if args.styles is None else args.styles
+    args.peers = "parsl,dask" if args.peers is None else args.peers
     if args.quick:
         args.tasks, args.repeats, args.peers = 16, 1, ""
     if args.tasks < 4 or args.repeats < 1:
@@ -381,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         **{key: {name: summary(f[key]) for name, f in figures.items() if key in f}
            for key in ("end_to_end", "steady", "marginal", "fixed", "in_run", "steady_in_run", "startup", "cpu",
                        "marginal_cpu")}}
-    where = "backend slurm, lab cluster, 2 nodes" if args.lab else "2 workers"
+    where = "lab cluster, 2 nodes of 2 CPUs" if args.lab else "2 workers"
     print(f"{n} trivial one-rank tasks (1 KB each), {where}, {args.repeats} repeat(s) alternated, "
           f"load average {_fmt(loads)}; medians (min-max)")
     print(f"{'':26s} {'end to end tasks/s':>22s} {'steady tasks/s':>24s} {'marginal ms/task':>18s} "
@@ -397,11 +425,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, f in figures.items():
         if "startup" in f:
             print(f"{name}: workers up {_fmt(f['startup'], 2)} s after its process started (counted end to end)")
+    keys = ("end_to_end", "steady", "in_run", "steady_in_run")
+    if args.lab and peers:  # against the best peer on each measure (issue 26's lab target: >= 2x the best)
+        best = {key: max(peers, key=lambda p: statistics.median(figures[p][key])) for key in keys}
+        result["ratio_to"] = best
+        result["ratios"] = {name: {key: statistics.median(f[key]) / statistics.median(figures[best[key]][key])
+                                   for key in keys} for name, f in figures.items() if name.startswith("hetflow")}
+        for name, ratio in result["ratios"].items():
+            print(f"{name} / the best peer: " + "; ".join(f"{key.replace('_', ' ')} {ratio[key]:.2f}x ({best[key]})"
+                                                         for key in keys))
     reference = next((p for p in ("parsl", "dask") if p in peers), None)
     if reference:
         result["ratio_to"] = reference
         result["ratios"] = {name: {key: statistics.median(f[key]) / statistics.median(figures[reference][key])
-                                   for key in ("end_to_end", "steady", "in_run", "steady_in_run")}
+                                   for key in keys}
                             for name, f in figures.items() if name.startswith("hetflow")}
         for name, ratio in result["ratios"].items():
             print(f"{name} / {reference}: end to end {ratio['end_to_end']:.2f}x, steady state "

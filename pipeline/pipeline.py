@@ -436,15 +436,17 @@ class Pipeline:
         from hetflow.tasks.backends import require
 
         require(description.backend)  # a missing engine is one line naming the extra, before a run is recorded
-        early = wait and description.backend == "local"
-        if early:
-            from hetflow.tasks.backends.local import warm_start
+        early = wait and description.backend in ("local", "slurm")
+        if early and description.backend == "slurm":
+            from hetflow.tasks.backends.slurm import start_agents_early
 
-            early = warm_start(description)
-        if early:
+            start_agents_early(description)  # each node's agent imports on its node beside the orchestrator's
+        elif early:
+            from hetflow.tasks.backends.local import warm_start
             from hetflow.tasks.forkserver import start_early
 
-            start_early()  # its imports go on beside the orchestrator's, next
+            if warm_start(description):
+                start_early()  # its imports go on beside the orchestrator's, next
         import gc
 
         # Decision: a blocking run keeps what this process holds before it (the imports, the script's own
@@ -463,7 +465,7 @@ class Pipeline:
             if early:
                 from hetflow.tasks.forkserver import discard_early
 
-                discard_early()  # not adopted: the run ended before its backend started
+                discard_early()  # not adopted: the run ended before its backend started (or took fewer nodes)
 
     def _start(self, description: PilotDescription, options: RunOptions, typed: RunOptions, made: list[Any], *,
                workdir: "str | os.PathLike[str] | None", db: str | None, run_id: str | None,

@@ -1219,27 +1219,30 @@ class ColdStart(HetflowError, RuntimeError):
     server: :func:`gpu_unsafe`); the caller starts it cold.  The server goes on serving others."""
 
 
-_early: list[ForkServer] = []
+_early: dict[str, ForkServer] = {}
 _early_lock = threading.Lock()
 
 
-def start_early() -> None:
+def start_early(key: str = "", launcher: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
     """Start a fork server now, for this process's next run to adopt (:func:`adopt_early`).
 
     Decision: a blocking ``pipe.run()`` on the local backend starts its server before it imports the
     orchestrator and opens the store, so the server's own imports (pyarrow, pandas, MPI's library) are
-    done on the other core meanwhile instead of after, ahead of the run's first task.  Until a run adopts
-    it, what the server writes goes to this process's stderr (it writes nothing unless it fails); the
+    done on the other core meanwhile instead of after, ahead of the run's first task.  The slurm backend's
+    agents start the same way, one per node (``key``: the node, ``launcher``: its ``srun``, ``env``: the
+    agent's environment), their imports on their nodes while this process imports.  Until a run adopts
+    it, what a server writes goes to this process's stderr (it writes nothing unless it fails); the
     caller discards it (:func:`discard_early`) if no run has taken it by the end of ``run()``."""
     with _early_lock:
-        if not _early:
-            _early.append(ForkServer(None, inherit_stderr=True))
+        if key not in _early:
+            _early[key] = ForkServer(None, launcher=launcher, env=env, inherit_stderr=True)
 
 
-def adopt_early(log_path: Path) -> ForkServer | None:
-    """The server :func:`start_early` started, its messages now going to ``log_path``; None if there is none."""
+def adopt_early(log_path: Path, key: str = "") -> ForkServer | None:
+    """The server :func:`start_early` started for ``key``, its messages now going to ``log_path``; None if
+    there is none."""
     with _early_lock:
-        server = _early.pop() if _early else None
+        server = _early.pop(key, None)
     if server is not None and not server.log_to(log_path):
         server.close()
         return None
@@ -1247,9 +1250,9 @@ def adopt_early(log_path: Path) -> ForkServer | None:
 
 
 def discard_early() -> None:
-    """End the early server if no run adopted it."""
+    """End the early servers that no run adopted."""
     with _early_lock:
-        servers = list(_early)
+        servers = list(_early.values())
         _early.clear()
     for server in servers:
         server.close()

@@ -51,7 +51,13 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ..errors import ConfigError, HetflowError
-from ..forkserver import ForkedTask, ForkServer, ForkServerGone
+from ..forkserver import (
+    ForkedTask,
+    ForkServer,
+    ForkServerGone,
+    adopt_early,
+    start_early,
+)
 from ..launchers.srun import SrunStep, failure_report, step_env
 from ..protocol import tail
 from ..slurm_allocation import Allocation, current_allocation, lost_nodes
@@ -114,8 +120,9 @@ class SlurmBackend(Backend):
             agent = self._agents.get(node)
             if agent is None:
                 log_path = self.run_dir / f"agent-{safe_name(node)}.log" if self.run_dir is not None else None
-                agent = self._agents[node] = ForkServer(log_path, launcher=agent_argv(self._srun, node),
-                                                        env=step_env(os.environ, {}))
+                early = adopt_early(log_path, early_key(node)) if log_path is not None else None  # pipe.run()'s
+                agent = self._agents[node] = early if early is not None else ForkServer(
+                    log_path, launcher=agent_argv(self._srun, node), env=step_env(os.environ, {}))
             return agent if agent.alive else None
 
     def node_names(self) -> list[str]:
@@ -272,6 +279,34 @@ def agent_argv(srun: str, node: str) -> list[str]:
     node's CPUs), no PMI (its ranks are MPI singletons), stdin to the one task."""
     return [srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--cpu-bind=none", "--mem=0",
             "--mpi=none", "--input=all", f"--job-name={AGENT_NAME}"]
+
+
+def early_key(node: str) -> str:
+    """The key of ``node``'s agent among the fork servers started early (:func:`start_agents_early`)."""
+    return f"slurm:{node}"
+
+
+def start_agents_early(pilot: object) -> None:
+    """Start the agents of ``pilot``'s nodes now, for the run's backend to adopt (:func:`start_early`).
+
+    Decision: a blocking ``pipe.run()`` calls this before it imports the orchestrator and opens the store,
+    so each agent's ``srun`` and imports (pyarrow, pandas, MPI's library, then the script's installed
+    imports on its first task) go on while this process imports, as the local backend's fork server does.
+    Nothing is started where :meth:`SlurmBackend.start` would refuse (outside an allocation, no ``srun``,
+    a pilot that does not fit): it says why, after."""
+    srun = shutil.which("srun")
+    nodes = getattr(pilot, "nodes", 0) or 0
+    if srun is None or not warm_start(pilot, "slurm"):
+        return
+    try:
+        alloc = current_allocation()
+    except HetflowError:
+        return
+    if nodes > len(alloc.nodes):
+        return
+    env = step_env(os.environ, {})
+    for node in alloc.nodes[:nodes]:
+        start_early(early_key(node), agent_argv(srun, node), env)
 
 
 def _end_step(job_id: str, name: str) -> None:

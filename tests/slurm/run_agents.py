@@ -69,7 +69,8 @@ def main(kind: str, workdir: Path, record_dir: Path, warm: bool) -> None:
     steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%j"], capture_output=True, text=True,
                            check=True).stdout.split()
     pids = {path.stem: int(path.read_text()) for path in record_dir.glob("*.pid")}
-    print(json.dumps({"id": run.id, "state": run.state, "run_dir": str(run.run_dir), "stages": {
+    print(json.dumps({"id": run.id, "state": run.state, "run_dir": str(run.run_dir), "created": run.created,
+                      "stages": {
         s.name: {"state": s.state, "error": s.error, "nodes": sorted({v.node for v in s.slots})}
         for s in run.stages}, "alive": {stage: alive(pid) for stage, pid in pids.items()},
         "attempts": attempts(workdir, run.id), "steps_left": steps}, default=str))

@@ -97,16 +97,20 @@ def wait_for_node_loss(ctx):
 
 def who(ctx):
     """Where and how this rank was started, in ``params['record_dir']/<stage>-<rank>.json``: its host, pid,
-    session, and its parent's command line (a rank forked by its node's agent has the fork server as
-    parent, one started by a job step its witness or slurmstepd)."""
+    session, and its parent's command line and start time (a rank forked by its node's agent has the fork
+    server as parent, one started by a job step its witness or slurmstepd)."""
     import json
     import os
     import pathlib
     import socket
+    import time
 
     parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    # the parent's start (clock ticks after boot, /proc/PID/stat field 22) as a time.time()
+    ticks = int(pathlib.Path(f"/proc/{os.getppid()}/stat").read_text().rpartition(")")[2].split()[19])
+    booted = time.time() - float(pathlib.Path("/proc/uptime").read_text().split()[0])
     record = {"host": socket.gethostname(), "pid": os.getpid(), "leads_session": os.getsid(0) == os.getpid(),
-              "parent": parent, "size": ctx.size}
+              "parent": parent, "parent_started": booted + ticks / os.sysconf("SC_CLK_TCK"), "size": ctx.size}
     path = pathlib.Path(ctx.params["record_dir"]) / f"{ctx.stage}-{ctx.rank}.json"
     path.with_suffix(".tmp").write_text(json.dumps(record))
     path.with_suffix(".tmp").rename(path)

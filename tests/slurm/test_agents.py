@@ -74,6 +74,8 @@ def test_one_rank_tasks_start_through_the_agents_and_an_mpi_stage_stays_a_job_st
         # or, with warm start off, a job step's rank below its witness
         assert [one["host"]] == stages[f"one_{n}"]["nodes"] and one["size"] == 1, one
         assert (AGENT in one["parent"]) == one["leads_session"] == warm, one
+        if warm:  # pipe.run() started the agents before it imported the orchestrator and recorded the run
+            assert one["parent_started"] < record["created"], (one, record["created"])
     # a stage across nodes is one srun step, one MPI world, its ranks below their witnesses
     across = [_who(records, "across", r) for r in (0, 1)]
     assert stages["across"]["state"] == "DONE" and sorted(r["host"] for r in across) == sorted(slurm_nodes[:2])
