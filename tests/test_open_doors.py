@@ -362,10 +362,12 @@ def test_logs_of_a_huge_line_without_newline_take_bounded_memory(hostile: tuple[
 
 
 LISTENER = textwrap.dedent('''
+    import sys
     import time
     import hetflow as hf
 
-    pipe = hf.Pipeline("listen", pilot="local")
+    WARM = sys.argv[1] == "warm"
+    pipe = hf.Pipeline("listen", pilot=hf.PilotDescription(name="listen", options={"local": {"warm_start": WARM}}))
 
     @pipe.stage(ranks=2)
     def pair(ctx):
@@ -394,10 +396,12 @@ def listeners(root: psutil.Process) -> Iterator[tuple[psutil.Process, tuple[str,
             continue
 
 
-def test_a_one_node_run_keeps_the_ranks_listening_on_loopback(tmp_path: Path) -> None:
-    """Both kinds of rank: two started by mpiexec, one warm from the fork server (an MPI singleton)."""
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_a_one_node_run_keeps_the_ranks_listening_on_loopback(tmp_path: Path, start: str) -> None:
+    """Every kind of rank: warm (forked by the fork server, a two-rank stage's under mpiexec's PMI, a one-rank
+    stage's an MPI singleton) and cold (started by mpiexec)."""
     (tmp_path / "listen.py").write_text(LISTENER)
-    run = subprocess.Popen([*HETFLOW, "run", "listen.py", "--workdir", "w", "--no-progress"], cwd=tmp_path,
+    run = subprocess.Popen([sys.executable, "listen.py", start], cwd=tmp_path,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: dict[str, set[tuple[str, int]]] = {"mpiexec": set(), "warm": set()}
     hydra: set[tuple[str, int]] = set()
@@ -418,10 +422,11 @@ def test_a_one_node_run_keeps_the_ranks_listening_on_loopback(tmp_path: Path) ->
     finally:
         run.kill()
     assert run.returncode == 0, out + err
-    ranks = seen["mpiexec"] - hydra                                         # the ranks inherit hydra's socket
-    assert ranks, f"saw no mpiexec rank listening (hydra: {hydra}, all: {seen})"
+    ranks = (seen["mpiexec"] | seen["warm"]) - hydra                      # a cold rank inherits hydra's socket
+    assert ranks, f"saw no rank listening (hydra: {hydra}, all: {seen})"
     assert all(ipaddress.ip_address(a).is_loopback for a, _ in ranks), f"ranks listen beyond loopback: {ranks}"
-    assert seen["warm"] == set(), f"a warm singleton (shared-memory transport only) listens: {seen['warm']}"
+    # the two-rank stage's ranks: forked by the fork server when warm, children of mpiexec when cold
+    assert (seen["warm"] if start == "warm" else seen["mpiexec"] - hydra), seen
 
 
 def test_serve_closes_a_connection_that_sends_no_request(hostile: tuple[Path, str, str]) -> None:
