@@ -33,19 +33,22 @@ def values(*, script: str | None, params: Any, argv: Any, pilot: Any) -> dict[st
 
 def write(run_dir: Path, run_id: str, started: dict[str, Any]) -> None:
     """Write ``started`` (:func:`values` of the record being created) into the new run's directory, 0600."""
+    from hetflow import observed
     from hetflow.tasks.paths import write_private_file
 
     try:
         text = json.dumps({"run": run_id, **started}, sort_keys=True)
     except (TypeError, ValueError):
         return  # not JSON: the store refuses to record the run the same way, naming it
-    write_private_file(Path(run_dir) / STARTED, text.encode(), base=run_dir)
+    with observed.not_recording():  # hetflow's own file, not one the script's top level opened
+        write_private_file(Path(run_dir) / STARTED, text.encode(), base=run_dir)
 
 
 def check(record: Any) -> None:
     """Refuse (:class:`~hetflow.errors.ChangedInStore`, one line) to resume ``record`` (a run's row) when
     its script, params, argv or data directory differ from what the run started with, or when that was
     not kept or could have been written by another user."""
+    from hetflow import observed
     from hetflow.tasks.errors import UnsafeShippedFunction
     from hetflow.tasks.shipping import read_checked
 
@@ -56,8 +59,9 @@ def check(record: Any) -> None:
                              "it from the store's params and argv alone, which any user of a shared store can "
                              "change; start it again (the stages it finished are reused from the cache)")
     try:
-        kept = json.loads(read_checked(path, f"run {record.id}", "what it started with",
-                                       "the run directory hetflow made", "when the run started"))
+        with observed.not_recording():  # hetflow's own file, not one the script's top level reads
+            kept = json.loads(read_checked(path, f"run {record.id}", "what it started with",
+                                           "the run directory hetflow made", "when the run started"))
     except UnsafeShippedFunction as exc:
         raise ChangedInStore(str(exc)) from None
     except ValueError as exc:
