@@ -831,9 +831,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "resume":
             store = _open_store(args)
             record = store.resolve_run(args.run)
+            from . import started
+
             if not record.script:
+                started.check(record)
                 return _resume_recorded(record, args)
             _check_recorded_script(record.script, record.id)
+            started.check(record)
             options = RunOptions(pilot=args.pilot, workdir=args.workdir, params=dict(record.params), db=args.db,
                                  data_dir=args.data_dir,
                                  run_id=record.id, progress=False if args.no_progress else None,

@@ -39,6 +39,11 @@ class UnsafeScript(HetflowError, PermissionError):
     """A run's recorded script that ``hetflow resume`` will not execute: another user may have written it."""
 
 
+class ChangedInStore(HetflowError, PermissionError):
+    """A run's record that ``hetflow resume`` will not restart from: its script, params, argv or data
+    directory differ from what the run started with (:mod:`hetflow.started`)."""
+
+
 def batch_resume_command() -> str | None:
     """``sbatch BATCH`` inside a job ``hetflow submit`` made (its script exports ``HETFLOW_RESUME_BATCH``):
     ``hetflow resume`` on a login node would use the script's own pilot.  ``None`` elsewhere."""

@@ -60,6 +60,7 @@ from hetflow.tasks.scheduler import (
 from sqlalchemy import inspect, select
 
 from . import __version__, cache, observed
+from . import started as started_file
 from .datadir import RunDatasets
 from .declaration import StageSpec
 from .errors import HetflowError, PipelineError, ResumeRefused, interruption
@@ -339,9 +340,13 @@ class Orchestrator(MapShell):
         (:meth:`Store.claim_run`), then set its stages up for planning.  A live owner is never
         touched: the claim is refused naming it."""
         private_dir(self.run_dir)
+        pilot, argv = self.pilot.to_mapping(), sys.argv[1:]
+        if not resume:  # what `hetflow resume` will take from the store, kept where only this user writes
+            started_file.write(self.run_dir, self.run_id,
+                               started_file.values(script=self.script, params=self.params, argv=argv, pilot=pilot))
         claim = self.store.claim_run(self.run_id, self.owner, lease_seconds=LEASE_SECONDS, create=lambda: RunRecord(
             id=self.run_id, pipeline=self.name, created=time.time(), run_dir=str(self.run_dir), script=self.script,
-            pilot=self.pilot.to_mapping(), params=self.params, hetflow_version=__version__, argv=sys.argv[1:]),
+            pilot=pilot, params=self.params, hetflow_version=__version__, argv=argv),
             detail={"resume": resume})
         self.resuming_done = claim.previous_state == "DONE"  # refused resumes leave it DONE (_refuse_resume)
         if claim.previous_reason:

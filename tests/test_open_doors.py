@@ -574,6 +574,62 @@ def test_resume_never_executes_a_script_another_user_could_have_written(tmp_path
     assert resumed.returncode == 0, resumed.stderr
 
 
+def test_resume_refuses_params_and_argv_changed_in_the_store_since_the_run_started(tmp_path: Path) -> None:
+    """Before, ``hetflow resume RUN`` restarted the script with the params and argv the store records: anyone
+    who can write a shared store could change them in your run's record (a param naming a path your stage
+    writes), and your resume ran your script with values you never gave.  Now the run's private directory
+    keeps what it started with, and a resume whose record differs from it (or that has none) is refused in
+    one line naming the change; the record as it was resumes."""
+    import sqlite3
+
+    script = SHARED.replace("@pipe.stage(inputs=[\"rows\"], outputs=[\"total\"])",
+                            "@pipe.stage(inputs=[\"rows\"], outputs=[\"total\"], params={\"scale\": 1})")
+    (tmp_path / "shared.py").write_text(script.replace('sum(rows["x"].to_pylist())', "1 / 0"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "0.csv").write_text("x\n1\n")
+    failed = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress", "--param", "scale=2"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 1, failed.stderr
+    run_id = json.loads(subprocess.run([*HETFLOW, "status", "--json"], cwd=tmp_path, capture_output=True,
+                                       text=True, timeout=60).stdout)["id"]
+    store = sqlite3.connect(tmp_path / ".hetflow" / "hetflow.db")
+    params, argv = store.execute("select params, argv from runs where id = ?", (run_id,)).fetchone()
+    assert json.loads(params) == {"scale": 2} and json.loads(argv) == []
+    kept = tmp_path / ".hetflow" / "runs" / run_id / "started.json"
+    changed = "were changed in the store since it started:"
+    for column, value, change in (
+            ("params", '{"scale": 7}', f"params {changed} param 'scale' is 7 in the store, 2 when it started"),
+            ("params", '{"scale": 2, "out": "/etc/x"}',
+             f"params {changed} param 'out' is '/etc/x' in the store, absent when it started"),
+            ("argv", '["--out", "/etc/x"]',
+             f"argv {changed} argv is ['--out', '/etc/x'] in the store, [] when it started")):
+        with store:
+            store.execute(f"update runs set {column} = ? where id = ?", (value, run_id))
+        resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress"], cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=300)
+        assert resumed.returncode == 2, (resumed.stdout, resumed.stderr)
+        assert resumed.stderr.startswith(f"hetflow: error: run {run_id}'s recorded {change}; refusing to resume"), \
+            resumed.stderr
+        assert len(resumed.stderr.strip().splitlines()) == 1 and resumed.stdout == "", resumed.stderr
+        with store:
+            store.execute("update runs set params = ?, argv = ? where id = ?", (params, argv, run_id))
+    started = kept.read_bytes()
+    kept.unlink()  # a run of an older hetflow: nothing to check the store's record against
+    resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 2, (resumed.stdout, resumed.stderr)
+    assert f"run {run_id} has no record of what it started with ({kept} is missing" in resumed.stderr
+    kept.write_bytes(started)
+    kept.chmod(0o600)
+    store.close()
+    (tmp_path / "shared.py").write_text(script)
+    resumed = subprocess.run([*HETFLOW, "resume", run_id, "--no-progress"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(subprocess.run([*HETFLOW, "status", "--json"], cwd=tmp_path, capture_output=True,
+                                     text=True, timeout=60).stdout)["state"] == "DONE"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another user is made with chown, which needs root")
 def test_a_run_refuses_a_work_directory_another_user_can_replace_things_in(tmp_path: Path) -> None:
     """Before, a run used a work directory another user owned (a colleague made ./.hetflow first, 0777 as a
