@@ -1275,8 +1275,9 @@ _TOP_CALLS: dict[str, tuple[tuple[str, _Chain, tuple[str, ...]], ...]] = {}
 def _top_calls(source: bytes, path: str) -> tuple[tuple[str, _Chain, tuple[str, ...]], ...]:
     """The calls a module's top level makes as statements of their own (``lib.register("a", 11)``), also inside
     a top-level ``if``, ``with``, ``try`` or loop, but not in an ``if __name__ == "__main__":`` block (never run
-    in a rank): ``(text, names of the called object, names its arguments read)``.  The called object is the
-    first name and the attributes after it, up to a call (``lib.get("a").set(2)``: ``("lib", "get")``)."""
+    in a rank), and not the seeding calls (:data:`_SEED_FUNCTIONS`, which count as ``seed calls``): ``(text,
+    names of the called object, names its arguments read)``.  The called object is the first name and the
+    attributes after it, up to a call (``lib.get("a").set(2)``: ``("lib", "get")``)."""
     key = hashlib.sha256(source).hexdigest()
     if key in _TOP_CALLS:
         return _TOP_CALLS[key]
@@ -1291,7 +1292,8 @@ def _top_calls(source: bytes, path: str) -> tuple[tuple[str, _Chain, tuple[str, 
                         isinstance(func, ast.Attribute) and _names(func) is None):
                     func = func.func if isinstance(func, ast.Call) else func.value
                 chain = _names(func)
-                if chain is not None:
+                seeds = (getattr(call.func, "attr", None) or getattr(call.func, "id", None)) in _SEED_FUNCTIONS
+                if chain is not None and not seeds:
                     arguments = [*call.args, *(k.value for k in call.keywords)]
                     names = sorted({n.id for a in arguments for n in ast.walk(a) if isinstance(n, ast.Name)})
                     found.append((ast.unparse(call), chain, tuple(names)))
