@@ -318,6 +318,7 @@ class _Walker:
                 self.add(f"{_owner_name(owner)}.{attr}", _sha(text))
         self.library_settings()  # a formatter function in a setting, a global a seed call names: followed
         self.drain()
+        self.library_calls_at_top()
         self.module_values()
         self.command_line()
         for key, kinds in self.uncacheable.items():
@@ -441,6 +442,64 @@ class _Walker:
                     if name in script:
                         self.global_value(name, script)
             self.add("seed calls", _sha(repr(sorted(text for text, _, _ in calls))))
+
+    def library_calls_at_top(self) -> None:
+        """For each installed library the reached code uses, the calls into it that the top level of the script
+        and of the local modules makes as statements of their own (``fakelib.register("planck", 11)``, also
+        inside a top-level ``if``/``with``/``try``/loop, not in the ``__main__`` block), directly or through a
+        local function whose code names the library (``labsetup.init(11)``): by their text and the values of
+        the plain names they pass (a value of another kind by its type only).  Such a call may change the
+        library's state in place (``REGISTRY[name] = Cosmology(h0)``), which no global the key follows shows;
+        the library's state itself is not followed (``re._cache`` differs between processes).  The standard
+        library is not a library here (its calls count as before: seeds, settings)."""
+        if not self.external_tops:
+            return
+        calls: dict[str, set[str]] = {}
+        reaching: dict[int, frozenset[str]] = {}
+        for _, path, namespace in self.user_namespaces():
+            try:
+                source = Path(path).read_bytes()
+            except (OSError, TypeError):
+                continue
+            scope: Mapping[str, Any] | None = None
+            for text, chain, names in _top_calls(source, path):
+                if scope is None:
+                    scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
+                libraries = self.called_libraries(_resolve_call(scope, chain), reaching) & self.external_tops
+                if not libraries:
+                    continue
+                values = {n: scope[n] for n in names if n in scope}  # a value not plain data: by its type
+                said = " ".join([text, *(f"{n}={self.value(v) if _plain(v) else type(v).__qualname__}"
+                                         for n, v in values.items())])
+                for library in libraries:
+                    calls.setdefault(library, set()).add(said)
+        for library, said in sorted(calls.items()):
+            self.add(f"calls into {library} at the top level", _sha("\n".join(sorted(said))))
+
+    def called_libraries(self, target: Any, reaching: dict[int, frozenset[str]], depth: int = 0) -> frozenset[str]:
+        """The top-level packages outside the user code that calling ``target`` calls into: its own (a module,
+        function or class of an installed library), or those a local function's code names (its globals: the
+        library's modules, functions and classes, and the local functions it calls, a few levels deep)."""
+        if isinstance(target, types.ModuleType):
+            home = target.__name__
+        elif isinstance(target, types.FunctionType) and self.is_user(self.realpath(target.__code__.co_filename)):
+            if id(target) not in reaching:
+                reaching[id(target)] = frozenset()  # a recursive helper: what it names is found once
+                found: set[str] = set()
+                if depth < 4:
+                    for name in _code_globals(target.__code__):
+                        found |= self.called_libraries(target.__globals__.get(name), reaching, depth + 1)
+                reaching[id(target)] = frozenset(found)
+            return reaching[id(target)]
+        elif isinstance(target, (types.FunctionType, types.BuiltinFunctionType, type)):
+            home = getattr(target, "__module__", None) or ""
+        else:
+            return frozenset()
+        top = home.partition(".")[0]
+        if not top or top in sys.stdlib_module_names or top == "builtins":
+            return frozenset()
+        path = getattr(sys.modules.get(home), "__file__", None)
+        return frozenset() if isinstance(path, str) and self.is_user(self.realpath(path)) else frozenset({top})
 
     def class_values(self, module: str, cls: type) -> None:
         """The values, as they are now, of a reached module's class attributes that the reached code names: its
@@ -1208,6 +1267,81 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
             _SEEDS.clear()
         _SEEDS[key] = tuple(found)
     return _SEEDS[key]
+
+
+_TOP_CALLS: dict[str, tuple[tuple[str, _Chain, tuple[str, ...]], ...]] = {}
+
+
+def _top_calls(source: bytes, path: str) -> tuple[tuple[str, _Chain, tuple[str, ...]], ...]:
+    """The calls a module's top level makes as statements of their own (``lib.register("a", 11)``), also inside
+    a top-level ``if``, ``with``, ``try`` or loop, but not in an ``if __name__ == "__main__":`` block (never run
+    in a rank), and not the seeding calls (:data:`_SEED_FUNCTIONS`, which count as ``seed calls``): ``(text,
+    names of the called object, names its arguments read)``.  The called object is the first name and the
+    attributes after it, up to a call (``lib.get("a").set(2)``: ``("lib", "get")``)."""
+    key = hashlib.sha256(source).hexdigest()
+    if key in _TOP_CALLS:
+        return _TOP_CALLS[key]
+    found: list[tuple[str, _Chain, tuple[str, ...]]] = []
+
+    def walk(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                call = node.value
+                func: ast.expr = call.func
+                while isinstance(func, (ast.Call, ast.Subscript)) or (
+                        isinstance(func, ast.Attribute) and _names(func) is None):
+                    func = func.func if isinstance(func, ast.Call) else func.value
+                chain = _names(func)
+                seeds = (getattr(call.func, "attr", None) or getattr(call.func, "id", None)) in _SEED_FUNCTIONS
+                if chain is not None and not seeds:
+                    arguments = [*call.args, *(k.value for k in call.keywords)]
+                    names = sorted({n.id for a in arguments for n in ast.walk(a) if isinstance(n, ast.Name)})
+                    found.append((ast.unparse(call), chain, tuple(names)))
+            elif isinstance(node, ast.If) and not _is_main_guard(node):
+                walk(node.body)
+                walk(node.orelse)
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                walk(node.body)
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+                walk(node.body)
+                walk(node.orelse)
+            elif isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+                walk(node.body)
+                for handler in node.handlers:
+                    walk(handler.body)
+                walk(node.orelse)
+                walk(node.finalbody)
+
+    walk(_parse(source, path).body)
+    if len(_TOP_CALLS) > 4096:
+        _TOP_CALLS.clear()
+    _TOP_CALLS[key] = tuple(found)
+    return _TOP_CALLS[key]
+
+
+def _resolve_call(namespace: Mapping[str, Any], chain: _Chain) -> Any:
+    """What a call's names (:func:`_top_calls`) lead to, through modules and classes (``vars``, never
+    ``getattr``): the function called, or the module or class where the chain meets another value (a
+    library's dict, a callable object: ``np.set_printoptions``); what the first name holds when that is not a
+    module or class (None when it is not bound)."""
+    obj = namespace.get(chain[0] or "")
+    if not isinstance(obj, (types.ModuleType, type)):
+        return obj  # a function the name holds (from lib import f), or an object: called as it is
+    for name in chain[1:]:
+        value = vars(obj).get(name or "", _ABSENT)
+        if not isinstance(value, (types.ModuleType, type)):
+            return value if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)) else obj
+        obj = value
+    return obj
+
+
+def _code_globals(code: types.CodeType) -> set[str]:
+    """The globals a function's code (and the code nested in it) loads."""
+    found = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _code_globals(const)
+    return found
 
 
 def _is_main_guard(node: ast.AST) -> bool:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -486,22 +487,28 @@ def test_end_to_end_a_package_constant_edit_serves_the_old_rows(tmp_path: Path) 
     assert "CACHED" not in second.stdout + second.stderr, second.stdout + second.stderr
 
 
-def _with_fakelib(where: Path, script: str, library: str) -> dict[str, str]:
+def _with_fakelib(where: Path, script: str, library: str, local: Mapping[str, str] | None = None,
+                  stage: str = "stage") -> dict[str, str]:
     """The fingerprint of ``stage`` of ``script`` beside an installed-looking ``fakelib`` (a ``site-packages``
-    folder on ``sys.path``: counted as a library, not as the user's code)."""
+    folder on ``sys.path``: counted as a library, not as the user's code) and the local modules ``local``
+    (``{module name: source}``, in the script's folder)."""
     (where / "site-packages").mkdir(parents=True)
     (where / "site-packages" / "fakelib.py").write_text(library)
     (where / "pipeline.py").write_text(script)
-    sys.path.insert(0, str(where / "site-packages"))
+    for name, source in (local or {}).items():
+        (where / f"{name}.py").write_text(source)
+    sys.path[:0] = [str(where / "site-packages"), str(where)]
     try:
         spec = importlib.util.spec_from_file_location("__hetflow_script__", where / "pipeline.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return code_fingerprint(module.stage)
+        return code_fingerprint(getattr(module, stage))
     finally:
         sys.path.remove(str(where / "site-packages"))
-        sys.modules.pop("fakelib", None)
+        sys.path.remove(str(where))
+        for name in ["fakelib", *(local or {})]:
+            sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize("attrs", ['["pid"]', "attrs"])
@@ -649,3 +656,96 @@ def test_end_to_end_an_edit_of_a_library_setters_argument_reruns_the_stage(tmp_p
     assert once("11") == ("DONE", 1 / 11)
     assert once("12") == ("DONE", 1 / 12)
     assert once("12") == ("CACHED", 1 / 12)
+
+
+REGISTRY_LIB = """
+class Cosmology:
+    def __init__(self, h0):
+        self.h0 = h0
+REGISTRY = {}
+_STATE = {"h0": 70}
+def register(name, h0):
+    REGISTRY[name] = Cosmology(h0)
+def set_h0(h0):
+    _STATE["h0"] = h0
+def get(name):
+    return REGISTRY[name]
+def distance(z):
+    return z / _STATE["h0"]
+"""
+LABSETUP = "import fakelib\ndef init(h0):\n    fakelib.register('planck', h0)\n"
+INPLACE_SETTINGS = [
+    ("fakelib.register('planck', 11)", "fakelib.get('planck').h0", None),
+    ("from fakelib import register as reg\nreg('planck', 11)", "fakelib.get('planck').h0", None),
+    ("import fakelib as fl\nH0 = 11\ntry:\n    fl.set_h0(H0)\nexcept KeyError:\n    pass", "fakelib.distance(1.0)",
+     None),
+    ("import labsetup\nlabsetup.init(11)", "fakelib.get('planck').h0", {"labsetup": LABSETUP}),
+]
+
+
+@pytest.mark.parametrize("setting, reads, local", INPLACE_SETTINGS)
+def test_a_top_level_call_changing_a_librarys_state_in_place_counts_for_a_stage_using_it(
+        tmp_path: Path, setting: str, reads: str, local: dict[str, str] | None) -> None:
+    """The eleventh red team (libinplace): ``fakelib.register("planck", 11)`` at the script's top, where the
+    library stores it in place (``REGISTRY[name] = Cosmology(h0)``, no ``global``), read by the stage through
+    the library: 11 -> 12 gave the same key, so the stage was served CACHED with 11.  The call counts by its
+    text and the plain values it passes, for a stage using the library; a stage that does not keeps its key."""
+    script = (f"import fakelib\n{setting}\ndef stage(ctx):\n    return {reads}\n"
+              "def other(ctx):\n    return 1\n")
+    a, b = (_with_fakelib(tmp_path / "a", script, REGISTRY_LIB, local),
+            _with_fakelib(tmp_path / "b", script.replace("11", "12"), REGISTRY_LIB, local))
+    assert "calls into fakelib at the top level" in a and a != b, (a, b)
+    assert _with_fakelib(tmp_path / "c", script, REGISTRY_LIB, local) == a  # the same call: the same key
+    kept = [_with_fakelib(tmp_path / d, script.replace("11", h0), REGISTRY_LIB, local, stage="other")
+            for d, h0 in (("d", "11"), ("e", "12"))]
+    assert kept[0] == kept[1] and not any("fakelib" in k for k in kept[0]), kept
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setting, local", [("fakelib.register('planck', 11)", None),
+                                            ("import labsetup\nlabsetup.init(11)", {"labsetup": LABSETUP})])
+def test_end_to_end_an_edit_of_a_top_level_registry_call_reruns_only_the_stage_using_the_library(
+        tmp_path: Path, setting: str, local: dict[str, str] | None) -> None:
+    """``hetflow run`` three times, the registered value edited after the first: the stage reading the registry
+    re-runs with the new value, the stage not using the library stays CACHED; unchanged, both are CACHED."""
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "fakelib.py").write_text(REGISTRY_LIB)
+    for name, source in (local or {}).items():
+        (tmp_path / f"{name}.py").write_text(source)
+    script = textwrap.dedent("""
+        import pyarrow as pa
+        import hetflow as hf
+        import fakelib
+        SETTING
+        pipe = hf.Pipeline("registry")
+
+        @pipe.stage(outputs=["out"])
+        def stage(ctx):
+            return {"out": pa.table({"v": [fakelib.get("planck").h0]})}
+
+        @pipe.stage(outputs=["plain"])
+        def other(ctx):
+            return {"plain": pa.table({"v": [1]})}
+
+        if __name__ == "__main__":
+            pipe.run()
+    """)
+    hetflow = [sys.executable, "-m", "hetflow.cli"] if not os.path.exists(Path(sys.executable).parent / "hetflow") \
+        else [str(Path(sys.executable).parent / "hetflow")]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site-packages")}
+    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
+    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
+
+    def once(h0: str) -> tuple[dict[str, str], int]:
+        (tmp_path / "pipeline.py").write_text(script.replace("SETTING", setting.replace("11", h0)))
+        subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150, env=env)
+        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True,
+                                          env=env).stdout)
+        from hetflow.operators.dataset import Dataset
+
+        states = {s["name"]: s["state"] for s in shown["stages"]}
+        return states, Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+
+    assert once("11") == ({"stage": "DONE", "other": "DONE"}, 11)
+    assert once("12") == ({"stage": "DONE", "other": "CACHED"}, 12)
+    assert once("12") == ({"stage": "CACHED", "other": "CACHED"}, 12)
