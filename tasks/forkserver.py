@@ -1055,56 +1055,46 @@ class ForkServer:
         the rank's core count; ``gpus``: it has GPUs, and :class:`ColdStart` is raised when the server
         cannot fork it safely (:func:`gpu_unsafe`)."""
         clean = {k: v for k, v in env.items() if not k.startswith(LAUNCHER_ENV)}
+        answer = self._ask({"spec": spec, "cwd": str(cwd), "env": clean,
+                            "stdout": None if stdout is None else str(stdout),
+                            "stderr": None if stderr is None else str(stderr),
+                            "die_with_server": self.remote, "timeout": timeout, "threads": threads, "gpus": gpus},
+                           local=False)
+        if isinstance(answer, ColdStart):
+            raise answer
+        if not isinstance(answer, ForkedTask):
+            raise ForkServerGone(str(answer))
+        return answer
+
+    def _ask(self, message: dict[str, Any], *, local: bool) -> Any:
+        """Send ``message`` with a new id and wait for the server's answer to it; ``local``: only a server on
+        this machine may take it.  Raises :class:`ForkServerGone` when it has ended."""
         event = threading.Event()
         answer: list[Any] = []
         with self._lock:
-            if not self.alive:
-                raise ForkServerGone("the fork server has ended")
+            if not self.alive or (local and self.remote):
+                raise ForkServerGone("the fork server has ended" if not self.alive else "no fork server on this machine")
             self._next += 1
             ident = self._next
             self._waiting[ident] = (event, answer)
-            line = json.dumps({"id": ident, "spec": spec, "cwd": str(cwd), "env": clean,
-                               "stdout": None if stdout is None else str(stdout),
-                               "stderr": None if stderr is None else str(stderr),
-                               "die_with_server": self.remote, "timeout": timeout, "threads": threads,
-                               "gpus": gpus}) + "\n"
             try:
-                self._stdin.write(line.encode())
+                self._stdin.write((json.dumps({"id": ident, **message}) + "\n").encode())
                 self._stdin.flush()
             except (OSError, ValueError) as exc:
                 self._waiting.pop(ident, None)
                 raise ForkServerGone(f"the fork server has ended ({exc})") from None
         event.wait()
-        if isinstance(answer[0], ColdStart):
-            raise answer[0]
-        if not isinstance(answer[0], ForkedTask):
-            raise ForkServerGone(str(answer[0]))
         return answer[0]
 
     def register_ranks(self, spec: str, cwd: Path, ranks: int, timeout: float | None = None) -> tuple[str, str]:
         """Have the server take the ``ranks`` stubs of a warm multi-rank task (:mod:`hetflow.tasks.warmranks`),
         its stage's packages imported first; returns its socket's path and the task's token.  Raises
         :class:`ForkServerGone` when it cannot (the caller starts the task cold)."""
-        event = threading.Event()
-        answer: list[Any] = []
-        with self._lock:
-            if not self.alive or self.remote:
-                raise ForkServerGone("no fork server on this machine")
-            self._next += 1
-            ident = self._next
-            self._waiting[ident] = (event, answer)
-            line = json.dumps({"id": ident, "spec": spec, "cwd": str(cwd), "env": {}, "ranks": ranks,
-                               "timeout": timeout}) + "\n"
-            try:
-                self._stdin.write(line.encode())
-                self._stdin.flush()
-            except (OSError, ValueError) as exc:
-                self._waiting.pop(ident, None)
-                raise ForkServerGone(f"the fork server has ended ({exc})") from None
-        event.wait()
-        if not isinstance(answer[0], tuple):
-            raise ForkServerGone(str(answer[0]))
-        return answer[0]  # type: ignore[no-any-return]
+        answer = self._ask({"spec": spec, "cwd": str(cwd), "env": {}, "ranks": ranks, "timeout": timeout},
+                           local=True)
+        if not isinstance(answer, tuple):
+            raise ForkServerGone(str(answer))
+        return answer
 
     def forget_ranks(self, token: str, timeout: float = 30.0) -> bool:
         """The ``mpiexec`` of the warm multi-rank task of ``token`` has ended: no stub may use the token any
