@@ -1189,7 +1189,7 @@ class ForkServer:
         except OSError:
             pass
         try:
-            self._proc.wait(timeout=10.0)
+            self._wait_exit(10.0)
         except subprocess.TimeoutExpired:
             self._proc.terminate()  # a launcher (srun) ends what it started on SIGTERM
             try:
@@ -1198,6 +1198,26 @@ class ForkServer:
                 self._proc.kill()
                 self._proc.wait()
         self._reader.join(timeout=10.0)
+
+    def _wait_exit(self, timeout: float) -> None:
+        """Wait for the server's process to end, at most ``timeout`` seconds (:class:`subprocess.TimeoutExpired`).
+
+        Decision: woken by the process's end (its pidfd, Linux), not by polling: ``Popen.wait`` with a timeout
+        sleeps in growing steps of up to 50 ms between looks, and every run waited for the next look at its end
+        while the server's address space was torn down.  Without pidfds, that polling wait."""
+        if self._proc.poll() is not None:
+            return
+        try:
+            pidfd = os.pidfd_open(self._proc.pid)  # not reaped yet (poll above): the pid is still this process's
+        except (AttributeError, OSError):
+            self._proc.wait(timeout=timeout)
+            return
+        try:
+            if not select.select([pidfd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self._proc.args, timeout)
+        finally:
+            os.close(pidfd)
+        self._proc.wait()  # it has ended: reaped at once
 
 
 class ForkServerGone(HetflowError, RuntimeError):
