@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import pyarrow as pa
 
-from . import objectdataset, safeio
+from . import safeio
 from .datasetformat import (  # noqa: F401 - the format's names, re-exported from here
     FORMAT_VERSION, MANIFEST, CorruptDataset, DatasetCommitted, DatasetError, DatasetNotFound, Manifest,
     PartitionInfo, UnsafeDatasetPath, _is_part, check_entry, entry_problem, partition_name, schema_from_text,
@@ -167,6 +167,8 @@ def write_partition(directory: "str | os.PathLike[str]", index: int,
             raise ValueError("write_partition: a schema is required when data is an iterable of batches")
         batches = data
     if is_object_store(directory):  # no rename there: a key of its own, named by the manifest
+        from . import objectdataset  # pyarrow.fs with its TLS: only for datasets on an object store
+
         return objectdataset.write_partition(resolve(directory), index, batches, schema, rank=rank, node=node)
     directory = Path(directory)
     if name is None:
@@ -216,6 +218,8 @@ def commit(directory: "str | os.PathLike[str]", name: str, schema: pa.Schema,
     On an object store the manifest is written only where none is committed yet
     (:func:`hetflow.operators.objectdataset.commit`; :class:`DatasetCommitted` otherwise)."""
     if is_object_store(directory):
+        from . import objectdataset
+
         return objectdataset.commit(resolve(directory), name, schema, partitions, producer=producer)
     directory = Path(directory)
     parts = tuple(sorted(partitions, key=lambda p: p.file))
@@ -289,6 +293,8 @@ def uncommit(directory: "str | os.PathLike[str]") -> None:
     anything is removed.  On an object store every object under the dataset goes.
     """
     if is_object_store(directory):
+        from . import objectdataset
+
         objectdataset.uncommit(resolve(directory))
         return
     directory = Path(directory)
@@ -313,6 +319,8 @@ def uncommit(directory: "str | os.PathLike[str]") -> None:
 # ----------------------------------------------------------------- reading
 def read_manifest(directory: "str | os.PathLike[str]") -> Manifest:
     if is_object_store(directory):
+        from . import objectdataset
+
         where = resolve(directory)
         return _manifest_from(objectdataset.read_manifest_data(where), where.uri, where.join(MANIFEST).uri)
     directory = Path(directory)
@@ -413,6 +421,8 @@ class Dataset:
         where = f"{place.uri} (dataset {self.manifest.name!r}, produced by {_producer_text(self.producer)})"
         if info.bytes == 0:
             raise CorruptDataset(f"{where}: empty object, not a readable Arrow IPC file")
+        from . import objectdataset
+
         return self._checked(index, info, objectdataset.read_partition_bytes(place, info, where), where)
 
     def _checked(self, index: int, info: PartitionInfo, buffer: pa.Buffer, where: str) -> pa.Table:
@@ -533,6 +543,8 @@ def damage(directory: "str | os.PathLike[str]", *, fingerprint: str | None = Non
             return f"{shown}/{MANIFEST} no longer describes what was committed (it was rewritten)"
         check = manifest.num_bytes <= checksum_up_to
         if remote:
+            from . import objectdataset
+
             return objectdataset.damage(resolve(directory), manifest, checksum=check)
     except (DatasetError, StorageError) as exc:  # an unreachable store: not reused, as a missing file
         return str(exc)

@@ -31,10 +31,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-import pyarrow.fs as pafs
+if TYPE_CHECKING:  # imported where a file system is made or listed: pyarrow.fs loads TLS, which a local run never needs
+    import pyarrow.fs as pafs
 
 from .errors import OperatorError
 
@@ -101,6 +102,8 @@ def s3_filesystem() -> pafs.FileSystem:
     The endpoint of :func:`s3_endpoint` is passed to pyarrow; everything else pyarrow finds itself.
     Buckets are never created or deleted by hetflow.
     """
+    import pyarrow.fs as pafs
+
     key = tuple(os.environ.get(name, "") for name in _ENV_KEYS)
     with _FILESYSTEMS_LOCK:
         fs = _FILESYSTEMS.get(key)
@@ -154,6 +157,8 @@ def resolve(target: str | os.PathLike[str] | Location) -> Location:
     """
     if isinstance(target, Location):
         return target
+    import pyarrow.fs as pafs
+
     if not is_uri(target):
         path = os.fspath(target)
         return Location(pafs.LocalFileSystem(), path, path, True)
@@ -234,6 +239,8 @@ def glob_files(where: Location) -> list[pafs.FileInfo]:
 
     :raises StorageError: the listing failed (no credentials, no bucket, access denied, endpoint down).
     """
+    import pyarrow.fs as pafs
+
     base = where.path[:glob_start(where.path)].rsplit("/", 1)[0]
     try:
         infos = where.filesystem.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
@@ -247,6 +254,8 @@ def check_bucket(where: Location) -> None:
     """A :class:`StorageError` if the bucket of ``where`` does not exist (S3 lists a missing bucket as empty)."""
     if not is_object_store(where.uri) or where.bucket is None:
         return
+    import pyarrow.fs as pafs
+
     try:
         found = where.filesystem.get_file_info(where.bucket).type != pafs.FileType.NotFound
     except OSError as exc:

@@ -18,7 +18,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from hetflow.operators.location import is_object_store, is_uri, redact, resolve, storage_error
-from pyarrow.fs import FileSelector, FileType
 
 from .errors import PipelineError
 
@@ -48,6 +47,8 @@ def reachable(data_dir: str, *, pipeline: str) -> None:
     endpoint that is down is one line naming bucket, key and cause, not a failure of the first stage."""
     if not is_object_store(data_dir):
         return
+    from pyarrow.fs import FileType  # a data directory given: pyarrow.fs, not loaded by a run without one
+
     where = resolve(data_dir)
     bucket = resolve(f"s3://{where.bucket}")
     try:
@@ -63,6 +64,8 @@ def unclaimed(data_dir: str, run_id: str, *, pipeline: str) -> None:
     """Refuse a new run whose id already has datasets under ``data_dir``: a data directory two work
     directories share (an object store, a shared path) could hold another store's run of the same id
     (``--run-id``), whose datasets this run's stages would withdraw and replace."""
+    from pyarrow.fs import FileSelector, FileType
+
     root = RunDatasets(data_dir, run_id).root
     where = resolve(root)
     try:

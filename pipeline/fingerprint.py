@@ -170,7 +170,6 @@ from typing import Any
 from hetflow.operators.location import (Location, StorageError, carries_settings, check_bucket,
                                         glob_files, glob_start, is_object_store, object_versions, redact, resolve,
                                         storage_error)
-from pyarrow.fs import FileType
 
 UNCACHEABLE = "uncacheable "
 """The prefix of a code fingerprint's component naming a value that cannot be digested (:func:`uncacheable`)."""
@@ -2400,6 +2399,8 @@ def _objects(pattern: str) -> list[Location | None]:
                 return [None]
             scheme = where.uri.split("://", 1)[0]
             return [Location(where.filesystem, i.path, f"{scheme}://{i.path}", False) for i in infos]
+        from pyarrow.fs import FileType  # only for objects: a local run never loads pyarrow.fs (and TLS)
+
         info = where.filesystem.get_file_info(where.path)
         if info.type == FileType.File:
             return [where]

@@ -631,8 +631,6 @@ class _Started:
         from hetflow.tasks.backends import get_backend
         from sqlalchemy.exc import SQLAlchemyError
 
-        from .status import run_status
-
         orchestrator, store, the_id, given = self.orchestrator, self.store, self.run_id, self.given
         script = orchestrator.script is not None
         try:
@@ -659,6 +657,8 @@ class _Started:
                     orchestrator.stop(reason, "FAILED")
                 _report_uncaught()
                 raise RunAborted(the_id, reason, given, script=script, shell=self.recorded) from exc
+            from .status import run_status  # once the run has ended: its import is not before the first task
+
             status = run_status(store, the_id)
             store.close()
         finally:

@@ -17,6 +17,7 @@ exhausted memory; NaN and infinities are errors too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -24,8 +25,6 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, get_args
-
-import yaml
 
 from .errors import ConfigError
 from .gpu import GPU_VENDORS, GpuVendor, detect_gpus
@@ -320,25 +319,30 @@ def _detect_memory() -> int:
 
 
 # ---------------------------------------------------------------- config files
-class _ConfigLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no type stubs here
+@functools.cache
+def _config_loader() -> type:
     """YAML's safe loader, except that ``20:00`` stays the text it is.
 
     YAML 1.1 reads an unquoted ``20:00`` as the base-60 integer 1200 (Slurm's
     minutes:seconds again); as text it reaches :func:`parse_duration`, which refuses it.
+    Made on first use: a pilot built in Python (and every rank) never imports PyYAML.
     """
+    import yaml
 
+    class ConfigLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no type stubs here
+        pass
 
-def _number_or_clock(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
-    text = loader.construct_scalar(node)
-    if isinstance(text, str) and ":" in text:
-        return text
-    if node.tag.endswith(":int"):
-        return loader.construct_yaml_int(node)
-    return loader.construct_yaml_float(node)
+    def number_or_clock(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+        text = loader.construct_scalar(node)
+        if isinstance(text, str) and ":" in text:
+            return text
+        if node.tag.endswith(":int"):
+            return loader.construct_yaml_int(node)
+        return loader.construct_yaml_float(node)
 
-
-_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _number_or_clock)
-_ConfigLoader.add_constructor("tag:yaml.org,2002:float", _number_or_clock)
+    ConfigLoader.add_constructor("tag:yaml.org,2002:int", number_or_clock)
+    ConfigLoader.add_constructor("tag:yaml.org,2002:float", number_or_clock)
+    return ConfigLoader
 
 
 def config_names() -> list[str]:
@@ -349,6 +353,8 @@ def config_names() -> list[str]:
 
 def config_parent(name: str) -> str | None:
     """The config that shipped config ``name`` extends (its ``extends:``), ``None`` when it extends none."""
+    import yaml
+
     text = resources.files("hetflow.pilot_configs").joinpath(f"{name}.yaml").read_text()
     data = yaml.safe_load(text)
     parent = data.get("extends") if isinstance(data, dict) else None
@@ -395,8 +401,10 @@ def _read_config(spec: str, seen: set[str]) -> dict[str, Any]:
         if spec not in names:
             raise ConfigError(f"unknown pilot {spec!r} (shipped configs: {names}; or give a path to a .yaml file)")
         text = resources.files("hetflow.pilot_configs").joinpath(f"{spec}.yaml").read_text()
+    import yaml
+
     try:
-        data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
+        data = yaml.load(text, Loader=_config_loader())  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     data = {} if data is None else data

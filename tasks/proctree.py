@@ -19,8 +19,12 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:
+    import psutil
+# psutil is imported where a process object is needed: the fork server lists its children after each task
+# ends (:func:`children`, from ``/proc``), and importing psutil there was on the way to reporting the first end
 
 GRACE = 1.0
 """Seconds between SIGTERM and SIGKILL of what outlived its task."""
@@ -58,6 +62,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def _children_by_psutil(pid: int) -> list[int]:
+    import psutil
+
     try:
         return [p.pid for p in psutil.Process(pid).children()]
     except psutil.Error:
@@ -78,6 +84,8 @@ class TreeWatch:
         witness) died, so it was orphaned to ``init``.  A process object keeps its start
         time, so a reused pid is never taken for one seen before.
         """
+        import psutil
+
         now = set(descendants(self.root))
         escaped = []
         for pid in list(self.seen):
@@ -101,6 +109,8 @@ class TreeWatch:
         alive = {p for p in (self.seen.values() if procs is None else procs) if _running(p)}
         if not alive:
             return []
+        import psutil
+
         for proc in list(alive):
             try:
                 alive.update(proc.children(recursive=True))
@@ -118,6 +128,8 @@ class TreeWatch:
 
 
 def _running(proc: psutil.Process) -> bool:
+    import psutil
+
     try:
         return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
@@ -125,6 +137,8 @@ def _running(proc: psutil.Process) -> bool:
 
 
 def _signal(proc: psutil.Process, sig: int) -> None:
+    import psutil
+
     try:
         proc.send_signal(sig)
     except psutil.Error:
