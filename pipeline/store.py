@@ -455,8 +455,13 @@ class Store:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 with self.engine.begin() as conn:
-                    Base.metadata.create_all(conn)
-                    _add_new_columns(conn)
+                    # a new file (every first run in a work directory): every table is made as this hetflow
+                    # declares it, without asking first for each whether it exists, or reading its columns back
+                    new = conn.exec_driver_sql("SELECT 1 FROM sqlite_master WHERE type = 'table' LIMIT 1").first() \
+                        is None
+                    Base.metadata.create_all(conn, checkfirst=not new)
+                    if not new:
+                        _add_new_columns(conn)
             finally:
                 os.close(fd)  # releases the lock
         elif self.engine.dialect.name == "postgresql":
