@@ -236,6 +236,12 @@ _USER_MODULES: dict[tuple[tuple[str, ...], ...], dict[str, tuple[Any, str, bool]
 object is classified once by its file's real path, not again by every stage's walk (each walk looks at every
 module in ``sys.modules``).  A module imported again (a new object) or from another file is classified anew."""
 
+_USER_NAMESPACES: dict[tuple[tuple[str, ...], ...], tuple[list[tuple[str, Any]], list[tuple[str, str, Any]]]] = {}
+"""The user modules' ``(name, file, namespace)`` by the walk's roots, with the ``sys.modules`` items they were
+found in: a walk finding the same items (the same names, the same module objects) takes the list as it is.
+Every stage's key walks once or twice, and looking at each of a few thousand modules again cost about a
+millisecond a walk; comparing the items is a C loop."""
+
 
 class _Walker:
     """Follows the stage function through the user code it reaches; fills ``parts``."""
@@ -694,17 +700,27 @@ class _Walker:
         script = getattr(_target(self.func), "__globals__", None)
         if isinstance(script, dict) and isinstance(script.get("__file__"), str) and self.home:
             found[self.home] = (self.home, script["__file__"], script)
-        unresolved = tuple(os.path.join(d, "") for d in (sys.prefix, sys.base_prefix, sys.exec_prefix) if d)
-        known = _USER_MODULES.setdefault((self.roots, self.external, self.installed_local), {})
-        for name, module in list(sys.modules.items()):
-            path = getattr(module, "__file__", None) if isinstance(module, types.ModuleType) else None
-            seen = known.get(name)
-            if seen is None or seen[0] is not module or seen[1] != path:  # a module not classified yet
-                user = isinstance(path, str) and path.endswith(".py") and not path.startswith(unresolved) and \
-                    "site-packages" not in path and "dist-packages" not in path and self.is_user(self.realpath(path))
-                seen = known[name] = (module, path, user)
-            if seen[2] and name not in found:
-                found[name] = (name, path, vars(module))
+        roots = (self.roots, self.external, self.installed_local)
+        modules = list(sys.modules.items())
+        last = _USER_NAMESPACES.get(roots)
+        if last is None or last[0] != modules:  # a module imported, replaced or removed since the last walk
+            unresolved = tuple(os.path.join(d, "") for d in (sys.prefix, sys.base_prefix, sys.exec_prefix) if d)
+            known = _USER_MODULES.setdefault(roots, {})
+            users = []
+            for name, module in modules:
+                path = getattr(module, "__file__", None) if isinstance(module, types.ModuleType) else None
+                seen = known.get(name)
+                if seen is None or seen[0] is not module or seen[1] != path:  # a module not classified yet
+                    user = isinstance(path, str) and path.endswith(".py") and not path.startswith(unresolved) and \
+                        "site-packages" not in path and "dist-packages" not in path and \
+                        self.is_user(self.realpath(path))
+                    seen = known[name] = (module, path, user)
+                if seen[2]:
+                    users.append((name, path, vars(module)))
+            _USER_NAMESPACES[roots] = last = (modules, users)
+        for name, path, namespace in last[1]:
+            if name not in found:
+                found[name] = (name, path, namespace)
         return list(found.values())
 
     def patch_counts(self, owner: Any, attr: str) -> bool:

@@ -591,8 +591,19 @@ class _Start:
     (:func:`watch_top_end`)."""
 
 
+_GUARD_LINES: dict[str, int | None] = {}
+""":func:`_main_guard_line` by script path: found once a process.  A script without a main block would
+otherwise be parsed again at every stage it declares (N parses for N stages made in a loop)."""
+
+
 def _main_guard_line(path: str) -> int | None:
-    """The line of the first top-level ``if __name__ == "__main__":`` in the script at ``path``."""
+    """The line of the first top-level ``if __name__ == "__main__":`` in the script at ``path`` (read once)."""
+    if path not in _GUARD_LINES:
+        _GUARD_LINES[path] = _find_main_guard(path)
+    return _GUARD_LINES[path]
+
+
+def _find_main_guard(path: str) -> int | None:
     import ast
 
     try:

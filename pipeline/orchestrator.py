@@ -318,6 +318,11 @@ class Orchestrator(MapShell):
     def states(self) -> Mapping[str, str]:
         return self.plan.states
 
+    @property
+    def state_changes(self) -> Sequence[str]:
+        """Every stage whose state was set, in order (the display refreshes only these)."""
+        return self.plan.changes
+
     def stage_env(self, spec: StageSpec) -> dict[str, str | None]:
         """The declared environment variables' values, read once per run: the key and the stage get the same."""
         if spec.name not in self.env:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence, TypeVar, overload
 
 from hetflow.operators.dataset import Dataset
+from hetflow.tasks import protocol
 from hetflow.tasks.description import ResourceRequest
 from hetflow.tasks.errors import ConfigError, UnsatisfiableRequest
 from hetflow.tasks.sizes import parse_bytes
@@ -231,10 +232,12 @@ class Pipeline:
         process each once one changed it) or ``"fork"`` (a process each).
         """
         def register(fn: F) -> F:
+            stage_name = name or getattr(fn, "__name__", None)
+            if protocol.worker_stage is not None and stage_name != protocol.worker_stage:
+                return fn  # a rank of another stage executes the script: see protocol.worker_stage
             from . import observed
 
             observed.watch_top_end()  # the states the script's top leaves (np.random.seed), before its main block
-            stage_name = name or getattr(fn, "__name__", None)
             where = f"pipeline {self.name!r}, stage {stage_name!r}"
             check_name("stage", stage_name, where=f"pipeline {self.name!r}")
             assert isinstance(stage_name, str)

@@ -196,38 +196,43 @@ _tasks: dict[int, str] = {}
 
 
 def _reap() -> None:
-    """Report every task child that has ended, as its witness would (:func:`_witness`)."""
+    """Report every task child that has ended, as its witness would (:func:`_witness`).  A child that is not a
+    task is one of the orphans :func:`_end_orphans` ends: nothing to report."""
+    ended = []
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            break
         if pid == 0:
-            return
-        _witness(pid, status)
+            break
+        attempt_dir = _tasks.pop(pid, None)
+        if attempt_dir is not None:
+            ended.append((pid, status, attempt_dir))
+    if ended:
+        _witness(ended)
 
 
-def _witness(pid: int, status: int) -> None:
-    """What a rank's witness does (:mod:`hetflow.tasks.witness`), here for a task child ``pid`` that has
-    ended: an abnormal end is recorded in its attempt directory (and its MPICH segments removed), what it
-    left behind is ended, and only then is its wait status reported.  A child that is not a task is one
-    of the orphans :func:`_end_orphans` ends: nothing to report."""
-    attempt_dir = _tasks.pop(pid, None)
-    if attempt_dir is None:
-        return
+def _witness(ended: list[tuple[int, int, str]]) -> None:
+    """What a rank's witness does (:mod:`hetflow.tasks.witness`), here for task children that have ended
+    (``(pid, wait status, attempt directory)``): an abnormal end is recorded in its attempt directory (and
+    its MPICH segments removed), what they left behind is ended (once for all of them: the children of
+    this process are read once), and only then is each one's wait status reported."""
     from . import warmranks
 
-    if status != 0:
-        from hetflow.tasks import shm
-        from hetflow.tasks.protocol import AttemptFiles
-        from hetflow.tasks.witness import record_end
+    for pid, status, attempt_dir in ended:
+        if status != 0:
+            from hetflow.tasks import shm
+            from hetflow.tasks.protocol import AttemptFiles
+            from hetflow.tasks.witness import record_end
 
-        if not warmranks.ended_by_launcher(pid):
-            record_end(Path(attempt_dir), pid, status)
-        shm.remove_recorded(AttemptFiles(Path(attempt_dir)).shm_segments(pid))
+            if not warmranks.ended_by_launcher(pid):
+                record_end(Path(attempt_dir), pid, status)
+            shm.remove_recorded(AttemptFiles(Path(attempt_dir)).shm_segments(pid))
     _end_orphans()
-    if not warmranks.ended(pid, status):  # a warm rank's end goes to its stub
-        _reply({"pid": pid, "status": status})
+    for pid, status, _ in ended:
+        if not warmranks.ended(pid, status):  # a warm rank's end goes to its stub
+            _reply({"pid": pid, "status": status})
 
 
 def _signal_task(pid: int, sig: int) -> None:

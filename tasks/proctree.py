@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ GRACE = 1.0
 
 def children(pid: int) -> list[int]:
     """The direct children of ``pid`` (empty once it is gone)."""
-    task_dir = Path(f"/proc/{pid}/task")
+    task_dir = f"/proc/{pid}/task"  # paths as text: the fork server asks after every task it reaps
     try:
         threads = os.listdir(task_dir)
     except OSError:
@@ -40,9 +39,10 @@ def children(pid: int) -> list[int]:
     found: list[int] = []
     for tid in threads:
         try:
-            found += [int(c) for c in (task_dir / tid / "children").read_text().split()]
+            with open(f"{task_dir}/{tid}/children", "rb") as fh:
+                found += [int(c) for c in fh.read().split()]
         except FileNotFoundError:
-            if not (task_dir / tid).exists():
+            if not os.path.exists(f"{task_dir}/{tid}"):
                 continue  # the thread ended
             return _children_by_psutil(pid)  # a kernel without CONFIG_PROC_CHILDREN
         except OSError:

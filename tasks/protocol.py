@@ -46,6 +46,11 @@ FORK_SERVER = "hetflow.tasks.forkserver"
 WORKER_ENV = "HETFLOW_WORKER"
 """Set in every worker; ``Pipeline.run()`` raises :class:`ScriptImportStop` when it sees it."""
 
+worker_stage: str | None = None
+"""In a rank, while it executes the script (or imports the module) that declares its stage: that stage's
+name.  ``Pipeline.stage`` declares only that stage there and skips the others, which the run checked when it
+started: a rank of a plan of N stages made in a loop paid for N declarations otherwise."""
+
 
 class ScriptImportStop(BaseException):
     """Raised by ``Pipeline.run()`` inside a worker: the script is being imported for its stages.

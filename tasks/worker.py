@@ -34,9 +34,9 @@ import time
 import traceback
 import types
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from . import shm
+from . import protocol, shm
 from .errors import HetflowError
 from .gpu import VISIBLE_DEVICES, GpuVendor, apply_visible_devices
 from .protocol import (WORKER_ENV, AttemptFiles, RankError, RankOutput, RankResult, ScriptImportStop, WorkerSpec,
@@ -84,6 +84,16 @@ def _registered(module: Any, stage: str, name: str) -> Callable[..., Any] | None
     return found[0] if found else None
 
 
+@contextlib.contextmanager
+def _declaring(stage: str) -> Iterator[None]:
+    """While the script executes here, only ``stage`` is declared (:data:`protocol.worker_stage`)."""
+    protocol.worker_stage = stage
+    try:
+        yield
+    finally:
+        protocol.worker_stage = None
+
+
 def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
     global _declared
     module_name, path, name = spec.function.module, spec.function.path, spec.function.name
@@ -94,7 +104,8 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     if module_name != "__main__":
-        module = importlib.import_module(module_name)
+        with _declaring(spec.stage):
+            module = importlib.import_module(module_name)
     else:
         if not path:  # declared without a script file (a notebook cell, stdin, -c): shipped by value
             from .shipping import load
@@ -111,7 +122,8 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
         observed.install()
         observed.recording(True)  # the files its top level reads (hetflow.observed)
         try:
-            module = import_script(path, SCRIPT_MODULE)
+            with _declaring(spec.stage):
+                module = import_script(path, SCRIPT_MODULE)
         except ScriptImportStop:
             module = sys.modules[SCRIPT_MODULE]
         finally:

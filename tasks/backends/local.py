@@ -55,6 +55,7 @@ from ..forkserver import ColdStart, ForkServer, ForkServerGone, adopt_early
 from ..launchers.mpiexec import Mpiexec
 from ..ledger import CoreLedger, real_cpus
 from ..proctree import TreeWatch
+from ..runners import Runners
 from .base import Backend, LaunchSpec, TaskOutcome
 from .ranks import options_for
 
@@ -174,6 +175,7 @@ class LocalBackend(Backend):
         self._booking: set[str] = set()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
+        self._runners = Runners("hetflow-task")  # the thread that books, starts and waits for each task
         self._launcher: Mpiexec | None = None
         self._ledger: CoreLedger | None = None
         self._warm = warm_start(pilot)
@@ -207,9 +209,7 @@ class LocalBackend(Backend):
         future.set_running_or_notify_cancel()
         with self._lock:
             self._booking.add(spec.task_id)
-        thread = threading.Thread(target=self._run, args=(spec, argv, cpus, self._ledger, future),
-                                  name=f"hetflow-task-{spec.task_id}", daemon=True)
-        thread.start()
+        self._runners.submit(self._run, spec, argv, cpus, self._ledger, future)
         return future
 
     def _run(self, spec: LaunchSpec, argv: list[str], cpus: list[int], ledger: CoreLedger,
