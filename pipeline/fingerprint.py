@@ -456,25 +456,35 @@ class _Walker:
             return
         calls: dict[str, set[str]] = {}
         reaching: dict[int, frozenset[str]] = {}
+        handed: list[Any] = []
         for _, path, namespace in self.user_namespaces():
             try:
                 source = Path(path).read_bytes()
             except (OSError, TypeError):
                 continue
             scope: Mapping[str, Any] | None = None
-            for text, chain, names in _top_calls(source, path):
+            for text, chain, names, decorated, assigned in _top_calls(source, path):
                 if scope is None:
                     scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
-                libraries = self.called_libraries(_resolve_call(scope, chain), reaching) & self.external_tops
-                if not libraries:
-                    continue
-                values = {n: scope[n] for n in names if n in scope}  # a value not plain data: by its type
+                called = _resolve_call(scope, chain)
+                libraries = self.called_libraries(called, reaching) & self.external_tops
+                if not libraries or (assigned and not _kept_by_library(called, [scope.get(n) for n in assigned])):
+                    continue  # W = np.arange(4): a value of the script's own, counted where a stage reads W
+                values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}  # not plain: by type
                 said = " ".join([text, *(f"{n}={self.value(v) if _plain(v) else type(v).__qualname__}"
                                          for n, v in values.items())])
                 for library in libraries:
                     calls.setdefault(library, set()).add(said)
+                given = namespace.get(decorated) if decorated else None  # what the library holds now: its code
+                given = given if isinstance(given, (types.FunctionType, type)) else _wrapped(given)
+                if isinstance(given, (types.FunctionType, type)):
+                    handed.append(given)
         for library, said in sorted(calls.items()):
             self.add(f"calls into {library} at the top level", _sha("\n".join(sorted(said))))
+        for given in handed:  # @lib.register("loss") def mse(...): the stage reaches it through the library
+            self.follow(given)
+        if handed:
+            self.drain()
 
     def called_libraries(self, target: Any, reaching: dict[int, frozenset[str]], depth: int = 0) -> frozenset[str]:
         """The top-level packages outside the user code that calling ``target`` calls into: its own (a module,
@@ -1269,54 +1279,151 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
     return _SEEDS[key]
 
 
-_TOP_CALLS: dict[str, tuple[tuple[str, _Chain, tuple[str, ...]], ...]] = {}
+_TOP_CALLS: dict[str, tuple[_TopCall, ...]] = {}
 
 
-def _top_calls(source: bytes, path: str) -> tuple[tuple[str, _Chain, tuple[str, ...]], ...]:
-    """The calls a module's top level makes as statements of their own (``lib.register("a", 11)``), also inside
-    a top-level ``if``, ``with``, ``try`` or loop, but not in an ``if __name__ == "__main__":`` block (never run
-    in a rank), and not the seeding calls (:data:`_SEED_FUNCTIONS`, which count as ``seed calls``): ``(text,
-    names of the called object, names its arguments read)``.  The called object is the first name and the
-    attributes after it, up to a call (``lib.get("a").set(2)``: ``("lib", "get")``)."""
+def _top_calls(source: bytes, path: str) -> tuple[_TopCall, ...]:
+    """The calls a module's top level makes: ``(text, names of the called object, names its text reads, name of
+    the function or class it decorates or "")``, not those in an ``if __name__ == "__main__":`` block (never
+    run in a rank), in a function's body (code, counted where it is reached), nor the seeding calls
+    (:data:`_SEED_FUNCTIONS`, which count as ``seed calls``).
+
+    Wherever the top level runs a call, it may change a library's state: as a statement of its own
+    (``lib.register("a", 11)``), but also inside an assignment (``m = lib.register("a", 11)``), a
+    comprehension, a ``with`` item, an ``if`` test, a class body, a default value or a decorator
+    (``@lib.model("sq", scale=2)``, which hands the library the function it decorates; a bare ``@lib.plugin``
+    too).  The text is the statement the call is in (a loop's header before it: ``for n, h in PAIRS:``), so
+    the literal a comprehension or a loop feeds the call counts; the names read are plain names and dotted
+    ones (``cfg.h0``, ``consts.H0``).  A call in what a plain assignment takes (``W = np.arange(4) * 2``) names
+the names it is assigned to, last: :meth:`_Walker.library_calls_at_top` counts it only when the library keeps
+what it returned.  The called object is the first name and the attributes after it, up
+    to a call (``lib.get("a").set(2)``: ``("lib", "get")``; ``getattr(lib, "set")(2)``: ``("lib",)``)."""
     key = hashlib.sha256(source).hexdigest()
     if key in _TOP_CALLS:
         return _TOP_CALLS[key]
-    found: list[tuple[str, _Chain, tuple[str, ...]]] = []
+    found: list[_TopCall] = []
 
-    def walk(body: list[ast.stmt]) -> None:
+    def record(node: ast.expr, sites: list[tuple[str, ast.AST]], decorated: str, assigned: tuple[str, ...]) -> None:
+        func: ast.expr = node
+        while isinstance(func, (ast.Call, ast.Subscript)) or (
+                isinstance(func, ast.Attribute) and _names(func) is None):
+            if isinstance(func, ast.Call) and isinstance(func.func, ast.Name) and func.func.id == "getattr" \
+                    and func.args:
+                func = func.args[0]  # getattr(lib, "set_x")(11): a call into lib
+            else:
+                func = func.func if isinstance(func, ast.Call) else func.value
+        chain = _names(func)
+        if chain is None or (isinstance(node, ast.Call) and (
+                getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in _SEED_FUNCTIONS):
+            return
+        names = {".".join(n) for _, site in sites for sub in ast.walk(site)
+                 if isinstance(sub, (ast.Name, ast.Attribute)) and (n := _names(sub)) is not None}
+        found.append((" ; ".join(text for text, _ in sites), chain, tuple(sorted(names)), decorated, assigned))
+
+    def expressions(node: ast.AST, sites: list[tuple[str, ast.AST]], decorated: str = "") -> None:
+        value = getattr(node, "value", None) if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        assigned = tuple(t.id for t in targets if isinstance(t, ast.Name)) \
+            if value is not None and all(isinstance(t, ast.Name) for t in targets) else ()
+        inside = {id(v) for v in ast.walk(value)} if assigned and value is not None else set()
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) or (sub is node and decorated):
+                record(sub, sites, decorated if sub is node else "",  # type: ignore[arg-type]
+                       assigned if id(sub) in inside else ())
+
+    def site(node: ast.AST) -> tuple[str, ast.AST]:
+        return ast.unparse(node), node
+
+    def walk(body: list[ast.stmt], loops: list[tuple[str, ast.AST]]) -> None:
         for node in body:
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-                call = node.value
-                func: ast.expr = call.func
-                while isinstance(func, (ast.Call, ast.Subscript)) or (
-                        isinstance(func, ast.Attribute) and _names(func) is None):
-                    func = func.func if isinstance(func, ast.Call) else func.value
-                chain = _names(func)
-                seeds = (getattr(call.func, "attr", None) or getattr(call.func, "id", None)) in _SEED_FUNCTIONS
-                if chain is not None and not seeds:
-                    arguments = [*call.args, *(k.value for k in call.keywords)]
-                    names = sorted({n.id for a in arguments for n in ast.walk(a) if isinstance(n, ast.Name)})
-                    found.append((ast.unparse(call), chain, tuple(names)))
-            elif isinstance(node, ast.If) and not _is_main_guard(node):
-                walk(node.body)
-                walk(node.orelse)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                for decorator in node.decorator_list:
+                    expressions(decorator, [*loops, (f"@{ast.unparse(decorator)} {node.name}", decorator)],
+                                node.name)
+                heads = [*node.bases, *node.keywords] if isinstance(node, ast.ClassDef) else \
+                    [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+                for head in heads:
+                    expressions(head, [*loops, site(head)])
+                if isinstance(node, ast.ClassDef):
+                    walk(node.body, loops)  # a class body runs at the top level
+            elif isinstance(node, ast.If):
+                if _is_main_guard(node):
+                    continue
+                expressions(node.test, [*loops, site(node.test)])
+                walk(node.body, loops)
+                walk(node.orelse, loops)
             elif isinstance(node, (ast.With, ast.AsyncWith)):
-                walk(node.body)
-            elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
-                walk(node.body)
-                walk(node.orelse)
+                for item in node.items:
+                    expressions(item.context_expr, [*loops, site(item)])
+                walk(node.body, loops)
+            elif isinstance(node, (ast.For, ast.AsyncFor)):
+                header = (f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}", node.iter)
+                expressions(node.iter, [*loops, header])
+                walk(node.body, [*loops, header])
+                walk(node.orelse, loops)
+            elif isinstance(node, ast.While):
+                header = (f"while {ast.unparse(node.test)}", node.test)
+                expressions(node.test, [*loops, header])
+                walk(node.body, [*loops, header])
+                walk(node.orelse, loops)
             elif isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))):
-                walk(node.body)
+                walk(node.body, loops)
                 for handler in node.handlers:
-                    walk(handler.body)
-                walk(node.orelse)
-                walk(node.finalbody)
+                    walk(handler.body, loops)
+                walk(node.orelse, loops)
+                walk(node.finalbody, loops)
+            elif isinstance(node, ast.Match):
+                expressions(node.subject, [*loops, site(node.subject)])
+                for case in node.cases:
+                    walk(case.body, loops)
+            elif not isinstance(node, (ast.Import, ast.ImportFrom)):
+                expressions(node, [*loops, site(node)])
 
-    walk(_parse(source, path).body)
+    walk(_parse(source, path).body, [])
     if len(_TOP_CALLS) > 4096:
         _TOP_CALLS.clear()
     _TOP_CALLS[key] = tuple(found)
     return _TOP_CALLS[key]
+
+
+def _kept_by_library(called: Any, results: Sequence[Any]) -> bool:
+    """Whether the module of ``called`` (a library's function or class) or its top package holds one of
+    ``results`` (what a top-level assignment took from the call) among its globals or one level inside them
+    (``REGISTRY[name] = obj; return obj``), or a result is None (a setter's): then the call changed the
+    library's state, and counts; a fresh value (``np.arange(4)``) is the script's, not the library's."""
+    results = [*results, *(i for r in results if isinstance(r, (list, tuple)) for i in r[:1000]),
+               *(i for r in results if isinstance(r, dict) for i in list(r.values())[:1000])]
+    if any(r is None for r in results):
+        return True
+    home = called.__name__ if isinstance(called, types.ModuleType) else getattr(called, "__module__", None)
+    if not isinstance(home, str):
+        return True  # cannot tell: counted
+    wanted = {id(r) for r in results}
+    for name in {home, home.partition(".")[0]}:
+        module = sys.modules.get(name)
+        for value in list(vars(module).values()) if module is not None else ():
+            if id(value) in wanted:
+                return True
+            inner = list(value.values()) if isinstance(value, dict) else \
+                list(value) if isinstance(value, (list, tuple, set)) else []
+            if any(id(v) in wanted for v in inner[:100000]):
+                return True
+    return False
+
+
+def _dotted(scope: Mapping[str, Any], name: str) -> Any:
+    """The value a plain or dotted name (``cfg.h0``) holds in ``scope``, through ``vars`` (never ``getattr``:
+    no property runs); :data:`_ABSENT` when it cannot be found so."""
+    first, *rest = name.split(".")
+    value = scope.get(first, _ABSENT)
+    for part in rest:
+        try:
+            value = vars(value).get(part, _ABSENT)
+        except TypeError:
+            return _ABSENT
+        if value is _ABSENT:
+            break
+    return value
 
 
 def _resolve_call(namespace: Mapping[str, Any], chain: _Chain) -> Any:
@@ -1594,6 +1701,8 @@ def _parse(source: bytes, path: str) -> ast.Module:
 
 
 _Chain = tuple[str | None, ...]
+_TopCall = tuple[str, _Chain, tuple[str, ...], str, tuple[str, ...]]
+"""A call the top level makes (:func:`_top_calls`)."""
 _PATCHES: dict[str, tuple[tuple[str, _Chain, str], ...]] = {}
 
 
