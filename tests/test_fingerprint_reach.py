@@ -852,3 +852,42 @@ def test_end_to_end_an_edit_of_a_function_a_library_decorator_registers_reruns_t
     assert once("2") == ("DONE", 6)
     assert once("5") == ("DONE", 15)
     assert once("5") == ("CACHED", 15)
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_a_partial_declared_as_the_stage_runs_and_counts_its_arguments(tmp_path: Path) -> None:
+    """The tenth red team's low: ``pipe.stage(name="p")(functools.partial(scaled, k=3))`` failed in its rank,
+    "functools.p is not a function, and no pipeline in functools declares a stage 'p'" (a partial's module is
+    ``functools``).  Now the rank finds it where its function is declared: it runs, an edit of ``k`` re-runs
+    it with the new value, and unchanged it is CACHED."""
+    script = textwrap.dedent("""
+        import functools
+        import pyarrow as pa
+        import hetflow as hf
+
+        pipe = hf.Pipeline("partial")
+
+        def scaled(ctx, k):
+            return {"out": pa.table({"v": [k]})}
+
+        pipe.stage(name="p", outputs=["out"])(functools.partial(scaled, k=K))
+
+        if __name__ == "__main__":
+            pipe.run()
+    """)
+    hetflow = [sys.executable, "-m", "hetflow.cli"]
+    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
+    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
+
+    def once(k: str) -> tuple[str, int]:
+        (tmp_path / "pipeline.py").write_text(script.replace("K", k))
+        done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True).stdout)
+        from hetflow.operators.dataset import Dataset
+
+        return shown["stages"][0]["state"], Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+
+    assert once("3") == ("DONE", 3)
+    assert once("4") == ("DONE", 4)
+    assert once("4") == ("CACHED", 4)
