@@ -470,9 +470,9 @@ class _Walker:
                 libraries = self.called_libraries(called, reaching) & self.external_tops
                 if not libraries or (assigned and not _kept_by_library(called, [scope.get(n) for n in assigned])):
                     continue  # W = np.arange(4): a value of the script's own, counted where a stage reads W
-                values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}  # not plain: by type
-                said = " ".join([text, *(f"{n}={self.value(v) if _plain(v) else type(v).__qualname__}"
-                                         for n, v in values.items())])
+                values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
+                said = " ".join([text, *(f"{n}={self.value(v)}" if self.handed_over(v, called, libraries)
+                                         else f"{n}={type(v).__qualname__}" for n, v in values.items())])
                 for library in libraries:
                     calls.setdefault(library, set()).add(said)
                 given = namespace.get(decorated) if decorated else None  # what the library holds now: its code
@@ -485,6 +485,16 @@ class _Walker:
             self.follow(given)
         if handed:
             self.drain()
+
+    def handed_over(self, value: Any, called: Any, libraries: frozenset[str]) -> bool:
+        """Whether a value a top-level call into ``libraries`` passes counts by its value: plain data, or an
+        object of the library's own type that the library keeps (``c = lib.Cosmology(70)``,
+        ``lib.register_obj("planck", c)``, then ``c.h0 = 11``: what the stage reads through the library).  Any
+        other object counts by its type: its text may be an address, or change as it lives (a pool, a session)."""
+        if _plain(value):
+            return True
+        home = type(value).__module__.partition(".")[0]
+        return home in libraries and _kept_by_library(called, [value])
 
     def called_libraries(self, target: Any, reaching: dict[int, frozenset[str]], depth: int = 0) -> frozenset[str]:
         """The top-level packages outside the user code that calling ``target`` calls into: its own (a module,
