@@ -149,6 +149,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import logging
 import os
@@ -285,6 +286,8 @@ class _Walker:
         """The globals of :attr:`library_state` that a call inside a function sets from a name the function binds
         (its parameter: ``def setup(h0): lib.set_h0(h0)``), whose value the call's text does not show: one that
         holds a single object of the library's (a setting, not a cache of many) counts by value."""
+        self.library_held: dict[str, frozenset[int]] = {}
+        """What each library module holds, by identity (:func:`_kept_by_library`), found once per walk."""
         self.outsiders: dict[str, bool] = {}
         """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
@@ -468,7 +471,8 @@ class _Walker:
                     scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
                 called = _resolve_call(scope, chain)
                 libraries = self.called_libraries(called, reaching) & self.external_tops
-                if not libraries or (assigned and not _kept_by_library(called, [scope.get(n) for n in assigned])):
+                if not libraries or (assigned and not _kept_by_library(called, [scope.get(n) for n in assigned],
+                                                                      self.library_held)):
                     continue  # W = np.arange(4): a value of the script's own, counted where a stage reads W
                 values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
                 said = " ".join([text, *(f"{n}={self.value(v)}" if self.handed_over(v, called, libraries)
@@ -494,7 +498,7 @@ class _Walker:
         if _plain(value):
             return True
         home = type(value).__module__.partition(".")[0]
-        return home in libraries and _kept_by_library(called, [value])
+        return home in libraries and _kept_by_library(called, [value], self.library_held)
 
     def called_libraries(self, target: Any, reaching: dict[int, frozenset[str]], depth: int = 0) -> frozenset[str]:
         """The top-level packages outside the user code that calling ``target`` calls into: its own (a module,
@@ -1396,11 +1400,12 @@ what it returned.  The called object is the first name and the attributes after 
     return _TOP_CALLS[key]
 
 
-def _kept_by_library(called: Any, results: Sequence[Any]) -> bool:
+def _kept_by_library(called: Any, results: Sequence[Any], memo: dict[str, frozenset[int]]) -> bool:
     """Whether the module of ``called`` (a library's function or class) or its top package holds one of
     ``results`` (what a top-level assignment took from the call) among its globals or one level inside them
     (``REGISTRY[name] = obj; return obj``), or a result is None (a setter's): then the call changed the
-    library's state, and counts; a fresh value (``np.arange(4)``) is the script's, not the library's."""
+    library's state, and counts; a fresh value (``np.arange(4)``) is the script's, not the library's.
+    ``memo``: what each module holds, found once per walk (the script does not run meanwhile)."""
     results = [*results, *(i for r in results if isinstance(r, (list, tuple)) for i in r[:1000]),
                *(i for r in results if isinstance(r, dict) for i in list(r.values())[:1000])]
     if any(r is None for r in results):
@@ -1410,14 +1415,18 @@ def _kept_by_library(called: Any, results: Sequence[Any]) -> bool:
         return True  # cannot tell: counted
     wanted = {id(r) for r in results}
     for name in {home, home.partition(".")[0]}:
-        module = sys.modules.get(name)
-        for value in list(vars(module).values()) if module is not None else ():
-            if id(value) in wanted:
-                return True
-            inner = list(value.values()) if isinstance(value, dict) else \
-                list(value) if isinstance(value, (list, tuple, set)) else []
-            if any(id(v) in wanted for v in inner[:100000]):
-                return True
+        if name not in memo:
+            held: set[int] = set()
+            module = sys.modules.get(name)
+            for value in list(vars(module).values()) if module is not None else ():
+                held.add(id(value))
+                if isinstance(value, dict):
+                    held.update(map(id, itertools.islice(list(value.values()), 100000)))
+                elif isinstance(value, (list, tuple, set, frozenset)):
+                    held.update(map(id, itertools.islice(list(value), 100000)))
+            memo[name] = frozenset(held)
+        if not wanted.isdisjoint(memo[name]):
+            return True
     return False
 
 
