@@ -475,8 +475,7 @@ class _Walker:
                                                                       self.library_held)):
                     continue  # W = np.arange(4): a value of the script's own, counted where a stage reads W
                 values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
-                said = " ".join([text, *(f"{n}={self.value(v)}" if self.handed_over(v, called, libraries)
-                                         else f"{n}={type(v).__qualname__}" for n, v in values.items())])
+                said = " ".join([text, *(f"{n}={self.handed_text(v, called, libraries)}" for n, v in values.items())])
                 for library in libraries:
                     calls.setdefault(library, set()).add(said)
                 given = namespace.get(decorated) if decorated else None  # what the library holds now: its code
@@ -490,15 +489,23 @@ class _Walker:
         if handed:
             self.drain()
 
-    def handed_over(self, value: Any, called: Any, libraries: frozenset[str]) -> bool:
-        """Whether a value a top-level call into ``libraries`` passes counts by its value: plain data, or an
+    def handed_text(self, value: Any, called: Any, libraries: frozenset[str]) -> str:
+        """How a value a top-level call into ``libraries`` passes counts: plain data by its value, and so an
         object of the library's own type that the library keeps (``c = lib.Cosmology(70)``,
-        ``lib.register_obj("planck", c)``, then ``c.h0 = 11``: what the stage reads through the library).  Any
-        other object counts by its type: its text may be an address, or change as it lives (a pool, a session)."""
+        ``lib.register_obj("planck", c)``, then ``c.h0 = 11``: what the stage reads through the library) unless
+        its text is not faithful (an address: by its type, as before, not made uncacheable).  Any other object
+        counts by its type: its text may be an address, or change as it lives (a pool, a session)."""
         if _plain(value):
-            return True
+            return self.value(value)
         home = type(value).__module__.partition(".")[0]
-        return home in libraries and _kept_by_library(called, [value], self.library_held)
+        if home not in libraries or not _kept_by_library(called, [value], self.library_held):
+            return type(value).__qualname__
+        before = set(self.shortened)
+        text = self.value(value)
+        if set(self.shortened) - before:
+            self.shortened.intersection_update(before)
+            return type(value).__qualname__
+        return text
 
     def called_libraries(self, target: Any, reaching: dict[int, frozenset[str]], depth: int = 0) -> frozenset[str]:
         """The top-level packages outside the user code that calling ``target`` calls into: its own (a module,
