@@ -478,16 +478,24 @@ class _Walker:
                 said = " ".join([text, *(f"{n}={self.handed_text(v, called, libraries)}" for n, v in values.items())])
                 for library in libraries:
                     calls.setdefault(library, set()).add(said)
+                handed.extend(v for v in values.values() if isinstance(v, (types.FunctionType, type))
+                              and self.is_user_code(v))  # lib.register_hook(my_fn): what the stage calls through it
                 given = namespace.get(decorated) if decorated else None  # what the library holds now: its code
                 given = given if isinstance(given, (types.FunctionType, type)) else _wrapped(given)
                 if isinstance(given, (types.FunctionType, type)):
                     handed.append(given)
         for library, said in sorted(calls.items()):
             self.add(f"calls into {library} at the top level", _sha("\n".join(sorted(said))))
-        for given in handed:  # @lib.register("loss") def mse(...): the stage reaches it through the library
+        for given in handed:  # @lib.register("loss") def mse(...), lib.add_hook(fn): reached through the library
             self.follow(given)
         if handed:
             self.drain()
+
+    def is_user_code(self, value: Any) -> bool:
+        """Whether a function or class is the user's (defined in the script or a local module)."""
+        code = getattr(value, "__code__", None)
+        path = code.co_filename if code is not None else getattr(sys.modules.get(value.__module__), "__file__", None)
+        return isinstance(path, str) and self.is_user(self.realpath(path))
 
     def handed_text(self, value: Any, called: Any, libraries: frozenset[str]) -> str:
         """How a value a top-level call into ``libraries`` passes counts: plain data by its value, and so an

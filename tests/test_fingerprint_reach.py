@@ -785,6 +785,7 @@ ANYWHERE_SETTINGS = [
     ("c = fakelib.Cosmology(70)\nfakelib.register_obj('planck', c)\nc.h0 = 11", "fakelib.get('planck').h0", None),
     ("@fakelib.model('sq', scale=11)\ndef sq(x):\n    return x", "fakelib.apply('sq', 1)", None),
     ("@fakelib.model('sq')\ndef sq(x):\n    return x * 11", "fakelib.apply('sq', 1)", None),
+    ("def sq(x):\n    return x * 11\nfakelib.register_obj('sq', (sq, 1))", "fakelib.apply('sq', 1)", None),
 ]
 
 
@@ -795,8 +796,9 @@ def test_a_call_into_a_library_anywhere_in_the_top_level_counts_for_a_stage_usin
     (``m = fakelib.register(...)``), in a comprehension, fed by a loop, in a class body, a ``with`` item, an
     ``if`` test, through ``getattr``, passing ``cfg.h0`` or ``consts.H0`` (a value by its type only), a
     decorator's argument, the body of a function a library decorator registers (the stage reaches it only
-    through the library), and an object of the library's the script handed it and then changed (``c.h0 = 11``
-    after ``register_obj("planck", c)``): 11 -> 12 gave the same key, each served CACHED with 11."""
+    through the library) or that a plain call hands it (``register_obj("sq", (sq, 1))``, a hook), and an
+    object of the library's the script handed it and then changed (``c.h0 = 11`` after
+    ``register_obj("planck", c)``): 11 -> 12 gave the same key, each served CACHED with 11."""
     script = (f"import fakelib\n{setting}\ndef stage(ctx):\n    return {reads}\n"
               "def other(ctx):\n    return 1\n")
 
