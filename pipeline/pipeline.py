@@ -523,7 +523,7 @@ class Pipeline:
             if chosen_data is not None:  # as the run's own directory kept it, not as any store user wrote it
                 from .started import check_kept_data_dir
 
-                check_kept_data_dir(previous, root / "runs" / the_id)
+                check_kept_data_dir(previous, Path(previous.run_dir))  # as `hetflow resume` reads it
         if chosen_data is not None:
             what = "--data-dir" if options.data_dir else "data_dir"
             description = dataclasses.replace(description, data_dir=check_data_dir(chosen_data, what=what))

@@ -55,7 +55,8 @@ def check(record: Any) -> None:
 def check_kept_data_dir(record: Any, run_dir: Path) -> None:
     """Refuse (:class:`~hetflow.errors.ChangedInStore`) to resume ``record`` from Python code
     (``pipe.run(run_id=...)``) into the data directory its record names when that is not the one the run
-    started with (kept in ``run_dir``, the run's directory this resume uses).
+    started with (kept in ``run_dir``, the run's directory as the record names it: its ``started.json`` must
+    be this user's and name this run, so a record pointing elsewhere is refused too).
 
     Decision: the params, argv and script of such a resume are the caller's own (its code gives them), so
     only the data directory, which it takes from the store, is compared: a user of a shared store who named
