@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -86,10 +87,13 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
             needed = {name: _prefiltered(tree, name, table) for name, table in needed.items()}
         mine = sum(int(t.nbytes) for t in needed.values())
         # with the bytes, each table's IPC size: the one gather that follows needs no counts of its own
-        every = comm.allgather((mine, [tc.ipc_size(needed[n]) for n in sorted(needed)] if mine < bound else None))
-        sizes = [float(b) for b, _ in every]
+        # and its host and kernel threads: the cores rank 0 may take from the ranks that wait for it
+        every = comm.allgather((mine, [tc.ipc_size(needed[n]) for n in sorted(needed)] if mine < bound else None,
+                                _HOST, kernels.threads()))
+        sizes = [float(e[0]) for e in every]
         if sum(sizes) < bound:
-            return _on_rank_zero(comm, query, tree, names, inputs, needed, sizes, [s for _, s in every], bound)
+            return _on_rank_zero(comm, query, tree, names, inputs, needed, sizes, [e[1] for e in every], bound,
+                                 statement_threads([(e[2], e[3]) for e in every]))
     run = _Run(comm, local)
     table = _named(run.query(tree, top=True), names, inputs)
     return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.finish()), _checked=True)
@@ -107,6 +111,21 @@ SINGLE_SOURCE_BYTES = 8 * 2**20
 
 #: the tag of rank 0's message that ends a query it ran alone (the result's schema and plan, or the error)
 _DONE_TAG = 2828
+_HOST = socket.gethostname()
+
+
+def statement_threads(ranks: Sequence[tuple[str, int]]) -> int:
+    """DuckDB threads for the statement rank 0 runs alone, given each rank's (host, kernel threads) in
+    rank order: rank 0's own plus those of every other rank on its host, which wait for the statement
+    without using a core (``_await_rank_zero``), at most the cores rank 0 may run on.  Ranks on other
+    hosts lend nothing."""
+    host, own = ranks[0]
+    lent = sum(t for h, t in ranks[1:] if h == host)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, own + lent))
 
 
 def _single_source(tree: Any) -> bool:
@@ -135,17 +154,19 @@ def _needed(query: str, tree: Any, local: Mapping[str, pa.Table]) -> dict[str, p
 
 
 def _on_rank_zero(comm: Communicator, query: str, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable],
-                  needed: Mapping[str, pa.Table], sizes: list[float], ipc: list[list[int] | None], bound: int) -> DTable:
+                  needed: Mapping[str, pa.Table], sizes: list[float], ipc: list[list[int] | None], bound: int,
+                  workers: int) -> DTable:
     """Gather ``needed`` (each input's columns the query names, in the rows its own conditions pass, or
-    all of them) to rank 0 in one exchange and run the query there alone, as one DuckDB statement; the
-    other ranks hold no row of the result (its schema, the plan, or the error, sent by rank 0, which
-    they wait for without spinning a core)."""
+    all of them) to rank 0 in one exchange and run the query there alone, as one DuckDB statement on
+    ``workers`` threads (``statement_threads``); the other ranks hold no row of the result (its schema,
+    the plan, or the error, sent by rank 0, which they wait for without spinning a core)."""
     from . import sqlplan
 
     sqlplan.check_supported(tree)   # what the distributed plan refuses is refused here too, on every rank
     whole = _gather_inputs(comm, needed, ipc)
     model = hockney(comm)
-    step = Plan("query", f"gather the inputs to rank 0 and run there as one DuckDB statement ({sum(sizes) / 1e6:.2f} MB in the "
+    step = Plan("query", f"gather the inputs to rank 0 and run there as one DuckDB statement on {workers} thread(s), "
+                         f"the waiting ranks' of its host lent ({sum(sizes) / 1e6:.2f} MB in the "
                          f"columns it names and the rows their own conditions keep, under {bound / 1e6:.2f} MB)",
                 shuffle_cost(model, sizes), {}, f"inputs {sorted(needed)}", model.describe())
     if comm.Get_rank() != 0:
@@ -155,7 +176,8 @@ def _on_rank_zero(comm: Communicator, query: str, tree: Any, names: list[str] | 
         return DTable(comm, payload.empty_table(), _plans=(step,), _checked=True)
     assert whole is not None
     try:
-        table = sqlplan.with_part(_direct(query, tree, names, inputs, whole), None)
+        with kernels.duck_threads(workers):
+            table = sqlplan.with_part(_direct(query, tree, names, inputs, whole), None)
     except Exception as exc:
         error = exc if isinstance(exc, SQLError) else SQLError(f"rank 0, running the query alone, failed: {type(exc).__name__}: {exc}")
         for dest in range(1, comm.Get_size()):
@@ -187,8 +209,10 @@ def _direct(query: str, tree: Any, names: list[str] | None, inputs: Mapping[str,
 
     by_lower = {name.lower(): table for name, table in tables.items()}
     scope = {spelled: by_lower[spelled.lower()] for spelled in sqlplan.table_spellings(query) if spelled.lower() in by_lower}
+    text, reads = sqlplan.one_name_per_read(query)
+    scope.update({new: by_lower[old.lower()] for new, old in reads if old.lower() in by_lower})
     try:
-        out = kernels._duck_query(query, **scope)
+        out = kernels._duck_query(text, **scope)
     except duckdb.Error as exc:
         raise SQLError(f"the query failed: {str(exc).splitlines()[0]}") from exc
     outputs = sqlplan.output_names(tree)

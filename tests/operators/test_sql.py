@@ -493,10 +493,11 @@ class _Rendezvous(_Counting):
 @pytest.mark.mpi
 def test_a_small_query_is_one_duckdb_statement_after_one_gather(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A query over small inputs that rank 0 runs alone is the query itself, one DuckDB statement (DuckDB
-    decorrelates its subquery), after one gather of every input it reads and one allgather of their sizes
-    (one more for the hosts of a new communicator); at one rank, that statement alone. DuckDB's answer
-    all the same, columns named as the query spells them."""
-    from hetflow.operators import DTable, kernels, sql, sqlengine
+    decorrelates its subquery; the second read of ``steps`` named apart, ``one_name_per_read``), after one
+    gather of every input it reads and one allgather of their sizes (one more for the hosts of a new
+    communicator); at one rank, that statement alone. DuckDB's answer all the same, columns named as the
+    query spells them."""
+    from hetflow.operators import DTable, kernels, sql, sqlengine, sqlplan
 
     monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
     statements: list[str] = []
@@ -525,7 +526,7 @@ def test_a_small_query_is_one_duckdb_statement_after_one_gather(comm: Any, monke
         want = _sqlcheck.duckdb_answer(query, **tables)
         _sqlcheck.assert_same(got, want, ordered=True, ctx=f"one statement at {size} rank(s)")
         assert got.column_names == ["model", "n", "avg(s.energy)", "cost"], got.column_names
-        assert ran == [query], ran
+        assert ran == [sqlplan.one_name_per_read(query)[0]] and 'from "steps__hf2" s2 where' in ran[0], ran
     else:
         assert ran == [] and result.local_num_rows == 0, ran
     assert rendezvous == ((2, 1) if size > 1 else (0, 0)), rendezvous
@@ -548,6 +549,79 @@ def test_a_small_query_is_refused_what_the_distributed_plan_refuses(comm: Any, q
     monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
     with pytest.raises(SQLError, match=message):
         _check(comm, query, **_tables())
+
+
+def test_a_table_read_twice_is_named_apart_in_each_later_read() -> None:
+    """The statement rank 0 runs alone names each later read of a table apart (aliased: the new name;
+    unaliased: the new name with the old one as its alias; quoted as written), leaves CTEs, qualified
+    tables and the rest of the text as written, and leaves a query reading every table once unchanged;
+    DuckDB's answer over the renamed text is the query's."""
+    import duckdb
+    from hetflow.operators import sqlplan
+    from sqlglot import exp
+
+    query = """with hot as (select run_id from runs where temperature > 300)
+        select r.model, count(*) as n from runs r join steps on steps.run_id = r.run_id
+        where steps.energy < (select avg(s2.energy) from steps s2 where s2.run_id = r.run_id)
+          and r.run_id in (select run_id from hot) and r.run_id in (select run_id from hot)
+          and exists (select * from "Runs" where "Runs".run_id = steps.run_id)
+        group by r.model order by r.model nulls last"""
+    text, reads = sqlplan.one_name_per_read(query)
+    assert sorted(old for _, old in reads) == ["Runs", "runs", "steps"], reads
+    assert len({new.lower() for new, _ in reads} | {"runs", "steps"}) == 5, reads
+    undone = text
+    for new, old in reads:
+        undone = undone.replace(f'"{new}" AS ', "").replace(f'"{new}"', old)
+    assert undone == query and text.count('"steps__hf2" s2') == 1, text
+    for t in sqlplan.parse(text).find_all(exp.Table):  # every read of a table has a name of its own; "hot" is a CTE
+        assert t.name.lower() == "hot" or [u.name.lower() for u in sqlplan.parse(text).find_all(exp.Table)].count(t.name.lower()) == 1, text
+    once = "select model, count(*) as n from runs group by model order by model nulls last"
+    assert sqlplan.one_name_per_read(once) == (once, ())
+    tables = _tables()
+    con = duckdb.connect()
+    for name, t in {**tables, **{new: tables[old.lower()] for new, old in reads}}.items():
+        con.register(name, t)
+    assert con.sql(text).fetchall() == con.sql(query).fetchall()
+
+
+def test_rank_0_runs_alone_on_the_threads_of_its_hosts_waiting_ranks() -> None:
+    """The statement rank 0 runs alone uses its own kernel threads plus those of the other ranks on its
+    host (they wait for it without using a core), never those of another host, at most the cores it may
+    run on, at least one."""
+    import os
+
+    from hetflow.operators import sqlengine
+
+    cores = len(os.sched_getaffinity(0))
+    assert sqlengine.statement_threads([("a", 1)]) == 1
+    assert sqlengine.statement_threads([("a", 1), ("a", 1)]) == min(cores, 2)
+    assert sqlengine.statement_threads([("a", 1), ("b", 4), ("a", 1), ("b", 4)]) == min(cores, 2)
+    assert sqlengine.statement_threads([("a", 1), ("a", 10**6)]) == cores
+
+
+@pytest.mark.mpi
+def test_a_small_query_runs_on_the_threads_the_waiting_ranks_lend(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one kernel thread per rank, the statement rank 0 runs alone runs on one DuckDB thread per
+    rank of its host (every rank of this test's), as DuckDB itself reports inside the statement, and the
+    plan says so; the next statement of the rank's own runs on its one thread again."""
+    import os
+
+    from hetflow.operators import kernels, settings, sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    size = comm.Get_size()
+    if size == 1:
+        pytest.skip("one rank runs every query alone, on its own threads: no rank waits to lend any")
+    want = min(size, len(os.sched_getaffinity(0)))
+    with settings.override(threads=1):
+        result = _check(comm, "select current_setting('threads') as t, count(*) as n from runs", **_tables())
+        got = result.gather()
+        with kernels.duck_threads(1):
+            own = kernels._duck_query("select current_setting('threads') as t").column(0)[0].as_py()
+    if comm.Get_rank() == 0:
+        assert got.column("t").to_pylist() == [want], got
+    assert f"one DuckDB statement on {want} thread(s)" in result.plans[0].algorithm, result.explain()
+    assert own == 1, own
 
 
 def test_exists_of_star_and_count_star_name_no_column() -> None:
