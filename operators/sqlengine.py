@@ -83,8 +83,10 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
         bound = min(SINGLE_SOURCE_BYTES, SMALL_QUERY_BYTES) if _single_source(tree) else SMALL_QUERY_BYTES
         if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * bound:
             # small enough that the query may qualify once each input keeps only the rows its own
-            # conditions pass: filter here (a scan of this rank's rows), and count what is left
-            needed = {name: _prefiltered(tree, name, table) for name, table in needed.items()}
+            # conditions pass: filter here (a scan of this rank's rows), and count what is left; an
+            # input too small for that to repay its statement is gathered whole
+            needed = {name: _prefiltered(tree, name, table) if int(table.nbytes) * comm.Get_size() >= PREFILTER_MIN_BYTES
+                      else table for name, table in needed.items()}
         mine = sum(int(t.nbytes) for t in needed.values())
         # with the bytes, each table's IPC size: the one gather that follows needs no counts of its own
         # and its host and kernel threads: the cores rank 0 may take from the ranks that wait for it
@@ -100,32 +102,44 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
 
 
 #: a query whose inputs hold fewer bytes than this in the columns it names, in the rows that pass each
-#: input's own conditions (``_prefiltered``), summed over the ranks, runs on rank 0 alone, as one DuckDB
-#: statement: those rows are gathered there (one exchange) instead of exchanged step by
-#: step, each step a rendezvous of the ranks that costs more than the work it shares out on such inputs
+#: input's own conditions (``_prefiltered``; all of a small input's: ``PREFILTER_MIN_BYTES``), summed over
+#: the ranks, runs on rank 0 alone, as one DuckDB statement: those rows are gathered there (one exchange)
+#: instead of exchanged step by step, each step a rendezvous of the ranks that costs more than the work it shares out on such inputs
 #: (docs/benchmarks.md, TPC-H at SF 0.1 and 1); at one rank every query runs so; 0 turns this off
 SMALL_QUERY_BYTES = 64 * 2**20
 #: the same bound for a query that reads one table once (no join, no subquery: TPC-H Q1, Q6), whose
 #: distributed plan exchanges no rows before its aggregate, only the partial aggregates after it
 SINGLE_SOURCE_BYTES = 8 * 2**20
 
+#: an input of fewer bytes than this (this rank's, times the ranks) is gathered whole for rank 0's
+#: statement, without its own conditions applied first: the statement that applies them costs about as
+#: much as gathering that many bytes, and DuckDB on rank 0 then plans its joins over the table as it is
+#: (TPC-H Q21: its nation table filtered to its one row first made DuckDB join it last, 2-3x slower)
+PREFILTER_MIN_BYTES = 1 << 20
+
 #: the tag of rank 0's message that ends a query it ran alone (the result's schema and plan, or the error)
 _DONE_TAG = 2828
 _HOST = socket.gethostname()
 
 
-def statement_threads(ranks: Sequence[tuple[str, int]]) -> int:
+def statement_threads(ranks: Sequence[tuple[str, int]], cores: int | None = None, load: float | None = None) -> int:
     """DuckDB threads for the statement rank 0 runs alone, given each rank's (host, kernel threads) in
-    rank order: rank 0's own plus those of every other rank on its host, which wait for the statement
-    without using a core (``_await_rank_zero``), at most the cores rank 0 may run on.  Ranks on other
-    hosts lend nothing."""
+    rank order: rank 0's own plus those of the other ranks on its host, which wait for the statement
+    without using a core (``_await_rank_zero``), as far as the host has cores idle to run them: its
+    ``cores`` (those rank 0 may run on) less its ``load`` (the 1-minute load average, rank 0's own
+    running thread in it), rounded; on a host that other work keeps busy a second thread only waits
+    for a core (docs/benchmarks.md, TPC-H).  Ranks on other hosts lend nothing."""
     host, own = ranks[0]
     lent = sum(t for h, t in ranks[1:] if h == host)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, own + lent))
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+    if load is None:
+        load = os.getloadavg()[0] if lent else 0.0
+    idle = max(0, round(cores - load))
+    return max(1, min(cores, own + min(lent, idle)))
 
 
 def _single_source(tree: Any) -> bool:

@@ -469,6 +469,7 @@ def test_a_query_over_small_inputs_runs_on_rank_0_alone(comm: Any, name: str, mo
     from hetflow.operators import SQLError, sqlengine
 
     monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    monkeypatch.setattr(sqlengine, "PREFILTER_MIN_BYTES", 0)  # these inputs are tiny: filter them all the same
     query, ordered = (QUERIES | SMALL)[name]
     result = _check(comm, query, ordered=ordered, **_tables())
     if comm.Get_size() > 1:
@@ -534,6 +535,37 @@ def test_a_small_query_is_one_duckdb_statement_after_one_gather(comm: Any, monke
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("floor", [0, 1 << 20])
+def test_a_small_input_reaches_rank_0_whole(comm: Any, floor: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the gather to rank 0, each rank applies an input's own conditions to its rows (one DuckDB
+    statement per input) only where the input holds at least ``PREFILTER_MIN_BYTES`` over the ranks;
+    a smaller one travels whole and rank 0's statement applies them (these inputs hold a few kB).
+    DuckDB's answer either way."""
+    from hetflow.operators import kernels, sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    monkeypatch.setattr(sqlengine, "PREFILTER_MIN_BYTES", floor)
+    statements: list[str] = []
+    real = kernels._duck_query
+
+    def counted(query: str, /, **tables: pa.Table) -> pa.Table:
+        statements.append(query)
+        return real(query, **tables)
+
+    monkeypatch.setattr(kernels, "_duck_query", counted)
+    query = """select r.model, count(*) as n, sum(s.cost) as cost from runs r join steps s on s.run_id = r.run_id
+               where r.temperature > 300 and s.step < 20 group by r.model"""
+    _check(comm, query, **_tables())
+    filters = [q for q in statements if q.startswith("SELECT * FROM t WHERE")]
+    if comm.Get_size() == 1:
+        assert filters == [], statements
+    elif floor == 0:
+        assert len(filters) == 2 and any("temperature" in q for q in filters) and any("step" in q for q in filters), statements
+    else:
+        assert filters == [], statements
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("query, message", [
     ("select run_id, model from runs qualify row_number() over (partition by model order by run_id) = 1", "QUALIFY is not supported"),
     ("select model, count(*) as n from runs group by rollup (model)", "GROUPING SETS, CUBE and ROLLUP are not supported"),
@@ -586,24 +618,28 @@ def test_a_table_read_twice_is_named_apart_in_each_later_read() -> None:
 
 def test_rank_0_runs_alone_on_the_threads_of_its_hosts_waiting_ranks() -> None:
     """The statement rank 0 runs alone uses its own kernel threads plus those of the other ranks on its
-    host (they wait for it without using a core), never those of another host, at most the cores it may
-    run on, at least one."""
-    import os
-
+    host (they wait for it without using a core), never those of another host, as far as the host has
+    cores idle (its cores less its load average, rounded), at most its cores, at least one."""
     from hetflow.operators import sqlengine
 
-    cores = len(os.sched_getaffinity(0))
-    assert sqlengine.statement_threads([("a", 1)]) == 1
-    assert sqlengine.statement_threads([("a", 1), ("a", 1)]) == min(cores, 2)
-    assert sqlengine.statement_threads([("a", 1), ("b", 4), ("a", 1), ("b", 4)]) == min(cores, 2)
-    assert sqlengine.statement_threads([("a", 1), ("a", 10**6)]) == cores
+    two = [("a", 1), ("a", 1)]
+    assert sqlengine.statement_threads([("a", 1)], cores=2, load=0.0) == 1
+    assert sqlengine.statement_threads(two, cores=2, load=1.0) == 2
+    assert sqlengine.statement_threads(two, cores=2, load=1.2) == 2
+    assert sqlengine.statement_threads(two, cores=2, load=1.6) == 1   # the host's other work takes the lent core
+    assert sqlengine.statement_threads(two, cores=2, load=7.0) == 1
+    assert sqlengine.statement_threads([("a", 1), ("b", 4), ("a", 1), ("b", 4)], cores=16, load=0.0) == 2
+    assert sqlengine.statement_threads([("a", 2), ("a", 2), ("a", 2)], cores=16, load=10.0) == 2 + 4
+    assert sqlengine.statement_threads([("a", 2), ("a", 2), ("a", 2)], cores=16, load=13.0) == 2 + 3
+    assert sqlengine.statement_threads([("a", 1), ("a", 10**6)], cores=8, load=0.0) == 8
 
 
 @pytest.mark.mpi
 def test_a_small_query_runs_on_the_threads_the_waiting_ranks_lend(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With one kernel thread per rank, the statement rank 0 runs alone runs on one DuckDB thread per
-    rank of its host (every rank of this test's), as DuckDB itself reports inside the statement, and the
-    plan says so; the next statement of the rank's own runs on its one thread again."""
+    """With one kernel thread per rank, on a host whose load leaves the other cores idle, the statement
+    rank 0 runs alone runs on one DuckDB thread per rank of its host (every rank of this test's), as
+    DuckDB itself reports inside the statement, and the plan says so; the next statement of the rank's
+    own runs on its one thread again."""
     import os
 
     from hetflow.operators import kernels, settings, sqlengine
@@ -612,7 +648,9 @@ def test_a_small_query_runs_on_the_threads_the_waiting_ranks_lend(comm: Any, mon
     size = comm.Get_size()
     if size == 1:
         pytest.skip("one rank runs every query alone, on its own threads: no rank waits to lend any")
-    want = min(size, len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))  # a host with every core but rank 0's idle
+    want = min(size, cores)
     with settings.override(threads=1):
         result = _check(comm, "select current_setting('threads') as t, count(*) as n from runs", **_tables())
         got = result.gather()
