@@ -81,7 +81,7 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
             return _alone_here(comm, query, tree, names, inputs, local)
         needed = _needed(query, tree, local)
         bound = min(SINGLE_SOURCE_BYTES, SMALL_QUERY_BYTES) if _single_source(tree) else SMALL_QUERY_BYTES
-        if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * bound:
+        if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * bound or _may_qualify(tree, needed, comm.Get_size(), bound):
             # small enough that the query may qualify once each input keeps only the rows its own
             # conditions pass: filter here (a scan of this rank's rows), and count what is left; an
             # input too small for that to repay its statement is gathered whole
@@ -142,6 +142,39 @@ def statement_threads(ranks: Sequence[tuple[str, int]], cores: int | None = None
     return max(1, min(cores, own + min(lent, idle)))
 
 
+def _may_qualify(tree: Any, needed: Mapping[str, pa.Table], ranks: int, bound: int) -> bool:
+    """Whether inputs too large to filter on a guess (over 4 times ``bound`` on this rank, times the
+    ranks) may come under ``bound`` once each keeps only the rows its own conditions pass: each such
+    condition's share of rows counted on a sample of this rank's (``_SAMPLE_SLICES`` slices spread
+    over the table: a scan of all of them cost as much as the filter itself), each input's bytes
+    taken in that proportion, times the ranks.  An input without such a condition counts whole; when
+    those alone reach ``bound``, nothing is counted.  Rank-local and a guess: the ranks' bytes,
+    exchanged after the filters, decide where the query runs."""
+    whole, counted = 0, []
+    for name, table in needed.items():
+        where = _own_conditions(tree, name, tuple(table.column_names)) if int(table.nbytes) * ranks >= PREFILTER_MIN_BYTES else None
+        if where is None or table.num_rows == 0:
+            whole += int(table.nbytes)
+        else:
+            counted.append((table, where))
+    if whole * ranks >= bound:
+        return False
+    estimate = float(whole)
+    for table, where in counted:
+        n, step = table.num_rows, _SAMPLE_SLICES[1]
+        sample = table if n <= _SAMPLE_SLICES[0] * step else pa.concat_tables(
+            [table.slice(i * (n - step) // (_SAMPLE_SLICES[0] - 1), step) for i in range(_SAMPLE_SLICES[0])])
+        kept = kernels._duck_query(f"SELECT count(*) AS n FROM t WHERE {where}", t=sample).column(0)[0].as_py()
+        estimate += table.nbytes * kept / sample.num_rows
+        if estimate * ranks >= bound:
+            return False
+    return True
+
+
+#: the sample ``_may_qualify`` counts a condition's rows on: this many slices of this many rows
+_SAMPLE_SLICES = (8, 8192)
+
+
 def _single_source(tree: Any) -> bool:
     """Whether ``tree`` reads one table, once, in one ``SELECT`` (no join, subquery, CTE or set operation)."""
     from sqlglot import exp
@@ -179,8 +212,8 @@ def _on_rank_zero(comm: Communicator, query: str, tree: Any, names: list[str] | 
     sqlplan.check_supported(tree)   # what the distributed plan refuses is refused here too, on every rank
     whole = _gather_inputs(comm, needed, ipc)
     model = hockney(comm)
-    step = Plan("query", f"gather the inputs to rank 0 and run there as one DuckDB statement on {workers} thread(s), "
-                         f"the waiting ranks' of its host lent ({sum(sizes) / 1e6:.2f} MB in the "
+    step = Plan("query", f"gather the inputs to rank 0 and run there as one DuckDB statement on {workers} thread(s) "
+                         f"(its own and those its host's waiting ranks lend; {sum(sizes) / 1e6:.2f} MB in the "
                          f"columns it names and the rows their own conditions keep, under {bound / 1e6:.2f} MB)",
                 shuffle_cost(model, sizes), {}, f"inputs {sorted(needed)}", model.describe())
     if comm.Get_rank() != 0:
