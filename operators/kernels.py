@@ -19,9 +19,11 @@ their results back to the input's types.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any, Sequence
 
 import numpy as np
@@ -70,18 +72,40 @@ _opened_lock = threading.Lock()
 
 
 def _duck() -> Any:
-    """This thread's DuckDB connection, opened on first use and closed at interpreter exit."""
-    con = getattr(_local, "duck", None)
+    """This thread's DuckDB connection, opened on first use and closed at interpreter exit: with
+    :func:`threads` worker threads, or, inside :func:`duck_threads`, with that many (a database of its
+    own per count, kept open: changing a database's thread count starts or joins its threads on every
+    change, while idle workers block on a semaphore and take no CPU)."""
+    wide = getattr(_local, "wide", None)
+    key = wide if wide is not None else 0
+    cons = getattr(_local, "ducks", None)
+    if cons is None:
+        cons = _local.ducks = {}
+    con = cons.get(key)
     if con is None:
         import duckdb
 
-        con = duckdb.connect(":memory:", config={"threads": threads(), "preserve_insertion_order": False})
+        con = duckdb.connect(":memory:", config={"threads": wide or threads(), "preserve_insertion_order": False})
         with _opened_lock:
             if not _opened:
                 atexit.register(_close_connections)
             _opened.append((os.getpid(), con))
-        _local.duck = con
+        cons[key] = con
     return con
+
+
+@contextlib.contextmanager
+def duck_threads(workers: int) -> Iterator[None]:
+    """Within it, this thread's DuckDB statements (:func:`_duck_query`) run on ``workers`` threads
+    instead of :func:`threads`: for a statement a rank runs while others lend it their cores."""
+    if workers < 1:
+        raise ValueError(f"duck_threads: workers must be at least 1, got {workers}")
+    before = getattr(_local, "wide", None)
+    _local.wide = None if workers == threads() else workers
+    try:
+        yield
+    finally:
+        _local.wide = before
 
 
 def _close_connections() -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -80,33 +81,98 @@ def sql(comm: Communicator, query: str, **tables: Any) -> DTable:
             return _alone_here(comm, query, tree, names, inputs, local)
         needed = _needed(query, tree, local)
         bound = min(SINGLE_SOURCE_BYTES, SMALL_QUERY_BYTES) if _single_source(tree) else SMALL_QUERY_BYTES
-        if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * bound:
+        if sum(int(t.nbytes) for t in needed.values()) * comm.Get_size() < 4 * bound or _may_qualify(tree, needed, comm.Get_size(), bound):
             # small enough that the query may qualify once each input keeps only the rows its own
-            # conditions pass: filter here (a scan of this rank's rows), and count what is left
-            needed = {name: _prefiltered(tree, name, table) for name, table in needed.items()}
+            # conditions pass: filter here (a scan of this rank's rows), and count what is left; an
+            # input too small for that to repay its statement is gathered whole
+            needed = {name: _prefiltered(tree, name, table) if int(table.nbytes) * comm.Get_size() >= PREFILTER_MIN_BYTES
+                      else table for name, table in needed.items()}
         mine = sum(int(t.nbytes) for t in needed.values())
         # with the bytes, each table's IPC size: the one gather that follows needs no counts of its own
-        every = comm.allgather((mine, [tc.ipc_size(needed[n]) for n in sorted(needed)] if mine < bound else None))
-        sizes = [float(b) for b, _ in every]
+        # and its host and kernel threads: the cores rank 0 may take from the ranks that wait for it
+        every = comm.allgather((mine, [tc.ipc_size(needed[n]) for n in sorted(needed)] if mine < bound else None,
+                                _HOST, kernels.threads()))
+        sizes = [float(e[0]) for e in every]
         if sum(sizes) < bound:
-            return _on_rank_zero(comm, query, tree, names, inputs, needed, sizes, [s for _, s in every], bound)
+            return _on_rank_zero(comm, query, tree, names, inputs, needed, sizes, [e[1] for e in every], bound,
+                                 statement_threads([(e[2], e[3]) for e in every]))
     run = _Run(comm, local)
     table = _named(run.query(tree, top=True), names, inputs)
     return DTable(comm, sqlplan.with_part(table, None), _plans=tuple(run.finish()), _checked=True)
 
 
 #: a query whose inputs hold fewer bytes than this in the columns it names, in the rows that pass each
-#: input's own conditions (``_prefiltered``), summed over the ranks, runs on rank 0 alone, as one DuckDB
-#: statement: those rows are gathered there (one exchange) instead of exchanged step by
-#: step, each step a rendezvous of the ranks that costs more than the work it shares out on such inputs
+#: input's own conditions (``_prefiltered``; all of a small input's: ``PREFILTER_MIN_BYTES``), summed over
+#: the ranks, runs on rank 0 alone, as one DuckDB statement: those rows are gathered there (one exchange)
+#: instead of exchanged step by step, each step a rendezvous of the ranks that costs more than the work it shares out on such inputs
 #: (docs/benchmarks.md, TPC-H at SF 0.1 and 1); at one rank every query runs so; 0 turns this off
 SMALL_QUERY_BYTES = 64 * 2**20
 #: the same bound for a query that reads one table once (no join, no subquery: TPC-H Q1, Q6), whose
 #: distributed plan exchanges no rows before its aggregate, only the partial aggregates after it
 SINGLE_SOURCE_BYTES = 8 * 2**20
 
+#: an input of fewer bytes than this (this rank's, times the ranks) is gathered whole for rank 0's
+#: statement, without its own conditions applied first: the statement that applies them costs about as
+#: much as gathering that many bytes, and DuckDB on rank 0 then plans its joins over the table as it is
+#: (TPC-H Q21: its nation table filtered to its one row first made DuckDB join it last, 2-3x slower)
+PREFILTER_MIN_BYTES = 1 << 20
+
 #: the tag of rank 0's message that ends a query it ran alone (the result's schema and plan, or the error)
 _DONE_TAG = 2828
+_HOST = socket.gethostname()
+
+
+def statement_threads(ranks: Sequence[tuple[str, int]], cores: int | None = None, load: float | None = None) -> int:
+    """DuckDB threads for the statement rank 0 runs alone, given each rank's (host, kernel threads) in
+    rank order: rank 0's own plus those of the other ranks on its host, which wait for the statement
+    without using a core (``_await_rank_zero``), as far as the host has cores idle to run them: its
+    ``cores`` (those rank 0 may run on) less its ``load`` (the 1-minute load average, rank 0's own
+    running thread in it), rounded; on a host that other work keeps busy a second thread only waits
+    for a core (docs/benchmarks.md, TPC-H).  Ranks on other hosts lend nothing."""
+    host, own = ranks[0]
+    lent = sum(t for h, t in ranks[1:] if h == host)
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+    if load is None:
+        load = os.getloadavg()[0] if lent else 0.0
+    idle = max(0, round(cores - load))
+    return max(1, min(cores, own + min(lent, idle)))
+
+
+def _may_qualify(tree: Any, needed: Mapping[str, pa.Table], ranks: int, bound: int) -> bool:
+    """Whether inputs too large to filter on a guess (over 4 times ``bound`` on this rank, times the
+    ranks) may come under ``bound`` once each keeps only the rows its own conditions pass: each such
+    condition's share of rows counted on a sample of this rank's (``_SAMPLE_SLICES`` slices spread
+    over the table: a scan of all of them cost as much as the filter itself), each input's bytes
+    taken in that proportion, times the ranks.  An input without such a condition counts whole; when
+    those alone reach ``bound``, nothing is counted.  Rank-local and a guess: the ranks' bytes,
+    exchanged after the filters, decide where the query runs."""
+    whole, counted = 0, []
+    for name, table in needed.items():
+        where = _own_conditions(tree, name, tuple(table.column_names)) if int(table.nbytes) * ranks >= PREFILTER_MIN_BYTES else None
+        if where is None or table.num_rows == 0:
+            whole += int(table.nbytes)
+        else:
+            counted.append((table, where))
+    if whole * ranks >= bound:
+        return False
+    estimate = float(whole)
+    for table, where in counted:
+        n, step = table.num_rows, _SAMPLE_SLICES[1]
+        sample = table if n <= _SAMPLE_SLICES[0] * step else pa.concat_tables(
+            [table.slice(i * (n - step) // (_SAMPLE_SLICES[0] - 1), step) for i in range(_SAMPLE_SLICES[0])])
+        kept = kernels._duck_query(f"SELECT count(*) AS n FROM t WHERE {where}", t=sample).column(0)[0].as_py()
+        estimate += table.nbytes * kept / sample.num_rows
+        if estimate * ranks >= bound:
+            return False
+    return True
+
+
+#: the sample ``_may_qualify`` counts a condition's rows on: this many slices of this many rows
+_SAMPLE_SLICES = (8, 8192)
 
 
 def _single_source(tree: Any) -> bool:
@@ -135,17 +201,19 @@ def _needed(query: str, tree: Any, local: Mapping[str, pa.Table]) -> dict[str, p
 
 
 def _on_rank_zero(comm: Communicator, query: str, tree: Any, names: list[str] | None, inputs: Mapping[str, DTable],
-                  needed: Mapping[str, pa.Table], sizes: list[float], ipc: list[list[int] | None], bound: int) -> DTable:
+                  needed: Mapping[str, pa.Table], sizes: list[float], ipc: list[list[int] | None], bound: int,
+                  workers: int) -> DTable:
     """Gather ``needed`` (each input's columns the query names, in the rows its own conditions pass, or
-    all of them) to rank 0 in one exchange and run the query there alone, as one DuckDB statement; the
-    other ranks hold no row of the result (its schema, the plan, or the error, sent by rank 0, which
-    they wait for without spinning a core)."""
+    all of them) to rank 0 in one exchange and run the query there alone, as one DuckDB statement on
+    ``workers`` threads (``statement_threads``); the other ranks hold no row of the result (its schema,
+    the plan, or the error, sent by rank 0, which they wait for without spinning a core)."""
     from . import sqlplan
 
     sqlplan.check_supported(tree)   # what the distributed plan refuses is refused here too, on every rank
     whole = _gather_inputs(comm, needed, ipc)
     model = hockney(comm)
-    step = Plan("query", f"gather the inputs to rank 0 and run there as one DuckDB statement ({sum(sizes) / 1e6:.2f} MB in the "
+    step = Plan("query", f"gather the inputs to rank 0 and run there as one DuckDB statement on {workers} thread(s) "
+                         f"(its own and those its host's waiting ranks lend; {sum(sizes) / 1e6:.2f} MB in the "
                          f"columns it names and the rows their own conditions keep, under {bound / 1e6:.2f} MB)",
                 shuffle_cost(model, sizes), {}, f"inputs {sorted(needed)}", model.describe())
     if comm.Get_rank() != 0:
@@ -155,7 +223,8 @@ def _on_rank_zero(comm: Communicator, query: str, tree: Any, names: list[str] | 
         return DTable(comm, payload.empty_table(), _plans=(step,), _checked=True)
     assert whole is not None
     try:
-        table = sqlplan.with_part(_direct(query, tree, names, inputs, whole), None)
+        with kernels.duck_threads(workers):
+            table = sqlplan.with_part(_direct(query, tree, names, inputs, whole), None)
     except Exception as exc:
         error = exc if isinstance(exc, SQLError) else SQLError(f"rank 0, running the query alone, failed: {type(exc).__name__}: {exc}")
         for dest in range(1, comm.Get_size()):
@@ -187,8 +256,10 @@ def _direct(query: str, tree: Any, names: list[str] | None, inputs: Mapping[str,
 
     by_lower = {name.lower(): table for name, table in tables.items()}
     scope = {spelled: by_lower[spelled.lower()] for spelled in sqlplan.table_spellings(query) if spelled.lower() in by_lower}
+    text, reads = sqlplan.one_name_per_read(query)
+    scope.update({new: by_lower[old.lower()] for new, old in reads if old.lower() in by_lower})
     try:
-        out = kernels._duck_query(query, **scope)
+        out = kernels._duck_query(text, **scope)
     except duckdb.Error as exc:
         raise SQLError(f"the query failed: {str(exc).splitlines()[0]}") from exc
     outputs = sqlplan.output_names(tree)

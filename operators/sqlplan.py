@@ -385,6 +385,42 @@ def table_spellings(query: str) -> tuple[str, ...]:
     return tuple(sorted({t.name for t in parse(query).find_all(exp.Table) if not t.args.get("db") and t.name}))
 
 
+@functools.lru_cache(maxsize=256)
+def one_name_per_read(query: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``query`` with each table it reads more than once named apart in every read after the first
+    (``lineitem l2`` becomes ``"lineitem__hf2" l2``; an unaliased read gets its old name as its alias,
+    so its columns resolve as before; nothing else of the text changes), and the new names with the
+    table each stands for; ``query`` itself when it reads no table twice (memoized by the text).
+    DuckDB, reading Python variables by name, reads a name that a statement mentions several times
+    once and keeps it for every mention, which copies the table; a name per read scans the same Arrow
+    table in place each time (TPC-H Q21 reads lineitem three times: docs/benchmarks.md)."""
+    exp = _exp()
+    tree = parse(query)
+    ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
+    reads = [t for t in tree.find_all(exp.Table) if not t.args.get("db") and t.name and t.name.lower() not in ctes]
+    taken = {t.name.lower() for t in reads} | ctes
+    seen: dict[str, int] = {}
+    edits: list[tuple[int, int, str]] = []
+    renamed: list[tuple[str, str]] = []
+    for t in reads:
+        n = seen[t.name.lower()] = seen.get(t.name.lower(), 0) + 1
+        meta = t.this.meta if isinstance(t.this, exp.Identifier) else {}
+        if n == 1 or "start" not in meta or "end" not in meta:
+            continue
+        new, i = f"{t.name}__hf{n}", n
+        while new.lower() in taken:
+            i += 1
+            new = f"{t.name}__hf{i}"
+        taken.add(new.lower())
+        first, last = int(meta["start"]), int(meta["end"]) + 1
+        quoted = '"' + new.replace('"', '""') + '"'
+        edits.append((first, last, quoted if t.alias else f"{quoted} AS {query[first:last]}"))
+        renamed.append((new, t.name))
+    for first, last, text in sorted(edits, reverse=True):
+        query = query[:first] + text + query[last:]
+    return query, tuple(renamed)
+
+
 def output_names(tree: Any) -> list[str] | None:
     """The output column names of an optimized tree (its first ``SELECT``'s, for a set operation), as
     the distributed plan names its result before ``sql`` spells them as the query does."""

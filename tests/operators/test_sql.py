@@ -469,6 +469,7 @@ def test_a_query_over_small_inputs_runs_on_rank_0_alone(comm: Any, name: str, mo
     from hetflow.operators import SQLError, sqlengine
 
     monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    monkeypatch.setattr(sqlengine, "PREFILTER_MIN_BYTES", 0)  # these inputs are tiny: filter them all the same
     query, ordered = (QUERIES | SMALL)[name]
     result = _check(comm, query, ordered=ordered, **_tables())
     if comm.Get_size() > 1:
@@ -493,10 +494,11 @@ class _Rendezvous(_Counting):
 @pytest.mark.mpi
 def test_a_small_query_is_one_duckdb_statement_after_one_gather(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A query over small inputs that rank 0 runs alone is the query itself, one DuckDB statement (DuckDB
-    decorrelates its subquery), after one gather of every input it reads and one allgather of their sizes
-    (one more for the hosts of a new communicator); at one rank, that statement alone. DuckDB's answer
-    all the same, columns named as the query spells them."""
-    from hetflow.operators import DTable, kernels, sql, sqlengine
+    decorrelates its subquery; the second read of ``steps`` named apart, ``one_name_per_read``), after one
+    gather of every input it reads and one allgather of their sizes (one more for the hosts of a new
+    communicator); at one rank, that statement alone. DuckDB's answer all the same, columns named as the
+    query spells them."""
+    from hetflow.operators import DTable, kernels, sql, sqlengine, sqlplan
 
     monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
     statements: list[str] = []
@@ -525,11 +527,86 @@ def test_a_small_query_is_one_duckdb_statement_after_one_gather(comm: Any, monke
         want = _sqlcheck.duckdb_answer(query, **tables)
         _sqlcheck.assert_same(got, want, ordered=True, ctx=f"one statement at {size} rank(s)")
         assert got.column_names == ["model", "n", "avg(s.energy)", "cost"], got.column_names
-        assert ran == [query], ran
+        assert ran == [sqlplan.one_name_per_read(query)[0]] and 'from "steps__hf2" s2 where' in ran[0], ran
     else:
         assert ran == [] and result.local_num_rows == 0, ran
     assert rendezvous == ((2, 1) if size > 1 else (0, 0)), rendezvous
     assert "one DuckDB statement" in result.plans[0].algorithm, result.explain()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("floor", [0, 1 << 20])
+def test_a_small_input_reaches_rank_0_whole(comm: Any, floor: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the gather to rank 0, each rank applies an input's own conditions to its rows (one DuckDB
+    statement per input) only where the input holds at least ``PREFILTER_MIN_BYTES`` over the ranks;
+    a smaller one travels whole and rank 0's statement applies them (these inputs hold a few kB).
+    DuckDB's answer either way."""
+    from hetflow.operators import kernels, sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    monkeypatch.setattr(sqlengine, "PREFILTER_MIN_BYTES", floor)
+    statements: list[str] = []
+    real = kernels._duck_query
+
+    def counted(query: str, /, **tables: pa.Table) -> pa.Table:
+        statements.append(query)
+        return real(query, **tables)
+
+    monkeypatch.setattr(kernels, "_duck_query", counted)
+    query = """select r.model, count(*) as n, sum(s.cost) as cost from runs r join steps s on s.run_id = r.run_id
+               where r.temperature > 300 and s.step < 20 group by r.model"""
+    _check(comm, query, **_tables())
+    filters = [q for q in statements if q.startswith("SELECT * FROM t WHERE")]
+    if comm.Get_size() == 1:
+        assert filters == [], statements
+    elif floor == 0 and comm.Get_rank() == 0:  # a rank that holds rows (the last holds none at 3 ranks or more)
+        assert len(filters) == 2 and any("temperature" in q for q in filters) and any("step" in q for q in filters), statements
+    elif floor > 0:
+        assert filters == [], statements
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("step, alone", [(3, True), (45, False)])
+def test_large_inputs_whose_own_conditions_keep_few_rows_run_on_rank_0(comm: Any, step: int, alone: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs over 4 times the bound are filtered by their own conditions before the sizes are
+    exchanged when a count of the rows those conditions keep says they may come under it (TPC-H Q14
+    and Q6 at SF 1: 1-2% of lineitem): ``s.step < 3`` keeps 6% of ``steps``, so the query runs on rank
+    0 alone; ``s.step < 45`` keeps 90%, so nothing is filtered first and it runs distributed. DuckDB's
+    answer either way. (Each rank guesses from its own rows: here each holds an even share.)"""
+    from hetflow.operators import DTable, kernels, sql, sqlengine
+
+    tables = _tables()
+    named = tables["steps"].select(["run_id", "step", "cost"]).nbytes + tables["runs"].select(["run_id", "model"]).nbytes
+    bound = named // 5  # over 4 times the bound on every rank (times the ranks), unfiltered
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", bound)
+    monkeypatch.setattr(sqlengine, "PREFILTER_MIN_BYTES", 0)
+    statements: list[str] = []
+    real = kernels._duck_query
+
+    def counted(query: str, /, **tables: pa.Table) -> pa.Table:
+        statements.append(query)
+        return real(query, **tables)
+
+    monkeypatch.setattr(kernels, "_duck_query", counted)
+    query = f"""select r.model, count(*) as n, sum(s.cost) as cost from runs r join steps s on s.run_id = r.run_id
+               where s.step < {step} group by r.model"""
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    def even(t: pa.Table) -> pa.Table:
+        return t.slice(t.num_rows * rank // size, t.num_rows * (rank + 1) // size - t.num_rows * rank // size)
+
+    result = sql(comm, query, **{name: DTable(comm, even(t)) for name, t in tables.items()})
+    got = result.gather()
+    if rank == 0:
+        _sqlcheck.assert_same(got, _sqlcheck.duckdb_answer(query, **tables), ordered=False, ctx=f"step < {step} at {size} rank(s)")
+    if size == 1:
+        return
+    assert ("rank 0" in result.plans[0].algorithm) == alone, result.explain()
+    if rank == 0:
+        filtered = [q for q in statements if q.startswith("SELECT * FROM t WHERE")]
+        assert any(q.startswith("SELECT count(*) AS n FROM t WHERE") for q in statements), statements
+        assert (len(filtered) == 1) == alone, statements
 
 
 @pytest.mark.mpi
@@ -548,6 +625,85 @@ def test_a_small_query_is_refused_what_the_distributed_plan_refuses(comm: Any, q
     monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
     with pytest.raises(SQLError, match=message):
         _check(comm, query, **_tables())
+
+
+def test_a_table_read_twice_is_named_apart_in_each_later_read() -> None:
+    """The statement rank 0 runs alone names each later read of a table apart (aliased: the new name;
+    unaliased: the new name with the old one as its alias; quoted as written), leaves CTEs, qualified
+    tables and the rest of the text as written, and leaves a query reading every table once unchanged;
+    DuckDB's answer over the renamed text is the query's."""
+    import duckdb
+    from hetflow.operators import sqlplan
+    from sqlglot import exp
+
+    query = """with hot as (select run_id from runs where temperature > 300)
+        select r.model, count(*) as n from runs r join steps on steps.run_id = r.run_id
+        where steps.energy < (select avg(s2.energy) from steps s2 where s2.run_id = r.run_id)
+          and r.run_id in (select run_id from hot) and r.run_id in (select run_id from hot)
+          and exists (select * from "Runs" where "Runs".run_id = steps.run_id)
+        group by r.model order by r.model nulls last"""
+    text, reads = sqlplan.one_name_per_read(query)
+    assert sorted(old for _, old in reads) == ["Runs", "runs", "steps"], reads
+    assert len({new.lower() for new, _ in reads} | {"runs", "steps"}) == 5, reads
+    undone = text
+    for new, old in reads:
+        undone = undone.replace(f'"{new}" AS ', "").replace(f'"{new}"', old)
+    assert undone == query and text.count('"steps__hf2" s2') == 1, text
+    for t in sqlplan.parse(text).find_all(exp.Table):  # every read of a table has a name of its own; "hot" is a CTE
+        assert t.name.lower() == "hot" or [u.name.lower() for u in sqlplan.parse(text).find_all(exp.Table)].count(t.name.lower()) == 1, text
+    once = "select model, count(*) as n from runs group by model order by model nulls last"
+    assert sqlplan.one_name_per_read(once) == (once, ())
+    tables = _tables()
+    con = duckdb.connect()
+    for name, t in {**tables, **{new: tables[old.lower()] for new, old in reads}}.items():
+        con.register(name, t)
+    assert con.sql(text).fetchall() == con.sql(query).fetchall()
+
+
+def test_rank_0_runs_alone_on_the_threads_of_its_hosts_waiting_ranks() -> None:
+    """The statement rank 0 runs alone uses its own kernel threads plus those of the other ranks on its
+    host (they wait for it without using a core), never those of another host, as far as the host has
+    cores idle (its cores less its load average, rounded), at most its cores, at least one."""
+    from hetflow.operators import sqlengine
+
+    two = [("a", 1), ("a", 1)]
+    assert sqlengine.statement_threads([("a", 1)], cores=2, load=0.0) == 1
+    assert sqlengine.statement_threads(two, cores=2, load=1.0) == 2
+    assert sqlengine.statement_threads(two, cores=2, load=1.2) == 2
+    assert sqlengine.statement_threads(two, cores=2, load=1.6) == 1   # the host's other work takes the lent core
+    assert sqlengine.statement_threads(two, cores=2, load=7.0) == 1
+    assert sqlengine.statement_threads([("a", 1), ("b", 4), ("a", 1), ("b", 4)], cores=16, load=0.0) == 2
+    assert sqlengine.statement_threads([("a", 2), ("a", 2), ("a", 2)], cores=16, load=10.0) == 2 + 4
+    assert sqlengine.statement_threads([("a", 2), ("a", 2), ("a", 2)], cores=16, load=13.0) == 2 + 3
+    assert sqlengine.statement_threads([("a", 1), ("a", 10**6)], cores=8, load=0.0) == 8
+
+
+@pytest.mark.mpi
+def test_a_small_query_runs_on_the_threads_the_waiting_ranks_lend(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one kernel thread per rank, on a host whose load leaves the other cores idle, the statement
+    rank 0 runs alone runs on one DuckDB thread per rank of its host (every rank of this test's), as
+    DuckDB itself reports inside the statement, and the plan says so; the next statement of the rank's
+    own runs on its one thread again."""
+    import os
+
+    from hetflow.operators import kernels, settings, sqlengine
+
+    monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
+    size = comm.Get_size()
+    if size == 1:
+        pytest.skip("one rank runs every query alone, on its own threads: no rank waits to lend any")
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))  # a host with every core but rank 0's idle
+    want = min(size, cores)
+    with settings.override(threads=1):
+        result = _check(comm, "select current_setting('threads') as t, count(*) as n from runs", **_tables())
+        got = result.gather()
+        with kernels.duck_threads(1):
+            own = kernels._duck_query("select current_setting('threads') as t").column(0)[0].as_py()
+    if comm.Get_rank() == 0:
+        assert got.column("t").to_pylist() == [want], got
+    assert f"one DuckDB statement on {want} thread(s)" in result.plans[0].algorithm, result.explain()
+    assert own == 1, own
 
 
 def test_exists_of_star_and_count_star_name_no_column() -> None:
