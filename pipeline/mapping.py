@@ -403,12 +403,17 @@ def describe_changes(before: Mapping[str, str], items: Sequence[Item], most: int
 
     An item's key holds the stage's key, so an edit of the stage's code changes every item's key: when no
     item kept its key and ``stage_reason`` (why the stage as a whole was not reused) names a change beyond
-    the items, that is said instead of "each item changed" (``SCALE changed``, not ``data/a.csv changed``)."""
+    the items, that is said instead of "each item changed" (``SCALE changed``, not ``data/a.csv changed``).
+
+    Only items that ran are named added or changed: the words say why they ran.  An item served from the
+    cache may hold another key than in ``before`` (its file edited back, or the latest execution ran under
+    another parameter) and yet did not run: naming it would point at a file that caused nothing."""
     if not before:
         return ""
     now = {item.label: item.key for item in items}
-    added = [label for label in now if label not in before]
-    changed = [label for label in now if label in before and before[label] != now[label]]
+    ran = {item.label for item in items if item.state != "CACHED"}
+    added = [label for label in now if label not in before and label in ran]
+    changed = [label for label in now if label in before and before[label] != now[label] and label in ran]
     removed = [label for label in before if label not in now]
     wide = [part for part in stage_reason.split("; ") if part and part != "its items changed"
             and not any(part in (f"file {label} changed", f"file {label} added", f"file {label} removed")

@@ -68,10 +68,13 @@ class MapShell:
         return dataclasses.replace(material, items=mapping.items_digest(items))
 
     def _note_map_hit(self: Any, stage: str) -> None:
-        """A map stage whose whole output was reused: its status line counts its items as cached."""
+        """A map stage whose whole output was reused: its status line counts its items as cached.  A resume
+        keeps the reason of a stage its earlier session reused, which says so already: not said twice."""
         count = len(self.map_items.get(stage, ()))
         with self.store.session() as session:
             record = self._stage_record(session, stage)
+            if stage in self.kept and (record.cache_reason or "").startswith("map "):
+                return
             record.cache_reason = f"map {count:,} items: {count:,} cached, 0 ran ({record.cache_reason})"
 
     # ---------------------------------------------------------------- start

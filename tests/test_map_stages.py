@@ -570,3 +570,52 @@ def test_a_map_s_item_rows_are_written_once_and_its_items_share_a_directory_per_
     again = run(project)
     assert again["many"]["items"] == {"CACHED": 40, "DONE": 1}
     assert [r["n"] for r in rows(again, "out")] == list(range(41))
+
+
+def test_the_reason_names_only_the_items_that_ran(project: Path) -> None:
+    """An item served from an earlier run's cache is not named as changed, though its key differs from the
+    latest execution's: the reason says why the items that ran ran (it named every edited-back file)."""
+    (project / "data").mkdir()
+    for name in ("a", "b", "c"):
+        (project / "data" / f"{name}.csv").write_text(f"{name}1\n")
+    (project / "p.py").write_text(FILES)
+    run(project)
+    assert ran(project / "marks") == ["a.csv", "b.csv", "c.csv"]
+    (project / "data" / "b.csv").write_text("b2\n")
+    run(project)
+    assert ran(project / "marks") == ["b.csv"]
+    (project / "data" / "b.csv").write_text("b1\n")  # back as the first run had it: reused from there
+    (project / "data" / "c.csv").write_text("c2\n")  # edited: the one item to run
+    stages = run(project)
+    assert ran(project / "marks") == ["c.csv"]
+    assert stages["sizes"]["cache"]["reason"] == "map 3 items: 2 cached, 1 ran (data/c.csv changed)"
+    assert [r["text"] for r in rows(stages, "sizes")] == ["a1", "b1", "c2"]
+
+
+FAILS_AFTER_MAP = FILES.replace("pipe.run()", '''
+@pipe.stage(outputs=["other"])
+def other(ctx):
+    if os.path.exists(os.path.join(os.environ["MARKS"], "fail")):
+        raise ValueError("told to fail")
+    return {"other": pa.table({"ok": [1]})}
+
+
+pipe.run()''')
+
+
+def test_a_resume_says_a_reused_map_was_reused_once(project: Path) -> None:
+    (project / "data").mkdir()
+    (project / "data" / "a.csv").write_text("a1\n")
+    (project / "p.py").write_text(FAILS_AFTER_MAP)
+    first = run(project)["_run"]["id"]
+    (project / "marks" / "fail").write_text("")
+    stages = run(project, "--rerun", "other", ok=False)  # the map reused whole; the other stage fails
+    run_id = stages["_run"]["id"]
+    reason = f"map 1 items: 1 cached, 0 ran (unchanged since run {first})"
+    assert stages["sizes"]["cache"]["reason"] == reason
+    (project / "marks" / "fail").unlink()
+    done = hetflow(project, "resume", run_id, "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
+    stages = {s["name"]: s for s in json.loads(hetflow(project, "status", run_id, "--json").stdout)["stages"]}
+    assert stages["other"]["state"] == "DONE"
+    assert stages["sizes"]["cache"]["reason"] == reason  # said once, not wrapped in itself again
