@@ -104,22 +104,31 @@ def params_match(read: Sequence[str] | None, then: Mapping[str, Any], now: Mappi
     return [n for n in names if (n in then) != (n in now) or (n in then and not _same(then[n], now[n]))]
 
 
-def damage(record: DatasetRecord) -> str | None:
+def damage(record: DatasetRecord, data_dir: str | None = None) -> str | None:
     """Why the committed dataset ``record`` cannot be served as it is, or ``None`` if it is intact
     (:func:`hetflow.operators.dataset.damage`: on a file system or an object store alike), and this user's
-    (:func:`foreign`)."""
-    return foreign(record.path) or ds.damage(record.path, fingerprint=record.fingerprint,
-                                             checksum_up_to=CHECKSUM_BYTES)
+    (:func:`foreign`; ``data_dir``: the run's own, where an object store's datasets must be)."""
+    return foreign(record.path, data_dir) or ds.damage(record.path, fingerprint=record.fingerprint,
+                                                       checksum_up_to=CHECKSUM_BYTES)
 
 
-def foreign(path: str) -> str | None:
-    """Why the file-system dataset at ``path`` is not this user's to reuse (its directory or a file in it
-    belongs to another user), or ``None``.  Decision: the cache serves only what this user's own runs
-    wrote.  In a store that several users share, anyone can record a run under your stage's key (the keys
-    are in the store) whose outputs are files of theirs; served, your pipeline would go on from their
-    data as if your stage had made it.  An object store's datasets are reached with your credentials,
-    and are not checked here."""
+def foreign(path: str, data_dir: str | None = None) -> str | None:
+    """Why the dataset at ``path`` is not this user's to reuse, or ``None``: on a file system, its directory
+    or a file in it belongs to another user; on an object store, it is not under ``data_dir``, the object
+    store data directory the run looking it up writes to (``--data-dir s3://bucket/prefix``).
+
+    Decision: the cache serves only what this user's own runs wrote.  In a store that several users share,
+    anyone can record a run under your stage's key (the keys are in the store) whose outputs are files of
+    theirs; served, your pipeline would go on from their data as if your stage had made it.  An object has
+    no owner that your credentials show (a bucket of theirs that anyone may read looks like yours), so the
+    data directory you gave this run stands for "yours": an object-store output elsewhere (an earlier run's
+    other bucket too) is made again rather than trusted."""
     if is_object_store(path):
+        prefix = (data_dir or "").rstrip("/") + "/"
+        if data_dir is None or not is_object_store(data_dir) or not path.startswith(prefix) or \
+                "/../" in path[len(prefix) - 1:]:
+            return (f"{path} is not under this run's data directory {data_dir or '(a local one)'}: an object "
+                    "store's outputs are reused only from there")
         return None
     me = os.geteuid()
     directory = Path(path)
@@ -139,14 +148,15 @@ def foreign(path: str) -> str | None:
 
 def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[str, Any],
             outputs: Sequence[str], now: Mapping[str, str] | None = None, observed: bool = False,
-            written: Callable[[], Collection[str]] | None = None,
+            written: Callable[[], Collection[str]] | None = None, data_dir: str | None = None,
             ) -> tuple[StageRecord | None, dict[str, DatasetRecord], list[str]]:
     """The newest committed execution under ``key`` whose read parameters match, whose outputs are intact
     and whose recorded observations (:func:`hetflow.observed.stale`) still hold ``now``, run ``run_id``'s
     own first (a resume keeps what it committed); and the damage found on the way (one line per
     passed-over candidate).  With ``observed``, a commit that recorded no observations (by a hetflow
     before them) is not served: what its ranks depended on beyond the key is unknown.  ``written``: the files
-    the pipeline's stages write (:func:`written_by_stages`), which are no change when the top read them."""
+    the pipeline's stages write (:func:`written_by_stages`), which are no change when the top read them.
+    ``data_dir``: the run's own data directory (:func:`foreign`)."""
     from .observed import stale
 
     damaged: list[str] = []
@@ -169,7 +179,7 @@ def look_up(session: Any, *, run_id: str, stage: str, key: str, params: Mapping[
             DatasetRecord.run_id == hit.run_id, DatasetRecord.name.in_(list(outputs))))}
         if set(found) != set(outputs):
             continue
-        problems = [(n, p) for n, d in sorted(found.items()) if (p := damage(d)) is not None]
+        problems = [(n, p) for n, d in sorted(found.items()) if (p := damage(d, data_dir)) is not None]
         if problems:
             name, problem = problems[0]
             damaged.append(f"output {name!r} of run {hit.run_id} is damaged: {problem}")

@@ -75,7 +75,12 @@ class StageSpec:
 
     @property
     def module(self) -> str:
-        return str(getattr(self.func, "__module__", "__main__"))
+        """The module a worker imports to find the stage: the function's, or for a ``functools.partial`` (whose
+        ``__module__`` is ``functools``) the module of the function it binds, where the stage is declared."""
+        func = self.func
+        while isinstance(func, functools.partial):
+            func = func.func
+        return str(getattr(func, "__module__", "__main__"))
 
     @functools.cached_property
     def path(self) -> str | None:
@@ -85,8 +90,11 @@ class StageSpec:
         it is shipped by value (:mod:`hetflow.tasks.shipping`)."""
         if self.module == "__main__" and ships_by_value(self.func):
             return None
+        func = self.func
+        while isinstance(func, functools.partial):
+            func = func.func
         try:
-            path = inspect.getsourcefile(inspect.unwrap(self.func))
+            path = inspect.getsourcefile(inspect.unwrap(func))
         except (TypeError, ValueError):
             return None
         return None if path is None else os.path.abspath(path)  # workers run in another directory

@@ -149,6 +149,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import logging
 import os
@@ -290,6 +291,8 @@ class _Walker:
         """The globals of :attr:`library_state` that a call inside a function sets from a name the function binds
         (its parameter: ``def setup(h0): lib.set_h0(h0)``), whose value the call's text does not show: one that
         holds a single object of the library's (a setting, not a cache of many) counts by value."""
+        self.library_held: dict[str, frozenset[int]] = {}
+        """What each library module holds, by identity (:func:`_kept_by_library`), found once per walk."""
         self.outsiders: dict[str, bool] = {}
         """Whether each module met outside user code was loaded from a file outside the installation (:meth:`outside`)."""
 
@@ -461,25 +464,61 @@ class _Walker:
             return
         calls: dict[str, set[str]] = {}
         reaching: dict[int, frozenset[str]] = {}
+        handed: list[Any] = []
         for _, path, namespace in self.user_namespaces():
             try:
                 source = Path(path).read_bytes()
             except (OSError, TypeError):
                 continue
             scope: Mapping[str, Any] | None = None
-            for text, chain, names in _top_calls(source, path):
+            for text, chain, names, decorated, assigned in _top_calls(source, path):
                 if scope is None:
                     scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
-                libraries = self.called_libraries(_resolve_call(scope, chain), reaching) & self.external_tops
-                if not libraries:
-                    continue
-                values = {n: scope[n] for n in names if n in scope}  # a value not plain data: by its type
-                said = " ".join([text, *(f"{n}={self.value(v) if _plain(v) else type(v).__qualname__}"
-                                         for n, v in values.items())])
+                called = _resolve_call(scope, chain)
+                libraries = self.called_libraries(called, reaching) & self.external_tops
+                if not libraries or (assigned and not _kept_by_library(called, [scope.get(n) for n in assigned],
+                                                                      self.library_held)):
+                    continue  # W = np.arange(4): a value of the script's own, counted where a stage reads W
+                values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
+                said = " ".join([text, *(f"{n}={self.handed_text(v, called, libraries)}" for n, v in values.items())])
                 for library in libraries:
                     calls.setdefault(library, set()).add(said)
+                handed.extend(v for v in values.values() if isinstance(v, (types.FunctionType, type))
+                              and self.is_user_code(v))  # lib.register_hook(my_fn): what the stage calls through it
+                given = namespace.get(decorated) if decorated else None  # what the library holds now: its code
+                given = given if isinstance(given, (types.FunctionType, type)) else _wrapped(given)
+                if isinstance(given, (types.FunctionType, type)):
+                    handed.append(given)
         for library, said in sorted(calls.items()):
             self.add(f"calls into {library} at the top level", _sha("\n".join(sorted(said))))
+        for given in handed:  # @lib.register("loss") def mse(...), lib.add_hook(fn): reached through the library
+            self.follow(given)
+        if handed:
+            self.drain()
+
+    def is_user_code(self, value: Any) -> bool:
+        """Whether a function or class is the user's (defined in the script or a local module)."""
+        code = getattr(value, "__code__", None)
+        path = code.co_filename if code is not None else getattr(sys.modules.get(value.__module__), "__file__", None)
+        return isinstance(path, str) and self.is_user(self.realpath(path))
+
+    def handed_text(self, value: Any, called: Any, libraries: frozenset[str]) -> str:
+        """How a value a top-level call into ``libraries`` passes counts: plain data by its value, and so an
+        object of the library's own type that the library keeps (``c = lib.Cosmology(70)``,
+        ``lib.register_obj("planck", c)``, then ``c.h0 = 11``: what the stage reads through the library) unless
+        its text is not faithful (an address: by its type, as before, not made uncacheable).  Any other object
+        counts by its type: its text may be an address, or change as it lives (a pool, a session)."""
+        if _plain(value):
+            return self.value(value)
+        home = type(value).__module__.partition(".")[0]
+        if home not in libraries or not _kept_by_library(called, [value], self.library_held):
+            return type(value).__qualname__
+        before = set(self.shortened)
+        text = self.value(value)
+        if set(self.shortened) - before:
+            self.shortened.intersection_update(before)
+            return type(value).__qualname__
+        return text
 
     def called_libraries(self, target: Any, reaching: dict[int, frozenset[str]], depth: int = 0) -> frozenset[str]:
         """The top-level packages outside the user code that calling ``target`` calls into: its own (a module,
@@ -1284,54 +1323,156 @@ def _seed_calls(source: bytes, path: str) -> tuple[tuple[str, tuple[str, ...], s
     return _SEEDS[key]
 
 
-_TOP_CALLS: dict[str, tuple[tuple[str, _Chain, tuple[str, ...]], ...]] = {}
+_TOP_CALLS: dict[str, tuple[_TopCall, ...]] = {}
 
 
-def _top_calls(source: bytes, path: str) -> tuple[tuple[str, _Chain, tuple[str, ...]], ...]:
-    """The calls a module's top level makes as statements of their own (``lib.register("a", 11)``), also inside
-    a top-level ``if``, ``with``, ``try`` or loop, but not in an ``if __name__ == "__main__":`` block (never run
-    in a rank), and not the seeding calls (:data:`_SEED_FUNCTIONS`, which count as ``seed calls``): ``(text,
-    names of the called object, names its arguments read)``.  The called object is the first name and the
-    attributes after it, up to a call (``lib.get("a").set(2)``: ``("lib", "get")``)."""
+def _top_calls(source: bytes, path: str) -> tuple[_TopCall, ...]:
+    """The calls a module's top level makes: ``(text, names of the called object, names its text reads, name of
+    the function or class it decorates or "")``, not those in an ``if __name__ == "__main__":`` block (never
+    run in a rank), in a function's body (code, counted where it is reached), nor the seeding calls
+    (:data:`_SEED_FUNCTIONS`, which count as ``seed calls``).
+
+    Wherever the top level runs a call, it may change a library's state: as a statement of its own
+    (``lib.register("a", 11)``), but also inside an assignment (``m = lib.register("a", 11)``), a
+    comprehension, a ``with`` item, an ``if`` test, a class body, a default value or a decorator
+    (``@lib.model("sq", scale=2)``, which hands the library the function it decorates; a bare ``@lib.plugin``
+    too).  The text is the statement the call is in (a loop's header before it: ``for n, h in PAIRS:``), so
+    the literal a comprehension or a loop feeds the call counts; the names read are plain names and dotted
+    ones (``cfg.h0``, ``consts.H0``).  A call in what a plain assignment takes (``W = np.arange(4) * 2``) names
+the names it is assigned to, last: :meth:`_Walker.library_calls_at_top` counts it only when the library keeps
+what it returned.  The called object is the first name and the attributes after it, up
+    to a call (``lib.get("a").set(2)``: ``("lib", "get")``; ``getattr(lib, "set")(2)``: ``("lib",)``)."""
     key = hashlib.sha256(source).hexdigest()
     if key in _TOP_CALLS:
         return _TOP_CALLS[key]
-    found: list[tuple[str, _Chain, tuple[str, ...]]] = []
+    found: list[_TopCall] = []
 
-    def walk(body: list[ast.stmt]) -> None:
+    def record(node: ast.expr, sites: list[tuple[str, ast.AST]], decorated: str, assigned: tuple[str, ...]) -> None:
+        func: ast.expr = node
+        while isinstance(func, (ast.Call, ast.Subscript)) or (
+                isinstance(func, ast.Attribute) and _names(func) is None):
+            if isinstance(func, ast.Call) and isinstance(func.func, ast.Name) and func.func.id == "getattr" \
+                    and func.args:
+                func = func.args[0]  # getattr(lib, "set_x")(11): a call into lib
+            else:
+                func = func.func if isinstance(func, ast.Call) else func.value
+        chain = _names(func)
+        if chain is None or (isinstance(node, ast.Call) and (
+                getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in _SEED_FUNCTIONS):
+            return
+        names = {".".join(n) for _, site in sites for sub in ast.walk(site)
+                 if isinstance(sub, (ast.Name, ast.Attribute)) and (n := _names(sub)) is not None}
+        found.append((" ; ".join(text for text, _ in sites), chain, tuple(sorted(names)), decorated, assigned))
+
+    def expressions(node: ast.AST, sites: list[tuple[str, ast.AST]], decorated: str = "") -> None:
+        value = getattr(node, "value", None) if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        assigned = tuple(t.id for t in targets if isinstance(t, ast.Name)) \
+            if value is not None and all(isinstance(t, ast.Name) for t in targets) else ()
+        inside = {id(v) for v in ast.walk(value)} if assigned and value is not None else set()
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) or (sub is node and decorated):
+                record(sub, sites, decorated if sub is node else "",  # type: ignore[arg-type]
+                       assigned if id(sub) in inside else ())
+
+    def site(node: ast.AST) -> tuple[str, ast.AST]:
+        return ast.unparse(node), node
+
+    def walk(body: list[ast.stmt], loops: list[tuple[str, ast.AST]]) -> None:
         for node in body:
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-                call = node.value
-                func: ast.expr = call.func
-                while isinstance(func, (ast.Call, ast.Subscript)) or (
-                        isinstance(func, ast.Attribute) and _names(func) is None):
-                    func = func.func if isinstance(func, ast.Call) else func.value
-                chain = _names(func)
-                seeds = (getattr(call.func, "attr", None) or getattr(call.func, "id", None)) in _SEED_FUNCTIONS
-                if chain is not None and not seeds:
-                    arguments = [*call.args, *(k.value for k in call.keywords)]
-                    names = sorted({n.id for a in arguments for n in ast.walk(a) if isinstance(n, ast.Name)})
-                    found.append((ast.unparse(call), chain, tuple(names)))
-            elif isinstance(node, ast.If) and not _is_main_guard(node):
-                walk(node.body)
-                walk(node.orelse)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                for decorator in node.decorator_list:
+                    expressions(decorator, [*loops, (f"@{ast.unparse(decorator)} {node.name}", decorator)],
+                                node.name)
+                heads = [*node.bases, *node.keywords] if isinstance(node, ast.ClassDef) else \
+                    [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+                for head in heads:
+                    expressions(head, [*loops, site(head)])
+                if isinstance(node, ast.ClassDef):
+                    walk(node.body, loops)  # a class body runs at the top level
+            elif isinstance(node, ast.If):
+                if _is_main_guard(node):
+                    continue
+                expressions(node.test, [*loops, site(node.test)])
+                walk(node.body, loops)
+                walk(node.orelse, loops)
             elif isinstance(node, (ast.With, ast.AsyncWith)):
-                walk(node.body)
-            elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
-                walk(node.body)
-                walk(node.orelse)
+                for item in node.items:
+                    expressions(item.context_expr, [*loops, site(item)])
+                walk(node.body, loops)
+            elif isinstance(node, (ast.For, ast.AsyncFor)):
+                header = (f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}", node.iter)
+                expressions(node.iter, [*loops, header])
+                walk(node.body, [*loops, header])
+                walk(node.orelse, loops)
+            elif isinstance(node, ast.While):
+                header = (f"while {ast.unparse(node.test)}", node.test)
+                expressions(node.test, [*loops, header])
+                walk(node.body, [*loops, header])
+                walk(node.orelse, loops)
             elif isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))):
-                walk(node.body)
+                walk(node.body, loops)
                 for handler in node.handlers:
-                    walk(handler.body)
-                walk(node.orelse)
-                walk(node.finalbody)
+                    walk(handler.body, loops)
+                walk(node.orelse, loops)
+                walk(node.finalbody, loops)
+            elif isinstance(node, ast.Match):
+                expressions(node.subject, [*loops, site(node.subject)])
+                for case in node.cases:
+                    walk(case.body, loops)
+            elif not isinstance(node, (ast.Import, ast.ImportFrom)):
+                expressions(node, [*loops, site(node)])
 
-    walk(_parse(source, path).body)
+    walk(_parse(source, path).body, [])
     if len(_TOP_CALLS) > 4096:
         _TOP_CALLS.clear()
     _TOP_CALLS[key] = tuple(found)
     return _TOP_CALLS[key]
+
+
+def _kept_by_library(called: Any, results: Sequence[Any], memo: dict[str, frozenset[int]]) -> bool:
+    """Whether the module of ``called`` (a library's function or class) or its top package holds one of
+    ``results`` (what a top-level assignment took from the call) among its globals or one level inside them
+    (``REGISTRY[name] = obj; return obj``), or a result is None (a setter's): then the call changed the
+    library's state, and counts; a fresh value (``np.arange(4)``) is the script's, not the library's.
+    ``memo``: what each module holds, found once per walk (the script does not run meanwhile)."""
+    results = [*results, *(i for r in results if isinstance(r, (list, tuple)) for i in r[:1000]),
+               *(i for r in results if isinstance(r, dict) for i in list(r.values())[:1000])]
+    if any(r is None for r in results):
+        return True
+    home = called.__name__ if isinstance(called, types.ModuleType) else getattr(called, "__module__", None)
+    if not isinstance(home, str):
+        return True  # cannot tell: counted
+    wanted = {id(r) for r in results}
+    for name in {home, home.partition(".")[0]}:
+        if name not in memo:
+            held: set[int] = set()
+            module = sys.modules.get(name)
+            for value in list(vars(module).values()) if module is not None else ():
+                held.add(id(value))
+                if isinstance(value, dict):
+                    held.update(map(id, itertools.islice(list(value.values()), 100000)))
+                elif isinstance(value, (list, tuple, set, frozenset)):
+                    held.update(map(id, itertools.islice(list(value), 100000)))
+            memo[name] = frozenset(held)
+        if not wanted.isdisjoint(memo[name]):
+            return True
+    return False
+
+
+def _dotted(scope: Mapping[str, Any], name: str) -> Any:
+    """The value a plain or dotted name (``cfg.h0``) holds in ``scope``, through ``vars`` (never ``getattr``:
+    no property runs); :data:`_ABSENT` when it cannot be found so."""
+    first, *rest = name.split(".")
+    value = scope.get(first, _ABSENT)
+    for part in rest:
+        try:
+            value = vars(value).get(part, _ABSENT)
+        except TypeError:
+            return _ABSENT
+        if value is _ABSENT:
+            break
+    return value
 
 
 def _resolve_call(namespace: Mapping[str, Any], chain: _Chain) -> Any:
@@ -1609,6 +1750,8 @@ def _parse(source: bytes, path: str) -> ast.Module:
 
 
 _Chain = tuple[str | None, ...]
+_TopCall = tuple[str, _Chain, tuple[str, ...], str, tuple[str, ...]]
+"""A call the top level makes (:func:`_top_calls`)."""
 _PATCHES: dict[str, tuple[tuple[str, _Chain, str], ...]] = {}
 
 

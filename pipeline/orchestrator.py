@@ -732,7 +732,8 @@ class Orchestrator(MapShell):
             if self.committed:
                 hit, found, damaged = cache.look_up(session, run_id=self.run_id, stage=spec.name, key=key,
                                                     params=params, outputs=spec.outputs, now=self.observed_start,
-                                                    observed=True, written=lambda: self._written_by_stages(session))
+                                                    observed=True, written=lambda: self._written_by_stages(session),
+                                                    data_dir=self.datasets.data_dir)
             else:  # nothing committed in the store: no candidate, no earlier execution to compare with
                 hit, found, damaged = None, {}, []
             for problem in damaged:

@@ -523,6 +523,10 @@ class Pipeline:
         if chosen_data is None and resume_id is not None:  # a resume writes where the run began
             previous = store.find_run(the_id)
             chosen_data = ((previous.pilot or {}) if previous is not None else {}).get("data_dir")
+            if chosen_data is not None:  # as the run's own directory kept it, not as any store user wrote it
+                from .started import check_kept_data_dir
+
+                check_kept_data_dir(previous, Path(previous.run_dir))  # as `hetflow resume` reads it
         if chosen_data is not None:
             what = "--data-dir" if options.data_dir else "data_dir"
             description = dataclasses.replace(description, data_dir=check_data_dir(chosen_data, what=what))

@@ -43,8 +43,9 @@ Decisions:
   :func:`hmac.compare_digest`.  The token is printed once and written only to
   the 0600 note the notebook's link is made from (:mod:`hetflow.display`).
   The Host check comes first: a wrong ``Host`` is 421 with or without a token.
-- A connection has :data:`REQUEST_TIMEOUT` seconds to send its request: one that sends nothing is closed,
-  as anyone on the host may open connections without a token.
+- A connection has :data:`REQUEST_TIMEOUT` seconds to send its request, in all: one that sends nothing, or
+  trickles it, is closed, as anyone on the host may open connections without a token.  Only an origin-form
+  target (``/api/status``) is answered: an absolute one (``http://evil.example/...``) is a 400.
 - The run's files the page shows (the stages' progress) are read only when they are regular files, never
   through a symlink nor from a FIFO: with a shared PostgreSQL store the run shown may be another user's,
   whose directories are theirs.
@@ -95,8 +96,9 @@ TOKEN_HEADER = "X-Hetflow-Token"
 """The request header the page's own requests carry the token in (never a cookie: see the module's decisions)."""
 
 REQUEST_TIMEOUT = 10.0
-"""Seconds a connection may take to send its request (and to take each part of the answer): an idle
-connection is closed, so connections that never send one cannot hold a thread each for good."""
+"""Seconds a connection may take to send its whole request line and headers, however it trickles them (a byte
+at a time keeps no connection past it), and to take each part of the answer: so connections that never
+finish a request cannot hold a thread each for good."""
 
 MAX_PROGRESS = 1 << 20
 """The most bytes of a progress file read (a map stage's counts are a few KiB)."""
@@ -218,6 +220,33 @@ def stage_progress(log_dir: str | None) -> dict[str, Any] | None:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     timeout = REQUEST_TIMEOUT  # on the socket: reading the request and writing the answer, never the long poll
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(REQUEST_TIMEOUT, self._too_slow)  # the socket's timeout is per read
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _too_slow(self) -> None:
+        import socket
+
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)  # the reading thread sees the end of its request
+        except OSError:
+            pass
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # the request line's checks, then every header read
+        self._deadline.cancel()
+        if parsed and not self.path.startswith("/"):  # (a leading // is made one / by http.server)
+            self.send_error(HTTPStatus.BAD_REQUEST, "hetflow serve takes only a path as the request target "
+                            "(GET /api/status), not an absolute address")
+            return False
+        return parsed
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def _host_refused(self) -> bool:
         """Answer and return ``True`` when the request's ``Host`` does not name this server."""

@@ -48,11 +48,29 @@ def check(record: Any) -> None:
     """Refuse (:class:`~hetflow.errors.ChangedInStore`, one line) to resume ``record`` (a run's row) when
     its script, params, argv or data directory differ from what the run started with, or when that was
     not kept or could have been written by another user."""
+    _compare(record, _kept(record, Path(record.run_dir)), values(script=record.script, params=record.params,
+                                                                   argv=record.argv, pilot=record.pilot))
+
+
+def check_kept_data_dir(record: Any, run_dir: Path) -> None:
+    """Refuse (:class:`~hetflow.errors.ChangedInStore`) to resume ``record`` from Python code
+    (``pipe.run(run_id=...)``) into the data directory its record names when that is not the one the run
+    started with (kept in ``run_dir``, the run's directory as the record names it: its ``started.json`` must
+    be this user's and name this run, so a record pointing elsewhere is refused too).
+
+    Decision: the params, argv and script of such a resume are the caller's own (its code gives them), so
+    only the data directory, which it takes from the store, is compared: a user of a shared store who named
+    a directory (or bucket) of theirs would otherwise receive the run's new outputs, and could swap them
+    before the next stage reads them."""
+    _compare(record, _kept(record, run_dir), {"data_dir": (record.pilot or {}).get("data_dir")})
+
+
+def _kept(record: Any, run_dir: Path) -> dict[str, Any]:
     from hetflow import observed
     from hetflow.tasks.errors import UnsafeShippedFunction
     from hetflow.tasks.shipping import read_checked
 
-    path = Path(record.run_dir) / STARTED
+    path = run_dir / STARTED
     if not path.is_file() and not path.is_symlink():
         raise ChangedInStore(f"run {record.id} has no record of what it started with ({path} is missing: a run of "
                              "an older hetflow, or its directory is not where the store says): refusing to resume "
@@ -70,7 +88,10 @@ def check(record: Any) -> None:
         raise ChangedInStore(f"run {record.id}: {path} is the record of another run ({kept.get('run')!r}) "
                              "(the store's record of its directory was changed)" if isinstance(kept, dict) else
                              f"run {record.id}: {path} is not what hetflow wrote")
-    now = values(script=record.script, params=record.params, argv=record.argv, pilot=record.pilot)
+    return kept
+
+
+def _compare(record: Any, kept: dict[str, Any], now: dict[str, Any]) -> None:
     changed = [name for name in now if _canonical(now[name]) != _canonical(kept.get(name))]
     if changed:
         details = "; ".join(_difference(name, now[name], kept.get(name)) for name in changed)

@@ -3,7 +3,8 @@
     mpiexec -n N python -I -S .../hetflow/tasks/rankstub.py SPEC.json
 
 Run by its path with ``-I -S`` (no ``site``, no hetflow, the standard library only), so it costs a bare
-interpreter's start.  It connects to the fork server's socket (``HETFLOW_WARM_SOCKET``), sends the
+interpreter's start.  It connects to the fork server's socket (``HETFLOW_WARM_SOCKET``) and, once its
+server is found to be this user's (``SO_PEERCRED``: not a socket another user put in its place), sends the
 registration's token (``HETFLOW_WARM_TOKEN``), its environment (the launcher's ``PMI_*`` variables among
 it), its working directory and, as ``SCM_RIGHTS``, its standard output and error and the PMI socket Hydra
 gave it (``PMI_FD``).  The server forks the rank with them (:mod:`hetflow.tasks.warmranks`): its
@@ -64,8 +65,14 @@ def main() -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
+        import struct
+
+        owner = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
     except OSError as exc:
         _cold(spec, f"the fork server's socket {path!r}: {exc}")
+    if owner != os.getuid():  # the token, the environment and the PMI socket go only to this user's server
+        sock.close()
+        _cold(spec, f"the socket {path!r} is served by uid {owner}, not by this user's fork server")
     fds = [1, 2]
     pmi = os.environ.get("PMI_FD")
     if pmi is not None:

@@ -749,3 +749,151 @@ def test_end_to_end_an_edit_of_a_top_level_registry_call_reruns_only_the_stage_u
     assert once("11") == ({"stage": "DONE", "other": "DONE"}, 11)
     assert once("12") == ({"stage": "DONE", "other": "CACHED"}, 12)
     assert once("12") == ({"stage": "CACHED", "other": "CACHED"}, 12)
+
+
+PLUGIN_LIB = REGISTRY_LIB + """
+class context:
+    def __init__(self, h0):
+        self.h0 = h0
+    def __enter__(self):
+        register("planck", self.h0)
+    def __exit__(self, *exc):
+        pass
+def model(name, scale=1):
+    def decorate(fn):
+        REGISTRY[name] = (fn, scale)
+        return fn
+    return decorate
+def apply(name, x):
+    fn, scale = REGISTRY[name]
+    return fn(x) * scale
+def register_obj(name, obj):
+    REGISTRY[name] = obj
+"""
+CONSTS = {"consts": "H0 = 11\n"}
+ANYWHERE_SETTINGS = [
+    ("m = fakelib.register('planck', 11)", "fakelib.get('planck').h0", None),
+    ("[fakelib.register(n, h) for n, h in [('planck', 11)]]", "fakelib.get('planck').h0", None),
+    ("for n, h in [('planck', 11), ('wmap', 70)]:\n    fakelib.register(n, h)", "fakelib.get('planck').h0", None),
+    ("class Setup:\n    fakelib.register('planck', 11)", "fakelib.get('planck').h0", None),
+    ("with fakelib.context(11):\n    pass", "fakelib.get('planck').h0", None),
+    ("if (m := fakelib.register('planck', 11)):\n    pass", "fakelib.get('planck').h0", None),
+    ("getattr(fakelib, 'register')('planck', 11)", "fakelib.get('planck').h0", None),
+    ("class Cfg:\n    def __init__(self):\n        self.h0 = 11\ncfg = Cfg()\nfakelib.register('planck', cfg.h0)",
+     "fakelib.get('planck').h0", None),
+    ("import consts\nfakelib.register('planck', consts.H0)", "fakelib.get('planck').h0", CONSTS),
+    ("c = fakelib.Cosmology(70)\nfakelib.register_obj('planck', c)\nc.h0 = 11", "fakelib.get('planck').h0", None),
+    ("@fakelib.model('sq', scale=11)\ndef sq(x):\n    return x", "fakelib.apply('sq', 1)", None),
+    ("@fakelib.model('sq')\ndef sq(x):\n    return x * 11", "fakelib.apply('sq', 1)", None),
+    ("def sq(x):\n    return x * 11\nfakelib.register_obj('sq', (sq, 1))", "fakelib.apply('sq', 1)", None),
+]
+
+
+@pytest.mark.parametrize("setting, reads, local", ANYWHERE_SETTINGS)
+def test_a_call_into_a_library_anywhere_in_the_top_level_counts_for_a_stage_using_it(
+        tmp_path: Path, setting: str, reads: str, local: dict[str, str] | None) -> None:
+    """The twelfth red team: only a call that was a statement of its own counted.  The same call assigned
+    (``m = fakelib.register(...)``), in a comprehension, fed by a loop, in a class body, a ``with`` item, an
+    ``if`` test, through ``getattr``, passing ``cfg.h0`` or ``consts.H0`` (a value by its type only), a
+    decorator's argument, the body of a function a library decorator registers (the stage reaches it only
+    through the library) or that a plain call hands it (``register_obj("sq", (sq, 1))``, a hook), and an
+    object of the library's the script handed it and then changed (``c.h0 = 11`` after
+    ``register_obj("planck", c)``): 11 -> 12 gave the same key, each served CACHED with 11."""
+    script = (f"import fakelib\n{setting}\ndef stage(ctx):\n    return {reads}\n"
+              "def other(ctx):\n    return 1\n")
+
+    def edited(text: str) -> str:
+        return text.replace("11", "12")
+
+    a = _with_fakelib(tmp_path / "a", script, PLUGIN_LIB, local)
+    b = _with_fakelib(tmp_path / "b", edited(script), PLUGIN_LIB,
+                      None if local is None else {k: edited(v) for k, v in local.items()})
+    assert a != b, (a, b)
+    assert _with_fakelib(tmp_path / "c", script, PLUGIN_LIB, local) == a  # the same code: the same key
+    kept = [_with_fakelib(tmp_path / d, text, PLUGIN_LIB, local, stage="other")
+            for d, text in (("d", script), ("e", edited(script)))]
+    assert kept[0] == kept[1] and not any("fakelib" in k for k in kept[0]), kept
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_an_edit_of_a_function_a_library_decorator_registers_reruns_the_stage(tmp_path: Path) -> None:
+    """``hetflow run`` three times: the stage calls ``fakelib.apply("sq", 3)``, which calls the script's ``sq``
+    that ``@fakelib.model("sq")`` registered; an edit of ``sq``'s body re-runs the stage with the new value
+    (it was CACHED with the old one), and unchanged it is CACHED."""
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "fakelib.py").write_text(PLUGIN_LIB)
+    script = textwrap.dedent("""
+        import pyarrow as pa
+        import hetflow as hf
+        import fakelib
+
+        @fakelib.model("sq")
+        def sq(x):
+            return x * FACTOR
+
+        pipe = hf.Pipeline("plugin")
+
+        @pipe.stage(outputs=["out"])
+        def stage(ctx):
+            return {"out": pa.table({"v": [fakelib.apply("sq", 3)]})}
+
+        if __name__ == "__main__":
+            pipe.run()
+    """)
+    hetflow = [sys.executable, "-m", "hetflow.cli"] if not os.path.exists(Path(sys.executable).parent / "hetflow") \
+        else [str(Path(sys.executable).parent / "hetflow")]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site-packages")}
+    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
+    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
+
+    def once(factor: str) -> tuple[str, int]:
+        (tmp_path / "pipeline.py").write_text(script.replace("FACTOR", factor))
+        subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150, env=env)
+        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True,
+                                          env=env).stdout)
+        from hetflow.operators.dataset import Dataset
+
+        return shown["stages"][0]["state"], Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+
+    assert once("2") == ("DONE", 6)
+    assert once("5") == ("DONE", 15)
+    assert once("5") == ("CACHED", 15)
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_a_partial_declared_as_the_stage_runs_and_counts_its_arguments(tmp_path: Path) -> None:
+    """The tenth red team's low: ``pipe.stage(name="p")(functools.partial(scaled, k=3))`` failed in its rank,
+    "functools.p is not a function, and no pipeline in functools declares a stage 'p'" (a partial's module is
+    ``functools``).  Now the rank finds it where its function is declared: it runs, an edit of ``k`` re-runs
+    it with the new value, and unchanged it is CACHED."""
+    script = textwrap.dedent("""
+        import functools
+        import pyarrow as pa
+        import hetflow as hf
+
+        pipe = hf.Pipeline("partial")
+
+        def scaled(ctx, k):
+            return {"out": pa.table({"v": [k]})}
+
+        pipe.stage(name="p", outputs=["out"])(functools.partial(scaled, k=K))
+
+        if __name__ == "__main__":
+            pipe.run()
+    """)
+    hetflow = [sys.executable, "-m", "hetflow.cli"]
+    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
+    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
+
+    def once(k: str) -> tuple[str, int]:
+        (tmp_path / "pipeline.py").write_text(script.replace("K", k))
+        done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True).stdout)
+        from hetflow.operators.dataset import Dataset
+
+        return shown["stages"][0]["state"], Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+
+    assert once("3") == ("DONE", 3)
+    assert once("4") == ("DONE", 4)
+    assert once("4") == ("CACHED", 4)

@@ -630,6 +630,70 @@ def test_resume_refuses_params_and_argv_changed_in_the_store_since_the_run_start
                                      text=True, timeout=60).stdout)["state"] == "DONE"
 
 
+RESUMED_IN_PYTHON = textwrap.dedent('''
+    import os
+    import sys
+    import pyarrow as pa
+    import hetflow as hf
+
+    pipe = hf.Pipeline("pyresume", workdir="wd")
+
+    @pipe.stage(outputs=["a"])
+    def a(ctx):
+        return {"a": pa.table({"v": [1]})}
+
+    @pipe.stage(inputs=["a"], outputs=["b"])
+    def b(ctx, a):
+        if os.environ.get("FAIL_B"):
+            raise RuntimeError("b fails")
+        return {"b": pa.table({"v": [2]})}
+
+    if __name__ == "__main__":
+        try:
+            print("STATE", pipe.run(run_id=sys.argv[1] if len(sys.argv) > 1 else None).state)
+        except hf.HetflowError as exc:
+            print("REFUSED", exc)
+''')
+
+
+def test_a_resume_from_python_writes_only_where_the_run_started_not_where_the_store_says(tmp_path: Path) -> None:
+    """Before, ``pipe.run(run_id=RUN)`` (a notebook's or a script's own resume) took the data directory from
+    the store's record of the run unchecked: a user of a shared store who wrote a directory of theirs there
+    received the run's new outputs (``hetflow resume`` refused it).  Now it is compared with the directory
+    the run's private ``started.json`` kept: refused in one error naming both, nothing written there; the
+    run's own data directory resumes."""
+    import sqlite3
+
+    (tmp_path / "p.py").write_text(RESUMED_IN_PYTHON)
+    (tmp_path / "mine").mkdir()
+    failed = subprocess.run([*HETFLOW, "run", "p.py", "--no-progress", "--data-dir", "mine"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "FAIL_B": "1"})
+    assert failed.returncode == 1, failed.stderr
+    run_id = json.loads(subprocess.run([*HETFLOW, "status", "--json", "--workdir", "wd"], cwd=tmp_path,
+                                       capture_output=True, text=True, timeout=60).stdout)["id"]
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    theirs.chmod(0o777)
+    store = sqlite3.connect(tmp_path / "wd" / "hetflow.db")
+    with store:
+        store.execute("update runs set pilot = json_set(pilot, '$.data_dir', ?) where id = ?", (str(theirs), run_id))
+    resumed = subprocess.run([sys.executable, "p.py", run_id], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
+    assert f"REFUSED run {run_id}'s recorded data_dir were changed in the store since it started: data_dir is " \
+        f"{str(theirs)!r} in the store, {str(tmp_path / 'mine')!r} when it started" in resumed.stdout, \
+        (resumed.stdout, resumed.stderr)
+    assert list(theirs.iterdir()) == []
+    with store:
+        store.execute("update runs set pilot = json_set(pilot, '$.data_dir', ?) where id = ?",
+                      (str(tmp_path / "mine"), run_id))
+    store.close()
+    resumed = subprocess.run([sys.executable, "p.py", run_id], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
+    assert "STATE DONE" in resumed.stdout, (resumed.stdout, resumed.stderr)
+    assert (tmp_path / "mine" / "runs" / run_id / "datasets" / "b" / "_manifest.json").is_file()
+    assert list(theirs.iterdir()) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another user is made with chown, which needs root")
 def test_a_run_refuses_a_work_directory_another_user_can_replace_things_in(tmp_path: Path) -> None:
     """Before, a run used a work directory another user owned (a colleague made ./.hetflow first, 0777 as a
@@ -662,3 +726,42 @@ def test_a_run_refuses_a_work_directory_another_user_can_replace_things_in(tmp_p
     done = subprocess.run([*HETFLOW, "run", "shared.py", "--no-progress"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_serve_closes_a_trickled_request_and_refuses_an_absolute_target(hostile: tuple[Path, str, str]) -> None:
+    """Before, the request's timeout was per read: a byte every few seconds kept a connection (and its
+    thread) open without limit, no token needed; and ``GET http://evil.example/api/status`` (or
+    ``//evil.example/...``) was answered as its path.  Now a request has REQUEST_TIMEOUT seconds in all, and
+    only an origin-form target is answered."""
+    from hetflow.serve import REQUEST_TIMEOUT
+
+    tmp, _, _ = hostile
+    serve, port, token = start_serve(tmp)
+    try:
+        answer = raw_request(port, f"GET http://evil.example/api/status?token={token} HTTP/1.1\r\n"
+                                   f"Host: 127.0.0.1:{port}\r\n\r\n".encode())
+        assert answer.startswith("HTTP/1.0 400 ") and "not an absolute address" in answer, answer
+        answer = raw_request(port, f"GET //evil.example/api/status?token={token} HTTP/1.1\r\n"
+                                   f"Host: 127.0.0.1:{port}\r\n\r\n".encode())
+        assert answer.startswith("HTTP/1.0 404 "), answer  # http.server makes it the path /evil.example/...
+        assert raw_request(port, f"GET /api/status?token={token} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"
+                           .encode()).startswith("HTTP/1.0 200 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=40) as sock:
+            began = time.monotonic()
+            closed = None
+            for byte in b"GET /api/status HTTP/1.1\r\nX-Slow: " + b"a" * 200:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    closed = time.monotonic() - began
+                    break
+                sock.settimeout(REQUEST_TIMEOUT / 4)  # a byte every quarter of the per-read limit
+                try:
+                    if sock.recv(1024) == b"":
+                        closed = time.monotonic() - began
+                        break
+                except TimeoutError:
+                    pass
+            assert closed is not None and closed < REQUEST_TIMEOUT + 5, closed
+    finally:
+        stop(serve)

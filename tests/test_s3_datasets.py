@@ -413,3 +413,46 @@ def test_a_map_stage_commits_its_items_partitions_on_the_store_and_caches_them_p
     assert (tmp_path / "ran.txt").read_text().split() == ["0.05"]
     assert Dataset(second["datasets"]["scores"]).to_table()["lr"].to_pylist() == [0.1, 0.2, 0.3, 0.05]
     assert Dataset(second["datasets"]["best"]).to_table()["lr"].to_pylist() == [0.3]
+
+
+def test_the_cache_never_serves_an_object_store_output_outside_the_runs_own_data_dir(
+        script: Path, s3_server: S3Server, s3_bucket: str) -> None:
+    """Before, the cache served an object-store output from anywhere the store recorded it: another user of
+    a shared store, recording a run of theirs under your stage's key with its outputs in a bucket of theirs
+    that you can read, had your next run go on from their data, ``make`` CACHED.  Now an object-store output
+    is reused only under this run's own data directory: theirs is passed over (a warning names it) and your
+    own earlier output is served."""
+    import sqlite3
+
+    env = s3_environ(s3_server)
+    db = f"sqlite:///{script / 'shared.db'}"
+    mine, theirs = f"s3://{s3_bucket}/mine", f"s3://{s3_bucket}/theirs"
+
+    def run_in(cwd: Path, data_dir: str) -> dict[str, Any]:
+        done = subprocess.run([*HETFLOW, "run", "p.py", "--no-progress", "--db", db, "--workdir", str(cwd / "work"),
+                               "--data-dir", data_dir], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = subprocess.run([*HETFLOW, "status", "--json", "--db", db, "--workdir", str(cwd / "work")], cwd=cwd,
+                               capture_output=True, text=True, timeout=60, env=env)
+        data: dict[str, Any] = json.loads(shown.stdout)
+        data["stderr"] = done.stderr
+        return data
+
+    first = run_in(script, mine)
+    assert states(first) == {"make": "DONE", "add": "DONE"}
+    other = script / "other"
+    other.mkdir()
+    (other / "p.py").write_text(SCRIPT.replace("v * ctx.params[\"scale\"]", "v * 7"))
+    planted = run_in(other, theirs)
+    store = sqlite3.connect(script / "shared.db")
+    with store:
+        key = store.execute("select cache_key from stages where run_id = ? and name = 'make'",
+                            (first["id"],)).fetchone()[0]
+        store.execute("update stages set cache_key = ? where run_id = ? and name = 'make'", (key, planted["id"]))
+    store.close()
+    second = run_in(script, mine)
+    assert states(second)["make"] == "CACHED", second
+    assert second["datasets"]["numbers"].startswith(f"{mine}/runs/{first['id']}/"), second["datasets"]
+    assert Dataset(second["datasets"]["total"]).to_table().to_pylist() == [{"rows": 1000, "sum": 499500}]
+    assert f"{theirs}/runs/{planted['id']}/datasets/numbers is not under this run's data directory {mine}" \
+        in second["stderr"], second["stderr"]

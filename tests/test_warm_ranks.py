@@ -11,6 +11,7 @@ import ast
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -186,3 +187,52 @@ def test_warm_ranks_carry_on_when_the_fork_server_restarts_beside_them(tmp_path:
     assert all(SERVER in r["starter"] for r in rows), rows
     (log,) = (tmp_path / "w" / "runs").glob("*/forkserver.log")
     assert "restarts without loading them" in log.read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a server of another user is started with user=, which needs root")
+def test_a_rank_stub_sends_nothing_to_a_socket_another_user_serves(tmp_path: Path) -> None:
+    """Before, a rank's stub sent its token, its whole environment (credentials among it) and its PMI socket to
+    whatever listened at ``HETFLOW_WARM_SOCKET``: were the server's folder made where others can rename entries,
+    another user could serve that path.  Now the stub checks the server's uid first and, another user's, sends
+    nothing and starts the rank cold, saying why."""
+    import shutil
+    import stat
+    import tempfile
+
+    from hetflow.tasks import rankstub
+
+    python = "/usr/bin/python3"  # the other user cannot reach this one (under /root with pyenv)
+    if not os.path.exists(python):
+        pytest.skip("no system python for the other user")
+    shared = Path(tempfile.mkdtemp(prefix="hetflow-test-", dir="/tmp"))  # reachable by the other user
+    shared.chmod(0o777)
+    theirs, received = shared / "s", shared / "received"
+    server = subprocess.Popen([python, "-c", textwrap.dedent(f"""
+        import socket
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind({str(theirs)!r})
+        listener.listen(1)
+        print("ready", flush=True)
+        conn, _ = listener.accept()
+        conn.settimeout(20)
+        data = b""
+        try:
+            while chunk := conn.recv(65536):
+                data += chunk
+        except OSError:
+            pass
+        open({str(received)!r}, "wb").write(data)
+    """)], user=4242, cwd=shared, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n"
+        assert stat.S_ISSOCK(os.lstat(theirs).st_mode) and os.lstat(theirs).st_uid == 4242
+        stub = subprocess.run([sys.executable, "-I", "-S", rankstub.__file__, str(tmp_path / "no-spec.json")],
+                              env={**os.environ, "HETFLOW_WARM_SOCKET": str(theirs),
+                                   "HETFLOW_WARM_TOKEN": "secret-token-1234", "AWS_SECRET_ACCESS_KEY": "mine"},
+                              capture_output=True, text=True, timeout=60)
+        server.wait(timeout=30)
+        assert f"rank started cold: the socket {str(theirs)!r} is served by uid 4242" in stub.stderr, stub.stderr
+        assert received.read_bytes() == b""  # the connection closed with nothing sent: no token, no environment
+    finally:
+        server.kill()
+        shutil.rmtree(shared, ignore_errors=True)
