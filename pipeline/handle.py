@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from hetflow.operators.dataset import Dataset
 
+from .states import State
+
 if TYPE_CHECKING:
     from .pipeline import _Started
     from .status import RunStatus
@@ -96,11 +98,11 @@ class RunHandle:
         for the stop to be recorded; True if this call stopped it, False if it had ended already."""
         if self.done():
             return False
-        self._orchestrator.ask_stop("CANCELLED", "cancelled from Python (RunHandle.cancel())")
+        self._orchestrator.ask_stop(State.CANCELLED, "cancelled from Python (RunHandle.cancel())")
         concurrent.futures.wait([self._future], timeout)
         if not self.done():
             return True  # asked; the loop records it within its stop grace
-        return self.status().state == "CANCELLED"
+        return self.status().state == State.CANCELLED
 
     def status(self) -> "RunStatus":
         """The run as recorded now: what ``hetflow status RUN`` shows (stages, states, cache decisions)."""
@@ -122,7 +124,7 @@ class RunHandle:
             outputs = sorted({out for stage in status.stages for out in stage.outputs})
             raise KeyError(f"run {self.run_id}: no stage outputs a dataset {name!r} (outputs: {outputs})")
         stage = makers[0]
-        then = "wait() for the run, or ask again later" if status.state == "RUNNING" else "the run has ended"
+        then = "wait() for the run, or ask again later" if status.state == State.RUNNING else "the run has ended"
         raise KeyError(f"run {self.run_id}: dataset {name!r} is not committed: its stage {stage.name!r} is "
                        f"{stage.state} ({then})")
 
@@ -149,7 +151,7 @@ def _stop_at_exit() -> None:
     with _handles_lock:
         running = [handle for handle in _handles if not handle.done()]
     for handle in running:
-        handle._orchestrator.ask_stop("INTERRUPTED", "interrupted (the Python process that started it in the "
+        handle._orchestrator.ask_stop(State.INTERRUPTED, "interrupted (the Python process that started it in the "
                                                      "background exited)")
     for handle in running:
         concurrent.futures.wait([handle._future], EXIT_WAIT)

@@ -46,10 +46,11 @@ from .store import (
     TaskRecord,
     owner_gone,
 )
+from .states import State
 
 log = logging.getLogger(__name__)
 
-RESUMABLE = frozenset({"FAILED", "INTERRUPTED", "CANCELLED", "STOPPED"})
+RESUMABLE = frozenset({State.FAILED, State.INTERRUPTED, State.CANCELLED, State.STOPPED})
 """Ended runs that did not finish: what ``gc`` removes (all but each pipeline's latest)."""
 
 ORPHAN_GRACE = 300.0
@@ -77,7 +78,7 @@ def _inside(path: str, directory: str) -> bool:
 
 
 def _live(run: RunRecord) -> bool:
-    return run.state == "RUNNING" and owner_gone(run.owner, run.lease_until) is None
+    return run.state == State.RUNNING and owner_gone(run.owner, run.lease_until) is None
 
 
 def _hetflow_path(path: Path) -> bool:

@@ -37,6 +37,7 @@ from hetflow.operators import safeio
 
 from .declaration import StageSpec
 from .fingerprint import file_digests
+from .states import State
 
 CHUNK_ITEMS = 1024
 """At most this many items in one chunk task.  A chunk's start (its process, MPI, the stage's loading) is
@@ -63,7 +64,7 @@ class Item:
     """What the worker gets (:attr:`WorkerSpec.items`): ``("file", path)``, ``("row", i)``, ``("partition", i)``,
     ``("point", {...})``."""
     directory: str = ""
-    state: str = "PENDING"
+    state: str = State.PENDING
     tries: int = 0
     error: str | None = None
     outputs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -231,7 +232,7 @@ def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id
             candidate = Item(item.index, item.key, item.label, item.where, directory=sys.intern(record.directory),
                              outputs=outputs)
             if _intact(candidate):
-                item.state, item.directory, item.outputs = "CACHED", candidate.directory, candidate.outputs
+                item.state, item.directory, item.outputs = State.CACHED, candidate.directory, candidate.outputs
                 item.cached_from = record.cached_from or (None if record.run_id == run_id else record.run_id)
                 break
 
@@ -287,20 +288,20 @@ class MapRun:
 
     def progress_text(self) -> str:
         """``items 412/1,000 (3 cached), 8 running, 2 failed``: what the live view shows on the stage's row."""
-        done = self.tally.get("DONE", 0) + self.tally.get("CACHED", 0)
+        done = self.tally.get(State.DONE, 0) + self.tally.get(State.CACHED, 0)
         text = f"items {done:,}/{len(self.items):,}"
-        if self.tally.get("CACHED"):
+        if self.tally.get(State.CACHED):
             text += f" ({self.tally['CACHED']:,} cached)"
-        if self.tally.get("RUNNING"):
+        if self.tally.get(State.RUNNING):
             text += f", {self.tally['RUNNING']:,} running"
-        if self.tally.get("FAILED"):
+        if self.tally.get(State.FAILED):
             text += f", {self.tally['FAILED']:,} failed"
         return text
 
     def pending(self) -> list[Item]:
-        if not self.tally.get("PENDING"):
+        if not self.tally.get(State.PENDING):
             return []
-        return [item for item in self.items if item.state == "PENDING"]
+        return [item for item in self.items if item.state == State.PENDING]
 
     def split(self, fits: int) -> list[tuple[str, list[Item]]]:
         """New chunk tasks for the pending items (ids ``<task>/c<n>``), recorded as queued."""
@@ -315,7 +316,7 @@ class MapRun:
             chunk_id = f"{self.task}/c{self.made}"
             self.made += 1
             for item in chunk:
-                self.set_state(item, "QUEUED")
+                self.set_state(item, State.QUEUED)
             self.chunks[chunk_id] = [item.index for item in chunk]
             made.append((chunk_id, chunk))
         return made
@@ -341,7 +342,7 @@ class MapRun:
             elif line.get("forked") and self.isolated is None:
                 self.isolated = f"the items from item {item.index} on ran in a process each ({line['forked']})"
             if line["status"] == "ok":
-                self.set_state(item, "DONE")
+                self.set_state(item, State.DONE)
                 item.error, item.outputs = None, line["outputs"]  # the line's own (hetflow.mapshell._merge)
                 item.tries += 1
             else:
@@ -350,7 +351,7 @@ class MapRun:
             return
         if self.stopped is not None:
             for item in missing:
-                self.set_state(item, "PENDING")  # never started: a resume runs it
+                self.set_state(item, State.PENDING)  # never started: a resume runs it
             return
         # the task died: the item it was running is the first without a result; with none at all, it
         # may have died before its first item (an import error), so every item is charged
@@ -359,20 +360,20 @@ class MapRun:
             if item in charged:
                 self._failed(item, failure or "its task ended before the item's result was written")
             else:
-                self.set_state(item, "PENDING")
+                self.set_state(item, State.PENDING)
 
     def _failed(self, item: Item, error: str) -> None:
         item.tries += 1
         item.error = error
-        self.set_state(item, "PENDING" if item.tries <= self.spec.retries else "FAILED")
+        self.set_state(item, State.PENDING if item.tries <= self.spec.retries else State.FAILED)
 
     def running(self) -> bool:
         return bool(self.chunks)
 
     def failed(self) -> list[Item]:
-        if not self.tally.get("FAILED"):
+        if not self.tally.get(State.FAILED):
             return []
-        return [item for item in self.items if item.state == "FAILED"]
+        return [item for item in self.items if item.state == State.FAILED]
 
     def counts(self) -> dict[str, int]:
         return {state: count for state, count in self.tally.items() if count}
@@ -381,9 +382,9 @@ class MapRun:
         """``map 1,000 items: 997 cached, 3 ran (data/obs-0412.csv added)``."""
         counts = self.counts()
         parts = [f"{counts.get('CACHED', 0):,} cached", f"{counts.get('DONE', 0):,} ran"]
-        if counts.get("FAILED"):
+        if counts.get(State.FAILED):
             parts.append(f"{counts['FAILED']:,} failed")
-        rest = len(self.items) - sum(counts.get(s, 0) for s in ("CACHED", "DONE", "FAILED"))
+        rest = len(self.items) - sum(counts.get(s, 0) for s in (State.CACHED, State.DONE, State.FAILED))
         if rest:
             parts.append(f"{rest:,} not run")
         text = f"map {len(self.items):,} items: " + ", ".join(parts)
@@ -454,7 +455,7 @@ def assemble(spec: StageSpec, items: Sequence[Item], datasets_dir: str, producer
         position = 0
         try:
             for item in items:
-                if item.state not in ("DONE", "CACHED"):
+                if item.state not in (State.DONE, State.CACHED):
                     continue
                 for part in sorted(item.outputs.get(name) or (), key=lambda p: p.get("rank", 0)):
                     text = part.get("schema")

@@ -33,6 +33,7 @@ from . import cache, mapping, observed
 from .declaration import StageSpec
 from .mapping import MapRun
 from .plan import AttemptEnded, CancelTask, TaskId, TaskRejected, TaskStarted
+from .states import State
 from .store import AttemptRecord, MapItemRecord, StageRecord, TaskRecord, insert_rows
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class MapShell:
                 for key, run_id, directory, outputs, cached_from in session.execute(select(
                         MapItemRecord.key, MapItemRecord.run_id, MapItemRecord.directory, MapItemRecord.outputs,
                         MapItemRecord.cached_from).where(MapItemRecord.key.in_(keys[start:start + LOOK_UP_BATCH]),
-                                                         MapItemRecord.state.in_(("DONE", "CACHED")))):
+                                                         MapItemRecord.state.in_((State.DONE, State.CACHED)))):
                     earlier.setdefault(key, []).append(mapping.Earlier(
                         run_id, sys.intern(directory), mapping.shared_outputs(outputs), cached_from))
             run.row_watermark = session.scalar(select(func.max(MapItemRecord.id))) or 0
@@ -171,11 +172,11 @@ class MapShell:
                         self.scheduler.handle_event(TaskCancelled(other, time.time()))
                 run.chunks.clear()
                 del self.maps[spec.name]
-                self._end_task(str(run.task), "REJECTED", instruction.reason)
+                self._end_task(str(run.task), State.REJECTED, instruction.reason)
                 self._feed(TaskRejected(run.task, instruction.reason,
                                         walltime=instruction.cause in ("walltime", "drain")))
                 return None
-            self._chunk_gone(chunk_id, {}, instruction.reason, "WALLTIME" if instruction.cause in
+            self._chunk_gone(chunk_id, {}, instruction.reason, State.WALLTIME if instruction.cause in
                              ("walltime", "drain") else None)
             return None
         assert isinstance(instruction, StartTask)
@@ -184,7 +185,7 @@ class MapShell:
         indices = run.chunks[chunk_id]
         items = [run.items[i] for i in indices]
         for item in items:
-            run.set_state(item, "RUNNING")
+            run.set_state(item, State.RUNNING)
         nodes = self.backend.node_names()
         files = self._write_spec(spec, run.task, instruction, nodes, chunk=chunk_id.rsplit("/", 1)[1],
                                  items=[item.to_spec(spec.outputs) for item in items],
@@ -196,13 +197,13 @@ class MapShell:
             with self.store.session() as session:
                 record = session.get(TaskRecord, str(run.task))
                 if record is not None:
-                    record.state = "RUNNING"
+                    record.state = State.RUNNING
                     record.slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus),
                                      "node_name": nodes[s.node]} for s in instruction.slots]
                     session.add(AttemptRecord(task_id=str(run.task), stage_id=record.stage_id,
-                                              number=run.task.attempt, state="RUNNING", started=now,
+                                              number=run.task.attempt, state=State.RUNNING, started=now,
                                               attempt_dir=str(files.directory)))
-                self.store.event(session, self.run_id, "task", str(run.task), "RUNNING", items=len(run.items))
+                self.store.event(session, self.run_id, "task", str(run.task), State.RUNNING, items=len(run.items))
             self._feed(TaskStarted(run.task))
         live = self.live[chunk_id] = _Live(run.task, files.directory, instruction.slots, chunk=chunk_id)
         # each one-rank item is ended at the stage's timeout by its task (hetflow.tasks.mapitems); the task's
@@ -230,7 +231,7 @@ class MapShell:
                 lines = {}
             else:
                 run.observed.update(self._observed_record(spec, ranks))
-        final = failure.state if failure is not None and failure.state in ("CANCELLED", "WALLTIME") else None
+        final = failure.state if failure is not None and failure.state in (State.CANCELLED, State.WALLTIME) else None
         if failure is not None and final is None and run.stopped is not None:
             final = run.stopped[0]
         self._chunk_gone(live.chunk, lines, None if failure is None else failure.message, final)
@@ -261,13 +262,13 @@ class MapShell:
         if not run.started:
             run.started = True
             self._feed(TaskStarted(run.task))
-        state, error = "DONE", None
+        state, error = State.DONE, None
         committed: dict[str, ds.Manifest] = {}
         failed = run.failed()
         if run.stopped is not None:
             state, error = run.stopped
         elif len(failed) > mapping.allowed_failures(spec, len(run.items)):
-            state, error = "FAILED", f"stage {spec.name!r}: {run.failure_text()}"
+            state, error = State.FAILED, f"stage {spec.name!r}: {run.failure_text()}"
         else:
             try:
                 for name in spec.outputs:
@@ -279,9 +280,9 @@ class MapShell:
                             "items": len(run.items)}
                 committed = mapping.assemble(spec, run.items, self.datasets.root, producer)
             except (ds.DatasetError, ValueError, OSError) as exc:
-                state, error = "FAILED", f"{type(exc).__name__}: {exc}"
+                state, error = State.FAILED, f"{type(exc).__name__}: {exc}"
         self._record_map(run, state, error, committed)
-        if state != "DONE":
+        if state != State.DONE:
             log.warning("stage %s: %s", spec.name, error)
         self._feed(AttemptEnded(run.task, state, error), finished=finished)
 
@@ -290,7 +291,7 @@ class MapShell:
         spec = run.spec
         now = time.time()
         summary = run.summary(mapping.describe_changes(run.before, run.items, stage_reason=run.stage_reason))
-        if state == "DONE" and run.failed():
+        if state == State.DONE and run.failed():
             summary += f"; {run.failure_text()} (accepted: max_failures={spec.max_failures})"
         with self.store.session() as session:
             task = session.get(TaskRecord, str(run.task))
@@ -305,7 +306,7 @@ class MapShell:
             run.row_counts = run.counts()  # the rows now: one per item, as it ended
             record.item_counts = dict(run.row_counts)
             material = self.material.get(spec.name)
-            if state == "DONE" and not run.failed() and material is not None:
+            if state == State.DONE and not run.failed() and material is not None:
                 # the whole map's key only when every item is in its output: else a rerun runs the failed ones
                 record.cache_key, record.cache_material = material.key(), material.to_json()
                 record.params_read = None
@@ -322,10 +323,10 @@ class MapShell:
     def _record_items_done(self: Any, run: MapRun, indices: list[int]) -> None:
         """The items of a chunk that succeeded, recorded as it ends (with the loop step's transaction): an
         orchestrator killed before the map's end leaves them reusable, so its resume runs only the rest."""
-        done = [run.items[i] for i in indices if run.items[i].state == "DONE"]
+        done = [run.items[i] for i in indices if run.items[i].state == State.DONE]
         if not done:
             return
-        run.row_counts["DONE"] = run.row_counts.get("DONE", 0) + len(done)
+        run.row_counts[State.DONE] = run.row_counts.get(State.DONE, 0) + len(done)
         with self.store.session() as session:
             session.execute(insert(MapItemRecord), [_row(self.run_id, run.spec.name, item) for item in done])
             record = self._stage_record(session, run.spec.name)
@@ -336,7 +337,7 @@ class MapShell:
     # --------------------------------------------------------------- cancel
     def _cancel_map(self: Any, run: MapRun, cancel: CancelTask) -> None:
         """Stop a map: queued chunks withdrawn, running ones cancelled; it ends when they have."""
-        reason_state = "CANCELLED"
+        reason_state = State.CANCELLED
         if run.stopped is None:
             run.stopped = (reason_state, cancel.reason)
         for chunk_id in list(run.chunks):
@@ -353,7 +354,7 @@ class MapShell:
             return
         if not cancel.running:  # the plan has dropped the task: record its end, nothing more to tell it
             self.maps.pop(run.spec.name, None)
-            self._end_task(str(run.task), "CANCELLED", cancel.reason)
+            self._end_task(str(run.task), State.CANCELLED, cancel.reason)
 
 
 def _record_observed(record: StageRecord, run: MapRun, material: cache.KeyMaterial | None) -> None:

@@ -96,6 +96,7 @@ from .plan import (
 from .mapping import Item, MapRun, chunk_dirs
 from .mapshell import MapShell
 from .progress import Progress
+from .states import State
 from .store import (
     SUCCESS,
     TERMINAL,
@@ -151,7 +152,7 @@ class CancelRequested(HetflowError, RuntimeError):
     """``hetflow cancel`` asked (through the store), or :meth:`Orchestrator.ask_stop` (a run handle, the end
     of the process that started the run in the background), to stop this run: it ends ``state``, resumable."""
 
-    def __init__(self, reason: str, state: str = "CANCELLED") -> None:
+    def __init__(self, reason: str, state: str = State.CANCELLED) -> None:
         super().__init__(reason)
         self.state = state
 
@@ -353,7 +354,7 @@ class Orchestrator(MapShell):
             id=self.run_id, pipeline=self.name, created=time.time(), run_dir=str(self.run_dir), script=self.script,
             pilot=pilot, params=self.params, hetflow_version=__version__, argv=argv),
             detail={"resume": resume})
-        self.resuming_done = claim.previous_state == "DONE"  # refused resumes leave it DONE (_refuse_resume)
+        self.resuming_done = claim.previous_state == State.DONE  # refused resumes leave it DONE (_refuse_resume)
         if claim.previous_reason:
             log.warning("run %s: taking over from %s (%s)", self.run_id, claim.previous_owner, claim.previous_reason)
         with self.store.session() as session:
@@ -391,7 +392,7 @@ class Orchestrator(MapShell):
             if record.state not in SUCCESS:  # a committed stage keeps the parameters it ran with: its key
                 record.params = self.stage_params(spec)  # is matched against them
                 self._reconcile(session, record)
-                record.state, record.error, record.started, record.ended = "PENDING", None, None, None
+                record.state, record.error, record.started, record.ended = State.PENDING, None, None, None
             attempts[spec.name] = len(record.tasks)
         session.flush()
         self.stage_ids = {record.name: record.id for record in
@@ -404,16 +405,16 @@ class Orchestrator(MapShell):
 
     def _reconcile(self, session: Any, record: StageRecord) -> None:
         for task in record.tasks:
-            if task.attempt is not None and task.state == "RUNNING":
+            if task.attempt is not None and task.state == State.RUNNING:
                 for directory in chunk_dirs(Path(task.attempt.attempt_dir)):  # a map stage's: every chunk's
                     reap_orphans(AttemptFiles(directory))
-            if task.state in ("RUNNING", "QUEUED"):
-                task.state = "FAILED"
+            if task.state in (State.RUNNING, State.QUEUED):
+                task.state = State.FAILED
                 task.reason = "the orchestrator that owned this task ended without recording its outcome"
-                if task.attempt is not None and task.attempt.state == "RUNNING":
-                    task.attempt.state, task.attempt.ended = "FAILED", time.time()
+                if task.attempt is not None and task.attempt.state == State.RUNNING:
+                    task.attempt.state, task.attempt.ended = State.FAILED, time.time()
                     task.attempt.error = task.reason
-                self.store.event(session, self.run_id, "task", task.id, "FAILED", reason=task.reason)
+                self.store.event(session, self.run_id, "task", task.id, State.FAILED, reason=task.reason)
 
     # ------------------------------------------------------------------ loop
     def execute(self, backend: Backend) -> str:
@@ -454,21 +455,21 @@ class Orchestrator(MapShell):
                     last_lease = time.time()
                 self.progress.update(self, scheduler)
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (Terminated)
-            self.stop(interruption(interrupt), "INTERRUPTED")
+            self.stop(interruption(interrupt), State.INTERRUPTED)
             raise
         except CancelRequested as cancel:
             self.stop(str(cancel), cancel.state)
             return cancel.state
         except ResumeRefused:  # nothing of the run was changed: it ends as it was
-            self._close("DONE")
+            self._close(State.DONE)
             raise
         except LeaseLost:
             for live in list(self.live.values()):  # ours to stop; the record is the new owner's now
                 backend.cancel(live.id)
-            self.final = "LOST"
+            self.final = State.LOST
             raise
         except BaseException as exc:
-            self.stop(f"the orchestrator stopped: {where(exc)}", "FAILED")
+            self.stop(f"the orchestrator stopped: {where(exc)}", State.FAILED)
             raise
         finally:
             self.progress.stop(self)
@@ -516,9 +517,9 @@ class Orchestrator(MapShell):
             for live in list(self.live.values()):  # did not end in time: recorded as cancelled anyway
                 del self.live[live.id]
                 if live.chunk is not None:
-                    self._chunk_gone(live.chunk, {}, reason, "CANCELLED")
+                    self._chunk_gone(live.chunk, {}, reason, State.CANCELLED)
                 else:
-                    self._feed(AttemptEnded(live.task, "CANCELLED", reason))
+                    self._feed(AttemptEnded(live.task, State.CANCELLED, reason))
             self._close(state, reason)
         except Exception as exc:  # noqa: BLE001 - already failing; say what could not be recorded
             log.error("run %s: could not record its end (%s)", self.run_id, where(exc))
@@ -593,13 +594,13 @@ class Orchestrator(MapShell):
                 except (UnsafePath, ds.DatasetError, ChangedSinceLookUp, StorageError) as exc:  # a planted symlink, a damaged
                     # output dir, what the stage reads edited while it waited, an unreachable object store
                     self._feed(TaskStarted(task))
-                    self._end_task(str(task), "FAILED", str(exc))
-                    self._feed(AttemptEnded(task, "FAILED", f"stage {task.stage!r} not started: {exc}"))
+                    self._end_task(str(task), State.FAILED, str(exc))
+                    self._feed(AttemptEnded(task, State.FAILED, f"stage {task.stage!r} not started: {exc}"))
                     self._apply(self.scheduler.handle_event(TaskFinished(str(task), time.time())))
                     continue
                 self._feed(TaskStarted(task))
             elif isinstance(instruction, RejectTask):
-                self._end_task(instruction.task_id, "REJECTED", instruction.reason)
+                self._end_task(instruction.task_id, State.REJECTED, instruction.reason)
                 self._feed(TaskRejected(task, instruction.reason, walltime=instruction.cause in ("walltime", "drain")))
         if launches:
             self.store.commit()
@@ -816,12 +817,12 @@ class Orchestrator(MapShell):
             if not enqueue.reason.startswith("retry"):
                 record.cache_reason, record.cache_hit = enqueue.reason, False
             self._forget(session, spec.outputs)
-            task = TaskRecord(id=str(enqueue.task), stage_id=record.id, state="QUEUED",
+            task = TaskRecord(id=str(enqueue.task), stage_id=record.id, state=State.QUEUED,
                               priority=self.priority[spec.name], submitted=time.time())
             session.add(task)
             if spec.map_over is None:  # a map's tasks are its chunks', recorded by MapShell
                 self.task_records[task.id] = (task, None)
-            self.store.event(session, self.run_id, "task", str(enqueue.task), "QUEUED", reason=enqueue.reason)
+            self.store.event(session, self.run_id, "task", str(enqueue.task), State.QUEUED, reason=enqueue.reason)
 
     def _cancel(self, cancel: CancelTask) -> None:
         if cancel.task.stage in self.maps:
@@ -834,7 +835,7 @@ class Orchestrator(MapShell):
             return
         if self.scheduler is not None:
             self.scheduler.handle_event(TaskCancelled(text, time.time()))
-        self._end_task(text, "CANCELLED", cancel.reason)
+        self._end_task(text, State.CANCELLED, cancel.reason)
 
     def _end_task(self, task_id: str, state: str, reason: str) -> None:
         self.task_records.pop(task_id, None)
@@ -886,14 +887,14 @@ class Orchestrator(MapShell):
             held = self.task_records.get(str(task))
             record = self.store.get(session, TaskRecord, str(task), None if held is None else held[0])
             assert record is not None
-            record.state = "RUNNING"
+            record.state = State.RUNNING
             record.slots = [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus), "node_name": nodes[s.node]}
                             for s in start.slots]
             attempt = AttemptRecord(task_id=str(task), stage_id=record.stage_id, number=task.attempt,
-                                    state="RUNNING", started=now, attempt_dir=str(files.directory))
+                                    state=State.RUNNING, started=now, attempt_dir=str(files.directory))
             session.add(attempt)
             self.task_records[str(task)] = (record, attempt)
-            self.store.event(session, self.run_id, "task", str(task), "RUNNING", slots=record.slots)
+            self.store.event(session, self.run_id, "task", str(task), State.RUNNING, slots=record.slots)
         live = self.live[str(task)] = _Live(task, files.directory, start.slots)
         launch = LaunchSpec(task_id=str(task), argv=(sys.executable, "-m", "hetflow.tasks.worker", str(files.spec)),
                             slots=start.slots, cwd=files.directory, timeout=spec.timeout,
@@ -1047,12 +1048,12 @@ class Orchestrator(MapShell):
             try:
                 committed = self._commit_outputs(spec, live, ranks)
             except (ds.DatasetError, ValueError, StorageError) as exc:
-                failure = Failure("FAILED", f"{type(exc).__name__}: {exc}")
+                failure = Failure(State.FAILED, f"{type(exc).__name__}: {exc}")
         self._record_attempt(live, outcome, failure, committed, ranks)
-        if failure is not None and failure.state not in ("WALLTIME", "TIMED_OUT", "CANCELLED"):
+        if failure is not None and failure.state not in (State.WALLTIME, State.TIMED_OUT, State.CANCELLED):
             log.warning("stage %s attempt %d failed (%s)", spec.name, live.task.attempt, failure.message)
         # its slots are released once its end is recorded, together with what that end made ready
-        self._feed(AttemptEnded(live.task, "DONE" if failure is None else failure.state,
+        self._feed(AttemptEnded(live.task, State.DONE if failure is None else failure.state,
                                 None if failure is None else failure.message), finished=text)
 
     def _changed_while_running(self, spec: StageSpec) -> Failure | None:
@@ -1081,7 +1082,7 @@ class Orchestrator(MapShell):
             return None
         self.code.pop(spec.name, None)  # a retry is keyed by what is there when it is queued (_record_task)
         self.material.pop(spec.name, None)
-        return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed while the stage ran; its result "
+        return Failure(State.FAILED, f"stage {spec.name!r}: {', '.join(changed)} changed while the stage ran; its result "
                        "may come from the earlier content, so it was not committed: run the script again (or "
                        "resume the run) to compute it from what is there now")
 
@@ -1100,7 +1101,7 @@ class Orchestrator(MapShell):
         # file names are the user's bytes: not UTF-8 (the store could not record them) or holding a newline
         changed = [visible(what.encode("utf-8", "backslashreplace").decode("utf-8"), newlines=False)
                    for what in changed]
-        return Failure("FAILED", f"stage {spec.name!r}: {', '.join(changed)} changed after the run started, so the "
+        return Failure(State.FAILED, f"stage {spec.name!r}: {', '.join(changed)} changed after the run started, so the "
                        "stage computed from other content than its cache key was made from; it was not committed: "
                        "run the script again (or resume the run) to compute it from what is there now")
 
@@ -1116,7 +1117,7 @@ class Orchestrator(MapShell):
         if not other:
             return None
         shown = ", ".join(visible(name, newlines=False) for name in other[:3]) + (" ..." if len(other) > 3 else "")
-        return Failure("FAILED", f"stage {spec.name!r}: it reads {shown}, which this session set on an imported "
+        return Failure(State.FAILED, f"stage {spec.name!r}: it reads {shown}, which this session set on an imported "
                        "module: a stage declared in a session takes the session's own globals with it, but its "
                        "ranks import modules afresh, so they computed with the module's own value; it was not "
                        "committed: set the value in the module's source, or give it to the stage as a parameter")
@@ -1156,13 +1157,13 @@ class Orchestrator(MapShell):
             reason = lost[names[node]]
             log.error("run %s: %s; no more tasks are placed there", self.run_id, reason)
             with self.store.session() as session:
-                self.store.event(session, self.run_id, "node", names[node], "LOST", index=node, reason=reason)
+                self.store.event(session, self.run_id, "node", names[node], State.LOST, index=node, reason=reason)
             self._apply(self.scheduler.handle_event(NodeLost(node, time.time(), reason)))
 
     def _failure(self, spec: StageSpec, live: _Live, outcome: TaskOutcome,
                  ranks: list[RankResult | None]) -> Failure | None:
         if live.id in self.cut_off:
-            return Failure("WALLTIME", f"stage {spec.name!r} was cut off by the pilot's walltime "
+            return Failure(State.WALLTIME, f"stage {spec.name!r} was cut off by the pilot's walltime "
                            f"({self.pilot.walltime}s); resume the run in a new allocation")
         failure = diagnose(spec.name, spec.timeout, outcome, ranks, AttemptFiles(live.attempt_dir),
                            ended_by_us=live.ended_by_us, grace=LONE_DEATH_GRACE)
@@ -1174,7 +1175,7 @@ class Orchestrator(MapShell):
 
     def _record_attempt(self, live: _Live, outcome: TaskOutcome, failure: Failure | None,
                         committed: Mapping[str, ds.Manifest], ranks: list[RankResult | None]) -> None:
-        state = "DONE" if failure is None else failure.state
+        state = State.DONE if failure is None else failure.state
         with self.store.session() as session:
             held_task, held_attempt = self.task_records.pop(str(live.task), (None, None))
             task = self.store.get(session, TaskRecord, str(live.task), held_task)
@@ -1244,12 +1245,12 @@ class Orchestrator(MapShell):
         now = time.time()
         with self.store.session() as session:
             record = self._stage_record(session, change.stage)
-            if change.state == "QUEUED" and record.state in SUCCESS:  # committed earlier, run again now
+            if change.state == State.QUEUED and record.state in SUCCESS:  # committed earlier, run again now
                 record.started = record.ended = None
             record.state = change.state
-            if change.error is not None or change.state in ("QUEUED", "DONE", "CACHED"):
+            if change.error is not None or change.state in (State.QUEUED, State.DONE, State.CACHED):
                 record.error = change.error
-            if change.state == "RUNNING" and record.started is None:
+            if change.state == State.RUNNING and record.started is None:
                 record.started = now
             if change.state in TERMINAL and change.stage not in self.kept:
                 record.ended = now
@@ -1257,12 +1258,12 @@ class Orchestrator(MapShell):
                              **dict(change.detail))
         if change.state in TERMINAL - SUCCESS and change.error:
             # a stage's own failure is an error; one stopped by Ctrl-C, a cancel or the walltime is not
-            level = logging.ERROR if change.state in ("FAILED", "TIMED_OUT") else \
-                logging.INFO if change.state == "CANCELLED" else logging.WARNING
+            level = logging.ERROR if change.state in (State.FAILED, State.TIMED_OUT) else \
+                logging.INFO if change.state == State.CANCELLED else logging.WARNING
             log.log(level, "stage %s %s: %s", change.stage, change.state, change.error.splitlines()[0])
 
     def _close(self, state: str | None = None, error: str | None = None) -> str:
-        final = self.final = state or self.final or "FAILED"
+        final = self.final = state or self.final or State.FAILED
         if not self.store.release_run(self.run_id, self.owner, final, error=error):
             log.error("run %s: another orchestrator took it over; its outcome %s was not recorded", self.run_id, final)
         return final

@@ -26,13 +26,7 @@ from dataclasses import dataclass, field
 
 from hetflow.tasks.errors import HetflowError
 
-SUCCESS = frozenset({"DONE", "CACHED"})
-FAILURE = frozenset({"FAILED", "TIMED_OUT", "SKIPPED", "CANCELLED", "WALLTIME"})
-TERMINAL = SUCCESS | FAILURE
-ACTIVE = frozenset({"LOOKING", "QUEUED", "RUNNING"})
-FINAL_RETRYLESS = frozenset({"TIMED_OUT", "WALLTIME", "CANCELLED"})
-"""Attempt outcomes that end a stage whatever its retries: a retry would meet the same limit, or
-somebody asked for the stop."""
+from .states import ACTIVE, FAILURE, FINAL_RETRYLESS, SUCCESS, TERMINAL, State
 
 
 @dataclass(frozen=True, order=True)
@@ -114,7 +108,7 @@ class Abandon:
     """Stop everything (Ctrl-C, an error in the shell): the run ends ``state``."""
 
     reason: str
-    state: str = "FAILED"
+    state: str = State.FAILED
 
 
 Event = Begin | CacheChecked | TaskStarted | AttemptEnded | TaskRejected | Drain | Abandon
@@ -189,7 +183,7 @@ class RunPlan:
         for node in stages:
             for up in node.upstream:
                 self.downstream[up].append(node.name)
-        self.states: dict[str, str] = {n: "PENDING" for n in self.nodes}
+        self.states: dict[str, str] = {n: State.PENDING for n in self.nodes}
         """Each stage's state; written only through :meth:`_put`, which keeps the counts and marks below."""
         self.changes: list[str] = []
         """Every stage whose state was set, in order: what a display reads to refresh only those."""
@@ -277,14 +271,14 @@ class RunPlan:
         elif isinstance(event, CacheChecked):
             self._cache_checked(event, out)
         elif isinstance(event, TaskStarted):
-            self._expect(event.task, "QUEUED")
-            self._set(event.task.stage, "RUNNING", out)
+            self._expect(event.task, State.QUEUED)
+            self._set(event.task.stage, State.RUNNING, out)
         elif isinstance(event, AttemptEnded):
             self._attempt_ended(event, out)
         elif isinstance(event, TaskRejected):
-            self._expect(event.task, "QUEUED")
+            self._expect(event.task, State.QUEUED)
             del self.tasks[event.task.stage]
-            self._set(event.task.stage, "WALLTIME" if event.walltime else "FAILED", out, error=event.reason)
+            self._set(event.task.stage, State.WALLTIME if event.walltime else State.FAILED, out, error=event.reason)
         elif isinstance(event, Drain):
             self._drain(event, out)
         elif isinstance(event, Abandon):
@@ -312,21 +306,21 @@ class RunPlan:
         self._counts[old] -= 1
         self._counts[state] += 1
         self.changes.append(name)
-        if state == "PENDING":
+        if state == State.PENDING:
             self._recheck.add(name)
         elif state in TERMINAL:
             self._recheck.update(self.downstream[name])
 
     def _cache_checked(self, event: CacheChecked, out: list[Instruction]) -> None:
-        if self.states.get(event.stage) != "LOOKING":
+        if self.states.get(event.stage) != State.LOOKING:
             raise PlanError(f"stage {event.stage!r} is {self.states.get(event.stage)}, not LOOKING")
         cache = {"hit": event.hit, "from_run": event.from_run, "reason": event.reason}
         if event.error is not None:
-            self._set(event.stage, "FAILED", out, error=event.error)
+            self._set(event.stage, State.FAILED, out, error=event.error)
         elif event.hit:
-            self._set(event.stage, "DONE" if event.from_run is None else "CACHED", out, detail={"cache": cache})
+            self._set(event.stage, State.DONE if event.from_run is None else State.CACHED, out, detail={"cache": cache})
         elif self.draining or self.abandoned:
-            self._set(event.stage, "PENDING", out)
+            self._set(event.stage, State.PENDING, out)
         else:
             self._enqueue(event.stage, event.reason, out)
 
@@ -336,14 +330,14 @@ class RunPlan:
         task = TaskId(self.run_id, name, self.attempts[name])
         self.tasks[name] = task
         out.append(Enqueue(task, reason))
-        self._set(name, "QUEUED", out)
+        self._set(name, State.QUEUED, out)
 
     def _attempt_ended(self, event: AttemptEnded, out: list[Instruction]) -> None:
-        self._expect(event.task, "RUNNING")
+        self._expect(event.task, State.RUNNING)
         name = event.task.stage
         del self.tasks[name]
-        if event.state == "DONE":
-            self._set(name, "DONE", out)
+        if event.state == State.DONE:
+            self._set(name, State.DONE, out)
             return
         final = (event.state in FINAL_RETRYLESS or self.tries[name] > self.nodes[name].retries
                  or self.draining or self.abandoned is not None)
@@ -358,21 +352,21 @@ class RunPlan:
     def _drain(self, event: Drain, out: list[Instruction]) -> None:
         self.draining = True
         for name, task in list(self.tasks.items()):
-            if self.states[name] == "QUEUED":
+            if self.states[name] == State.QUEUED:
                 del self.tasks[name]
                 out.append(CancelTask(task, event.reason, running=False))
-                self._set(name, "PENDING", out, error=event.reason)
+                self._set(name, State.PENDING, out, error=event.reason)
 
     def _abandon(self, event: Abandon, out: list[Instruction]) -> None:
         self.abandoned = event.state
         for name, task in list(self.tasks.items()):
-            running = self.states[name] == "RUNNING"
+            running = self.states[name] == State.RUNNING
             out.append(CancelTask(task, event.reason, running=running))
             if not running:
                 del self.tasks[name]
         for name, state in self.states.items():
             if state not in TERMINAL and name not in self.tasks:
-                self._set(name, "CANCELLED", out, error=event.reason)
+                self._set(name, State.CANCELLED, out, error=event.reason)
 
     def _advance(self, out: list[Instruction]) -> None:
         """Skip what cannot run, look up what is ready, and end the run when nothing is left."""
@@ -381,7 +375,7 @@ class RunPlan:
                 names = sorted(self._recheck, key=self._order.__getitem__)  # in the order they were declared
                 self._recheck.clear()
                 for name in names:
-                    if self.states[name] != "PENDING":
+                    if self.states[name] != State.PENDING:
                         continue
                     node = self.nodes[name]
                     failed = [u for u in node.upstream if self.states[u] in FAILURE]
@@ -389,16 +383,16 @@ class RunPlan:
                         root = self.root_cause(failed[0])
                         reason = f"not run: upstream stage {failed[0]!r} ended {self.states[failed[0]]}" + \
                             (f" (root cause: stage {root!r})" if root != failed[0] else "")
-                        self._set(name, "SKIPPED", out, error=reason)
+                        self._set(name, State.SKIPPED, out, error=reason)
                     elif all(self.states[u] in SUCCESS for u in node.upstream):
                         if name in self.forced:
                             self._enqueue(name, self.forced_reason, out)
                         else:
-                            self._put(name, "LOOKING")
+                            self._put(name, State.LOOKING)
                             out.append(LookUpCache(name))
         if any(self._counts[state] for state in ACTIVE):
             return
-        if self.abandoned is None and not self.draining and self._counts["PENDING"]:
+        if self.abandoned is None and not self.draining and self._counts[State.PENDING]:
             return  # cannot happen in a DAG; kept so a bug shows as a hang in tests, not a wrong state
         self.ended = self._final()
         out.append(RunEnded(self.ended))
@@ -408,7 +402,7 @@ class RunPlan:
         if self.abandoned is not None:
             return self.abandoned
         if states <= SUCCESS:
-            return "DONE"
-        if states & {"FAILED", "TIMED_OUT", "CANCELLED"}:
-            return "FAILED"
-        return "STOPPED"  # only work the walltime stopped or never started: resume in the next allocation
+            return State.DONE
+        if states & {State.FAILED, State.TIMED_OUT, State.CANCELLED}:
+            return State.FAILED
+        return State.STOPPED  # only work the walltime stopped or never started: resume in the next allocation

@@ -32,6 +32,7 @@ from hetflow.tasks.protocol import AttemptFiles
 
 from .errors import PipelineError
 from .logs import AttemptLogs, LogTail
+from .states import FINISHED, State
 from .terminal import visible
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,8 @@ PLAIN_INTERVAL = 30.0
 Mode = Literal["live", "notebook", "plain", "off"]
 NOTEBOOK_REFRESH = 0.5
 """Seconds between two redraws of the notebook display (each one is a message to the notebook's front end)."""
-FINISHED = ("DONE", "CACHED", "FAILED", "TIMED_OUT", "SKIPPED", "CANCELLED", "INTERRUPTED", "WALLTIME", "REJECTED")
-_STYLE = {"RUNNING": "bold blue", "DONE": "green", "CACHED": "green", "FAILED": "bold red", "TIMED_OUT": "bold red",
-          "CANCELLED": "yellow", "SKIPPED": "yellow", "INTERRUPTED": "yellow"}
+_STYLE = {State.RUNNING: "bold blue", State.DONE: "green", State.CACHED: "green", State.FAILED: "bold red", State.TIMED_OUT: "bold red",
+          State.CANCELLED: "yellow", State.SKIPPED: "yellow", State.INTERRUPTED: "yellow"}
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,7 @@ class Progress:
             if now - self._last_plain >= self.interval:
                 self._last_plain = now
                 for row in self._rows.values():
-                    if row.state == "RUNNING" and row.name not in changed:
+                    if row.state == State.RUNNING and row.name not in changed:
                         self._say(self.plain_line(row, now))
 
     def stop(self, orchestrator: Any = None) -> None:
@@ -267,9 +267,9 @@ class Progress:
         changed = []
         for name in names:
             spec = orchestrator.stages[name]
-            state = orchestrator.states.get(name, "PENDING")
+            state = orchestrator.states.get(name, State.PENDING)
             times = self._times.setdefault(name, [None, None])
-            if state == "RUNNING" and times[0] is None:
+            if state == State.RUNNING and times[0] is None:
                 times[0] = now
             if state in FINISHED and times[1] is None and times[0] is not None:
                 times[1] = now
@@ -303,7 +303,7 @@ class Progress:
         for live in orchestrator.live.values():
             key = str(live.attempt_dir)
             if key not in self._following:
-                self._following[key] = AttemptLogs(live.stage, live.task.attempt, Path(live.attempt_dir), "RUNNING")
+                self._following[key] = AttemptLogs(live.stage, live.task.attempt, Path(live.attempt_dir), State.RUNNING)
         running = {str(live.attempt_dir) for live in orchestrator.live.values()}
         for key, attempt in list(self._following.items()):
             ended = key not in running
@@ -314,7 +314,7 @@ class Progress:
 
     def _plain_change(self, name: str, now: float) -> None:
         row = self._rows[name]
-        if row.state == "RUNNING" or row.state in FINISHED:  # not every PENDING and QUEUED
+        if row.state == State.RUNNING or row.state in FINISHED:  # not every PENDING and QUEUED
             self._say(self.plain_line(row, now))
 
     def _say(self, line: str) -> None:
@@ -327,7 +327,7 @@ class Progress:
     # ------------------------------------------------------------ render
     def plain_line(self, row: StageRow, now: float) -> str:
         text = f"hetflow: [{now - self._started:7.1f}s] {row.name} {row.state}"
-        if row.state == "RUNNING":
+        if row.state == State.RUNNING:
             text += f" ({row.ranks} rank{'s' * (row.ranks != 1)}, {row.slots})" if row.slots else ""
             if row.progress:
                 text += f" {row.progress}"

@@ -37,13 +37,11 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from .errors import MissingExtraError, RunLocked, StoreUnreadable, UnknownRun
 from .filesystem import JournalMode, journal_mode_for
+from .states import SUCCESS, TERMINAL, State  # noqa: F401 - SUCCESS: its callers' name for it (hetflow.cache)
 # who holds a run, timestamps as text, the default store: in storefile, which ``status`` reads without SQLAlchemy
 from .storefile import START_TOLERANCE, Owner, default_url, iso, owner_gone, owner_id  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-TERMINAL = frozenset({"DONE", "FAILED", "TIMED_OUT", "SKIPPED", "CACHED", "CANCELLED", "WALLTIME"})
-SUCCESS = frozenset({"DONE", "CACHED"})
 
 
 class Base(DeclarativeBase):
@@ -54,7 +52,7 @@ class RunRecord(Base):
     __tablename__ = "runs"
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     pipeline: Mapped[str] = mapped_column(String(256))
-    state: Mapped[str] = mapped_column(String(16), default="PENDING")
+    state: Mapped[str] = mapped_column(String(16), default=State.PENDING)
     created: Mapped[float] = mapped_column(Float)
     started: Mapped[float | None] = mapped_column(Float, nullable=True)
     ended: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -85,7 +83,7 @@ class StageRecord(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
     name: Mapped[str] = mapped_column(String(256))
     order: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16), default="PENDING")
+    state: Mapped[str] = mapped_column(String(16), default=State.PENDING)
     function: Mapped[str] = mapped_column(Text)
     cache_key: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
     inputs: Mapped[list[Any]] = mapped_column(JSON, default=list)
@@ -120,7 +118,7 @@ class TaskRecord(Base):
     __tablename__ = "tasks"
     id: Mapped[str] = mapped_column(String(256), primary_key=True)
     stage_id: Mapped[int] = mapped_column(ForeignKey("stages.id"), index=True)
-    state: Mapped[str] = mapped_column(String(16), default="QUEUED")
+    state: Mapped[str] = mapped_column(String(16), default=State.QUEUED)
     priority: Mapped[float] = mapped_column(Float, default=0.0)
     submitted: Mapped[float] = mapped_column(Float)
     slots: Mapped[list[Any]] = mapped_column(JSON, default=list)
@@ -135,7 +133,7 @@ class AttemptRecord(Base):
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id"), unique=True)
     stage_id: Mapped[int] = mapped_column(ForeignKey("stages.id"), index=True)
     number: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16), default="RUNNING")
+    state: Mapped[str] = mapped_column(String(16), default=State.RUNNING)
     started: Mapped[float] = mapped_column(Float)
     ended: Mapped[float | None] = mapped_column(Float, nullable=True)
     returncode: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -195,7 +193,7 @@ class MapItemRecord(Base):
     index: Mapped[int] = mapped_column(Integer)
     key: Mapped[str] = mapped_column(String(128), index=True)
     label: Mapped[str] = mapped_column(Text)
-    state: Mapped[str] = mapped_column(String(16), default="PENDING")
+    state: Mapped[str] = mapped_column(String(16), default=State.PENDING)
     tries: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     directory: Mapped[str] = mapped_column(Text)
@@ -623,7 +621,7 @@ class Store:
                 record = create()
                 if record.id != run_id:
                     raise ValueError(f"create() made run {record.id!r}, not {run_id!r}")
-                record.owner, record.lease_until, record.state = owner, now + lease_seconds, "RUNNING"
+                record.owner, record.lease_until, record.state = owner, now + lease_seconds, State.RUNNING
                 record.cancel_requested = None
                 record.started, record.ended = record.started or now, None
                 try:
@@ -632,7 +630,7 @@ class Store:
                             session.execute(text("SET LOCAL lock_timeout = '5s'"))
                         session.add(record)
                         session.flush()
-                        self.event(session, run_id, "run", record.pipeline, "RUNNING", owner=owner, **info)
+                        self.event(session, run_id, "run", record.pipeline, State.RUNNING, owner=owner, **info)
                 except (IntegrityError, OperationalError):
                     continue  # another claimer created it first (or held it too long): look at its holder
                 return Claim(record, True, None, None, None)
@@ -644,14 +642,14 @@ class Store:
                 taken = session.execute(
                     update(RunRecord)
                     .where(RunRecord.id == run_id, _is(RunRecord.owner, held_by), _is(RunRecord.lease_until, lease_until))
-                    .values(owner=owner, lease_until=now + lease_seconds, state="RUNNING",
+                    .values(owner=owner, lease_until=now + lease_seconds, state=State.RUNNING,
                             started=func.coalesce(RunRecord.started, now), ended=None, cancel_requested=None)
                     .execution_options(synchronize_session=False))
                 if taken.rowcount != 1:  # type: ignore[attr-defined]
                     continue
                 taken_run = session.get(RunRecord, run_id)
                 assert taken_run is not None
-                self.event(session, run_id, "run", taken_run.pipeline, "RUNNING", owner=owner, previous_owner=held_by,
+                self.event(session, run_id, "run", taken_run.pipeline, State.RUNNING, owner=owner, previous_owner=held_by,
                            previous_state=state, previous_reason=why, **info)
             return Claim(taken_run, False, held_by, state, why)
         raise RunLocked(f"run {run_id}: gave up claiming it after 8 contended tries; another orchestrator "
@@ -690,7 +688,7 @@ class Store:
         """
         with self.session() as session:
             asked = session.execute(
-                update(RunRecord).where(RunRecord.id == run_id, RunRecord.state == "RUNNING")
+                update(RunRecord).where(RunRecord.id == run_id, RunRecord.state == State.RUNNING)
                 .values(cancel_requested=who).execution_options(synchronize_session=False))
             if asked.rowcount != 1:  # type: ignore[attr-defined]
                 return False
@@ -715,7 +713,7 @@ class Store:
         now = time.time()
         with self.session() as session:
             running = session.execute(select(RunRecord.id, RunRecord.pipeline, RunRecord.owner, RunRecord.lease_until)
-                                      .where(RunRecord.state == "RUNNING")).all()
+                                      .where(RunRecord.state == State.RUNNING)).all()
         dead = []
         for run_id, pipeline, held_by, lease_until in running:
             why = owner_gone(held_by, lease_until, now=now)
@@ -724,19 +722,19 @@ class Store:
             with self.session() as session:
                 ended = session.execute(
                     update(RunRecord)
-                    .where(RunRecord.id == run_id, RunRecord.state == "RUNNING", _is(RunRecord.owner, held_by),
+                    .where(RunRecord.id == run_id, RunRecord.state == State.RUNNING, _is(RunRecord.owner, held_by),
                            _is(RunRecord.lease_until, lease_until))
-                    .values(state="FAILED", ended=now, owner=None, lease_until=None)
+                    .values(state=State.FAILED, ended=now, owner=None, lease_until=None)
                     .execution_options(synchronize_session=False))
                 if ended.rowcount == 1:  # type: ignore[attr-defined]
-                    self.event(session, run_id, "run", pipeline, "FAILED", reason=why, owner=held_by)
+                    self.event(session, run_id, "run", pipeline, State.FAILED, reason=why, owner=held_by)
                     reason = f"not finished: {why}; resume the run"
                     session.execute(update(RunRecord).where(RunRecord.id == run_id).values(error=why)
                                     .execution_options(synchronize_session=False))
                     session.execute(update(StageRecord)
                                     .where(StageRecord.run_id == run_id,
-                                           StageRecord.state.in_(("PENDING", "LOOKING", "QUEUED", "RUNNING")))
-                                    .values(state="FAILED", error=reason, ended=now)
+                                           StageRecord.state.in_((State.PENDING, State.LOOKING, State.QUEUED, State.RUNNING)))
+                                    .values(state=State.FAILED, error=reason, ended=now)
                                     .execution_options(synchronize_session=False))
                     dead.append(DeadRun(run_id, held_by, why))
                     log.warning("run %s: %s; recorded FAILED", run_id, why)
