@@ -412,7 +412,7 @@ def describe_changes(before: Mapping[str, str], items: Sequence[Item], most: int
     if not before:
         return ""
     now = {item.label: item.key for item in items}
-    ran = {item.label for item in items if item.state != "CACHED"}
+    ran = {item.label for item in items if item.state != State.CACHED}
     added = [label for label in now if label not in before and label in ran]
     changed = [label for label in now if label in before and before[label] != now[label] and label in ran]
     removed = [label for label in before if label not in now]
