@@ -1419,6 +1419,8 @@ what it returned.  The called object is the first name and the attributes after 
             elif isinstance(node, ast.Match):
                 expressions(node.subject, [*loops, site(node.subject)])
                 for case in node.cases:
+                    if case.guard is not None:  # case 1 if lib.register("a", 11): runs while the arms are tried
+                        expressions(case.guard, [*loops, site(case.guard)])
                     walk(case.body, loops)
             elif not isinstance(node, (ast.Import, ast.ImportFrom)):
                 expressions(node, [*loops, site(node)])

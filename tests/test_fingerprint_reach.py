@@ -786,6 +786,8 @@ ANYWHERE_SETTINGS = [
     ("@fakelib.model('sq', scale=11)\ndef sq(x):\n    return x", "fakelib.apply('sq', 1)", None),
     ("@fakelib.model('sq')\ndef sq(x):\n    return x * 11", "fakelib.apply('sq', 1)", None),
     ("def sq(x):\n    return x * 11\nfakelib.register_obj('sq', (sq, 1))", "fakelib.apply('sq', 1)", None),
+    ("match 1:\n    case 1 if fakelib.register('planck', 11) or True:\n        pass", "fakelib.get('planck').h0",
+     None),  # red team 13: a match arm's guard
 ]
 
 
