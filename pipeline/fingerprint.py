@@ -1115,6 +1115,8 @@ class _Walker:
             if extra:  # set on the instance besides its fields (setattr, __dict__, __post_init__)
                 return f"{self.follow(type(obj))}({self.value(fields, inner)}, also {self.value(extra, inner)})"
             return f"{self.follow(type(obj))}({self.value(fields, inner)})"
+        if _unkeyed(type(obj)):  # by its fields, not by its repr (a Pipeline's lists its stages)
+            return f"{type(obj).__module__}.{type(obj).__qualname__} state {self.value(_instance_state(obj), inner)}"
         if self.is_user_object(type(obj)):
             state = _instance_state(obj)
             if state is not None:
@@ -2457,7 +2459,19 @@ def _instance_state(obj: Any) -> dict[str, Any] | None:
                     state[attr] = descriptor.__get__(obj, cls)
                 except AttributeError:  # not set
                     continue
+    for name in _unkeyed(type(obj)):  # fields a class says are not its value (hetflow's Pipeline: its stages)
+        state.pop(name, None)
     return state if found else None
+
+
+def _unkeyed(cls: type) -> frozenset[str]:
+    """The fields a class leaves out of its instances' values (``__hetflow_unkeyed__``, read without running
+    its code): hetflow's :class:`~hetflow.Pipeline`, whose stages differ in a rank."""
+    for klass in cls.__mro__:
+        found = vars(klass).get("__hetflow_unkeyed__")
+        if isinstance(found, frozenset):
+            return found
+    return frozenset()
 
 
 def _filled(cell: Any) -> bool:
