@@ -476,15 +476,20 @@ class _Walker:
                     scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
                 called = _resolve_call(scope, chain)
                 libraries = self.called_libraries(called, reaching) & self.external_tops
-                if not libraries or (assigned and not _kept_by_library(called, [scope.get(n) for n in assigned],
-                                                                      self.library_held)):
-                    continue  # W = np.arange(4): a value of the script's own, counted where a stage reads W
+                if not libraries:
+                    continue
                 values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
+                code = self.user_code_in(values.values())  # lib.register_hook(my_fn), PAIR = (sq, 1): through it
+                results = [scope.get(n) for n in assigned]
+                if assigned and not code and not any(isinstance(r, types.FunctionType) for r in results) \
+                        and not _kept_by_library(called, results, self.library_held):
+                    continue  # W = np.arange(4): a value of the script's own, counted where a stage reads W
+                # counted when assigned: what the library keeps, a call handing it the user's code
+                # (sq = lib.model("sq")(_sq)), or a decorator a library's factory made (D = lib.model("sq", 2))
                 said = " ".join([text, *(f"{n}={self.handed_text(v, called, libraries)}" for n, v in values.items())])
                 for library in libraries:
                     calls.setdefault(library, set()).add(said)
-                handed.extend(v for v in values.values() if isinstance(v, (types.FunctionType, type))
-                              and self.is_user_code(v))  # lib.register_hook(my_fn): what the stage calls through it
+                handed.extend(code)
                 given = namespace.get(decorated) if decorated else None  # what the library holds now: its code
                 given = given if isinstance(given, (types.FunctionType, type)) else _wrapped(given)
                 if isinstance(given, (types.FunctionType, type)):
@@ -495,6 +500,20 @@ class _Walker:
             self.follow(given)
         if handed:
             self.drain()
+
+    def user_code_in(self, values: Iterable[Any], depth: int = 0) -> list[Any]:
+        """The user's functions and classes among ``values`` and in the lists, tuples, sets and dicts they are
+        (a few levels deep): ``lib.register_obj("sq", PAIR)`` with ``PAIR = (sq, 1)`` hands the library ``sq``."""
+        found: list[Any] = []
+        for value in itertools.islice(values, 1024):
+            if isinstance(value, (types.FunctionType, type)):
+                if self.is_user_code(value):
+                    found.append(value)
+            elif depth < 3 and isinstance(value, (list, tuple, set, frozenset)):
+                found.extend(self.user_code_in(list(value), depth + 1))
+            elif depth < 3 and isinstance(value, dict):
+                found.extend(self.user_code_in(list(value.values()), depth + 1))
+        return found
 
     def is_user_code(self, value: Any) -> bool:
         """Whether a function or class is the user's (defined in the script or a local module)."""
@@ -510,6 +529,8 @@ class _Walker:
         counts by its type: its text may be an address, or change as it lives (a pool, a session)."""
         if _plain(value):
             return self.value(value)
+        if isinstance(value, (list, tuple, dict)) and self.user_code_in([value]):
+            return self.code_and_plain_text(value)  # PAIR = (sq, 1): sq by its name (its code counts), 1 by value
         home = type(value).__module__.partition(".")[0]
         if home not in libraries or not _kept_by_library(called, [value], self.library_held):
             return type(value).__qualname__
@@ -519,6 +540,20 @@ class _Walker:
             self.shortened.intersection_update(before)
             return type(value).__qualname__
         return text
+
+    def code_and_plain_text(self, value: Any, depth: int = 0) -> str:
+        """A container's text for :meth:`handed_text`: plain values by value, the user's functions and classes by
+        their names (their code counts as reached code), anything else by its type."""
+        if _plain(value):
+            return self.value(value)
+        if isinstance(value, (types.FunctionType, type)) and self.is_user_code(value):
+            return f"<{value.__module__}.{value.__qualname__}>"
+        if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= 1024:
+            return f"{type(value).__name__}[{', '.join(self.code_and_plain_text(v, depth + 1) for v in value)}]"
+        if depth < 3 and isinstance(value, dict) and len(value) <= 1024:
+            return "dict{" + ", ".join(f"{self.code_and_plain_text(k, depth + 1)}: "
+                                       f"{self.code_and_plain_text(v, depth + 1)}" for k, v in value.items()) + "}"
+        return type(value).__qualname__
 
     def called_libraries(self, target: Any, reaching: dict[int, frozenset[str]], depth: int = 0) -> frozenset[str]:
         """The top-level packages outside the user code that calling ``target`` calls into: its own (a module,
@@ -1080,6 +1115,8 @@ class _Walker:
             if extra:  # set on the instance besides its fields (setattr, __dict__, __post_init__)
                 return f"{self.follow(type(obj))}({self.value(fields, inner)}, also {self.value(extra, inner)})"
             return f"{self.follow(type(obj))}({self.value(fields, inner)})"
+        if _unkeyed(type(obj)):  # by its fields, not by its repr (a Pipeline's lists its stages)
+            return f"{type(obj).__module__}.{type(obj).__qualname__} state {self.value(_instance_state(obj), inner)}"
         if self.is_user_object(type(obj)):
             state = _instance_state(obj)
             if state is not None:
@@ -1419,6 +1456,8 @@ what it returned.  The called object is the first name and the attributes after 
             elif isinstance(node, ast.Match):
                 expressions(node.subject, [*loops, site(node.subject)])
                 for case in node.cases:
+                    if case.guard is not None:  # case 1 if lib.register("a", 11): runs while the arms are tried
+                        expressions(case.guard, [*loops, site(case.guard)])
                     walk(case.body, loops)
             elif not isinstance(node, (ast.Import, ast.ImportFrom)):
                 expressions(node, [*loops, site(node)])
@@ -2420,7 +2459,19 @@ def _instance_state(obj: Any) -> dict[str, Any] | None:
                     state[attr] = descriptor.__get__(obj, cls)
                 except AttributeError:  # not set
                     continue
+    for name in _unkeyed(type(obj)):  # fields a class says are not its value (hetflow's Pipeline: its stages)
+        state.pop(name, None)
     return state if found else None
+
+
+def _unkeyed(cls: type) -> frozenset[str]:
+    """The fields a class leaves out of its instances' values (``__hetflow_unkeyed__``, read without running
+    its code): hetflow's :class:`~hetflow.Pipeline`, whose stages differ in a rank."""
+    for klass in cls.__mro__:
+        found = vars(klass).get("__hetflow_unkeyed__")
+        if isinstance(found, frozenset):
+            return found
+    return frozenset()
 
 
 def _filled(cell: Any) -> bool:

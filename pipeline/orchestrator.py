@@ -956,7 +956,7 @@ class Orchestrator(MapShell):
         keyed = self.material.get(spec.name)  # the rank digests the values it names again (hetflow.observed)
         WorkerSpec(
             run_id=self.run_id, stage=spec.name, attempt=task.attempt,
-            function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname),
+            function=StageFunction(module=spec.module, path=spec.path, name=spec.qualname, pipeline=self.name),
             sys_path=_worker_sys_path(spec, base) if spec.path or shipped is not None else (),
             params=self.stage_params(spec),
             inputs=tuple((name, self.dataset_paths[name]) for name in spec.inputs), outputs=outputs,

@@ -172,6 +172,11 @@ class Pipeline:
     ... def generate(ctx): ...
     """
 
+    __hetflow_unkeyed__ = frozenset({"stages", "_producers"})
+    """Left out of the pipeline's value where a stage reads it (``pipe.name``): a rank declares only the stage it
+    runs (:data:`hetflow.tasks.protocol.worker_stage`), so its ``stages`` are not the run's, and each stage's
+    declaration counts in that stage's own key."""
+
     def __init__(self, name: str, *, pilot: "str | os.PathLike[str] | PilotDescription" = "local",
                  workdir: "str | os.PathLike[str] | None" = None, db: str | None = None,
                  data_dir: "str | os.PathLike[str] | None" = None) -> None:

@@ -177,11 +177,14 @@ def _load(path: Path) -> Any:
 @dataclass(frozen=True)
 class StageFunction:
     """Where the worker finds the stage function: ``module.name`` (``path`` for a script run as ``__main__``;
-    ``__main__`` without a ``path``: shipped by value in the attempt directory, :attr:`AttemptFiles.function`)."""
+    ``__main__`` without a ``path``: shipped by value in the attempt directory, :attr:`AttemptFiles.function`).
+    ``pipeline``: the name of the pipeline that runs it, which decides between two pipelines of the module
+    that declare a stage of the same name with functions of the same name (None: not told)."""
 
     module: str
     name: str
     path: str | None = None
+    pipeline: str | None = None
 
 
 def env_digest(value: str | None) -> str | None:
@@ -342,7 +345,8 @@ class WorkerSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "stage": self.stage, "attempt": self.attempt,
-                "function": {"module": self.function.module, "path": self.function.path, "name": self.function.name},
+                "function": {"module": self.function.module, "path": self.function.path, "name": self.function.name,
+                             "pipeline": self.function.pipeline},
                 "attempt_dir": str(self.attempt_dir), "checkpoint_dir": str(self.checkpoint_dir),
                 "slots": [{"node": s.node, "cores": list(s.cores), "gpus": list(s.gpus)} for s in self.slots],
                 "nodes": list(self.nodes), "inputs": [[name, path] for name, path in self.inputs],
@@ -361,7 +365,7 @@ class WorkerSpec:
     @classmethod
     def from_json(cls, data: Any, where: str = "worker spec") -> WorkerSpec:
         top = _Fields(data, where, "", _names(cls))
-        function = top.nested("function", ("module", "path", "name"))
+        function = top.nested("function", ("module", "path", "name", "pipeline"))
         slots = []
         for i, raw in enumerate(top.get("slots", (list,), "a list of slots")):
             slot = _Fields(raw, where, f"slots[{i}]", ("node", "cores", "gpus"))
@@ -372,7 +376,8 @@ class WorkerSpec:
             raise top.fail("inputs", "a list of [name, path] pairs", inputs)
         fields = {"run_id": top.text("run_id"), "stage": top.text("stage"), "attempt": top.integer("attempt"),
                       "function": StageFunction(function.text("module"), function.text("name"),
-                                             function.get("path", (str, type(None)), "a string or null", None)),
+                                             function.get("path", (str, type(None)), "a string or null", None),
+                                             function.get("pipeline", (str, type(None)), "a string or null", None)),
                       "attempt_dir": Path(top.text("attempt_dir")), "checkpoint_dir": Path(top.text("checkpoint_dir")),
                       "slots": tuple(slots), "nodes": top.items("nodes", str, "strings"),
                       "inputs": tuple((name, path) for name, path in inputs), "outputs": top.text_map("outputs", {}),

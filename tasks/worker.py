@@ -67,21 +67,28 @@ def _pin(cores: list[int], gpus: list[int], vendor: GpuVendor, log: logging.Logg
     return cpus
 
 
-def _registered(module: Any, stage: str, name: str) -> Callable[..., Any] | None:
+def _registered(module: Any, stage: str, name: str, pipeline: str | None = None) -> Callable[..., Any] | None:
     """The function declared as ``stage`` by a pipeline in ``module``'s namespace: stages made by a
-    factory, a closure or a loop have no top-level name to look up."""
-    found = []
+    factory, a closure or a loop have no top-level name to look up.  Two pipelines with a stage of that
+    name: the one named ``pipeline`` (the run's), then the one whose function has the name; two functions
+    that still tie are refused rather than one of them run under the other's key."""
+    found: list[tuple[Any, Callable[..., Any]]] = []
     for value in list(vars(module).values()):
         if isinstance(value, types.ModuleType):
             continue  # not a pipeline; and looking into a deferred import would load it
         stages = getattr(value, "stages", None)
         declared = stages.get(stage) if isinstance(stages, Mapping) else None
         func = getattr(declared, "func", None)
-        if callable(func):
-            found.append(func)
-    if len(found) > 1:  # two pipelines with a stage of that name: the one whose function has the name
-        found = [f for f in found if getattr(f, "__name__", None) == name] or found
-    return found[0] if found else None
+        if callable(func) and all(func is not f for _, f in found):
+            found.append((getattr(value, "name", None), func))
+    if len(found) > 1 and pipeline is not None:
+        found = [(p, f) for p, f in found if p == pipeline] or found
+    if len(found) > 1:
+        found = [(p, f) for p, f in found if getattr(f, "__name__", None) == name] or found
+    if len(found) > 1:
+        raise RuntimeError(f"stage {stage!r}: {len(found)} pipelines in {getattr(module, '__file__', module)} "
+                           f"named {pipeline!r} declare a stage {stage!r}; give the pipelines different names")
+    return found[0][1] if found else None
 
 
 @contextlib.contextmanager
@@ -128,7 +135,7 @@ def _load_function(spec: WorkerSpec) -> Callable[..., Any]:
             module = sys.modules[SCRIPT_MODULE]
         finally:
             observed.recording(False)
-    func = _registered(module, spec.stage, name)
+    func = _registered(module, spec.stage, name, spec.function.pipeline)
     if func is None:
         func = getattr(module, name, None)
     if not callable(func):

@@ -786,6 +786,15 @@ ANYWHERE_SETTINGS = [
     ("@fakelib.model('sq', scale=11)\ndef sq(x):\n    return x", "fakelib.apply('sq', 1)", None),
     ("@fakelib.model('sq')\ndef sq(x):\n    return x * 11", "fakelib.apply('sq', 1)", None),
     ("def sq(x):\n    return x * 11\nfakelib.register_obj('sq', (sq, 1))", "fakelib.apply('sq', 1)", None),
+    ("match 1:\n    case 1 if fakelib.register('planck', 11) or True:\n        pass", "fakelib.get('planck').h0",
+     None),  # red team 13: a match arm's guard
+    # red team 13: the user's function in a container a name holds, a decorator applied by a call and assigned,
+    # a decorator a library's factory made, assigned to a name
+    ("def sq(x):\n    return x * 11\nPAIR = (sq, 1)\nfakelib.register_obj('sq', PAIR)", "fakelib.apply('sq', 1)", None),
+    ("def sq(x):\n    return x\nKW = {'name': 'sq', 'obj': [sq, 11]}\nfakelib.register_obj(**KW)",
+     "fakelib.apply('sq', 1)", None),
+    ("def _sq(x):\n    return x * 11\nsq = fakelib.model('sq')(_sq)", "fakelib.apply('sq', 1)", None),
+    ("D = fakelib.model('sq', scale=11)\n@D\ndef sq(x):\n    return x", "fakelib.apply('sq', 1)", None),
 ]
 
 

@@ -125,3 +125,74 @@ def test_a_stage_wrapped_by_a_decorator_from_a_local_module_runs(tmp_path: Path)
     assert done.returncode == 0, done.stdout + done.stderr
     (run_dir,) = (tmp_path / ".hetflow" / "runs").iterdir()
     assert "starting one" in (run_dir / "stages" / "one" / "attempt-1" / "rank-0.log").read_text()
+
+
+TWO_PIPELINES = '''
+import pyarrow as pa
+import hetflow as hf
+
+calibrate = hf.Pipeline("calibrate")
+analyse = hf.Pipeline("analyse")
+
+@calibrate.stage(outputs=["x"])
+def load(ctx):
+    return {"x": pa.table({"v": [1]})}
+
+@analyse.stage(outputs=["x"])
+def load(ctx):
+    return {"x": pa.table({"v": [2]})}
+
+if __name__ == "__main__":
+    analyse.run()
+'''
+
+
+def test_a_rank_runs_the_stage_of_the_pipeline_that_runs_when_two_declare_it_with_the_same_function_name(
+        tmp_path: Path) -> None:
+    # both pipelines declare a stage 'load' by a function 'load': the rank ran the first pipeline's (value 1),
+    # stored under the key of the second's code
+    (tmp_path / "two.py").write_text(TWO_PIPELINES)
+    cli = [sys.executable, "-m", "hetflow.cli"]
+    done = subprocess.run([*cli, "run", "two.py", "--workdir", "w", "--no-progress"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shown = json.loads(subprocess.run([*cli, "status", "--workdir", "w", "--json"], cwd=tmp_path,
+                                      capture_output=True, text=True, timeout=60).stdout)
+    assert [(s["name"], s["state"]) for s in shown["stages"]] == [("load", "DONE")]
+    assert Dataset(shown["datasets"]["x"]).to_table()["v"].to_pylist() == [2]
+
+
+READS_ITS_PIPELINE = '''
+import pyarrow as pa
+import hetflow as hf
+
+pipe = hf.Pipeline("labelled")
+
+@pipe.stage(outputs=["x"])
+def first(ctx):
+    return {"x": pa.table({"label": [pipe.name]})}
+
+@pipe.stage(inputs=["x"], outputs=["y"])
+def second(ctx, x):
+    return {"y": x}
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+def test_a_stage_reading_its_pipeline_object_is_cached_on_a_repeat(tmp_path: Path) -> None:
+    # a rank declares only its own stage: the pipeline it saw (pipe.stages, its repr) differed from the one the
+    # key was made from, and the stage was "not cached: pipe differs in its ranks" at every run
+    (tmp_path / "labelled.py").write_text(READS_ITS_PIPELINE)
+    cli = [sys.executable, "-m", "hetflow.cli"]
+    states = []
+    for _ in range(2):
+        done = subprocess.run([*cli, "run", "labelled.py", "--workdir", "w", "--no-progress"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = json.loads(subprocess.run([*cli, "status", "--workdir", "w", "--json"], cwd=tmp_path,
+                                          capture_output=True, text=True, timeout=60).stdout)
+        states.append([(s["name"], s["state"]) for s in shown["stages"]])
+    assert states == [[("first", "DONE"), ("second", "DONE")], [("first", "CACHED"), ("second", "CACHED")]]
+    assert Dataset(shown["datasets"]["x"]).to_table()["label"].to_pylist() == ["labelled"]
