@@ -691,7 +691,7 @@ def test_a_small_query_runs_on_the_threads_the_waiting_ranks_lend(comm: Any, mon
     monkeypatch.setattr(sqlengine, "SMALL_QUERY_BYTES", 1 << 30)
     size = comm.Get_size()
     if size == 1:
-        pytest.skip("one rank runs every query alone, on its own threads: no rank waits to lend any")
+        pytest.skip("needs two or more ranks: one rank runs every query alone, on its own threads; no rank waits to lend any")
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))  # a host with every core but rank 0's idle
     want = min(size, cores)
