@@ -15,6 +15,7 @@ import sys
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hetflow.fingerprint import code_fingerprint
@@ -473,14 +474,34 @@ def stage(ctx):
 """
 
 
+HETFLOW = [str(Path(sys.executable).parent / "hetflow")] if os.path.exists(Path(sys.executable).parent / "hetflow") \
+    else [sys.executable, "-m", "hetflow.cli"]
+
+
+def _run_and_show(where: Path, script: str, *, site_packages: bool = False) -> tuple[dict[str, str], Any]:
+    """Write ``script`` as ``where/pipeline.py``, ``hetflow run`` it (with ``where/site-packages`` on
+    ``PYTHONPATH``: an installed-looking library) and read ``status --json``: each stage's state, and the
+    first value of column ``v`` of dataset ``out``."""
+    from hetflow.operators.dataset import Dataset
+
+    env = {**os.environ, "PYTHONPATH": str(where / "site-packages")} if site_packages else None
+    workdir = ["--workdir", str(where / "wd")]
+    (where / "pipeline.py").write_text(script)
+    done = subprocess.run([*HETFLOW, "run", "pipeline.py", "--no-progress", *workdir], cwd=where, capture_output=True,
+                          text=True, timeout=150, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shown = json.loads(subprocess.run([*HETFLOW, "status", "--json", *workdir], cwd=where, check=True,
+                                      capture_output=True, text=True, env=env).stdout)
+    states = {stage["name"]: stage["state"] for stage in shown["stages"]}
+    return states, Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+
+
 @pytest.mark.timeout(180)
 def test_end_to_end_a_package_constant_edit_serves_the_old_rows(tmp_path: Path) -> None:
     for rel, text in {**PACKAGE, "pipeline.py": SCRIPT}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(textwrap.dedent(text))
-    hetflow = [sys.executable, "-m", "hetflow.cli"] if not os.path.exists(Path(sys.executable).parent / "hetflow") \
-        else [str(Path(sys.executable).parent / "hetflow")]
-    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
+    run = [*HETFLOW, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
     subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150)
     (tmp_path / "mylib/consts.py").write_text("SCALE = 3\n")
     second = subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150)
@@ -638,20 +659,10 @@ def test_end_to_end_an_edit_of_a_library_setters_argument_reruns_the_stage(tmp_p
         if __name__ == "__main__":
             pipe.run()
     """)
-    hetflow = [sys.executable, "-m", "hetflow.cli"] if not os.path.exists(Path(sys.executable).parent / "hetflow") \
-        else [str(Path(sys.executable).parent / "hetflow")]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site-packages")}
-    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
-    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
 
     def once(h0: str) -> tuple[str, float]:
-        (tmp_path / "pipeline.py").write_text(script.replace("SETTING", setting.replace("11", h0)))
-        subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150, env=env)
-        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True,
-                                          env=env).stdout)
-        from hetflow.operators.dataset import Dataset
-
-        return shown["stages"][0]["state"], Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+        states, value = _run_and_show(tmp_path, script.replace("SETTING", setting.replace("11", h0)), site_packages=True)
+        return states["stage"], value
 
     assert once("11") == ("DONE", 1 / 11)
     assert once("12") == ("DONE", 1 / 12)
@@ -730,21 +741,9 @@ def test_end_to_end_an_edit_of_a_top_level_registry_call_reruns_only_the_stage_u
         if __name__ == "__main__":
             pipe.run()
     """)
-    hetflow = [sys.executable, "-m", "hetflow.cli"] if not os.path.exists(Path(sys.executable).parent / "hetflow") \
-        else [str(Path(sys.executable).parent / "hetflow")]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site-packages")}
-    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
-    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
 
     def once(h0: str) -> tuple[dict[str, str], int]:
-        (tmp_path / "pipeline.py").write_text(script.replace("SETTING", setting.replace("11", h0)))
-        subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150, env=env)
-        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True,
-                                          env=env).stdout)
-        from hetflow.operators.dataset import Dataset
-
-        states = {s["name"]: s["state"] for s in shown["stages"]}
-        return states, Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+        return _run_and_show(tmp_path, script.replace("SETTING", setting.replace("11", h0)), site_packages=True)
 
     assert once("11") == ({"stage": "DONE", "other": "DONE"}, 11)
     assert once("12") == ({"stage": "DONE", "other": "CACHED"}, 12)
@@ -849,20 +848,10 @@ def test_end_to_end_an_edit_of_a_function_a_library_decorator_registers_reruns_t
         if __name__ == "__main__":
             pipe.run()
     """)
-    hetflow = [sys.executable, "-m", "hetflow.cli"] if not os.path.exists(Path(sys.executable).parent / "hetflow") \
-        else [str(Path(sys.executable).parent / "hetflow")]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site-packages")}
-    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
-    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
 
     def once(factor: str) -> tuple[str, int]:
-        (tmp_path / "pipeline.py").write_text(script.replace("FACTOR", factor))
-        subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=150, env=env)
-        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True,
-                                          env=env).stdout)
-        from hetflow.operators.dataset import Dataset
-
-        return shown["stages"][0]["state"], Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+        states, value = _run_and_show(tmp_path, script.replace("FACTOR", factor), site_packages=True)
+        return states["stage"], value
 
     assert once("2") == ("DONE", 6)
     assert once("5") == ("DONE", 15)
@@ -890,18 +879,9 @@ def test_end_to_end_a_partial_declared_as_the_stage_runs_and_counts_its_argument
         if __name__ == "__main__":
             pipe.run()
     """)
-    hetflow = [sys.executable, "-m", "hetflow.cli"]
-    run = [*hetflow, "run", "pipeline.py", "--no-progress", "--workdir", str(tmp_path / "wd")]
-    show = [*hetflow, "status", "--json", "--workdir", str(tmp_path / "wd")]
-
     def once(k: str) -> tuple[str, int]:
-        (tmp_path / "pipeline.py").write_text(script.replace("K", k))
-        done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=150)
-        assert done.returncode == 0, done.stdout + done.stderr
-        shown = json.loads(subprocess.run(show, cwd=tmp_path, check=True, capture_output=True, text=True).stdout)
-        from hetflow.operators.dataset import Dataset
-
-        return shown["stages"][0]["state"], Dataset(shown["datasets"]["out"]).to_table().column("v")[0].as_py()
+        states, value = _run_and_show(tmp_path, script.replace("K", k))
+        return states["p"], value
 
     assert once("3") == ("DONE", 3)
     assert once("4") == ("DONE", 4)
