@@ -39,7 +39,8 @@ from hetflow.operators.location import is_object_store
 from sqlalchemy import select
 
 from . import __version__
-from .store import SUCCESS, DatasetRecord, RunRecord, StageRecord
+from .states import SUCCESS
+from .store import DatasetRecord, RunRecord, StageRecord
 
 log = logging.getLogger(__name__)
 

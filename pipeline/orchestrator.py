@@ -96,10 +96,8 @@ from .plan import (
 from .mapping import Item, MapRun, chunk_dirs
 from .mapshell import MapShell
 from .progress import Progress
-from .states import State
+from .states import SUCCESS, TERMINAL, State
 from .store import (
-    SUCCESS,
-    TERMINAL,
     AttemptRecord,
     DatasetRecord,
     PartitionRecord,

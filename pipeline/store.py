@@ -37,7 +37,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from .errors import MissingExtraError, RunLocked, StoreUnreadable, UnknownRun
 from .filesystem import JournalMode, journal_mode_for
-from .states import SUCCESS, TERMINAL, State  # noqa: F401 - SUCCESS: its callers' name for it (hetflow.cache)
+from .states import State
 # who holds a run, timestamps as text, the default store: in storefile, which ``status`` reads without SQLAlchemy
 from .storefile import START_TOLERANCE, Owner, default_url, iso, owner_gone, owner_id  # noqa: F401
 
