@@ -470,11 +470,19 @@ class _Walker:
                 source = Path(path).read_bytes()
             except (OSError, TypeError):
                 continue
-            scope: Mapping[str, Any] | None = None
-            for text, chain, names, decorated, assigned in _top_calls(source, path):
-                if scope is None:
-                    scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
-                called = _resolve_call(scope, chain)
+            found = list(_top_calls(source, path))
+            if not found:
+                continue
+            scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
+            resolved = [_resolve_call(scope, chain) for _, chain, _, _, _ in found]
+            # a statement that declares with hetflow (pipe.stage(make(k), ...), hf.Pipeline(...)) is no call into a
+            # library: each stage it declares has its code in its own key, and following the factory it calls put
+            # every loop-made stage's code in every stage's key
+            declaring = {entry[0] for entry, called in zip(found, resolved)
+                         if str(getattr(called, "__module__", "") or "").partition(".")[0] == "hetflow"}
+            for (text, chain, names, decorated, assigned), called in zip(found, resolved):
+                if text in declaring:
+                    continue
                 libraries = self.called_libraries(called, reaching) & self.external_tops
                 if not libraries:
                     continue

@@ -886,3 +886,40 @@ def test_end_to_end_a_partial_declared_as_the_stage_runs_and_counts_its_argument
     assert once("3") == ("DONE", 3)
     assert once("4") == ("DONE", 4)
     assert once("4") == ("CACHED", 4)
+
+
+LOOP_DECLARED = '''
+import pyarrow as pa
+import hetflow as hf
+
+SCALE = 2
+pipe = hf.Pipeline("loop", pilot=hf.PilotDescription(name="p", cores_per_node=2))
+
+
+@pipe.stage(outputs=["out"])
+def load(ctx):
+    return {"out": pa.table({"v": [1]})}
+
+
+def make(k):
+    def fit(ctx, out):
+        return {f"fit{k}": pa.table({"v": [out.column("v")[0].as_py() * SCALE + k]})}
+    return fit
+
+
+for k in range(2):
+    pipe.stage(make(k), name=f"fit{k}", inputs=["out"], outputs=[f"fit{k}"])
+
+if __name__ == "__main__":
+    pipe.run()
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_global_only_loop_made_stages_read_moves_their_keys_not_the_others(tmp_path: Path) -> None:
+    """The declaration ``pipe.stage(make(k), ...)`` at the top is hetflow's, not a call into a library: it
+    put the factory's code, and SCALE, into every stage's key, so editing SCALE re-ran ``load`` too (the
+    rules of red teams 12 and 13 counted it as a call into pyarrow, which ``make``'s code names)."""
+    assert _run_and_show(tmp_path, LOOP_DECLARED)[0] == {"load": "DONE", "fit0": "DONE", "fit1": "DONE"}
+    states, _ = _run_and_show(tmp_path, LOOP_DECLARED.replace("SCALE = 2", "SCALE = 3"))
+    assert states == {"load": "CACHED", "fit0": "DONE", "fit1": "DONE"}, states
