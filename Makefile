@@ -14,9 +14,9 @@ PYTEST_MPI = $(BIN)/python -m pytest -m mpi -q -p no:cacheprovider
 # to one that computes instead of spinning through its time slice
 MPI5_ENV = MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=64
 
-.PHONY: install demo docs test test-serial test-mpi compiled test-compiled bench clean
+.PHONY: install bytecode demo docs test test-serial test-mpi compiled test-compiled bench clean
 
-install: $(STAMP)
+install: $(STAMP) bytecode
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	@touch $(STAMP)
 
-demo: $(STAMP)
+# hetflow's own bytecode, beside its sources: an editable install writes none, and where PYTHONDONTWRITEBYTECODE=1
+# is set (as on this project's machines) every hetflow process would compile what it imports at each start
+# (docs/benchmarks.md, "Bytecode"); a file already compiled and unchanged is skipped
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q pipeline tasks operators ml
+
+demo: $(STAMP) bytecode
 	$(BIN)/hetflow run examples/photoz/pipeline.py --no-progress
 	$(BIN)/hetflow status --json
 
@@ -32,10 +38,10 @@ test: docs test-serial test-mpi test-compiled
 
 # In parallel (pytest-xdist): -n auto is one worker per CPU and one more, capped; what must not run
 # concurrently shares a group (tests/conftest.py): a file, tests/slurm/, the RP files.
-test-serial: $(STAMP)
+test-serial: $(STAMP) bytecode
 	$(BIN)/python -m pytest -m "not mpi" -n auto --dist loadfile --durations=15 tests
 
-test-mpi: $(STAMP)
+test-mpi: $(STAMP) bytecode
 	@for n in $(MPI_SIZES); do \
 	  echo "== mpiexec -n $$n pytest -m mpi"; \
 	  $(BIN)/mpiexec -n $$n $(PYTEST_MPI) tests || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }; \
