@@ -25,6 +25,7 @@ from hetflow.tasks.errors import ConfigError, HetflowError
 from . import __version__
 from .errors import MissingExtraError, RunAborted, RunFailed, RunInterrupted, StoreUnreadable, absolute_db
 from .filesystem import default_workdir
+from .states import SUCCESS, State
 from .status import RunStatus, run_status
 from .storefile import default_url, iso
 from .terminal import visible
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # the orchestrator (and pyarrow) load when a command runs a p
     from .store import Store
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-RUN_STATES = ("RUNNING", "DONE", "FAILED", "INTERRUPTED", "CANCELLED", "STOPPED")
+RUN_STATES = (State.RUNNING, State.DONE, State.FAILED, State.INTERRUPTED, State.CANCELLED, State.STOPPED)
 
 
 class UsageError(HetflowError):
@@ -379,7 +380,7 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, si
     for stage in status.stages:
         seconds = elapsed_text(stage.ended - stage.started) if stage.started and stage.ended else "-"
         line = f"  {stage.name:<20} {stage.state:<10} {seconds:>8}  attempts={stage.attempts}"
-        if stage.error and stage.state not in ("DONE", "CACHED"):
+        if stage.error and stage.state not in SUCCESS:
             first, *rest = error_text(stage.error).splitlines()
             line += f"  {first}" + "".join(f"\n  {'':<20} {more}" for more in rest)
         elif stage.cache_reason:
@@ -390,9 +391,9 @@ def _print_summary(status: RunStatus, args: argparse.Namespace | None = None, si
     if not status.ok:
         from .errors import code_must_change
 
-        if code_must_change([s.error for s in status.stages if s.state not in ("DONE", "CACHED", "SKIPPED")]):
+        if code_must_change([s.error for s in status.stages if s.state not in SUCCESS | {State.SKIPPED}]):
             print("  change the script as the error says first: resumed unchanged, it fails the same way")
-        if status.error and not any(s.error for s in status.stages if s.state not in ("DONE", "CACHED")):
+        if status.error and not any(s.error for s in status.stages if s.state not in SUCCESS):
             print("  " + error_text(status.error).replace("\n", "\n  "))
         if status.script is None:
             from .errors import recorded_in, resume_hint
@@ -501,7 +502,7 @@ def _status(args: argparse.Namespace) -> int:
                 console.print(f"{stage.name}: {'reused' if stage.cache_hit else 'ran'}: {stage.cache_reason}",
                               markup=False, highlight=False)
         for stage in status.stages:
-            if stage.state not in ("DONE", "CACHED") and stage.error:
+            if stage.state not in SUCCESS and stage.error:
                 console.print(f"[bold]{escape(stage.name)}[/bold] {stage.state}: {escape(stage.error)}", markup=True,
                               highlight=False)
                 if stage.traceback:
@@ -671,7 +672,7 @@ def _cancel(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     run = store.resolve_run(args.run)
-    if run.state != "RUNNING":
+    if run.state != State.RUNNING:
         raise UsageError(f"run {run.id} is not running (it ended {run.state}); nothing to cancel")
     if not store.request_cancel(run.id, f"{socket.gethostname()}:{os.getpid()} at {iso(time.time())}"):
         raise UsageError(f"run {run.id} ended before it could be cancelled")
@@ -682,7 +683,7 @@ def _cancel(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         store.reconcile_dead_runs()
         now = store.resolve_run(run.id)
-        if now.state != "RUNNING":
+        if now.state != State.RUNNING:
             shell = now.script is None and recorded_in(now.run_dir)
             print(visible(f"run {run.id} {now.state}; "
                           f"{resume_hint(run.id, script=now.script is not None, where=_where(args), shell=shell)}"))

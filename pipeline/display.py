@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .states import SUCCESS, State
+
 if TYPE_CHECKING:
     from .status import RunStatus, StageStatus
 
@@ -111,7 +113,7 @@ def _decision(stage: "StageStatus") -> str:
 
 
 def _reason(stage: "StageStatus") -> str:
-    if stage.error and stage.state not in ("DONE", "CACHED"):
+    if stage.error and stage.state not in SUCCESS:
         return stage.error.strip().splitlines()[0] if stage.error.strip() else ""
     return stage.cache_reason or ""
 
@@ -135,7 +137,7 @@ def run_text(status: "RunStatus", *, handle: bool = False) -> str:
         if decision or reason:
             parts.append(" ".join(p for p in (decision, f"({reason})" if reason else "") if p))
         lines.append("  ".join(parts).rstrip())
-    if status.error and status.state != "RUNNING":
+    if status.error and status.state != State.RUNNING:
         lines.append(f"  {status.error.strip().splitlines()[0]}")
     return "\n".join(lines)
 
@@ -164,7 +166,7 @@ def run_html(status: "RunStatus", *, link: str | None = None) -> str:
             e(_duration(stage, now)),
             str(stage.attempts))) + "</tr>")
     error = ""
-    if status.error and status.state not in ("RUNNING", "DONE"):
+    if status.error and status.state not in (State.RUNNING, State.DONE):
         error = f"<div>{e(status.error.strip().splitlines()[0])}</div>"
     header = "".join(f"<th style=\"text-align:left\">{name}</th>"
                      for name in ("stage", "state", "cache", "reason", "duration", "attempts"))

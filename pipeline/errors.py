@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hetflow.tasks.errors import ConfigError, HetflowError, MissingExtraError, TaskFailed, UnsatisfiableRequest
+from .states import SUCCESS, State
 
 from .terminal import visible
 
@@ -129,10 +130,10 @@ class RunFailed(HetflowError, RuntimeError):
 
     def __init__(self, status: RunStatus, where: Sequence[str] = ()) -> None:
         self.status = status
-        unfinished = [s for s in status.stages if s.state not in ("DONE", "CACHED")]
+        unfinished = [s for s in status.stages if s.state not in SUCCESS]
         failed = [f"{s.name} {s.state}" + (f" ({error_text(s.error)})" if s.error else "")
-                  for s in unfinished if s.state != "SKIPPED"]
-        skipped = [s.name for s in unfinished if s.state == "SKIPPED"]
+                  for s in unfinished if s.state != State.SKIPPED]
+        skipped = [s.name for s in unfinished if s.state == State.SKIPPED]
         parts = [f"run {status.id} ended {status.state}"]
         if status.error and not failed:
             parts.append(error_text(status.error))
@@ -142,7 +143,7 @@ class RunFailed(HetflowError, RuntimeError):
             parts.append(f"skipped: {', '.join(skipped)}")
         hint = resume_hint(status.id, script=status.script is not None, where=where,
                            shell=status.script is None and recorded_in(status.run_dir))
-        if code_must_change([s.error for s in unfinished if s.state != "SKIPPED"]):
+        if code_must_change([s.error for s in unfinished if s.state != State.SKIPPED]):
             hint = f"change the code as the error says first (resumed unchanged, it fails the same way), then {hint}"
         parts.append(hint)
         super().__init__(visible("; ".join(parts)))  # the errors are the run's text: no control characters

@@ -24,6 +24,7 @@ from sqlalchemy import select
 
 from .errors import HetflowError, UnknownRun
 from .mapping import chunk_dirs
+from .states import State
 from .store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
 from .terminal import visible
 
@@ -215,7 +216,7 @@ def follow(store: Store, run_id: str, stage: str | None, rank: int | None, emit:
         state = run.state if run is not None else "GONE"
         _, attempts = _all_attempts(store, run_id, stage)
         sources = [s for a in attempts for s in a.sources(rank)]
-        ended = state != "RUNNING"
+        ended = state != State.RUNNING
         for line in tail.poll(sources, flush=ended):
             emit(line)
         if ended:

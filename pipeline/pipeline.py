@@ -25,6 +25,7 @@ from .declaration import StageSpec, check_env, check_map, check_max_failures, ch
 from .errors import (HetflowError, PipelineError, ResumeRefused, RunAborted, RunFailed, RunInterrupted, RunLocked,
                      Terminated, interruption, store_argv)
 from .filesystem import default_workdir
+from .states import State
 
 if TYPE_CHECKING:  # the pilot, the scheduler and the backends load where a run starts, not in every worker
     from hetflow.tasks.pilot import PilotDescription
@@ -652,7 +653,7 @@ class _Started:
                     orchestrator.execute(engine)
             except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (scancel)
                 if orchestrator.final is None:
-                    orchestrator.stop(interruption(interrupt), "INTERRUPTED")
+                    orchestrator.stop(interruption(interrupt), State.INTERRUPTED)
                 _report_uncaught()
                 raise RunInterrupted(the_id, given, script=script, shell=self.recorded) from None
             except ResumeRefused:  # the run was left as it was (DONE)
@@ -666,7 +667,7 @@ class _Started:
                     cause = getattr(exc, "orig", None) or exc
                     reason = f"the state store {store.url} could not be written ({cause})"
                 if orchestrator.final is None:
-                    orchestrator.stop(reason, "FAILED")
+                    orchestrator.stop(reason, State.FAILED)
                 _report_uncaught()
                 raise RunAborted(the_id, reason, given, script=script, shell=self.recorded) from exc
             from .status import run_status  # once the run has ended: its import is not before the first task

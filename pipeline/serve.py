@@ -78,6 +78,7 @@ from hetflow.tasks.protocol import AttemptFiles
 
 from .progress import progress_text
 from .report import run_intervals, stage_rows
+from .states import State
 from .status import run_status
 from .store import Store
 
@@ -135,7 +136,7 @@ class RunView:
         deadline = time.monotonic() + wait
         while True:
             data = self.status()
-            if data["digest"] != since or data["state"] != "RUNNING" or time.monotonic() >= deadline:
+            if data["digest"] != since or data["state"] != State.RUNNING or time.monotonic() >= deadline:
                 return data
             time.sleep(0.5)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import RunFailed
+from .states import State
 from .storefile import Rows, iso, running_gone, sqlite_rows, unique_run
 from .terminal import visible
 
@@ -114,7 +115,7 @@ class RunStatus:
     @property
     def ok(self) -> bool:
         """Whether the run ended ``DONE``."""
-        return self.state == "DONE"
+        return self.state == State.DONE
 
     def stage(self, name: str) -> StageStatus:
         """The record of stage ``name``; ``KeyError`` naming the run's stages when there is none."""
@@ -128,7 +129,9 @@ class RunStatus:
         (``.to_table()``, ``.partitions()``); ``KeyError`` if the run committed no such dataset."""
         if name not in self.datasets:
             raise KeyError(f"run {self.id} has no committed dataset {name!r} (datasets: {sorted(self.datasets)})")
-        from hetflow.operators.dataset import Dataset   # pyarrow: not loaded by `hetflow status`
+        from hetflow.operators.dataset import (
+            Dataset,  # pyarrow: not loaded by `hetflow status`
+        )
 
         return Dataset(self.datasets[name])
 
