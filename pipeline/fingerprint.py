@@ -137,6 +137,7 @@ Decisions, for :func:`code_fingerprint`:
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import datetime
 import decimal
@@ -455,15 +456,18 @@ class _Walker:
         """For each installed library the reached code uses, the calls into it that the top level of the script
         and of the local modules makes as statements of their own (``fakelib.register("planck", 11)``, also
         inside a top-level ``if``/``with``/``try``/loop, not in the ``__main__`` block), directly or through a
-        local function whose code names the library (``labsetup.init(11)``): by their text and the values of
-        the plain names they pass (a value of another kind by its type only).  Such a call may change the
+        local function whose code names the library (``labsetup.init(11)``), or handing on a library's function
+        (``list(map(lib.register, ...))``, ``OPS["reg"](...)``): by their text and the values of the plain names
+        they pass (a value of another kind by its type only; the user's code handed over by its code: a function,
+        a class, a bound method or callable object of the user's class with the object's value, a ``partial``;
+        a class whose library base registers it, ``class Sq(lib.Plugin)``).  Such a call may change the
         library's state in place (``REGISTRY[name] = Cosmology(h0)``), which no global the key follows shows;
         the library's state itself is not followed (``re._cache`` differs between processes).  The standard
         library is not a library here (its calls count as before: seeds, settings)."""
         if not self.external_tops:
             return
         calls: dict[str, set[str]] = {}
-        reaching: dict[int, frozenset[str]] = {}
+        reaching: dict[tuple[int, bool], frozenset[str]] = {}
         handed: list[Any] = []
         for _, path, namespace in self.user_namespaces():
             try:
@@ -475,19 +479,26 @@ class _Walker:
                 continue
             scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
             resolved = [_resolve_call(scope, chain) for _, chain, _, _, _ in found]
-            # a statement that declares with hetflow (pipe.stage(make(k), ...), hf.Pipeline(...)) is no call into a
-            # library: each stage it declares has its code in its own key, and following the factory it calls put
-            # every loop-made stage's code in every stage's key
-            declaring = {entry[0] for entry, called in zip(found, resolved)
-                         if str(getattr(called, "__module__", "") or "").partition(".")[0] == "hetflow"}
+            # hetflow's own calls (pipe.stage(make(k), ...), hf.Pipeline(...)) are no calls into a library: each
+            # stage they declare has its code in its own key.  The other calls of a statement that declares count
+            # (pipe.stage(make(lib.register("a", K)), ...)), a local function among them by what its own body runs
+            # (make registering K), not by the stage code it only defines: following that put every loop-made
+            # stage's code in every stage's key
+            declaring = {entry[0] for entry, called in zip(found, resolved) if _is_hetflow(called)}
             for (text, chain, names, decorated, assigned), called in zip(found, resolved):
-                if text in declaring:
-                    continue
-                libraries = self.called_libraries(called, reaching) & self.external_tops
-                if not libraries:
+                if _is_hetflow(called):
                     continue
                 values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
+                libraries = self.called_libraries(called, reaching, defined=text not in declaring)
+                if not (isinstance(called, (types.FunctionType, type)) and self.is_user_code(called)):
+                    libraries |= self.handed_libraries(values.values())  # map(lib.f, ...): not make(np.mean)
+                libraries &= self.external_tops
+                if not libraries or (text.rpartition(" ; ")[2].startswith(f"class {decorated}(")
+                                     and not _receives_subclasses(called)):
+                    continue  # class Net(torch.nn.Module): nothing of the library receives Net
                 code = self.user_code_in(values.values())  # lib.register_hook(my_fn), PAIR = (sq, 1): through it
+                code += [type(v) for v in values.values() if self.is_user_instance(v)
+                         and _kept_by_library(called, [v], self.library_held)]  # lib.add_hook(S.apply): S's class
                 results = [scope.get(n) for n in assigned]
                 if assigned and not code and not any(isinstance(r, types.FunctionType) for r in results) \
                         and not _kept_by_library(called, results, self.library_held):
@@ -517,11 +528,37 @@ class _Walker:
             if isinstance(value, (types.FunctionType, type)):
                 if self.is_user_code(value):
                     found.append(value)
+            elif isinstance(value, (types.MethodType, functools.partial)):  # S.apply, partial(power, p=2)
+                inner = value.__func__ if isinstance(value, types.MethodType) else value.func
+                if self.user_code_in([inner], depth + 1):
+                    found.append(value)
             elif depth < 3 and isinstance(value, (list, tuple, set, frozenset)):
                 found.extend(self.user_code_in(list(value), depth + 1))
             elif depth < 3 and isinstance(value, dict):
                 found.extend(self.user_code_in(list(value.values()), depth + 1))
         return found
+
+    def handed_libraries(self, values: Iterable[Any], depth: int = 0) -> frozenset[str]:
+        """The installed libraries whose functions or classes a top-level statement hands on (``list(map(
+        lib.register, names, h0s))``) or calls out of a container (``OPS = {"reg": lib.register}``, then
+        ``OPS["reg"]("a", 11)``): the call runs them.  The user's own functions handed on do not count here (a
+        stage declared as ``partial(fit, k=1)`` is no call into what ``fit`` names)."""
+        found: set[str] = set()
+        for value in itertools.islice(values, 1024):
+            if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+                if not (isinstance(value, types.FunctionType) and self.is_user_code(value)) and not _is_hetflow(value):
+                    found |= self.called_libraries(value, {})
+            elif depth < 3 and isinstance(value, (list, tuple)):
+                found |= self.handed_libraries(list(value), depth + 1)
+            elif depth < 3 and isinstance(value, dict):
+                found |= self.handed_libraries(list(value.values()), depth + 1)
+        return frozenset(found)
+
+    def is_user_instance(self, value: Any) -> bool:
+        """Whether ``value`` is an object of a class of the user (not a function, class or module)."""
+        kind = type(value)
+        return not isinstance(value, (types.FunctionType, types.MethodType, type, types.ModuleType)) and \
+            self.is_user_object(kind)
 
     def is_user_code(self, value: Any) -> bool:
         """Whether a function or class is the user's (defined in the script or a local module)."""
@@ -539,6 +576,10 @@ class _Walker:
             return self.value(value)
         if isinstance(value, (list, tuple, dict)) and self.user_code_in([value]):
             return self.code_and_plain_text(value)  # PAIR = (sq, 1): sq by its name (its code counts), 1 by value
+        if isinstance(value, (types.MethodType, functools.partial)) and self.user_code_in([value]):
+            return self.follow(value)  # S.apply: its function's code and S's value; a partial's arguments
+        if self.is_user_instance(value) and _kept_by_library(called, [value], self.library_held):
+            return f"{self.follow(type(value))} {self.value(value)}"  # lib.add_hook(H): what H holds
         home = type(value).__module__.partition(".")[0]
         if home not in libraries or not _kept_by_library(called, [value], self.library_held):
             return type(value).__qualname__
@@ -563,21 +604,24 @@ class _Walker:
                                        f"{self.code_and_plain_text(v, depth + 1)}" for k, v in value.items()) + "}"
         return type(value).__qualname__
 
-    def called_libraries(self, target: Any, reaching: dict[int, frozenset[str]], depth: int = 0) -> frozenset[str]:
+    def called_libraries(self, target: Any, reaching: dict[tuple[int, bool], frozenset[str]], depth: int = 0,
+                         defined: bool = True) -> frozenset[str]:
         """The top-level packages outside the user code that calling ``target`` calls into: its own (a module,
         function or class of an installed library), or those a local function's code names (its globals: the
-        library's modules, functions and classes, and the local functions it calls, a few levels deep)."""
-        if isinstance(target, types.ModuleType):
-            home = target.__name__
-        elif isinstance(target, types.FunctionType) and self.is_user(self.realpath(target.__code__.co_filename)):
-            if id(target) not in reaching:
-                reaching[id(target)] = frozenset()  # a recursive helper: what it names is found once
+        library's modules, functions and classes, and the local functions it calls, a few levels deep); with
+        ``defined=False``, only what its own body runs (its comprehensions too), not the functions it defines
+        (a stage factory's stage)."""
+        if isinstance(target, types.FunctionType) and self.is_user(self.realpath(target.__code__.co_filename)):
+            if (id(target), defined) not in reaching:
+                reaching[id(target), defined] = frozenset()  # a recursive helper: what it names is found once
                 found: set[str] = set()
                 if depth < 4:
-                    for name in _code_globals(target.__code__):
+                    for name in _code_globals(target.__code__, defined):
                         found |= self.called_libraries(target.__globals__.get(name), reaching, depth + 1)
-                reaching[id(target)] = frozenset(found)
-            return reaching[id(target)]
+                reaching[id(target), defined] = frozenset(found)
+            return reaching[id(target), defined]
+        if isinstance(target, types.ModuleType):
+            home = target.__name__
         elif isinstance(target, (types.FunctionType, types.BuiltinFunctionType, type)):
             home = getattr(target, "__module__", None) or ""
         else:
@@ -1434,6 +1478,11 @@ what it returned.  The called object is the first name and the attributes after 
                 for head in heads:
                     expressions(head, [*loops, site(head)])
                 if isinstance(node, ast.ClassDef):
+                    head = ast.Tuple(elts=[*node.bases, *(k.value for k in node.keywords)], ctx=ast.Load())
+                    text = f"class {node.name}({', '.join(ast.unparse(h) for h in [*node.bases, *node.keywords])})"
+                    for base in node.bases:  # class Sq(lib.Plugin, scale=2): the base's __init_subclass__ gets Sq
+                        if _names(base) is not None:
+                            record(base, [*loops, (text, head)], node.name, ())
                     walk(node.body, loops)  # a class body runs at the top level
             elif isinstance(node, ast.If):
                 if _is_main_guard(node):
@@ -1496,11 +1545,13 @@ def _kept_by_library(called: Any, results: Sequence[Any], memo: dict[str, frozen
             held: set[int] = set()
             module = sys.modules.get(name)
             for value in list(vars(module).values()) if module is not None else ():
-                held.add(id(value))
-                if isinstance(value, dict):
-                    held.update(map(id, itertools.islice(list(value.values()), 100000)))
-                elif isinstance(value, (list, tuple, set, frozenset)):
-                    held.update(map(id, itertools.islice(list(value), 100000)))
+                inside = list(itertools.islice(list(value.values()), 100000)) if isinstance(value, dict) else \
+                    list(itertools.islice(list(value), 100000)) if isinstance(value, (list, tuple, set, frozenset)) \
+                    else []
+                for item in [value, *inside]:
+                    held.add(id(item))
+                    if isinstance(item, types.MethodType):
+                        held.add(id(item.__self__))  # lib.add_hook(S.apply): the library keeps S
             memo[name] = frozenset(held)
         if not wanted.isdisjoint(memo[name]):
             return True
@@ -1526,8 +1577,10 @@ def _resolve_call(namespace: Mapping[str, Any], chain: _Chain) -> Any:
     """What a call's names (:func:`_top_calls`) lead to, through modules and classes (``vars``, never
     ``getattr``): the function called, or the module or class where the chain meets another value (a
     library's dict, a callable object: ``np.set_printoptions``); what the first name holds when that is not a
-    module or class (None when it is not bound)."""
-    obj = namespace.get(chain[0] or "")
+    module or class; a builtin (``int``, ``map``) when the name is not bound, None when it is no builtin either."""
+    obj = namespace.get(chain[0] or "", _ABSENT)
+    if obj is _ABSENT:  # a builtin (int(v), list(map(lib.f, ...))): the builtin, not None (which says nothing)
+        obj = vars(builtins).get(chain[0] or "")
     if not isinstance(obj, (types.ModuleType, type)):
         return obj  # a function the name holds (from lib import f), or an object: called as it is
     for name in chain[1:]:
@@ -1538,13 +1591,36 @@ def _resolve_call(namespace: Mapping[str, Any], chain: _Chain) -> Any:
     return obj
 
 
-def _code_globals(code: types.CodeType) -> set[str]:
-    """The globals a function's code (and the code nested in it) loads."""
+_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
+
+
+def _code_globals(code: types.CodeType, defined: bool = True) -> set[str]:
+    """The globals a function's code (and the code nested in it) loads; with ``defined=False``, not those of
+    the functions and lambdas it defines (its comprehensions run with it)."""
     found = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
     for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            found |= _code_globals(const)
+        if isinstance(const, types.CodeType) and (defined or const.co_name in _COMPREHENSIONS):
+            found |= _code_globals(const, defined)
     return found
+
+
+def _receives_subclasses(base: Any) -> bool:
+    """Whether deriving a class from ``base`` hands the class to code of the library: a class of its ancestry
+    defines ``__init_subclass__`` (a plugin table filled as subclasses are made), or its metaclass is not the
+    standard library's."""
+    if not isinstance(base, type):
+        return False
+
+    def libraries(cls: type) -> bool:  # typing.Generic's __init_subclass__ (torch's Dataset[T]) keeps nothing
+        top = cls.__module__.partition(".")[0]
+        return top not in sys.stdlib_module_names and top != "builtins"
+
+    return any("__init_subclass__" in vars(c) and libraries(c) for c in base.__mro__) or libraries(type(base))
+
+
+def _is_hetflow(called: Any) -> bool:
+    """Whether a call's target is hetflow's (``pipe.stage``, ``hf.Pipeline``): a declaration, no library call."""
+    return str(getattr(called, "__module__", "") or "").partition(".")[0] == "hetflow"
 
 
 def _is_main_guard(node: ast.AST) -> bool:

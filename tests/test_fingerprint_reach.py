@@ -768,8 +768,20 @@ def apply(name, x):
     return fn(x) * scale
 def register_obj(name, obj):
     REGISTRY[name] = obj
+class Plugin:
+    def __init_subclass__(cls, scale=1, **kwargs):
+        super().__init_subclass__(**kwargs)
+        REGISTRY[cls.__name__] = (cls().run, scale)
+HOOKS = []
+def add_hook(fn):
+    HOOKS.append(fn)
+def run_hooks(x):
+    for fn in HOOKS:
+        x = fn(x)
+    return x
 """
 CONSTS = {"consts": "H0 = 11\n"}
+SCALER = "class Scaler:\n    def __init__(self, k):\n        self.k = k\n"
 ANYWHERE_SETTINGS = [
     ("m = fakelib.register('planck', 11)", "fakelib.get('planck').h0", None),
     ("[fakelib.register(n, h) for n, h in [('planck', 11)]]", "fakelib.get('planck').h0", None),
@@ -794,6 +806,25 @@ ANYWHERE_SETTINGS = [
      "fakelib.apply('sq', 1)", None),
     ("def _sq(x):\n    return x * 11\nsq = fakelib.model('sq')(_sq)", "fakelib.apply('sq', 1)", None),
     ("D = fakelib.model('sq', scale=11)\n@D\ndef sq(x):\n    return x", "fakelib.apply('sq', 1)", None),
+    # red team 14: a bound method of the user's object, the object itself (callable) and a partial of the user's
+    # function, each held by a name and handed to a library (the object's value and its class's code, the
+    # partial's arguments and its function's code); a library's function handed to a builtin or called out of
+    # a dict
+    (SCALER + "    def apply(self, x):\n        return x * self.k\nS = Scaler(11)\nfakelib.add_hook(S.apply)",
+     "fakelib.run_hooks(1)", None),
+    ("class Scaler:\n    def apply(self, x):\n        return x * 11\nS = Scaler()\nfakelib.add_hook(S.apply)",
+     "fakelib.run_hooks(1)", None),
+    (SCALER + "    def __call__(self, x):\n        return x * self.k\nH = Scaler(11)\nfakelib.add_hook(H)",
+     "fakelib.run_hooks(1)", None),
+    ("import functools\ndef power(x, p):\n    return x ** p\nP = functools.partial(power, p=11)\nfakelib.add_hook(P)",
+     "fakelib.run_hooks(1)", None),
+    ("import functools\ndef power(x, p):\n    return x * 11 + p\nP = functools.partial(power, p=2)\nfakelib.add_hook(P)",
+     "fakelib.run_hooks(1)", None),
+    ("list(map(fakelib.register, ['planck'], [11]))", "fakelib.get('planck').h0", None),
+    ("OPS = {'reg': fakelib.register}\nOPS['reg']('planck', 11)", "fakelib.get('planck').h0", None),
+    # red team 14: a class the library's __init_subclass__ registers when the script subclasses its base
+    ("class Sq(fakelib.Plugin):\n    def run(self, x):\n        return x * 11", "fakelib.apply('Sq', 1)", None),
+    ("class Sq(fakelib.Plugin, scale=11):\n    def run(self, x):\n        return x", "fakelib.apply('Sq', 1)", None),
 ]
 
 
@@ -923,3 +954,74 @@ def test_a_global_only_loop_made_stages_read_moves_their_keys_not_the_others(tmp
     assert _run_and_show(tmp_path, LOOP_DECLARED)[0] == {"load": "DONE", "fit0": "DONE", "fit1": "DONE"}
     states, _ = _run_and_show(tmp_path, LOOP_DECLARED.replace("SCALE = 2", "SCALE = 3"))
     assert states == {"load": "CACHED", "fit0": "DONE", "fit1": "DONE"}, states
+
+
+DECLARED_SETTINGS = [
+    "pipe.stage(make(fakelib.register('planck', 11) or 'planck'), name='s')",
+    ("def make_registered(name):\n    fakelib.register(name, K)\n    return make(name)\n"
+     "pipe.stage(make_registered('planck'), name='s')"),
+]
+
+
+@pytest.mark.parametrize("setting", DECLARED_SETTINGS)
+def test_a_library_call_in_a_statement_that_declares_a_stage_counts(tmp_path: Path, setting: str) -> None:
+    """Red team 14: a statement that declares with hetflow (``pipe.stage(make(...), name=...)``) was skipped
+    whole by the library-call rule, so a call into a library inside it (an argument's, or the factory's own
+    body registering ``K``) was not counted: 11 -> 12 gave the same key, the stage served CACHED with 11.  The
+    declaration itself still is no call into a library, nor is a factory that only defines the stage."""
+    script = ("import fakelib\nimport hetflow as hf\npipe = hf.Pipeline('declared')\nK = 11\n"
+              "def make(name):\n    def run(ctx):\n        return fakelib.get(name).h0\n    return run\n"
+              f"{setting}\nstage = pipe.stages['s'].func\n")
+    a = _with_fakelib(tmp_path / "a", script, PLUGIN_LIB)
+    b = _with_fakelib(tmp_path / "b", script.replace("11", "12"), PLUGIN_LIB)
+    assert "calls into fakelib at the top level" in a and a != b, (a, b)
+
+
+def test_a_subclass_of_a_library_class_that_registers_nothing_stays_out_of_other_stages_keys(tmp_path: Path) -> None:
+    """A class of the script deriving from a library's class that has no ``__init_subclass__`` nor metaclass of
+    its own (``torch.nn.Module``) is not handed to the library: a stage using the library but not the class
+    keeps its key when the class is edited."""
+    script = ("import fakelib\nclass Mine(fakelib.Cosmology):\n    def f(self):\n        return 11\n"
+              "def stage(ctx):\n    return fakelib.distance(1.0)\n")
+    a = _with_fakelib(tmp_path / "a", script, PLUGIN_LIB)
+    assert a == _with_fakelib(tmp_path / "b", script.replace("11", "12"), PLUGIN_LIB), a
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_an_edit_of_a_method_a_library_holds_as_a_hook_reruns_the_stage(tmp_path: Path) -> None:
+    """Red team 14: ``S = Scaler(2)``, ``fakelib.add_hook(S.apply)``, a stage calling ``fakelib.run_hooks(3)``:
+    an edit of ``Scaler.apply``'s body was served CACHED with the old value (the bound method, read as ``S``, counted
+    by its type only).  It re-runs the stage; the stage not using the library stays CACHED."""
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "fakelib.py").write_text(PLUGIN_LIB)
+    script = textwrap.dedent("""
+        import pyarrow as pa
+        import hetflow as hf
+        import fakelib
+
+        class Scaler:
+            def __init__(self, k):
+                self.k = k
+
+            def apply(self, x):
+                return x * self.k + 0
+
+        S = Scaler(2)
+        fakelib.add_hook(S.apply)
+        pipe = hf.Pipeline("hooks")
+
+        @pipe.stage(outputs=["out"])
+        def stage(ctx):
+            return {"out": pa.table({"v": [fakelib.run_hooks(3)]})}
+
+        @pipe.stage(outputs=["plain"])
+        def other(ctx):
+            return {"plain": pa.table({"v": [1]})}
+
+        if __name__ == "__main__":
+            pipe.run()
+    """)
+    assert _run_and_show(tmp_path, script, site_packages=True) == ({"stage": "DONE", "other": "DONE"}, 6)
+    edited = script.replace("self.k + 0", "self.k + 1")
+    assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "DONE", "other": "CACHED"}, 7)
+    assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "CACHED", "other": "CACHED"}, 7)
