@@ -101,6 +101,7 @@ NO_PARAM = '''
 import os
 import pyarrow as pa
 import hetflow as hf
+from hetflow.tasks.context import TrackedParams
 
 pipe = hf.Pipeline("noparam")
 
@@ -112,6 +113,7 @@ def mark(text):
 
 @pipe.stage(map_over={"k": POINTS}, outputs=["squares"])
 def squares(ctx):
+    assert type(ctx.params) is TrackedParams  # the stage's own tracking of what it read
     mark(f"k{ctx.params['k']}")  # its grid point's value: the item's own, not a parameter of the run
     return {"squares": pa.table({"k": [ctx.params["k"]], "sq": [ctx.params["k"] ** 2]})}
 
