@@ -7,15 +7,40 @@ runs them).  This module holds what that needs and does no scheduling:
 
 - :func:`list_items`: the items, in order, each with its identity and key.  An
   item's key is the stage's key without what the items split (the mapped files'
-  or input's content) plus the stage's parameters and the item's identity: the
+  or input's content) plus the item's identity: the
   file's path and content hash (an object's URI, ETag and size), the partition's checksum, the row's values, the
   grid point.  Adding a file adds one key, editing one changes one, a code change
-  changes all.
+  changes all.  Like a plain stage's key, it holds no parameter: the parameters
+  are matched against the record of the run an earlier item comes from (see
+  "Parameters" below).
 - :class:`MapRun`: one execution's items (cached, pending, running, done,
   failed), its chunks, per-item retries and the failures it may accept.
 - :func:`reusable` and :func:`assemble`: items reused from an intact earlier
   output, and the stage's output datasets made of the items' partitions in item
   order (hard links, so an earlier run's files are shared, not copied).
+
+Parameters (decision): a map stage's record keeps, as a plain stage's does, the
+parameters of its run (``params``) and the names its items read
+(``params_read``: the union over the items of the output, ``None`` when one
+iterated ``ctx.params`` or gave no account); an earlier item is reused only from
+a run whose values of those names are today's (:func:`hetflow.cache.params_match`,
+the plain stage's rule).  So a parameter no item read re-runs nothing, one an
+item read re-runs every item of that run, and a first run, or one whose item read
+them all, matches every parameter as before.  One record per stage, not per item:
+no parameter column on 100,000 item rows, and each item line carries only the
+names it read (:meth:`MapRun.chunk_ended` takes their union).  It is sound
+because the union holds each item's own reads: an item served from that run read
+only names whose values are unchanged, and with the same code and identity (its
+key) and the same values it read, it takes the same branches, so it would read no
+other name now either (a branch that would read a new one is decided by
+something it read, or by its key).  An item that is new or changed runs and adds
+what it reads.  Its cost is coarseness: a name read by one item re-runs every
+item of that run when it changes; items of one stage share their code, so they
+usually read the same names.  The union covers the items this run reused too
+(the reads of the runs they came from, :func:`reusable`), and is written with
+each chunk's rows (:meth:`~hetflow.mapshell.MapShell._record_items_done`), so an
+orchestrator killed mid-map, or a map that failed, leaves rows that a resume or
+a later run matches against the right names.
 """
 
 from __future__ import annotations
@@ -93,8 +118,8 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(_json(data).encode()).hexdigest()
 
 
-def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], params: Mapping[str, Any],
-               inputs: Mapping[str, str], items_dir: Path) -> list[Item]:
+def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], inputs: Mapping[str, str],
+               items_dir: Path) -> list[Item]:
     """The items of map stage ``spec`` now, in order, with their keys.
 
     ``stage_key`` is the stage's key material without the mapped part; ``inputs`` maps each input to its
@@ -104,7 +129,6 @@ def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], par
     """
     mapped = spec.map_over
     assert mapped is not None
-    common = {"stage": stage_key, "params": dict(params)}
     found: list[tuple[str, tuple[str, Any], Any]] = []  # (label, field, identity)
     if mapped.kind == "files":
         from .fingerprint import resolve_files
@@ -133,10 +157,9 @@ def list_items(spec: StageSpec, *, base: Path, stage_key: Mapping[str, Any], par
         for i, row in enumerate(table.to_pylist()):
             text = json.dumps(row, sort_keys=True, default=str)
             found.append((text, ("row", i), {"row": text, "schema": schema}))
-    # each key is _digest({**common, "kind": ..., "item": identity, "turn": n}); its JSON text is spliced from the
-    # item's, made once, and the common part's, made once for all (sorted keys: item, kind, params, stage, turn)
-    after_item = (f', "kind": {_json(mapped.kind)}, "params": {_json(common["params"])}, '
-                  f'"stage": {_json(common["stage"])}, "turn": ')
+    # each key is _digest({"stage": stage_key, "kind": ..., "item": identity, "turn": n}); its JSON text is spliced
+    # from the item's, made once, and the common part's, made once for all (sorted keys: item, kind, stage, turn)
+    after_item = f', "kind": {_json(mapped.kind)}, "stage": {_json(stage_key)}, "turn": '
     directory = str(items_dir)
     items = []
     seen: dict[str, int] = {}
@@ -222,10 +245,11 @@ def shared_outputs(outputs: Mapping[str, list[dict[str, Any]]] | None) -> dict[s
     return {name: [shared(part, "schema", "node") for part in parts] for name, parts in (outputs or {}).items()}
 
 
-def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id: str) -> None:
+def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id: str) -> set[str]:
     """Mark CACHED each item that an earlier record (``earlier[key]``: records with ``directory``,
     ``outputs``, ``run_id``, ``cached_from``, such as :class:`Earlier`) produced with intact files, this run's
-    own first."""
+    own first; returns the runs whose records were reused (their parameters read go on with this run's)."""
+    used: set[str] = set()
     for item in items:
         for record in sorted(earlier.get(item.key, ()), key=lambda r: r.run_id != run_id):
             outputs = shared_outputs(record.outputs)
@@ -234,7 +258,9 @@ def reusable(items: Sequence[Item], earlier: Mapping[str, Sequence[Any]], run_id
             if _intact(candidate):
                 item.state, item.directory, item.outputs = State.CACHED, candidate.directory, candidate.outputs
                 item.cached_from = record.cached_from or (None if record.run_id == run_id else record.run_id)
+                used.add(record.run_id)
                 break
+    return used
 
 
 class MapRun:
@@ -274,7 +300,23 @@ class MapRun:
         self.isolated: str | None = None
         """Why the map's one-rank items run in a process each from now on: the first item seen to change
         state that later items would read (:mod:`hetflow.tasks.mapitems`), or ``None``."""
+        self.params_read: set[str] | None = set()
+        """The parameters its items read (``None``: all), with those of the runs whose items it reused: what
+        its record keeps for a later run to match (the module's "Parameters")."""
         self.recount()
+
+    def read(self, names: Any) -> None:
+        """Its items (or a run they came from) read ``names`` (``None``, or anything but a list of names: every
+        parameter)."""
+        if self.params_read is not None:
+            if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+                self.params_read = None
+            elif names:
+                self.params_read.update(names)
+
+    def reads(self) -> list[str] | None:
+        """:attr:`params_read` as its record keeps it: sorted, ``None`` for all."""
+        return None if self.params_read is None else sorted(self.params_read)
 
     def recount(self) -> None:
         self.tally = {}
@@ -342,6 +384,7 @@ class MapRun:
             elif line.get("forked") and self.isolated is None:
                 self.isolated = f"the items from item {item.index} on ran in a process each ({line['forked']})"
             if line["status"] == "ok":
+                self.read(line.get("params_read"))  # a line that does not say read them all
                 self.set_state(item, State.DONE)
                 item.error, item.outputs = None, line["outputs"]  # the line's own (hetflow.mapshell._merge)
                 item.tries += 1
@@ -405,10 +448,12 @@ def describe_changes(before: Mapping[str, str], items: Sequence[Item], most: int
     An item's key holds the stage's key, so an edit of the stage's code changes every item's key: when no
     item kept its key and ``stage_reason`` (why the stage as a whole was not reused) names a change beyond
     the items, that is said instead of "each item changed" (``SCALE changed``, not ``data/a.csv changed``).
+    An item's key holds no parameter: items that ran under the key they had before ran for a parameter they
+    read (``param scale changed``), which is then said as well.
 
     Only items that ran are named added or changed: the words say why they ran.  An item served from the
-    cache may hold another key than in ``before`` (its file edited back, or the latest execution ran under
-    another parameter) and yet did not run: naming it would point at a file that caused nothing."""
+    cache may hold another key than in ``before`` (its file edited back) and yet did not run: naming it would
+    point at a file that caused nothing."""
     if not before:
         return ""
     now = {item.label: item.key for item in items}
@@ -421,6 +466,8 @@ def describe_changes(before: Mapping[str, str], items: Sequence[Item], most: int
                         for label in (*now, *before))]
     if changed and wide and not any(label in before and before[label] == key for label, key in now.items()):
         changed = []
+    elif any(label in before and before[label] == now[label] for label in ran):
+        wide = [part for part in wide if part.startswith("param ")]  # items ran under the keys they had: why
     else:
         wide = []
     words = wide + [f"{label} added" for label in added] + [f"{label} changed" for label in changed] + \

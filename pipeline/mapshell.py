@@ -61,8 +61,8 @@ class MapShell:
             common = dataclasses.replace(common, inputs={name: ("mapped" if name == mapped.input else value)
                                                          for name, value in common.inputs.items()})
         try:
-            items = mapping.list_items(spec, base=base, stage_key=common.to_json(), params=self.stage_params(spec),
-                                       inputs=self.dataset_paths, items_dir=self.run_dir / "items" / spec.name)
+            items = mapping.list_items(spec, base=base, stage_key=common.to_json(), inputs=self.dataset_paths,
+                                       items_dir=self.run_dir / "items" / spec.name)
         except (ds.DatasetError, OSError) as exc:
             raise ValueError(f"its items ({spec.map_over}) cannot be listed: {exc}") from None
         self.map_items[spec.name] = items
@@ -103,37 +103,50 @@ class MapShell:
                 .group_by(MapItemRecord.state)).tuples().all())
             run.before = self._labels_before(session, spec.name)
             run.stage_reason = self._stage_record(session, spec.name).cache_reason or ""
-            run.observed = self._drop_stale_items(session, spec.name, earlier)
+            run.observed, reads = self._drop_stale_items(session, spec, earlier)
+            if run.row_counts:  # this run's rows of an earlier session stay until the map's end: their names too
+                run.read(self._stage_record(session, spec.name).params_read)
         if spec.name not in self.rerun:  # --rerun: every item runs again, whatever the items' cache says
-            mapping.reusable(items, earlier, self.run_id)
+            for run_id in mapping.reusable(items, earlier, self.run_id):
+                run.read(reads[run_id])
         run.recount()  # the items' directories are made by their ranks as they write (write_partition)
         submitted: tuple[TaskSubmitted, ...] = self._submit_chunks(run)
         if not submitted:
             ready.append(run)
         return submitted
 
-    def _drop_stale_items(self: Any, session: Any, stage: str, earlier: dict[str, list[Any]]) -> dict[str, str]:
+    def _drop_stale_items(self: Any, session: Any, spec: StageSpec, earlier: dict[str, list[Any]]
+                          ) -> tuple[dict[str, str], dict[str, list[str] | None]]:
         """Leave out of ``earlier`` the items of runs whose recorded observations no longer hold now (a helper
         module edited, a seed changed: :func:`hetflow.observed.stale`), or that recorded none (a hetflow before
-        them): the items' keys do not cover what they depended on beyond them.  Returns this run's own
-        observations when its items are kept (a resume's): the map's record goes on from them."""
+        them): the items' keys do not cover what they depended on beyond them; and those of runs where a
+        parameter the stage's items read had another value (:func:`hetflow.cache.params_match`: the items'
+        keys hold no parameter).  Returns this run's own observations when its items are kept (a resume's):
+        the map's record goes on from them; and the parameters each kept run's items read."""
+        stage = spec.name
         runs = {record.run_id for records in earlier.values() for record in records}
         if not runs:
-            return {}
-        recorded = {r.run_id: (r.cache_material or {}).get("observed") for r in session.scalars(
+            return {}, {}
+        records = {r.run_id: r for r in session.scalars(
             select(StageRecord).where(StageRecord.run_id.in_(sorted(runs)), StageRecord.name == stage))}
+        recorded = {run_id: (r.cache_material or {}).get("observed") for run_id, r in records.items()}
+        params = self.stage_params(spec)
         kept = set()
         for run_id in sorted(runs):
-            seen = recorded.get(run_id)
-            changed = observed.stale(seen, self.observed_start, lambda: self._written_by_stages(session)) \
-                if seen is not None else ["no observations recorded"]
+            seen, record = recorded.get(run_id), records.get(run_id)
+            changed = [] if record is None else [f"param {name} changed" for name in cache.params_match(
+                record.params_read, record.params or {}, params)]
+            if not changed:
+                changed = observed.stale(seen, self.observed_start, lambda: self._written_by_stages(session)) \
+                    if seen is not None else ["no observations recorded"]
             if changed:
                 log.info("stage %s: not reusing the items of run %s: %s", stage, run_id, "; ".join(changed[:3]))
             else:
                 kept.add(run_id)
         for key in list(earlier):
             earlier[key] = [record for record in earlier[key] if record.run_id in kept]
-        return dict(recorded.get(self.run_id) or {}) if self.run_id in kept else {}
+        return (dict(recorded.get(self.run_id) or {}) if self.run_id in kept else {},
+                {run_id: records[run_id].params_read for run_id in kept})
 
     def _labels_before(self: Any, session: Any, stage: str) -> dict[str, str]:
         """``{label: key}`` of the stage's items in its latest earlier execution (to say what changed)."""
@@ -309,7 +322,7 @@ class MapShell:
             if state == State.DONE and not run.failed() and material is not None:
                 # the whole map's key only when every item is in its output: else a rerun runs the failed ones
                 record.cache_key, record.cache_material = material.key(), material.to_json()
-                record.params_read = None
+            record.params_read = run.reads()  # what its items' rows, and its whole key, are matched on
             _record_observed(record, run, material)
             # the rows written as chunks ended are final (DONE items): kept; an earlier execution's are replaced
             session.execute(delete(MapItemRecord).where(MapItemRecord.run_id == self.run_id,
@@ -331,6 +344,7 @@ class MapShell:
             session.execute(insert(MapItemRecord), [_row(self.run_id, run.spec.name, item) for item in done])
             record = self._stage_record(session, run.spec.name)
             record.item_counts = dict(run.row_counts)
+            record.params_read = run.reads()  # with the rows it covers: a resume or a later run matches them
             _record_observed(record, run, self.material.get(run.spec.name))
         run.recorded.update(item.index for item in done)  # with this step's commit: the map's end leaves them
 
@@ -401,6 +415,11 @@ def _merge(files: AttemptFiles, ranks: int) -> dict[int, dict[str, Any]]:
             merged[index] = dict(bad[0])
             continue
         outputs: dict[str, list[dict[str, Any]]] = {}
+        read = first.get("params_read")  # the parameters any rank read; a rank that did not say read them all
+        for line in lines[1:]:
+            assert line is not None
+            names = line.get("params_read")
+            read = None if read is None or names is None else sorted({*read, *names})
         for line in lines:
             assert line is not None
             for name, part in (line.get("outputs") or {}).items():
@@ -408,6 +427,6 @@ def _merge(files: AttemptFiles, ranks: int) -> dict[int, dict[str, Any]]:
                 if part is not None:
                     entry = {**part["partition"], "schema": part["schema"]}
                     outputs[name].append(mapping.shared(entry, "schema", "node"))
-        merged[index] = mapping.shared({**first, "outputs": outputs}, "log")
+        merged[index] = mapping.shared({**first, "outputs": outputs, "params_read": read}, "log")
     return merged
 

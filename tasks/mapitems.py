@@ -8,7 +8,9 @@ order: ``ctx.item`` and ``ctx.item_index`` say which, each output goes to the
 item's own directory, and one line per item is appended to
 ``items-<rank>.jsonl`` (:meth:`AttemptFiles.item_results
 <hetflow.tasks.protocol.AttemptFiles.item_results>`) as it ends, so what ended
-before a crash is kept.
+before a crash is kept.  A succeeded item's line names the parameters it read
+(``params_read``, as a plain stage's rank result does): the orchestrator keeps
+their union with the stage's record, and later runs match only those.
 
 Isolation (decision): a one-rank task runs its items in a *runner*, a child
 forked from the loaded rank, one after another in that process (an item costs
@@ -238,13 +240,23 @@ class _Shared:
                                           rank=self.rank, node=ctx.node, durable=False,
                                           name=item_file(item["key"], self.rank))
                 outputs[name] = {"partition": info.to_json(), "schema": ds.schema_to_text(out.schema)}
-            line.update(status="ok", outputs=outputs)
+            line.update(status="ok", outputs=outputs, params_read=_read(ctx, item))
         except BaseException as exc:  # noqa: BLE001 - an item's failure is its result, not the task's
             line.update(status="error", error=f"{type(exc).__name__}: {error_message(exc, spec.files)}",
                         traceback=traceback.format_exc())
             self.log.error("item %s failed: %s: %s", item["index"], type(exc).__name__, exc)
         line["ended"] = time.time()
         return line
+
+
+def _read(ctx: Any, item: Mapping[str, Any]) -> list[str] | None:
+    """The parameters the item read (``None``: all of them), less its grid point's own: those values are the
+    point's, which its key holds, whatever the run's parameters (the orchestrator's
+    :meth:`~hetflow.mapping.MapRun.chunk_ended` gathers them for the stage's record)."""
+    read: list[str] | None = ctx.params_read
+    if read is None or "point" not in item:
+        return read
+    return [name for name in read if name not in item["point"]]
 
 
 def _one_rank(shared: _Shared, items: list[Mapping[str, Any]], sink: int, sink_path: str, log_path: str) -> None:
