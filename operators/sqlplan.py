@@ -1297,10 +1297,21 @@ class Executor:
             on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
             pool = [c for c in pool if not any(c is o for o in on)]
             table = self.semi_reduce(cur, nxt, rels.pop(nxt), on, ndv)
+            if cur.steps and on and cur_rows * self.MATERIALIZE_SHRINK <= rows[first] and nbytes[nxt] >= self.MATERIALIZE_MIN_RIGHT:
+                # the joins pending in ``cur`` are estimated to keep few of its base's rows: run them now, so that
+                # this join is sized by those rows (its base's bytes would make it broadcast the other side) and
+                # its key columns' ranges are known (their rows can be routed to the other side's intervals)
+                cur = Rel(self.rows_of(cur), cur.part, cur.equal)
             cur = self.join(cur, table, set(have), {nxt}, on, "inner" if on else "cross", parts[nxt])
             have.add(nxt)
             cur_rows = est_rows  # the estimate: the join itself may still be pending in ``cur``
         return cur, have, pool
+
+    #: the joins pending over the first source run before the next join (``join_order``) when they are
+    #: estimated to keep at most 1 / this of its rows that pass its filter, and the next source holds at
+    #: least ``MATERIALIZE_MIN_RIGHT`` bytes over the ranks (a smaller one is broadcast either way)
+    MATERIALIZE_SHRINK = 8
+    MATERIALIZE_MIN_RIGHT = 1 << 20
 
     #: ``sampled_rows`` counts a filter's rows on this many slices of this many rows (the whole table when
     #: it has no more rows than that)
