@@ -1014,9 +1014,10 @@ class Executor:
                     if isinstance(a, exp.Column) and a.table and isinstance(b, exp.Column) and b.table:
                         left_rel.add_equal(f"{a.table}.{a.name}", f"{b.table}.{b.name}")
             return left_rel
-        part = left_rel.part if how in ("semi", "anti") else None
+        # a semi or anti join keeps some of the left's rows as they are: where they are, with their equalities
+        part, equal = (left_rel.part, left_rel.equal) if how in ("semi", "anti") else (None, None)
         on_sql = f" ON {cond}"
-        return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=self.rows_of(left_rel), r=right), part)
+        return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=self.rows_of(left_rel), r=right), part, equal)
 
     def held_range(self, rel: Rel, cols: list[tuple[str | None, str | None]], right: pa.Table) -> tuple[int, Bounds] | None:
         """``(key index, bounds)`` when ``rel``'s rows are placed by key intervals (its mark, from a range
@@ -1296,11 +1297,16 @@ class Executor:
             est_rows = best[0] if best is not None else cur_rows * rows[nxt]
             on = [c for c in pool if nxt in aliases(c) and aliases(c) <= have | {nxt}]
             pool = [c for c in pool if not any(c is o for o in on)]
-            table = self.semi_reduce(cur, nxt, rels.pop(nxt), on, ndv)
-            if cur.steps and on and cur_rows * self.MATERIALIZE_SHRINK <= rows[first] and nbytes[nxt] >= self.MATERIALIZE_MIN_RIGHT:
-                # the joins pending in ``cur`` are estimated to keep few of its base's rows: run them now, so that
-                # this join is sized by those rows (its base's bytes would make it broadcast the other side) and
-                # its key columns' ranges are known (their rows can be routed to the other side's intervals)
+            whole_table = rels.pop(nxt)
+            table = self.semi_reduce(cur, nxt, whole_table, on, ndv)
+            width = sum(nbytes[a] / max(rows[a], 1) for a in have)  # bytes of a joined row, estimated
+            # (a source semi-reduced to a broadcast table's keys is small: broadcast, the pending joins stay pending)
+            if (cur.steps and on and table is whole_table and cur_rows * self.MATERIALIZE_SHRINK <= rows[first]
+                    and cur_rows * width <= nbytes[nxt] and nbytes[nxt] >= self.MATERIALIZE_MIN_RIGHT):
+                # the joins pending in ``cur`` are estimated to keep few of its base's rows, fewer bytes than the
+                # next source holds: run them now, so that this join is sized by those rows (its base's bytes would
+                # make it broadcast the other side) and its key columns' ranges are known (their rows can be
+                # routed to the other side's intervals)
                 cur = Rel(self.rows_of(cur), cur.part, cur.equal)
             cur = self.join(cur, table, set(have), {nxt}, on, "inner" if on else "cross", parts[nxt])
             have.add(nxt)
@@ -1308,8 +1314,10 @@ class Executor:
         return cur, have, pool
 
     #: the joins pending over the first source run before the next join (``join_order``) when they are
-    #: estimated to keep at most 1 / this of its rows that pass its filter, and the next source holds at
-    #: least ``MATERIALIZE_MIN_RIGHT`` bytes over the ranks (a smaller one is broadcast either way)
+    #: estimated to keep at most 1 / this of its rows that pass its filter, in fewer bytes than the next
+    #: source holds, and that source holds at least ``MATERIALIZE_MIN_RIGHT`` bytes over the ranks (a
+    #: smaller one is broadcast either way); more rows cost more to copy than the next join's exchange
+    #: can save (TPC-H SF 1 Q5: 456,000 rows a rank, 2.5 times slower)
     MATERIALIZE_SHRINK = 8
     MATERIALIZE_MIN_RIGHT = 1 << 20
 
