@@ -696,11 +696,13 @@ class Rel:
     def pending(self) -> bool:
         return bool(self.steps or self.where)
 
-    def add_join(self, how: str, table: pa.Table, on_sql: str, whole: bool = False) -> None:
-        """Join ``table`` in the next fragment; ``whole``: every rank holds all of its rows."""
+    def add_join(self, how: str, table: pa.Table, on_sql: str, whole: bool = False, where: str | None = None) -> None:
+        """Join ``table`` in the next fragment, the rows of it that ``where`` keeps; ``whole``: every rank
+        holds all of its rows."""
         name = f"__j{len(self.tables)}"
         self.tables[name] = table
-        self.steps.append(f" {_JOIN_SQL[how]} {name}" + ("" if how == "cross" else f" ON {on_sql}"))
+        src = f"(SELECT * FROM {name} WHERE {where}) AS {name}" if where else name
+        self.steps.append(f" {_JOIN_SQL[how]} {src}" + ("" if how == "cross" else f" ON {on_sql}"))
         if whole and how == "inner":
             self.whole.update({c: name for c in table.column_names})
 
@@ -1004,11 +1006,11 @@ class Executor:
             r.plan("join", {"broadcast": "broadcast right", "broadcast_left": "broadcast left", "gather": "gather both sides to rank 0"}[choice],
                    cost, detail)
         # the right's own conditions not applied before the exchange, and the condition that keeps the rows
-        # of a right side routed in place that are this rank's: in the join's ON, which for inner, left, semi
-        # and anti joins is the same as filtering the right side first
-        cond = " AND ".join([cond] + [f"({c})" for c in (right_where, rkeep) if c])
+        # of a right side routed in place that are this rank's: a filter of the right side inside the join's
+        # statement (in its ON, a left join's conditions would keep DuckDB from making it an inner join)
+        rfilter = " AND ".join(f"({c})" for c in (right_where, rkeep) if c) or None
         if how in ("inner", "left", "cross"):
-            left_rel.add_join(how, right, cond, whole)
+            left_rel.add_join(how, right, cond, whole, rfilter)
             if how == "inner":
                 for a, b in keys:
                     if isinstance(a, exp.Column) and a.table and isinstance(b, exp.Column) and b.table:
@@ -1017,7 +1019,8 @@ class Executor:
         # a semi or anti join keeps some of the left's rows as they are: where they are, with their equalities
         part, equal = (left_rel.part, left_rel.equal) if how in ("semi", "anti") else (None, None)
         on_sql = f" ON {cond}"
-        return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} r{on_sql}", l=self.rows_of(left_rel), r=right), part, equal)
+        rsql = f"(SELECT * FROM r WHERE {rfilter}) AS r" if rfilter else "r"
+        return Rel(self.local(f"SELECT * FROM l {_JOIN_SQL[how]} {rsql}{on_sql}", l=self.rows_of(left_rel), r=right), part, equal)
 
     def held_range(self, rel: Rel, cols: list[tuple[str | None, str | None]], right: pa.Table) -> tuple[int, Bounds] | None:
         """``(key index, bounds)`` when ``rel``'s rows are placed by key intervals (its mark, from a range
