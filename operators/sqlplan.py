@@ -767,7 +767,8 @@ def filtered_ndv(ndv: int, rows: int, kept: int) -> int:
         return 0
     if kept >= rows:
         return ndv
-    return max(1, min(kept, round(ndv * (1.0 - (1.0 - kept / rows) ** (rows / ndv)))))
+    share = 1.0 - float((1.0 - kept / rows) ** (rows / ndv))
+    return max(1, min(kept, round(ndv * share)))
 
 
 class Executor:
@@ -920,9 +921,9 @@ class Executor:
         ranged = self.range_choice([[x[2][i] for x in stats] for i in range(len(keys))], lsizes, rsizes) if r.p > 1 else None
         if held is not None:
             i, bounds = held
-            moved = 0.0 if right_part == range_part(cols[i][1], bounds) else range_moved([x[2][i][1] for x in stats], rsizes, bounds)  # type: ignore[arg-type]
-            if moved is not None and (ranged is None or moved <= ranged[0]):
-                ranged = (moved, i, "left", bounds)
+            routed = 0.0 if right_part == range_part(cols[i][1], bounds) else range_moved([x[2][i][1] for x in stats], rsizes, bounds)  # type: ignore[arg-type]
+            if routed is not None and (ranged is None or routed <= ranged[0]):
+                ranged = (routed, i, "left", bounds)
         rkeep: str | None = None  # the condition that keeps this rank's own rows of a right side routed in place
         detail = f"{how} join of {sorted(lal)} ({sum(lsizes) / 1e6:.2f} MB) with {sorted(ral)} ({sum(rsizes) / 1e6:.2f} MB)"
         types, lsig, rsig = self.key_signatures(left_rel, right, keys)
@@ -1189,7 +1190,9 @@ class Executor:
         two sides' distinct counts of their equality columns, each side's the product of its columns'
         counts (DuckDB's ``approx_count_distinct``, summed over the ranks) but at most its rows: a
         composite key is no rarer than unique); a source linked by no equality comes last (cross join,
-        broadcast).  Sizes and counts are of the rows that pass each source's ``filters``; the filtered
+        broadcast).  Sizes and counts are of the rows that pass each source's ``filters`` (an input's
+        distinct counts there estimated by ``filtered_ndv`` from its counts over all its rows, counted
+        once and kept with the table, and the rows kept: ``sampled_rows`` for the largest); the filtered
         rows of every source but the first are materialized, the first's filter is left to the first
         fragment that reads it (the largest input is not copied)."""
         exp = _exp()
