@@ -416,6 +416,125 @@ def test_an_input_tables_distinct_counts_are_counted_once(comm: Any, monkeypatch
         _sqlcheck.assert_same(again, want, ordered=False, ctx="second run")
 
 
+@pytest.mark.mpi
+def test_a_filtered_input_is_counted_once_and_estimated_after(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filtered input's distinct counts are counted once over all its rows and kept with the table; a
+    query run again estimates the filtered rows' counts from them and the rows its filter keeps (a
+    sample of the largest source's), instead of counting its rows again; DuckDB's answer both times."""
+    from hetflow.operators import DTable, kernels, sql
+
+    statements: list[str] = []
+    run_fragment = kernels._duck_query
+
+    def counted(text: str, **tables: pa.Table) -> pa.Table:
+        statements.append(text)
+        return run_fragment(text, **tables)
+
+    monkeypatch.setattr(kernels, "_duck_query", counted)
+    tables = _three()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dts = {name: DTable(comm, _mine(t, rank, size)) for name, t in tables.items()}
+    query = """select count(*) as n, sum(f.value) as v from steps s, runs r, frames f
+               where s.run_id = r.run_id and f.run_id = s.run_id and f.value > 0.2 and s.step < 40 and r.model <> 'eam'"""
+    first = sql(comm, query, **dts).gather()
+    counting = [s for s in statements if "approx_count_distinct" in s]
+    statements.clear()
+    again = sql(comm, query, **dts).gather()
+    assert counting and not [s for s in statements if "approx_count_distinct" in s], (counting, statements)
+    if rank == 0:
+        want = _sqlcheck.duckdb_answer(query, **tables)
+        _sqlcheck.assert_same(first, want, ordered=False, ctx="first run")
+        _sqlcheck.assert_same(again, want, ordered=False, ctx="second run")
+
+
+def test_filtered_distinct_counts_are_estimated_in_proportion() -> None:
+    """A column's distinct values kept by a filter: all of them when it keeps every row, about ``kept``
+    when each value has one row, and few lost when each value has many rows and the filter keeps most."""
+    from hetflow.operators.sqlplan import filtered_ndv
+
+    assert filtered_ndv(1000, 4000, 4000) == 1000
+    assert filtered_ndv(1000, 1000, 250) == 250
+    assert 990 <= filtered_ndv(1000, 100_000, 50_000) <= 1000
+    assert 600 <= filtered_ndv(1000, 4000, 1000) <= 700   # 1 - 0.75 ** 4 = 0.68
+    assert filtered_ndv(1000, 4000, 0) == 0
+
+
+def _mesh_hits() -> dict[str, pa.Table]:
+    """``_sorted_tables``, the cells with a long label (a cell's row weighs more than a particle's), and
+    the detector ``hits`` of each cell (three per cell, ascending cell ids, split by rows at other places
+    than the particles and cells are)."""
+    tables = _sorted_tables()
+    cells = tables["cells"]
+    tables["cells"] = cells.append_column("label", pa.array([f"cell {i:05d} " + "x" * 200 for i in range(cells.num_rows)]))
+    n = 3 * 4001
+    tables["hits"] = pa.table({"cell": pa.array([i // 3 for i in range(n)], pa.int64()),
+                               "kind": pa.array([["e", "p", "n", "g"][i % 4] for i in range(n)], pa.string_view()),
+                               "e": pa.array([float(i % 7) / 7 for i in range(n)])})
+    return tables
+
+
+@pytest.mark.mpi
+def test_a_join_after_a_range_join_routes_only_the_other_side(comm: Any) -> None:
+    """After a join that placed the cells and the particles by key intervals (the rows of one side
+    routed to the other's: those that arrived appended, those that left masked out, so that their own
+    key ranges overlap), the EXISTS and NOT EXISTS on the same key (through the join's equality)
+    route only the hits' rows outside those intervals, their own conditions run in the join: the
+    joined rows stay where they are, none is broadcast or shuffled; DuckDB's answer."""
+    query = """
+        select c.cell, max(c.label) as label, count(*) as n, sum(p.v) as v from particles p join cells c on p.cell = c.cell
+        where c.w > 2
+          and exists (select * from hits h where h.cell = p.cell and h.kind <> p.kind and h.e > 0.5)
+          and not exists (select * from hits h2 where h2.cell = p.cell and h2.kind <> p.kind and h2.e > 0.8)
+        group by c.cell"""
+    result = _check(comm, query, **_mesh_hits())
+    if comm.Get_size() > 1:
+        plan = result.explain()
+        joins = [p for p in result.plans if p.operation == "join"]
+        assert joins[0].algorithm.startswith("range:"), plan
+        semi = [p.algorithm for p in joins if p.detail.startswith(("semi", "anti"))]
+        assert len(semi) == 2 and all(a.startswith("range: the right side's rows") for a in semi), plan
+        assert "hash shuffle" not in plan, plan
+
+
+def _catalogue() -> dict[str, pa.Table]:
+    """``steps`` of runs (sorted by run), the ``runs`` (run ids ascending, each of one material) and the
+    ``materials`` (ids ascending): written in key order and split by rows."""
+    rng = np.random.default_rng(3)
+    n_runs, n_materials = 400, 300
+    run_of_step = np.repeat(np.arange(n_runs), 10)
+    return {
+        "steps": pa.table({"run_id": pa.array(run_of_step, pa.int64()), "energy": pa.array(rng.normal(-3.0, 1.0, run_of_step.size))}),
+        "runs": pa.table({"run_id": pa.array(np.arange(n_runs), pa.int64()),
+                          "material_id": pa.array(rng.integers(0, n_materials, n_runs), pa.int64()),
+                          "temperature": pa.array(np.arange(n_runs) % 40 * 10.0 + 200.0)}),
+        "materials": pa.table({"material_id": pa.array(np.arange(n_materials), pa.int64()),
+                               "name": pa.array([f"m{i}" for i in range(n_materials)], pa.string_view())}),
+    }
+
+
+@pytest.mark.mpi
+def test_joins_that_keep_few_rows_run_before_the_next_join_sizes_it(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps joined with the runs of one temperature (a join left pending over the steps, estimated
+    to keep a fortieth of them) run before the join with the materials: sized by the rows it keeps and
+    with the material key among its columns, the join routes them to the materials' key intervals
+    instead of broadcasting the materials, and the group-by on that key moves nothing; DuckDB's answer.
+    (The materials here are far under ``MATERIALIZE_MIN_RIGHT``, below which they are broadcast.)"""
+    from hetflow.operators import sqlplan
+
+    monkeypatch.setattr(sqlplan.Executor, "MATERIALIZE_MIN_RIGHT", 0, raising=False)
+    query = """
+        select m.material_id, m.name, count(*) as n, avg(s.energy) as e
+        from steps s join runs r on s.run_id = r.run_id join materials m on r.material_id = m.material_id
+        where r.temperature = 250
+        group by m.material_id, m.name"""
+    result = _check(comm, query, **_catalogue())
+    if comm.Get_size() > 1:
+        plan = result.explain()
+        last = [p for p in result.plans if p.operation == "join"][-1]
+        assert "['m']" in last.detail and last.algorithm.startswith("range: the left side's rows outside the right side's"), plan
+        assert "already range-partitioned" in plan, plan
+
+
 class _Counting:
     """A communicator that counts the object allgathers it forwards: each is a rendezvous of the ranks."""
 
