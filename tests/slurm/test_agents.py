@@ -55,13 +55,19 @@ def _finish(proc: subprocess.Popen[str], slurm_env: dict[str, str], name: str) -
             subprocess.run(["scancel", f"--name={name}"], env=slurm_env, capture_output=True, timeout=30, check=False)
 
 
+def _two_nodes(slurm_nodes: list[str]) -> list[str]:
+    """``salloc`` of the lab's first two nodes, whole: the assertions name them (a bare ``-N2`` takes the third
+    while a node of the test before is still completing its job)."""
+    return ["salloc", "-N2", f"--nodelist={','.join(slurm_nodes[:2])}", "--exclusive"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("warm", [True, False], ids=["agents", "warm_start_off"])
 def test_one_rank_tasks_start_through_the_agents_and_an_mpi_stage_stays_a_job_step(
         slurm_env: dict[str, str], slurm_nodes: list[str], tmp_path: Path, warm: bool) -> None:
     records = tmp_path / "records"
     records.mkdir()
-    argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-agents", sys.executable,
+    argv = [*_two_nodes(slurm_nodes), "--time=5", "--job-name=hetflow-agents", sys.executable,
             str(HERE / "run_agents.py"), "mixed", str(tmp_path / "w"), str(records), str(warm).lower()]
     done = subprocess.run(argv, env=slurm_env, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
@@ -94,7 +100,7 @@ def test_hetflow_cancel_ends_a_rank_an_agent_started(slurm_env: dict[str, str], 
                                                        tmp_path: Path) -> None:
     records = tmp_path / "records"
     records.mkdir()
-    argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-agent-cancel", sys.executable,
+    argv = [*_two_nodes(slurm_nodes), "--time=5", "--job-name=hetflow-agent-cancel", sys.executable,
             str(HERE / "run_agents.py"), "sleep", str(tmp_path / "w"), str(records)]
     proc = subprocess.Popen(argv, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -121,7 +127,7 @@ def test_a_lost_node_fails_the_task_its_agent_ran_and_the_retry_runs_on_the_node
         take_node: Callable[[str], None]) -> None:  # noqa: F811 - the fixture
     records = tmp_path / "records"
     records.mkdir()
-    argv = ["salloc", "-N2", "--exclusive", "--no-kill", "--time=5", "--job-name=hetflow-agent-loss",
+    argv = [*_two_nodes(slurm_nodes), "--no-kill", "--time=5", "--job-name=hetflow-agent-loss",
             sys.executable, str(HERE / "run_agents.py"), "node-loss", str(tmp_path / "w"), str(records)]
     proc = subprocess.Popen(argv, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -146,7 +152,7 @@ def test_a_killed_agent_fails_its_task_and_the_retry_is_a_job_step(slurm_env: di
                                                                    slurm_nodes: list[str], tmp_path: Path) -> None:
     records = tmp_path / "records"
     records.mkdir()
-    argv = ["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-agent-killed", sys.executable,
+    argv = [*_two_nodes(slurm_nodes), "--time=5", "--job-name=hetflow-agent-killed", sys.executable,
             str(HERE / "run_agents.py"), "agent-killed", str(tmp_path / "w"), str(records)]
     proc = subprocess.Popen(argv, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

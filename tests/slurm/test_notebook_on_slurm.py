@@ -48,7 +48,8 @@ print(json.dumps({"state": run.state, "run_dir": run.run_dir,
 @pytest.mark.timeout(300)
 def test_stages_piped_to_python_run_in_the_background_on_two_nodes_of_an_allocation(
         slurm_env: dict[str, str], slurm_nodes: list[str], tmp_path: Path) -> None:
-    done = subprocess.run(["salloc", "-N2", "--exclusive", "--time=5", "--job-name=hetflow-shipped",
+    done = subprocess.run(["salloc", "-N2", f"--nodelist={','.join(slurm_nodes[:2])}", "--exclusive", "--time=5",
+                           "--job-name=hetflow-shipped",
                            sys.executable, "-"], input=TYPED.replace("WORKDIR", repr(str(tmp_path / "w"))),
                           cwd=tmp_path, env=slurm_env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
