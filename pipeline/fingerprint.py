@@ -507,12 +507,13 @@ class _Walker:
                     # W = np.array([weight(i) for i in R]) (weight called: its results are handed over, and they
                     # are W's), and VF = np.vectorize(f), a wrapper of the user's code that the library does not
                     # keep, nor the code it wraps (a stage reaching VF follows f)
+                    # (or df.pipe(add_col): pandas runs add_col at once and keeps nothing of it) -- unless the
+                    # called function itself stores into its module's state (rid = lib.register_id("a", 11),
+                    # returning a fresh handle: what it stored counts as any call changing the library's state)
                     given = [v for n, v in values.items() if n in passed]
                     own = [c for c in code if any(c is v for v in given)]
-                    wrapped = [_wrapped(r) for r in results]
-                    if not own or (all(w is not None and any(w is c for c in own) for w in wrapped)
-                                   and not _held_elsewhere(own, results, [values, code, own, given, wrapped, scope, *(
-                                       n for _, _, n in self.user_namespaces())])):
+                    if not _changes_module_state(called) and not _held_elsewhere(own, results, [
+                            values, code, own, given, scope, *(n for _, _, n in self.user_namespaces())]):
                         continue
                 # counted when assigned: what the library keeps, a call handing it the user's code
                 # (sq = lib.model("sq")(_sq)), or a decorator a library's factory made (D = lib.model("sq", 2))
@@ -1582,6 +1583,43 @@ def _kept_by_library(called: Any, results: Sequence[Any], memo: dict[str, frozen
         if not wanted.isdisjoint(memo[name]):
             return True
     return False
+
+
+_MUTATORS = frozenset({"append", "appendleft", "extend", "insert", "update", "setdefault", "add", "__setitem__",
+                       "pop", "popitem", "clear", "remove", "discard"})
+
+
+def _instructions(code: types.CodeType) -> list[dis.Instruction]:
+    """A code object's instructions and those of the code nested in it (comprehensions, inner functions)."""
+    found = list(dis.get_instructions(code))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += _instructions(const)
+    return found
+
+
+def _changes_module_state(called: Any, depth: int = 0) -> bool:
+    """Whether a library's Python function (a class: its ``__init__``) may store into its module's state: it
+    assigns a global, or loads a global dict, list or set of its module and stores an item or calls a mutating
+    method (``REGISTRY[name] = h0``, ``HOOKS.append(fn)``), itself or through a function of its own module it
+    calls (two levels).  A function in C (``np.array``) and a plain computation (``np.linspace``) do not."""
+    func = called
+    if isinstance(called, type):
+        func = next((f for k in called.__mro__[:-1] if isinstance(f := vars(k).get("__init__"), types.FunctionType)),
+                    None)
+    if not isinstance(func, types.FunctionType) or depth > 2:
+        return False
+    instructions = _instructions(func.__code__)
+    if _global_stores(func.__code__):
+        return True
+    loaded = {i.argval for i in instructions if i.opname == "LOAD_GLOBAL"}
+    scope = func.__globals__
+    if any(isinstance(scope.get(n), (dict, list, set)) for n in loaded) and any(
+            i.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") or
+            (i.opname in ("LOAD_METHOD", "LOAD_ATTR") and i.argval in _MUTATORS) for i in instructions):
+        return True
+    return any(isinstance(f := scope.get(n), types.FunctionType) and f.__module__ == func.__module__
+               and f is not func and _changes_module_state(f, depth + 1) for n in sorted(loaded))
 
 
 def _held_elsewhere(objects: Sequence[Any], holders: Sequence[Any], known: Sequence[Any]) -> bool:

@@ -1134,3 +1134,37 @@ def test_end_to_end_an_edit_of_an_inherited_call_of_a_hook_object_reruns_the_sta
     edited = script.replace("x * 2 + 0", "x * 2 + 1")
     assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "DONE", "other": "CACHED"}, 7)
     assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "CACHED", "other": "CACHED"}, 7)
+
+
+STATE_LIB = WRAP_LIB + """
+def register_id(name, h0):
+    register(name, h0)
+    return len(REGISTRY)
+class Handle:
+    def __init__(self, name, h0):
+        REGISTRY[name] = Cosmology(h0)
+def apply_now(fn, x):
+    return fn(x)
+"""
+
+
+@pytest.mark.parametrize("setting", ["rid = fakelib.register_id('planck', 11)", "h = fakelib.Handle('planck', 11)"])
+def test_an_assigned_call_storing_into_the_librarys_state_counts_though_it_returns_a_fresh_value(
+        tmp_path: Path, setting: str) -> None:
+    """Red team 15: ``rid = lib.register_id("planck", 11)`` (returning a fresh count or handle, not what it
+    stored) was taken for ``W = np.arange(4)``, the script's own value: an edit of 11 was served CACHED to a stage
+    reading ``lib.get("planck")``.  A library function that stores into its module's globals counts."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.get('planck').h0\n"
+    assert _with_fakelib(tmp_path / "a", script, STATE_LIB) != \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), STATE_LIB)
+
+
+def test_a_helper_a_library_runs_at_once_stays_out_of_a_stage_using_the_library(tmp_path: Path) -> None:
+    """``T = df.pipe(add_col)``: the library runs the helper at once and keeps nothing of it; its result is
+    ``T``'s, counted where a stage reads ``T``, not in every stage using the library."""
+    script = ("import fakelib\ndef add(x):\n    return x + 11\nT = fakelib.apply_now(add, 1)\n"
+              "def stage(ctx):\n    return fakelib.distance(1.0)\ndef reader(ctx):\n    return T\n")
+    assert _with_fakelib(tmp_path / "a", script, STATE_LIB) == \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), STATE_LIB)
+    assert _with_fakelib(tmp_path / "c", script, STATE_LIB, stage="reader") != \
+        _with_fakelib(tmp_path / "d", script.replace("11", "12"), STATE_LIB, stage="reader")
