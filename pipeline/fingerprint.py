@@ -144,6 +144,7 @@ import decimal
 import dis
 import enum
 import functools
+import gc
 import glob
 import hashlib
 import importlib.machinery
@@ -478,14 +479,14 @@ class _Walker:
             if not found:
                 continue
             scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
-            resolved = [_resolve_call(scope, chain) for _, chain, _, _, _ in found]
+            resolved = [_resolve_call(scope, chain) for _, chain, *_ in found]
             # hetflow's own calls (pipe.stage(make(k), ...), hf.Pipeline(...)) are no calls into a library: each
             # stage they declare has its code in its own key.  The other calls of a statement that declares count
             # (pipe.stage(make(lib.register("a", K)), ...)), a local function among them by what its own body runs
             # (make registering K), not by the stage code it only defines: following that put every loop-made
             # stage's code in every stage's key
             declaring = {entry[0] for entry, called in zip(found, resolved) if _is_hetflow(called)}
-            for (text, chain, names, decorated, assigned), called in zip(found, resolved):
+            for (text, chain, names, decorated, assigned, passed), called in zip(found, resolved):
                 if _is_hetflow(called):
                     continue
                 values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
@@ -500,9 +501,20 @@ class _Walker:
                 code += [type(v) for v in values.values() if self.is_user_instance(v)
                          and _kept_by_library(called, [v], self.library_held)]  # lib.add_hook(S.apply): S's class
                 results = [scope.get(n) for n in assigned]
-                if assigned and not code and not any(isinstance(r, types.FunctionType) for r in results) \
+                if assigned and not any(isinstance(r, types.FunctionType) for r in results) \
                         and not _kept_by_library(called, results, self.library_held):
-                    continue  # W = np.arange(4): a value of the script's own, counted where a stage reads W
+                    # W = np.arange(4): a value of the script's own, counted where a stage reads W; so is
+                    # W = np.array([weight(i) for i in R]) (weight called: its results are handed over, and they
+                    # are W's), and VF = np.vectorize(f), a wrapper of the user's code that the library does not
+                    # keep, nor the code it wraps (a stage reaching VF follows f)
+                    # (or df.pipe(add_col): pandas runs add_col at once and keeps nothing of it) -- unless the
+                    # called function itself stores into its module's state (rid = lib.register_id("a", 11),
+                    # returning a fresh handle: what it stored counts as any call changing the library's state)
+                    given = [v for n, v in values.items() if n in passed]
+                    own = [c for c in code if any(c is v for v in given)]
+                    if not _changes_module_state(called) and not _held_elsewhere(own, results, [
+                            values, code, own, given, scope, *(n for _, _, n in self.user_namespaces())]):
+                        continue
                 # counted when assigned: what the library keeps, a call handing it the user's code
                 # (sq = lib.model("sq")(_sq)), or a decorator a library's factory made (D = lib.model("sq", 2))
                 said = " ".join([text, *(f"{n}={self.handed_text(v, called, libraries)}" for n, v in values.items())])
@@ -532,6 +544,8 @@ class _Walker:
                 inner = value.__func__ if isinstance(value, types.MethodType) else value.func
                 if self.user_code_in([inner], depth + 1):
                     found.append(value)
+            elif depth < 3 and (inner := _wrapped(value)) is not None:  # lru_cache(sq), np.vectorize(f)
+                found.extend(self.user_code_in([inner], depth + 1))
             elif depth < 3 and isinstance(value, (list, tuple, set, frozenset)):
                 found.extend(self.user_code_in(list(value), depth + 1))
             elif depth < 3 and isinstance(value, dict):
@@ -564,7 +578,15 @@ class _Walker:
         """Whether a function or class is the user's (defined in the script or a local module)."""
         code = getattr(value, "__code__", None)
         path = code.co_filename if code is not None else getattr(sys.modules.get(value.__module__), "__file__", None)
-        return isinstance(path, str) and self.is_user(self.realpath(path))
+        if isinstance(path, str) and self.is_user(self.realpath(path)):
+            return True
+        if isinstance(value, type):  # a script's class: __module__ "__main__" names hetflow's own entry point once
+            # runpy.run_path is over, so by where its methods (its own, else its bases') were compiled
+            methods = (f for k in value.__mro__[:-1] for f in list(vars(k).values())
+                       if isinstance(f, types.FunctionType))
+            first = next(methods, None)
+            return first is not None and self.is_user(self.realpath(first.__code__.co_filename))
+        return False
 
     def handed_text(self, value: Any, called: Any, libraries: frozenset[str]) -> str:
         """How a value a top-level call into ``libraries`` passes counts: plain data by its value, and so an
@@ -1451,7 +1473,12 @@ what it returned.  The called object is the first name and the attributes after 
             return
         names = {".".join(n) for _, site in sites for sub in ast.walk(site)
                  if isinstance(sub, (ast.Name, ast.Attribute)) and (n := _names(sub)) is not None}
-        found.append((" ; ".join(text for text, _ in sites), chain, tuple(sorted(names)), decorated, assigned))
+        callees = {id(sub.func) for _, site in sites for sub in ast.walk(site) if isinstance(sub, ast.Call)}
+        passed = {".".join(n) for _, site in sites for sub in ast.walk(site)  # weight in f(weight), not weight(i)
+                  if isinstance(sub, (ast.Name, ast.Attribute)) and id(sub) not in callees
+                  and (n := _names(sub)) is not None}
+        found.append((" ; ".join(text for text, _ in sites), chain, tuple(sorted(names)), decorated, assigned,
+                      tuple(sorted(passed))))
 
     def expressions(node: ast.AST, sites: list[tuple[str, ast.AST]], decorated: str = "") -> None:
         value = getattr(node, "value", None) if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
@@ -1555,6 +1582,57 @@ def _kept_by_library(called: Any, results: Sequence[Any], memo: dict[str, frozen
             memo[name] = frozenset(held)
         if not wanted.isdisjoint(memo[name]):
             return True
+    return False
+
+
+_MUTATORS = frozenset({"append", "appendleft", "extend", "insert", "update", "setdefault", "add", "__setitem__",
+                       "pop", "popitem", "clear", "remove", "discard"})
+
+
+def _instructions(code: types.CodeType) -> list[dis.Instruction]:
+    """A code object's instructions and those of the code nested in it (comprehensions, inner functions)."""
+    found = list(dis.get_instructions(code))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += _instructions(const)
+    return found
+
+
+def _changes_module_state(called: Any, depth: int = 0) -> bool:
+    """Whether a library's Python function (a class: its ``__init__``) may store into its module's state: it
+    assigns a global, or loads a global dict, list or set of its module and stores an item or calls a mutating
+    method (``REGISTRY[name] = h0``, ``HOOKS.append(fn)``), itself or through a function of its own module it
+    calls (two levels).  A function in C (``np.array``) and a plain computation (``np.linspace``) do not."""
+    func = called
+    if isinstance(called, type):
+        func = next((f for k in called.__mro__[:-1] if isinstance(f := vars(k).get("__init__"), types.FunctionType)),
+                    None)
+    if not isinstance(func, types.FunctionType) or depth > 2:
+        return False
+    instructions = _instructions(func.__code__)
+    if _global_stores(func.__code__):
+        return True
+    loaded = {i.argval for i in instructions if i.opname == "LOAD_GLOBAL"}
+    scope = func.__globals__
+    if any(isinstance(scope.get(n), (dict, list, set)) for n in loaded) and any(
+            i.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") or
+            (i.opname in ("LOAD_METHOD", "LOAD_ATTR") and i.argval in _MUTATORS) for i in instructions):
+        return True
+    return any(isinstance(f := scope.get(n), types.FunctionType) and f.__module__ == func.__module__
+               and f is not func and _changes_module_state(f, depth + 1) for n in sorted(loaded))
+
+
+def _held_elsewhere(objects: Sequence[Any], holders: Sequence[Any], known: Sequence[Any]) -> bool:
+    """Whether anything but ``holders`` (the wrappers a top-level assignment took: ``VF = np.vectorize(f)``, and
+    their ``__dict__``), the ``known`` containers (the user's module namespaces, the walk's own) and running
+    frames refers to one of ``objects``: a registry that a library keeps it in, however deep
+    (``REGISTRY[name] = (f, 1)``), a cell, a wrapper's other copy; then the library may run it for any stage."""
+    allowed = {id(h) for h in [*holders, *known]}
+    allowed |= {id(d) for h in holders if isinstance(d := getattr(h, "__dict__", None), dict)}
+    for obj in objects:
+        for ref in gc.get_referrers(obj):
+            if id(ref) not in allowed and not isinstance(ref, types.FrameType) and ref is not objects:
+                return True
     return False
 
 
@@ -1873,7 +1951,7 @@ def _parse(source: bytes, path: str) -> ast.Module:
 
 
 _Chain = tuple[str | None, ...]
-_TopCall = tuple[str, _Chain, tuple[str, ...], str, tuple[str, ...]]
+_TopCall = tuple[str, _Chain, tuple[str, ...], str, tuple[str, ...], tuple[str, ...]]
 """A call the top level makes (:func:`_top_calls`)."""
 _PATCHES: dict[str, tuple[tuple[str, _Chain, str], ...]] = {}
 

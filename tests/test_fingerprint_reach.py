@@ -1025,3 +1025,146 @@ def test_end_to_end_an_edit_of_a_method_a_library_holds_as_a_hook_reruns_the_sta
     edited = script.replace("self.k + 0", "self.k + 1")
     assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "DONE", "other": "CACHED"}, 7)
     assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "CACHED", "other": "CACHED"}, 7)
+
+
+WRAP_LIB = PLUGIN_LIB + """
+def total(xs):
+    return sum(xs)
+class vectorize:
+    def __init__(self, pyfunc, otypes=None):
+        self.pyfunc = pyfunc
+    def __call__(self, x):
+        return self.pyfunc(x)
+class registering_vectorize(vectorize):
+    def __init__(self, pyfunc):
+        super().__init__(pyfunc)
+        REGISTRY["vec"] = (pyfunc, 1)
+"""
+HELPER_SETTINGS = [
+    # a helper called in what a library call gets: its results are handed over, not the helper
+    "def w(i):\n    return 1.0 / (i + 11)\nW = fakelib.total([w(i) for i in range(3)])",
+    # a helper a library wraps in an object of its own that the library does not keep (np.vectorize)
+    "def f(c):\n    return c * 11\nVF = fakelib.vectorize(f)",
+]
+
+
+@pytest.mark.parametrize("setting", HELPER_SETTINGS)
+def test_a_helper_only_another_stage_reaches_stays_out_of_a_stage_using_the_library(
+        tmp_path: Path, setting: str) -> None:
+    """Red team 15 (over-rerun): ``W = np.array([weight(i) for i in range(3)])`` and ``VF = np.vectorize(f)`` put
+    ``weight``'s and ``f``'s code in the key of every stage naming numpy, so an edit of a helper only one stage
+    reaches (through ``W`` or ``VF``) re-ran every numpy stage.  Not handed to the library (called; wrapped in an
+    object the library does not keep), they count where a stage reads ``W`` or ``VF``."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.distance(1.0)\n"
+    a = _with_fakelib(tmp_path / "a", script, WRAP_LIB)
+    assert a == _with_fakelib(tmp_path / "b", script.replace("11", "12"), WRAP_LIB), a
+    reader = script + "def reader(ctx):\n    return W if 'W' in globals() else VF(1)\n"
+    reads = [_with_fakelib(tmp_path / d, text, WRAP_LIB, stage="reader")
+             for d, text in (("c", reader), ("d", reader.replace("11", "12")))]
+    assert reads[0] != reads[1]
+
+
+def test_a_helper_a_library_wrapper_also_registers_still_counts(tmp_path: Path) -> None:
+    """The counterpart: a wrapper object whose library keeps the helper as well (a registry) hands it over."""
+    script = ("import fakelib\ndef f(c):\n    return c * 11\nVF = fakelib.registering_vectorize(f)\n"
+              "def stage(ctx):\n    return fakelib.apply('vec', 1)\n")
+    assert _with_fakelib(tmp_path / "a", script, WRAP_LIB) != \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), WRAP_LIB)
+
+
+HANDED_WRAPPERS = [
+    # a memoised function of the user's, held by a name and handed to a library
+    "import functools\ndef sq(x):\n    return x * 11\nC = functools.lru_cache(sq)\nfakelib.add_hook(C)",
+    # the user's function in a library's wrapper object (np.vectorize), held by a name and handed on
+    "def f(x):\n    return x * 11\nVF = fakelib.vectorize(f)\nfakelib.add_hook(VF)",
+    # an object of the user's class made in the call itself, its __call__ inherited from a user base class (the
+    # class's module is not where a script's classes are looked for: "__main__" after runpy.run_path)
+    "class Base:\n    def __call__(self, x):\n        return x * 11\nclass H(Base):\n    pass\nfakelib.add_hook(H())",
+    "class H:\n    k = 11\n    def __call__(self, x):\n        return x * self.k\nfakelib.add_hook(H())",
+]
+
+
+@pytest.mark.parametrize("setting", HANDED_WRAPPERS)
+def test_the_users_code_handed_to_a_library_in_a_wrapper_or_a_fresh_object_counts(
+        tmp_path: Path, setting: str) -> None:
+    """Red team 15: ``C = functools.lru_cache(sq)`` or ``VF = np.vectorize(f)`` handed to ``lib.add_hook``, and
+    ``lib.add_hook(H())`` with ``H``'s ``__call__`` inherited from a user base class: an edit of the code (or of a
+    class attribute it reads) gave the same key, served CACHED with the old hook.  Now counted; a stage not
+    using the library keeps its key."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.run_hooks(1)\n" \
+             "def other(ctx):\n    return 1\n"
+    a = _with_fakelib(tmp_path / "a", script, WRAP_LIB)
+    assert a != _with_fakelib(tmp_path / "b", script.replace("11", "12"), WRAP_LIB), a
+    kept = [_with_fakelib(tmp_path / d, text, WRAP_LIB, stage="other")
+            for d, text in (("c", script), ("d", script.replace("11", "12")))]
+    assert kept[0] == kept[1], kept
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_an_edit_of_an_inherited_call_of_a_hook_object_reruns_the_stage(tmp_path: Path) -> None:
+    """Red team 15: ``fakelib.add_hook(H())``, ``H``'s ``__call__`` inherited from ``Base``; editing
+    ``Base.__call__`` was served CACHED (``H.__module__`` is ``"__main__"``, hetflow's entry point once the
+    script has run, and the script has no ``__main__`` block calling ``pipe.run()``).  It re-runs the stage; the stage not using the library stays CACHED."""
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "fakelib.py").write_text(PLUGIN_LIB)
+    script = textwrap.dedent("""
+        import pyarrow as pa
+        import hetflow as hf
+        import fakelib
+
+        class Base:
+            def __call__(self, x):
+                return x * 2 + 0
+
+        class H(Base):
+            pass
+
+        fakelib.add_hook(H())
+        pipe = hf.Pipeline("hooks")
+
+        @pipe.stage(outputs=["out"])
+        def stage(ctx):
+            return {"out": pa.table({"v": [fakelib.run_hooks(3)]})}
+
+        @pipe.stage(outputs=["plain"])
+        def other(ctx):
+            return {"plain": pa.table({"v": [1]})}
+    """)  # no pipe.run(): hetflow run runs the pipeline once the script has run
+    assert _run_and_show(tmp_path, script, site_packages=True) == ({"stage": "DONE", "other": "DONE"}, 6)
+    edited = script.replace("x * 2 + 0", "x * 2 + 1")
+    assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "DONE", "other": "CACHED"}, 7)
+    assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "CACHED", "other": "CACHED"}, 7)
+
+
+STATE_LIB = WRAP_LIB + """
+def register_id(name, h0):
+    register(name, h0)
+    return len(REGISTRY)
+class Handle:
+    def __init__(self, name, h0):
+        REGISTRY[name] = Cosmology(h0)
+def apply_now(fn, x):
+    return fn(x)
+"""
+
+
+@pytest.mark.parametrize("setting", ["rid = fakelib.register_id('planck', 11)", "h = fakelib.Handle('planck', 11)"])
+def test_an_assigned_call_storing_into_the_librarys_state_counts_though_it_returns_a_fresh_value(
+        tmp_path: Path, setting: str) -> None:
+    """Red team 15: ``rid = lib.register_id("planck", 11)`` (returning a fresh count or handle, not what it
+    stored) was taken for ``W = np.arange(4)``, the script's own value: an edit of 11 was served CACHED to a stage
+    reading ``lib.get("planck")``.  A library function that stores into its module's globals counts."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.get('planck').h0\n"
+    assert _with_fakelib(tmp_path / "a", script, STATE_LIB) != \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), STATE_LIB)
+
+
+def test_a_helper_a_library_runs_at_once_stays_out_of_a_stage_using_the_library(tmp_path: Path) -> None:
+    """``T = df.pipe(add_col)``: the library runs the helper at once and keeps nothing of it; its result is
+    ``T``'s, counted where a stage reads ``T``, not in every stage using the library."""
+    script = ("import fakelib\ndef add(x):\n    return x + 11\nT = fakelib.apply_now(add, 1)\n"
+              "def stage(ctx):\n    return fakelib.distance(1.0)\ndef reader(ctx):\n    return T\n")
+    assert _with_fakelib(tmp_path / "a", script, STATE_LIB) == \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), STATE_LIB)
+    assert _with_fakelib(tmp_path / "c", script, STATE_LIB, stage="reader") != \
+        _with_fakelib(tmp_path / "d", script.replace("11", "12"), STATE_LIB, stage="reader")
