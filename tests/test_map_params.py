@@ -199,36 +199,11 @@ pipe.run()
 def test_a_killed_orchestrator_s_finished_items_keep_what_they_read(project: Path) -> None:
     """The names the items read are written with each chunk's rows: an orchestrator killed before the map's
     end leaves rows that its resume, and a later run, match on those names, not on every parameter."""
-    import os
-    import signal
-    import sqlite3
-    import subprocess
-    import time
-
-    from test_map_stages import HETFLOW
+    from test_map_stages import killed_after_an_item
 
     marks = project / "marks"
     (project / "p.py").write_text(SLOW)
-    started = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--param", "lr=1", "--workdir",
-                                str(project / "work")], cwd=project, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    db = project / "work" / "hetflow.db"
-    deadline = time.time() + 120
-    done: list[int] = []
-    while time.time() < deadline and not done:
-        time.sleep(0.2)
-        try:
-            with sqlite3.connect(db) as conn:
-                done = [r[0] for r in conn.execute("SELECT \"index\" FROM map_items WHERE state='DONE'")]
-        except sqlite3.Error:
-            continue
-    assert done, "no chunk of the map ended in time"
-    os.killpg(started.pid, signal.SIGKILL)  # the orchestrator and its chunks: nothing more recorded
-    started.wait(timeout=30)
-    with sqlite3.connect(db) as conn:
-        run_id, = conn.execute("SELECT id FROM runs").fetchone()
-        done = sorted(r[0] for r in conn.execute("SELECT \"index\" FROM map_items WHERE state='DONE'"))
-    assert 0 < len(done) < 24
+    run_id, done = killed_after_an_item(project, "--param", "lr=1")
     ran(marks)
     resumed = hetflow(project, "resume", run_id, "--no-progress")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -440,13 +440,14 @@ pipe.run()
 '''
 
 
-def test_a_killed_orchestrator_s_resume_runs_only_the_items_it_had_not_finished(project: Path) -> None:
+def killed_after_an_item(project: Path, *args: str) -> tuple[str, list[int]]:
+    """``hetflow run p.py ARGS`` in ``project``, killed with its chunks (SIGKILL, nothing more recorded) once a
+    map item is recorded DONE: the run's id and the items recorded DONE, some of the 24 of ``SLOW``."""
     import os
     import signal
     import sqlite3
 
-    (project / "p.py").write_text(SLOW)
-    started = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", "--workdir", str(project / "work")],
+    started = subprocess.Popen([*HETFLOW, "run", "p.py", "--no-progress", *args, "--workdir", str(project / "work")],
                                cwd=project, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
     db = project / "work" / "hetflow.db"
@@ -466,6 +467,12 @@ def test_a_killed_orchestrator_s_resume_runs_only_the_items_it_had_not_finished(
         run_id, = conn.execute("SELECT id FROM runs").fetchone()
         done = sorted(r[0] for r in conn.execute("SELECT \"index\" FROM map_items WHERE state='DONE'"))
     assert 0 < len(done) < 24
+    return run_id, done
+
+
+def test_a_killed_orchestrator_s_resume_runs_only_the_items_it_had_not_finished(project: Path) -> None:
+    (project / "p.py").write_text(SLOW)
+    run_id, done = killed_after_an_item(project)
     ran(project / "marks")
     resumed = hetflow(project, "resume", run_id, "--no-progress")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
