@@ -2522,12 +2522,15 @@ def _resolve_patch(namespace: Mapping[str, Any], chain: _Chain, kind: str,
     return []
 
 
-def _global_stores(code: types.CodeType) -> set[str]:
+@functools.lru_cache(maxsize=4096)
+def _global_stores(code: types.CodeType) -> frozenset[str]:
+    """The globals ``code`` (and the code nested in it) assigns or deletes: a function of the code object alone,
+    so kept per code object (a stage's key asks it of the same library functions again and again)."""
     found = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             found |= _global_stores(const)
-    return found
+    return frozenset(found)
 
 
 class _Absent:
