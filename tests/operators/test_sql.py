@@ -386,12 +386,9 @@ def test_a_source_joined_after_a_broadcast_table_keeps_only_that_tables_keys(com
         assert len(joined) == 1 and joined[0] < 0.5 * tables["frames"].nbytes / 1e6, (joined, result.explain())
 
 
-@pytest.mark.mpi
-def test_an_input_tables_distinct_counts_are_counted_once(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The distinct counts that order a join of three or more sources are kept for an input table read
-    whole: running the query again over the same tables counts nothing (as a database keeps a table's
-    statistics); the answer is DuckDB's both times."""
-    from hetflow.operators import DTable, kernels, sql
+def _record_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The text of every DuckDB statement this rank runs from now on (the real statements still run)."""
+    from hetflow.operators import kernels
 
     statements: list[str] = []
     run_fragment = kernels._duck_query
@@ -401,6 +398,17 @@ def test_an_input_tables_distinct_counts_are_counted_once(comm: Any, monkeypatch
         return run_fragment(text, **tables)
 
     monkeypatch.setattr(kernels, "_duck_query", counted)
+    return statements
+
+
+@pytest.mark.mpi
+def test_an_input_tables_distinct_counts_are_counted_once(comm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The distinct counts that order a join of three or more sources are kept for an input table read
+    whole: running the query again over the same tables counts nothing (as a database keeps a table's
+    statistics); the answer is DuckDB's both times."""
+    from hetflow.operators import DTable, sql
+
+    statements = _record_statements(monkeypatch)
     tables = _three()
     rank, size = comm.Get_rank(), comm.Get_size()
     dts = {name: DTable(comm, _mine(t, rank, size)) for name, t in tables.items()}
@@ -421,16 +429,9 @@ def test_a_filtered_input_is_counted_once_and_estimated_after(comm: Any, monkeyp
     """A filtered input's distinct counts are counted once over all its rows and kept with the table; a
     query run again estimates the filtered rows' counts from them and the rows its filter keeps (a
     sample of the largest source's), instead of counting its rows again; DuckDB's answer both times."""
-    from hetflow.operators import DTable, kernels, sql
+    from hetflow.operators import DTable, sql
 
-    statements: list[str] = []
-    run_fragment = kernels._duck_query
-
-    def counted(text: str, **tables: pa.Table) -> pa.Table:
-        statements.append(text)
-        return run_fragment(text, **tables)
-
-    monkeypatch.setattr(kernels, "_duck_query", counted)
+    statements = _record_statements(monkeypatch)
     tables = _three()
     rank, size = comm.Get_rank(), comm.Get_size()
     dts = {name: DTable(comm, _mine(t, rank, size)) for name, t in tables.items()}
