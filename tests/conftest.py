@@ -121,9 +121,63 @@ def _name_sigterm_senders() -> None:
     threading.Thread(target=wait, name="sigterm-sender", daemon=True).start()
 
 
+def _release_controller_pipes_in_forks(config: pytest.Config) -> None:
+    """In an xdist worker: a process forked from it lets go of the worker's pipes to the controller.
+
+    A plain ``fork()`` (RADICAL-Pilot forks its proxy so; any ``multiprocessing`` fork child) keeps
+    every fd of the worker: the two pipes of its execnet gateway, and the worker's own stdout and
+    stderr, which pytest keeps at other numbers while it captures (and faulthandler once more).  When
+    the worker then ends (pytest-timeout's ``os._exit`` at a test's time limit), the controller waits
+    for end of file on pipes that the orphaned fork still holds: on CI one RP run past its limit held
+    gw0's pipes for forty minutes, and the controller reported neither a crash nor a result until then.
+
+    In a child forked directly from the worker, every fd open on one of those files is pointed at
+    /dev/null (not closed: the file objects that hold them keep their numbers, so nothing later closes
+    a number reused for another file).  A grandchild is left alone: its parent's numbers are its own."""
+    import gc
+    import stat
+
+    try:
+        from execnet.gateway_base import Popen2IO
+    except ImportError:
+        return
+    fds = {f.fileno() for obj in gc.get_objects() if isinstance(obj, Popen2IO) for f in (obj.infile, obj.outfile)}
+    capturing = getattr(config.pluginmanager.getplugin("capturemanager"), "_global_capturing", None)
+    for capture in (getattr(capturing, "out", None), getattr(capturing, "err", None)):
+        saved = getattr(capture, "targetfd_save", None)
+        if isinstance(saved, int):
+            fds.add(saved)
+    held = set()
+    for fd in fds:
+        info = os.fstat(fd)
+        if not (stat.S_ISCHR(info.st_mode) or stat.S_ISREG(info.st_mode)):  # /dev/null, a log file: harmless
+            held.add((info.st_dev, info.st_ino))
+    worker = os.getpid()
+
+    def release() -> None:
+        if os.getppid() != worker or not held:
+            return
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                try:
+                    info = os.fstat(fd)
+                except OSError:
+                    continue
+                if fd != devnull and (info.st_dev, info.st_ino) in held:
+                    os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+
+    if held and os.path.isdir("/proc/self/fd"):
+        os.register_at_fork(after_in_child=release)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked in the controller
+        _release_controller_pipes_in_forks(config)
     elif getattr(config.option, "numprocesses", None) and not UNDER_MPIEXEC:
         _name_sigterm_senders()
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:

@@ -44,7 +44,7 @@ def _jobs_left(env: dict[str, str], wait: float = 30.0) -> str:
 
 def _run(pilot: str, workdir: Path, env: dict[str, str]) -> dict[str, Any]:
     done = subprocess.run([sys.executable, str(HERE / "run_engine.py"), pilot, str(workdir)], env=env,
-                          capture_output=True, text=True, timeout=500, check=False)
+                          capture_output=True, text=True, timeout=800, check=False)
     assert done.returncode == 0, f"{pilot} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     record: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     record["jobs_left"] = _jobs_left(env)
@@ -63,21 +63,21 @@ def engine(request: pytest.FixtureRequest, slurm_env: dict[str, str],
     return _run(str(HERE / "pilots" / f"{request.param}.yaml"), tmp_path_factory.mktemp(request.param), slurm_env)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_same_datasets_as_local(engine: dict[str, Any], reference: dict[str, Any]) -> None:
     assert set(reference["hashes"]) == set(DATASETS), reference["stages"]
     assert engine["hashes"] == reference["hashes"], engine["stages"]
     assert engine["partitions"] == reference["partitions"]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_two_rank_stages_span_two_nodes(engine: dict[str, Any], slurm_nodes: list[str]) -> None:
     for stage in SPANNING:
         hosts = engine["hosts"][stage]
         assert len(hosts) == 2 and len(set(hosts)) == 2 and set(hosts) <= set(slurm_nodes), (stage, hosts)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_same_transitions_and_error(engine: dict[str, Any], reference: dict[str, Any]) -> None:
     assert engine["transitions"] == reference["transitions"]
     failed, expected = engine["stages"]["fail_on_rank_one"], reference["stages"]["fail_on_rank_one"]
@@ -87,7 +87,7 @@ def test_same_transitions_and_error(engine: dict[str, Any], reference: dict[str,
     assert engine["stages"]["after_failure"]["state"] == "SKIPPED"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_no_job_and_no_process_left(engine: dict[str, Any]) -> None:
     assert engine["jobs_left"] == ""
     assert engine["leftovers"] == []
