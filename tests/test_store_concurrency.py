@@ -13,7 +13,7 @@ import pytest
 import _pipelines as P
 import hetflow as hf
 
-SLOTS = 24
+SLOTS = 8
 """The pilot's cores: this many one-rank stages run, and finish, at the same moment."""
 
 READER = '''
