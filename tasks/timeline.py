@@ -301,6 +301,7 @@ def timeline_figure(bars: Sequence[Interval], shown: Sequence[str], core_lane: d
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     lanes = len(core_lane) + gpus
@@ -309,19 +310,28 @@ def timeline_figure(bars: Sequence[Interval], shown: Sequence[str], core_lane: d
     on_path = set(path)
     span = max([iv.end - t0 for iv in bars] + [1e-9])
     labelled: set[tuple[str, str]] = set()
+    # every bar's rectangles go into one collection, added once: a broken_barh call per rectangle rescaled the
+    # axes at each call, and a 400-task report took a minute (docs/benchmarks.md, "A slower machine")
+    boxes: list[list[tuple[float, float]]] = []
+    faces: list[str] = []
+    edges: list[str] = []
     for iv in bars:
         base = row_of[iv.node] * (lanes + 2)
         held = [core_lane[c] for c in iv.cores if c in core_lane] + [len(core_lane) + g for g in iv.gpus if g < gpus]
         for first, length in _runs(held):
-            ax_g.broken_barh([(iv.start - t0, max(iv.end - iv.start, 1e-9))], (base + first, length),
-                             facecolors=colors[stage_of(iv.name)],
-                             edgecolors="black" if iv.task_id in on_path else "none", linewidth=0.6)
+            x, width, y = iv.start - t0, max(iv.end - iv.start, 1e-9), base + first
+            boxes.append([(x, y), (x, y + length), (x + width, y + length), (x + width, y)])
+            faces.append(colors[stage_of(iv.name)])
+            edges.append("black" if iv.task_id in on_path else "none")
         if held and (iv.task_id, iv.node) not in labelled and (iv.end - iv.start) / span > 0.04:
             labelled.add((iv.task_id, iv.node))  # one label per bar, on its first lanes
             first, length = _runs(held)[0]
             ax_g.text((iv.start + iv.end) / 2 - t0, base + first + length / 2, iv.name, ha="center",
                       va="center", fontsize=9, color="white", clip_on=True,
                       bbox={"boxstyle": "round,pad=0.1", "facecolor": "black", "alpha": 0.35, "linewidth": 0})
+    if boxes:
+        ax_g.add_collection(PolyCollection(boxes, facecolors=faces, edgecolors=edges, linewidths=0.6))
+        ax_g.autoscale_view()
     ax_g.set_yticks([row_of[n] * (lanes + 2) + lanes / 2 for n in shown], list(shown), fontsize=8)
     ax_g.invert_yaxis()
     ax_g.set_ylabel("node (lanes: cores, then GPUs)")
