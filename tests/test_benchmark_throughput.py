@@ -60,14 +60,20 @@ def test_task_cpu_benchmark_reports_cpu_per_task_for_each_installation(tmp_path:
                            "2", "--large", "8", "--repeats", "1", "--against", sys.executable],
                           check=False, capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("loop ")]
-    rows = [row for row in rows if row[2] == "orchestrator"]  # per task; the "a run of N" rows follow
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("loop ")]
+    rows = [row for row in lines if row[2] == "orchestrator"]  # per task; the "a run of N" rows follow
     assert [row[1] for row in rows] == ["this", "against"], proc.stdout
     for row in rows:
-        own, total = float(row[3]), float(row[7])
-        # the orchestrator's own marginal is a few ms and may come out below zero at this size (its CPU
-        # varies by more between two runs); a task's processes cost tens of ms each, far above that noise
-        assert total > 0 and total > own, row
+        # a task's processes cost tens of ms each, far above the noise of a marginal over 6 tasks; the
+        # orchestrator's own marginal is a few ms and may come out below zero at this size, and on a loaded
+        # machine above the all-processes figure too (two differences of noisy runs): only its form is checked
+        float(row[3])
+        assert float(row[7]) > 0, row
+    runs = [row for row in lines if row[2:5] == ["a", "run", "of"]]
+    assert [row[1] for row in runs] == ["this", "against"], proc.stdout
+    for row in runs:  # "a run of 2: orchestrator X s   all processes Y s (...)": all processes include it
+        own, total = float(row[7]), float(row[11])
+        assert 0 < own < total, row
 
 
 @pytest.mark.timeout(600)

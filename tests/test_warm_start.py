@@ -201,11 +201,13 @@ def test_a_warm_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize("how", ["stdout", "group", "daemon"])
 def test_what_a_warm_rank_leaves_behind_ends_with_its_stage(tmp_path: Path, how: str) -> None:
     pipe = hf.Pipeline("leaves", pilot=PILOT, workdir=tmp_path)
-    pipe.stage(ranks=1, timeout=30, params={"how": how})(F.leaves_children)
+    # what is checked is that the stage ends without waiting for its limit (it would end TIMED_OUT there): a
+    # bound of 15 s on the whole run failed on a slow CI machine under three test workers (16.7 and 19.5 s)
+    pipe.stage(ranks=1, timeout=60, params={"how": how})(F.leaves_children)
     started = time.time()
     run = pipe.run()
     assert run.ok, run.stage("leaves_children")
-    assert time.time() - started < 15
+    assert time.time() - started < 45
     child = int((Path(run.run_dir) / "stages" / "leaves_children" / "attempt-1" / "child-0.pid").read_text())
     assert _alive([child]) == []
 
