@@ -34,14 +34,14 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     yield from started(request.param, tmp_path_factory)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["radical"])
 def test_task_spanning_two_nodes(name: str, tmp_path: Path) -> None:
     """A two-node pilot on this host (one RP node per node)."""
     spanning_two_nodes(name, tmp_path)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_radical_can_leave_placement_to_rp(tmp_path: Path) -> None:
     """``options.radical.placement: rp``: no slots in the RP task, RP's scheduler places the ranks."""
     from hetflow.tasks.backends.radical import task_description
@@ -56,7 +56,7 @@ def test_radical_can_leave_placement_to_rp(tmp_path: Path) -> None:
         engine = Engine(backend, tmp_path)
         spec = _mpi(engine, [RankSlot(0, (0,)), RankSlot(0, (1,))])
         assert "slots" not in task_description(spec, pilot, backend.node_names(), "x", tmp_path)
-        outcome = backend.launch(spec).result(timeout=120)
+        outcome = backend.launch(spec).result(timeout=300)
         assert outcome.ok, outcome
         ranks = [json.loads((spec.cwd / f"rank-{r}.json").read_text()) for r in range(2)]
         assert {r["size"] for r in ranks} == {2}

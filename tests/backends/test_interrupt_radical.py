@@ -15,7 +15,7 @@ from test_interrupt import ctrl_c_leaves_no_process
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", ["radical"])
 def test_ctrl_c_leaves_no_process(backend: str, tmp_path: Path) -> None:
     ctrl_c_leaves_no_process(backend, tmp_path)

@@ -29,7 +29,7 @@ import hetflow.tasks.backends as hb
 from hetflow.tasks.backends.base import Backend, LaunchSpec, TaskOutcome
 from hetflow.tasks.backends.radical import RadicalBackend
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CORES = 3
 
@@ -287,7 +287,7 @@ def test_ineligible_launches_run_as_normal_rp_tasks(engine: RadicalBackend, tmp_
                                     tuple(RankSlot(0, (c,)) for c in (0, 1, 2, 0)), (0, 1, 2)) or "")
     cwd = tmp_path / "plain"
     cwd.mkdir(mode=0o700)
-    outcome = engine.launch(LaunchSpec(task_id="plain/1", argv=argv, slots=slots, cwd=cwd)).result(timeout=120)
+    outcome = engine.launch(LaunchSpec(task_id="plain/1", argv=argv, slots=slots, cwd=cwd)).result(timeout=300)
     assert outcome.ok, outcome
     assert (cwd / "out").read_text() == "2"  # its own mpiexec world of 2
 

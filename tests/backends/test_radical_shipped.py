@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hetflow.operators.dataset import Dataset
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SESSION = '''
 import pyarrow as pa
@@ -43,7 +43,7 @@ print("PATH", run.datasets["s"])
 
 def _session(tmp_path: Path, offset: int) -> tuple[str, str]:
     done = subprocess.run([sys.executable, "-"], input=SESSION.replace("OFFSET_VALUE", str(offset)), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=500, check=False)
+                          capture_output=True, text=True, timeout=800, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     state = next(line for line in done.stdout.splitlines() if line.startswith("STATE"))
     path = next(line for line in done.stdout.splitlines() if line.startswith("PATH"))[5:]
