@@ -46,7 +46,7 @@ def test_submit_runs_the_demo_to_done_and_status_follows_it(slurm_env: dict[str,
                                                             tmp_path: Path) -> None:
     workdir = tmp_path / "shared"
     out = _run([HETFLOW, "submit", str(DEMO), "--pilot", str(_pilot(tmp_path, 2)), "--param", "events_per_rank=5000",
-                "--workdir", str(workdir)], slurm_env, timeout=60).stdout
+                "--workdir", str(workdir)], slurm_env, timeout=180).stdout
     first = out.splitlines()[0].split()
     assert first[:3] == ["submitted", "batch", "job"] and first[4] == "run", out
     job_id, run_id = first[3].rstrip(":"), first[5]
@@ -96,7 +96,7 @@ def test_chain_resumes_a_run_the_walltime_stopped_in_a_second_job(slurm_env: dic
     config = tmp_path / "minute.yaml"
     config.write_text("name: minute\nbackend: slurm\nnodes: 1\nwalltime: '00:01:00'\ndrain: 10\n")
     out = _run([HETFLOW, "submit", str(HERE / "chain_pipeline.py"), "--pilot", str(config), "--chain", "2",
-                "--param", f"marks={marks}", "--workdir", str(workdir)], slurm_env, timeout=60).stdout
+                "--param", f"marks={marks}", "--workdir", str(workdir)], slurm_env, timeout=180).stdout
     run_id = out.splitlines()[0].split()[5]
     deadline, state = time.monotonic() + 400, None
     while time.monotonic() < deadline:
