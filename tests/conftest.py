@@ -219,6 +219,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         MPI.COMM_WORLD.Abort(1)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``HETFLOW_TEST_TIMELOG=FILE``: append each phase of each test to FILE as it ends (seconds since the
+    epoch, worker, phase, outcome, duration, test id; tab-separated), from every xdist worker and, under mpiexec,
+    from rank 0 only.  What a whole run of the suite spends where, readable while it goes and after a CI-like
+    run is stopped (``--durations`` prints only at the end)."""
+    path = os.environ.get("HETFLOW_TEST_TIMELOG")
+    if not path or (UNDER_MPIEXEC and os.environ.get("PMI_RANK", "0") != "0"):
+        return
+    if getattr(report, "node", None) is not None:  # in the xdist controller: a worker's report, written there
+        return
+    import time
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
+    with open(path, "a") as log:
+        log.write(f"{time.time():.1f}\t{worker}\t{report.when}\t{report.outcome}\t{report.duration:.2f}\t"
+                  f"{report.nodeid}\n")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
     outcome = yield
