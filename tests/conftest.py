@@ -27,8 +27,12 @@ order, and two groups may run at the same time:
 
 xdist's own ``--dist loadgroup`` cannot carry this: it passes the group to the
 scheduler by editing test ids, which pytest 9.2 no longer allows (pytest-xdist#1386),
-so the scheduler here groups by test id.  tests/slurm/ first, then the groups holding more
-tests marked ``slow``, are handed out first, so the long ones do not start last.
+so the scheduler here groups by test id.  The groups holding more tests marked ``slow`` are handed
+out first, so the long ones do not start last; the slurm group (the lab cluster's tests and the RP
+files) is handed out last.  A live RP session is some twenty processes that poll: on the slow
+two-core machine, 51 of them summed to 109% of a core during the raptor tests, and the tests
+running beside them took 3-6 times as long as in a run where they did not (ml/test_resume.py:
+394 s against 67 s).  Handed out last, they mostly run when little else does.
 
 Each test session (each worker) gets a private ``XDG_RUNTIME_DIR``, so its own core
 ledger (:mod:`hetflow.tasks.ledger`): a run on one worker would otherwise wait for the
@@ -311,8 +315,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Refuse a ``slurm`` test outside its group; in an xdist worker, order the groups
-    tests/slurm/ first, then by how many of their tests are marked ``slow``."""
+    """Refuse a ``slurm`` test outside its group; in an xdist worker, order the groups by how many
+    of their tests are marked ``slow``, and the slurm group (the lab cluster and the RP files) last."""
     for item in items:
         if item.get_closest_marker("slurm") is not None and group_of(item.nodeid) != "slurm":
             raise pytest.UsageError(f"{item.nodeid} is marked slurm but is not in tests/slurm/, whose tests "
@@ -324,6 +328,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         groups.setdefault(group_of(item.nodeid), []).append(item)
 
     def cost(name: str) -> tuple[bool, int]:
-        return name != "slurm", -sum(i.get_closest_marker("slow") is not None for i in groups[name])
+        return name == "slurm", -sum(i.get_closest_marker("slow") is not None for i in groups[name])
 
     items[:] = [item for name in sorted(groups, key=cost) for item in groups[name]]
