@@ -311,7 +311,7 @@ def timeline_figure(bars: Sequence[Interval], shown: Sequence[str], core_lane: d
     span = max([iv.end - t0 for iv in bars] + [1e-9])
     labelled: set[tuple[str, str]] = set()
     # every bar's rectangles go into one collection, added once: a broken_barh call per rectangle rescaled the
-    # axes at each call, and a 400-task report took a minute (docs/benchmarks.md, "A slower machine")
+    # axes at each call, and a 400-task report took a minute (docs/benchmarks.md, "The run report's PNG")
     boxes: list[list[tuple[float, float]]] = []
     faces: list[str] = []
     edges: list[str] = []

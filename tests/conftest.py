@@ -159,7 +159,7 @@ def _release_controller_pipes_in_forks(config: pytest.Config) -> None:
     worker = os.getpid()
 
     def release() -> None:
-        if os.getppid() != worker or not held:
+        if os.getppid() != worker:
             return
         devnull = os.open(os.devnull, os.O_RDWR)
         try:
