@@ -114,11 +114,15 @@ class Shared(Backend):
         return self.engine.node_names()
 
 
+PREEXISTING: set[int] = set()  # this worker's children from other tests (an S3 server, a resource tracker)
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RadicalBackend]:
     run_dir = tmp_path_factory.mktemp("raptor-engine") / "run"
     run_dir.mkdir(mode=0o700)
     backend = RadicalBackend(_pilot("radical"), run_dir)
+    PREEXISTING.update(p.pid for p in psutil.Process().children(recursive=True))
     backend.start()
     yield backend
     backend.shutdown()  # a no-op when test_clean_shutdown already did it
@@ -293,7 +297,7 @@ def test_ineligible_launches_run_as_normal_rp_tasks(engine: RadicalBackend, tmp_
 
 
 def test_clean_shutdown_leaves_no_process(engine: RadicalBackend) -> None:
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = {p.pid for p in psutil.Process().children(recursive=True)} - PREEXISTING
     seen = set(engine.pids())
     workers = [p for p in seen if _is_raptor(p)]
     assert workers, "no Raptor master/worker process was recorded for the session"
