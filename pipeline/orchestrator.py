@@ -378,12 +378,14 @@ class Orchestrator(MapShell):
     def _stage_records(self, session: Any) -> None:
         existing = {s.name: s for s in session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
         attempts = {}
+        new = []
         for order, spec in enumerate(self.stages.values()):
             record = existing.get(spec.name)
             if record is None:
                 record = StageRecord(run_id=self.run_id, name=spec.name, order=order,
                                      function=f"{spec.module}:{spec.qualname}")
                 session.add(record)
+                new.append(record)
             record.inputs, record.outputs = list(spec.inputs), list(spec.outputs)
             record.request = {k: v for k, v in vars(spec.request).items()}
             record.retries, record.timeout = spec.retries, spec.timeout
@@ -391,8 +393,11 @@ class Orchestrator(MapShell):
                 record.params = self.stage_params(spec)  # is matched against them
                 self._reconcile(session, record)
                 record.state, record.error, record.started, record.ended = State.PENDING, None, None, None
-            attempts[spec.name] = len(record.tasks)
+            attempts[spec.name] = len(record.tasks) if record not in new else 0
         session.flush()
+        # a new stage's record, whose tasks were never loaded, is taken back by its first batch without a query
+        # (Store.get); an existing one's tasks are loaded above, so it is queried once as before
+        self.stage_records.update((record.name, record) for record in new)
         self.stage_ids = {record.name: record.id for record in
                           session.scalars(select(StageRecord).where(StageRecord.run_id == self.run_id))}
         self.recorded = set(session.scalars(select(DatasetRecord.name).where(DatasetRecord.run_id == self.run_id)))

@@ -58,6 +58,39 @@ def test_status_reads_the_store_in_statements_that_do_not_grow_with_the_tasks(tm
     assert total.attempts == 0 and total.log_dir is None and total.slots == ()
 
 
+def _store_of_stages(tmp_path, stages: int) -> Store:  # type: ignore[no-untyped-def]
+    """A run of ``stages`` plain stages, each tried twice (on other cores) but the last."""
+    store = Store(f"sqlite:///{tmp_path}/stages-{stages}.db")
+    now = time.time()
+    with store.session() as session:
+        session.add(RunRecord(id="r1", pipeline="p", state="FAILED", created=now, run_dir=str(tmp_path),
+                              hetflow_version="0"))
+        records = [StageRecord(run_id="r1", name=f"s{i}", order=i, state="DONE", function=f"f:s{i}")
+                   for i in range(stages)]
+        session.add_all(records)
+        session.flush()
+        for i, stage in enumerate(records):
+            for attempt in (1, 2) if i < stages - 1 else (1,):
+                task = f"r1/s{i}/{attempt}"
+                session.add(TaskRecord(id=task, stage_id=stage.id, submitted=now + attempt, state="DONE",
+                                       slots=[{"node": 0, "cores": [attempt], "gpus": []}]))
+                session.add(AttemptRecord(task_id=task, stage_id=stage.id, number=attempt, state="DONE",
+                                          started=now + attempt, attempt_dir=f"{tmp_path}/s{i}-{attempt}"))
+    return store
+
+
+def test_status_reads_the_store_in_statements_that_do_not_grow_with_the_stages(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    few, few_statements = _statements(_store_of_stages(tmp_path, 2))
+    many, many_statements = _statements(_store_of_stages(tmp_path, 60))
+    assert many_statements == few_statements
+    for view, stages in ((few, 2), (many, 60)):
+        for i in range(stages):
+            last = 2 if i < stages - 1 else 1
+            stage = view.stage(f"s{i}")  # type: ignore[attr-defined]
+            assert (stage.attempts, stage.log_dir) == (last, f"{tmp_path}/s{i}-{last}")  # each its own last
+            assert [s.cores for s in stage.slots] == [(last,)]
+
+
 def test_status_from_the_shell_loads_neither_pyarrow_nor_the_orchestrator(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
     import sys
