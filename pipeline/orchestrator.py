@@ -251,6 +251,9 @@ class Orchestrator(MapShell):
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
         self.stage_records: dict[str, StageRecord] = {}
+        self.waiting_on: dict[str, int] = {}
+        """Per stage, how many of its upstream stages (in order) are known to have succeeded
+        (:meth:`_can_start_after`)."""
         """Each stage's record as last used, for :meth:`_stage_record` (a run has few: all are kept)."""
         self.task_records: dict[str, tuple[TaskRecord, AttemptRecord | None]] = {}
         """The records of each plain stage's task from its enqueueing to its end, taken back by the batches
@@ -1039,6 +1042,7 @@ class Orchestrator(MapShell):
             return
         if outcome.lost_nodes:  # before the retry is queued: it must not go back there
             self._lose_nodes(outcome.lost_nodes)
+        released = self._release_early(live)
         spec = self.stages[live.stage]
         ranks = AttemptFiles(live.attempt_dir).read_results(len(live.slots))
         failure = self._failure(spec, live, outcome, ranks)
@@ -1055,9 +1059,31 @@ class Orchestrator(MapShell):
         self._record_attempt(live, outcome, failure, committed, ranks)
         if failure is not None and failure.state not in (State.WALLTIME, State.TIMED_OUT, State.CANCELLED):
             log.warning("stage %s attempt %d failed (%s)", spec.name, live.task.attempt, failure.message)
-        # its slots are released once its end is recorded, together with what that end made ready
+        # its slots (unless released early) go back once its end is recorded, together with what that end made ready
         self._feed(AttemptEnded(live.task, State.DONE if failure is None else failure.state,
-                                None if failure is None else failure.message), finished=text)
+                                None if failure is None else failure.message), finished=None if released else text)
+
+    def _release_early(self, live: _Live) -> bool:
+        """Give an ended task's slots to the tasks already queued before its end is checked and recorded, when
+        that end cannot make a stage ready: its slots would otherwise stand idle while it is (docs/benchmarks.md,
+        "Slot turnaround").  When it can, they are released with what it made ready, in one scheduler step, so a
+        dependent of higher priority, or one that prefers the node of its input, is placed first."""
+        if self.scheduler is None or any(self._can_start_after(down, live.stage)
+                                         for down in self.plan.downstream[live.stage]):
+            return False
+        self._apply(self.scheduler.handle_event(TaskFinished(live.id, time.time())))
+        return True
+
+    def _can_start_after(self, stage: str, ending: str) -> bool:
+        """Whether every stage ``stage`` reads from but ``ending`` has succeeded.  The stages before
+        :attr:`waiting_on` have (a stage does not go back from success in a run), so a gather of N stages,
+        which succeed in about the order they were declared, costs O(N) in all, not per end."""
+        upstream = self.plan.nodes[stage].upstream
+        first = self.waiting_on.get(stage, 0)
+        while first < len(upstream) and self.plan.states[upstream[first]] in SUCCESS:
+            first += 1
+        self.waiting_on[stage] = first
+        return all(name == ending or self.plan.states[name] in SUCCESS for name in upstream[first:])
 
     def _changed_while_running(self, spec: StageSpec) -> Failure | None:
         """A stage whose declared files or local modules changed between its key and its end fails: its result
