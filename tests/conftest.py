@@ -22,17 +22,19 @@ order, and two groups may run at the same time:
 * tests/slurm/ is one group, so the lab cluster's session fixture (tests/slurm/conftest.py)
   lives in one worker: started once, stopped at the end only if it was not running.
   A test marked ``slurm`` elsewhere is a usage error;
-* the files that start RADICAL-Pilot sessions are in that group too, so one RP session at a time,
-  the lab cluster's included (:data:`SHARED_GROUPS`).
+* the files that start RADICAL-Pilot sessions are one group, so one RP session at a time
+  (:data:`SHARED_GROUPS`).
 
 xdist's own ``--dist loadgroup`` cannot carry this: it passes the group to the
 scheduler by editing test ids, which pytest 9.2 no longer allows (pytest-xdist#1386),
-so the scheduler here groups by test id.  The groups holding more tests marked ``slow`` are handed
-out first, so the long ones do not start last; the slurm group (the lab cluster's tests and the RP
-files) is handed out last.  A live RP session is some twenty processes that poll: on the slow
-two-core machine, 51 of them summed to 109% of a core during the raptor tests, and the tests
-running beside them took 3-6 times as long as in a run where they did not (ml/test_resume.py:
-394 s against 67 s).  Handed out last, they mostly run when little else does.
+so the scheduler here groups by test id.  The lab cluster's group is handed out first: its tests mostly
+wait for Slurm, so it runs beside the others from the start.  Then the groups holding more tests marked
+``slow``, so the long ones do not start last; the RP group last.  A live RP session is some twenty
+processes that poll: on the slow two-core machine, 51 of them summed to 109% of a core during the
+raptor tests, and the tests running beside them took 3-6 times as long as in a run where they did not
+(ml/test_resume.py: 394 s against 67 s).  Handed out last, they mostly run when little else does.  (With
+both at the end, in one group, a local run's last 30 minutes were that one worker's: 18 for the RP
+files, then 10 for the lab cluster.)
 
 Each test session (each worker) gets a private ``XDG_RUNTIME_DIR``, so its own core
 ledger (:mod:`hetflow.tasks.ledger`): a run on one worker would otherwise wait for the
@@ -261,16 +263,16 @@ def comm():  # type: ignore[no-untyped-def]
 MAX_WORKERS = 4
 SHARED_GROUPS = {
     "tests/slurm/": "slurm",
-    # the files that start RADICAL-Pilot sessions: one at a time (concurrent ones not shown safe), and in the slurm
-    # group, since tests/slurm/test_engines_on_slurm.py starts one too: on CI and in a local run of the suite, RP's
-    # run on the lab cluster failed in its set-up (after 339 s, at load 27) while a local RP session and the lab
-    # cluster's other tests ran beside it.  An RP case of a suite every engine runs is in a *_radical.py file of its
-    # own, so the other engines' cases are not in the group.
-    "tests/backends/test_conformance_radical.py": "slurm",
-    "tests/backends/test_engines_radical.py": "slurm",
-    "tests/backends/test_interrupt_radical.py": "slurm",
-    "tests/backends/test_radical_raptor.py": "slurm",
-    "tests/backends/test_radical_shipped.py": "slurm",
+    # the files that start RADICAL-Pilot sessions: one at a time (concurrent ones not shown safe).  The lab
+    # cluster's RP case (tests/slurm/test_engines_on_slurm.py) starts one too: the slurm group is handed out first
+    # and this one last, so they do not meet (on CI, RP's run on the lab cluster once failed in its set-up, after
+    # 339 s at load 27, while a local RP session ran beside it).  An RP case of a suite every engine runs is in a
+    # *_radical.py file of its own, so the other engines' cases are not in the group.
+    "tests/backends/test_conformance_radical.py": "radical",
+    "tests/backends/test_engines_radical.py": "radical",
+    "tests/backends/test_interrupt_radical.py": "radical",
+    "tests/backends/test_radical_raptor.py": "radical",
+    "tests/backends/test_radical_shipped.py": "radical",
 }
 """Test files (or folders, ending in /) that share one group, by the group's name."""
 
@@ -316,7 +318,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Refuse a ``slurm`` test outside its group; in an xdist worker, order the groups by how many
-    of their tests are marked ``slow``, and the slurm group (the lab cluster and the RP files) last."""
+    of their tests are marked ``slow``, the lab cluster's group first and the RP files' last."""
     for item in items:
         if item.get_closest_marker("slurm") is not None and group_of(item.nodeid) != "slurm":
             raise pytest.UsageError(f"{item.nodeid} is marked slurm but is not in tests/slurm/, whose tests "
@@ -327,7 +329,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         groups.setdefault(group_of(item.nodeid), []).append(item)
 
-    def cost(name: str) -> tuple[bool, int]:
-        return name == "slurm", -sum(i.get_closest_marker("slow") is not None for i in groups[name])
+    def cost(name: str) -> tuple[int, int]:
+        return {"slurm": -1, "radical": 1}.get(name, 0), -sum(i.get_closest_marker("slow") is not None
+                                                               for i in groups[name])
 
     items[:] = [item for name in sorted(groups, key=cost) for item in groups[name]]
