@@ -64,11 +64,10 @@ def test_task_cpu_benchmark_reports_cpu_per_task_for_each_installation(tmp_path:
     rows = [row for row in lines if row[2] == "orchestrator"]  # per task; the "a run of N" rows follow
     assert [row[1] for row in rows] == ["this", "against"], proc.stdout
     for row in rows:
-        # a task's processes cost tens of ms each, far above the noise of a marginal over 6 tasks; the
-        # orchestrator's own marginal is a few ms and may come out below zero at this size, and on a loaded
-        # machine above the all-processes figure too (two differences of noisy runs): only its form is checked
-        float(row[3])
-        assert float(row[7]) > 0, row
+        # each is a difference of two single runs over 6 tasks: on a loaded machine either may come out below
+        # zero (the all-processes one did once, -10.7 ms, at load 5-8, a run's CPU varying by more than six
+        # tasks' worth); only their form is checked here, the figures are the benchmark's (docs/benchmarks.md)
+        float(row[3]), float(row[7])
     runs = [row for row in lines if row[2:5] == ["a", "run", "of"]]
     assert [row[1] for row in runs] == ["this", "against"], proc.stdout
     for row in runs:  # "a run of 2: orchestrator X s   all processes Y s (...)": all processes include it
