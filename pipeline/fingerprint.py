@@ -492,10 +492,22 @@ class _Walker:
             for (text, chain, names, decorated, assigned, passed), called in zip(found, resolved):
                 if _is_hetflow(called):
                     continue
-                values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
+                # no walrus here: its name would be a cell of this frame holding the last value, which
+                # _held_elsewhere takes for a holder of the user's function (W = list(map(weight, R)))
+                values = {n: v for n, v in ((n, _dotted(scope, n)) for n in names) if v is not _ABSENT}
+                for name in names:  # list(map(reg.add, ...)): the method an object's name leads to, found statically
+                    first, _, rest = name.partition(".")
+                    if rest and (name not in values or isinstance(values[name], (staticmethod, classmethod))):
+                        method = _method_of(scope.get(first, _ABSENT), tuple(rest.split(".")))
+                        if isinstance(method, types.FunctionType):
+                            values[name] = method
                 libraries = self.called_libraries(called, reaching, defined=text not in declaring)
                 if not (isinstance(called, (types.FunctionType, type)) and self.is_user_code(called)):
                     libraries |= self.handed_libraries(values.values())  # map(lib.f, ...): not make(np.mean)
+                if _runs_what_it_is_handed(called):  # list(map(labsetup.init, PAIRS)): map runs the local function
+                    for name in passed:
+                        if self.user_code_in([values.get(name)]):
+                            libraries |= self.called_libraries(values[name], reaching, defined=False)
                 libraries &= self.external_tops
                 if not libraries or (text.rpartition(" ; ")[2].startswith(f"class {decorated}(")
                                      and not _receives_subclasses(called)):
@@ -516,6 +528,8 @@ class _Walker:
                     given = [v for n, v in values.items() if n in passed]
                     own = [c for c in code if any(c is v for v in given)]
                     if not _changes_module_state(called) and not self.runs_library_state_change(called) and \
+                            not (_runs_what_it_is_handed(called)
+                                 and any(self.runs_library_state_change(c) for c in own)) and \
                             not _held_elsewhere(own, results, [
                             values, code, own, given, scope, *(n for _, _, n in self.user_namespaces())]):
                         continue
@@ -542,10 +556,12 @@ class _Walker:
         calls ``lib.register("a", h0)``, assigned as a fresh object of the user's; a few levels deep."""
         if isinstance(target, types.MethodType):
             target = target.__func__
+        functions: list[Any] = []
         if isinstance(target, type) and self.is_user_code(target):
-            functions = [f.__func__ if isinstance(f, (staticmethod, classmethod)) else f
-                         for k in target.__mro__[:-1] for n in ("__new__", "__init__", "__post_init__")
-                         if (f := vars(k).get(n)) is not None]
+            for klass in target.__mro__[:-1]:
+                for name in ("__new__", "__init__", "__post_init__"):
+                    method = vars(klass).get(name)
+                    functions.append(method.__func__ if isinstance(method, (staticmethod, classmethod)) else method)
         elif isinstance(target, types.FunctionType) and self.is_user_code(target):
             functions = [target]
         else:
@@ -1764,6 +1780,15 @@ def _resolve_call(namespace: Mapping[str, Any], chain: _Chain) -> Any:
             return obj
         obj = value
     return obj
+
+
+_RUNNERS = frozenset({map, filter, sorted, min, max, functools.reduce, itertools.starmap, itertools.filterfalse,
+                      itertools.takewhile, itertools.dropwhile, itertools.accumulate, itertools.groupby})
+
+
+def _runs_what_it_is_handed(called: Any) -> bool:
+    """Whether ``called`` is a builtin that calls the function it is handed (``map(labsetup.init, PAIRS)``)."""
+    return any(called is runner for runner in _RUNNERS)
 
 
 def _named_objects(code: types.CodeType, scope: Mapping[str, Any]) -> list[Any]:

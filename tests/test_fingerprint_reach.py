@@ -1278,3 +1278,31 @@ def test_a_librarys_value_changed_in_place_through_another_name_counts_for_a_sta
     kept = [_with_fakelib(tmp_path / d, script.replace("11", h0), ALIASED_LIB, stage="other")
             for d, h0 in (("c", "11"), ("d", "12"))]
     assert kept[0] == kept[1], kept
+
+
+INIT_PAIR = "import fakelib\ndef init(pair):\n    fakelib.register(*pair)\n"
+
+
+@pytest.mark.parametrize("setting, local", [
+    ("reg = fakelib.Registry()\nlist(map(reg.add, ['planck'], [11]))", None),
+    ("import labsetup\nlist(map(labsetup.init, [('planck', 11)]))", {"labsetup": INIT_PAIR}),
+    ("import labsetup\ndone = list(map(labsetup.init, [('planck', 11)]))", {"labsetup": INIT_PAIR}),
+])
+def test_a_function_handed_to_map_at_the_top_counts_by_the_library_it_calls(
+        tmp_path: Path, setting: str, local: dict[str, str] | None) -> None:
+    """Red team 16: a library object's method (``list(map(reg.add, NAMES, H0S))``) or a local function naming
+    the library (``list(map(labsetup.init, PAIRS))``, assigned or not) handed to ``map`` at the top registers
+    into the library as a direct call does; an edit of 11 was served CACHED."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.get('planck').h0\n"
+    a, b = (_with_fakelib(tmp_path / "a", script, OBJECT_LIB, local),
+            _with_fakelib(tmp_path / "b", script.replace("11", "12"), OBJECT_LIB, local))
+    assert "calls into fakelib at the top level" in a and a != b, (a, b)
+
+
+def test_a_helper_computing_a_value_through_map_stays_out_of_a_stage_using_the_library(tmp_path: Path) -> None:
+    """``W = list(map(weight, R))`` with ``weight`` calling the library to compute: ``W`` is the script's value,
+    counted where a stage reads it, not in every stage using the library (it stores nothing into it)."""
+    script = ("import fakelib\ndef weight(z):\n    return fakelib.distance(z) + 11\nW = list(map(weight, [1.0]))\n"
+              "def stage(ctx):\n    return fakelib.distance(1.0)\n")
+    assert _with_fakelib(tmp_path / "a", script, OBJECT_LIB) == \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), OBJECT_LIB)
