@@ -719,6 +719,13 @@ class _Walker:
             home = target.__name__
         elif isinstance(target, (types.FunctionType, types.BuiltinFunctionType, type)):
             home = getattr(target, "__module__", None) or ""
+        elif isinstance(target, (list, tuple, dict)) and depth < 4:
+            # REGS["main"].add(...) with REGS = {"main": lib.Registry()}: whose objects the container holds
+            found = set()
+            for item in itertools.islice(target.values() if isinstance(target, dict) else target, 100):
+                if not isinstance(item, (types.ModuleType, *_SIMPLE)):
+                    found |= self.called_libraries(item, reaching, depth + 1, defined)
+            return frozenset(found)
         elif target is not None and depth < 4:
             # an object called or whose method in C is called (reg.add(...) where add is not Python): its
             # __call__ when it is Python code, else its class says whose it is (a library's object: that library)
@@ -898,6 +905,12 @@ class _Walker:
                 if not attr.startswith("__") and not isinstance(value, (types.ModuleType, type)) and \
                         not _is_code_like(value) and not isinstance(value, _SIMPLE):
                     found.setdefault(id(value), (module, attr))
+                    # one level inside: opts = lib.CONFIG["plot"]; opts["dpi"] = 300 changes lib.CONFIG
+                    inside = list(value.values()) if isinstance(value, dict) else \
+                        list(value) if isinstance(value, (list, tuple)) else []
+                    for item in itertools.islice(inside, 1000):
+                        if not isinstance(item, (types.ModuleType, type, *_SIMPLE)) and not _is_code_like(item):
+                            found.setdefault(id(item), (module, attr))
         return found
 
     def patch_sites(self) -> list[tuple[Any, str]]:

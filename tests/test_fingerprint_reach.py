@@ -1306,3 +1306,24 @@ def test_a_helper_computing_a_value_through_map_stays_out_of_a_stage_using_the_l
               "def stage(ctx):\n    return fakelib.distance(1.0)\n")
     assert _with_fakelib(tmp_path / "a", script, OBJECT_LIB) == \
         _with_fakelib(tmp_path / "b", script.replace("11", "12"), OBJECT_LIB)
+
+
+NESTED_LIB = REGISTRY_LIB + """
+CONFIG = {"plot": {"h0": 70}}
+def distance(z):
+    return z * CONFIG["plot"]["h0"]
+"""
+
+
+@pytest.mark.parametrize("setting, library, reads", [
+    ("REGS = {'main': fakelib.Registry()}\nREGS['main'].add('planck', 11)", OBJECT_LIB, "fakelib.get('planck').h0"),
+    ("opts = fakelib.CONFIG['plot']\nopts['h0'] = 11", NESTED_LIB, "fakelib.distance(1.0)"),
+])
+def test_a_librarys_object_reached_through_a_container_or_a_nested_value_counts(
+        tmp_path: Path, setting: str, library: str, reads: str) -> None:
+    """Red team 16: ``REGS = {"main": lib.Registry()}; REGS["main"].add("planck", 11)`` (the call's names stop at
+    the dict) and ``opts = lib.CONFIG["plot"]; opts["h0"] = 11`` (a value one level inside the library's
+    ``CONFIG``) were each served CACHED after 11 -> 12."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return {reads}\n"
+    assert _with_fakelib(tmp_path / "a", script, library) != \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), library)
