@@ -2134,7 +2134,7 @@ _PATCHES: dict[str, tuple[tuple[str, _Chain, str], ...]] = {}
 def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain, str], ...]:
     """Where a module's source may set a value on another object: ``("set", names)`` and ``("call", names)``.
 
-    ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v``, ``D[k] = v`` and
+    ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v``, ``D[k] = v``, ``D |= v`` and
     ``setattr(a, "K", v)`` / ``delattr`` / ``a.__dict__["K"] = v`` / ``vars(a)["K"] = v``
     give ``("set", ("a", "b", "K"))`` and the like; a name that is not a literal
     (``setattr(a, name, v)``, ``vars(a).update(...)``) ends the chain with None.
@@ -2186,6 +2186,8 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain, str], ..
                 target(each)
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             target(node.target)
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                found.append(("set", (node.target.id,), ""))  # CFG |= {...}: a dict or list CFG names, in place
         elif isinstance(node, ast.Call):
             func = node.func
             if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and len(node.args) >= 2:

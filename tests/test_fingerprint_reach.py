@@ -1262,7 +1262,8 @@ def distance(z):
 @pytest.mark.parametrize("setting", ["cfg = fakelib.CONFIG\ncfg['h0'] = 11",
                                      "from fakelib import CONFIG\nCONFIG['h0'] = 11",
                                      "cosmo = fakelib.DEFAULT\ncosmo.h0 = 11",
-                                     "import fakelib as fl\nc = fl.DEFAULT\nsetattr(c, 'h0', 11)"])
+                                     "import fakelib as fl\nc = fl.DEFAULT\nsetattr(c, 'h0', 11)",
+                                     "cfg = fakelib.CONFIG\ncfg |= {'h0': 11}"])
 def test_a_librarys_value_changed_in_place_through_another_name_counts_for_a_stage_using_it(
         tmp_path: Path, setting: str) -> None:
     """Red team 16: a library's module-level value changed at the script's top through a name of the script's
