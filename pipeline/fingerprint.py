@@ -642,7 +642,9 @@ class _Walker:
         object of the library's own type that the library keeps (``c = lib.Cosmology(70)``,
         ``lib.register_obj("planck", c)``, then ``c.h0 = 11``: what the stage reads through the library) unless
         its text is not faithful (an address: by its type, as before, not made uncacheable).  Any other object
-        counts by its type: its text may be an address, or change as it lives (a pool, a session)."""
+        counts by its type: its text may be an address, or change as it lives (a pool, a session), unless it
+        is the library's object whose method the call runs and that method stores into its module's state
+        (``b = lib.Builder().h(11); b.install()``): what it stores comes from the object."""
         if _plain(value):
             return self.value(value)
         if isinstance(value, (list, tuple, dict)) and self.user_code_in([value]):
@@ -656,8 +658,10 @@ class _Walker:
             return f"{self.follow(type(value))} {self.value(value)}"  # setup.apply(): what setup holds
         if self.is_user_instance(value) and _kept_by_library(called, [value], self.library_held):
             return f"{self.follow(type(value))} {self.value(value)}"  # lib.add_hook(H): what H holds
+        receiver = isinstance(called, types.FunctionType) and not self.is_user_code(called) and \
+            _method_of(value, (called.__name__,)) is called and _changes_module_state(called)
         home = type(value).__module__.partition(".")[0]
-        if home not in libraries or not _kept_by_library(called, [value], self.library_held):
+        if not receiver and (home not in libraries or not _kept_by_library(called, [value], self.library_held)):
             return type(value).__qualname__
         before = set(self.shortened)
         text = self.value(value)

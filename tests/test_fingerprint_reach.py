@@ -1328,3 +1328,27 @@ def test_a_librarys_object_reached_through_a_container_or_a_nested_value_counts(
     script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return {reads}\n"
     assert _with_fakelib(tmp_path / "a", script, library) != \
         _with_fakelib(tmp_path / "b", script.replace("11", "12"), library)
+
+
+BUILDER_LIB = OBJECT_LIB + """
+class Builder:
+    def __init__(self):
+        self.h0 = 70
+    def h(self, h0):
+        self.h0 = h0
+        return self
+    def install(self):
+        register("planck", self.h0)
+"""
+
+
+def test_a_library_object_whose_method_registers_what_it_holds_counts_by_its_value(tmp_path: Path) -> None:
+    """Red team 16: ``b = lib.Builder().h(11)`` (a fresh object, assigned: the script's own value) then
+    ``b.install()``, which stores what ``b`` holds into the library's registry: ``b.install()`` counted by its
+    text and ``b``'s type, so 11 -> 12 was served CACHED.  The receiver of a library method that stores into its
+    module's state counts by its value."""
+    script = "import fakelib\nb = fakelib.Builder().h(11)\nb.install()\n" \
+        "def stage(ctx):\n    return fakelib.get('planck').h0\n"
+    assert _with_fakelib(tmp_path / "a", script, BUILDER_LIB) != \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), BUILDER_LIB)
+    assert _with_fakelib(tmp_path / "c", script, BUILDER_LIB) == _with_fakelib(tmp_path / "d", script, BUILDER_LIB)
