@@ -458,7 +458,10 @@ class _Walker:
         and of the local modules makes as statements of their own (``fakelib.register("planck", 11)``, also
         inside a top-level ``if``/``with``/``try``/loop, not in the ``__main__`` block), directly or through a
         local function whose code names the library (``labsetup.init(11)``), or handing on a library's function
-        (``list(map(lib.register, ...))``, ``OPS["reg"](...)``): by their text and the values of the plain names
+        (``list(map(lib.register, ...))``, ``OPS["reg"](...)``), or through an object (``reg.add(...)`` on a
+        library's object, ``setup.apply(11)`` on a local one, counted with its value; a ``partial`` of the
+        library's function, with the arguments it binds; ``SETUP = Setup(11)`` whose ``__init__`` registers):
+        by their text and the values of the plain names
         they pass (a value of another kind by its type only; the user's code handed over by its code: a function,
         a class, a bound method or callable object of the user's class with the object's value, a ``partial``;
         a class whose library base registers it, ``class Sq(lib.Plugin)``).  Such a call may change the
@@ -489,10 +492,22 @@ class _Walker:
             for (text, chain, names, decorated, assigned, passed), called in zip(found, resolved):
                 if _is_hetflow(called):
                     continue
-                values = {n: v for n in names if (v := _dotted(scope, n)) is not _ABSENT}
+                # no walrus here: its name would be a cell of this frame holding the last value, which
+                # _held_elsewhere takes for a holder of the user's function (W = list(map(weight, R)))
+                values = {n: v for n, v in ((n, _dotted(scope, n)) for n in names) if v is not _ABSENT}
+                for name in names:  # list(map(reg.add, ...)): the method an object's name leads to, found statically
+                    first, _, rest = name.partition(".")
+                    if rest and (name not in values or isinstance(values[name], (staticmethod, classmethod))):
+                        method = _method_of(scope.get(first, _ABSENT), tuple(rest.split(".")))
+                        if isinstance(method, types.FunctionType):
+                            values[name] = method
                 libraries = self.called_libraries(called, reaching, defined=text not in declaring)
                 if not (isinstance(called, (types.FunctionType, type)) and self.is_user_code(called)):
                     libraries |= self.handed_libraries(values.values())  # map(lib.f, ...): not make(np.mean)
+                if _runs_what_it_is_handed(called):  # list(map(labsetup.init, PAIRS)): map runs the local function
+                    for name in passed:
+                        if self.user_code_in([values.get(name)]):
+                            libraries |= self.called_libraries(values[name], reaching, defined=False)
                 libraries &= self.external_tops
                 if not libraries or (text.rpartition(" ; ")[2].startswith(f"class {decorated}(")
                                      and not _receives_subclasses(called)):
@@ -512,7 +527,10 @@ class _Walker:
                     # returning a fresh handle: what it stored counts as any call changing the library's state)
                     given = [v for n, v in values.items() if n in passed]
                     own = [c for c in code if any(c is v for v in given)]
-                    if not _changes_module_state(called) and not _held_elsewhere(own, results, [
+                    if not _changes_module_state(called) and not self.runs_library_state_change(called) and \
+                            not (_runs_what_it_is_handed(called)
+                                 and any(self.runs_library_state_change(c) for c in own)) and \
+                            not _held_elsewhere(own, results, [
                             values, code, own, given, scope, *(n for _, _, n in self.user_namespaces())]):
                         continue
                 # counted when assigned: what the library keeps, a call handing it the user's code
@@ -531,6 +549,37 @@ class _Walker:
             self.follow(given)
         if handed:
             self.drain()
+
+    def runs_library_state_change(self, target: Any, depth: int = 0) -> bool:
+        """Whether calling the user's function, method or class (its construction) runs a library function that
+        stores into its module's state (:func:`_changes_module_state`): ``SETUP = Setup(11)`` whose ``__init__``
+        calls ``lib.register("a", h0)``, assigned as a fresh object of the user's; a few levels deep."""
+        if isinstance(target, types.MethodType):
+            target = target.__func__
+        functions: list[Any] = []
+        if isinstance(target, type) and self.is_user_code(target):
+            for klass in target.__mro__[:-1]:
+                for name in ("__new__", "__init__", "__post_init__"):
+                    method = vars(klass).get(name)
+                    functions.append(method.__func__ if isinstance(method, (staticmethod, classmethod)) else method)
+        elif isinstance(target, types.FunctionType) and self.is_user_code(target):
+            functions = [target]
+        else:
+            return False
+        for function in functions:
+            if not isinstance(function, types.FunctionType):
+                continue
+            if not self.is_user_code(function):
+                if _changes_module_state(function):
+                    return True
+                continue
+            for named in _named_objects(function.__code__, function.__globals__):
+                if isinstance(named, (types.FunctionType, type)) and self.is_user_code(named):
+                    if depth < 3 and named is not target and self.runs_library_state_change(named, depth + 1):
+                        return True
+                elif self.called_libraries(named, {}) and _changes_module_state(named):
+                    return True
+        return False
 
     def user_code_in(self, values: Iterable[Any], depth: int = 0) -> list[Any]:
         """The user's functions and classes among ``values`` and in the lists, tuples, sets and dicts they are
@@ -593,17 +642,26 @@ class _Walker:
         object of the library's own type that the library keeps (``c = lib.Cosmology(70)``,
         ``lib.register_obj("planck", c)``, then ``c.h0 = 11``: what the stage reads through the library) unless
         its text is not faithful (an address: by its type, as before, not made uncacheable).  Any other object
-        counts by its type: its text may be an address, or change as it lives (a pool, a session)."""
+        counts by its type: its text may be an address, or change as it lives (a pool, a session), unless it
+        is the library's object whose method the call runs and that method stores into its module's state
+        (``b = lib.Builder().h(11); b.install()``): what it stores comes from the object."""
         if _plain(value):
             return self.value(value)
         if isinstance(value, (list, tuple, dict)) and self.user_code_in([value]):
             return self.code_and_plain_text(value)  # PAIR = (sq, 1): sq by its name (its code counts), 1 by value
         if isinstance(value, (types.MethodType, functools.partial)) and self.user_code_in([value]):
             return self.follow(value)  # S.apply: its function's code and S's value; a partial's arguments
+        if isinstance(value, functools.partial) and self.called_libraries(value, {}) & libraries:
+            return self.follow(value)  # P = partial(lib.register, "a"), then P(11): the arguments P binds
+        if self.is_user_instance(value) and isinstance(called, types.FunctionType) and self.is_user_code(called) \
+                and _method_of(value, (called.__name__,)) is called:
+            return f"{self.follow(type(value))} {self.value(value)}"  # setup.apply(): what setup holds
         if self.is_user_instance(value) and _kept_by_library(called, [value], self.library_held):
             return f"{self.follow(type(value))} {self.value(value)}"  # lib.add_hook(H): what H holds
+        receiver = isinstance(called, types.FunctionType) and not self.is_user_code(called) and \
+            _method_of(value, (called.__name__,)) is called and _changes_module_state(called)
         home = type(value).__module__.partition(".")[0]
-        if home not in libraries or not _kept_by_library(called, [value], self.library_held):
+        if not receiver and (home not in libraries or not _kept_by_library(called, [value], self.library_held)):
             return type(value).__qualname__
         before = set(self.shortened)
         text = self.value(value)
@@ -642,10 +700,44 @@ class _Walker:
                         found |= self.called_libraries(target.__globals__.get(name), reaching, depth + 1)
                 reaching[id(target), defined] = frozenset(found)
             return reaching[id(target), defined]
+        if isinstance(target, type) and self.is_user_code(target):
+            # SETUP = Setup(11): what the class's construction runs (its __new__, __init__, __post_init__, its
+            # bases' too: a library base's by that library), which may register into a library
+            if (id(target), defined) not in reaching:
+                reaching[id(target), defined] = frozenset()
+                found = set()
+                if depth < 4:
+                    for klass in target.__mro__[:-1]:
+                        for name in ("__new__", "__init__", "__post_init__"):
+                            method = vars(klass).get(name)
+                            method = method.__func__ if isinstance(method, (staticmethod, classmethod)) else method
+                            if isinstance(method, types.FunctionType):
+                                found |= self.called_libraries(method, reaching, depth + 1)
+                reaching[id(target), defined] = frozenset(found)
+            return reaching[id(target), defined]
+        if isinstance(target, types.MethodType):  # a bound method a name holds: its function's
+            return self.called_libraries(target.__func__, reaching, depth, defined)
+        if isinstance(target, functools.partial):  # P = partial(lib.register, "a"); P(11): the function it binds
+            return self.called_libraries(target.func, reaching, depth, defined)
         if isinstance(target, types.ModuleType):
             home = target.__name__
         elif isinstance(target, (types.FunctionType, types.BuiltinFunctionType, type)):
             home = getattr(target, "__module__", None) or ""
+        elif isinstance(target, (list, tuple, dict)) and depth < 4:
+            # REGS["main"].add(...) with REGS = {"main": lib.Registry()}: whose objects the container holds
+            found = set()
+            for item in itertools.islice(target.values() if isinstance(target, dict) else target, 100):
+                if not isinstance(item, (types.ModuleType, *_SIMPLE)):
+                    found |= self.called_libraries(item, reaching, depth + 1, defined)
+            return frozenset(found)
+        elif target is not None and depth < 4:
+            # an object called or whose method in C is called (reg.add(...) where add is not Python): its
+            # __call__ when it is Python code, else its class says whose it is (a library's object: that library)
+            call = inspect.getattr_static(type(target), "__call__", None)
+            if isinstance(call, types.FunctionType):
+                return self.called_libraries(call, reaching, depth + 1, defined)
+            kind = type(target)
+            return frozenset() if self.is_user_code(kind) else self.called_libraries(kind, reaching, depth + 1, defined)
         else:
             return frozenset()
         top = home.partition(".")[0]
@@ -798,6 +890,33 @@ class _Walker:
         return True
 
     # ------------------------------------------------------------ values set from outside a module
+    def library_values(self, scope: Mapping[str, Any], source: bytes, path: str) -> dict[int, tuple[Any, str]]:
+        """The module-level values of the installed libraries a user module names (``import fakelib``, ``import
+        matplotlib as mpl``) or imports names from (``from fakelib import CONFIG``), by identity: their home.
+        A value changed in place through another name for it (``cfg = fakelib.CONFIG; cfg["h0"] = 11``, ``rc =
+        mpl.rcParams; rc["font.size"] = 8``, ``cosmo = fakelib.DEFAULT; cosmo.h0 = 11``) is a change of that
+        library's value, as ``fakelib.CONFIG["h0"] = 11`` is."""
+        modules = [v for v in list(scope.values()) if isinstance(v, types.ModuleType)]
+        modules += [m for _, name, member, _ in _import_bindings(source, path) if member is not None
+                    and isinstance(m := sys.modules.get(name), types.ModuleType)]
+        found: dict[int, tuple[Any, str]] = {}
+        for module in modules:
+            top = module.__name__.partition(".")[0]
+            if top in sys.stdlib_module_names or top in ("builtins", "hetflow") or _deferred(module) or \
+                    self.is_user(self.realpath(getattr(module, "__file__", None) or "")):
+                continue
+            for attr, value in list(vars(module).items()):
+                if not attr.startswith("__") and not isinstance(value, (types.ModuleType, type)) and \
+                        not _is_code_like(value) and not isinstance(value, _SIMPLE):
+                    found.setdefault(id(value), (module, attr))
+                    # one level inside: opts = lib.CONFIG["plot"]; opts["dpi"] = 300 changes lib.CONFIG
+                    inside = list(value.values()) if isinstance(value, dict) else \
+                        list(value) if isinstance(value, (list, tuple)) else []
+                    for item in itertools.islice(inside, 1000):
+                        if not isinstance(item, (types.ModuleType, type, *_SIMPLE)) and not _is_code_like(item):
+                            found.setdefault(id(item), (module, attr))
+        return found
+
     def patch_sites(self) -> list[tuple[Any, str]]:
         """``(module or class, attribute)`` that user code sets from outside it (see the module docstring)."""
         sites: dict[tuple[int, str], tuple[Any, str]] = {}
@@ -818,9 +937,10 @@ class _Walker:
             except OSError:
                 continue
             scope = {**_imported_names(source, path, namespace.get("__package__")), **namespace}
+            aliases = {**self.library_values(scope, source, path), **held}
             for kind, chain, text in _patch_chains(source, path):
                 called = kind.startswith("call")
-                for owner, attr in _resolve_patch(scope, chain, "call" if called else kind, held):
+                for owner, attr in _resolve_patch(scope, chain, "call" if called else kind, aliases):
                     if getattr(owner, "__name__", None) == name or getattr(owner, "__module__", None) == name:
                         continue  # a module setting its own names: its source counts already
                     names = [attr] if attr is not None else [
@@ -1660,12 +1780,71 @@ def _resolve_call(namespace: Mapping[str, Any], chain: _Chain) -> Any:
     if obj is _ABSENT:  # a builtin (int(v), list(map(lib.f, ...))): the builtin, not None (which says nothing)
         obj = vars(builtins).get(chain[0] or "")
     if not isinstance(obj, (types.ModuleType, type)):
-        return obj  # a function the name holds (from lib import f), or an object: called as it is
-    for name in chain[1:]:
+        # a function the name holds (from lib import f), or an object: its method when the chain names one
+        # (reg.add("a", 11) on reg = lib.Registry(), setup.apply(11) on a local class's object), else the object
+        return _method_of(obj, chain[1:]) if len(chain) > 1 else obj
+    for at, name in enumerate(chain[1:], 2):
         value = vars(obj).get(name or "", _ABSENT)
+        if isinstance(value, (staticmethod, classmethod)):  # Setup.configure(11): the function it runs
+            value = value.__func__
         if not isinstance(value, (types.ModuleType, type)):
-            return value if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)) else obj
+            if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+                return value
+            if value is not _ABSENT and at < len(chain):  # labcfg.REG.add(...): the method of what REG holds
+                method = _method_of(value, chain[at:])
+                if method is not value:
+                    return method
+            return obj
         obj = value
+    return obj
+
+
+_RUNNERS = frozenset({map, filter, sorted, min, max, functools.reduce, itertools.starmap, itertools.filterfalse,
+                      itertools.takewhile, itertools.dropwhile, itertools.accumulate, itertools.groupby})
+
+
+def _runs_what_it_is_handed(called: Any) -> bool:
+    """Whether ``called`` is a builtin that calls the function it is handed (``map(labsetup.init, PAIRS)``)."""
+    return any(called is runner for runner in _RUNNERS)
+
+
+def _named_objects(code: types.CodeType, scope: Mapping[str, Any]) -> list[Any]:
+    """The objects a function's code names through its globals, followed through modules and classes by the
+    attributes loaded after them (``fakelib.register`` in ``fakelib.register(name, h0)``), without running code;
+    nested code (comprehensions, lambdas) too (:func:`_instructions`)."""
+    found: list[Any] = []
+    current: Any = _ABSENT
+    for instruction in _instructions(code):
+        if instruction.opname == "LOAD_GLOBAL":
+            current = scope.get(instruction.argval, _ABSENT)
+            if current is _ABSENT:
+                continue
+            found.append(current)
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(current, (types.ModuleType, type)):
+            current = vars(current).get(instruction.argval, _ABSENT)
+            if current is not _ABSENT:
+                found.append(current)
+        else:
+            current = _ABSENT
+    return found
+
+
+def _method_of(obj: Any, chain: _Chain) -> Any:
+    """The Python function that ``obj.a.b(...)`` calls, found without running code (``inspect.getattr_static``:
+    no property, no ``__getattr__``): a method of the object's class (a staticmethod's or classmethod's
+    function too), through attributes its instance holds; ``obj`` itself when it is none of these (a method in C,
+    an attribute made at run time): its type then says whose it is."""
+    found = obj
+    for name in chain:
+        value = inspect.getattr_static(found, name or "", _ABSENT)
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if isinstance(value, types.FunctionType):
+            return value
+        if value is _ABSENT or isinstance(value, (property, functools.cached_property, types.ModuleType)) or \
+                hasattr(type(value), "__get__"):
+            return obj
+        found = value
     return obj
 
 
@@ -1959,7 +2138,7 @@ _PATCHES: dict[str, tuple[tuple[str, _Chain, str], ...]] = {}
 def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain, str], ...]:
     """Where a module's source may set a value on another object: ``("set", names)`` and ``("call", names)``.
 
-    ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v``, ``D[k] = v`` and
+    ``a.b.K = v`` (also ``+=``, annotated, ``del``, in a tuple), ``a.D[k] = v``, ``D[k] = v``, ``D |= v`` and
     ``setattr(a, "K", v)`` / ``delattr`` / ``a.__dict__["K"] = v`` / ``vars(a)["K"] = v``
     give ``("set", ("a", "b", "K"))`` and the like; a name that is not a literal
     (``setattr(a, name, v)``, ``vars(a).update(...)``) ends the chain with None.
@@ -2011,6 +2190,8 @@ def _patch_chains(source: bytes, path: str) -> tuple[tuple[str, _Chain, str], ..
                 target(each)
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             target(node.target)
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                found.append(("set", (node.target.id,), ""))  # CFG |= {...}: a dict or list CFG names, in place
         elif isinstance(node, ast.Call):
             func = node.func
             if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and len(node.args) >= 2:

@@ -1168,3 +1168,187 @@ def test_a_helper_a_library_runs_at_once_stays_out_of_a_stage_using_the_library(
         _with_fakelib(tmp_path / "b", script.replace("11", "12"), STATE_LIB)
     assert _with_fakelib(tmp_path / "c", script, STATE_LIB, stage="reader") != \
         _with_fakelib(tmp_path / "d", script.replace("11", "12"), STATE_LIB, stage="reader")
+
+
+OBJECT_LIB = REGISTRY_LIB + """
+class Registry:
+    def add(self, name, h0):
+        REGISTRY[name] = Cosmology(h0)
+"""
+SETUP_CLASS = ("import fakelib\nclass Setup:\n    def __init__(self, h0):\n        fakelib.register('planck', h0)\n")
+SETUP_METHOD = ("import fakelib\nclass Setup:\n    def __init__(self, name):\n        self.name = name\n"
+                "    def apply(self, h0):\n        fakelib.register(self.name, h0)\n")
+SETUP_CLASSMETHOD = ("import fakelib\nclass Setup:\n    @classmethod\n    def configure(cls, h0):\n"
+                     "        fakelib.register('planck', h0)\n")
+CALLED_THROUGH_AN_OBJECT = [
+    ("reg = fakelib.Registry()\nreg.add('planck', 11)", None),  # a method of the library's object
+    ("from functools import partial\nreg = partial(fakelib.register, 'planck')\nreg(11)", None),  # a partial of it
+    ("from labsetup import Setup\nSETUP = Setup(11)", {"labsetup": SETUP_CLASS}),  # a local class's construction
+    ("from labsetup import Setup\nsetup = Setup('planck')\nsetup.apply(11)", {"labsetup": SETUP_METHOD}),
+    ("import labsetup\nlabsetup.S = labsetup.Setup('planck')\nlabsetup.S.apply(11)", {"labsetup": SETUP_METHOD}),
+    ("from labsetup import Setup\nSetup.configure(11)", {"labsetup": SETUP_CLASSMETHOD}),  # a classmethod
+]
+
+
+@pytest.mark.parametrize("setting, local", CALLED_THROUGH_AN_OBJECT)
+def test_a_call_into_a_library_through_an_object_at_the_top_counts_for_a_stage_using_it(
+        tmp_path: Path, setting: str, local: dict[str, str] | None) -> None:
+    """Red team 16: the library's registry filled at the script's top through an object, not a name of the
+    library: a method of the library's own object (``reg = lib.Registry(); reg.add("planck", 11)``), a
+    ``partial`` of its function called later, a local class whose ``__init__`` registers (``SETUP = Setup(11)``,
+    assigned: a fresh object of the user's) and a local object's method (``setup.apply(11)``).  Each edit of 11
+    gave the same key and was served CACHED; a stage not using the library keeps its key."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.get('planck').h0\n" \
+        "def other(ctx):\n    return 1\n"
+    a, b = (_with_fakelib(tmp_path / "a", script, OBJECT_LIB, local),
+            _with_fakelib(tmp_path / "b", script.replace("11", "12"), OBJECT_LIB, local))
+    assert "calls into fakelib at the top level" in a and a != b, (a, b)
+    kept = [_with_fakelib(tmp_path / d, script.replace("11", h0), OBJECT_LIB, local, stage="other")
+            for d, h0 in (("c", "11"), ("d", "12"))]
+    assert kept[0] == kept[1] and not any("fakelib" in k for k in kept[0]), kept
+
+
+def test_a_receivers_value_and_a_partials_arguments_count_with_the_call(tmp_path: Path) -> None:
+    """What the call reads besides its text: the local object whose method registers (``Setup('planck')`` ->
+    ``Setup('wmap')``, then ``setup.apply(11)``) and the arguments a partial binds (``partial(lib.register,
+    'planck')``) choose which entry the library fills."""
+    for n, (setting, local) in enumerate(CALLED_THROUGH_AN_OBJECT[1:4:2]):
+        script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.REGISTRY\n"
+        assert _with_fakelib(tmp_path / f"a{n}", script, OBJECT_LIB, local) != \
+            _with_fakelib(tmp_path / f"b{n}", script.replace("planck", "wmap"), OBJECT_LIB, local), setting
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_a_registration_through_a_local_object_reruns_only_the_stage_using_the_library(
+        tmp_path: Path) -> None:
+    """``hetflow run`` three times, the value a local class's ``__init__`` registers edited after the first."""
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "fakelib.py").write_text(OBJECT_LIB)
+    (tmp_path / "labsetup.py").write_text(SETUP_CLASS)
+    script = textwrap.dedent("""
+        import pyarrow as pa
+        import hetflow as hf
+        import fakelib
+        from labsetup import Setup
+        SETUP = Setup(11)
+        reg = fakelib.Registry()
+        reg.add("wmap", 11)
+        pipe = hf.Pipeline("registry")
+
+        @pipe.stage(outputs=["out"])
+        def stage(ctx):
+            return {"out": pa.table({"v": [fakelib.get("planck").h0 * 100 + fakelib.get("wmap").h0]})}
+
+        @pipe.stage(outputs=["plain"])
+        def other(ctx):
+            return {"plain": pa.table({"v": [1]})}
+    """)
+    assert _run_and_show(tmp_path, script, site_packages=True) == ({"stage": "DONE", "other": "DONE"}, 1111)
+    edited = script.replace("Setup(11)", "Setup(12)")
+    assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "DONE", "other": "CACHED"}, 1211)
+    edited = edited.replace('"wmap", 11', '"wmap", 13')
+    assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "DONE", "other": "CACHED"}, 1213)
+    assert _run_and_show(tmp_path, edited, site_packages=True) == ({"stage": "CACHED", "other": "CACHED"}, 1213)
+
+
+ALIASED_LIB = REGISTRY_LIB + """
+DEFAULT = Cosmology(70)
+CONFIG = {"h0": 70}
+def distance(z):
+    return z * DEFAULT.h0 * 1000 + CONFIG["h0"]
+"""
+
+
+@pytest.mark.parametrize("setting", ["cfg = fakelib.CONFIG\ncfg['h0'] = 11",
+                                     "from fakelib import CONFIG\nCONFIG['h0'] = 11",
+                                     "cosmo = fakelib.DEFAULT\ncosmo.h0 = 11",
+                                     "import fakelib as fl\nc = fl.DEFAULT\nsetattr(c, 'h0', 11)",
+                                     "cfg = fakelib.CONFIG\ncfg |= {'h0': 11}"])
+def test_a_librarys_value_changed_in_place_through_another_name_counts_for_a_stage_using_it(
+        tmp_path: Path, setting: str) -> None:
+    """Red team 16: a library's module-level value changed at the script's top through a name of the script's
+    (``cfg = fakelib.CONFIG; cfg["h0"] = 11``, as ``rc = mpl.rcParams; rc["font.size"] = 8`` is written,
+    ``cosmo = fakelib.DEFAULT; cosmo.h0 = 11``), read by the stage only inside the library
+    (``fakelib.distance``): 11 -> 12 gave the same key and was served CACHED.  It counts as
+    ``fakelib.CONFIG["h0"] = 11`` does: the value, now, for a stage using the library."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.distance(1.0)\n" \
+        "def other(ctx):\n    return 1\n"
+    a, b = (_with_fakelib(tmp_path / "a", script, ALIASED_LIB),
+            _with_fakelib(tmp_path / "b", script.replace("11", "12"), ALIASED_LIB))
+    assert a != b, (a, b)
+    kept = [_with_fakelib(tmp_path / d, script.replace("11", h0), ALIASED_LIB, stage="other")
+            for d, h0 in (("c", "11"), ("d", "12"))]
+    assert kept[0] == kept[1], kept
+
+
+INIT_PAIR = "import fakelib\ndef init(pair):\n    fakelib.register(*pair)\n"
+
+
+@pytest.mark.parametrize("setting, local", [
+    ("reg = fakelib.Registry()\nlist(map(reg.add, ['planck'], [11]))", None),
+    ("import labsetup\nlist(map(labsetup.init, [('planck', 11)]))", {"labsetup": INIT_PAIR}),
+    ("import labsetup\ndone = list(map(labsetup.init, [('planck', 11)]))", {"labsetup": INIT_PAIR}),
+])
+def test_a_function_handed_to_map_at_the_top_counts_by_the_library_it_calls(
+        tmp_path: Path, setting: str, local: dict[str, str] | None) -> None:
+    """Red team 16: a library object's method (``list(map(reg.add, NAMES, H0S))``) or a local function naming
+    the library (``list(map(labsetup.init, PAIRS))``, assigned or not) handed to ``map`` at the top registers
+    into the library as a direct call does; an edit of 11 was served CACHED."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return fakelib.get('planck').h0\n"
+    a, b = (_with_fakelib(tmp_path / "a", script, OBJECT_LIB, local),
+            _with_fakelib(tmp_path / "b", script.replace("11", "12"), OBJECT_LIB, local))
+    assert "calls into fakelib at the top level" in a and a != b, (a, b)
+
+
+def test_a_helper_computing_a_value_through_map_stays_out_of_a_stage_using_the_library(tmp_path: Path) -> None:
+    """``W = list(map(weight, R))`` with ``weight`` calling the library to compute: ``W`` is the script's value,
+    counted where a stage reads it, not in every stage using the library (it stores nothing into it)."""
+    script = ("import fakelib\ndef weight(z):\n    return fakelib.distance(z) + 11\nW = list(map(weight, [1.0]))\n"
+              "def stage(ctx):\n    return fakelib.distance(1.0)\n")
+    assert _with_fakelib(tmp_path / "a", script, OBJECT_LIB) == \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), OBJECT_LIB)
+
+
+NESTED_LIB = REGISTRY_LIB + """
+CONFIG = {"plot": {"h0": 70}}
+def distance(z):
+    return z * CONFIG["plot"]["h0"]
+"""
+
+
+@pytest.mark.parametrize("setting, library, reads", [
+    ("REGS = {'main': fakelib.Registry()}\nREGS['main'].add('planck', 11)", OBJECT_LIB, "fakelib.get('planck').h0"),
+    ("opts = fakelib.CONFIG['plot']\nopts['h0'] = 11", NESTED_LIB, "fakelib.distance(1.0)"),
+])
+def test_a_librarys_object_reached_through_a_container_or_a_nested_value_counts(
+        tmp_path: Path, setting: str, library: str, reads: str) -> None:
+    """Red team 16: ``REGS = {"main": lib.Registry()}; REGS["main"].add("planck", 11)`` (the call's names stop at
+    the dict) and ``opts = lib.CONFIG["plot"]; opts["h0"] = 11`` (a value one level inside the library's
+    ``CONFIG``) were each served CACHED after 11 -> 12."""
+    script = f"import fakelib\n{setting}\ndef stage(ctx):\n    return {reads}\n"
+    assert _with_fakelib(tmp_path / "a", script, library) != \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), library)
+
+
+BUILDER_LIB = OBJECT_LIB + """
+class Builder:
+    def __init__(self):
+        self.h0 = 70
+    def h(self, h0):
+        self.h0 = h0
+        return self
+    def install(self):
+        register("planck", self.h0)
+"""
+
+
+def test_a_library_object_whose_method_registers_what_it_holds_counts_by_its_value(tmp_path: Path) -> None:
+    """Red team 16: ``b = lib.Builder().h(11)`` (a fresh object, assigned: the script's own value) then
+    ``b.install()``, which stores what ``b`` holds into the library's registry: ``b.install()`` counted by its
+    text and ``b``'s type, so 11 -> 12 was served CACHED.  The receiver of a library method that stores into its
+    module's state counts by its value."""
+    script = "import fakelib\nb = fakelib.Builder().h(11)\nb.install()\n" \
+        "def stage(ctx):\n    return fakelib.get('planck').h0\n"
+    assert _with_fakelib(tmp_path / "a", script, BUILDER_LIB) != \
+        _with_fakelib(tmp_path / "b", script.replace("11", "12"), BUILDER_LIB)
+    assert _with_fakelib(tmp_path / "c", script, BUILDER_LIB) == _with_fakelib(tmp_path / "d", script, BUILDER_LIB)
