@@ -15,6 +15,7 @@ attempts of all repeats, with the 90th percentile.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sqlite3
@@ -25,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # noqa: E402 - the same scripts
+import throughput  # the same scripts
 
 PHASES = ("launch -> rank started", "rank started -> rank ended", "rank ended -> seen ended",
           "seen ended -> next launch on the core (gap)", "seen ended -> its end recorded")
@@ -56,7 +57,7 @@ def measure(n: int, env: dict[str, str]) -> tuple[dict[str, list[float]], float]
             by_core.setdefault(json.loads(slots)[0]["cores"][0], []).append((launched, ended))
         for runs in by_core.values():
             runs.sort()
-            phases[PHASES[3]] += [nxt[0] - prev[1] for prev, nxt in zip(runs, runs[1:])]
+            phases[PHASES[3]] += [nxt[0] - prev[1] for prev, nxt in itertools.pairwise(runs)]
         span = max(r[2] for r in rows) - min(r[1] for r in rows)
         return phases, len(rows) / span
 

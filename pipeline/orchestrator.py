@@ -251,10 +251,10 @@ class Orchestrator(MapShell):
         self.owner = owner_id()
         self.stage_ids: dict[str, int] = {}
         self.stage_records: dict[str, StageRecord] = {}
+        """Each stage's record as last used, for :meth:`_stage_record` (a run has few: all are kept)."""
         self.waiting_on: dict[str, int] = {}
         """Per stage, how many of its upstream stages (in order) are known to have succeeded
         (:meth:`_can_start_after`)."""
-        """Each stage's record as last used, for :meth:`_stage_record` (a run has few: all are kept)."""
         self.task_records: dict[str, tuple[TaskRecord, AttemptRecord | None]] = {}
         """The records of each plain stage's task from its enqueueing to its end, taken back by the batches
         that record its start and its end without a query (:meth:`Store.get`)."""

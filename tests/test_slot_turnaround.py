@@ -3,6 +3,7 @@ end can make a stage ready (then the slot and what it made ready go to the sched
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import subprocess
 import sys
@@ -36,7 +37,8 @@ def _run(tmp_path: Path, body: str = "") -> dict[str, tuple[float, float, float]
     """Each stage's (attempt launched, attempt ended, stage's end recorded), from the store of a run on one core."""
     script = tmp_path / "flow.py"
     script.write_text(FLOW.replace("BODY", body))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert done.returncode == 0 and "STATE DONE" in done.stdout, done.stdout + done.stderr
     with sqlite3.connect(tmp_path / ".hetflow" / "hetflow.db") as db:
         rows = db.execute("SELECT stages.name, attempts.started, attempts.ended, stages.ended FROM attempts "
@@ -47,7 +49,7 @@ def _run(tmp_path: Path, body: str = "") -> dict[str, tuple[float, float, float]
 def test_a_queued_task_starts_on_the_slot_before_the_ended_one_is_recorded(tmp_path: Path) -> None:
     times = sorted(_run(tmp_path).values())  # one core: one at a time, in launch order
     assert len(times) == 4
-    for (_, ended, recorded), (launched, _, _) in zip(times, times[1:]):
+    for (_, ended, recorded), (launched, _, _) in itertools.pairwise(times):
         assert ended <= launched < recorded  # the next was launched after the end, before it was recorded
 
 
@@ -67,6 +69,6 @@ def test_an_end_that_makes_a_stage_ready_releases_its_slot_with_it(tmp_path: Pat
     order = sorted(times, key=lambda name: times[name][0])
     assert order[:2] == ["s0", "mid"], order
     assert times["mid"][0] >= times["s0"][2]  # launched once s0's end was recorded
-    for before, after in zip(order[2:], order[3:]):  # the others: released at once, as above
+    for before, after in itertools.pairwise(order[2:]):  # the others: released at once, as above
         if before != "mid":
             assert times[after][0] < times[before][2], (before, after)
