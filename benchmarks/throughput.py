@@ -306,6 +306,15 @@ def _fmt(values: list[float], digits: int = 1) -> str:
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
+def against(parser: argparse.ArgumentParser, spec: str) -> tuple[str, dict[str, str]]:
+    """``--against LABEL=DIR``: the label, and the environment that puts ``DIR`` (holding a ``hetflow``
+    package) first on ``PYTHONPATH``; a clear error otherwise."""
+    label, _, folder = spec.partition("=")
+    if not label or not os.path.isdir(os.path.join(folder, "hetflow")):
+        parser.error(f"--against {spec!r}: expected LABEL=DIR with DIR/hetflow a package")
+    return label, dict(os.environ, PYTHONPATH=os.path.abspath(folder))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=200)
@@ -347,10 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown --peers {sorted(set(peers) - set(PEERS))} (known: {', '.join(PEERS)})")
     builds: dict[str, dict[str, str]] = {"": dict(os.environ)}
     for spec in args.against:
-        label, _, folder = spec.partition("=")
-        if not label or not os.path.isdir(os.path.join(folder, "hetflow")):
-            parser.error(f"--against {spec!r}: expected LABEL=DIR with DIR/hetflow a package")
-        builds[f" [{label}]"] = dict(os.environ, PYTHONPATH=os.path.abspath(folder))
+        label, env = against(parser, spec)
+        builds[f" [{label}]"] = env
     if "torch" in styles:
         try:
             import torch  # noqa: F401

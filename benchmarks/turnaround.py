@@ -73,12 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--against", action="append", default=[], metavar="LABEL=DIR")
     args = parser.parse_args(argv)
-    setups = [("this", dict(os.environ))]
-    for item in args.against:
-        label, _, directory = item.partition("=")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (directory, env.get("PYTHONPATH")) if p)
-        setups.append((label, env))
+    setups = [("this", dict(os.environ)), *(throughput.against(parser, spec) for spec in args.against)]
     results = {label: ({name: [] for name in PHASES}, []) for label, _ in setups}
     for repeat in range(args.repeats):
         for label, env in setups if repeat % 2 == 0 else reversed(setups):

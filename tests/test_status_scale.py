@@ -12,12 +12,16 @@ from hetflow.status import run_status
 from hetflow.store import AttemptRecord, RunRecord, StageRecord, Store, TaskRecord
 
 
+def _run_record(tmp_path, state: str) -> RunRecord:  # type: ignore[no-untyped-def]
+    return RunRecord(id="r1", pipeline="p", state=state, created=time.time(), run_dir=str(tmp_path),
+                     hetflow_version="0")
+
+
 def _store_with(tmp_path, tasks: int) -> Store:  # type: ignore[no-untyped-def]
     store = Store(f"sqlite:///{tmp_path}/state-{tasks}.db")
     now = time.time()
     with store.session() as session:
-        session.add(RunRecord(id="r1", pipeline="p", state="DONE", created=now, run_dir=str(tmp_path),
-                              hetflow_version="0"))
+        session.add(_run_record(tmp_path, "DONE"))
         stage = StageRecord(run_id="r1", name="items", order=0, state="DONE", function="f:items")
         other = StageRecord(run_id="r1", name="total", order=1, state="DONE", function="f:total")
         session.add_all([stage, other])
@@ -63,8 +67,7 @@ def _store_of_stages(tmp_path, stages: int) -> Store:  # type: ignore[no-untyped
     store = Store(f"sqlite:///{tmp_path}/stages-{stages}.db")
     now = time.time()
     with store.session() as session:
-        session.add(RunRecord(id="r1", pipeline="p", state="FAILED", created=now, run_dir=str(tmp_path),
-                              hetflow_version="0"))
+        session.add(_run_record(tmp_path, "FAILED"))
         records = [StageRecord(run_id="r1", name=f"s{i}", order=i, state="DONE", function=f"f:s{i}")
                    for i in range(stages)]
         session.add_all(records)
